@@ -1,0 +1,35 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   creates .venv, fetches MovieLens 100k, trains, builds the index, prints recommendations
+#   make test   creates .venv if missing, fetches the data, runs the test suite
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ML100K := data/ml-100k/ml-100k.inter
+
+.PHONY: demo test venv data lint bench clean
+demo: $(STAMP) $(ML100K)
+	$(BIN)/recserve demo
+
+test: $(STAMP) $(ML100K)
+	$(BIN)/python -m pytest -q
+
+venv: $(STAMP)
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -c constraints.txt torchrec==1.8.0
+	touch $(STAMP)
+
+data: $(ML100K)
+$(ML100K): | $(STAMP)
+	$(BIN)/recserve fetch-movielens --out data/ml-100k
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/ann.py
+
+clean:
+	rm -rf $(VENV) data runs

@@ -1,0 +1,151 @@
+"""Synthetic ANN benchmark data, filters and ground truth, exactly as ``/work/shared/ANCHORS.md``.
+
+* items ``x [N, D] float32``: 1000 Gaussian centres scaled by 3 plus unit-variance noise,
+  ``numpy.random.default_rng(0)`` (centres first, then each item's centre, then its noise);
+* queries ``q [B, D] float32``: drawn the same way around the *same* centres with their own seed;
+* attributes ``shard``, ``bucket``: independent uniform codes in ``0..31`` per item (seed 1),
+  so a filter's selectivity is known in advance and unrelated to the clusters;
+* ground truth: exact inner-product top-K (faiss ``IndexFlatIP``), over all items or over the items
+  a filter keeps.
+
+Example::
+
+    data = make_data(n=100_000, d=64, n_queries=1000)
+    gt = exact_topk(data.x, data.q, k=100)                       # (B, K) int64
+    keep = FILTERS["5%"].mask(data.attributes)                   # (N,) bool, ~5.1 % True
+    gt_5 = exact_topk(data.x, data.q, k=100, eligible=np.flatnonzero(keep))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+N_CENTRES = 1000
+CENTRE_SCALE = 3.0
+ITEM_SEED = 0
+ATTRIBUTE_SEED = 1
+QUERY_SEED = 2
+N_CODES = 32  # vocabulary size of both attributes
+
+
+@dataclass(frozen=True)
+class AnnData:
+    """Items, queries and per-item attribute codes.
+
+    x: ``[N, D] float32``; q: ``[B, D] float32``; attributes: name -> ``[N] int64`` codes in
+    ``0..N_CODES-1``.
+    """
+
+    x: np.ndarray
+    q: np.ndarray
+    attributes: dict[str, np.ndarray]
+
+    @property
+    def attribute_values(self) -> dict[str, list[str]]:
+        """Vocabulary of each attribute: code ``i`` means the string ``str(i)``."""
+        return {name: [str(i) for i in range(N_CODES)] for name in self.attributes}
+
+
+def make_data(n: int, d: int, n_queries: int) -> AnnData:
+    """Build the clustered items, queries (same centres) and the two filter attributes."""
+    rng = np.random.default_rng(ITEM_SEED)
+    centres = CENTRE_SCALE * rng.standard_normal((N_CENTRES, d), dtype=np.float32)
+    x = _around(centres, n, rng)
+    q = _around(centres, n_queries, np.random.default_rng(QUERY_SEED))
+    arng = np.random.default_rng(ATTRIBUTE_SEED)
+    attributes = {
+        "shard": arng.integers(0, N_CODES, size=n, dtype=np.int64),
+        "bucket": arng.integers(0, N_CODES, size=n, dtype=np.int64),
+    }
+    return AnnData(x=x, q=q, attributes=attributes)
+
+
+def _around(centres: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` points: a uniformly chosen centre plus unit-variance Gaussian noise, ``[n, D] float32``."""
+    labels = rng.integers(0, len(centres), size=n)
+    noise = rng.standard_normal((n, centres.shape[1]), dtype=np.float32)
+    return np.ascontiguousarray(centres[labels] + noise, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class FilterSpec:
+    """A conjunction ``shard in shards [and bucket in buckets]`` over the item attributes."""
+
+    label: str
+    shards: tuple[int, ...]
+    buckets: tuple[int, ...] | None = None
+
+    @property
+    def nominal(self) -> float:
+        """Expected fraction of items kept, from the uniform code distribution."""
+        b = 1.0 if self.buckets is None else len(self.buckets) / N_CODES
+        return len(self.shards) / N_CODES * b
+
+    def mask(self, attributes: dict[str, np.ndarray]) -> np.ndarray:
+        """``[N] bool``: which items pass."""
+        keep = np.isin(attributes["shard"], self.shards)
+        if self.buckets is not None:
+            keep &= np.isin(attributes["bucket"], self.buckets)
+        return keep
+
+    def expression(self) -> str:
+        """The filter in the string syntax of ``retrieval.index`` (``"shard in {0,1} and bucket = 0"``)."""
+        parts = [_clause("shard", self.shards)]
+        if self.buckets is not None:
+            parts.append(_clause("bucket", self.buckets))
+        return " and ".join(parts)
+
+
+def _clause(name: str, values: tuple[int, ...]) -> str:
+    if len(values) == 1:
+        return f"{name} = {values[0]}"
+    return f"{name} in {{{','.join(str(v) for v in values)}}}"
+
+
+FILTERS: dict[str, FilterSpec] = {
+    f.label: f
+    for f in (
+        FilterSpec("50%", tuple(range(16))),
+        FilterSpec("5%", tuple(range(13)), tuple(range(4))),  # 13/32 * 4/32 ~= 5.1 %
+        FilterSpec("0.5%", tuple(range(5)), (0,)),  # 5/1024 ~= 0.49 %
+        FilterSpec("0.1%", (0,), (0,)),  # 1/1024 ~= 0.098 %
+    )
+}
+
+
+def exact_topk(x: np.ndarray, q: np.ndarray, k: int, eligible: np.ndarray | None = None) -> np.ndarray:
+    """Exact inner-product top-``k`` ids ``[B, k] int64`` over all of ``x`` or only ``eligible`` ids.
+
+    Untimed ground truth; uses faiss's BLAS path (threshold 1) so it is quick at 1M items.
+    """
+    import faiss
+
+    assert x.ndim == 2 and q.ndim == 2 and x.shape[1] == q.shape[1]
+    sub = x if eligible is None else x[eligible]
+    index = faiss.IndexFlatIP(x.shape[1])
+    index.add(sub)
+    saved = faiss.cvar.distance_compute_blas_threshold
+    faiss.cvar.distance_compute_blas_threshold = 1
+    try:
+        _, ids = index.search(q, k)
+    finally:
+        faiss.cvar.distance_compute_blas_threshold = saved
+    if eligible is None:
+        return ids
+    return np.where(ids >= 0, eligible[np.maximum(ids, 0)], -1)
+
+
+def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
+    """Mean over queries of ``|found ∩ truth| / |truth|``; ``-1`` pads never count as hits.
+
+    found: ``[B, K'] int64``; truth: ``[B, K] int64``.
+    """
+    assert found.shape[0] == truth.shape[0], (found.shape, truth.shape)
+    total = 0.0
+    for f, t in zip(found, truth, strict=True):
+        t = t[t >= 0]
+        if len(t):
+            total += len(np.intersect1d(f[f >= 0], t, assume_unique=True)) / len(t)
+    return total / len(truth)

@@ -1,0 +1,69 @@
+"""Timing helpers shared by the benchmarks: thread pinning, batched throughput, single-query latency.
+
+The fairness rules from ``/work/shared/ANCHORS.md`` live here so every system is measured the same
+way: equal thread counts for faiss and torch, a warm-up call first, the median of several runs for
+batched throughput, and the p50 over many one-query calls for latency.
+
+Example::
+
+    set_threads(2)
+    ids, median_s, runs_s = time_batched(lambda: index.search(q, 100), repeats=3)
+    qps = len(q) / median_s
+    p50_ms, p99_ms = time_single(lambda i: index.search(q[i : i + 1], 100), n=200)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def set_threads(n: int) -> None:
+    """Give faiss (OpenMP) and torch (intra-op pool) the same number of threads."""
+    import faiss
+    import torch
+
+    faiss.omp_set_num_threads(n)
+    torch.set_num_threads(n)
+
+
+def time_batched(fn: Callable[[], T], repeats: int = 3, warmup: int = 1) -> tuple[T, float, list[float]]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed.
+
+    Returns ``(result of the first call, median seconds, every timed run in seconds)``; the result
+    is what recall is computed from, so recall and speed come from the same code path.
+    """
+    assert repeats >= 1 and warmup >= 0
+    result = fn()
+    for _ in range(warmup - 1):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return result, statistics.median(runs), runs
+
+
+def time_single(fn: Callable[[int], object], n: int = 200, warmup: int = 10) -> tuple[float, float]:
+    """Call ``fn(i)`` for query ``i`` in ``0..n-1`` one at a time; return ``(p50 ms, p99 ms)``."""
+    assert n >= 1
+    for i in range(min(warmup, n)):
+        fn(i)
+    lat_ms = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        lat_ms.append((time.perf_counter() - t0) * 1e3)
+    lat_ms.sort()
+    return statistics.median(lat_ms), lat_ms[min(n - 1, round(0.99 * (n - 1)))]
+
+
+def stopwatch() -> Callable[[], float]:
+    """``elapsed = stopwatch(); ...; seconds = elapsed()``."""
+    t0 = time.perf_counter()
+    return lambda: time.perf_counter() - t0

@@ -1,0 +1,1 @@
+"""The retrieval model: features -> tables -> tower -> index -> filter -> score -> top-K."""

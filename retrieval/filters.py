@@ -1,0 +1,269 @@
+"""Eligibility filters as tensors: one bit per (attribute, value), clauses as bit masks.
+
+Every item carries a signature ``sig [N, W] int64``: bit ``b`` is set when the item has the
+(attribute, value) that :class:`FilterSchema` assigned to ``b``. A request's filter is a conjunction
+of clauses, each "the item has one of these values of this attribute" (optionally negated), and is
+compiled to ``masks [B, C, W] int64`` and ``negate [B, C] bool``: clause ``c`` holds for an item when
+``(sig & masks[:, c]) != 0`` differs from ``negate[:, c]``. The same tensors drive the in-scan
+filter of the IVF kernel and the exact fallback, so both apply the same rule.
+
+Filter text (parsed by :func:`parse_filter`)::
+
+    language in {en, fr} and available and not category = adult and region != "south america"
+
+Single- and multi-valued attributes work alike (a multi-valued item simply has several bits set).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+WORD_BITS = 64
+
+
+@dataclass(frozen=True)
+class Clause:
+    """The item has one of ``values`` of ``attribute`` (or, when ``negate``, none of them)."""
+
+    attribute: str
+    values: tuple[str, ...]
+    negate: bool = False
+
+
+_TOKEN = re.compile(
+    r"""\s*(?:(?P<str>"[^"]*"|'[^']*')|(?P<op>!=|=|\{|\}|,)|(?P<word>[A-Za-z0-9_.+\-:/]+))"""
+)
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    out, pos = [], 0
+    text = text.rstrip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None or m.end() == pos:
+            raise ValueError(f"filter: unexpected character {text[pos:].strip()[:1]!r} at {pos}")
+        kind = m.lastgroup or ""
+        value = m.group(kind)
+        out.append(("word", value[1:-1]) if kind == "str" else (kind, value))
+        pos = m.end()
+    return out
+
+
+def parse_filter(text: str) -> list[Clause]:
+    """Parses ``clause (and clause)*`` where a clause is one of::
+
+        [not] NAME                    boolean attribute is "true" (NAME = true)
+        [not] NAME = VALUE | NAME != VALUE
+        [not] NAME [not] in {V1, V2, ...}
+
+    Values may be quoted ("..." or '...'). Raises ``ValueError`` naming the offending token.
+    """
+    toks = _tokens(text)
+    clauses: list[Clause] = []
+    i = 0
+
+    def peek(k: int = 0) -> tuple[str, str] | None:
+        return toks[i + k] if i + k < len(toks) else None
+
+    def is_word(t: tuple[str, str] | None, w: str) -> bool:
+        return t is not None and t[0] == "word" and t[1].lower() == w
+
+    while i < len(toks):
+        negate = False
+        while is_word(peek(), "not"):
+            negate, i = not negate, i + 1
+        name = peek()
+        if name is None or name[0] != "word":
+            raise ValueError(f"filter: expected an attribute name, got {name[1] if name else 'end of text'!r}")
+        attr, i = name[1], i + 1
+        nxt = peek()
+        if nxt is None or is_word(nxt, "and"):
+            values: tuple[str, ...] = ("true",)
+        elif nxt[0] == "op" and nxt[1] in ("=", "!="):
+            val = peek(1)
+            if val is None or val[0] != "word":
+                raise ValueError(f"filter: expected a value after {attr} {nxt[1]}")
+            values, negate, i = (val[1],), negate ^ (nxt[1] == "!="), i + 2
+        elif is_word(nxt, "in") or (is_word(nxt, "not") and is_word(peek(1), "in")):
+            if is_word(nxt, "not"):
+                negate, i = not negate, i + 1
+            i += 1
+            if peek() != ("op", "{"):
+                raise ValueError(f"filter: expected '{{' after {attr} in")
+            i += 1
+            vals: list[str] = []
+            while True:
+                t = peek()
+                if t is None or t[0] != "word":
+                    raise ValueError(f"filter: expected a value in the set of {attr}")
+                vals.append(t[1])
+                i += 1
+                sep = peek()
+                if sep == ("op", "}"):
+                    i += 1
+                    break
+                if sep != ("op", ","):
+                    raise ValueError(f"filter: expected ',' or '}}' in the set of {attr}")
+                i += 1
+            values = tuple(vals)
+        else:
+            raise ValueError(f"filter: unexpected {nxt[1]!r} after attribute {attr!r}")
+        clauses.append(Clause(attr, values, negate))
+        if i < len(toks):
+            if not is_word(peek(), "and"):
+                raise ValueError(f"filter: expected 'and', got {toks[i][1]!r}")
+            i += 1
+            if i == len(toks):
+                raise ValueError("filter: dangling 'and' at the end")
+    return clauses
+
+
+def format_filter(clauses: Sequence[Clause]) -> str:
+    """Inverse of :func:`parse_filter` (values are always quoted)."""
+    parts = []
+    for c in clauses:
+        vals = ", ".join('"' + v + '"' for v in c.values)
+        parts.append(("not " if c.negate else "") + f"{c.attribute} in {{{vals}}}")
+    return " and ".join(parts)
+
+
+@dataclass
+class FilterBatch:
+    """Compiled filters of a batch: ``masks [B, C, W] int64``, ``negate [B, C] bool``.
+
+    ``C`` is the largest clause count in the batch; rows with fewer clauses are padded with an
+    always-true clause (zero mask, negated).
+    """
+
+    masks: torch.Tensor
+    negate: torch.Tensor
+
+    def to(self, device: torch.device | str) -> FilterBatch:
+        return FilterBatch(self.masks.to(device), self.negate.to(device))
+
+    @property
+    def active(self) -> bool:
+        """False when no row has a clause (nothing to filter)."""
+        return self.masks.shape[1] > 0
+
+
+def eligible(sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+    """Which items pass. ``sig [..., M, W]``, ``masks [..., C, W]``, ``negate [..., C]`` -> ``[..., M] bool``.
+
+    Leading dims broadcast (e.g. ``sig [B, M, W]`` with ``masks [B, C, W]``, or ``sig [M, W]``
+    with ``masks [C, W]`` for one request over a whole catalog).
+    """
+    hit = (sig.unsqueeze(-3) & masks.unsqueeze(-2)).ne(0).any(dim=-1)  # [..., C, M]
+    return hit.ne(negate.unsqueeze(-1)).all(dim=-2)
+
+
+class FilterSchema:
+    """Assigns one signature bit to every (attribute, value) of the catalog."""
+
+    def __init__(self, attribute_values: Mapping[str, Sequence[str]]):
+        self.attribute_values: dict[str, list[str]] = {a: list(v) for a, v in attribute_values.items()}
+        self.bit_of: dict[tuple[str, str], int] = {}
+        for attr, values in self.attribute_values.items():
+            if len(set(values)) != len(values):
+                raise ValueError(f"attribute_values[{attr!r}] has duplicate values")
+            for v in values:
+                self.bit_of[(attr, v)] = len(self.bit_of)
+        self.num_bits = len(self.bit_of)
+        self.num_words = (self.num_bits + WORD_BITS - 1) // WORD_BITS
+
+    def to_dict(self) -> dict[str, list[str]]:
+        return {a: list(v) for a, v in self.attribute_values.items()}
+
+    def signatures(self, item_attributes: Mapping[str, np.ndarray], num_items: int) -> torch.Tensor:
+        """Item attributes -> ``sig [N, W] int64``.
+
+        ``item_attributes[a]`` is either int codes ``[N]`` (single-valued) or bool ``[N, V_a]``
+        (multi-valued), with values indexing ``attribute_values[a]``.
+        """
+        bits = np.zeros((num_items, max(self.num_words, 0) * WORD_BITS), dtype=bool)
+        for attr, arr in item_attributes.items():
+            if attr not in self.attribute_values:
+                raise ValueError(f"item_attributes[{attr!r}] has no vocabulary in attribute_values")
+            first = self.bit_of[(attr, self.attribute_values[attr][0])]
+            vocab = len(self.attribute_values[attr])
+            arr = np.asarray(arr)
+            if arr.shape[0] != num_items:
+                raise ValueError(f"item_attributes[{attr!r}] has {arr.shape[0]} rows, expected {num_items}")
+            if arr.ndim == 1:
+                if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+                    raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {vocab})")
+                bits[np.arange(num_items), first + arr.astype(np.int64)] = True
+            elif arr.ndim == 2 and arr.shape[1] == vocab:
+                bits[:, first : first + vocab] |= arr.astype(bool)
+            else:
+                raise ValueError(f"item_attributes[{attr!r}] must be codes [N] or bool [N, {vocab}]")
+        return pack_bits(bits)
+
+    def clause_mask(self, clause: Clause) -> np.ndarray:
+        """``[W] int64`` mask of a clause's values; unknown names raise ``ValueError``."""
+        if clause.attribute not in self.attribute_values:
+            known = ", ".join(sorted(self.attribute_values)) or "none"
+            raise ValueError(f"filter: unknown attribute {clause.attribute!r} (known: {known})")
+        bits = np.zeros(self.num_words * WORD_BITS, dtype=bool)
+        for v in clause.values:
+            bit = self.bit_of.get((clause.attribute, v))
+            if bit is None:
+                raise ValueError(f"filter: unknown value {v!r} for attribute {clause.attribute!r}")
+            bits[bit] = True
+        return pack_bits(bits[None, :])[0].numpy()
+
+    def compile(self, filters: Sequence[str | Sequence[Clause] | None]) -> FilterBatch:
+        """One filter per request (text, parsed clauses, or None) -> :class:`FilterBatch`."""
+        parsed = [parse_filter(f) if isinstance(f, str) else list(f or []) for f in filters]
+        c_max = max((len(p) for p in parsed), default=0)
+        masks = np.zeros((len(parsed), c_max, self.num_words), dtype=np.int64)
+        negate = np.ones((len(parsed), c_max), dtype=bool)  # padding: "not (nothing)" is true
+        for b, clauses in enumerate(parsed):
+            for c, clause in enumerate(clauses):
+                masks[b, c] = self.clause_mask(clause)
+                negate[b, c] = clause.negate
+        return FilterBatch(torch.from_numpy(masks), torch.from_numpy(negate))
+
+    def empty(self, batch: int) -> FilterBatch:
+        """A batch with no clauses (everything eligible)."""
+        return FilterBatch(
+            torch.zeros(batch, 0, self.num_words, dtype=torch.int64),
+            torch.zeros(batch, 0, dtype=torch.bool),
+        )
+
+
+def pack_bits(bits: np.ndarray) -> torch.Tensor:
+    """``bool [M, W*64]`` -> ``int64 [M, W]`` (bit j of word w is column w*64 + j)."""
+    m, nbits = bits.shape
+    words = nbits // WORD_BITS
+    weights = (np.uint64(1) << np.arange(WORD_BITS, dtype=np.uint64))
+    b = bits.reshape(m, words, WORD_BITS).astype(np.uint64)
+    packed = (b * weights).sum(axis=2, dtype=np.uint64)
+    return torch.from_numpy(packed.view(np.int64).copy())
+
+
+def bit_counts(sig: torch.Tensor) -> torch.Tensor:
+    """How many items have each bit set: ``sig [N, W]`` -> ``[W*64] int64``."""
+    shifts = torch.arange(WORD_BITS, device=sig.device, dtype=torch.int64)
+    return ((sig.unsqueeze(-1) >> shifts) & 1).sum(dim=0).reshape(-1)
+
+
+def estimate_selectivity(fb: FilterBatch, counts: torch.Tensor, num_items: int) -> torch.Tensor:
+    """Fraction of items each request admits, assuming clauses are independent -> ``[B] float32``.
+
+    A clause's fraction is the summed frequency of its bits (capped at 1; exact for single-valued
+    attributes), complemented when negated. Used only to plan the search; correctness never
+    depends on it.
+    """
+    if not fb.active:
+        return torch.ones(fb.masks.shape[0])
+    shifts = torch.arange(WORD_BITS, dtype=torch.int64)
+    bits = ((fb.masks.unsqueeze(-1) >> shifts) & 1).reshape(*fb.masks.shape[:2], -1).float()
+    frac = (bits @ counts.float().cpu() / max(num_items, 1)).clamp(max=1.0)  # [B, C]
+    frac = torch.where(fb.negate, 1.0 - frac, frac)
+    return frac.prod(dim=1)

@@ -1,0 +1,315 @@
+"""The item index as tensors inside a module: IVF lists of residual codes, filter signatures,
+an optional exact copy for re-ranking, and the search plan that ties them together.
+
+Every buffer is in the ``state_dict`` (sized by the catalog, so loading resizes them), and
+``.to("cuda")`` moves the whole index. Items are stored in list-sorted order: list ``l`` holds
+rows ``offsets[l] : offsets[l + 1]``; ``item_ids`` maps a row back to the catalog's item id.
+
+Search, per batch (B queries, P probes, r candidates, K results)::
+
+    coarse = q @ centroids.T                       [B, nlist] -> top-P lists per query
+    scan the lists' codes, filter inside the scan  -> best r approximate   [B, r]
+    re-rank the r with the exact copy (optional)   -> top K                [B, K]
+
+The plan adapts to each request's filter: its selectivity ``s`` (estimated from per-bit counts)
+widens the probe (``nprobe * s**-exponent``, and enough lists to hold ``2r`` eligible items); below
+``exact_below`` the request skips the lists and scans its eligible items exactly. A request that
+still finds fewer than K items while more exist is answered by the exact scan, so a filter can
+never starve a result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from retrieval.filters import FilterBatch, FilterSchema, bit_counts, eligible, estimate_selectivity
+from retrieval.index.codes import CODE_KINDS, dequantize, quantize
+from retrieval.index.exact import exact_search, exact_search_subset
+from retrieval.index.kmeans import assign, train_centroids
+from retrieval.index.scan import scan
+
+FilterArg = FilterBatch | str | Sequence[str | None] | None
+_CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_EXACT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "none": None}
+
+
+@dataclass
+class IVFConfig:
+    """How the index is built and searched."""
+
+    nlist: int = 1024
+    """Inverted lists (k-means centroids); capped at the catalog size."""
+    nprobe: int = 32
+    """Lists scanned per unfiltered query."""
+    codes: str = "int8"
+    """Residual code format: "int8" (row-wise scale) or "fp8" (e4m3, row-wise scale)."""
+    rerank: int = 0
+    """Candidates re-scored with the exact copy before the final top-K (0: approximate scores are final)."""
+    exact_copy: str = "float16"
+    """Dtype of the exact copy used for re-ranking and exact scans: "float16", "float32" or "none"
+    (then codes are decoded instead)."""
+    kmeans_iters: int = 20
+    kmeans_max_points_per_centroid: int = 256
+    seed: int = 0
+    exact_below: float = 0.01
+    """Filtered requests admitting less than this fraction of items are scanned exactly."""
+    filter_nprobe_exponent: float = 0.5
+    """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
+
+    def validate(self) -> None:
+        if self.nlist < 1 or self.nprobe < 1:
+            raise ValueError(f"nlist and nprobe must be >= 1, got {self.nlist}, {self.nprobe}")
+        if self.codes not in CODE_KINDS:
+            raise ValueError(f"codes must be one of {CODE_KINDS}, got {self.codes!r}")
+        if self.exact_copy not in _EXACT_DTYPES:
+            raise ValueError(f"exact_copy must be one of {tuple(_EXACT_DTYPES)}, got {self.exact_copy!r}")
+        if self.rerank < 0:
+            raise ValueError(f"rerank must be >= 0, got {self.rerank}")
+
+
+class IVFIndex(nn.Module):
+    """IVF index held as buffers. Build with :func:`build_ivf`; search with :meth:`search`.
+
+    Buffers (N items, D dims, W signature words): ``centroids [nlist, D] f32``, ``offsets
+    [nlist+1] i64``, ``item_ids [N] i64``, ``codes [N, D] int8|fp8``, ``scales [N] f32``,
+    ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``.
+    """
+
+    def __init__(self, config: IVFConfig, dim: int, attribute_values: Mapping[str, Sequence[str]] | None = None):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.dim = dim
+        self.schema = FilterSchema(attribute_values or {})
+        w = self.schema.num_words
+        exact_dtype = _EXACT_DTYPES[config.exact_copy] or torch.float32
+        self.register_buffer("centroids", torch.zeros(0, dim))
+        self.register_buffer("offsets", torch.zeros(1, dtype=torch.int64))
+        self.register_buffer("item_ids", torch.zeros(0, dtype=torch.int64))
+        self.register_buffer("codes", torch.zeros(0, dim, dtype=_CODE_DTYPES[config.codes]))
+        self.register_buffer("scales", torch.zeros(0))
+        self.register_buffer("exact", torch.zeros(0, dim, dtype=exact_dtype))
+        self.register_buffer("sig", torch.zeros(0, w, dtype=torch.int64))
+        self.register_buffer("bit_counts", torch.zeros(w * 64, dtype=torch.int64))
+        self.max_list = 0
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def ntotal(self) -> int:
+        return int(self.item_ids.shape[0])
+
+    @property
+    def nlist(self) -> int:
+        return int(self.centroids.shape[0])
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"config": asdict(self.config), "dim": self.dim, "attribute_values": self.schema.to_dict()}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        if state["dim"] != self.dim or state["config"]["codes"] != self.config.codes:
+            raise ValueError(
+                f"index state has dim={state['dim']} codes={state['config']['codes']!r}, "
+                f"this index has dim={self.dim} codes={self.config.codes!r}"
+            )
+        self.schema = FilterSchema(state["attribute_values"])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        # Buffers are sized by the catalog: adopt the saved sizes, but insist on matching dims/dtypes.
+        for name, buf in self._buffers.items():
+            saved = state_dict.get(prefix + name)
+            if saved is None or buf is None:
+                continue
+            if saved.dtype != buf.dtype or saved.shape[1:] != buf.shape[1:] and name not in ("sig", "bit_counts"):
+                error_msgs.append(
+                    f"{prefix}{name}: saved {tuple(saved.shape)} {saved.dtype}, expected [*, "
+                    f"{', '.join(map(str, buf.shape[1:]))}] {buf.dtype} (different index config?)"
+                )
+                continue
+            self._buffers[name] = torch.empty_like(saved, device=buf.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        sizes = self.offsets[1:] - self.offsets[:-1]
+        self.max_list = int(sizes.max()) if sizes.numel() else 0
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held per buffer (sum / ntotal = bytes per item)."""
+        return {name: b.numel() * b.element_size() for name, b in self.named_buffers()}
+
+    # ---- search ------------------------------------------------------------------------------
+    def compile_filter(self, filters: FilterArg, batch: int) -> FilterBatch:
+        """Text filter(s) or a compiled batch -> :class:`FilterBatch` on this index's device."""
+        if filters is None:
+            fb = self.schema.empty(batch)
+        elif isinstance(filters, FilterBatch):
+            fb = filters
+        elif isinstance(filters, str):
+            fb = self.schema.compile([filters] * batch)
+        else:
+            fb = self.schema.compile(list(filters))
+        if fb.masks.dim() != 3 or fb.masks.shape[0] != batch or fb.masks.shape[2] != self.schema.num_words:
+            raise ValueError(
+                f"filters: expected masks [B={batch}, C, W={self.schema.num_words}], got {tuple(fb.masks.shape)}"
+            )
+        return fb.to(self.centroids.device)
+
+    def search(
+        self, q: torch.Tensor, k: int, filters: FilterArg = None, *, nprobe: int | None = None,
+        rerank: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` items for ``q [B, D] float32`` -> ``(item_ids [B, k] int64, scores [B, k] float32)``.
+
+        ``-1`` / ``-inf`` pad rows whose filter admits fewer than ``k`` items.
+        """
+        if q.dim() != 2 or q.shape[1] != self.dim or not q.is_floating_point():
+            raise ValueError(f"q: expected float [B, {self.dim}], got {tuple(q.shape)} {q.dtype}")
+        if not isinstance(k, int) or k < 1 or k > self.ntotal:
+            raise ValueError(f"k must be an int in [1, {self.ntotal}] (the catalog size), got {k!r}")
+        fb = self.compile_filter(filters, q.shape[0])
+        pos, scores = self.search_positions(q.float(), k, fb, nprobe or self.config.nprobe,
+                                            self.config.rerank if rerank is None else rerank)
+        ids = torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
+        return ids, scores
+
+    def search_positions(
+        self, q: torch.Tensor, k: int, fb: FilterBatch, nprobe: int, rerank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`search` on validated inputs, returning list-sorted positions instead of ids."""
+        b = q.shape[0]
+        r = max(k, rerank) if rerank and self.exact.shape[0] else k
+        sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).to(q.device)  # [B]
+        use_exact = sel < self.config.exact_below if fb.active else torch.zeros(b, dtype=torch.bool, device=q.device)
+        per_row = self._nprobe_per_row(sel, nprobe, r)  # [B]
+        pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
+        scores = torch.full((b, k), float("-inf"), device=q.device)
+        rows = (~use_exact).nonzero().flatten()
+        if rows.numel():
+            p, s = self._ivf(q[rows], k, r, per_row[rows], fb.masks[rows], fb.negate[rows])
+            pos[rows], scores[rows] = p, s
+        # Rows the lists could not fill (or planned as exact) get the exact scan.
+        short = use_exact | ((pos >= 0).sum(dim=1) < k)
+        if bool(short.any()):
+            rows = short.nonzero().flatten()
+            p, s = self._exact(q[rows], k, fb.masks[rows], fb.negate[rows])
+            pos[rows], scores[rows] = p, s
+        return pos, scores
+
+    def _nprobe_per_row(self, sel: torch.Tensor, nprobe: int, r: int) -> torch.Tensor:
+        avg_list = self.ntotal / max(self.nlist, 1)
+        widen = nprobe * sel.clamp(min=1e-9) ** -self.config.filter_nprobe_exponent
+        fill = 2.0 * r / (avg_list * sel.clamp(min=1e-9))
+        return torch.maximum(widen, fill).ceil().clamp(max=self.nlist).long().clamp(min=nprobe if nprobe <= self.nlist else self.nlist)
+
+    def _ivf(
+        self, q: torch.Tensor, k: int, r: int, nprobe_rows: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        p_max = int(nprobe_rows.max())
+        coarse, probes = (q @ self.centroids.T).topk(p_max, dim=1)  # [b, P]
+        slot = torch.arange(p_max, device=q.device)
+        probes = torch.where(slot < nprobe_rows[:, None], probes, torch.full_like(probes, -1))
+        cand, approx = scan(
+            q.contiguous(), probes.contiguous(), coarse.contiguous(), self.codes, self.scales, self.offsets,
+            self.sig, masks.contiguous(), negate.contiguous(), r, max_list=self.max_list,
+        )
+        if r == k:
+            return cand, approx
+        exact = torch.einsum("bd,brd->br", q, self.exact[cand.clamp(min=0)].float())  # [b, r]
+        exact = exact.masked_fill(cand < 0, float("-inf"))
+        top, idx = exact.topk(k, dim=1)
+        return torch.where(top > float("-inf"), cand.gather(1, idx), torch.full_like(idx, -1)), top
+
+    def vectors_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""
+        if self.exact.shape[0]:
+            return self.exact[pos].float()
+        lists = torch.searchsorted(self.offsets, pos, right=True) - 1
+        return self.centroids[lists] + dequantize(self.codes[pos], self.scales[pos])
+
+    def _exact(self, q: torch.Tensor, k: int, masks: torch.Tensor, negate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact search per group of rows sharing one filter."""
+        b = q.shape[0]
+        pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
+        scores = torch.full((b, k), float("-inf"), device=q.device)
+        key = torch.cat([masks.flatten(1), negate.long()], dim=1)
+        groups, inverse = torch.unique(key, dim=0, return_inverse=True) if b else (key, key)
+        for g in range(groups.shape[0]):
+            rows = (inverse == g).nonzero().flatten()
+            if masks.shape[1]:
+                elig = eligible(self.sig, masks[rows[0]], negate[rows[0]])  # [N]
+                subset = elig.nonzero().flatten()
+            else:
+                subset = torch.arange(self.ntotal, device=q.device)
+            if subset.numel() <= (1 << 16):
+                p, s = exact_search_subset(self.vectors_at(subset), q[rows], k, torch.arange(subset.numel(), device=q.device))
+                p = torch.where(p >= 0, subset[p.clamp(min=0)], p)
+            else:
+                p, s = self._exact_chunked(q[rows], k, subset)
+            pos[rows], scores[rows] = p, s
+        return pos, scores
+
+    def _exact_chunked(self, q: torch.Tensor, k: int, subset: torch.Tensor, chunk: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
+        best_p = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
+        best_s = torch.full((q.shape[0], k), float("-inf"), device=q.device)
+        for s in range(0, subset.numel(), chunk):
+            part = subset[s : s + chunk]
+            p, sc = exact_search(self.vectors_at(part), q, min(k, part.numel()))
+            p = torch.where(p >= 0, part[p.clamp(min=0)], p)
+            all_s, all_p = torch.cat([best_s, sc], 1), torch.cat([best_p, p], 1)
+            best_s, idx = all_s.topk(k, dim=1)
+            best_p = all_p.gather(1, idx)
+        return best_p, best_s
+
+
+def build_ivf(
+    vectors: torch.Tensor,
+    config: IVFConfig | None = None,
+    *,
+    item_ids: torch.Tensor | None = None,
+    item_attributes: Mapping[str, np.ndarray] | None = None,
+    attribute_values: Mapping[str, Sequence[str]] | None = None,
+) -> IVFIndex:
+    """Builds an :class:`IVFIndex` over ``vectors [N, D] float32``.
+
+    ``item_ids [N] int64`` defaults to ``0..N-1``; ``item_attributes`` (codes ``[N]`` or bool
+    ``[N, V]`` per attribute, vocabularies in ``attribute_values``) become filter signatures.
+    """
+    config = config or IVFConfig()
+    config.validate()
+    if vectors.dim() != 2 or vectors.shape[0] < 1:
+        raise ValueError(f"vectors must be [N >= 1, D], got {tuple(vectors.shape)}")
+    n, d = vectors.shape
+    x = vectors.detach().cpu().float().contiguous()
+    ids = torch.arange(n) if item_ids is None else item_ids.detach().cpu().long()
+    if ids.shape != (n,):
+        raise ValueError(f"item_ids must be [N={n}], got {tuple(ids.shape)}")
+    if item_attributes and not attribute_values:
+        raise ValueError("attribute_values is required with item_attributes")
+    index = IVFIndex(config, d, attribute_values)
+    nlist = min(config.nlist, n)
+    centroids = train_centroids(
+        x, nlist, iters=config.kmeans_iters, seed=config.seed,
+        max_points_per_centroid=config.kmeans_max_points_per_centroid,
+    )
+    lists = assign(x, centroids)
+    order = torch.argsort(lists, stable=True)
+    counts = torch.bincount(lists, minlength=nlist)
+    xs, ls = x[order], lists[order]
+    codes, scales = quantize(xs - centroids[ls], config.codes)
+    sig = index.schema.signatures(item_attributes or {}, n)[order]
+    index.centroids = centroids
+    index.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    index.item_ids = ids[order].contiguous()
+    index.codes, index.scales = codes.contiguous(), scales.contiguous()
+    exact_dtype = _EXACT_DTYPES[config.exact_copy]
+    index.exact = xs.to(exact_dtype) if exact_dtype is not None else torch.zeros(0, d)
+    index.sig = sig.contiguous()
+    index.bit_counts = bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64)
+    index._refresh()
+    return index

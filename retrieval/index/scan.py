@@ -1,0 +1,148 @@
+"""The IVF list scan: a compiled CPU kernel registered as a torch op, and a torch reference.
+
+``scan(...)`` takes the probed lists of each query and returns the best ``r`` items by approximate
+score among those that pass the filter (positions in list-sorted order, ``-1`` where fewer exist).
+
+* CPU: ``csrc/ivf_scan.cpp`` (list-major, VNNI int8 dot products where the CPU has them), built
+  on first use with torch's C++ extension loader and registered as ``recserve::ivf_scan_*`` ops
+  with fake (meta) implementations, so ``torch.compile`` traces through them.
+* CUDA, or ``reference=True``: :func:`scan_reference`, plain torch ops (gather, matmul, topk)
+  over queries in chunks. It defines what the kernel must compute and is tested against it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from retrieval.index.codes import fp8_lut, quantize_int8
+
+_SRC = Path(__file__).parent / "csrc" / "ivf_scan.cpp"
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+
+
+def _extension() -> ModuleType:
+    """Builds (once per source version, cached on disk) and loads the C++ kernel."""
+    global _ext
+    with _lock:
+        if _ext is None:
+            from torch.utils.cpp_extension import load
+
+            build_dir = Path(os.environ.get("RECSERVE_BUILD_DIR", Path.home() / ".cache" / "recserve"))
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _ext = load(
+                name="recserve_ivf_scan",
+                sources=[str(_SRC)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+    return _ext
+
+
+@torch.library.custom_op("recserve::ivf_scan_int8", mutates_args=())
+def ivf_scan_int8(
+    q: torch.Tensor, q_scale: torch.Tensor, probes: torch.Tensor, coarse: torch.Tensor,
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, sig: torch.Tensor,
+    fmask: torch.Tensor, fneg: torch.Tensor, r: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(_extension().ivf_scan_int8(q, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
+
+
+@torch.library.custom_op("recserve::ivf_scan_fp8", mutates_args=())
+def ivf_scan_fp8(
+    q: torch.Tensor, codes_u8: torch.Tensor, lut: torch.Tensor, probes: torch.Tensor,
+    coarse: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, sig: torch.Tensor,
+    fmask: torch.Tensor, fneg: torch.Tensor, r: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(_extension().ivf_scan_fp8(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
+
+
+def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b = probes.shape[0]
+    return probes.new_empty((b, r)), torch.empty((b, r), dtype=torch.float32, device=probes.device)
+
+
+@ivf_scan_int8.register_fake
+def _(q, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r):  # type: ignore[no-untyped-def]
+    return _fake_out(probes, r)
+
+
+@ivf_scan_fp8.register_fake
+def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r):  # type: ignore[no-untyped-def]
+    return _fake_out(probes, r)
+
+
+def scan(
+    q: torch.Tensor, probes: torch.Tensor, coarse: torch.Tensor, codes: torch.Tensor,
+    scales: torch.Tensor, offsets: torch.Tensor, sig: torch.Tensor, fmask: torch.Tensor,
+    fneg: torch.Tensor, r: int, *, max_list: int, reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best ``r`` approximate scores over the probed lists.
+
+    Args:
+        q: ``[B, D] float32`` queries.
+        probes: ``[B, P] int64`` list ids, ``-1`` to skip a slot.
+        coarse: ``[B, P] float32`` ``q · centroid`` of each probed list.
+        codes: ``[N, D] int8 | float8_e4m3fn`` residual codes, list-sorted; ``scales [N]``.
+        offsets: ``[nlist + 1] int64`` list boundaries in the sorted order.
+        sig, fmask, fneg: item signatures ``[N, W]`` and the batch's filter (see ``filters``).
+        max_list: the longest list (only the reference path needs it).
+    Returns:
+        ``positions [B, r] int64`` (``-1`` pads) and ``scores [B, r] float32`` (``-inf`` pads),
+        best first.
+    The hot path trusts its inputs: the index validates at its public entry.
+    """
+    if reference or q.device.type != "cpu":
+        return scan_reference(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list)
+    if codes.dtype == torch.int8:
+        q8, q_scale = quantize_int8(q)
+        return ivf_scan_int8(q8, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r)
+    return ivf_scan_fp8(q.float().contiguous(), codes.view(torch.uint8), fp8_lut(), probes, coarse, scales, offsets, sig, fmask, fneg, r)
+
+
+def scan_reference(
+    q: torch.Tensor, probes: torch.Tensor, coarse: torch.Tensor, codes: torch.Tensor,
+    scales: torch.Tensor, offsets: torch.Tensor, sig: torch.Tensor, fmask: torch.Tensor,
+    fneg: torch.Tensor, r: int, max_list: int, chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`scan` with torch ops: gathers each query's candidates
+    ``[b, P * max_list]``, scores them with one batched matmul, masks, and takes the top ``r``."""
+    from retrieval.filters import eligible
+
+    outs_pos, outs_score = [], []
+    steps = torch.arange(max(max_list, 1), device=q.device)
+    for s in range(0, q.shape[0], chunk):
+        pr, co, qc = probes[s : s + chunk], coarse[s : s + chunk], q[s : s + chunk]
+        lists = pr.clamp(min=0)
+        start, end = offsets[lists], offsets[lists + 1]  # [b, P]
+        pos = start.unsqueeze(-1) + steps  # [b, P, Lmax]
+        valid = (pos < end.unsqueeze(-1)) & (pr >= 0).unsqueeze(-1)
+        pos = torch.where(valid, pos, torch.zeros_like(pos)).flatten(1)  # [b, P*Lmax]
+        if codes.dtype == torch.int8:  # the kernel's integer arithmetic: int8 query, exact int dot
+            q8, q_scale = quantize_int8(qc.float())
+            dots = torch.einsum("bd,bmd->bm", q8.double(), codes[pos].double()).float() * q_scale[:, None]
+        else:
+            dots = torch.einsum("bd,bmd->bm", qc.float(), codes[pos].float())
+        score = dots * scales[pos] + co.repeat_interleave(max(max_list, 1), dim=1)  # [b, P*Lmax]
+        valid = valid.flatten(1)
+        if fmask.shape[1] > 0:
+            valid &= eligible(sig[pos], fmask[s : s + chunk], fneg[s : s + chunk])
+        score = score.masked_fill(~valid, float("-inf"))
+        kk = min(r, score.shape[1])
+        top, idx = score.topk(kk, dim=1)
+        tpos = torch.where(top > float("-inf"), pos.gather(1, idx), torch.full_like(idx, -1))
+        if kk < r:
+            tpos = torch.nn.functional.pad(tpos, (0, r - kk), value=-1)
+            top = torch.nn.functional.pad(top, (0, r - kk), value=float("-inf"))
+        outs_pos.append(tpos)
+        outs_score.append(top)
+    if not outs_pos:
+        return probes.new_empty((0, r)), torch.empty((0, r), device=q.device)
+    return torch.cat(outs_pos), torch.cat(outs_score)
