@@ -179,13 +179,16 @@ class IVFIndex(nn.Module):
         return ids, scores
 
     def search_positions(
-        self, q: torch.Tensor, k: int, fb: FilterBatch, nprobe: int, rerank: int
+        self, q: torch.Tensor, k: int, fb: FilterBatch, nprobe: int, rerank: int, exact: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`search` on validated inputs, returning list-sorted positions instead of ids."""
+        """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
+        ``exact=True`` scans every eligible item (the reference the index is measured against)."""
         b = q.shape[0]
         r = max(k, rerank) if rerank and self.exact.shape[0] else k
         sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).to(q.device)  # [B]
         use_exact = sel < self.config.exact_below if fb.active else torch.zeros(b, dtype=torch.bool, device=q.device)
+        if exact:
+            use_exact = torch.ones(b, dtype=torch.bool, device=q.device)
         per_row = self._nprobe_per_row(sel, nprobe, r)  # [B]
         pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
         scores = torch.full((b, k), float("-inf"), device=q.device)
@@ -246,6 +249,8 @@ class IVFIndex(nn.Module):
                 subset = elig.nonzero().flatten()
             else:
                 subset = torch.arange(self.ntotal, device=q.device)
+            if subset.numel() == 0:
+                continue  # nothing eligible: the rows stay empty
             if subset.numel() <= (1 << 16):
                 p, s = exact_search_subset(self.vectors_at(subset), q[rows], k, torch.arange(subset.numel(), device=q.device))
                 p = torch.where(p >= 0, subset[p.clamp(min=0)], p)

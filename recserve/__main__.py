@@ -1,0 +1,3 @@
+from recserve.cli import main
+
+main()

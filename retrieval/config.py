@@ -1,0 +1,77 @@
+"""The model's configuration: one typed object, saved beside the weights (``config.json``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from retrieval.index.ivf import IVFConfig
+
+
+@dataclass
+class ModelConfig:
+    """Shapes of the towers and tables, the index settings and the scoring stage."""
+
+    num_items: int
+    """Rows of the item table (item ids are ``0 .. num_items - 1``)."""
+    user_features: dict[str, int]
+    """Categorical user feature -> vocabulary size (one id per user)."""
+    dense_dim: int
+    """Dense user features per user."""
+    item_attributes: dict[str, list[str]]
+    """Item attribute -> values; they feed the item tower and the eligibility filter."""
+    embedding_dim: int = 32
+    """Width of every embedding table."""
+    hidden: tuple[int, ...] = (128,)
+    """Hidden layer widths of both towers."""
+    out_dim: int = 64
+    """Width D of query and item vectors (L2-normalized)."""
+    history_len: int = 50
+    """Most recent items of a user's history that the user tower reads."""
+    exclude_history: bool = True
+    """Never recommend an item already in the request's history."""
+    temperature: float = 0.05
+    """Softmax temperature of training logits (q · v / temperature)."""
+    scoring_head: bool = False
+    """Add a learned head over (query, item) pairs to the dot product of re-ranked candidates."""
+    head_hidden: int = 64
+    head_tasks: tuple[str, ...] = ("engagement",)
+    """Task outputs of the head; combined into one value with ``head_task_weights``."""
+    head_task_weights: tuple[float, ...] = (1.0,)
+    head_candidates: int = 200
+    """Candidates the head re-scores (at least K + history length)."""
+    index: IVFConfig = field(default_factory=IVFConfig)
+
+    def validate(self) -> None:
+        if self.num_items < 1 or self.out_dim < 1 or self.embedding_dim < 1:
+            raise ValueError("num_items, out_dim and embedding_dim must be >= 1")
+        if len(self.head_tasks) != len(self.head_task_weights):
+            raise ValueError("head_tasks and head_task_weights must have the same length")
+        self.index.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"model config: unknown fields {sorted(unknown)}")
+        d = dict(d)
+        d["index"] = IVFConfig(**d.get("index", {}))
+        for key in ("hidden", "head_tasks", "head_task_weights"):
+            if key in d:
+                d[key] = tuple(d[key])
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> ModelConfig:
+        return cls.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,80 @@
+"""Requests as tensors: what the user tower reads and what the filter admits.
+
+A :class:`UserBatch` holds B requests; the item side is a dict of padded id matrices, one per
+item feature (``item_id`` and one per attribute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from retrieval.filters import Clause, FilterBatch, FilterSchema
+
+
+@dataclass
+class UserBatch:
+    """B requests.
+
+    history: ``[B, H] int64`` most recent item ids, ``-1`` padded.
+    categorical: ``[B, F] int64`` one code per categorical user feature (config order).
+    dense: ``[B, F_dense] float32``.
+    filter_masks / filter_negate: ``[B, C, W] int64`` / ``[B, C] bool`` (see ``filters``).
+    """
+
+    history: torch.Tensor
+    categorical: torch.Tensor
+    dense: torch.Tensor
+    filter_masks: torch.Tensor
+    filter_negate: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.history.shape[0])
+
+    @property
+    def filters(self) -> FilterBatch:
+        return FilterBatch(self.filter_masks, self.filter_negate)
+
+    def to(self, device: torch.device | str) -> UserBatch:
+        return UserBatch(*(t.to(device) for t in (self.history, self.categorical, self.dense,
+                                                  self.filter_masks, self.filter_negate)))
+
+
+def make_user_batch(
+    history: np.ndarray | torch.Tensor,
+    categorical: np.ndarray | torch.Tensor,
+    dense: np.ndarray | torch.Tensor,
+    schema: FilterSchema,
+    filters: Sequence[str | Sequence[Clause] | None] | None = None,
+) -> UserBatch:
+    """Builds a batch from per-request arrays; ``filters`` is one entry per request (or None)."""
+    h = torch.as_tensor(history, dtype=torch.int64)
+    fb = schema.compile(filters) if filters is not None else schema.empty(h.shape[0])
+    return UserBatch(h, torch.as_tensor(categorical, dtype=torch.int64),
+                     torch.as_tensor(dense, dtype=torch.float32), fb.masks, fb.negate)
+
+
+def item_feature_ids(
+    item_attributes: Mapping[str, np.ndarray], num_items: int
+) -> dict[str, torch.Tensor]:
+    """Item tower inputs: ``item_id [N, 1]`` and, per attribute, value ids ``[N, L]`` (-1 padded).
+
+    Single-valued attributes (codes ``[N]``) give ``[N, 1]``; multi-valued (bool ``[N, V]``)
+    give the set values, padded to the most any item has.
+    """
+    out = {"item_id": torch.arange(num_items, dtype=torch.int64)[:, None]}
+    for name, arr in item_attributes.items():
+        arr = np.asarray(arr)
+        if arr.ndim == 1:
+            out[f"item_{name}"] = torch.as_tensor(arr, dtype=torch.int64)[:, None]
+        else:
+            width = max(int(arr.sum(axis=1).max()), 1) if arr.size else 1
+            # stable argsort of ~present puts the present value ids first, in value order
+            order = np.argsort(~arr.astype(bool), axis=1, kind="stable")[:, :width]
+            present = np.take_along_axis(arr.astype(bool), order, axis=1)
+            out[f"item_{name}"] = torch.as_tensor(np.where(present, order, -1), dtype=torch.int64)
+    return out

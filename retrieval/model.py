@@ -1,0 +1,139 @@
+"""RetrievalModel: one module from a user's features to top-K item ids.
+
+    features -> tables -> user tower -> index (filter inside the scan) -> score -> top-K
+
+The item index is part of the module (buffers of :class:`IVFIndex`), so ``state_dict`` carries
+the whole retrieval stack. Training uses the same tables and towers (``user_vectors`` /
+``item_vectors``); :meth:`build_index` turns the item tower's output into the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from retrieval.config import ModelConfig
+from retrieval.features import UserBatch
+from retrieval.filters import FilterBatch
+from retrieval.index.ivf import IVFIndex, build_ivf
+from retrieval.scoring import PairHead, score_candidates
+from retrieval.towers import Tower
+from sharded_tables import EmbeddingCollection, TableConfig
+
+
+def _table_configs(cfg: ModelConfig) -> list[TableConfig]:
+    e = cfg.embedding_dim
+    tables = [TableConfig("item", cfg.num_items, e, features=("history", "item_id"))]
+    tables += [TableConfig(f"user_{n}", size, e) for n, size in cfg.user_features.items()]
+    tables += [TableConfig(f"attr_{n}", len(v), e, features=(f"item_{n}",)) for n, v in cfg.item_attributes.items()]
+    return tables
+
+
+class RetrievalModel(nn.Module):
+    """Two-tower retrieval with the item index inside.
+
+    ``forward(batch, k) -> (item_ids [B, K] int64, scores [B, K] float32)``; ``-1`` / ``-inf``
+    pad rows whose filter admits fewer than K items.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.user_feature_names = list(config.user_features)
+        self.tables = EmbeddingCollection(_table_configs(config))
+        e = config.embedding_dim
+        user_in = e * (1 + len(config.user_features)) + config.dense_dim
+        item_in = e * (1 + len(config.item_attributes))
+        self.user_tower = Tower(user_in, config.hidden, config.out_dim)
+        self.item_tower = Tower(item_in, config.hidden, config.out_dim)
+        self.head = (
+            PairHead(config.out_dim, config.head_hidden, config.head_task_weights) if config.scoring_head else None
+        )
+        self.index = IVFIndex(config.index, config.out_dim, config.item_attributes)
+
+    # ---- towers (shared by training and serving) ----------------------------------------------
+    def user_vectors(self, batch: UserBatch) -> torch.Tensor:
+        """``batch`` -> query vectors ``q [B, D]``."""
+        sparse = {"history": batch.history}
+        for j, name in enumerate(self.user_feature_names):
+            sparse[f"user_{name}"] = batch.categorical[:, j : j + 1]
+        pooled = self.tables(sparse)
+        return self.user_tower([pooled[f] for f in sparse] + [batch.dense])
+
+    def item_vectors(self, item_features: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Item features (``item_id [N, 1]``, ``item_<attr> [N, L]``) -> item vectors ``[N, D]``."""
+        pooled = self.tables(item_features)
+        order = ["item_id"] + [f"item_{n}" for n in self.config.item_attributes]
+        return self.item_tower([pooled[f] for f in order])
+
+    # ---- serving ----------------------------------------------------------------------------
+    def validate(self, batch: UserBatch, k: int) -> None:
+        """Edge validation of a request batch; raises ``ValueError`` naming the field."""
+        b = batch.size
+        cfg = self.config
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if self.index.ntotal == 0:
+            raise ValueError("the index is empty: build it (build_index) or load a built model")
+        if k > self.index.ntotal:
+            raise ValueError(f"k={k} is larger than the catalog ({self.index.ntotal} items)")
+        expect = {
+            "categorical": ((b, len(cfg.user_features)), torch.int64, batch.categorical),
+            "dense": ((b, cfg.dense_dim), torch.float32, batch.dense),
+            "filter_negate": ((b, batch.filter_masks.shape[1]), torch.bool, batch.filter_negate),
+        }
+        if batch.history.dim() != 2 or batch.history.dtype != torch.int64:
+            raise ValueError(f"history: expected int64 [B, H], got {batch.history.dtype} {tuple(batch.history.shape)}")
+        for name, (shape, dtype, t) in expect.items():
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+        w = self.index.schema.num_words
+        if batch.filter_masks.dim() != 3 or batch.filter_masks.shape[::2] != (b, w) or batch.filter_masks.dtype != torch.int64:
+            raise ValueError(f"filter_masks: expected int64 [{b}, C, {w}], got {batch.filter_masks.dtype} {tuple(batch.filter_masks.shape)}")
+        sparse = {"history": batch.history}
+        sparse.update({f"user_{n}": batch.categorical[:, j : j + 1] for j, n in enumerate(self.user_feature_names)})
+        self.tables.validate(sparse)
+        if not torch.isfinite(batch.dense).all():
+            raise ValueError("dense: contains NaN or infinity")
+
+    def forward(self, batch: UserBatch, k: int, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` items per request. ``exact=True`` scans every eligible item (the reference)."""
+        if not torch.compiler.is_compiling():
+            self.validate(batch, k)
+        cfg = self.config
+        # features -> tables -> tower
+        q = self.user_vectors(batch)  # [B, D]
+        # index, with the request's filter applied inside the scan
+        hist = batch.history if cfg.exclude_history else batch.history[:, :0]
+        r = min(self.index.ntotal, max(k + hist.shape[1], cfg.head_candidates if self.head is not None else 0))
+        fb = FilterBatch(batch.filter_masks, batch.filter_negate)
+        pos, dot = self.index.search_positions(q, r, fb, cfg.index.nprobe, cfg.index.rerank, exact=exact)  # [B, R]
+        ids = torch.where(pos >= 0, self.index.item_ids[pos.clamp(min=0)], pos)
+        # score: dot product, plus the learned head when configured
+        if self.head is not None:
+            cand = self.index.vectors_at(pos.clamp(min=0).flatten()).view(*pos.shape, -1)  # [B, R, D]
+            dot = score_candidates(q, cand, dot, self.head, cfg.temperature).masked_fill(pos < 0, float("-inf"))
+        # already-seen items never take a slot
+        seen = (ids.unsqueeze(2) == hist.unsqueeze(1)).any(dim=2) & (ids >= 0)  # [B, R]
+        dot = dot.masked_fill(seen, float("-inf"))
+        # top-K
+        top, idx = dot.topk(k, dim=1)
+        return torch.where(top > float("-inf"), ids.gather(1, idx), torch.full_like(idx, -1)), top
+
+    # ---- index build ------------------------------------------------------------------------
+    @torch.no_grad()
+    def build_index(
+        self, item_features: Mapping[str, torch.Tensor], item_attributes: Mapping[str, np.ndarray], chunk: int = 65536
+    ) -> None:
+        """Item tower over the whole catalog -> IVF index (codes, lists, filter signatures)."""
+        n = item_features["item_id"].shape[0]
+        vecs = torch.cat([
+            self.item_vectors({f: t[s : s + chunk] for f, t in item_features.items()})
+            for s in range(0, n, chunk)
+        ]).cpu()
+        self.index = build_ivf(vecs, self.config.index, item_attributes=item_attributes,
+                               attribute_values=self.config.item_attributes).to(self.index.centroids.device)

@@ -1,0 +1,1 @@
+"""Training the two towers (and optional scoring head) end to end."""

@@ -1,0 +1,83 @@
+"""A keyed collection of pooled embedding tables (the interface the towers call).
+
+Each feature is a padded id matrix ``[B, L] int64`` with ``-1`` for "no id"; its table pools the
+present ids (mean or sum) into ``[B, D]``. Several features may share one table (the item table
+is read both by the user's history and by the item tower).
+
+Example::
+
+    tables = EmbeddingCollection([TableConfig("item", 1682, 32, features=("history", "item_id"))])
+    out = tables({"history": torch.tensor([[3, 7, -1]]), "item_id": torch.tensor([[5]])})
+    out["history"].shape  # (1, 32): mean of rows 3 and 7
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table."""
+
+    name: str
+    num_embeddings: int
+    """Rows (ids must be in ``[0, num_embeddings)``)."""
+    dim: int
+    features: tuple[str, ...] = field(default_factory=tuple)
+    """Feature names that read this table (default: the table's own name)."""
+    pooling: str = "mean"
+    """"mean" or "sum" over a feature's ids."""
+
+    def feature_names(self) -> tuple[str, ...]:
+        return self.features or (self.name,)
+
+
+class EmbeddingCollection(nn.Module):
+    """Pooled lookups for many features: ``{feature: ids [B, L]} -> {feature: [B, D]}``."""
+
+    def __init__(self, tables: list[TableConfig], init_std: float = 0.05):
+        super().__init__()
+        self.configs = {t.name: t for t in tables}
+        self.tables = nn.ModuleDict()
+        self.table_of: dict[str, str] = {}
+        for t in tables:
+            if t.pooling not in ("mean", "sum"):
+                raise ValueError(f"table {t.name!r}: pooling must be 'mean' or 'sum', got {t.pooling!r}")
+            bag = nn.EmbeddingBag(t.num_embeddings, t.dim, mode="sum")
+            nn.init.normal_(bag.weight, std=init_std)
+            self.tables[t.name] = bag
+            for f in t.feature_names():
+                if f in self.table_of:
+                    raise ValueError(f"feature {f!r} is assigned to two tables")
+                self.table_of[f] = t.name
+
+    def feature_dim(self, feature: str) -> int:
+        return self.configs[self.table_of[feature]].dim
+
+    def validate(self, features: Mapping[str, torch.Tensor]) -> None:
+        """Edge check: known features, ``[B, L]`` int64, ids in range (raises ``ValueError``)."""
+        for name, ids in features.items():
+            if name not in self.table_of:
+                raise ValueError(f"unknown feature {name!r} (known: {sorted(self.table_of)})")
+            if ids.dim() != 2 or ids.dtype != torch.int64:
+                raise ValueError(f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}")
+            rows = self.configs[self.table_of[name]].num_embeddings
+            if ids.numel() and (int(ids.max()) >= rows or int(ids.min()) < -1):
+                raise ValueError(f"feature {name!r}: ids must be in [0, {rows}) or -1 for padding")
+
+    def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""
+        out = {}
+        for name, ids in features.items():
+            cfg = self.configs[self.table_of[name]]
+            present = ids >= 0
+            weights = present.float()
+            if cfg.pooling == "mean":
+                weights = weights / present.sum(dim=1, keepdim=True).clamp(min=1)
+            out[name] = self.tables[cfg.name](ids.clamp(min=0), per_sample_weights=weights)
+        return out

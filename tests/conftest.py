@@ -1,0 +1,39 @@
+"""Shared fixtures: seeded synthetic vectors; GPU tests skip without CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def clustered(n: int, d: int, centres: int, seed: int) -> torch.Tensor:
+    """The benchmark's distribution: Gaussian centres scaled x3 plus unit noise."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(centres, d, generator=g) * 3
+    return c[torch.randint(0, centres, (n,), generator=g)] + torch.randn(n, d, generator=g)
+
+
+@pytest.fixture(scope="session")
+def catalog() -> dict:
+    """20k clustered items (dim 32) with two independent filter attributes, and 64 queries."""
+    n, d = 20_000, 32
+    x = clustered(n, d, 100, seed=0)
+    g = torch.Generator().manual_seed(7)
+    c = torch.randn(100, d, generator=torch.Generator().manual_seed(0)) * 3
+    q = c[torch.randint(0, 100, (64,), generator=g)] + torch.randn(64, d, generator=g)
+    rng = np.random.default_rng(1)
+    attrs = {"shard": rng.integers(0, 32, n), "bucket": rng.integers(0, 32, n)}
+    values = {a: [str(i) for i in range(32)] for a in attrs}
+    return {"x": x, "q": q, "attrs": attrs, "values": values}

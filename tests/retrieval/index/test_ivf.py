@@ -1,0 +1,149 @@
+"""The in-model IVF index: recall, filters, K, state_dict round trip, kernel vs reference."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retrieval.filters import eligible
+from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search, recall_at_k
+from retrieval.index.scan import scan
+
+
+@pytest.fixture(scope="module", params=["int8", "fp8"])
+def index(request, catalog) -> IVFIndex:
+    cfg = IVFConfig(nlist=128, nprobe=16, codes=request.param, rerank=200)
+    return build_ivf(catalog["x"], cfg, item_attributes=catalog["attrs"], attribute_values=catalog["values"])
+
+
+def eligible_ids(index: IVFIndex, text: str) -> torch.Tensor:
+    """Bool [N] over original item ids."""
+    fb = index.compile_filter(text, 1)
+    ok = eligible(index.sig, fb.masks[0], fb.negate[0])
+    out = torch.zeros(index.ntotal, dtype=torch.bool)
+    out[index.item_ids[ok]] = True
+    return out
+
+
+def test_recall_at_100_vs_exact_default_setting(index, catalog):
+    truth, _ = exact_search(catalog["x"], catalog["q"], 100)
+    ids, scores = index.search(catalog["q"], 100)
+    assert recall_at_k(ids, truth) >= 0.95
+    assert torch.all(scores[:, :-1] >= scores[:, 1:])  # best first
+
+
+def test_approximate_scores_alone_keep_recall(index, catalog):
+    truth, _ = exact_search(catalog["x"], catalog["q"], 100)
+    ids, _ = index.search(catalog["q"], 100, rerank=0)
+    assert recall_at_k(ids, truth) >= 0.95
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["shard in {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}", "shard in {0,1,2,3} and bucket in {0,1,2,3,4,5}",
+     "shard = 0 and bucket = 0", "not shard in {0,1,2} and bucket != 5"],
+)
+def test_filtered_recall_and_only_eligible(index, catalog, text):
+    ok = eligible_ids(index, text)
+    truth, _ = exact_search(catalog["x"], catalog["q"], 100, eligible=ok)
+    ids, _ = index.search(catalog["q"], 100, text)
+    assert ok[ids[ids >= 0]].all()
+    assert recall_at_k(ids, truth) >= 0.95
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shards=st.sets(st.integers(0, 31), min_size=1, max_size=32),
+    buckets=st.sets(st.integers(0, 31), min_size=1, max_size=32),
+    negate=st.booleans(),
+    k=st.integers(1, 300),
+)
+def test_filtered_results_never_hold_an_ineligible_item(index, catalog, shards, buckets, negate, k):
+    text = ("not " if negate else "") + f"shard in {{{','.join(map(str, sorted(shards)))}}}"
+    text += f" and bucket in {{{','.join(map(str, sorted(buckets)))}}}"
+    ok = eligible_ids(index, text)
+    ids, scores = index.search(catalog["q"][:8], k, text)
+    found = ids[ids >= 0]
+    assert ok[found].all()
+    # every row is full unless fewer than k items are eligible
+    assert ((ids >= 0).sum(dim=1) == min(k, int(ok.sum()))).all()
+    assert torch.isinf(scores[ids < 0]).all()
+
+
+def test_empty_eligible_set_gives_an_empty_result(catalog):
+    values = {"shard": [str(i) for i in range(33)]}
+    idx = build_ivf(catalog["x"], IVFConfig(nlist=64), item_attributes={"shard": catalog["attrs"]["shard"]},
+                    attribute_values=values)
+    ids, scores = idx.search(catalog["q"][:4], 10, "shard = 32")  # a value no item has
+    assert (ids == -1).all() and torch.isinf(scores).all()
+
+
+def test_k_10000(index, catalog):
+    truth, _ = exact_search(catalog["x"], catalog["q"][:4], 10_000)
+    ids, _ = index.search(catalog["q"][:4], 10_000)
+    assert ids.shape == (4, 10_000) and (ids >= 0).all()
+    assert all(len(set(r.tolist())) == 10_000 for r in ids)
+    assert recall_at_k(ids, truth) >= 0.95
+
+
+def test_state_dict_round_trip(index, catalog):
+    buf = io.BytesIO()
+    torch.save(index.state_dict(), buf)
+    buf.seek(0)
+    fresh = IVFIndex(index.config, index.dim)
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    for name, b in index.named_buffers():
+        assert torch.equal(b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
+                           getattr(fresh, name).view(torch.uint8) if b.dtype == torch.float8_e4m3fn else getattr(fresh, name))
+    text = "shard in {1,2,3}"
+    assert torch.equal(index.search(catalog["q"], 50, text)[0], fresh.search(catalog["q"], 50, text)[0])
+
+
+def test_loading_another_config_names_the_tensor(index):
+    other = IVFIndex(IVFConfig(codes="int8"), index.dim + 1)
+    with pytest.raises(Exception, match="centroids|dim"):
+        other.load_state_dict(index.state_dict())
+
+
+@pytest.mark.parametrize("bad", [
+    dict(q=torch.zeros(2, 5)), dict(k=0), dict(k=10**9), dict(q=torch.zeros(2, 32, dtype=torch.int64)),
+    dict(filters="colour = red"), dict(filters="shard = 99"), dict(filters="shard in {1,"),
+])
+def test_bad_input_raises_value_error(index, catalog, bad):
+    args = dict(q=catalog["q"][:2], k=10, filters=None) | bad
+    with pytest.raises(ValueError):
+        index.search(args["q"], args["k"], args["filters"])
+
+
+def test_kernel_equals_torch_reference(index, catalog):
+    q = catalog["q"]
+    coarse, probes = (q @ index.centroids.T).topk(16, dim=1)
+    probes[:, -3:] = -1  # skipped slots
+    fb = index.compile_filter("shard in {0,1,2,3,4,5,6,7,8,9} and not bucket = 3", q.shape[0])
+    args = (q, probes, coarse, index.codes, index.scales, index.offsets, index.sig, fb.masks, fb.negate, 150)
+    pos, sc = scan(*args, max_list=index.max_list)
+    rpos, rsc = scan(*args, max_list=index.max_list, reference=True)
+    torch.testing.assert_close(sc, rsc, rtol=1e-5, atol=1e-4)
+    assert (pos == rpos).float().mean() > 0.99  # ties may swap
+
+
+def test_memory_is_reported_per_buffer(index):
+    mem = index.memory_bytes()
+    assert mem["codes"] == index.ntotal * index.dim
+    assert set(mem) >= {"centroids", "offsets", "item_ids", "codes", "scales", "sig"}
+
+
+@pytest.mark.gpu
+def test_cuda_search_matches_cpu(index, catalog):
+    gpu = IVFIndex(index.config, index.dim, index.schema.to_dict())
+    gpu.load_state_dict(index.state_dict())
+    gpu = gpu.to("cuda")
+    ids, _ = gpu.search(catalog["q"].cuda(), 100, "shard in {0,1,2,3}")
+    cpu_ids, _ = index.search(catalog["q"], 100, "shard in {0,1,2,3}")
+    assert recall_at_k(ids.cpu(), cpu_ids) >= 0.98
+
+
