@@ -19,6 +19,11 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <limits>
 #include <vector>
 
@@ -125,25 +130,129 @@ Plan plan_chunk(const Index& ix, const Batch& bt) {
   return pl;
 }
 
-// Phase 1: every pair's scores, list by list. score_of(b, i) is the scaled dot of query b and item i.
-template <typename ScoreFn>
-void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, ScoreFn score_of) {
+// Phase 1: every pair's scores, list by list. A scorer writes `base + scaled dot` for a list's items
+// (`prepare` lets it re-lay out the list once for all the queries that probe it); the filter then
+// blanks the items a query may not see.
+template <typename MakeScorer>
+void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, MakeScorer make_scorer) {
   at::parallel_for(0, ix.nlist, 16, [&](int64_t l0, int64_t l1) {
+    auto scorer = make_scorer();
     for (int64_t l = l0; l < l1; ++l) {
       const int64_t i0 = ix.offsets[l], i1 = ix.offsets[l + 1];
+      const int64_t nq = pl.pair_start[l + 1] - pl.pair_start[l];
+      if (nq == 0 || i1 == i0) continue;
+      scorer.prepare(i0, i1, nq);
       for (int64_t k = pl.pair_start[l]; k < pl.pair_start[l + 1]; ++k) {
         const int64_t bp = pl.pairs[k], b = bt.b0 + bp / bt.p;
-        const float base = bt.coarse[b * bt.p + bp % bt.p];
+        float* out = buf + pl.buf_off[bp];
+        scorer.score(b, i0, i1, bt.coarse[b * bt.p + bp % bt.p], out);
+        if (bt.c_count == 0) continue;
         const int64_t* fm = bt.fmask + b * bt.c_count * ix.w;
         const bool* fn = bt.fneg + b * bt.c_count;
-        float* out = buf + pl.buf_off[bp];
-        for (int64_t i = i0; i < i1; ++i) {
-          const bool ok = bt.c_count == 0 || passes(ix.sig + i * ix.w, fm, fn, bt.c_count, ix.w);
-          out[i - i0] = ok ? base + score_of(b, i) : kNegInf;
-        }
+        for (int64_t i = i0; i < i1; ++i)
+          if (!passes(ix.sig + i * ix.w, fm, fn, bt.c_count, ix.w)) out[i - i0] = kNegInf;
       }
     }
   });
+}
+
+// Int8 scorer. With VNNI and at least two queries on a list, the list is first transposed into
+// blocks of 16 items x 4 bytes (codes flipped to offset binary), so that one dpbusd with a
+// broadcast group of 4 query bytes advances 16 items at once and no horizontal sum is needed.
+struct Int8Scorer {
+  const int8_t* codes; const float* scales; int64_t d;
+  const int8_t* q; const float* qscale; const int32_t* qsum;
+  std::vector<uint32_t> tbuf;
+  bool transposed = false;
+
+  void prepare(int64_t i0, int64_t i1, int64_t nq) {
+    transposed = false;
+#ifdef RECSERVE_VNNI
+    if (nq < 2 || d % 4 != 0) return;
+    transposed = true;
+    const int64_t n = i1 - i0, groups = d / 4;
+    tbuf.assign(((n + 15) / 16) * groups * 16, 0x80808080u);  // padding items decode to 0
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t* dst = tbuf.data() + (i / 16) * groups * 16 + (i % 16);
+      const int8_t* src = codes + (i0 + i) * d;
+      for (int64_t g = 0; g < groups; ++g) {
+        uint32_t word;
+        std::memcpy(&word, src + 4 * g, 4);
+        dst[g * 16] = word ^ 0x80808080u;
+      }
+    }
+#else
+    (void)i0; (void)i1; (void)nq;
+#endif
+  }
+
+  void score(int64_t b, int64_t i0, int64_t i1, float base, float* out) const {
+    const int64_t n = i1 - i0;
+    const int8_t* qb = q + b * d;
+#ifdef RECSERVE_VNNI
+    if (transposed) {
+      const int64_t groups = d / 4;
+      const __m512i corr = _mm512_set1_epi32(128 * qsum[b]);
+      const __m512 vbase = _mm512_set1_ps(base), vqs = _mm512_set1_ps(qscale[b]);
+      for (int64_t start = 0; start < n; start += 16) {
+        const uint32_t* blk = tbuf.data() + (start / 16) * groups * 16;
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t qw;
+          std::memcpy(&qw, qb + 4 * g, 4);
+          acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(blk + g * 16), _mm512_set1_epi32(qw));
+        }
+        const int64_t cnt = std::min<int64_t>(16, n - start);
+        const __mmask16 m = static_cast<__mmask16>((1u << cnt) - 1u);
+        const __m512 sc = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scales + i0 + start), vqs);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, corr));
+        _mm512_mask_storeu_ps(out + start, m, _mm512_fmadd_ps(dot, sc, vbase));
+      }
+      return;
+    }
+#endif
+    const QueryI8 qq{qb, qsum[b]};
+    for (int64_t i = i0; i < i1; ++i) out[i - i0] = base + scales[i] * qscale[b] * float(dot_i8(qq, codes + i * d, d));
+  }
+};
+
+struct Fp8Scorer {
+  const uint8_t* codes; const float* scales; int64_t d;
+  const float* q; const float* lut;
+  void prepare(int64_t, int64_t, int64_t) {}
+  void score(int64_t b, int64_t i0, int64_t i1, float base, float* out) const {
+    for (int64_t i = i0; i < i1; ++i) out[i - i0] = base + scales[i] * dot_f8(q + b * d, codes + i * d, lut, d);
+  }
+};
+
+// Pushes s[0..n) into a bounded min-heap of the best r (positions pos0 + i). Entries not above the
+// current worst are skipped 16 at a time where AVX-512 is available; -inf never enters.
+inline void push_scores(const float* s, int64_t n, int64_t pos0, int64_t r, std::vector<Cand>& heap, float& worst) {
+  auto push = [&](float v, int64_t i) {
+    if (v <= worst) return;
+    if ((int64_t)heap.size() < r) {
+      heap.emplace_back(v, pos0 + i);
+      std::push_heap(heap.begin(), heap.end(), MinFirst());
+      if ((int64_t)heap.size() == r) worst = heap.front().first;
+    } else {
+      std::pop_heap(heap.begin(), heap.end(), MinFirst());
+      heap.back() = Cand(v, pos0 + i);
+      std::push_heap(heap.begin(), heap.end(), MinFirst());
+      worst = heap.front().first;
+    }
+  };
+  int64_t i = 0;
+#ifdef RECSERVE_VNNI
+  for (; i + 16 <= n; i += 16) {
+    __mmask16 gt = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + i), _mm512_set1_ps(worst), _CMP_GT_OQ);
+    while (gt) {
+      const int j = __builtin_ctz(gt);
+      gt &= gt - 1;
+      push(s[i + j], i + j);
+    }
+  }
+#endif
+  for (; i < n; ++i) push(s[i], i);
 }
 
 // Phase 2: each query's best r over its pairs' scores.
@@ -158,21 +267,8 @@ void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* b
       for (int64_t p = 0; p < bt.p; ++p) {
         const int64_t off = pl.buf_off[(b - bt.b0) * bt.p + p];
         if (off < 0) continue;
-        const int64_t l = bt.probes[b * bt.p + p], i0 = ix.offsets[l], n = ix.offsets[l + 1] - i0;
-        const float* s = buf + off;
-        for (int64_t i = 0; i < n; ++i) {
-          if (s[i] == kNegInf) continue;
-          if ((int64_t)heap.size() < r) {
-            heap.emplace_back(s[i], i0 + i);
-            std::push_heap(heap.begin(), heap.end(), MinFirst());
-            if ((int64_t)heap.size() == r) worst = heap.front().first;
-          } else if (s[i] > worst) {
-            std::pop_heap(heap.begin(), heap.end(), MinFirst());
-            heap.back() = Cand(s[i], i0 + i);
-            std::push_heap(heap.begin(), heap.end(), MinFirst());
-            worst = heap.front().first;
-          }
-        }
+        const int64_t l = bt.probes[b * bt.p + p], i0 = ix.offsets[l];
+        push_scores(buf + off, ix.offsets[l + 1] - i0, i0, r, heap, worst);
       }
       std::sort_heap(heap.begin(), heap.end(), MinFirst());  // best first
       for (int64_t k = 0; k < r; ++k) {
@@ -184,22 +280,39 @@ void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* b
   });
 }
 
+// Score buffer reused across calls (uninitialized: every slot read is written first).
+float* scratch(int64_t floats) {
+  static thread_local std::unique_ptr<float[]> buf;
+  static thread_local int64_t cap = 0;
+  if (floats > cap) {
+    cap = std::max<int64_t>(floats, cap * 2);
+    buf.reset(new float[cap]);
+  }
+  return buf.get();
+}
+
 // Cuts the batch into chunks whose score buffer stays bounded, then plans, scores and selects.
-template <typename ScoreFn>
-void scan(const Index& ix, Batch bt_all, int64_t r, int64_t* out_pos, float* out_score, ScoreFn score_of) {
+template <typename MakeScorer>
+void scan(const Index& ix, Batch bt_all, int64_t r, int64_t* out_pos, float* out_score, MakeScorer make_scorer) {
   int64_t max_list = 1;
   for (int64_t l = 0; l < ix.nlist; ++l) max_list = std::max(max_list, ix.offsets[l + 1] - ix.offsets[l]);
   const int64_t per_query = std::max<int64_t>(1, bt_all.p * max_list);
   const int64_t chunk = std::max<int64_t>(1, kMaxBufferFloats / per_query);
-  std::vector<float> buf;
   for (int64_t b0 = bt_all.b0; b0 < bt_all.b1; b0 += chunk) {
     Batch bt = bt_all;
     bt.b0 = b0;
     bt.b1 = std::min(bt_all.b1, b0 + chunk);
+    auto t0 = std::chrono::steady_clock::now();
     const Plan pl = plan_chunk(ix, bt);
-    buf.resize(std::max<int64_t>(1, pl.buf_size));
-    score_pairs(ix, bt, pl, buf.data(), score_of);
-    select_top(ix, bt, pl, buf.data(), r, out_pos, out_score);
+    float* buf = scratch(pl.buf_size);
+    auto t1 = std::chrono::steady_clock::now();
+    score_pairs(ix, bt, pl, buf, make_scorer);
+    auto t2 = std::chrono::steady_clock::now();
+    select_top(ix, bt, pl, buf, r, out_pos, out_score);
+    auto t3 = std::chrono::steady_clock::now();
+    if (std::getenv("RECSERVE_SCAN_PROFILE"))
+      fprintf(stderr, "plan %.2f score %.2f select %.2f ms\n", std::chrono::duration<double, std::milli>(t1 - t0).count(),
+              std::chrono::duration<double, std::milli>(t2 - t1).count(), std::chrono::duration<double, std::milli>(t3 - t2).count());
   }
 }
 
@@ -255,9 +368,8 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
   std::vector<int32_t> qsum(b_count);
   for (int64_t b = 0; b < b_count; ++b)
     for (int64_t j = 0; j < d; ++j) qsum[b] += qp[b * d + j];
-  scan(c.ix, c.bt, r, c.out_pos.data_ptr<int64_t>(), c.out_score.data_ptr<float>(), [&](int64_t b, int64_t i) {
-    return sc[i] * qs[b] * float(dot_i8(QueryI8{qp + b * d, qsum[b]}, cp + i * d, d));
-  });
+  scan(c.ix, c.bt, r, c.out_pos.data_ptr<int64_t>(), c.out_score.data_ptr<float>(),
+       [&] { return Int8Scorer{cp, sc, d, qp, qs, qsum.data(), {}, false}; });
   return {c.out_pos, c.out_score};
 }
 
@@ -276,9 +388,8 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_fp8(
   const uint8_t* cp = codes_u8.data_ptr<uint8_t>();
   const float* lp = lut.data_ptr<float>();
   const float* sc = c.ix.scales;
-  scan(c.ix, c.bt, r, c.out_pos.data_ptr<int64_t>(), c.out_score.data_ptr<float>(), [&](int64_t b, int64_t i) {
-    return sc[i] * dot_f8(qp + b * d, cp + i * d, lp, d);
-  });
+  scan(c.ix, c.bt, r, c.out_pos.data_ptr<int64_t>(), c.out_score.data_ptr<float>(),
+       [&] { return Fp8Scorer{cp, sc, d, qp, lp}; });
   return {c.out_pos, c.out_score};
 }
 
