@@ -32,7 +32,7 @@ from retrieval.filters import FilterBatch, FilterSchema, bit_counts, eligible, e
 from retrieval.index.codes import CODE_KINDS, dequantize, quantize
 from retrieval.index.exact import exact_search, exact_search_subset
 from retrieval.index.kmeans import assign, train_centroids
-from retrieval.index.scan import scan
+from retrieval.index.scan import scan, topk_rows
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -214,7 +214,7 @@ class IVFIndex(nn.Module):
         self, q: torch.Tensor, k: int, r: int, nprobe_rows: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         p_max = int(nprobe_rows.max())
-        coarse, probes = (q @ self.centroids.T).topk(p_max, dim=1)  # [b, P]
+        coarse, probes = topk_rows(q @ self.centroids.T, p_max)  # [b, P]
         slot = torch.arange(p_max, device=q.device)
         probes = torch.where(slot < nprobe_rows[:, None], probes, torch.full_like(probes, -1))
         cand, approx = scan(

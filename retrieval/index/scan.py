@@ -64,6 +64,24 @@ def ivf_scan_fp8(
     return tuple(_extension().ivf_scan_fp8(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
 
 
+@torch.library.custom_op("recserve::topk_rows", mutates_args=())
+def _topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(_extension().topk_rows(x, k))  # type: ignore[return-value]
+
+
+@_topk_rows.register_fake
+def _(x, k):  # type: ignore[no-untyped-def]
+    return x.new_empty((x.shape[0], k)), torch.empty((x.shape[0], k), dtype=torch.int64, device=x.device)
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=1)`` for ``x [B, M]`` (``k <= M``); a bounded heap on CPU, which is
+    several times faster than torch's sort-based CPU topk when ``k << M``."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return x.topk(k, dim=1)
+    return _topk_rows(x.contiguous(), k)
+
+
 def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     b = probes.shape[0]
     return probes.new_empty((b, r)), torch.empty((b, r), dtype=torch.float32, device=probes.device)

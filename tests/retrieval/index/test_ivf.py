@@ -148,3 +148,16 @@ def test_cuda_search_matches_cpu(index, catalog):
     assert recall_at_k(ids.cpu(), cpu_ids) >= 0.98
 
 
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 20), cols=st.integers(1, 300), k=st.integers(1, 300), seed=st.integers(0, 99))
+def test_topk_rows_matches_torch_topk(rows, cols, k, seed):
+    from retrieval.index.scan import topk_rows
+
+    k = min(k, cols)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    v, i = topk_rows(x, k)
+    tv, _ = x.topk(k, dim=1)
+    torch.testing.assert_close(v, tv)
+    torch.testing.assert_close(x.gather(1, i), v)
