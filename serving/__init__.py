@@ -1,0 +1,1 @@
+"""Serving (gRPC Recommend, KServe v2, HTTP, batching, model repository): not built yet."""
