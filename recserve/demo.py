@@ -19,6 +19,10 @@ from retrieval.training.prepare import Prepared, prepare
 from retrieval.training.train import TrainConfig, train
 
 console = Console()
+DEMO_FILTERS = {  # one request-time filter per data set, to show eligibility inside the scan
+    "movielens": 'genre in {Comedy, Romance} and decade != "1990s"',
+    "synthetic": 'language in {en, fr} and available and not age_rating = "18+"',
+}
 
 
 def _recommend(model: RetrievalModel, prep: Prepared, users: np.ndarray, k: int,
@@ -94,9 +98,7 @@ def run_demo(*, data: str, data_dir: Path, epochs: int, k: int, out: Path, seed:
 
     first = int(users[0])
     _show_recs(model, prep, first, k, None)
-    attr = next(iter(ds.attribute_values))
-    value = ds.attribute_values[attr][0]
-    _show_recs(model, prep, first, k, f'{attr} in {{"{value}"}}')
+    _show_recs(model, prep, first, k, DEMO_FILTERS.get(ds.name.split("-")[0]))
 
     path = save_model(model, out / "model")
     again = load_model(path)

@@ -240,9 +240,12 @@ class IVFIndex(nn.Module):
         b = q.shape[0]
         pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
         scores = torch.full((b, k), float("-inf"), device=q.device)
-        key = torch.cat([masks.flatten(1), negate.long()], dim=1)
-        groups, inverse = torch.unique(key, dim=0, return_inverse=True) if b else (key, key)
-        for g in range(groups.shape[0]):
+        if masks.shape[1]:
+            key = torch.cat([masks.flatten(1), negate.long()], dim=1)
+            inverse = torch.unique(key, dim=0, return_inverse=True)[1]
+        else:  # no clauses: one group
+            inverse = torch.zeros(b, dtype=torch.int64, device=q.device)
+        for g in range(int(inverse.max()) + 1 if b else 0):
             rows = (inverse == g).nonzero().flatten()
             if masks.shape[1]:
                 elig = eligible(self.sig, masks[rows[0]], negate[rows[0]])  # [N]

@@ -89,7 +89,7 @@ def train(model: RetrievalModel, data: TrainingData, cfg: TrainConfig) -> list[f
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             seen += len(idx)
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", ex_s=f"{seen / (time.perf_counter() - start):.0f}")
         epoch_losses.append(float(np.mean(losses)) if losses else float("nan"))
