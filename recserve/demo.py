@@ -73,7 +73,7 @@ def run_demo(*, data: str, data_dir: Path, epochs: int, k: int, out: Path, seed:
     losses = train(model, prep.train, TrainConfig(epochs=epochs, seed=seed, progress=progress))
     console.print(f"trained {epochs} epochs: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
-    model.build_index(prep.train.item_features, ds.item_attributes)
+    model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch(seed=seed))
     mem = sum(model.index.memory_bytes().values())
     console.print(f"index: {model.index.nlist} lists, nprobe {model.config.index.nprobe}, "
                   f"{model.config.index.codes} codes, {mem / model.index.ntotal:.0f} bytes/item")

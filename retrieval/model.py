@@ -111,7 +111,8 @@ class RetrievalModel(nn.Module):
         hist = batch.history if cfg.exclude_history else batch.history[:, :0]
         r = min(self.index.ntotal, max(k + hist.shape[1], cfg.head_candidates if self.head is not None else 0))
         fb = FilterBatch(batch.filter_masks, batch.filter_negate)
-        pos, dot = self.index.search_positions(q, r, fb, cfg.index.nprobe, cfg.index.rerank, exact=exact)  # [B, R]
+        icfg = self.index.config  # as built (nprobe may be tuned)
+        pos, dot = self.index.search_positions(q, r, fb, icfg.nprobe, icfg.rerank, exact=exact)  # [B, R]
         ids = torch.where(pos >= 0, self.index.item_ids[pos.clamp(min=0)], pos)
         # score: dot product, plus the learned head when configured
         if self.head is not None:
@@ -127,13 +128,20 @@ class RetrievalModel(nn.Module):
     # ---- index build ------------------------------------------------------------------------
     @torch.no_grad()
     def build_index(
-        self, item_features: Mapping[str, torch.Tensor], item_attributes: Mapping[str, np.ndarray], chunk: int = 65536
+        self, item_features: Mapping[str, torch.Tensor], item_attributes: Mapping[str, np.ndarray],
+        tune_batch: UserBatch | None = None, chunk: int = 65536,
     ) -> None:
-        """Item tower over the whole catalog -> IVF index (codes, lists, filter signatures)."""
+        """Item tower over the whole catalog -> IVF index (codes, lists, filter signatures).
+
+        ``tune_batch``: sample requests whose query vectors tune nprobe (when the index config
+        has ``target_recall``); the config's nprobe is updated to the tuned value."""
         n = item_features["item_id"].shape[0]
         vecs = torch.cat([
             self.item_vectors({f: t[s : s + chunk] for f, t in item_features.items()})
             for s in range(0, n, chunk)
         ]).cpu()
+        tune = self.user_vectors(tune_batch).cpu() if tune_batch is not None else None
         self.index = build_ivf(vecs, self.config.index, item_attributes=item_attributes,
-                               attribute_values=self.config.item_attributes).to(self.index.centroids.device)
+                               attribute_values=self.config.item_attributes, tune_queries=tune,
+                               ).to(self.index.centroids.device)
+        self.config.index = self.index.config

@@ -21,7 +21,7 @@ never starve a result.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from torch import nn
 
 from retrieval.filters import FilterBatch, FilterSchema, bit_counts, eligible, estimate_selectivity
 from retrieval.index.codes import CODE_KINDS, dequantize, quantize
-from retrieval.index.exact import exact_search, exact_search_subset
+from retrieval.index.exact import exact_search, exact_search_subset, recall_at_k
 from retrieval.index.kmeans import assign, train_centroids
 from retrieval.index.scan import scan, topk_rows
 
@@ -61,6 +61,10 @@ class IVFConfig:
     """Filtered requests admitting less than this fraction of items are scanned exactly."""
     filter_nprobe_exponent: float = 0.5
     """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
+    target_recall: float = 0.0
+    """If > 0, the build picks the smallest power-of-two nprobe whose recall@``tune_k`` against
+    exact search reaches this on sample queries (then ``nprobe`` is only the starting point)."""
+    tune_k: int = 100
 
     def validate(self) -> None:
         if self.nlist < 1 or self.nprobe < 1:
@@ -117,6 +121,7 @@ class IVFIndex(nn.Module):
                 f"index state has dim={state['dim']} codes={state['config']['codes']!r}, "
                 f"this index has dim={self.dim} codes={self.config.codes!r}"
             )
+        self.config = IVFConfig(**state["config"])  # search settings as built (e.g. tuned nprobe)
         self.schema = FilterSchema(state["attribute_values"])
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
@@ -178,6 +183,10 @@ class IVFIndex(nn.Module):
         ids = torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
         return ids, scores
 
+    # The plan below branches on data (which rows are exact, how many lists each probes), so under
+    # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
+    # heavy part, the scan, is one C++ op either way.
+    @torch.compiler.disable
     def search_positions(
         self, q: torch.Tensor, k: int, fb: FilterBatch, nprobe: int, rerank: int, exact: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,11 +291,14 @@ def build_ivf(
     item_ids: torch.Tensor | None = None,
     item_attributes: Mapping[str, np.ndarray] | None = None,
     attribute_values: Mapping[str, Sequence[str]] | None = None,
+    tune_queries: torch.Tensor | None = None,
 ) -> IVFIndex:
     """Builds an :class:`IVFIndex` over ``vectors [N, D] float32``.
 
     ``item_ids [N] int64`` defaults to ``0..N-1``; ``item_attributes`` (codes ``[N]`` or bool
     ``[N, V]`` per attribute, vocabularies in ``attribute_values``) become filter signatures.
+    With ``config.target_recall`` set, nprobe is tuned on ``tune_queries [Q, D]`` (default: a
+    sample of the vectors themselves).
     """
     config = config or IVFConfig()
     config.validate()
@@ -320,4 +332,23 @@ def build_ivf(
     index.sig = sig.contiguous()
     index.bit_counts = bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64)
     index._refresh()
+    if config.target_recall > 0:
+        tune_nprobe(index, x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
+                    if tune_queries is None else tune_queries.float().cpu())
     return index
+
+
+def tune_nprobe(index: IVFIndex, queries: torch.Tensor) -> int:
+    """Sets ``index.config.nprobe`` to the smallest power of two (or nlist) whose unfiltered
+    recall@``tune_k`` against exact search on ``queries [Q, D]`` reaches ``target_recall``."""
+    cfg = index.config
+    k = min(cfg.tune_k, index.ntotal)
+    truth_pos, _ = index.search_positions(queries, k, index.schema.empty(len(queries)), 1, cfg.rerank, exact=True)
+    nprobe = 1
+    while True:
+        pos, _ = index.search_positions(queries, k, index.schema.empty(len(queries)), nprobe, cfg.rerank)
+        if nprobe >= index.nlist or recall_at_k(pos, truth_pos) >= cfg.target_recall:
+            break
+        nprobe = min(2 * nprobe, index.nlist)
+    index.config = replace(cfg, nprobe=nprobe)
+    return nprobe

@@ -1,0 +1,160 @@
+"""RetrievalModel end to end on synthetic data: forward, filters, compile, save/load, bad input."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from retrieval.artifact import load_model, load_state, save_model
+from retrieval.config import ModelConfig
+from retrieval.data import SyntheticConfig, generate
+from retrieval.filters import eligible
+from retrieval.index.ivf import IVFConfig
+from retrieval.metrics import popularity_recs, ranking_metrics
+from retrieval.model import RetrievalModel
+from retrieval.training.prepare import prepare
+from retrieval.training.train import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def trained():
+    ds = generate(SyntheticConfig(num_users=800, num_items=3000, seed=3))
+    prep = prepare(ds, history_len=20)  # the default index settings
+    model = RetrievalModel(prep.config)
+    losses = train(model, prep.train, TrainConfig(epochs=3, batch_size=256, progress=False))
+    model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch())
+    return prep, model, losses
+
+
+def test_training_lowers_the_loss_and_beats_popularity(trained):
+    prep, model, losses = trained
+    assert losses[-1] < losses[0]
+    users = np.array([u for u in range(prep.dataset.num_users) if prep.test_items[u]])
+    with torch.inference_mode():
+        recs = model(prep.user_batch(users), 100)[0].numpy()
+    pop = popularity_recs(prep.train.item_ids, prep.dataset.num_items, prep.history[users], 100)
+    rel = [prep.test_items[u] for u in users]
+    assert ranking_metrics(recs, rel, 100)["recall@100"] > 1.2 * ranking_metrics(pop, rel, 100)["recall@100"]
+
+
+def test_forward_excludes_history_and_respects_filters(trained):
+    prep, model, _ = trained
+    users = np.arange(32)
+    text = "language in {en, fr} and available and not age_rating = '18+'"
+    with torch.inference_mode():
+        ids, scores = model(prep.user_batch(users, [text] * 32), 50)
+    assert ids.shape == (32, 50) and scores.shape == (32, 50)
+    hist = prep.history[users]
+    assert not any(set(r) & set(h[h >= 0]) for r, h in zip(ids.tolist(), hist, strict=True))
+    fb = model.index.compile_filter(text, 1)
+    ok = torch.zeros(model.index.ntotal, dtype=torch.bool)
+    ok[model.index.item_ids[eligible(model.index.sig, fb.masks[0], fb.negate[0])]] = True
+    assert ok[ids[ids >= 0]].all()
+    assert torch.all(scores[:, :-1] >= scores[:, 1:])
+
+
+def test_index_recall_against_exact_search(trained):
+    prep, model, _ = trained
+    batch = prep.user_batch(np.arange(200))
+    with torch.inference_mode():
+        approx, _ = model(batch, 100)
+        exact, _ = model(batch, 100, exact=True)
+    hits = sum(len(set(a) & set(e)) for a, e in zip(approx.tolist(), exact.tolist(), strict=True))
+    assert hits / exact.numel() >= 0.95
+
+
+def test_torch_compile_equals_eager(trained):
+    prep, model, _ = trained
+    batch = prep.user_batch(np.arange(16), [None] * 8 + ["region in {eu, na}"] * 8)
+    with torch.inference_mode():
+        eager = model(batch, 100)
+        compiled = torch.compile(model)(batch, 100)
+    assert torch.equal(eager[0], compiled[0])
+    torch.testing.assert_close(eager[1], compiled[1])
+
+
+def test_state_dict_round_trip_weights_only(trained, tmp_path):
+    prep, model, _ = trained
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    fresh = RetrievalModel(prep.config)
+    load_state(fresh, torch.load(buf, weights_only=True))
+    batch = prep.user_batch(np.arange(64), ["available"] * 64)
+    with torch.inference_mode():
+        assert torch.equal(model(batch, 100)[0], fresh(batch, 100)[0])
+    again = load_model(save_model(model, tmp_path / "m"))
+    with torch.inference_mode():
+        assert torch.equal(model(batch, 100)[0], again(batch, 100)[0])
+
+
+def test_loading_another_config_says_which_tensor(trained):
+    prep, model, _ = trained
+    other = copy.deepcopy(prep.config)
+    other.out_dim = 32
+    with pytest.raises(ValueError, match="user_tower.mlp.2.weight"):
+        load_state(RetrievalModel(other), model.state_dict())
+
+
+def test_k_larger_than_history_and_10000(trained):
+    prep, model, _ = trained
+    with torch.inference_mode():
+        ids, _ = model(prep.user_batch(np.arange(2)), 2900)
+    for row, h in zip(ids.tolist(), prep.history[:2], strict=True):
+        valid = [x for x in row if x >= 0]
+        assert len(valid) == len(set(valid)) == min(2900, prep.dataset.num_items - int((h >= 0).sum()))
+
+
+def _bad(batch, **changes):
+    b = copy.copy(batch)
+    for k, v in changes.items():
+        setattr(b, k, v)
+    return b
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: _bad(b, history=b.history.float()), "history"),
+    (lambda b: _bad(b, categorical=b.categorical[:, :1]), "categorical"),
+    (lambda b: _bad(b, dense=b.dense.double()), "dense"),
+    (lambda b: _bad(b, dense=b.dense * float("nan")), "dense"),
+    (lambda b: _bad(b, history=b.history + 10**6), "history"),
+    (lambda b: _bad(b, filter_masks=b.filter_masks[:, :, :0]), "filter_masks"),
+])
+def test_bad_batches_raise_value_error_naming_the_field(trained, change, match):
+    prep, model, _ = trained
+    batch = prep.user_batch(np.arange(4), ["available"] * 4)
+    with pytest.raises(ValueError, match=match):
+        model(change(batch), 10)
+
+
+@pytest.mark.parametrize("k", [0, -3, 10**7])
+def test_bad_k(trained, k):
+    prep, model, _ = trained
+    with pytest.raises(ValueError, match="k"):
+        model(prep.user_batch(np.arange(2)), k)
+
+
+def test_unknown_filter_attribute(trained):
+    prep, _, _ = trained
+    with pytest.raises(ValueError, match="colour"):
+        prep.user_batch(np.arange(2), ["colour = red"] * 2)
+
+
+def test_scoring_head_trains_and_serves():
+    ds = generate(SyntheticConfig(num_users=300, num_items=800, seed=5))
+    prep = prepare(ds, history_len=10, scoring_head=True, head_tasks=("click", "watch"),
+                   head_task_weights=(1.0, 0.5), index=IVFConfig(nlist=16, nprobe=4))
+    assert isinstance(prep.config, ModelConfig)
+    model = RetrievalModel(prep.config)
+    train(model, prep.train, TrainConfig(epochs=1, batch_size=128, progress=False))
+    assert model.head is not None and model.head.mlp[-1].weight.abs().sum() > 0  # it learned
+    model.build_index(prep.train.item_features, ds.item_attributes)
+    batch = prep.user_batch(np.arange(8))
+    with torch.inference_mode():
+        ids, scores = model(batch, 20)
+        compiled = torch.compile(model)(batch, 20)
+    assert (ids >= 0).all() and torch.equal(ids, compiled[0])
