@@ -1,8 +1,8 @@
 """``recserve`` command line: one subcommand per job.
 
-    recserve demo              train on MovieLens 100k, build the index, print recommendations and recall
-    recserve fetch-movielens   extract MovieLens 100k from the recbole wheel into data/ml-100k
-    recserve bench-ann         the index benchmark (bench/ann.py) vs faiss
+recserve demo              train on MovieLens 100k, build the index, print recommendations and recall
+recserve fetch-movielens   extract MovieLens 100k from the recbole wheel into data/ml-100k
+recserve bench-ann         the index benchmark (bench/ann.py) vs faiss
 """
 
 from __future__ import annotations
@@ -23,14 +23,18 @@ def demo(
     data_dir: Path = typer.Option(REPO / "data" / "ml-100k", help="MovieLens 100k folder"),
     epochs: int = typer.Option(8, min=1, help="training epochs"),
     k: int = typer.Option(100, min=1, help="recommendations per user (K)"),
-    out: Path = typer.Option(REPO / "runs" / "demo", help="where the trained model folder is written"),
+    out: Path = typer.Option(
+        REPO / "runs" / "demo", help="where the trained model folder is written"
+    ),
     seed: int = typer.Option(0, help="random seed (data split, init, batches)"),
     quiet: bool = typer.Option(False, help="no progress bars"),
 ) -> None:
     """Train a small model, build the in-model index, print recommendations and recall."""
     from recserve.demo import run_demo
 
-    run_demo(data=data, data_dir=data_dir, epochs=epochs, k=k, out=out, seed=seed, progress=not quiet)
+    run_demo(
+        data=data, data_dir=data_dir, epochs=epochs, k=k, out=out, seed=seed, progress=not quiet
+    )
 
 
 @app.command("fetch-movielens")
@@ -44,7 +48,9 @@ def fetch_movielens_cmd(
     typer.echo(f"MovieLens 100k is in {path}")
 
 
-@app.command("bench-ann", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(
+    "bench-ann", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
 def bench_ann(ctx: typer.Context) -> None:
     """Run bench/ann.py (our index vs faiss); extra arguments pass through (try --help)."""
     raise typer.Exit(subprocess.call([sys.executable, str(REPO / "bench" / "ann.py"), *ctx.args]))

@@ -25,8 +25,15 @@ DEMO_FILTERS = {  # one request-time filter per data set, to show eligibility in
 }
 
 
-def _recommend(model: RetrievalModel, prep: Prepared, users: np.ndarray, k: int,
-               filters: list[str | None] | None = None, exact: bool = False, chunk: int = 512) -> np.ndarray:
+def _recommend(
+    model: RetrievalModel,
+    prep: Prepared,
+    users: np.ndarray,
+    k: int,
+    filters: list[str | None] | None = None,
+    exact: bool = False,
+    chunk: int = 512,
+) -> np.ndarray:
     out = []
     with torch.inference_mode():
         for s in range(0, len(users), chunk):
@@ -60,14 +67,18 @@ def _show_recs(model: RetrievalModel, prep: Prepared, user: int, k: int, flt: st
     console.print(table)
 
 
-def run_demo(*, data: str, data_dir: Path, epochs: int, k: int, out: Path, seed: int, progress: bool) -> None:
+def run_demo(
+    *, data: str, data_dir: Path, epochs: int, k: int, out: Path, seed: int, progress: bool
+) -> None:
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     ds = _load(data, data_dir, seed)
     prep = prepare(ds)
     console.rule(f"[bold]recserve demo — {ds.name}")
-    console.print(f"{ds.num_users} users, {ds.num_items} items, {len(ds.interactions)} interactions; "
-                  f"{len(prep.train.user_ids)} for training, the latest 20% per user held out")
+    console.print(
+        f"{ds.num_users} users, {ds.num_items} items, {len(ds.interactions)} interactions; "
+        f"{len(prep.train.user_ids)} for training, the latest 20% per user held out"
+    )
 
     model = RetrievalModel(prep.config)
     losses = train(model, prep.train, TrainConfig(epochs=epochs, seed=seed, progress=progress))
@@ -75,8 +86,10 @@ def run_demo(*, data: str, data_dir: Path, epochs: int, k: int, out: Path, seed:
 
     model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch(seed=seed))
     mem = sum(model.index.memory_bytes().values())
-    console.print(f"index: {model.index.nlist} lists, nprobe {model.config.index.nprobe}, "
-                  f"{model.config.index.codes} codes, {mem / model.index.ntotal:.0f} bytes/item")
+    console.print(
+        f"index: {model.index.nlist} lists, nprobe {model.config.index.nprobe}, "
+        f"{model.config.index.codes} codes, {mem / model.index.ntotal:.0f} bytes/item"
+    )
 
     users = np.array([u for u in range(ds.num_users) if prep.test_items[u]])
     t = time.perf_counter()
@@ -94,7 +107,9 @@ def run_demo(*, data: str, data_dir: Path, epochs: int, k: int, out: Path, seed:
     table.add_row("recserve (index)", f"{ours[f'recall@{k}']:.3f}", f"{ours[f'ndcg@{k}']:.3f}")
     table.add_row("popularity baseline", f"{base[f'recall@{k}']:.3f}", f"{base[f'ndcg@{k}']:.3f}")
     console.print(table)
-    console.print(f"index recall@{k} vs exact search: {idx_recall:.3f}; {per_user_ms:.2f} ms per user in batches")
+    console.print(
+        f"index recall@{k} vs exact search: {idx_recall:.3f}; {per_user_ms:.2f} ms per user in batches"
+    )
 
     first = int(users[0])
     _show_recs(model, prep, first, k, None)

@@ -47,9 +47,16 @@ def load_state(model: RetrievalModel, state: dict[str, torch.Tensor]) -> None:
     problems += [f"unexpected {k}" for k in state if k not in own]
     for k, t in state.items():
         mine = own.get(k)
-        if isinstance(t, torch.Tensor) and isinstance(mine, torch.Tensor) and not k.startswith("index."):
-            if t.shape != mine.shape or t.dtype != mine.dtype:
-                problems.append(f"{k}: saved {tuple(t.shape)} {t.dtype}, model has {tuple(mine.shape)} {mine.dtype}")
+        if (
+            k.startswith("index.")
+            or not isinstance(t, torch.Tensor)
+            or not isinstance(mine, torch.Tensor)
+        ):
+            continue  # index buffers are sized by the catalog; the index checks its own dims
+        if t.shape != mine.shape or t.dtype != mine.dtype:
+            problems.append(
+                f"{k}: saved {tuple(t.shape)} {t.dtype}, model has {tuple(mine.shape)} {mine.dtype}"
+            )
     if problems:
         raise ValueError("state dict does not fit this model config: " + "; ".join(problems))
     model.load_state_dict(state)

@@ -40,8 +40,18 @@ class UserBatch:
         return FilterBatch(self.filter_masks, self.filter_negate)
 
     def to(self, device: torch.device | str) -> UserBatch:
-        return UserBatch(*(t.to(device) for t in (self.history, self.categorical, self.dense,
-                                                  self.filter_masks, self.filter_negate)))
+        return UserBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.history,
+                    self.categorical,
+                    self.dense,
+                    self.filter_masks,
+                    self.filter_negate,
+                )
+            )
+        )
 
 
 def make_user_batch(
@@ -54,8 +64,13 @@ def make_user_batch(
     """Builds a batch from per-request arrays; ``filters`` is one entry per request (or None)."""
     h = torch.as_tensor(history, dtype=torch.int64)
     fb = schema.compile(filters) if filters is not None else schema.empty(h.shape[0])
-    return UserBatch(h, torch.as_tensor(categorical, dtype=torch.int64),
-                     torch.as_tensor(dense, dtype=torch.float32), fb.masks, fb.negate)
+    return UserBatch(
+        h,
+        torch.as_tensor(categorical, dtype=torch.int64),
+        torch.as_tensor(dense, dtype=torch.float32),
+        fb.masks,
+        fb.negate,
+    )
 
 
 def item_feature_ids(

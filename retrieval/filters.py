@@ -79,7 +79,9 @@ def parse_filter(text: str) -> list[Clause]:
             negate, i = not negate, i + 1
         name = peek()
         if name is None or name[0] != "word":
-            raise ValueError(f"filter: expected an attribute name, got {name[1] if name else 'end of text'!r}")
+            raise ValueError(
+                f"filter: expected an attribute name, got {name[1] if name else 'end of text'!r}"
+            )
         attr, i = name[1], i + 1
         nxt = peek()
         if nxt is None or is_word(nxt, "and"):
@@ -166,7 +168,9 @@ class FilterSchema:
     """Assigns one signature bit to every (attribute, value) of the catalog."""
 
     def __init__(self, attribute_values: Mapping[str, Sequence[str]]):
-        self.attribute_values: dict[str, list[str]] = {a: list(v) for a, v in attribute_values.items()}
+        self.attribute_values: dict[str, list[str]] = {
+            a: list(v) for a, v in attribute_values.items()
+        }
         self.bit_of: dict[tuple[str, str], int] = {}
         for attr, values in self.attribute_values.items():
             if len(set(values)) != len(values):
@@ -193,7 +197,9 @@ class FilterSchema:
             vocab = len(self.attribute_values[attr])
             arr = np.asarray(arr)
             if arr.shape[0] != num_items:
-                raise ValueError(f"item_attributes[{attr!r}] has {arr.shape[0]} rows, expected {num_items}")
+                raise ValueError(
+                    f"item_attributes[{attr!r}] has {arr.shape[0]} rows, expected {num_items}"
+                )
             if arr.ndim == 1:
                 if arr.size and (arr.min() < 0 or arr.max() >= vocab):
                     raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {vocab})")
@@ -201,7 +207,9 @@ class FilterSchema:
             elif arr.ndim == 2 and arr.shape[1] == vocab:
                 bits[:, first : first + vocab] |= arr.astype(bool)
             else:
-                raise ValueError(f"item_attributes[{attr!r}] must be codes [N] or bool [N, {vocab}]")
+                raise ValueError(
+                    f"item_attributes[{attr!r}] must be codes [N] or bool [N, {vocab}]"
+                )
         return pack_bits(bits)
 
     def clause_mask(self, clause: Clause) -> np.ndarray:
@@ -241,7 +249,7 @@ def pack_bits(bits: np.ndarray) -> torch.Tensor:
     """``bool [M, W*64]`` -> ``int64 [M, W]`` (bit j of word w is column w*64 + j)."""
     m, nbits = bits.shape
     words = nbits // WORD_BITS
-    weights = (np.uint64(1) << np.arange(WORD_BITS, dtype=np.uint64))
+    weights = np.uint64(1) << np.arange(WORD_BITS, dtype=np.uint64)
     b = bits.reshape(m, words, WORD_BITS).astype(np.uint64)
     packed = (b * weights).sum(axis=2, dtype=np.uint64)
     return torch.from_numpy(packed.view(np.int64).copy())

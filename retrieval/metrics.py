@@ -22,11 +22,16 @@ def ranking_metrics(recs: np.ndarray, relevant: Sequence[set[int]], k: int) -> d
         ideal = discounts[: min(len(rel), k)].sum()
         recalls.append(hits.sum() / min(len(rel), k))
         ndcgs.append((hits * discounts[: len(hits)]).sum() / ideal)
-    return {f"recall@{k}": float(np.mean(recalls)) if recalls else 0.0,
-            f"ndcg@{k}": float(np.mean(ndcgs)) if ndcgs else 0.0, "users": len(recalls)}
+    return {
+        f"recall@{k}": float(np.mean(recalls)) if recalls else 0.0,
+        f"ndcg@{k}": float(np.mean(ndcgs)) if ndcgs else 0.0,
+        "users": len(recalls),
+    }
 
 
-def popularity_recs(train_items: np.ndarray, num_items: int, history: np.ndarray, k: int) -> np.ndarray:
+def popularity_recs(
+    train_items: np.ndarray, num_items: int, history: np.ndarray, k: int
+) -> np.ndarray:
     """The baseline: the K most popular train items each user has not seen. ``history [U, H]``."""
     order = np.argsort(-np.bincount(train_items, minlength=num_items), kind="stable")
     head = order[: k + history.shape[1]]

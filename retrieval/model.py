@@ -28,7 +28,10 @@ def _table_configs(cfg: ModelConfig) -> list[TableConfig]:
     e = cfg.embedding_dim
     tables = [TableConfig("item", cfg.num_items, e, features=("history", "item_id"))]
     tables += [TableConfig(f"user_{n}", size, e) for n, size in cfg.user_features.items()]
-    tables += [TableConfig(f"attr_{n}", len(v), e, features=(f"item_{n}",)) for n, v in cfg.item_attributes.items()]
+    tables += [
+        TableConfig(f"attr_{n}", len(v), e, features=(f"item_{n}",))
+        for n, v in cfg.item_attributes.items()
+    ]
     return tables
 
 
@@ -51,7 +54,9 @@ class RetrievalModel(nn.Module):
         self.user_tower = Tower(user_in, config.hidden, config.out_dim)
         self.item_tower = Tower(item_in, config.hidden, config.out_dim)
         self.head = (
-            PairHead(config.out_dim, config.head_hidden, config.head_task_weights) if config.scoring_head else None
+            PairHead(config.out_dim, config.head_hidden, config.head_task_weights)
+            if config.scoring_head
+            else None
         )
         self.index = IVFIndex(config.index, config.out_dim, config.item_attributes)
 
@@ -87,20 +92,37 @@ class RetrievalModel(nn.Module):
             "filter_negate": ((b, batch.filter_masks.shape[1]), torch.bool, batch.filter_negate),
         }
         if batch.history.dim() != 2 or batch.history.dtype != torch.int64:
-            raise ValueError(f"history: expected int64 [B, H], got {batch.history.dtype} {tuple(batch.history.shape)}")
+            raise ValueError(
+                f"history: expected int64 [B, H], got {batch.history.dtype} {tuple(batch.history.shape)}"
+            )
         for name, (shape, dtype, t) in expect.items():
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+                raise ValueError(
+                    f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
+                )
         w = self.index.schema.num_words
-        if batch.filter_masks.dim() != 3 or batch.filter_masks.shape[::2] != (b, w) or batch.filter_masks.dtype != torch.int64:
-            raise ValueError(f"filter_masks: expected int64 [{b}, C, {w}], got {batch.filter_masks.dtype} {tuple(batch.filter_masks.shape)}")
+        if (
+            batch.filter_masks.dim() != 3
+            or batch.filter_masks.shape[::2] != (b, w)
+            or batch.filter_masks.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"filter_masks: expected int64 [{b}, C, {w}], got {batch.filter_masks.dtype} {tuple(batch.filter_masks.shape)}"
+            )
         sparse = {"history": batch.history}
-        sparse.update({f"user_{n}": batch.categorical[:, j : j + 1] for j, n in enumerate(self.user_feature_names)})
+        sparse.update(
+            {
+                f"user_{n}": batch.categorical[:, j : j + 1]
+                for j, n in enumerate(self.user_feature_names)
+            }
+        )
         self.tables.validate(sparse)
         if not torch.isfinite(batch.dense).all():
             raise ValueError("dense: contains NaN or infinity")
 
-    def forward(self, batch: UserBatch, k: int, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: UserBatch, k: int, exact: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` items per request. ``exact=True`` scans every eligible item (the reference)."""
         if not torch.compiler.is_compiling():
             self.validate(batch, k)
@@ -109,15 +131,24 @@ class RetrievalModel(nn.Module):
         q = self.user_vectors(batch)  # [B, D]
         # index, with the request's filter applied inside the scan
         hist = batch.history if cfg.exclude_history else batch.history[:, :0]
-        r = min(self.index.ntotal, max(k + hist.shape[1], cfg.head_candidates if self.head is not None else 0))
+        r = min(
+            self.index.ntotal,
+            max(k + hist.shape[1], cfg.head_candidates if self.head is not None else 0),
+        )
         fb = FilterBatch(batch.filter_masks, batch.filter_negate)
         icfg = self.index.config  # as built (nprobe may be tuned)
-        pos, dot = self.index.search_positions(q, r, fb, icfg.nprobe, icfg.rerank, exact=exact)  # [B, R]
+        pos, dot = self.index.search_positions(
+            q, r, fb, icfg.nprobe, icfg.rerank, exact=exact
+        )  # [B, R]
         ids = torch.where(pos >= 0, self.index.item_ids[pos.clamp(min=0)], pos)
         # score: dot product, plus the learned head when configured
         if self.head is not None:
-            cand = self.index.vectors_at(pos.clamp(min=0).flatten()).view(*pos.shape, -1)  # [B, R, D]
-            dot = score_candidates(q, cand, dot, self.head, cfg.temperature).masked_fill(pos < 0, float("-inf"))
+            cand = self.index.vectors_at(pos.clamp(min=0).flatten()).view(
+                *pos.shape, -1
+            )  # [B, R, D]
+            dot = score_candidates(q, cand, dot, self.head, cfg.temperature).masked_fill(
+                pos < 0, float("-inf")
+            )
         # already-seen items never take a slot
         seen = (ids.unsqueeze(2) == hist.unsqueeze(1)).any(dim=2) & (ids >= 0)  # [B, R]
         dot = dot.masked_fill(seen, float("-inf"))
@@ -128,20 +159,29 @@ class RetrievalModel(nn.Module):
     # ---- index build ------------------------------------------------------------------------
     @torch.no_grad()
     def build_index(
-        self, item_features: Mapping[str, torch.Tensor], item_attributes: Mapping[str, np.ndarray],
-        tune_batch: UserBatch | None = None, chunk: int = 65536,
+        self,
+        item_features: Mapping[str, torch.Tensor],
+        item_attributes: Mapping[str, np.ndarray],
+        tune_batch: UserBatch | None = None,
+        chunk: int = 65536,
     ) -> None:
         """Item tower over the whole catalog -> IVF index (codes, lists, filter signatures).
 
         ``tune_batch``: sample requests whose query vectors tune nprobe (when the index config
         has ``target_recall``); the config's nprobe is updated to the tuned value."""
         n = item_features["item_id"].shape[0]
-        vecs = torch.cat([
-            self.item_vectors({f: t[s : s + chunk] for f, t in item_features.items()})
-            for s in range(0, n, chunk)
-        ]).cpu()
+        vecs = torch.cat(
+            [
+                self.item_vectors({f: t[s : s + chunk] for f, t in item_features.items()})
+                for s in range(0, n, chunk)
+            ]
+        ).cpu()
         tune = self.user_vectors(tune_batch).cpu() if tune_batch is not None else None
-        self.index = build_ivf(vecs, self.config.index, item_attributes=item_attributes,
-                               attribute_values=self.config.item_attributes, tune_queries=tune,
-                               ).to(self.index.centroids.device)
+        self.index = build_ivf(
+            vecs,
+            self.config.index,
+            item_attributes=item_attributes,
+            attribute_values=self.config.item_attributes,
+            tune_queries=tune,
+        ).to(self.index.centroids.device)
         self.config.index = self.index.config

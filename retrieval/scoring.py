@@ -16,9 +16,13 @@ from torch import nn
 class PairHead(nn.Module):
     """``q [..., D]``, ``v [..., D]`` -> ``[...]`` combined score; ``task_logits`` gives ``[..., T]``."""
 
+    task_weights: torch.Tensor
+
     def __init__(self, dim: int, hidden: int, task_weights: Sequence[float]):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, len(task_weights)))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, len(task_weights))
+        )
         nn.init.zeros_(self.mlp[-1].weight)  # starts as a no-op on top of the dot product
         nn.init.zeros_(self.mlp[-1].bias)
         self.register_buffer("task_weights", torch.tensor(list(task_weights), dtype=torch.float32))
@@ -31,7 +35,11 @@ class PairHead(nn.Module):
 
 
 def score_candidates(
-    q: torch.Tensor, cand_vectors: torch.Tensor, dot: torch.Tensor, head: PairHead | None, temperature: float
+    q: torch.Tensor,
+    cand_vectors: torch.Tensor,
+    dot: torch.Tensor,
+    head: PairHead | None,
+    temperature: float,
 ) -> torch.Tensor:
     """Final scores of candidates: ``q [B, D]``, ``cand_vectors [B, R, D]``, ``dot [B, R]`` -> ``[B, R]``.
 

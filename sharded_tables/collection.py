@@ -47,7 +47,9 @@ class EmbeddingCollection(nn.Module):
         self.table_of: dict[str, str] = {}
         for t in tables:
             if t.pooling not in ("mean", "sum"):
-                raise ValueError(f"table {t.name!r}: pooling must be 'mean' or 'sum', got {t.pooling!r}")
+                raise ValueError(
+                    f"table {t.name!r}: pooling must be 'mean' or 'sum', got {t.pooling!r}"
+                )
             bag = nn.EmbeddingBag(t.num_embeddings, t.dim, mode="sum")
             nn.init.normal_(bag.weight, std=init_std)
             self.tables[t.name] = bag
@@ -65,7 +67,9 @@ class EmbeddingCollection(nn.Module):
             if name not in self.table_of:
                 raise ValueError(f"unknown feature {name!r} (known: {sorted(self.table_of)})")
             if ids.dim() != 2 or ids.dtype != torch.int64:
-                raise ValueError(f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}")
+                raise ValueError(
+                    f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}"
+                )
             rows = self.configs[self.table_of[name]].num_embeddings
             if ids.numel() and (int(ids.max()) >= rows or int(ids.min()) < -1):
                 raise ValueError(f"feature {name!r}: ids must be in [0, {rows}) or -1 for padding")

@@ -9,7 +9,10 @@ NEG_INF = float("-inf")
 
 
 def exact_search(
-    vectors: torch.Tensor, q: torch.Tensor, k: int, eligible: torch.Tensor | None = None,
+    vectors: torch.Tensor,
+    q: torch.Tensor,
+    k: int,
+    eligible: torch.Tensor | None = None,
     chunk: int = 1 << 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` inner products of ``q [B, D]`` against ``vectors [N, D]``.

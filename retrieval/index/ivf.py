@@ -72,7 +72,9 @@ class IVFConfig:
         if self.codes not in CODE_KINDS:
             raise ValueError(f"codes must be one of {CODE_KINDS}, got {self.codes!r}")
         if self.exact_copy not in _EXACT_DTYPES:
-            raise ValueError(f"exact_copy must be one of {tuple(_EXACT_DTYPES)}, got {self.exact_copy!r}")
+            raise ValueError(
+                f"exact_copy must be one of {tuple(_EXACT_DTYPES)}, got {self.exact_copy!r}"
+            )
         if self.rerank < 0:
             raise ValueError(f"rerank must be >= 0, got {self.rerank}")
 
@@ -85,7 +87,21 @@ class IVFIndex(nn.Module):
     ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``.
     """
 
-    def __init__(self, config: IVFConfig, dim: int, attribute_values: Mapping[str, Sequence[str]] | None = None):
+    centroids: torch.Tensor
+    offsets: torch.Tensor
+    item_ids: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    exact: torch.Tensor
+    sig: torch.Tensor
+    bit_counts: torch.Tensor
+
+    def __init__(
+        self,
+        config: IVFConfig,
+        dim: int,
+        attribute_values: Mapping[str, Sequence[str]] | None = None,
+    ):
         super().__init__()
         config.validate()
         self.config = config
@@ -113,7 +129,11 @@ class IVFIndex(nn.Module):
         return int(self.centroids.shape[0])
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"config": asdict(self.config), "dim": self.dim, "attribute_values": self.schema.to_dict()}
+        return {
+            "config": asdict(self.config),
+            "dim": self.dim,
+            "attribute_values": self.schema.to_dict(),
+        }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if state["dim"] != self.dim or state["config"]["codes"] != self.config.codes:
@@ -124,20 +144,26 @@ class IVFIndex(nn.Module):
         self.config = IVFConfig(**state["config"])  # search settings as built (e.g. tuned nprobe)
         self.schema = FilterSchema(state["attribute_values"])
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Buffers are sized by the catalog: adopt the saved sizes, but insist on matching dims/dtypes.
         for name, buf in self._buffers.items():
             saved = state_dict.get(prefix + name)
             if saved is None or buf is None:
                 continue
-            if saved.dtype != buf.dtype or saved.shape[1:] != buf.shape[1:] and name not in ("sig", "bit_counts"):
+            if saved.dtype != buf.dtype or (
+                saved.shape[1:] != buf.shape[1:] and name not in ("sig", "bit_counts")
+            ):
                 error_msgs.append(
                     f"{prefix}{name}: saved {tuple(saved.shape)} {saved.dtype}, expected [*, "
                     f"{', '.join(map(str, buf.shape[1:]))}] {buf.dtype} (different index config?)"
                 )
                 continue
             self._buffers[name] = torch.empty_like(saved, device=buf.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         self._refresh()
 
     def _refresh(self) -> None:
@@ -159,14 +185,23 @@ class IVFIndex(nn.Module):
             fb = self.schema.compile([filters] * batch)
         else:
             fb = self.schema.compile(list(filters))
-        if fb.masks.dim() != 3 or fb.masks.shape[0] != batch or fb.masks.shape[2] != self.schema.num_words:
+        if (
+            fb.masks.dim() != 3
+            or fb.masks.shape[0] != batch
+            or fb.masks.shape[2] != self.schema.num_words
+        ):
             raise ValueError(
                 f"filters: expected masks [B={batch}, C, W={self.schema.num_words}], got {tuple(fb.masks.shape)}"
             )
         return fb.to(self.centroids.device)
 
     def search(
-        self, q: torch.Tensor, k: int, filters: FilterArg = None, *, nprobe: int | None = None,
+        self,
+        q: torch.Tensor,
+        k: int,
+        filters: FilterArg = None,
+        *,
+        nprobe: int | None = None,
         rerank: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` items for ``q [B, D] float32`` -> ``(item_ids [B, k] int64, scores [B, k] float32)``.
@@ -176,10 +211,17 @@ class IVFIndex(nn.Module):
         if q.dim() != 2 or q.shape[1] != self.dim or not q.is_floating_point():
             raise ValueError(f"q: expected float [B, {self.dim}], got {tuple(q.shape)} {q.dtype}")
         if not isinstance(k, int) or k < 1 or k > self.ntotal:
-            raise ValueError(f"k must be an int in [1, {self.ntotal}] (the catalog size), got {k!r}")
+            raise ValueError(
+                f"k must be an int in [1, {self.ntotal}] (the catalog size), got {k!r}"
+            )
         fb = self.compile_filter(filters, q.shape[0])
-        pos, scores = self.search_positions(q.float(), k, fb, nprobe or self.config.nprobe,
-                                            self.config.rerank if rerank is None else rerank)
+        pos, scores = self.search_positions(
+            q.float(),
+            k,
+            fb,
+            nprobe or self.config.nprobe,
+            self.config.rerank if rerank is None else rerank,
+        )
         ids = torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
         return ids, scores
 
@@ -188,14 +230,24 @@ class IVFIndex(nn.Module):
     # heavy part, the scan, is one C++ op either way.
     @torch.compiler.disable
     def search_positions(
-        self, q: torch.Tensor, k: int, fb: FilterBatch, nprobe: int, rerank: int, exact: bool = False
+        self,
+        q: torch.Tensor,
+        k: int,
+        fb: FilterBatch,
+        nprobe: int,
+        rerank: int,
+        exact: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
         ``exact=True`` scans every eligible item (the reference the index is measured against)."""
         b = q.shape[0]
         r = max(k, rerank) if rerank and self.exact.shape[0] else k
         sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).to(q.device)  # [B]
-        use_exact = sel < self.config.exact_below if fb.active else torch.zeros(b, dtype=torch.bool, device=q.device)
+        use_exact = (
+            sel < self.config.exact_below
+            if fb.active
+            else torch.zeros(b, dtype=torch.bool, device=q.device)
+        )
         if exact:
             use_exact = torch.ones(b, dtype=torch.bool, device=q.device)
         per_row = self._nprobe_per_row(sel, nprobe, r)  # [B]
@@ -217,18 +269,39 @@ class IVFIndex(nn.Module):
         avg_list = self.ntotal / max(self.nlist, 1)
         widen = nprobe * sel.clamp(min=1e-9) ** -self.config.filter_nprobe_exponent
         fill = 2.0 * r / (avg_list * sel.clamp(min=1e-9))
-        return torch.maximum(widen, fill).ceil().clamp(max=self.nlist).long().clamp(min=nprobe if nprobe <= self.nlist else self.nlist)
+        return (
+            torch.maximum(widen, fill)
+            .ceil()
+            .clamp(max=self.nlist)
+            .long()
+            .clamp(min=nprobe if nprobe <= self.nlist else self.nlist)
+        )
 
     def _ivf(
-        self, q: torch.Tensor, k: int, r: int, nprobe_rows: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: int,
+        r: int,
+        nprobe_rows: torch.Tensor,
+        masks: torch.Tensor,
+        negate: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         p_max = int(nprobe_rows.max())
         coarse, probes = topk_rows(q @ self.centroids.T, p_max)  # [b, P]
         slot = torch.arange(p_max, device=q.device)
         probes = torch.where(slot < nprobe_rows[:, None], probes, torch.full_like(probes, -1))
         cand, approx = scan(
-            q.contiguous(), probes.contiguous(), coarse.contiguous(), self.codes, self.scales, self.offsets,
-            self.sig, masks.contiguous(), negate.contiguous(), r, max_list=self.max_list,
+            q.contiguous(),
+            probes.contiguous(),
+            coarse.contiguous(),
+            self.codes,
+            self.scales,
+            self.offsets,
+            self.sig,
+            masks.contiguous(),
+            negate.contiguous(),
+            r,
+            max_list=self.max_list,
         )
         if r == k:
             return cand, approx
@@ -244,7 +317,9 @@ class IVFIndex(nn.Module):
         lists = torch.searchsorted(self.offsets, pos, right=True) - 1
         return self.centroids[lists] + dequantize(self.codes[pos], self.scales[pos])
 
-    def _exact(self, q: torch.Tensor, k: int, masks: torch.Tensor, negate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _exact(
+        self, q: torch.Tensor, k: int, masks: torch.Tensor, negate: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact search per group of rows sharing one filter."""
         b = q.shape[0]
         pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
@@ -264,14 +339,21 @@ class IVFIndex(nn.Module):
             if subset.numel() == 0:
                 continue  # nothing eligible: the rows stay empty
             if subset.numel() <= (1 << 16):
-                p, s = exact_search_subset(self.vectors_at(subset), q[rows], k, torch.arange(subset.numel(), device=q.device))
+                p, s = exact_search_subset(
+                    self.vectors_at(subset),
+                    q[rows],
+                    k,
+                    torch.arange(subset.numel(), device=q.device),
+                )
                 p = torch.where(p >= 0, subset[p.clamp(min=0)], p)
             else:
                 p, s = self._exact_chunked(q[rows], k, subset)
             pos[rows], scores[rows] = p, s
         return pos, scores
 
-    def _exact_chunked(self, q: torch.Tensor, k: int, subset: torch.Tensor, chunk: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
+    def _exact_chunked(
+        self, q: torch.Tensor, k: int, subset: torch.Tensor, chunk: int = 1 << 16
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         best_p = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
         best_s = torch.full((q.shape[0], k), float("-inf"), device=q.device)
         for s in range(0, subset.numel(), chunk):
@@ -314,7 +396,10 @@ def build_ivf(
     index = IVFIndex(config, d, attribute_values)
     nlist = min(config.nlist, n)
     centroids = train_centroids(
-        x, nlist, iters=config.kmeans_iters, seed=config.seed,
+        x,
+        nlist,
+        iters=config.kmeans_iters,
+        seed=config.seed,
         max_points_per_centroid=config.kmeans_max_points_per_centroid,
     )
     lists = assign(x, centroids)
@@ -333,8 +418,12 @@ def build_ivf(
     index.bit_counts = bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64)
     index._refresh()
     if config.target_recall > 0:
-        tune_nprobe(index, x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
-                    if tune_queries is None else tune_queries.float().cpu())
+        tune_nprobe(
+            index,
+            x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
+            if tune_queries is None
+            else tune_queries.float().cpu(),
+        )
     return index
 
 
@@ -343,10 +432,14 @@ def tune_nprobe(index: IVFIndex, queries: torch.Tensor) -> int:
     recall@``tune_k`` against exact search on ``queries [Q, D]`` reaches ``target_recall``."""
     cfg = index.config
     k = min(cfg.tune_k, index.ntotal)
-    truth_pos, _ = index.search_positions(queries, k, index.schema.empty(len(queries)), 1, cfg.rerank, exact=True)
+    truth_pos, _ = index.search_positions(
+        queries, k, index.schema.empty(len(queries)), 1, cfg.rerank, exact=True
+    )
     nprobe = 1
     while True:
-        pos, _ = index.search_positions(queries, k, index.schema.empty(len(queries)), nprobe, cfg.rerank)
+        pos, _ = index.search_positions(
+            queries, k, index.schema.empty(len(queries)), nprobe, cfg.rerank
+        )
         if nprobe >= index.nlist or recall_at_k(pos, truth_pos) >= cfg.target_recall:
             break
         nprobe = min(2 * nprobe, index.nlist)

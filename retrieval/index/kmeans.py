@@ -8,13 +8,22 @@ import torch
 
 
 def train_centroids(
-    x: torch.Tensor, nlist: int, *, iters: int = 20, seed: int = 0, max_points_per_centroid: int = 256
+    x: torch.Tensor,
+    nlist: int,
+    *,
+    iters: int = 20,
+    seed: int = 0,
+    max_points_per_centroid: int = 256,
 ) -> torch.Tensor:
     """k-means centroids of ``x [N, D]`` -> ``[nlist, D] float32`` (``nlist <= N``)."""
     assert x.dim() == 2, f"x must be [N, D], got {tuple(x.shape)}"
     xn = np.ascontiguousarray(x.detach().cpu().float().numpy())
     km = faiss.Kmeans(
-        xn.shape[1], nlist, niter=iters, seed=seed, max_points_per_centroid=max_points_per_centroid,
+        xn.shape[1],
+        nlist,
+        niter=iters,
+        seed=seed,
+        max_points_per_centroid=max_points_per_centroid,
         verbose=False,
     )
     km.train(xn)

@@ -33,7 +33,9 @@ def _extension() -> ModuleType:
         if _ext is None:
             from torch.utils.cpp_extension import load
 
-            build_dir = Path(os.environ.get("RECSERVE_BUILD_DIR", Path.home() / ".cache" / "recserve"))
+            build_dir = Path(
+                os.environ.get("RECSERVE_BUILD_DIR", Path.home() / ".cache" / "recserve")
+            )
             build_dir.mkdir(parents=True, exist_ok=True)
             _ext = load(
                 name="recserve_ivf_scan",
@@ -48,30 +50,56 @@ def _extension() -> ModuleType:
 
 @torch.library.custom_op("recserve::ivf_scan_int8", mutates_args=())
 def ivf_scan_int8(
-    q: torch.Tensor, q_scale: torch.Tensor, probes: torch.Tensor, coarse: torch.Tensor,
-    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, sig: torch.Tensor,
-    fmask: torch.Tensor, fneg: torch.Tensor, r: int,
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    probes: torch.Tensor,
+    coarse: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(_extension().ivf_scan_int8(q, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
+    return tuple(
+        _extension().ivf_scan_int8(
+            q, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r
+        )
+    )
 
 
 @torch.library.custom_op("recserve::ivf_scan_fp8", mutates_args=())
 def ivf_scan_fp8(
-    q: torch.Tensor, codes_u8: torch.Tensor, lut: torch.Tensor, probes: torch.Tensor,
-    coarse: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, sig: torch.Tensor,
-    fmask: torch.Tensor, fneg: torch.Tensor, r: int,
+    q: torch.Tensor,
+    codes_u8: torch.Tensor,
+    lut: torch.Tensor,
+    probes: torch.Tensor,
+    coarse: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(_extension().ivf_scan_fp8(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
+    return tuple(
+        _extension().ivf_scan_fp8(
+            q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r
+        )
+    )
 
 
 @torch.library.custom_op("recserve::topk_rows", mutates_args=())
 def _topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(_extension().topk_rows(x, k))  # type: ignore[return-value]
+    return tuple(_extension().topk_rows(x, k))
 
 
 @_topk_rows.register_fake
-def _(x, k):  # type: ignore[no-untyped-def]
-    return x.new_empty((x.shape[0], k)), torch.empty((x.shape[0], k), dtype=torch.int64, device=x.device)
+def _(x, k):
+    return x.new_empty((x.shape[0], k)), torch.empty(
+        (x.shape[0], k), dtype=torch.int64, device=x.device
+    )
 
 
 def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,19 +116,29 @@ def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @ivf_scan_int8.register_fake
-def _(q, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r):  # type: ignore[no-untyped-def]
+def _(q, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r):
     return _fake_out(probes, r)
 
 
 @ivf_scan_fp8.register_fake
-def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r):  # type: ignore[no-untyped-def]
+def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r):
     return _fake_out(probes, r)
 
 
 def scan(
-    q: torch.Tensor, probes: torch.Tensor, coarse: torch.Tensor, codes: torch.Tensor,
-    scales: torch.Tensor, offsets: torch.Tensor, sig: torch.Tensor, fmask: torch.Tensor,
-    fneg: torch.Tensor, r: int, *, max_list: int, reference: bool = False,
+    q: torch.Tensor,
+    probes: torch.Tensor,
+    coarse: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    r: int,
+    *,
+    max_list: int,
+    reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best ``r`` approximate scores over the probed lists.
 
@@ -118,17 +156,42 @@ def scan(
     The hot path trusts its inputs: the index validates at its public entry.
     """
     if reference or q.device.type != "cpu":
-        return scan_reference(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list)
+        return scan_reference(
+            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list
+        )
     if codes.dtype == torch.int8:
         q8, q_scale = quantize_int8(q)
-        return ivf_scan_int8(q8, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r)
-    return ivf_scan_fp8(q.float().contiguous(), codes.view(torch.uint8), fp8_lut(), probes, coarse, scales, offsets, sig, fmask, fneg, r)
+        return ivf_scan_int8(
+            q8, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r
+        )
+    return ivf_scan_fp8(
+        q.float().contiguous(),
+        codes.view(torch.uint8),
+        fp8_lut(),
+        probes,
+        coarse,
+        scales,
+        offsets,
+        sig,
+        fmask,
+        fneg,
+        r,
+    )
 
 
 def scan_reference(
-    q: torch.Tensor, probes: torch.Tensor, coarse: torch.Tensor, codes: torch.Tensor,
-    scales: torch.Tensor, offsets: torch.Tensor, sig: torch.Tensor, fmask: torch.Tensor,
-    fneg: torch.Tensor, r: int, max_list: int, chunk: int = 64,
+    q: torch.Tensor,
+    probes: torch.Tensor,
+    coarse: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    r: int,
+    max_list: int,
+    chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`scan` with torch ops: gathers each query's candidates
     ``[b, P * max_list]``, scores them with one batched matmul, masks, and takes the top ``r``."""
@@ -145,7 +208,10 @@ def scan_reference(
         pos = torch.where(valid, pos, torch.zeros_like(pos)).flatten(1)  # [b, P*Lmax]
         if codes.dtype == torch.int8:  # the kernel's integer arithmetic: int8 query, exact int dot
             q8, q_scale = quantize_int8(qc.float())
-            dots = torch.einsum("bd,bmd->bm", q8.double(), codes[pos].double()).float() * q_scale[:, None]
+            dots = (
+                torch.einsum("bd,bmd->bm", q8.double(), codes[pos].double()).float()
+                * q_scale[:, None]
+            )
         else:
             dots = torch.einsum("bd,bmd->bm", qc.float(), codes[pos].float())
         score = dots * scales[pos] + co.repeat_interleave(max(max_list, 1), dim=1)  # [b, P*Lmax]

@@ -24,7 +24,9 @@ def in_batch_logits(
     return logits
 
 
-def sampled_softmax_loss(logits: torch.Tensor, item_ids: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+def sampled_softmax_loss(
+    logits: torch.Tensor, item_ids: torch.Tensor, log_q: torch.Tensor
+) -> torch.Tensor:
     """``logits [B, B]``, the batch's positive ``item_ids [B]``, their ``log_q [B]`` -> scalar loss."""
     corrected = logits - log_q.unsqueeze(0)
     same = item_ids.unsqueeze(0) == item_ids.unsqueeze(1)

@@ -30,7 +30,9 @@ class Prepared:
     def tune_batch(self, size: int = 256, seed: int = 0) -> UserBatch:
         """A sample of users whose query vectors tune the index."""
         rng = np.random.default_rng(seed)
-        return self.user_batch(rng.choice(self.dataset.num_users, min(size, self.dataset.num_users), replace=False))
+        return self.user_batch(
+            rng.choice(self.dataset.num_users, min(size, self.dataset.num_users), replace=False)
+        )
 
     def user_batch(self, users: np.ndarray, filters: list[str | None] | None = None) -> UserBatch:
         ds = self.dataset
@@ -42,10 +44,14 @@ class Prepared:
 def default_index_config(num_items: int, **overrides: Any) -> IVFConfig:
     """About sqrt(N) lists; nprobe tuned at build for recall@100 >= 0.97 against exact search."""
     nlist = max(1, int(np.sqrt(num_items)))
-    return IVFConfig(**{"nlist": nlist, "nprobe": max(1, nlist // 8), "target_recall": 0.97, **overrides})
+    return IVFConfig(
+        **{"nlist": nlist, "nprobe": max(1, nlist // 8), "target_recall": 0.97, **overrides}
+    )
 
 
-def prepare(ds: RecDataset, *, history_len: int = 50, test_fraction: float = 0.2, **model_overrides: Any) -> Prepared:
+def prepare(
+    ds: RecDataset, *, history_len: int = 50, test_fraction: float = 0.2, **model_overrides: Any
+) -> Prepared:
     """Splits each user's interactions by time and builds the model config for the dataset."""
     train_i, test_i = split_by_time(ds.interactions, test_fraction=test_fraction)
     hist, _ = history_by_user(train_i, ds.num_users, history_len)
@@ -60,8 +66,11 @@ def prepare(ds: RecDataset, *, history_len: int = 50, test_fraction: float = 0.2
     )
     cat = np.stack([ds.user_features[n] for n in config.user_features], axis=1).astype(np.int64)
     train = TrainingData(
-        user_ids=train_i.user_id.astype(np.int64), item_ids=train_i.item_id.astype(np.int64),
-        history=hist, categorical=cat, dense=ds.user_dense.astype(np.float32),
+        user_ids=train_i.user_id.astype(np.int64),
+        item_ids=train_i.item_id.astype(np.int64),
+        history=hist,
+        categorical=cat,
+        dense=ds.user_dense.astype(np.float32),
         item_features=item_feature_ids(ds.item_attributes, ds.num_items),
         item_log_q=log_q_from_counts(train_i.item_id, ds.num_items),
     )

@@ -56,13 +56,20 @@ def log_q_from_counts(item_ids: np.ndarray, num_items: int) -> torch.Tensor:
     return torch.from_numpy(np.log(counts / counts.sum())).float()
 
 
-def batch_inputs(model: RetrievalModel, data: TrainingData, users: np.ndarray, items: np.ndarray) -> UserBatch:
+def batch_inputs(
+    model: RetrievalModel, data: TrainingData, users: np.ndarray, items: np.ndarray
+) -> UserBatch:
     """User inputs for training pairs; the positive item is hidden from the user's own history."""
     hist = data.history[users]
     hist = np.where(hist == items[:, None], -1, hist)
     fb = model.index.schema.empty(len(users))
-    return UserBatch(torch.from_numpy(hist), torch.from_numpy(data.categorical[users]),
-                     torch.from_numpy(data.dense[users]), fb.masks, fb.negate)
+    return UserBatch(
+        torch.from_numpy(hist),
+        torch.from_numpy(data.categorical[users]),
+        torch.from_numpy(data.dense[users]),
+        fb.masks,
+        fb.negate,
+    )
 
 
 def train(model: RetrievalModel, data: TrainingData, cfg: TrainConfig) -> list[float]:
@@ -75,8 +82,14 @@ def train(model: RetrievalModel, data: TrainingData, cfg: TrainConfig) -> list[f
     epoch_losses = []
     for epoch in range(cfg.epochs):
         order = rng.permutation(m)
-        steps = range(0, m - cfg.batch_size + 1, cfg.batch_size) if m >= cfg.batch_size else range(0, m, m)
-        bar = tqdm(steps, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress, leave=False)
+        steps = (
+            range(0, m - cfg.batch_size + 1, cfg.batch_size)
+            if m >= cfg.batch_size
+            else range(0, m, m)
+        )
+        bar = tqdm(
+            steps, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress, leave=False
+        )
         losses, start, seen = [], time.perf_counter(), 0
         for s in bar:
             idx = order[s : s + cfg.batch_size]
@@ -84,14 +97,18 @@ def train(model: RetrievalModel, data: TrainingData, cfg: TrainConfig) -> list[f
             q = model.user_vectors(batch_inputs(model, data, users, items))
             it = torch.from_numpy(items)
             v = model.item_vectors({f: t[it] for f, t in data.item_features.items()})
-            loss = sampled_softmax_loss(in_batch_logits(q, v, model.config.temperature, model.head), it,
-                                        data.item_log_q[it])
+            loss = sampled_softmax_loss(
+                in_batch_logits(q, v, model.config.temperature, model.head), it, data.item_log_q[it]
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
             losses.append(loss.item())
             seen += len(idx)
-            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", ex_s=f"{seen / (time.perf_counter() - start):.0f}")
+            bar.set_postfix(
+                loss=f"{np.mean(losses[-20:]):.3f}",
+                ex_s=f"{seen / (time.perf_counter() - start):.0f}",
+            )
         epoch_losses.append(float(np.mean(losses)) if losses else float("nan"))
     model.eval()
     return epoch_losses

@@ -38,7 +38,10 @@ def test_training_lowers_the_loss_and_beats_popularity(trained):
         recs = model(prep.user_batch(users), 100)[0].numpy()
     pop = popularity_recs(prep.train.item_ids, prep.dataset.num_items, prep.history[users], 100)
     rel = [prep.test_items[u] for u in users]
-    assert ranking_metrics(recs, rel, 100)["recall@100"] > 1.2 * ranking_metrics(pop, rel, 100)["recall@100"]
+    assert (
+        ranking_metrics(recs, rel, 100)["recall@100"]
+        > 1.2 * ranking_metrics(pop, rel, 100)["recall@100"]
+    )
 
 
 def test_forward_excludes_history_and_respects_filters(trained):
@@ -96,7 +99,7 @@ def test_loading_another_config_says_which_tensor(trained):
     prep, model, _ = trained
     other = copy.deepcopy(prep.config)
     other.out_dim = 32
-    with pytest.raises(ValueError, match="user_tower.mlp.2.weight"):
+    with pytest.raises(ValueError, match=r"user_tower\.mlp\.2\.weight"):
         load_state(RetrievalModel(other), model.state_dict())
 
 
@@ -106,7 +109,9 @@ def test_k_larger_than_history_and_10000(trained):
         ids, _ = model(prep.user_batch(np.arange(2)), 2900)
     for row, h in zip(ids.tolist(), prep.history[:2], strict=True):
         valid = [x for x in row if x >= 0]
-        assert len(valid) == len(set(valid)) == min(2900, prep.dataset.num_items - int((h >= 0).sum()))
+        assert (
+            len(valid) == len(set(valid)) == min(2900, prep.dataset.num_items - int((h >= 0).sum()))
+        )
 
 
 def _bad(batch, **changes):
@@ -116,14 +121,17 @@ def _bad(batch, **changes):
     return b
 
 
-@pytest.mark.parametrize("change,match", [
-    (lambda b: _bad(b, history=b.history.float()), "history"),
-    (lambda b: _bad(b, categorical=b.categorical[:, :1]), "categorical"),
-    (lambda b: _bad(b, dense=b.dense.double()), "dense"),
-    (lambda b: _bad(b, dense=b.dense * float("nan")), "dense"),
-    (lambda b: _bad(b, history=b.history + 10**6), "history"),
-    (lambda b: _bad(b, filter_masks=b.filter_masks[:, :, :0]), "filter_masks"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda b: _bad(b, history=b.history.float()), "history"),
+        (lambda b: _bad(b, categorical=b.categorical[:, :1]), "categorical"),
+        (lambda b: _bad(b, dense=b.dense.double()), "dense"),
+        (lambda b: _bad(b, dense=b.dense * float("nan")), "dense"),
+        (lambda b: _bad(b, history=b.history + 10**6), "history"),
+        (lambda b: _bad(b, filter_masks=b.filter_masks[:, :, :0]), "filter_masks"),
+    ],
+)
 def test_bad_batches_raise_value_error_naming_the_field(trained, change, match):
     prep, model, _ = trained
     batch = prep.user_batch(np.arange(4), ["available"] * 4)
@@ -146,8 +154,14 @@ def test_unknown_filter_attribute(trained):
 
 def test_scoring_head_trains_and_serves():
     ds = generate(SyntheticConfig(num_users=300, num_items=800, seed=5))
-    prep = prepare(ds, history_len=10, scoring_head=True, head_tasks=("click", "watch"),
-                   head_task_weights=(1.0, 0.5), index=IVFConfig(nlist=16, nprobe=4))
+    prep = prepare(
+        ds,
+        history_len=10,
+        scoring_head=True,
+        head_tasks=("click", "watch"),
+        head_task_weights=(1.0, 0.5),
+        index=IVFConfig(nlist=16, nprobe=4),
+    )
     assert isinstance(prep.config, ModelConfig)
     model = RetrievalModel(prep.config)
     train(model, prep.train, TrainConfig(epochs=1, batch_size=128, progress=False))
@@ -155,6 +169,6 @@ def test_scoring_head_trains_and_serves():
     model.build_index(prep.train.item_features, ds.item_attributes)
     batch = prep.user_batch(np.arange(8))
     with torch.inference_mode():
-        ids, scores = model(batch, 20)
+        ids, _scores = model(batch, 20)
         compiled = torch.compile(model)(batch, 20)
     assert (ids >= 0).all() and torch.equal(ids, compiled[0])

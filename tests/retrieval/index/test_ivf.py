@@ -17,7 +17,9 @@ from retrieval.index.scan import scan
 @pytest.fixture(scope="module", params=["int8", "fp8"])
 def index(request, catalog) -> IVFIndex:
     cfg = IVFConfig(nlist=128, nprobe=16, codes=request.param, rerank=200)
-    return build_ivf(catalog["x"], cfg, item_attributes=catalog["attrs"], attribute_values=catalog["values"])
+    return build_ivf(
+        catalog["x"], cfg, item_attributes=catalog["attrs"], attribute_values=catalog["values"]
+    )
 
 
 def eligible_ids(index: IVFIndex, text: str) -> torch.Tensor:
@@ -44,8 +46,12 @@ def test_approximate_scores_alone_keep_recall(index, catalog):
 
 @pytest.mark.parametrize(
     "text",
-    ["shard in {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}", "shard in {0,1,2,3} and bucket in {0,1,2,3,4,5}",
-     "shard = 0 and bucket = 0", "not shard in {0,1,2} and bucket != 5"],
+    [
+        "shard in {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}",
+        "shard in {0,1,2,3} and bucket in {0,1,2,3,4,5}",
+        "shard = 0 and bucket = 0",
+        "not shard in {0,1,2} and bucket != 5",
+    ],
 )
 def test_filtered_recall_and_only_eligible(index, catalog, text):
     ok = eligible_ids(index, text)
@@ -76,8 +82,12 @@ def test_filtered_results_never_hold_an_ineligible_item(index, catalog, shards, 
 
 def test_empty_eligible_set_gives_an_empty_result(catalog):
     values = {"shard": [str(i) for i in range(33)]}
-    idx = build_ivf(catalog["x"], IVFConfig(nlist=64), item_attributes={"shard": catalog["attrs"]["shard"]},
-                    attribute_values=values)
+    idx = build_ivf(
+        catalog["x"],
+        IVFConfig(nlist=64),
+        item_attributes={"shard": catalog["attrs"]["shard"]},
+        attribute_values=values,
+    )
     ids, scores = idx.search(catalog["q"][:4], 10, "shard = 32")  # a value no item has
     assert (ids == -1).all() and torch.isinf(scores).all()
 
@@ -97,35 +107,62 @@ def test_state_dict_round_trip(index, catalog):
     fresh = IVFIndex(index.config, index.dim)
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     for name, b in index.named_buffers():
-        assert torch.equal(b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
-                           getattr(fresh, name).view(torch.uint8) if b.dtype == torch.float8_e4m3fn else getattr(fresh, name))
+        assert torch.equal(
+            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
+            getattr(fresh, name).view(torch.uint8)
+            if b.dtype == torch.float8_e4m3fn
+            else getattr(fresh, name),
+        )
     text = "shard in {1,2,3}"
-    assert torch.equal(index.search(catalog["q"], 50, text)[0], fresh.search(catalog["q"], 50, text)[0])
+    assert torch.equal(
+        index.search(catalog["q"], 50, text)[0], fresh.search(catalog["q"], 50, text)[0]
+    )
 
 
 def test_loading_another_config_names_the_tensor(index):
     other = IVFIndex(IVFConfig(codes="int8"), index.dim + 1)
-    with pytest.raises(Exception, match="centroids|dim"):
+    with pytest.raises(Exception, match=r"centroids|dim"):
         other.load_state_dict(index.state_dict())
 
 
-@pytest.mark.parametrize("bad", [
-    dict(q=torch.zeros(2, 5)), dict(k=0), dict(k=10**9), dict(q=torch.zeros(2, 32, dtype=torch.int64)),
-    dict(filters="colour = red"), dict(filters="shard = 99"), dict(filters="shard in {1,"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(q=torch.zeros(2, 5)),
+        dict(k=0),
+        dict(k=10**9),
+        dict(q=torch.zeros(2, 32, dtype=torch.int64)),
+        dict(filters="colour = red"),
+        dict(filters="shard = 99"),
+        dict(filters="shard in {1,"),
+    ],
+)
 def test_bad_input_raises_value_error(index, catalog, bad):
     args = dict(q=catalog["q"][:2], k=10, filters=None) | bad
     with pytest.raises(ValueError):
         index.search(args["q"], args["k"], args["filters"])
 
 
-@pytest.mark.parametrize("batch", [1, 64])  # 1: per-item path; 64: lists shared by queries (blocked path)
+@pytest.mark.parametrize(
+    "batch", [1, 64]
+)  # 1: per-item path; 64: lists shared by queries (blocked path)
 def test_kernel_equals_torch_reference(index, catalog, batch):
     q = catalog["q"][:batch]
     coarse, probes = (q @ index.centroids.T).topk(16, dim=1)
     probes[:, -3:] = -1  # skipped slots
     fb = index.compile_filter("shard in {0,1,2,3,4,5,6,7,8,9} and not bucket = 3", q.shape[0])
-    args = (q, probes, coarse, index.codes, index.scales, index.offsets, index.sig, fb.masks, fb.negate, 150)
+    args = (
+        q,
+        probes,
+        coarse,
+        index.codes,
+        index.scales,
+        index.offsets,
+        index.sig,
+        fb.masks,
+        fb.negate,
+        150,
+    )
     pos, sc = scan(*args, max_list=index.max_list)
     rpos, rsc = scan(*args, max_list=index.max_list, reference=True)
     torch.testing.assert_close(sc, rsc, rtol=1e-5, atol=1e-4)
@@ -148,10 +185,13 @@ def test_cuda_search_matches_cpu(index, catalog):
     assert recall_at_k(ids.cpu(), cpu_ids) >= 0.98
 
 
-
-
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 20), cols=st.integers(1, 300), k=st.integers(1, 300), seed=st.integers(0, 99))
+@given(
+    rows=st.integers(1, 20),
+    cols=st.integers(1, 300),
+    k=st.integers(1, 300),
+    seed=st.integers(0, 99),
+)
 def test_topk_rows_matches_torch_topk(rows, cols, k, seed):
     from retrieval.index.scan import topk_rows
 
