@@ -115,7 +115,9 @@ FILTERS: dict[str, FilterSpec] = {
 }
 
 
-def exact_topk(x: np.ndarray, q: np.ndarray, k: int, eligible: np.ndarray | None = None) -> np.ndarray:
+def exact_topk(
+    x: np.ndarray, q: np.ndarray, k: int, eligible: np.ndarray | None = None
+) -> np.ndarray:
     """Exact inner-product top-``k`` ids ``[B, k] int64`` over all of ``x`` or only ``eligible`` ids.
 
     Untimed ground truth; uses faiss's BLAS path (threshold 1) so it is quick at 1M items.
@@ -147,5 +149,5 @@ def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
     for f, t in zip(found, truth, strict=True):
         t = t[t >= 0]
         if len(t):
-            total += len(np.intersect1d(f[f >= 0], t, assume_unique=True)) / len(t)
+            total += len(np.intersect1d(f[f >= 0], t)) / len(t)
     return total / len(truth)

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +32,9 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def time_batched(fn: Callable[[], T], repeats: int = 3, warmup: int = 1) -> tuple[T, float, list[float]]:
+def time_batched(
+    fn: Callable[[], T], repeats: int = 3, warmup: int = 1
+) -> tuple[T, float, list[float]]:
     """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed.
 
     Returns ``(result of the first call, median seconds, every timed run in seconds)``; the result
@@ -67,3 +70,38 @@ def stopwatch() -> Callable[[], float]:
     """``elapsed = stopwatch(); ...; seconds = elapsed()``."""
     t0 = time.perf_counter()
     return lambda: time.perf_counter() - t0
+
+
+class OtherLoad:
+    """Share of the machine's CPU used by *other* processes between ``start()`` and ``stop()``.
+
+    Benchmarks here share two cores with other sessions' compiles and tests; a point measured while
+    others were busy is suspect. Reads ``/proc/stat`` (all CPUs) minus this process's CPU time.
+    Returns 0.0 where ``/proc/stat`` is unavailable.
+    """
+
+    def __init__(self) -> None:
+        self._t0 = self._busy0 = self._own0 = 0.0
+
+    @staticmethod
+    def _busy_s() -> float:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except OSError:
+            return 0.0
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own_s() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def start(self) -> None:
+        self._t0, self._busy0, self._own0 = time.perf_counter(), self._busy_s(), self._own_s()
+
+    def stop(self) -> float:
+        wall = time.perf_counter() - self._t0
+        others = (self._busy_s() - self._busy0) - (self._own_s() - self._own0)
+        return max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)

@@ -20,11 +20,10 @@ class PairHead(nn.Module):
 
     def __init__(self, dim: int, hidden: int, task_weights: Sequence[float]):
         super().__init__()
-        self.mlp = nn.Sequential(
-            nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, len(task_weights))
-        )
-        nn.init.zeros_(self.mlp[-1].weight)  # starts as a no-op on top of the dot product
-        nn.init.zeros_(self.mlp[-1].bias)
+        out = nn.Linear(hidden, len(task_weights))
+        nn.init.zeros_(out.weight)  # starts as a no-op on top of the dot product
+        nn.init.zeros_(out.bias)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), out)
         self.register_buffer("task_weights", torch.tensor(list(task_weights), dtype=torch.float32))
 
     def task_logits(self, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
