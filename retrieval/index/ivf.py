@@ -12,14 +12,15 @@ Search, per batch (B queries, P probes, r candidates, K results)::
     re-rank the r with the exact copy (optional)   -> top K                [B, K]
 
 The plan adapts to each request's filter: its selectivity ``s`` (estimated from per-bit counts)
-widens the probe (``nprobe * s**-exponent``, and enough lists to hold ``2r`` eligible items); below
-``exact_below`` the request skips the lists and scans its eligible items exactly. A request that
-still finds fewer than K items while more exist is answered by the exact scan, so a filter can
-never starve a result.
+widens the probe (``nprobe * s**-exponent``, and enough lists to hold ``2r`` eligible items); when
+scanning its eligible items exactly is cheaper than those lists (``exact_cost``), it skips the
+lists. A request that still finds fewer than K items while more exist is answered by the exact
+scan, so a filter can never starve a result.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -28,11 +29,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from retrieval.filters import FilterBatch, FilterSchema, bit_counts, eligible, estimate_selectivity
+from retrieval.filters import FilterBatch, FilterSchema, bit_counts, estimate_selectivity
 from retrieval.index.codes import CODE_KINDS, dequantize, quantize
 from retrieval.index.exact import exact_search, exact_search_subset, recall_at_k
 from retrieval.index.kmeans import assign, train_centroids
-from retrieval.index.scan import scan, topk_rows
+from retrieval.index.scan import filter_mask, scan, topk_rows
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -57,8 +58,9 @@ class IVFConfig:
     kmeans_iters: int = 20
     kmeans_max_points_per_centroid: int = 256
     seed: int = 0
-    exact_below: float = 0.01
-    """Filtered requests admitting less than this fraction of items are scanned exactly."""
+    exact_cost: float = 2.0
+    """Cost of scoring one eligible item exactly, relative to one code in a list. A filtered
+    request is scanned exactly when (eligible items x exact_cost) <= (codes in its probed lists)."""
     filter_nprobe_exponent: float = 0.5
     """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
     target_recall: float = 0.0
@@ -242,54 +244,61 @@ class IVFIndex(nn.Module):
         ``exact=True`` scans every eligible item (the reference the index is measured against)."""
         b = q.shape[0]
         r = max(k, rerank) if rerank and self.exact.shape[0] else k
-        sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).to(q.device)  # [B]
-        use_exact = (
-            sel < self.config.exact_below
-            if fb.active
-            else torch.zeros(b, dtype=torch.bool, device=q.device)
-        )
-        if exact:
-            use_exact = torch.ones(b, dtype=torch.bool, device=q.device)
-        per_row = self._nprobe_per_row(sel, nprobe, r)  # [B]
-        pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
-        scores = torch.full((b, k), float("-inf"), device=q.device)
-        rows = (~use_exact).nonzero().flatten()
-        if rows.numel():
-            p, s = self._ivf(q[rows], k, r, per_row[rows], fb.masks[rows], fb.negate[rows])
-            pos[rows], scores[rows] = p, s
+        if not fb.active and not exact:  # the common case, kept lean for single queries
+            pos, scores = self._ivf(q, k, r, self._nprobe_for(1.0, nprobe, r), fb.masks, fb.negate)
+            if bool(pos[:, -1].ge(0).all()):  # results fill each row from the front
+                return pos, scores
+            use_exact = torch.zeros(b, dtype=torch.bool, device=q.device)
+        else:
+            sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).tolist()  # [B]
+            probes = [self._nprobe_for(s_, nprobe, r) for s_ in sel]
+            # cost in items touched: eligible items scanned exactly vs codes in the probed lists
+            avg_list = self.ntotal / max(self.nlist, 1)
+            plan_exact = [
+                exact or s_ * self.ntotal * self.config.exact_cost <= p_ * avg_list
+                for s_, p_ in zip(sel, probes, strict=True)
+            ]
+            use_exact = torch.tensor(plan_exact, device=q.device)
+            pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
+            scores = torch.full((b, k), float("-inf"), device=q.device)
+            rows = (~use_exact).nonzero().flatten()
+            if rows.numel():
+                nprobe_rows = torch.tensor(probes, device=q.device)[rows]
+                p, s = self._ivf(q[rows], k, r, nprobe_rows, fb.masks[rows], fb.negate[rows])
+                pos[rows], scores[rows] = p, s
         # Rows the lists could not fill (or planned as exact) get the exact scan.
-        short = use_exact | ((pos >= 0).sum(dim=1) < k)
+        short = use_exact | pos[:, -1].lt(0)
         if bool(short.any()):
             rows = short.nonzero().flatten()
             p, s = self._exact(q[rows], k, fb.masks[rows], fb.negate[rows])
             pos[rows], scores[rows] = p, s
         return pos, scores
 
-    def _nprobe_per_row(self, sel: torch.Tensor, nprobe: int, r: int) -> torch.Tensor:
+    def _nprobe_for(self, selectivity: float, nprobe: int, r: int) -> int:
+        """Lists to probe for a request admitting ``selectivity`` of the items: widened as
+        ``selectivity ** -exponent``, and enough to hold ``2r`` eligible items."""
+        s_ = max(selectivity, 1e-9)
         avg_list = self.ntotal / max(self.nlist, 1)
-        widen = nprobe * sel.clamp(min=1e-9) ** -self.config.filter_nprobe_exponent
-        fill = 2.0 * r / (avg_list * sel.clamp(min=1e-9))
-        return (
-            torch.maximum(widen, fill)
-            .ceil()
-            .clamp(max=self.nlist)
-            .long()
-            .clamp(min=nprobe if nprobe <= self.nlist else self.nlist)
-        )
+        widen = nprobe * s_ ** -self.config.filter_nprobe_exponent
+        fill = 2.0 * r / (avg_list * s_)
+        return int(min(self.nlist, max(nprobe, math.ceil(max(widen, fill)))))
 
     def _ivf(
         self,
         q: torch.Tensor,
         k: int,
         r: int,
-        nprobe_rows: torch.Tensor,
+        nprobe_rows: int | torch.Tensor,
         masks: torch.Tensor,
         negate: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        p_max = int(nprobe_rows.max())
-        coarse, probes = topk_rows(q @ self.centroids.T, p_max)  # [b, P]
-        slot = torch.arange(p_max, device=q.device)
-        probes = torch.where(slot < nprobe_rows[:, None], probes, torch.full_like(probes, -1))
+        if isinstance(nprobe_rows, int):
+            coarse, probes = topk_rows(q @ self.centroids.T, nprobe_rows)  # [b, P]
+        else:  # per-row probe counts: probe the most, skip (-1) the slots a row does not need
+            p_max = int(nprobe_rows.max())
+            coarse, probes = topk_rows(q @ self.centroids.T, p_max)
+            slot = torch.arange(p_max, device=q.device)
+            probes = torch.where(slot < nprobe_rows[:, None], probes, torch.full_like(probes, -1))
         cand, approx = scan(
             q.contiguous(),
             probes.contiguous(),
@@ -332,7 +341,7 @@ class IVFIndex(nn.Module):
         for g in range(int(inverse.max()) + 1 if b else 0):
             rows = (inverse == g).nonzero().flatten()
             if masks.shape[1]:
-                elig = eligible(self.sig, masks[rows[0]], negate[rows[0]])  # [N]
+                elig = filter_mask(self.sig, masks[rows[0]], negate[rows[0]])  # [N]
                 subset = elig.nonzero().flatten()
             else:
                 subset = torch.arange(self.ntotal, device=q.device)

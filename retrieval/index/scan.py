@@ -51,7 +51,6 @@ def _extension() -> ModuleType:
 @torch.library.custom_op("recserve::ivf_scan_int8", mutates_args=())
 def ivf_scan_int8(
     q: torch.Tensor,
-    q_scale: torch.Tensor,
     probes: torch.Tensor,
     coarse: torch.Tensor,
     codes: torch.Tensor,
@@ -62,11 +61,7 @@ def ivf_scan_int8(
     fneg: torch.Tensor,
     r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(
-        _extension().ivf_scan_int8(
-            q, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r
-        )
-    )
+    return tuple(_extension().ivf_scan_int8(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r))
 
 
 @torch.library.custom_op("recserve::ivf_scan_fp8", mutates_args=())
@@ -116,7 +111,7 @@ def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @ivf_scan_int8.register_fake
-def _(q, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r):
+def _(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r):
     return _fake_out(probes, r)
 
 
@@ -159,24 +154,26 @@ def scan(
         return scan_reference(
             q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list
         )
+    # Eager callers skip the op dispatcher (tens of microseconds a call); traced code needs the ops.
+    eager = not torch.compiler.is_compiling()
     if codes.dtype == torch.int8:
-        q8, q_scale = quantize_int8(q)
-        return ivf_scan_int8(
-            q8, q_scale, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r
-        )
-    return ivf_scan_fp8(
-        q.float().contiguous(),
-        codes.view(torch.uint8),
-        fp8_lut(),
-        probes,
-        coarse,
-        scales,
-        offsets,
-        sig,
-        fmask,
-        fneg,
-        r,
-    )
+        op = _extension().ivf_scan_int8 if eager else ivf_scan_int8
+        return tuple(op(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
+    op8 = _extension().ivf_scan_fp8 if eager else ivf_scan_fp8
+    return tuple(op8(q, codes.view(torch.uint8), _FP8_LUT, probes, coarse, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
+
+
+_FP8_LUT = fp8_lut()
+
+
+def filter_mask(sig: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor) -> torch.Tensor:
+    """Items passing one request's filter: ``sig [N, W]``, ``fmask [C, W]``, ``fneg [C]`` ->
+    ``[N] bool`` (the kernel's rule, in one parallel pass on CPU)."""
+    if sig.device.type != "cpu":
+        from retrieval.filters import eligible
+
+        return eligible(sig, fmask, fneg)
+    return _extension().filter_mask(sig, fmask.contiguous(), fneg.contiguous())
 
 
 def scan_reference(

@@ -19,10 +19,8 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <limits>
 #include <vector>
@@ -302,17 +300,10 @@ void scan(const Index& ix, Batch bt_all, int64_t r, int64_t* out_pos, float* out
     Batch bt = bt_all;
     bt.b0 = b0;
     bt.b1 = std::min(bt_all.b1, b0 + chunk);
-    auto t0 = std::chrono::steady_clock::now();
     const Plan pl = plan_chunk(ix, bt);
     float* buf = scratch(pl.buf_size);
-    auto t1 = std::chrono::steady_clock::now();
     score_pairs(ix, bt, pl, buf, make_scorer);
-    auto t2 = std::chrono::steady_clock::now();
     select_top(ix, bt, pl, buf, r, out_pos, out_score);
-    auto t3 = std::chrono::steady_clock::now();
-    if (std::getenv("RECSERVE_SCAN_PROFILE"))
-      fprintf(stderr, "plan %.2f score %.2f select %.2f ms\n", std::chrono::duration<double, std::milli>(t1 - t0).count(),
-              std::chrono::duration<double, std::milli>(t2 - t1).count(), std::chrono::duration<double, std::milli>(t3 - t2).count());
   }
 }
 
@@ -349,28 +340,56 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
 
 }  // namespace
 
-// q: int8 [B, D] with per-query scale q_scale [B]; codes: int8 [N, D] in list-sorted order.
+// q: float32 [B, D], quantized here to int8 with a per-query scale (absmax / 127, round half to
+// even: the same arithmetic as retrieval.index.codes.quantize_int8); codes: int8 [N, D], list-sorted.
 std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
-    const at::Tensor& q, const at::Tensor& q_scale, const at::Tensor& probes, const at::Tensor& coarse,
-    const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
-    const at::Tensor& fmask, const at::Tensor& fneg, int64_t r) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [B, D]");
+    const at::Tensor& q, const at::Tensor& probes, const at::Tensor& coarse, const at::Tensor& codes,
+    const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask,
+    const at::Tensor& fneg, int64_t r) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == q.size(1) && codes.is_contiguous(),
               "codes must be contiguous int8 [N, D] with the query's D");
-  TORCH_CHECK(q_scale.dim() == 1 && q_scale.size(0) == q.size(0) && q_scale.scalar_type() == at::kFloat && q_scale.is_contiguous(),
-              "q_scale must be float32 [B]");
   const int64_t b_count = q.size(0), d = q.size(1);
   auto c = check(b_count, codes.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, r);
-  const int8_t* qp = q.data_ptr<int8_t>();
+  std::vector<int8_t> q8(b_count * d);
+  std::vector<float> qs(b_count);
+  std::vector<int32_t> qsum(b_count, 0);
+  const float* qf = q.data_ptr<float>();
+  for (int64_t b = 0; b < b_count; ++b) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(qf[b * d + j]));
+    qs[b] = amax / 127.0f;
+    const float safe = qs[b] > 0.f ? qs[b] : 1.f;
+    for (int64_t j = 0; j < d; ++j) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(qf[b * d + j] / safe)));
+      q8[b * d + j] = static_cast<int8_t>(v);
+      qsum[b] += static_cast<int32_t>(v);
+    }
+  }
   const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* qs = q_scale.data_ptr<float>();
   const float* sc = c.ix.scales;
-  std::vector<int32_t> qsum(b_count);
-  for (int64_t b = 0; b < b_count; ++b)
-    for (int64_t j = 0; j < d; ++j) qsum[b] += qp[b * d + j];
   scan(c.ix, c.bt, r, c.out_pos.data_ptr<int64_t>(), c.out_score.data_ptr<float>(),
-       [&] { return Int8Scorer{cp, sc, d, qp, qs, qsum.data(), {}, false}; });
+       [&] { return Int8Scorer{cp, sc, d, q8.data(), qs.data(), qsum.data(), {}, false}; });
   return {c.out_pos, c.out_score};
+}
+
+// Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C] -> bool [N].
+at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg) {
+  TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
+  TORCH_CHECK(fmask.dim() == 2 && fmask.size(1) == sig.size(1) && fmask.scalar_type() == at::kLong && fmask.is_contiguous(),
+              "fmask must be contiguous int64 [C, W]");
+  TORCH_CHECK(fneg.dim() == 1 && fneg.size(0) == fmask.size(0) && fneg.scalar_type() == at::kBool && fneg.is_contiguous(),
+              "fneg must be bool [C]");
+  const int64_t n = sig.size(0), w = sig.size(1), c_count = fmask.size(0);
+  auto out = at::empty({n}, sig.options().dtype(at::kBool));
+  const int64_t* sp = sig.data_ptr<int64_t>();
+  const int64_t* mp = fmask.data_ptr<int64_t>();
+  const bool* np = fneg.data_ptr<bool>();
+  bool* op = out.data_ptr<bool>();
+  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) op[i] = passes(sp + i * w, mp, np, c_count, w);
+  });
+  return out;
 }
 
 // q: float32 [B, D]; codes: float8_e4m3fn [N, D] passed as its uint8 bytes, decoded by lut [256].
@@ -425,6 +444,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap");
+  m.def("filter_mask", &filter_mask, "Items passing one filter");
   m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter");
   m.def("ivf_scan_fp8", &ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter");
 }

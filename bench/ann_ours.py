@@ -1,0 +1,105 @@
+"""Adapter from the benchmark to our in-model IVF index (``retrieval.index``).
+
+Everything that depends on the index's API is in this file, so when that API changes only
+:func:`build_ours` and :meth:`Ours.search` need fixing. Intended API::
+
+    cfg = IVFConfig(nlist=4096, nprobe=32, rerank=256, codes="int8")
+    index = build_ivf(vectors [N, D] float32, cfg, item_attributes={...}, attribute_values={...})
+    ids, scores = index.search(queries [B, D] float32, k, filters=None | str | [str]*B,
+                               nprobe=32, rerank=256)       # ``filter=`` in the first draft
+    index.compile_filter(str, B) -> FilterBatch             # optional; accepted by ``filters=``
+    index.memory_bytes() -> dict[str, int]
+
+Rerank is varied without rebuilding: the ``rerank=`` keyword of ``search`` if it has one, else
+the index's config object (``cfg`` / ``config``) is replaced with the new value. ``nprobe`` is what
+we *ask* for: the index may widen it for a selective filter, or scan the eligible items exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+from ann_data import AnnData
+from timing import stopwatch
+
+
+class Ours:
+    """A built ``IVFIndex`` plus what the sweep needs: search, bytes per item, build seconds.
+
+    ``precompile``: compile each filter string once per batch size outside the timed call, as
+    the faiss side builds its ``IDSelectorBitmap`` outside timing; False times the parsing too.
+    """
+
+    def __init__(
+        self, index: Any, n: int, build_s: float, cfg: Any, precompile: bool = True
+    ) -> None:
+        self.index = index
+        self.n = n
+        self.build_s = build_s
+        self.cfg = cfg
+        params = inspect.signature(index.search).parameters
+        self._filter_kwarg = next((p for p in ("filters", "filter") if p in params), None)
+        self._rerank_kwarg = "rerank" in params
+        self._rerank = getattr(cfg, "rerank", None)
+        self._precompile = precompile and hasattr(index, "compile_filter")
+        self._compiled: dict[tuple[str, int], Any] = {}
+
+    def set_rerank(self, rerank: int) -> bool:
+        """Switch the rerank depth for later searches; False if the index offers no way to."""
+        if self._rerank_kwarg:
+            self._rerank = rerank
+            return True
+        for attr in ("cfg", "config"):
+            cfg = getattr(self.index, attr, None)
+            if cfg is not None and dataclasses.is_dataclass(cfg) and hasattr(cfg, "rerank"):
+                setattr(self.index, attr, dataclasses.replace(cfg, rerank=rerank))
+                self._rerank = rerank
+                return True
+        return rerank == self._rerank
+
+    def _filter_arg(self, filter: str | None, batch: int) -> Any:
+        if filter is None or not self._precompile:
+            return filter
+        key = (filter, batch)
+        if key not in self._compiled:
+            self._compiled[key] = self.index.compile_filter(filter, batch)
+        return self._compiled[key]
+
+    @torch.inference_mode()
+    def search(self, q: torch.Tensor, k: int, nprobe: int, filter: str | None = None) -> np.ndarray:
+        """``q [B, D] float32`` -> ids ``[B, K] int64`` (-1 pads); ``filter`` applies to every row."""
+        kwargs: dict[str, Any] = {"nprobe": nprobe}
+        if self._rerank_kwarg:
+            kwargs["rerank"] = self._rerank
+        if filter is not None:
+            if self._filter_kwarg is None:
+                raise TypeError("our index's search() takes no filter argument")
+            kwargs[self._filter_kwarg] = self._filter_arg(filter, q.shape[0])
+        ids, _scores = self.index.search(q, k, **kwargs)
+        return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+
+    def bytes_per_item(self) -> float:
+        return sum(int(v) for v in self.index.memory_bytes().values()) / self.n
+
+    def memory_breakdown(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.index.memory_bytes().items()}
+
+
+def build_ours(
+    data: AnnData, nlist: int, codes: str, rerank: int, nprobe: int = 32, precompile: bool = True
+) -> Ours:
+    """Build our index over ``data.x`` with the filter attributes; raises ImportError if absent."""
+    from retrieval.index import IVFConfig, build_ivf
+
+    cfg = IVFConfig(nlist=nlist, nprobe=nprobe, rerank=rerank, codes=codes)
+    x = torch.from_numpy(data.x)
+    attrs = {name: np.asarray(v, dtype=np.int64) for name, v in data.attributes.items()}
+    elapsed = stopwatch()
+    index = build_ivf(x, cfg, item_attributes=attrs, attribute_values=data.attribute_values)
+    if hasattr(index, "eval"):
+        index.eval()
+    return Ours(index, len(data.x), elapsed(), cfg, precompile)
