@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from retrieval.index.scan import topk_rows
+
 NEG_INF = float("-inf")
 
 
@@ -55,7 +57,7 @@ def exact_search_subset(
     if kk == 0:
         return pos, sc
     scores = q.float() @ vectors[subset].float().T  # [B, M]
-    top, idx = scores.topk(kk, dim=1)
+    top, idx = topk_rows(scores, kk)
     pos[:, :kk] = subset[idx]
     sc[:, :kk] = top
     return pos, sc

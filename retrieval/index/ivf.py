@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from retrieval.filters import FilterBatch, FilterSchema, bit_counts, estimate_selectivity
+from retrieval.filters import FilterBatch, FilterSchema, bit_counts, eligible, estimate_selectivity
 from retrieval.index.codes import CODE_KINDS, dequantize, quantize
 from retrieval.index.exact import exact_search, exact_search_subset, recall_at_k
 from retrieval.index.kmeans import assign, train_centroids
@@ -86,7 +86,8 @@ class IVFIndex(nn.Module):
 
     Buffers (N items, D dims, W signature words): ``centroids [nlist, D] f32``, ``offsets
     [nlist+1] i64``, ``item_ids [N] i64``, ``codes [N, D] int8|fp8``, ``scales [N] f32``,
-    ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``.
+    ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``,
+    ``postings [sum(bit_counts)] i32`` (the items of each bit: an inverted index over attributes).
     """
 
     centroids: torch.Tensor
@@ -97,6 +98,7 @@ class IVFIndex(nn.Module):
     exact: torch.Tensor
     sig: torch.Tensor
     bit_counts: torch.Tensor
+    postings: torch.Tensor
 
     def __init__(
         self,
@@ -119,7 +121,10 @@ class IVFIndex(nn.Module):
         self.register_buffer("exact", torch.zeros(0, dim, dtype=exact_dtype))
         self.register_buffer("sig", torch.zeros(0, w, dtype=torch.int64))
         self.register_buffer("bit_counts", torch.zeros(w * 64, dtype=torch.int64))
+        # items of each signature bit, bit after bit (int32 positions; offsets = cumsum(bit_counts))
+        self.register_buffer("postings", torch.zeros(0, dtype=torch.int32))
         self.max_list = 0
+        self.posting_offsets: list[int] = [0]
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -155,7 +160,7 @@ class IVFIndex(nn.Module):
             if saved is None or buf is None:
                 continue
             if saved.dtype != buf.dtype or (
-                saved.shape[1:] != buf.shape[1:] and name not in ("sig", "bit_counts")
+                saved.shape[1:] != buf.shape[1:] and name not in ("sig", "bit_counts", "postings")
             ):
                 error_msgs.append(
                     f"{prefix}{name}: saved {tuple(saved.shape)} {saved.dtype}, expected [*, "
@@ -171,6 +176,7 @@ class IVFIndex(nn.Module):
     def _refresh(self) -> None:
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
+        self.posting_offsets = torch.cat([self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]).tolist()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per buffer (sum / ntotal = bytes per item)."""
@@ -341,8 +347,7 @@ class IVFIndex(nn.Module):
         for g in range(int(inverse.max()) + 1 if b else 0):
             rows = (inverse == g).nonzero().flatten()
             if masks.shape[1]:
-                elig = filter_mask(self.sig, masks[rows[0]], negate[rows[0]])  # [N]
-                subset = elig.nonzero().flatten()
+                subset = self.eligible_positions(masks[rows[0]], negate[rows[0]])
             else:
                 subset = torch.arange(self.ntotal, device=q.device)
             if subset.numel() == 0:
@@ -359,6 +364,26 @@ class IVFIndex(nn.Module):
                 p, s = self._exact_chunked(q[rows], k, subset)
             pos[rows], scores[rows] = p, s
         return pos, scores
+
+    def eligible_positions(self, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+        """Positions of the items passing one filter (``masks [C, W]``, ``negate [C]``) -> ``[M]``.
+
+        The most selective non-negated clause drives: the postings of its values are the only
+        candidates, and only they are checked against every clause. Cost grows with that
+        clause's items, not with the catalog; with no selective clause, every item is checked.
+        """
+        shifts = torch.arange(64, device=masks.device)
+        bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
+        counts = (bits.long() * self.bit_counts).sum(dim=1).masked_fill(negate, self.ntotal + 1)
+        c = int(counts.argmin()) if counts.numel() else -1
+        if c < 0 or int(counts[c]) > self.ntotal // 4 or self.postings.numel() == 0:
+            return filter_mask(self.sig, masks, negate).nonzero().flatten()
+        off = self.posting_offsets
+        parts = [self.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
+        cand = torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64)
+        if len(parts) > 1:
+            cand = cand.unique()  # a multi-valued attribute may list an item under several values
+        return cand[eligible(self.sig[cand], masks, negate)]
 
     def _exact_chunked(
         self, q: torch.Tensor, k: int, subset: torch.Tensor, chunk: int = 1 << 16
@@ -425,6 +450,7 @@ def build_ivf(
     index.exact = xs.to(exact_dtype) if exact_dtype is not None else torch.zeros(0, d)
     index.sig = sig.contiguous()
     index.bit_counts = bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64)
+    index.postings = postings(sig)
     index._refresh()
     if config.target_recall > 0:
         tune_nprobe(
@@ -434,6 +460,20 @@ def build_ivf(
             else tune_queries.float().cpu(),
         )
     return index
+
+
+def postings(sig: torch.Tensor) -> torch.Tensor:
+    """Items of every signature bit, bit after bit: ``sig [N, W]`` -> ``[nnz] int32``."""
+    if sig.shape[1] == 0:
+        return torch.zeros(0, dtype=torch.int32)
+    if sig.shape[0] >= 2**31:
+        raise ValueError("postings hold int32 positions: at most 2**31 - 1 items per index")
+    shifts = torch.arange(64)
+    out = []
+    for w in range(sig.shape[1]):  # one word at a time bounds the [N, 64] temporary
+        bits = ((sig[:, w : w + 1] >> shifts) & 1).bool()  # [N, 64]
+        out.append(bits.T.nonzero()[:, 1].to(torch.int32))  # sorted by bit, then item
+    return torch.cat(out)
 
 
 def tune_nprobe(index: IVFIndex, queries: torch.Tensor) -> int:

@@ -387,6 +387,14 @@ at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at:
   const bool* np = fneg.data_ptr<bool>();
   bool* op = out.data_ptr<bool>();
   at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
+    if (w == 1) {  // one signature word (up to 64 attribute values): branch-free, vectorizes
+      for (int64_t i = i0; i < i1; ++i) {
+        bool ok = true;
+        for (int64_t c = 0; c < c_count; ++c) ok &= ((sp[i] & mp[c]) != 0) != np[c];
+        op[i] = ok;
+      }
+      return;
+    }
     for (int64_t i = i0; i < i1; ++i) op[i] = passes(sp + i * w, mp, np, c_count, w);
   });
   return out;
