@@ -113,15 +113,25 @@ class RecDataset:
             value = getattr(self, field)
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{field}: expected an int >= 0, got {value!r}")
-        _check_same_keys("item_attributes", self.item_attributes, "attribute_values", self.attribute_values)
+        _check_same_keys(
+            "item_attributes", self.item_attributes, "attribute_values", self.attribute_values
+        )
         for attr, vocab in self.attribute_values.items():
             _check_vocab(f"attribute_values[{attr!r}]", vocab)
-            _check_attribute(f"item_attributes[{attr!r}]", self.item_attributes[attr], self.num_items, len(vocab))
-        _check_same_keys("user_features", self.user_features, "user_feature_sizes", self.user_feature_sizes)
+            _check_attribute(
+                f"item_attributes[{attr!r}]", self.item_attributes[attr], self.num_items, len(vocab)
+            )
+        _check_same_keys(
+            "user_features", self.user_features, "user_feature_sizes", self.user_feature_sizes
+        )
         for feat, size in self.user_feature_sizes.items():
             if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"user_feature_sizes[{feat!r}]: expected an int >= 1, got {size!r}")
-            _check_codes(f"user_features[{feat!r}]", self.user_features[feat], self.num_users, int(size))
+                raise ValueError(
+                    f"user_feature_sizes[{feat!r}]: expected an int >= 1, got {size!r}"
+                )
+            _check_codes(
+                f"user_features[{feat!r}]", self.user_features[feat], self.num_users, int(size)
+            )
         dense = self.user_dense
         if not isinstance(dense, np.ndarray) or dense.ndim != 2 or dense.dtype != np.float32:
             raise ValueError(f"user_dense: expected float32 [U, F], got {_describe(dense)}")
@@ -132,7 +142,9 @@ class RecDataset:
         self.interactions.validate(self.num_users, self.num_items)
         if self.item_names is not None:
             if len(self.item_names) != self.num_items:
-                raise ValueError(f"item_names: expected N={self.num_items} names, got {len(self.item_names)}")
+                raise ValueError(
+                    f"item_names: expected N={self.num_items} names, got {len(self.item_names)}"
+                )
             if not all(isinstance(s, str) for s in self.item_names):
                 raise ValueError("item_names: every name must be a str")
 
@@ -208,7 +220,9 @@ def write_parquet(ds: RecDataset, directory: Path) -> Path:
 
     users: dict[str, pa.Array] = {"user_id": pa.array(np.arange(ds.num_users, dtype=np.int64))}
     users.update({feat: pa.array(arr) for feat, arr in ds.user_features.items()})
-    users.update({f"dense_{j}": pa.array(ds.user_dense[:, j]) for j in range(ds.user_dense.shape[1])})
+    users.update(
+        {f"dense_{j}": pa.array(ds.user_dense[:, j]) for j in range(ds.user_dense.shape[1])}
+    )
     pq.write_table(pa.table(users), directory / "users.parquet")
 
     it = ds.interactions
@@ -237,10 +251,14 @@ def read_parquet(directory: Path) -> RecDataset:
     directory = Path(directory)
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
-        raise FileNotFoundError(f"{directory}: no meta.json (not a folder written by write_parquet)")
+        raise FileNotFoundError(
+            f"{directory}: no meta.json (not a folder written by write_parquet)"
+        )
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"meta.json: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        raise ValueError(
+            f"meta.json: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
     n, u = int(meta["num_items"]), int(meta["num_users"])
     items = _read_table(directory / "items.parquet")
     users = _read_table(directory / "users.parquet")
@@ -258,11 +276,15 @@ def read_parquet(directory: Path) -> RecDataset:
         lengths = _ints(pc.list_value_length(col))  # [N]
         codes = _ints(pc.list_flatten(col))  # [sum(lengths)]
         if codes.size and (codes.min() < 0 or codes.max() >= len(vocab)):
-            raise ValueError(f"items.parquet: column {attr!r} has value codes outside [0, {len(vocab)})")
+            raise ValueError(
+                f"items.parquet: column {attr!r} has value codes outside [0, {len(vocab)})"
+            )
         matrix = np.zeros((n, len(vocab)), dtype=bool)
         matrix[np.repeat(np.arange(n), lengths), codes] = True
         attrs[attr] = matrix
-    names = _column(items, "items.parquet", "item_name").to_pylist() if meta["has_item_names"] else None
+    names = (
+        _column(items, "items.parquet", "item_name").to_pylist() if meta["has_item_names"] else None
+    )
 
     feats = {f: _ints(_column(users, "users.parquet", f)) for f in meta["user_features"]}
     dense = np.zeros((u, meta["dense_dim"]), dtype=np.float32)
@@ -279,7 +301,10 @@ def read_parquet(directory: Path) -> RecDataset:
         user_feature_sizes={k: int(v) for k, v in meta["user_feature_sizes"].items()},
         user_dense=dense,
         interactions=Interactions(
-            *(_ints(_column(inter, "interactions.parquet", c)) for c in ("user_id", "item_id", "timestamp"))
+            *(
+                _ints(_column(inter, "interactions.parquet", c))
+                for c in ("user_id", "item_id", "timestamp")
+            )
         ),
         item_names=names,
     )

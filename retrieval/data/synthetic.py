@@ -89,40 +89,22 @@ def generate(cfg: SyntheticConfig) -> RecDataset:
     catalog_rng, attr_rng, user_rng, event_rng = _streams(cfg.seed)
     topic, pop = _topics_and_popularity(cfg, catalog_rng)  # [N], [N]
     user_id, item_id = _draw_events(cfg, topic, pop, user_rng, event_rng)  # [M] each, user-major
-    counts = np.bincount(user_id, minlength=cfg.num_users)  # [U]
-    timestamp = _timestamps(user_id, counts, event_rng)
+    timestamp = _timestamps(user_id, np.bincount(user_id, minlength=cfg.num_users), event_rng)
 
     attrs, values = _item_attributes(cfg, topic, attr_rng)
-    lang_counts = np.bincount(
-        user_id * len(LANGUAGES) + attrs["language"][item_id], minlength=cfg.num_users * len(LANGUAGES)
-    ).reshape(cfg.num_users, len(LANGUAGES))  # [U, languages]
-    random_lang = user_rng.choice(len(LANGUAGES), cfg.num_users, p=LANGUAGE_WEIGHTS)
-    preferred = np.where(user_rng.random(cfg.num_users) < 0.7, lang_counts.argmax(1), random_lang)
-
-    first_seen = np.full(cfg.num_users, timestamp.max(initial=_START))
-    np.minimum.at(first_seen, user_id, timestamp)
-    tenure_days = (timestamp.max(initial=_START) - first_seen) / _DAY
-    log_pop = np.log(pop)
-    mainstream = np.bincount(user_id, log_pop[item_id], cfg.num_users) / np.maximum(counts, 1)
-    dense = np.stack([np.log(np.maximum(counts, 1)), np.log1p(tenure_days), mainstream], axis=1)
-
     ds = RecDataset(
         name=f"synthetic-{cfg.num_users}u-{cfg.num_items}i-seed{cfg.seed}",
         num_users=cfg.num_users,
         num_items=cfg.num_items,
         item_attributes=attrs,
         attribute_values=values,
-        user_features={
-            "region": user_rng.choice(len(REGIONS), cfg.num_users, p=REGION_WEIGHTS).astype(np.int64),
-            "age_bucket": user_rng.choice(len(AGE_BUCKETS), cfg.num_users, p=AGE_BUCKET_WEIGHTS).astype(np.int64),
-            "preferred_language": preferred.astype(np.int64),
-        },
+        user_features=_user_features(cfg, user_id, attrs["language"][item_id], user_rng),
         user_feature_sizes={
             "region": len(REGIONS),
             "age_bucket": len(AGE_BUCKETS),
             "preferred_language": len(LANGUAGES),
         },
-        user_dense=_standardize(dense),
+        user_dense=_user_dense(cfg.num_users, user_id, timestamp, np.log(pop[item_id])),
         interactions=Interactions(user_id, item_id, timestamp),
     )
     ds.validate()
@@ -140,7 +122,9 @@ def _streams(seed: int) -> list[np.random.Generator]:
     return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)]
 
 
-def _topics_and_popularity(cfg: SyntheticConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _topics_and_popularity(
+    cfg: SyntheticConfig, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """-> ``topic [N] int64`` (uneven topic sizes), ``pop [N] float64`` (Zipf, sums to 1)."""
     topic_share = rng.dirichlet(np.full(cfg.num_topics, 4.0))
     topic = rng.choice(cfg.num_topics, cfg.num_items, p=topic_share).astype(np.int64)
@@ -169,8 +153,8 @@ def _draw_events(
     cum_weight = np.cumsum(weight / weight.sum(1, keepdims=True), axis=1)
 
     sigma = cfg.interactions_spread
-    wanted = user_rng.lognormal(np.log(cfg.interactions_per_user) - sigma**2 / 2, sigma, u)
-    wanted = np.clip(wanted.astype(np.int64), cfg.min_interactions, cfg.num_items)  # [U]
+    size = user_rng.lognormal(np.log(cfg.interactions_per_user) - sigma**2 / 2, sigma, u)
+    wanted = np.clip(size.astype(np.int64), cfg.min_interactions, cfg.num_items)  # [U]
     draws = 4 * wanted + 16  # oversample: repeats are dropped below
     user = np.repeat(np.arange(u), draws)  # [D]
     d = user.shape[0]
@@ -207,7 +191,9 @@ def _timestamps(user_id: np.ndarray, counts: np.ndarray, rng: np.random.Generato
     gap = gap.astype(np.int64) + 1  # [M] >= 1 s
     cum = np.cumsum(gap)
     user_start = np.r_[0, np.cumsum(counts)[:-1]]
-    base = np.repeat(cum[np.minimum(user_start, m - 1)] - gap[np.minimum(user_start, m - 1)], counts)
+    base = np.repeat(
+        cum[np.minimum(user_start, m - 1)] - gap[np.minimum(user_start, m - 1)], counts
+    )
     return start[user_id] + cum - base
 
 
@@ -234,6 +220,37 @@ def _item_attributes(
         "available": ["false", "true"],
     }
     return {k: v.astype(np.int64) for k, v in attrs.items()}, values
+
+
+def _user_features(
+    cfg: SyntheticConfig, user_id: np.ndarray, language: np.ndarray, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """Categorical codes ``[U] int64``; ``preferred_language`` is mostly the language of most of
+    the user's items (``language [M]``: per interaction), else a random one."""
+    u, num_lang = cfg.num_users, len(LANGUAGES)
+    per_user = np.bincount(user_id * num_lang + language, minlength=u * num_lang)
+    most_watched = per_user.reshape(u, num_lang).argmax(1)  # [U]
+    random_lang = rng.choice(num_lang, u, p=LANGUAGE_WEIGHTS)
+    return {
+        "region": rng.choice(len(REGIONS), u, p=REGION_WEIGHTS).astype(np.int64),
+        "age_bucket": rng.choice(len(AGE_BUCKETS), u, p=AGE_BUCKET_WEIGHTS).astype(np.int64),
+        "preferred_language": np.where(rng.random(u) < 0.7, most_watched, random_lang).astype(
+            np.int64
+        ),
+    }
+
+
+def _user_dense(
+    num_users: int, user_id: np.ndarray, timestamp: np.ndarray, log_pop: np.ndarray
+) -> np.ndarray:
+    """``DENSE_FEATURES`` standardized: ``[U, 3] float32`` from the events (``[M]`` each)."""
+    counts = np.maximum(np.bincount(user_id, minlength=num_users), 1)  # [U]
+    end = timestamp.max(initial=_START)
+    first_seen = np.full(num_users, end)
+    np.minimum.at(first_seen, user_id, timestamp)
+    tenure_days = (end - first_seen) / _DAY
+    mainstream = np.bincount(user_id, log_pop, num_users) / counts
+    return _standardize(np.stack([np.log(counts), np.log1p(tenure_days), mainstream], axis=1))
 
 
 def _standardize(x: np.ndarray) -> np.ndarray:

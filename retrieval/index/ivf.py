@@ -380,7 +380,7 @@ class IVFIndex(nn.Module):
             return filter_mask(self.sig, masks, negate).nonzero().flatten()
         off = self.posting_offsets
         parts = [self.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
-        cand = torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64)
+        cand = torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64, device=masks.device)
         if len(parts) > 1:
             cand = cand.unique()  # a multi-valued attribute may list an item under several values
         return cand[eligible(self.sig[cand], masks, negate)]
