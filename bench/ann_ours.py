@@ -97,7 +97,10 @@ def build_ours(
 
     # Without re-ranking the exact copy is dead weight: leave it out, so bytes/item compare with SQ8.
     cfg = IVFConfig(
-        nlist=nlist, nprobe=nprobe, rerank=rerank, codes=codes,
+        nlist=nlist,
+        nprobe=nprobe,
+        rerank=rerank,
+        codes=codes,
         exact_copy="float16" if rerank else "none",
     )
     x = torch.from_numpy(data.x)

@@ -78,9 +78,7 @@ def sweep(
         # Only a high recall can plateau: at 0.1 % selectivity early steps gain ~1e-4 each. Two
         # steps must gain too little: an index that widens small nprobe itself (ours: enough lists
         # for 2r candidates) measures the same recall at nprobe 1 and 2.
-        plateaued = (
-            len(points) > 2 and recall >= 0.9 and recall - points[-3].recall < args.plateau
-        )
+        plateaued = len(points) > 2 and recall >= 0.9 and recall - points[-3].recall < args.plateau
         if (recall >= args.stop_recall or plateaued) and i >= must:
             break
     return points

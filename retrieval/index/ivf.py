@@ -176,7 +176,9 @@ class IVFIndex(nn.Module):
     def _refresh(self) -> None:
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
-        self.posting_offsets = torch.cat([self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]).tolist()
+        self.posting_offsets = torch.cat(
+            [self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]
+        ).tolist()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per buffer (sum / ntotal = bytes per item)."""
@@ -285,7 +287,7 @@ class IVFIndex(nn.Module):
         ``selectivity ** -exponent``, and enough to hold ``2r`` eligible items."""
         s_ = max(selectivity, 1e-9)
         avg_list = self.ntotal / max(self.nlist, 1)
-        widen = nprobe * s_ ** -self.config.filter_nprobe_exponent
+        widen = nprobe * s_**-self.config.filter_nprobe_exponent
         fill = 2.0 * r / (avg_list * s_)
         return int(min(self.nlist, max(nprobe, math.ceil(max(widen, fill)))))
 
@@ -380,7 +382,11 @@ class IVFIndex(nn.Module):
             return filter_mask(self.sig, masks, negate).nonzero().flatten()
         off = self.posting_offsets
         parts = [self.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
-        cand = torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64, device=masks.device)
+        cand = (
+            torch.cat(parts).long()
+            if parts
+            else torch.zeros(0, dtype=torch.int64, device=masks.device)
+        )
         if len(parts) > 1:
             cand = cand.unique()  # a multi-valued attribute may list an item under several values
         return cand[eligible(self.sig[cand], masks, negate)]

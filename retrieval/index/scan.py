@@ -61,7 +61,9 @@ def ivf_scan_int8(
     fneg: torch.Tensor,
     r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(_extension().ivf_scan_int8(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r))
+    return tuple(
+        _extension().ivf_scan_int8(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r)
+    )
 
 
 @torch.library.custom_op("recserve::ivf_scan_fp8", mutates_args=())
@@ -158,9 +160,23 @@ def scan(
     eager = not torch.compiler.is_compiling()
     if codes.dtype == torch.int8:
         op = _extension().ivf_scan_int8 if eager else ivf_scan_int8
-        return tuple(op(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
+        return tuple(op(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r))
     op8 = _extension().ivf_scan_fp8 if eager else ivf_scan_fp8
-    return tuple(op8(q, codes.view(torch.uint8), _FP8_LUT, probes, coarse, scales, offsets, sig, fmask, fneg, r))  # type: ignore[return-value]
+    return tuple(
+        op8(
+            q,
+            codes.view(torch.uint8),
+            _FP8_LUT,
+            probes,
+            coarse,
+            scales,
+            offsets,
+            sig,
+            fmask,
+            fneg,
+            r,
+        )
+    )
 
 
 _FP8_LUT = fp8_lut()

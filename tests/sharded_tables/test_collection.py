@@ -10,10 +10,12 @@ from sharded_tables import EmbeddingCollection, TableConfig
 
 @pytest.fixture
 def tables() -> EmbeddingCollection:
-    return EmbeddingCollection([
-        TableConfig("item", 10, 4, features=("history", "item_id")),
-        TableConfig("country", 5, 4, pooling="sum"),
-    ])
+    return EmbeddingCollection(
+        [
+            TableConfig("item", 10, 4, features=("history", "item_id")),
+            TableConfig("country", 5, 4, pooling="sum"),
+        ]
+    )
 
 
 def test_mean_pooling_skips_padding_and_empty_bags_are_zero(tables):
@@ -29,12 +31,15 @@ def test_shared_table_and_sum_pooling(tables):
     torch.testing.assert_close(out["country"][0], 2 * tables.tables["country"].weight[1])
 
 
-@pytest.mark.parametrize("features,match", [
-    ({"nope": torch.zeros(1, 1, dtype=torch.int64)}, "unknown feature"),
-    ({"history": torch.zeros(1, 1)}, "int64"),
-    ({"history": torch.tensor([[10]])}, r"\[0, 10\)"),
-    ({"history": torch.tensor([[-2]])}, "padding"),
-])
+@pytest.mark.parametrize(
+    "features,match",
+    [
+        ({"nope": torch.zeros(1, 1, dtype=torch.int64)}, "unknown feature"),
+        ({"history": torch.zeros(1, 1)}, "int64"),
+        ({"history": torch.tensor([[10]])}, r"\[0, 10\)"),
+        ({"history": torch.tensor([[-2]])}, "padding"),
+    ],
+)
 def test_validate_names_the_problem(tables, features, match):
     with pytest.raises(ValueError, match=match):
         tables.validate(features)
