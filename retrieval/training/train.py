@@ -105,9 +105,10 @@ def train(model: RetrievalModel, data: TrainingData, cfg: TrainConfig) -> list[f
             opt.step()
             losses.append(loss.item())
             seen += len(idx)
-            bar.set_postfix(
+            bar.set_postfix(  # drawn at tqdm's own pace, not every step
                 loss=f"{np.mean(losses[-20:]):.3f}",
                 ex_s=f"{seen / (time.perf_counter() - start):.0f}",
+                refresh=False,
             )
         epoch_losses.append(float(np.mean(losses)) if losses else float("nan"))
     model.eval()
