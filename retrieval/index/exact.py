@@ -57,7 +57,8 @@ def exact_search_subset(
     if kk == 0:
         return pos, sc
     scores = q.float() @ vectors[subset].float().T  # [B, M]
-    top, idx = topk_rows(scores, kk)
+    # the bounded heap wins when k is a small part of the row; a sort when it is not
+    top, idx = topk_rows(scores, kk) if 8 * kk < scores.shape[1] else scores.topk(kk, dim=1)
     pos[:, :kk] = subset[idx]
     sc[:, :kk] = top
     return pos, sc

@@ -259,13 +259,9 @@ class IVFIndex(nn.Module):
             use_exact = torch.zeros(b, dtype=torch.bool, device=q.device)
         else:
             sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).tolist()  # [B]
-            probes = [self._nprobe_for(s_, nprobe, r) for s_ in sel]
-            # cost in items touched: eligible items scanned exactly vs codes in the probed lists
-            avg_list = self.ntotal / max(self.nlist, 1)
-            plan_exact = [
-                exact or s_ * self.ntotal * self.config.exact_cost <= p_ * avg_list
-                for s_, p_ in zip(sel, probes, strict=True)
-            ]
+            plans = {s_: self._plan_for(s_, nprobe, r, exact) for s_ in set(sel)}  # few distinct
+            probes = [plans[s_][0] for s_ in sel]
+            plan_exact = [plans[s_][1] for s_ in sel]
             use_exact = torch.tensor(plan_exact, device=q.device)
             pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
             scores = torch.full((b, k), float("-inf"), device=q.device)
@@ -285,11 +281,18 @@ class IVFIndex(nn.Module):
     def _nprobe_for(self, selectivity: float, nprobe: int, r: int) -> int:
         """Lists to probe for a request admitting ``selectivity`` of the items: widened as
         ``selectivity ** -exponent``, and enough to hold ``2r`` eligible items."""
+        n, nlist = self.ntotal, max(self.nlist, 1)
         s_ = max(selectivity, 1e-9)
-        avg_list = self.ntotal / max(self.nlist, 1)
         widen = nprobe * s_**-self.config.filter_nprobe_exponent
-        fill = 2.0 * r / (avg_list * s_)
-        return int(min(self.nlist, max(nprobe, math.ceil(max(widen, fill)))))
+        fill = 2.0 * r / (n / nlist * s_)
+        return int(min(nlist, max(nprobe, math.ceil(max(widen, fill)))))
+
+    def _plan_for(self, selectivity: float, nprobe: int, r: int, exact: bool) -> tuple[int, bool]:
+        """(lists to probe, scan exactly?): exactly when its eligible items cost no more than
+        the codes of those lists (cost in items touched, weighted by ``exact_cost``)."""
+        p = self._nprobe_for(selectivity, nprobe, r)
+        n = self.ntotal
+        return p, exact or selectivity * n * self.config.exact_cost <= p * n / max(self.nlist, 1)
 
     def _ivf(
         self,
