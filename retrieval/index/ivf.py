@@ -225,7 +225,7 @@ class IVFIndex(nn.Module):
                 f"k must be an int in [1, {self.ntotal}] (the catalog size), got {k!r}"
             )
         fb = self.compile_filter(filters, q.shape[0])
-        pos, scores = self.search_positions(
+        pos, scores = self._search_positions(
             q.float(),
             k,
             fb,
@@ -250,6 +250,17 @@ class IVFIndex(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
         ``exact=True`` scans every eligible item (the reference the index is measured against)."""
+        return self._search_positions(q, k, fb, nprobe, rerank, exact)
+
+    def _search_positions(
+        self,
+        q: torch.Tensor,
+        k: int,
+        fb: FilterBatch,
+        nprobe: int,
+        rerank: int,
+        exact: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b = q.shape[0]
         r = max(k, rerank) if rerank and self.exact.shape[0] else k
         if not fb.active and not exact:  # the common case, kept lean for single queries

@@ -95,6 +95,7 @@ struct Batch {  // one chunk of queries [b0, b1)
 // buf_off[(b - b0) * P + p] = where the pair's scores start in the score buffer (-1: no pair).
 struct Plan {
   std::vector<int64_t> pair_start, pairs, buf_off;
+  std::vector<int64_t> active;  // lists probed by at least one query of the chunk
   int64_t buf_size = 0;
 };
 
@@ -118,6 +119,7 @@ Plan plan_chunk(const Index& ix, const Batch& bt) {
   pl.buf_off.assign(nb * bt.p, -1);
   int64_t off = 0;
   for (int64_t l = 0; l < ix.nlist; ++l) {
+    if (pl.pair_start[l + 1] > pl.pair_start[l]) pl.active.push_back(l);
     const int64_t n = ix.offsets[l + 1] - ix.offsets[l];
     for (int64_t k = pl.pair_start[l]; k < pl.pair_start[l + 1]; ++k) {
       pl.buf_off[pl.pairs[k]] = off;
@@ -133,9 +135,11 @@ Plan plan_chunk(const Index& ix, const Batch& bt) {
 // blanks the items a query may not see.
 template <typename MakeScorer>
 void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, MakeScorer make_scorer) {
-  at::parallel_for(0, ix.nlist, 16, [&](int64_t l0, int64_t l1) {
+  // Small batches (a few probed lists) run on the calling thread: a thread team costs more.
+  at::parallel_for(0, (int64_t)pl.active.size(), 16, [&](int64_t a0, int64_t a1) {
     auto scorer = make_scorer();
-    for (int64_t l = l0; l < l1; ++l) {
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t l = pl.active[a];
       const int64_t i0 = ix.offsets[l], i1 = ix.offsets[l + 1];
       const int64_t nq = pl.pair_start[l + 1] - pl.pair_start[l];
       if (nq == 0 || i1 == i0) continue;
