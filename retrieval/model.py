@@ -18,7 +18,8 @@ from torch import nn
 from retrieval.config import ModelConfig
 from retrieval.features import UserBatch
 from retrieval.filters import FilterBatch
-from retrieval.index.ivf import IVFIndex, build_ivf
+from retrieval.index.build import build_ivf
+from retrieval.index.ivf import IVFIndex
 from retrieval.scoring import PairHead, score_candidates
 from retrieval.towers import Tower
 from sharded_tables import EmbeddingCollection, TableConfig

@@ -22,22 +22,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from retrieval.filters import FilterBatch, FilterSchema, bit_counts, eligible, estimate_selectivity
-from retrieval.index.codes import CODE_KINDS, dequantize, quantize
-from retrieval.index.exact import exact_search, exact_search_subset, recall_at_k
-from retrieval.index.kmeans import assign, train_centroids
+from retrieval.filters import FilterBatch, FilterSchema, eligible, estimate_selectivity
+from retrieval.index.codes import CODE_KINDS, dequantize
+from retrieval.index.exact import exact_search, exact_search_subset
 from retrieval.index.scan import filter_mask, scan, topk_rows
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-_EXACT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "none": None}
+EXACT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "none": None}
 
 
 @dataclass
@@ -73,9 +71,9 @@ class IVFConfig:
             raise ValueError(f"nlist and nprobe must be >= 1, got {self.nlist}, {self.nprobe}")
         if self.codes not in CODE_KINDS:
             raise ValueError(f"codes must be one of {CODE_KINDS}, got {self.codes!r}")
-        if self.exact_copy not in _EXACT_DTYPES:
+        if self.exact_copy not in EXACT_DTYPES:
             raise ValueError(
-                f"exact_copy must be one of {tuple(_EXACT_DTYPES)}, got {self.exact_copy!r}"
+                f"exact_copy must be one of {tuple(EXACT_DTYPES)}, got {self.exact_copy!r}"
             )
         if self.rerank < 0:
             raise ValueError(f"rerank must be >= 0, got {self.rerank}")
@@ -112,7 +110,7 @@ class IVFIndex(nn.Module):
         self.dim = dim
         self.schema = FilterSchema(attribute_values or {})
         w = self.schema.num_words
-        exact_dtype = _EXACT_DTYPES[config.exact_copy] or torch.float32
+        exact_dtype = EXACT_DTYPES[config.exact_copy] or torch.float32
         self.register_buffer("centroids", torch.zeros(0, dim))
         self.register_buffer("offsets", torch.zeros(1, dtype=torch.int64))
         self.register_buffer("item_ids", torch.zeros(0, dtype=torch.int64))
@@ -235,11 +233,7 @@ class IVFIndex(nn.Module):
         ids = torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
         return ids, scores
 
-    # The plan below branches on data (which rows are exact, how many lists each probes), so under
-    # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
-    # heavy part, the scan, is one C++ op either way.
-    @torch.compiler.disable
-    def search_positions(
+    def _search_positions(
         self,
         q: torch.Tensor,
         k: int,
@@ -250,17 +244,6 @@ class IVFIndex(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
         ``exact=True`` scans every eligible item (the reference the index is measured against)."""
-        return self._search_positions(q, k, fb, nprobe, rerank, exact)
-
-    def _search_positions(
-        self,
-        q: torch.Tensor,
-        k: int,
-        fb: FilterBatch,
-        nprobe: int,
-        rerank: int,
-        exact: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
         b = q.shape[0]
         r = max(k, rerank) if rerank and self.exact.shape[0] else k
         if not fb.active and not exact:  # the common case, kept lean for single queries
@@ -419,98 +402,7 @@ class IVFIndex(nn.Module):
             best_p = all_p.gather(1, idx)
         return best_p, best_s
 
-
-def build_ivf(
-    vectors: torch.Tensor,
-    config: IVFConfig | None = None,
-    *,
-    item_ids: torch.Tensor | None = None,
-    item_attributes: Mapping[str, np.ndarray] | None = None,
-    attribute_values: Mapping[str, Sequence[str]] | None = None,
-    tune_queries: torch.Tensor | None = None,
-) -> IVFIndex:
-    """Builds an :class:`IVFIndex` over ``vectors [N, D] float32``.
-
-    ``item_ids [N] int64`` defaults to ``0..N-1``; ``item_attributes`` (codes ``[N]`` or bool
-    ``[N, V]`` per attribute, vocabularies in ``attribute_values``) become filter signatures.
-    With ``config.target_recall`` set, nprobe is tuned on ``tune_queries [Q, D]`` (default: a
-    sample of the vectors themselves).
-    """
-    config = config or IVFConfig()
-    config.validate()
-    if vectors.dim() != 2 or vectors.shape[0] < 1:
-        raise ValueError(f"vectors must be [N >= 1, D], got {tuple(vectors.shape)}")
-    n, d = vectors.shape
-    x = vectors.detach().cpu().float().contiguous()
-    ids = torch.arange(n) if item_ids is None else item_ids.detach().cpu().long()
-    if ids.shape != (n,):
-        raise ValueError(f"item_ids must be [N={n}], got {tuple(ids.shape)}")
-    if item_attributes and not attribute_values:
-        raise ValueError("attribute_values is required with item_attributes")
-    index = IVFIndex(config, d, attribute_values)
-    nlist = min(config.nlist, n)
-    centroids = train_centroids(
-        x,
-        nlist,
-        iters=config.kmeans_iters,
-        seed=config.seed,
-        max_points_per_centroid=config.kmeans_max_points_per_centroid,
-    )
-    lists = assign(x, centroids)
-    order = torch.argsort(lists, stable=True)
-    counts = torch.bincount(lists, minlength=nlist)
-    xs, ls = x[order], lists[order]
-    codes, scales = quantize(xs - centroids[ls], config.codes)
-    sig = index.schema.signatures(item_attributes or {}, n)[order]
-    index.centroids = centroids
-    index.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-    index.item_ids = ids[order].contiguous()
-    index.codes, index.scales = codes.contiguous(), scales.contiguous()
-    exact_dtype = _EXACT_DTYPES[config.exact_copy]
-    index.exact = xs.to(exact_dtype) if exact_dtype is not None else torch.zeros(0, d)
-    index.sig = sig.contiguous()
-    index.bit_counts = bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64)
-    index.postings = postings(sig)
-    index._refresh()
-    if config.target_recall > 0:
-        tune_nprobe(
-            index,
-            x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
-            if tune_queries is None
-            else tune_queries.float().cpu(),
-        )
-    return index
-
-
-def postings(sig: torch.Tensor) -> torch.Tensor:
-    """Items of every signature bit, bit after bit: ``sig [N, W]`` -> ``[nnz] int32``."""
-    if sig.shape[1] == 0:
-        return torch.zeros(0, dtype=torch.int32)
-    if sig.shape[0] >= 2**31:
-        raise ValueError("postings hold int32 positions: at most 2**31 - 1 items per index")
-    shifts = torch.arange(64)
-    out = []
-    for w in range(sig.shape[1]):  # one word at a time bounds the [N, 64] temporary
-        bits = ((sig[:, w : w + 1] >> shifts) & 1).bool()  # [N, 64]
-        out.append(bits.T.nonzero()[:, 1].to(torch.int32))  # sorted by bit, then item
-    return torch.cat(out)
-
-
-def tune_nprobe(index: IVFIndex, queries: torch.Tensor) -> int:
-    """Sets ``index.config.nprobe`` to the smallest power of two (or nlist) whose unfiltered
-    recall@``tune_k`` against exact search on ``queries [Q, D]`` reaches ``target_recall``."""
-    cfg = index.config
-    k = min(cfg.tune_k, index.ntotal)
-    truth_pos, _ = index.search_positions(
-        queries, k, index.schema.empty(len(queries)), 1, cfg.rerank, exact=True
-    )
-    nprobe = 1
-    while True:
-        pos, _ = index.search_positions(
-            queries, k, index.schema.empty(len(queries)), nprobe, cfg.rerank
-        )
-        if nprobe >= index.nlist or recall_at_k(pos, truth_pos) >= cfg.target_recall:
-            break
-        nprobe = min(2 * nprobe, index.nlist)
-    index.config = replace(cfg, nprobe=nprobe)
-    return nprobe
+    # The plan branches on data (which rows are exact, how many lists each probes), so under
+    # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
+    # heavy part, the scan, is one C++ op either way. Direct searches skip the wrapper.
+    search_positions = torch.compiler.disable(_search_positions)
