@@ -58,9 +58,6 @@ class EmbeddingCollection(nn.Module):
                     raise ValueError(f"feature {f!r} is assigned to two tables")
                 self.table_of[f] = t.name
 
-    def feature_dim(self, feature: str) -> int:
-        return self.configs[self.table_of[feature]].dim
-
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check: known features, ``[B, L]`` int64, ids in range (raises ``ValueError``)."""
         for name, ids in features.items():

@@ -50,11 +50,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales[:, None]
 
 
-def quantize_queries_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries ``[B, D]`` to int8 for the integer scan; same scheme as :func:`quantize_int8`."""
-    return quantize_int8(q)
-
-
 def fp8_lut(device: torch.device | str = "cpu") -> torch.Tensor:
     """``[256] float32``: the value of every e4m3 bit pattern (NaN patterns decode to 0)."""
     lut = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()

@@ -30,7 +30,7 @@ from torch import nn
 
 from retrieval.filters import FilterBatch, FilterSchema, eligible, estimate_selectivity
 from retrieval.index.codes import CODE_KINDS, dequantize
-from retrieval.index.exact import exact_search, exact_search_subset
+from retrieval.index.exact import exact_topk
 from retrieval.index.scan import filter_mask, scan, topk_rows
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
@@ -349,18 +349,7 @@ class IVFIndex(nn.Module):
                 subset = self.eligible_positions(masks[rows[0]], negate[rows[0]])
             else:
                 subset = torch.arange(self.ntotal, device=q.device)
-            if subset.numel() == 0:
-                continue  # nothing eligible: the rows stay empty
-            if subset.numel() <= (1 << 16):
-                p, s = exact_search_subset(
-                    self.vectors_at(subset),
-                    q[rows],
-                    k,
-                    torch.arange(subset.numel(), device=q.device),
-                )
-                p = torch.where(p >= 0, subset[p.clamp(min=0)], p)
-            else:
-                p, s = self._exact_chunked(q[rows], k, subset)
+            p, s = exact_topk(q[rows], k, subset, self.vectors_at)  # none eligible: empty rows
             pos[rows], scores[rows] = p, s
         return pos, scores
 
@@ -387,20 +376,6 @@ class IVFIndex(nn.Module):
         if len(parts) > 1:
             cand = cand.unique()  # a multi-valued attribute may list an item under several values
         return cand[eligible(self.sig[cand], masks, negate)]
-
-    def _exact_chunked(
-        self, q: torch.Tensor, k: int, subset: torch.Tensor, chunk: int = 1 << 16
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        best_p = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
-        best_s = torch.full((q.shape[0], k), float("-inf"), device=q.device)
-        for s in range(0, subset.numel(), chunk):
-            part = subset[s : s + chunk]
-            p, sc = exact_search(self.vectors_at(part), q, min(k, part.numel()))
-            p = torch.where(p >= 0, part[p.clamp(min=0)], p)
-            all_s, all_p = torch.cat([best_s, sc], 1), torch.cat([best_p, p], 1)
-            best_s, idx = all_s.topk(k, dim=1)
-            best_p = all_p.gather(1, idx)
-        return best_p, best_s
 
     # The plan branches on data (which rows are exact, how many lists each probes), so under
     # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
