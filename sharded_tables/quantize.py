@@ -25,7 +25,8 @@ FP16_MAX = 65504.0
 
 def _split_scale_bias(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``packed [N, 4 + C]`` -> (scale [N, 1] f32, bias [N, 1] f32, codes [N, C] uint8)."""
-    sb = packed[:, :SCALE_BIAS_BYTES].contiguous().view(torch.float16).float()  # [N, 2]
+    sb = torch.empty(packed.shape[0], SCALE_BIAS_BYTES, dtype=torch.uint8, device=packed.device)
+    sb = sb.copy_(packed[:, :SCALE_BIAS_BYTES]).view(torch.float16).float()  # [N, 2], aligned
     return sb[:, :1], sb[:, 1:2], packed[:, SCALE_BIAS_BYTES:]
 
 

@@ -22,10 +22,10 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     """Storage type of a table's rows (widest first)."""
 
     FP32 = "fp32"
@@ -63,7 +63,7 @@ def row_bytes(dim: int, dtype: DType) -> int:
     return data + (SCALE_BIAS_BYTES if dtype.has_scale_bias else 0)
 
 
-class Tier(str, Enum):
+class Tier(StrEnum):
     """Where rows live (fastest first).
 
     * ``device``: GPU memory when a GPU exists; on a CPU-only machine the fastest in-process copy.

@@ -1,0 +1,232 @@
+"""Local tiers (device / host): many packed tables read by one table-batched kernel call.
+
+``LocalTables`` holds the packed rows of every table placed in this process and pools the ids
+of all features in **one** call of fbgemm's ``IntNBitTableBatchedEmbeddingBagsCodegen`` (mixed
+dtypes in one call), the inference kernel that TorchRec's quantized modules use.
+
+Input is jagged, as a KeyedJaggedTensor: ``indices [sum of lengths]`` and
+``offsets [F * B + 1]`` over features in :attr:`feature_names` order, feature-major;
+output is ``[B, sum of D]`` with each feature's slice pooled (sum, or mean for mean tables).
+
+Backends, chosen at construction:
+
+* ``fbgemm``: CPU always (``EmbeddingLocation.HOST``), and CUDA when the installed fbgemm-gpu
+  has CUDA kernels (device tier ``DEVICE``, host tier ``MANAGED_CACHING``: UVM with an HBM cache).
+* ``torch``: packed rows on the device (device tier) or in pinned host memory (host tier), read
+  by unique-id gather -> :func:`unpack_rows` -> ``embedding_bag``. Used on CUDA when fbgemm-gpu
+  is the CPU build; the same numbers as the kernel (tested against it on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from sharded_tables.quantize import pack_rows, unpack_rows
+from sharded_tables.specs import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS, DType, row_bytes
+
+
+@dataclass(frozen=True)
+class LocalTable:
+    """A table placed in this process."""
+
+    name: str
+    rows: int
+    dim: int
+    dtype: DType
+    features: tuple[str, ...]
+    pooling: str = "mean"
+
+
+def fbgemm_has_cuda() -> bool:
+    """True when fbgemm-gpu's inference TBE kernel is built for CUDA here."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import fbgemm_gpu  # noqa: F401
+
+        return torch._C._dispatch_has_kernel_for_dispatch_key(
+            "fbgemm::int_nbit_split_embedding_codegen_lookup_function", "CUDA"
+        )
+    except (ImportError, RuntimeError):
+        return False
+
+
+def jagged_from_padded(
+    features: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded id matrices ``[B, L_f]`` (-1 = none) -> (indices, offsets ``[F*B+1]``, lengths ``[F, B]``)."""
+    present = [ids >= 0 for ids in features]
+    lengths = torch.stack([p.sum(dim=1) for p in present])  # [F, B]
+    indices = torch.cat([ids[p] for ids, p in zip(features, present, strict=True)])
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.flatten(), 0, out=offsets[1:])
+    return indices, offsets, lengths
+
+
+class LocalTables(nn.Module):
+    """Pooled lookups over packed tables of one tier: jagged ids -> ``[B, sum of D]``."""
+
+    def __init__(
+        self,
+        tables: list[LocalTable],
+        tier: str = "host",
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+    ):
+        super().__init__()
+        if tier not in ("device", "host"):
+            raise ValueError(f"tier must be 'device' or 'host', got {tier!r}")
+        self.tables = list(tables)
+        self.tier = tier
+        self.device = torch.device(device)
+        self.feature_names: list[str] = []
+        self.feature_table: list[int] = []
+        for t_index, t in enumerate(self.tables):
+            row_bytes(t.dim, t.dtype)
+            for f in t.features:
+                if f in self.feature_names:
+                    raise ValueError(f"feature {f!r} is assigned to two tables")
+                self.feature_names.append(f)
+                self.feature_table.append(t_index)
+        dims = [self.tables[t].dim for t in self.feature_table]
+        self.feature_dims = dims
+        mean = [self.tables[t].pooling == "mean" for t in self.feature_table]
+        self.register_buffer("_mean", torch.tensor(mean, dtype=torch.bool), persistent=False)
+        if backend is None:
+            backend = "fbgemm" if self.device.type == "cpu" or fbgemm_has_cuda() else "torch"
+        self.backend = backend
+        self._tbe: nn.Module | None = None
+        self._packed: list[torch.Tensor] = []
+        if backend == "fbgemm":
+            self._tbe = self._make_tbe()
+        elif backend == "torch":
+            self._packed = [self._empty_packed(t) for t in self.tables]
+        else:
+            raise ValueError(f"backend must be 'fbgemm' or 'torch', got {backend!r}")
+
+    # ---- storage --------------------------------------------------------------------------
+    def _make_tbe(self) -> nn.Module:
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+            IntNBitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        if self.device.type == "cpu":
+            location = EmbeddingLocation.HOST
+        else:
+            location = (
+                EmbeddingLocation.DEVICE
+                if self.tier == "device"
+                else EmbeddingLocation.MANAGED_CACHING
+            )
+        tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[
+                (t.name, t.rows, t.dim, SparseType(t.dtype.value), location) for t in self.tables
+            ],
+            feature_table_map=self.feature_table,
+            pooling_mode=PoolingMode.SUM,  # mean is a division by lengths after the call
+            device=self.device,
+            bounds_check_mode=BoundsCheckMode.NONE,  # ids are checked at the edge (validate)
+            output_dtype=SparseType.FP32,
+            fp8_exponent_bits=FP8_EXPONENT_BITS,
+            fp8_exponent_bias=FP8_EXPONENT_BIAS,
+            indices_dtype=torch.int64,
+        )
+        tbe.initialize_weights()
+        return tbe
+
+    def _empty_packed(self, t: LocalTable) -> torch.Tensor:
+        rb = row_bytes(t.dim, t.dtype)
+        if self.device.type == "cuda" and self.tier == "host":
+            return torch.zeros(t.rows, rb, dtype=torch.uint8).pin_memory()
+        return torch.zeros(t.rows, rb, dtype=torch.uint8, device=self.device)
+
+    def _index(self, name: str) -> int:
+        for i, t in enumerate(self.tables):
+            if t.name == name:
+                return i
+        raise KeyError(f"unknown table {name!r} (local: {[t.name for t in self.tables]})")
+
+    def set_packed(self, name: str, packed: torch.Tensor) -> None:
+        """Replaces table ``name``'s rows with packed rows ``uint8 [rows, row_bytes]``."""
+        i = self._index(name)
+        t = self.tables[i]
+        expect = (t.rows, row_bytes(t.dim, t.dtype))
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != expect:
+            raise ValueError(
+                f"table {name!r}: expected uint8 {list(expect)} packed {t.dtype.value} rows, "
+                f"got {packed.dtype} {list(packed.shape)}"
+            )
+        if self._tbe is not None:
+            weights, scale_bias = self._tbe.split_embedding_weights()[i]
+            if scale_bias is not None:
+                scale_bias.copy_(packed[:, : packed.shape[1] - weights.shape[1]])
+                weights.copy_(packed[:, scale_bias.shape[1] :])
+            else:
+                weights.copy_(packed)
+        else:
+            self._packed[i].copy_(packed)
+
+    def packed(self, name: str) -> torch.Tensor:
+        """Table ``name``'s packed rows ``uint8 [rows, row_bytes]`` (a CPU copy)."""
+        i = self._index(name)
+        if self._tbe is None:
+            return self._packed[i].cpu().clone()
+        weights, scale_bias = self._tbe.split_embedding_weights()[i]
+        parts = [weights] if scale_bias is None else [scale_bias, weights]
+        return torch.cat([p.cpu() for p in parts], dim=1)
+
+    def set_float(self, name: str, weight: torch.Tensor) -> None:
+        """Quantizes float rows ``[rows, D]`` into table ``name`` at its dtype."""
+        self.set_packed(
+            name, pack_rows(weight.detach().cpu(), self.tables[self._index(name)].dtype)
+        )
+
+    def bytes(self) -> int:
+        """Bytes of packed rows held (excluding any kernel padding)."""
+        return sum(t.rows * row_bytes(t.dim, t.dtype) for t in self.tables)
+
+    # ---- lookup -----------------------------------------------------------------------------
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Jagged ids (feature-major, :attr:`feature_names` order) -> ``[B, sum of D]``.
+
+        Trusts its inputs: ids in range (``validate`` runs at the edge).
+        """
+        f = len(self.feature_names)
+        b = (offsets.numel() - 1) // f
+        if self._tbe is not None:
+            out = self._tbe(indices.to(self.device), offsets.to(self.device))
+        else:
+            out = self._torch_lookup(indices, offsets, b)
+        if bool(self._mean.any()):
+            lengths = (offsets[1:] - offsets[:-1]).view(f, b).to(out.device)  # [F, B]
+            div = torch.where(self._mean[:, None], lengths.clamp(min=1), 1).float()  # [F, B]
+            div = torch.repeat_interleave(
+                div.t(), torch.tensor(self.feature_dims, device=div.device), dim=1
+            )
+            out = out / div
+        return out
+
+    def _torch_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, b: int) -> torch.Tensor:
+        """Per feature: unique rows -> unpack once -> sum-pool (the torch backend)."""
+        outs = []
+        for j, t_index in enumerate(self.feature_table):
+            t = self.tables[t_index]
+            lo, hi = offsets[j * b], offsets[(j + 1) * b]
+            ids = indices[lo:hi]
+            uniq, inverse = torch.unique(ids, return_inverse=True)
+            packed = self._packed[t_index]
+            rows = packed[uniq.to(packed.device)].to(self.device, non_blocking=True)
+            dense = unpack_rows(rows, t.dtype, t.dim)  # [U, D]
+            bag_offsets = (offsets[j * b : (j + 1) * b] - lo).to(self.device)
+            outs.append(F.embedding_bag(inverse.to(self.device), dense, bag_offsets, mode="sum"))
+        return torch.cat(outs, dim=1)
