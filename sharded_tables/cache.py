@@ -1,0 +1,126 @@
+"""``HotRowCache``: the hottest packed rows of a table, kept in a faster tier.
+
+Rows are packed (:func:`sharded_tables.quantize.pack_rows`), so one cache serves any dtype.
+Storage is ``uint8 [capacity, row_bytes]`` on ``device``; an :class:`~sharded_tables.idmap.IdMap`
+maps ids to its rows and picks victims (``lru`` / ``lfu`` / ``hybrid``, see that module).
+
+Example::
+
+    cache = HotRowCache(capacity_rows=1000, row_bytes=68, policy="lru", name="user_id")
+    rows, hit = cache.get(ids)               # rows uint8 [n, 68], hit bool [n]
+    cache.put(ids[~hit], fetch(ids[~hit]))   # fill the misses from the slower tier
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from prometheus_client import Counter
+
+from sharded_tables.idmap import DEFAULT_DECAY_PERIOD, IdMap
+
+# Module-level so that building many caches (tests, reloads) never registers a metric twice.
+CACHE_HITS = Counter("recserve_cache_hits", "Hot-row cache lookups that hit", ["cache"])
+CACHE_MISSES = Counter("recserve_cache_misses", "Hot-row cache lookups that missed", ["cache"])
+CACHE_EVICTIONS = Counter(
+    "recserve_cache_evictions", "Rows evicted from a hot-row cache", ["cache"]
+)
+
+
+class HotRowCache:
+    """Packed rows keyed by int64 id, at most ``capacity_rows`` of them.
+
+    Args:
+        capacity_rows: rows held (``0``: every ``get`` misses and ``put`` keeps nothing).
+        row_bytes: bytes of one packed row.
+        policy: eviction policy of the id map.
+        device: where the rows live (ids are mapped on CPU either way).
+        name: the ``cache`` label of the Prometheus counters.
+        decay_period: batches between count halvings (``hybrid`` only).
+    """
+
+    def __init__(
+        self,
+        capacity_rows: int,
+        row_bytes: int,
+        policy: str = "lru",
+        device: str | torch.device = "cpu",
+        name: str = "",
+        decay_period: int = DEFAULT_DECAY_PERIOD,
+    ) -> None:
+        if capacity_rows < 0:
+            raise ValueError(f"capacity_rows must be >= 0, got {capacity_rows}")
+        if row_bytes < 1:
+            raise ValueError(f"row_bytes must be >= 1, got {row_bytes}")
+        self.row_bytes = row_bytes
+        self.device = torch.device(device)
+        self.name = name
+        self.storage = torch.zeros(capacity_rows, row_bytes, dtype=torch.uint8, device=self.device)
+        self._map = IdMap(capacity_rows, policy, decay_period)
+        # A get gathers rows after the map answered; a concurrent put must not reuse them between.
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._evictions = 0
+        self._metrics = (
+            CACHE_HITS.labels(cache=name),
+            CACHE_MISSES.labels(cache=name),
+            CACHE_EVICTIONS.labels(cache=name),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self._map.capacity
+
+    def get(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids int64 [n]`` (unique) -> (rows ``uint8 [n, row_bytes]`` on ``device``, zero for
+        misses; hit ``bool [n]`` on CPU). Hits count as accesses for the policy."""
+        with self._lock:
+            slots = self._map.find(ids)  # [n] on CPU
+            hit = slots >= 0
+            rows = torch.zeros(len(slots), self.row_bytes, dtype=torch.uint8, device=self.device)
+            if bool(hit.any()):
+                idx = hit.nonzero().squeeze(1).to(self.device)
+                rows[idx] = self.storage[slots[hit].to(self.device)]
+            n_hit = int(hit.sum())
+            self._hits += n_hit
+            self._misses += len(slots) - n_hit
+        self._metrics[0].inc(n_hit)
+        self._metrics[1].inc(len(slots) - n_hit)
+        return rows, hit
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Admits ``rows uint8 [n, row_bytes]`` under ``ids int64 [n]`` (unique), evicting per
+        policy; ids already cached get their row replaced. Only the first ``capacity`` ids of a
+        larger batch are kept (a batch may not evict itself)."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.row_bytes:
+            raise ValueError(
+                f"rows must be uint8 [n, {self.row_bytes}], got {rows.dtype} {tuple(rows.shape)}"
+            )
+        if rows.shape[0] != len(ids):
+            raise ValueError(f"rows has {rows.shape[0]} rows for {len(ids)} ids")
+        keep = min(len(ids), self.capacity)
+        ids, rows = ids[:keep], rows[:keep]
+        with self._lock:
+            slots, evicted, _ = self._map.insert(ids)
+            self.storage[slots.to(self.device)] = rows.to(self.device)
+            self._evictions += len(evicted)
+        self._metrics[2].inc(len(evicted))
+
+    def invalidate(self, ids: torch.Tensor) -> None:
+        """Forgets ``ids int64 [n]`` (absent ones are ignored); their rows are free again."""
+        with self._lock:
+            self._map.remove(ids)
+
+    def stats(self) -> dict[str, float]:
+        """``hits, misses, evictions`` since construction, ``size, capacity`` in rows and
+        ``hit_rate`` (``hits / (hits + misses)``, 0 before any lookup)."""
+        with self._lock:
+            looked_up = self._hits + self._misses
+            return {
+                "hits": self._hits,
+                "misses": self._misses,
+                "evictions": self._evictions,
+                "size": self._map.size,
+                "capacity": self.capacity,
+                "hit_rate": self._hits / looked_up if looked_up else 0.0,
+            }
