@@ -43,6 +43,9 @@ class ModelConfig:
     head_candidates: int = 200
     """Candidates the head re-scores (at least K + history length)."""
     index: IVFConfig = field(default_factory=IVFConfig)
+    table_plan: dict[str, Any] | None = None
+    """Tiered, quantized tables: a :class:`sharded_tables.planner.PlacementPlan` as a dict.
+    ``None``: plain float tables in the process (what training uses)."""
 
     def validate(self) -> None:
         if self.num_items < 1 or self.out_dim < 1 or self.embedding_dim < 1:
@@ -50,6 +53,10 @@ class ModelConfig:
         if len(self.head_tasks) != len(self.head_task_weights):
             raise ValueError("head_tasks and head_task_weights must have the same length")
         self.index.validate()
+        if self.table_plan is not None:
+            from sharded_tables.planner import PlacementPlan
+
+            PlacementPlan.from_dict(self.table_plan)  # raises naming the bad field
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -23,6 +23,9 @@ from retrieval.index.ivf import IVFIndex
 from retrieval.scoring import PairHead, score_candidates
 from retrieval.towers import Tower
 from sharded_tables import EmbeddingCollection, TableConfig
+from sharded_tables.planner import PlacementPlan
+from sharded_tables.sharded import RemoteFetcher, ShardedEmbeddingCollection
+from sharded_tables.specs import DType, TableSpec
 
 
 def _table_configs(cfg: ModelConfig) -> list[TableConfig]:
@@ -36,6 +39,46 @@ def _table_configs(cfg: ModelConfig) -> list[TableConfig]:
     return tables
 
 
+def table_specs(
+    cfg: ModelConfig, dtype: DType = DType.FP32, allowed: tuple[DType, ...] = ()
+) -> list[TableSpec]:
+    """The model's tables as planner input; the item table is read ``history_len`` times a user."""
+    return [
+        TableSpec(
+            t.name,
+            t.num_embeddings,
+            t.dim,
+            dtype=dtype,
+            pooling=t.pooling,
+            lookups_per_sample=float(cfg.history_len) if t.name == "item" else 1.0,
+            allowed_dtypes=allowed,
+            features=t.feature_names(),
+        )
+        for t in _table_configs(cfg)
+    ]
+
+
+def _make_tables(
+    cfg: ModelConfig, remote: RemoteFetcher | None
+) -> EmbeddingCollection | ShardedEmbeddingCollection:
+    """Plain float tables, or the tiered ones the config's plan places."""
+    if cfg.table_plan is None:
+        return EmbeddingCollection(_table_configs(cfg))
+    plan = PlacementPlan.from_dict(cfg.table_plan)
+    specs = [
+        TableSpec(
+            s.name,
+            s.rows,
+            s.dim,
+            dtype=plan.placement(s.name).dtype,
+            pooling=s.pooling,
+            features=s.features,
+        )
+        for s in table_specs(cfg)
+    ]
+    return ShardedEmbeddingCollection(specs, plan, remote=remote)
+
+
 class RetrievalModel(nn.Module):
     """Two-tower retrieval with the item index inside.
 
@@ -43,12 +86,12 @@ class RetrievalModel(nn.Module):
     pad rows whose filter admits fewer than K items.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, remote: RemoteFetcher | None = None):
         super().__init__()
         config.validate()
         self.config = config
         self.user_feature_names = list(config.user_features)
-        self.tables = EmbeddingCollection(_table_configs(config))
+        self.tables = _make_tables(config, remote)
         e = config.embedding_dim
         user_in = e * (1 + len(config.user_features)) + config.dense_dim
         item_in = e * (1 + len(config.item_attributes))

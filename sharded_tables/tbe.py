@@ -101,6 +101,7 @@ class LocalTables(nn.Module):
         self.backend = backend
         self._tbe: nn.Module | None = None
         self._packed: list[torch.Tensor] = []
+        self._no_cache_locations = torch.empty(0, dtype=torch.int32, device=self.device)
         if backend == "fbgemm":
             self._tbe = self._make_tbe()
         elif backend == "torch":
@@ -203,8 +204,10 @@ class LocalTables(nn.Module):
         """
         f = len(self.feature_names)
         b = (offsets.numel() - 1) // f
-        if self._tbe is not None:
-            out = self._tbe(indices.to(self.device), offsets.to(self.device))
+        if self._tbe is not None and self.device.type == "cpu":
+            out = self._host_kernel(indices, offsets)
+        elif self._tbe is not None:
+            out = self._cuda_module(indices.to(self.device), offsets.to(self.device))
         else:
             out = self._torch_lookup(indices, offsets, b)
         if bool(self._mean.any()):
@@ -215,6 +218,43 @@ class LocalTables(nn.Module):
             )
             out = out / div
         return out
+
+    def _host_kernel(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The TBE kernel itself on host weights: no cache state, so ``torch.compile`` traces it
+        (the module's ``forward`` pops a TorchScript queue that dynamo cannot fake)."""
+        t = self._tbe
+        assert t is not None
+        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            dev_weights=t.weights_host,
+            uvm_weights=t.weights_uvm,
+            weights_placements=t.weights_placements,
+            weights_offsets=t.weights_offsets,
+            weights_tys=t.weights_tys,
+            D_offsets=t.D_offsets,
+            total_D=t.total_D,
+            max_int2_D=t.max_int2_D,
+            max_int4_D=t.max_int4_D,
+            max_int8_D=t.max_int8_D,
+            max_float16_D=t.max_float16_D,
+            max_float32_D=t.max_float32_D,
+            indices=indices,
+            offsets=offsets,
+            pooling_mode=int(t.pooling_mode),
+            indice_weights=None,
+            output_dtype=t.output_dtype,
+            lxu_cache_weights=t.lxu_cache_weights,
+            lxu_cache_locations=self._no_cache_locations,
+            row_alignment=t.row_alignment,
+            max_float8_D=t.max_float8_D,
+            fp8_exponent_bits=t.fp8_exponent_bits,
+            fp8_exponent_bias=t.fp8_exponent_bias,
+        )
+
+    @torch.compiler.disable
+    def _cuda_module(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """fbgemm's module on CUDA (UVM caching keeps prefetch state between calls)."""
+        assert self._tbe is not None
+        return self._tbe(indices, offsets)
 
     def _torch_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, b: int) -> torch.Tensor:
         """Per feature: unique rows -> unpack once -> sum-pool (the torch backend)."""

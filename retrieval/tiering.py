@@ -1,0 +1,56 @@
+"""Float tables -> tiered, quantized tables: a transform that returns (model, plan), as
+TorchRec's ``quantize_embeddings`` does.
+
+Example::
+
+    tiered, remote_rows = tier_model(model, Budgets(device=0, host=64 << 20), dtype=DType.INT8)
+    tiered.config.table_plan   # the placement, saved with the model
+    # remote_rows: {table: packed rows} for tables the plan put on embedding servers
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from retrieval.model import RetrievalModel, table_specs
+from sharded_tables import EmbeddingCollection
+from sharded_tables.planner import Budgets, PlacementPlan, plan
+from sharded_tables.sharded import RemoteFetcher, ShardedEmbeddingCollection
+from sharded_tables.specs import DType
+
+
+def float_tables(model: RetrievalModel) -> dict[str, torch.Tensor]:
+    """``{table: float rows [rows, D]}`` of a model with plain tables."""
+    if not isinstance(model.tables, EmbeddingCollection):
+        raise ValueError("the model's tables are already tiered")
+    return {name: bag.weight.detach() for name, bag in model.tables.tables.items()}
+
+
+def tier_model(
+    model: RetrievalModel,
+    budgets: Budgets | None = None,
+    dtype: DType = DType.INT8,
+    allowed: tuple[DType, ...] = (),
+    placement: PlacementPlan | None = None,
+    remote: RemoteFetcher | None = None,
+) -> tuple[RetrievalModel, dict[str, torch.Tensor]]:
+    """A copy of ``model`` whose tables are placed by ``placement`` (or planned from ``budgets``).
+
+    Towers, head and index are shared copies of the original's. Returns the new model and the
+    packed rows of remote tables (they belong in the embedding servers' shard folders).
+    """
+    if placement is None:
+        if budgets is None:
+            raise ValueError("give budgets (to plan) or a placement plan")
+        placement = plan(table_specs(model.config, dtype, allowed), budgets)
+    cfg = copy.deepcopy(model.config)
+    cfg.table_plan = placement.to_dict()
+    tiered = RetrievalModel(cfg, remote=remote)
+    own = {k: v for k, v in model.state_dict().items() if not k.startswith(("tables.", "index."))}
+    tiered.load_state_dict(own, strict=False)
+    tiered.index = copy.deepcopy(model.index)
+    assert isinstance(tiered.tables, ShardedEmbeddingCollection)
+    remote_rows = tiered.tables.load_float(float_tables(model))
+    return tiered.eval(), remote_rows

@@ -1,0 +1,272 @@
+"""ShardedEmbeddingCollection: the towers' table call over tiered, quantized tables.
+
+Same call shape as :class:`~sharded_tables.collection.EmbeddingCollection`:
+``{feature: ids [B, L] int64, -1 = none} -> {feature: pooled [B, D] float32}``, so the model
+switches from plain tables to tiered ones by configuration. A :class:`PlacementPlan` says where
+each table lives; this module executes it:
+
+* device / host tables: packed rows in :class:`LocalTables` (one fbgemm TBE call per tier);
+* remote tables: the ids of the whole batch are de-duplicated per table, looked up in the table's
+  hot-row cache, and the misses fetched from the embedding servers in one request per server
+  (:class:`~sharded_tables.remote.client.RemoteTables`); rows are unpacked once per unique id
+  and pooled with ``embedding_bag``.
+
+State (``state_dict``) holds the plan and the packed rows of local tables; remote rows live in
+the embedding servers' shard folders (:meth:`export_remote`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from sharded_tables.cache import HotRowCache
+from sharded_tables.planner import PlacementPlan
+from sharded_tables.quantize import pack_rows, unpack_rows
+from sharded_tables.specs import DType, TableSpec, Tier
+from sharded_tables.tbe import LocalTable, LocalTables, jagged_from_padded
+
+
+class RemoteFetcher(Protocol):
+    """What the collection needs from the remote tier (``RemoteTables`` implements it)."""
+
+    def fetch(
+        self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``{table: ids int64 [n]}`` -> ``{table: packed rows uint8 [n, row_bytes]}``."""
+        ...
+
+
+@dataclass
+class RemoteStats:
+    """Counters of remote lookups (cache hits count ids served without a request)."""
+
+    ids: int = 0
+    unique: int = 0
+    cache_hits: int = 0
+    fetched: int = 0
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """Pooled lookups over tables placed by a plan: ``{feature: [B, L]} -> {feature: [B, D]}``."""
+
+    def __init__(
+        self,
+        specs: Sequence[TableSpec],
+        plan: PlacementPlan,
+        device: torch.device | str = "cpu",
+        remote: RemoteFetcher | None = None,
+        timeout: float | None = 1.0,
+    ):
+        super().__init__()
+        self.specs = {s.name: s for s in specs}
+        self.plan = plan
+        self.device = torch.device(device)
+        self.remote = remote
+        self.timeout = timeout
+        missing = sorted(set(self.specs) - {p.table for p in plan.tables})
+        if missing:
+            raise ValueError(f"the plan does not place tables {missing}")
+        self.table_of: dict[str, str] = {}
+        for s in specs:
+            for f in s.feature_names():
+                if f in self.table_of:
+                    raise ValueError(f"feature {f!r} is assigned to two tables")
+                self.table_of[f] = s.name
+        self.tiers = nn.ModuleDict()
+        for tier in self._local_tiers():
+            tables = [
+                LocalTable(s.name, s.rows, s.dim, p.dtype, s.feature_names(), s.pooling)
+                for s, p in self._placed()
+                if self._local_tier_of(p.tier) == tier
+            ]
+            if tables:
+                self.tiers[tier] = LocalTables(tables, tier=tier, device=self.device)
+        self.caches: dict[str, HotRowCache] = {}
+        for s, p in self._placed():
+            if p.tier is Tier.REMOTE:
+                self.caches[s.name] = HotRowCache(
+                    p.cache_rows, s.row_bytes(p.dtype), device=self.device, name=s.name
+                )
+        self.stats = RemoteStats()
+
+    # ---- placement ----------------------------------------------------------------------------
+    def _placed(self) -> list[tuple[TableSpec, Any]]:
+        return [(self.specs[name], self.plan.placement(name)) for name in self.specs]
+
+    def _local_tiers(self) -> list[str]:
+        # Without a GPU, "device" is the fastest in-process copy: host DRAM, one TBE call.
+        return ["device", "host"] if self.device.type == "cuda" else ["host"]
+
+    def _local_tier_of(self, tier: Tier) -> str | None:
+        if tier is Tier.REMOTE:
+            return None
+        return tier.value if self.device.type == "cuda" else "host"
+
+    def remote_tables(self) -> list[str]:
+        return [s.name for s, p in self._placed() if p.tier is Tier.REMOTE]
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Quantizes float tables ``{name: [rows, D]}`` per the plan into the local tiers.
+
+        Returns the packed rows of remote tables (``{name: uint8 [rows, row_bytes]}``), which
+        belong in the embedding servers' shard folders (see :meth:`export_remote`).
+        """
+        remote: dict[str, torch.Tensor] = {}
+        for s, p in self._placed():
+            if s.name not in weights:
+                raise ValueError(f"no weights for table {s.name!r}")
+            w = weights[s.name]
+            if tuple(w.shape) != (s.rows, s.dim):
+                raise ValueError(
+                    f"table {s.name!r}: expected weights [{s.rows}, {s.dim}], got {list(w.shape)}"
+                )
+            packed = pack_rows(w.detach().float().cpu(), p.dtype)
+            if p.tier is Tier.REMOTE:
+                remote[s.name] = packed
+            else:
+                self._tier_module(p.tier).set_packed(s.name, packed)
+        return remote
+
+    def _tier_module(self, tier: Tier) -> LocalTables:
+        name = self._local_tier_of(tier)
+        assert name is not None
+        module = self.tiers[name]
+        assert isinstance(module, LocalTables)
+        return module
+
+    def local_float(self, name: str) -> torch.Tensor:
+        """Dequantized rows ``[rows, D]`` of a local table (what lookups read)."""
+        p = self.plan.placement(name)
+        s = self.specs[name]
+        return unpack_rows(self._tier_module(p.tier).packed(name), p.dtype, s.dim)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        packed = {}
+        for s, p in self._placed():
+            if p.tier is not Tier.REMOTE:
+                packed[s.name] = self._tier_module(p.tier).packed(s.name)
+        return {"plan": self.plan.to_json(), "packed": packed}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        saved = PlacementPlan.from_json(state["plan"])
+        if saved.to_dict() != self.plan.to_dict():
+            raise ValueError("saved table plan differs from this collection's plan")
+        for name, packed in state["packed"].items():
+            self._tier_module(self.plan.placement(name).tier).set_packed(name, packed)
+
+    # ---- lookups ----------------------------------------------------------------------------
+    def validate(self, features: Mapping[str, torch.Tensor]) -> None:
+        """Edge check: known features, ``[B, L]`` int64, ids in range; names table and id."""
+        for name, ids in features.items():
+            if name not in self.table_of:
+                raise ValueError(f"unknown feature {name!r} (known: {sorted(self.table_of)})")
+            if ids.dim() != 2 or ids.dtype != torch.int64:
+                raise ValueError(
+                    f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}"
+                )
+            spec = self.specs[self.table_of[name]]
+            bad = (ids < -1) | (ids >= spec.rows)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"feature {name!r}: id {int(ids[bad][0])} is out of range for table "
+                    f"{spec.name!r} (rows 0..{spec.rows - 1}, -1 for padding)"
+                )
+
+    def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""
+        b = next(iter(features.values())).shape[0]
+        out: dict[str, torch.Tensor] = {}
+        for module in self.tiers.values():
+            assert isinstance(module, LocalTables)
+            wanted = [f for f in module.feature_names if f in features]
+            if not wanted:
+                continue
+            empty = torch.empty(b, 0, dtype=torch.int64, device=self.device)
+            padded = [features.get(f, empty) for f in module.feature_names]
+            indices, offsets, _ = jagged_from_padded(padded)
+            pooled = module(indices, offsets).split(module.feature_dims, dim=1)
+            out.update({f: pooled[i] for i, f in enumerate(module.feature_names) if f in features})
+        remote = [f for f in features if self.plan.placement(self.table_of[f]).tier is Tier.REMOTE]
+        if remote:
+            out.update(self._remote_lookup({f: features[f] for f in remote}))
+        return {f: out[f] for f in features}
+
+    @torch.compiler.disable
+    def _remote_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Remote features: per table unique ids -> cache -> one fetch for all misses -> pool."""
+        by_table: dict[str, list[str]] = {}
+        for f in features:
+            by_table.setdefault(self.table_of[f], []).append(f)
+        uniq: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        misses: dict[str, torch.Tensor] = {}
+        for table, feats in by_table.items():
+            ids = torch.cat([features[f][features[f] >= 0] for f in feats]).cpu()
+            u = torch.unique(ids)
+            rows, hit = self.caches[table].get(u)
+            uniq[table] = (u, rows, hit)
+            misses[table] = u[~hit]
+            self.stats.ids += ids.numel()
+            self.stats.unique += u.numel()
+            self.stats.cache_hits += int(hit.sum())
+        to_fetch = {t: ids for t, ids in misses.items() if ids.numel()}
+        if to_fetch:
+            if self.remote is None:
+                raise RuntimeError(f"remote tables {sorted(to_fetch)} need embedding servers")
+            fetched = self.remote.fetch(to_fetch, timeout=self.timeout)
+            for t, ids in to_fetch.items():
+                self.caches[t].put(ids, fetched[t])
+                u, rows, hit = uniq[t]
+                rows[~hit] = fetched[t].to(rows.device)
+                self.stats.fetched += ids.numel()
+        out = {}
+        for table, feats in by_table.items():
+            spec, dtype = self.specs[table], self.plan.placement(table).dtype
+            u, rows, _ = uniq[table]
+            dense = unpack_rows(rows.to(self.device), dtype, spec.dim)  # [U, D]
+            u = u.to(self.device)
+            for f in feats:
+                ids = features[f].to(self.device)
+                present = ids >= 0
+                pos = torch.searchsorted(u, ids.clamp(min=0))  # [B, L] rows of `dense`
+                weights = present.float()
+                if spec.pooling == "mean":
+                    weights = weights / present.sum(dim=1, keepdim=True).clamp(min=1)
+                pos = torch.where(present, pos, 0)
+                if dense.shape[0] == 0:
+                    out[f] = torch.zeros(ids.shape[0], spec.dim, device=self.device)
+                else:
+                    out[f] = F.embedding_bag(pos, dense, mode="sum", per_sample_weights=weights)
+        return out
+
+    def cache_stats(self) -> dict[str, dict[str, float]]:
+        return {t: c.stats() for t, c in self.caches.items()}
+
+
+def specs_to_json(specs: Sequence[TableSpec]) -> str:
+    return json.dumps(
+        [
+            {
+                **asdict(s),
+                "dtype": s.dtype.value,
+                "allowed_dtypes": [d.value for d in s.allowed_dtypes],
+            }
+            for s in specs
+        ]
+    )
+
+
+def specs_from_json(text: str) -> list[TableSpec]:
+    out = []
+    for d in json.loads(text):
+        d["allowed_dtypes"] = tuple(DType(x) for x in d["allowed_dtypes"])
+        d["features"] = tuple(d["features"])
+        out.append(TableSpec(**d))
+    return out
