@@ -17,9 +17,8 @@ the embedding servers' shard folders (:meth:`export_remote`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -27,9 +26,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from sharded_tables.cache import HotRowCache
+from sharded_tables.dynamic_table import TransformedTable
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.quantize import pack_rows, unpack_rows
-from sharded_tables.specs import DType, TableSpec, Tier
+from sharded_tables.specs import TableSpec, Tier
+from sharded_tables.store import MemoryRowStore, RowStore
 from sharded_tables.tbe import LocalTable, LocalTables, jagged_from_padded
 
 
@@ -84,7 +85,7 @@ class ShardedEmbeddingCollection(nn.Module):
             tables = [
                 LocalTable(s.name, s.rows, s.dim, p.dtype, s.feature_names(), s.pooling)
                 for s, p in self._placed()
-                if self._local_tier_of(p.tier) == tier
+                if self._local_tier_of(p.tier) == tier and not s.hashed
             ]
             if tables:
                 self.tiers[tier] = LocalTables(tables, tier=tier, device=self.device)
@@ -93,6 +94,19 @@ class ShardedEmbeddingCollection(nn.Module):
             if p.tier is Tier.REMOTE:
                 self.caches[s.name] = HotRowCache(
                     p.cache_rows, s.row_bytes(p.dtype), device=self.device, name=s.name
+                )
+        # Hashed tables in a local tier: an id transformer over `rows` local rows whose evicted
+        # rows go to the remote tier (or an in-process store when there are no servers).
+        self.dynamic: dict[str, TransformedTable] = {}
+        for s, p in self._placed():
+            if s.hashed and p.tier is not Tier.REMOTE:
+                store = (
+                    remote
+                    if isinstance(remote, RowStore)
+                    else MemoryRowStore({s.name: s.row_bytes(p.dtype)})
+                )
+                self.dynamic[s.name] = TransformedTable(
+                    s.name, s.rows, s.dim, store, dtype=p.dtype, device=self.device
                 )
         self.stats = RemoteStats()
 
@@ -109,6 +123,9 @@ class ShardedEmbeddingCollection(nn.Module):
             return None
         return tier.value if self.device.type == "cuda" else "host"
 
+    def _is_remote(self, table: str) -> bool:
+        return self.plan.placement(table).tier is Tier.REMOTE
+
     def remote_tables(self) -> list[str]:
         return [s.name for s, p in self._placed() if p.tier is Tier.REMOTE]
 
@@ -121,6 +138,8 @@ class ShardedEmbeddingCollection(nn.Module):
         """
         remote: dict[str, torch.Tensor] = {}
         for s, p in self._placed():
+            if s.hashed:
+                continue  # rows of raw ids arrive through the id transformer
             if s.name not in weights:
                 raise ValueError(f"no weights for table {s.name!r}")
             w = weights[s.name]
@@ -151,9 +170,13 @@ class ShardedEmbeddingCollection(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         packed = {}
         for s, p in self._placed():
-            if p.tier is not Tier.REMOTE:
+            if p.tier is not Tier.REMOTE and not s.hashed:
                 packed[s.name] = self._tier_module(p.tier).packed(s.name)
-        return {"plan": self.plan.to_json(), "packed": packed}
+        dynamic = {
+            name: {"weight": t.weight.cpu(), **t.transformer.state_dict()}
+            for name, t in self.dynamic.items()
+        }
+        return {"plan": self.plan.to_json(), "packed": packed, "dynamic": dynamic}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         saved = PlacementPlan.from_json(state["plan"])
@@ -161,6 +184,12 @@ class ShardedEmbeddingCollection(nn.Module):
             raise ValueError("saved table plan differs from this collection's plan")
         for name, packed in state["packed"].items():
             self._tier_module(self.plan.placement(name).tier).set_packed(name, packed)
+        for name, saved_table in state.get("dynamic", {}).items():
+            table = self.dynamic[name]
+            table.weight.copy_(saved_table["weight"])
+            table.transformer.load_state_dict(
+                {k: v for k, v in saved_table.items() if k != "weight"}
+            )
 
     # ---- lookups ----------------------------------------------------------------------------
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
@@ -173,6 +202,8 @@ class ShardedEmbeddingCollection(nn.Module):
                     f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}"
                 )
             spec = self.specs[self.table_of[name]]
+            if spec.hashed:
+                continue  # any raw 64-bit id; -1 pads
             bad = (ids < -1) | (ids >= spec.rows)
             if bool(bad.any()):
                 raise ValueError(
@@ -194,27 +225,25 @@ class ShardedEmbeddingCollection(nn.Module):
             indices, offsets, _ = jagged_from_padded(padded)
             pooled = module(indices, offsets).split(module.feature_dims, dim=1)
             out.update({f: pooled[i] for i, f in enumerate(module.feature_names) if f in features})
-        remote = [f for f in features if self.plan.placement(self.table_of[f]).tier is Tier.REMOTE]
+        remote = [f for f in features if self._is_remote(self.table_of[f])]
         if remote:
             out.update(self._remote_lookup({f: features[f] for f in remote}))
+        hashed = [f for f in features if self.table_of[f] in self.dynamic]
+        if hashed:
+            out.update(self._hashed_lookup({f: features[f] for f in hashed}))
         return {f: out[f] for f in features}
 
     @torch.compiler.disable
     def _remote_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Remote features: per table unique ids -> cache -> one fetch for all misses -> pool."""
-        by_table: dict[str, list[str]] = {}
-        for f in features:
-            by_table.setdefault(self.table_of[f], []).append(f)
+        by_table = self._group(features)
         uniq: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         misses: dict[str, torch.Tensor] = {}
         for table, feats in by_table.items():
-            ids = torch.cat([features[f][features[f] >= 0] for f in feats]).cpu()
-            u = torch.unique(ids)
+            u = self._unique_ids(table, [features[f] for f in feats])
             rows, hit = self.caches[table].get(u)
             uniq[table] = (u, rows, hit)
             misses[table] = u[~hit]
-            self.stats.ids += ids.numel()
-            self.stats.unique += u.numel()
             self.stats.cache_hits += int(hit.sum())
         to_fetch = {t: ids for t, ids in misses.items() if ids.numel()}
         if to_fetch:
@@ -223,50 +252,65 @@ class ShardedEmbeddingCollection(nn.Module):
             fetched = self.remote.fetch(to_fetch, timeout=self.timeout)
             for t, ids in to_fetch.items():
                 self.caches[t].put(ids, fetched[t])
-                u, rows, hit = uniq[t]
+                _, rows, hit = uniq[t]
                 rows[~hit] = fetched[t].to(rows.device)
                 self.stats.fetched += ids.numel()
         out = {}
         for table, feats in by_table.items():
-            spec, dtype = self.specs[table], self.plan.placement(table).dtype
             u, rows, _ = uniq[table]
-            dense = unpack_rows(rows.to(self.device), dtype, spec.dim)  # [U, D]
-            u = u.to(self.device)
-            for f in feats:
-                ids = features[f].to(self.device)
-                present = ids >= 0
-                pos = torch.searchsorted(u, ids.clamp(min=0))  # [B, L] rows of `dense`
-                weights = present.float()
-                if spec.pooling == "mean":
-                    weights = weights / present.sum(dim=1, keepdim=True).clamp(min=1)
-                pos = torch.where(present, pos, 0)
-                if dense.shape[0] == 0:
-                    out[f] = torch.zeros(ids.shape[0], spec.dim, device=self.device)
-                else:
-                    out[f] = F.embedding_bag(pos, dense, mode="sum", per_sample_weights=weights)
+            dense = unpack_rows(
+                rows.to(self.device), self.plan.placement(table).dtype, self.specs[table].dim
+            )  # [U, D]
+            out.update(self._pool(table, {f: features[f] for f in feats}, u, dense))
+        return out
+
+    @torch.compiler.disable
+    def _hashed_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Local hashed tables: unique raw ids -> id transformer rows (evictions to the store)."""
+        out = {}
+        for table, feats in self._group(features).items():
+            u = self._unique_ids(table, [features[f] for f in feats])
+            dense = self.dynamic[table].lookup(u).to(self.device)  # [U, D]
+            out.update(self._pool(table, {f: features[f] for f in feats}, u, dense))
+        return out
+
+    def _group(self, features: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+        by_table: dict[str, list[str]] = {}
+        for f in features:
+            by_table.setdefault(self.table_of[f], []).append(f)
+        return by_table
+
+    def _present(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        # Raw ids of hashed tables may be any int64 but -1; row ids are >= 0.
+        return ids != -1 if self.specs[table].hashed else ids >= 0
+
+    def _unique_ids(self, table: str, id_mats: list[torch.Tensor]) -> torch.Tensor:
+        """The sorted distinct ids of a whole batch for one table ``[U]`` (CPU)."""
+        ids = torch.cat([m[self._present(table, m)] for m in id_mats]).cpu()
+        u = torch.unique(ids)
+        self.stats.ids += ids.numel()
+        self.stats.unique += u.numel()
+        return u
+
+    def _pool(
+        self, table: str, features: Mapping[str, torch.Tensor], u: torch.Tensor, dense: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Pools each feature ``[B, L]`` over ``dense [U, D]``, the rows of sorted ids ``u``."""
+        spec = self.specs[table]
+        u = u.to(self.device)
+        out = {}
+        for f, ids in features.items():
+            ids = ids.to(self.device)
+            present = self._present(table, ids)
+            if dense.shape[0] == 0:
+                out[f] = torch.zeros(ids.shape[0], spec.dim, device=self.device)
+                continue
+            pos = torch.where(present, torch.searchsorted(u, ids), 0).clamp(max=len(u) - 1)
+            weights = present.float()
+            if spec.pooling == "mean":
+                weights = weights / present.sum(dim=1, keepdim=True).clamp(min=1)
+            out[f] = F.embedding_bag(pos, dense, mode="sum", per_sample_weights=weights)
         return out
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
         return {t: c.stats() for t, c in self.caches.items()}
-
-
-def specs_to_json(specs: Sequence[TableSpec]) -> str:
-    return json.dumps(
-        [
-            {
-                **asdict(s),
-                "dtype": s.dtype.value,
-                "allowed_dtypes": [d.value for d in s.allowed_dtypes],
-            }
-            for s in specs
-        ]
-    )
-
-
-def specs_from_json(text: str) -> list[TableSpec]:
-    out = []
-    for d in json.loads(text):
-        d["allowed_dtypes"] = tuple(DType(x) for x in d["allowed_dtypes"])
-        d["features"] = tuple(d["features"])
-        out.append(TableSpec(**d))
-    return out
