@@ -13,6 +13,7 @@ import torch
 
 from retrieval.config import ModelConfig
 from retrieval.model import RetrievalModel
+from sharded_tables.sharded import RemoteFetcher
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.pt"
@@ -28,13 +29,16 @@ def save_model(model: RetrievalModel, directory: Path) -> Path:
     return directory
 
 
-def load_model(directory: Path, map_location: str | torch.device = "cpu") -> RetrievalModel:
-    """Reads a folder written by :func:`save_model`."""
+def load_model(
+    directory: Path, map_location: str | torch.device = "cpu", remote: RemoteFetcher | None = None
+) -> RetrievalModel:
+    """Reads a folder written by :func:`save_model`; ``remote``: the embedding servers of the
+    plan's remote tables (when the config has a table plan with remote tables)."""
     cfg_path, weights = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for p in (cfg_path, weights):
         if not p.is_file():
             raise FileNotFoundError(f"model folder {directory}: missing {p.name}")
-    model = RetrievalModel(ModelConfig.load(cfg_path))
+    model = RetrievalModel(ModelConfig.load(cfg_path), remote=remote, table_device=map_location)
     state = torch.load(weights, map_location=map_location, weights_only=True)
     load_state(model, state)
     return model.to(map_location)

@@ -59,7 +59,7 @@ def table_specs(
 
 
 def _make_tables(
-    cfg: ModelConfig, remote: RemoteFetcher | None
+    cfg: ModelConfig, remote: RemoteFetcher | None, device: torch.device | str
 ) -> EmbeddingCollection | ShardedEmbeddingCollection:
     """Plain float tables, or the tiered ones the config's plan places."""
     if cfg.table_plan is None:
@@ -76,7 +76,7 @@ def _make_tables(
         )
         for s in table_specs(cfg)
     ]
-    return ShardedEmbeddingCollection(specs, plan, remote=remote)
+    return ShardedEmbeddingCollection(specs, plan, device=device, remote=remote)
 
 
 class RetrievalModel(nn.Module):
@@ -86,12 +86,20 @@ class RetrievalModel(nn.Module):
     pad rows whose filter admits fewer than K items.
     """
 
-    def __init__(self, config: ModelConfig, remote: RemoteFetcher | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        remote: RemoteFetcher | None = None,
+        table_device: torch.device | str = "cpu",
+    ):
+        """``remote``: the embedding servers of remote tables; ``table_device``: where tiered
+        tables are built (``cuda``: device tier in HBM, host tier in pinned DRAM). Tiered tables
+        stay there when the module moves; their outputs follow the request's device."""
         super().__init__()
         config.validate()
         self.config = config
         self.user_feature_names = list(config.user_features)
-        self.tables = _make_tables(config, remote)
+        self.tables = _make_tables(config, remote, table_device)
         e = config.embedding_dim
         user_in = e * (1 + len(config.user_features)) + config.dense_dim
         item_in = e * (1 + len(config.item_attributes))

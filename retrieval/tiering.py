@@ -35,6 +35,7 @@ def tier_model(
     allowed: tuple[DType, ...] = (),
     placement: PlacementPlan | None = None,
     remote: RemoteFetcher | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[RetrievalModel, dict[str, torch.Tensor]]:
     """A copy of ``model`` whose tables are placed by ``placement`` (or planned from ``budgets``).
 
@@ -47,7 +48,7 @@ def tier_model(
         placement = plan(table_specs(model.config, dtype, allowed), budgets)
     cfg = copy.deepcopy(model.config)
     cfg.table_plan = placement.to_dict()
-    tiered = RetrievalModel(cfg, remote=remote)
+    tiered = RetrievalModel(cfg, remote=remote, table_device=device)
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(("tables.", "index."))}
     tiered.load_state_dict(own, strict=False)
     tiered.index = copy.deepcopy(model.index)

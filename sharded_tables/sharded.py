@@ -80,7 +80,9 @@ class ShardedEmbeddingCollection(nn.Module):
                 if f in self.table_of:
                     raise ValueError(f"feature {f!r} is assigned to two tables")
                 self.table_of[f] = s.name
-        self.tiers = nn.ModuleDict()
+        # Not registered as submodules: rows stay where the plan put them when the model moves
+        # (``model.to("cuda")`` must not copy a host tier into HBM); they save via extra state.
+        self.tiers: dict[str, LocalTables] = {}
         for tier in self._local_tiers():
             tables = [
                 LocalTable(s.name, s.rows, s.dim, p.dtype, s.feature_names(), s.pooling)
@@ -157,9 +159,7 @@ class ShardedEmbeddingCollection(nn.Module):
     def _tier_module(self, tier: Tier) -> LocalTables:
         name = self._local_tier_of(tier)
         assert name is not None
-        module = self.tiers[name]
-        assert isinstance(module, LocalTables)
-        return module
+        return self.tiers[name]
 
     def local_float(self, name: str) -> torch.Tensor:
         """Dequantized rows ``[rows, D]`` of a local table (what lookups read)."""
@@ -213,17 +213,17 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""
-        b = next(iter(features.values())).shape[0]
+        first = next(iter(features.values()))
+        b, out_device = first.shape[0], first.device  # pooled rows go where the ids came from
         out: dict[str, torch.Tensor] = {}
         for module in self.tiers.values():
-            assert isinstance(module, LocalTables)
             wanted = [f for f in module.feature_names if f in features]
             if not wanted:
                 continue
-            empty = torch.empty(b, 0, dtype=torch.int64, device=self.device)
-            padded = [features.get(f, empty) for f in module.feature_names]
+            empty = torch.empty(b, 0, dtype=torch.int64, device=module.device)
+            padded = [features.get(f, empty).to(module.device) for f in module.feature_names]
             indices, offsets, _ = jagged_from_padded(padded)
-            pooled = module(indices, offsets).split(module.feature_dims, dim=1)
+            pooled = module(indices, offsets).to(out_device).split(module.feature_dims, dim=1)
             out.update({f: pooled[i] for i, f in enumerate(module.feature_names) if f in features})
         remote = [f for f in features if self._is_remote(self.table_of[f])]
         if remote:
@@ -231,7 +231,7 @@ class ShardedEmbeddingCollection(nn.Module):
         hashed = [f for f in features if self.table_of[f] in self.dynamic]
         if hashed:
             out.update(self._hashed_lookup({f: features[f] for f in hashed}))
-        return {f: out[f] for f in features}
+        return {f: out[f].to(out_device) for f in features}
 
     @torch.compiler.disable
     def _remote_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
