@@ -33,3 +33,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) data runs
+
+.PHONY: proto
+# Regenerates the remote tier's gRPC modules from sharded_tables/remote/embedding.proto.
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. sharded_tables/remote/embedding.proto
+	for f in sharded_tables/remote/embedding_pb2.py sharded_tables/remote/embedding_pb2.pyi sharded_tables/remote/embedding_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done

@@ -3,6 +3,7 @@
 recserve demo              train on MovieLens 100k, build the index, print recommendations and recall
 recserve fetch-movielens   extract MovieLens 100k from the recbole wheel into data/ml-100k
 recserve bench-ann         the index benchmark (bench/ann.py) vs faiss
+recserve embed-server      serve one shard of embedding rows (the remote tier) over gRPC
 """
 
 from __future__ import annotations
@@ -54,6 +55,30 @@ def fetch_movielens_cmd(
 def bench_ann(ctx: typer.Context) -> None:
     """Run bench/ann.py (our index vs faiss); extra arguments pass through (try --help)."""
     raise typer.Exit(subprocess.call([sys.executable, str(REPO / "bench" / "ann.py"), *ctx.args]))
+
+
+@app.command("embed-server")
+def embed_server(
+    shard: Path = typer.Option(..., help="shard folder (manifest.json + packed rows)"),
+    port: int = typer.Option(..., min=0, max=65535, help="port to listen on (0: any free port)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+    memory_budget: str = typer.Option(
+        "4GiB", help="refuse a shard larger than this (512MiB, 4GiB, bytes)"
+    ),
+    tables: str = typer.Option(
+        "", help="comma-separated tables to serve (default: all in the shard)"
+    ),
+) -> None:
+    """Serve a shard of embedding rows over gRPC until SIGTERM or SIGINT (prints its address)."""
+    from sharded_tables.remote.server import MemoryBudgetError, parse_size, serve
+
+    names = [t.strip() for t in tables.split(",") if t.strip()] or None
+    try:
+        budget = parse_size(memory_budget, "--memory-budget")
+        serve(shard, port=port, host=host, memory_budget=budget, tables=names)
+    except (MemoryBudgetError, ValueError, OSError) as e:
+        typer.echo(f"embed-server: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def main() -> None:

@@ -1,0 +1,26 @@
+"""The remote tier: embedding servers holding packed rows in DRAM, read over gRPC.
+
+* :mod:`~sharded_tables.remote.shard_files`: one server's shard on disk (manifest + packed rows,
+  keyed tables' put logs), written atomically.
+* :mod:`~sharded_tables.remote.server`: ``EmbeddingServer`` / ``serve`` (``recserve embed-server``).
+* :mod:`~sharded_tables.remote.client`: ``RemoteTables``, the batched, de-duplicated client.
+* ``embedding.proto``: the wire schema (``make proto`` regenerates ``embedding_pb2*.py``).
+"""
+
+from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables, route
+from sharded_tables.remote.server import EmbeddingServer, MemoryBudgetError, parse_size, serve
+from sharded_tables.remote.shard_files import ShardTable, read_shard, write_shard
+
+__all__ = [
+    "EmbeddingServer",
+    "MemoryBudgetError",
+    "RemoteLookupError",
+    "RemoteTable",
+    "RemoteTables",
+    "ShardTable",
+    "parse_size",
+    "read_shard",
+    "route",
+    "serve",
+    "write_shard",
+]

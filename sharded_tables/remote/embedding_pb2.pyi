@@ -1,0 +1,103 @@
+# ruff: noqa
+# fmt: off
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TableIds(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableIds]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ...) -> None: ...
+
+class TableRows(_message.Message):
+    __slots__ = ("table", "dtype", "dim", "rows", "found")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dtype: str
+    dim: int
+    rows: bytes
+    found: bytes
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[bytes] = ..., found: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("table", "ids", "rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    rows: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("name", "dtype", "dim", "partition", "row_lo", "row_hi", "keys", "bytes", "ids_served")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ROW_LO_FIELD_NUMBER: _ClassVar[int]
+    ROW_HI_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    dim: int
+    partition: str
+    row_lo: int
+    row_hi: int
+    keys: int
+    bytes: int
+    ids_served: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., partition: _Optional[str] = ..., row_lo: _Optional[int] = ..., row_hi: _Optional[int] = ..., keys: _Optional[int] = ..., bytes: _Optional[int] = ..., ids_served: _Optional[int] = ...) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("server", "tables", "memory_budget", "bytes_used", "requests", "ids_served", "puts")
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IDS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    server: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    memory_budget: int
+    bytes_used: int
+    requests: int
+    ids_served: int
+    puts: int
+    def __init__(self, server: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., memory_budget: _Optional[int] = ..., bytes_used: _Optional[int] = ..., requests: _Optional[int] = ..., ids_served: _Optional[int] = ..., puts: _Optional[int] = ...) -> None: ...

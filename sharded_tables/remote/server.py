@@ -1,0 +1,382 @@
+"""An embedding server: one shard of packed rows in DRAM, served over gRPC.
+
+``EmbeddingService`` (``embedding.proto``) plus standard gRPC health checking
+(``grpc.health.v1.Health``: SERVING once the shard is loaded, NOT_SERVING while draining).
+
+* Ranged tables answer GLOBAL row ids in ``[lo, hi)`` with one ``index_select`` over the packed
+  rows ``uint8 [hi - lo, row_bytes]``; an id outside the range is INVALID_ARGUMENT.
+* Keyed tables map raw 64-bit keys to slots of a growable packed-row array; missing keys get a
+  zero row and ``found = 0``. ``Put`` appends to the table's log (fsynced) before it answers,
+  so a restarted server serves the same rows.
+
+The shard must fit ``memory_budget`` bytes: the server refuses to start (and refuses puts) with a
+message saying by how many bytes it is over.
+
+Example::
+
+    server = EmbeddingServer("shards/0", port=0, memory_budget=parse_size("4GiB"))
+    address = server.start()  # "127.0.0.1:43121"
+    ...
+    server.stop(grace=5.0)
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from sharded_tables.remote import embedding_pb2 as pb
+from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
+from sharded_tables.remote.shard_files import (
+    KeyLog,
+    latest_positions,
+    read_manifest,
+    read_table,
+    replay_log,
+    select_tables,
+)
+from sharded_tables.specs import DType, row_bytes
+
+SERVICE = "recserve.embedding.v1.EmbeddingService"
+MAX_MESSAGE_BYTES = 256 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+]
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, field: str = "--memory-budget") -> int:
+    """``"512MiB"``, ``"4GiB"``, ``"1.5GB"`` or ``"1048576"`` -> bytes."""
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{field}: cannot read {text!r}; use bytes or a size like 512MiB, 4GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class MemoryBudgetError(ValueError):
+    """The shard (or a put) does not fit the server's memory budget."""
+
+
+class RequestError(Exception):
+    """A bad request: becomes the gRPC status ``code`` with ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _ids(raw: bytes, table: str) -> np.ndarray:
+    """Wire ids (little-endian int64 bytes) -> ``int64 [n]`` (read-only view)."""
+    if len(raw) % 8:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"table {table!r}: ids has {len(raw)} bytes, not a multiple of 8 (int64 ids)",
+        )
+    return np.frombuffer(raw, "<i8")
+
+
+@dataclass
+class RangedTable:
+    """Global rows ``[lo, hi)`` of a table: ``rows uint8 [hi - lo, row_bytes]``, read-only."""
+
+    name: str
+    dtype: DType
+    dim: int
+    lo: int
+    hi: int
+    rows: torch.Tensor
+    served: int = 0
+
+    def lookup(self, ids: np.ndarray) -> tuple[bytes, bytes]:
+        """``ids int64 [n]`` (global) -> (n packed rows, b"": all found)."""
+        local = ids - self.lo  # [n], a fresh writable array
+        if len(ids) and (local.min() < 0 or local.max() >= self.hi - self.lo):
+            bad = ids[(local < 0) | (local >= self.hi - self.lo)][0]
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"table {self.name!r}: id {bad} is outside this server's rows "
+                f"[{self.lo}, {self.hi})",
+            )
+        # numpy, not torch.index_select: torch's OpenMP workers spin between calls and take the
+        # cores from the gRPC threads of this and other servers on the host
+        return np.take(self.rows.numpy(), local, axis=0).tobytes(), b""  # [n, row_bytes]
+
+    def nbytes(self) -> int:
+        return self.rows.numel()
+
+
+class KeyedTable:
+    """Rows under raw 64-bit keys: ``key -> slot`` dict over a growable ``uint8 [cap, rb]``."""
+
+    def __init__(
+        self, name: str, dtype: DType, dim: int, log: KeyLog, keys: np.ndarray, rows: np.ndarray
+    ) -> None:
+        self.name, self.dtype, self.dim = name, DType(dtype), dim
+        self.rb = row_bytes(dim, self.dtype)
+        self.log = log
+        self.served = 0
+        self._lock = threading.Lock()
+        self._slot: dict[int, int] = dict(zip(keys.tolist(), range(len(keys)), strict=True))
+        self._rows = np.zeros((max(1024, len(keys)), self.rb), np.uint8)
+        self._rows[: len(keys)] = rows
+
+    def lookup(self, ids: np.ndarray) -> tuple[bytes, bytes]:
+        """``ids int64 [n]`` -> (n packed rows, zeros where missing; n found bytes)."""
+        with self._lock:
+            get = self._slot.get
+            slots = np.fromiter((get(k, -1) for k in ids.tolist()), np.int64, len(ids))
+            found = slots >= 0
+            rows = self._rows[np.where(found, slots, 0)]  # [n, rb], a copy
+        rows[~found] = 0
+        return rows.tobytes(), found.astype(np.uint8).tobytes()
+
+    def new_keys(self, ids: np.ndarray) -> int:
+        """How many distinct keys of ``ids`` are not stored yet."""
+        return sum(1 for k in set(ids.tolist()) if k not in self._slot)
+
+    def put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Logs (durably) and stores ``rows uint8 [n, rb]`` under ``ids int64 [n]``."""
+        last = latest_positions(ids)  # a key repeated in one put keeps its last row
+        ids, rows = ids[last], rows[last]
+        with self._lock:  # log order == apply order, so a replay rebuilds exactly this table
+            self.log.append(ids, rows)
+            slots = np.empty(len(ids), np.int64)
+            for i, k in enumerate(ids.tolist()):
+                slots[i] = self._slot.setdefault(k, len(self._slot))
+            if len(self._slot) > len(self._rows):
+                grown = np.zeros((max(len(self._slot), 2 * len(self._rows)), self.rb), np.uint8)
+                grown[: len(self._rows)] = self._rows
+                self._rows = grown
+            self._rows[slots] = rows
+
+    def nbytes(self) -> int:
+        return len(self._slot) * self.rb
+
+
+Table = RangedTable | KeyedTable
+
+
+def load_tables(
+    folder: Path, memory_budget: int | None, names: list[str] | None, verify: bool
+) -> dict[str, Table]:
+    """Loads the shard's tables, refusing (``MemoryBudgetError``) a shard over the budget."""
+    entries = select_tables(read_manifest(folder), names)
+    ranged = sum(e["bytes"] for e in entries if e["partition"] == "range")
+    _check_budget(ranged, memory_budget, f"shard {folder} (ranged tables)")
+    tables: dict[str, Table] = {}
+    for e in entries:
+        if e["partition"] == "range":
+            t = read_table(folder, e, verify)
+            assert t.rows is not None
+            tables[t.name] = RangedTable(t.name, t.dtype, t.dim, t.lo, t.hi, t.rows)
+        else:
+            path = folder / e["file"]
+            keys, rows, valid = replay_log(path, e["row_bytes"])
+            log = KeyLog(path, valid)
+            tables[e["name"]] = KeyedTable(e["name"], e["dtype"], e["dim"], log, keys, rows)
+    _check_budget(sum(t.nbytes() for t in tables.values()), memory_budget, f"shard {folder}")
+    return tables
+
+
+def _check_budget(need: int, budget: int | None, what: str) -> None:
+    if budget is not None and need > budget:
+        raise MemoryBudgetError(
+            f"{what} needs {need} bytes, {need - budget} bytes over the memory budget of "
+            f"{budget} bytes"
+        )
+
+
+class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
+    """The RPC handlers over loaded tables (thread-safe; the handlers trust loaded tables)."""
+
+    def __init__(self, name: str, tables: dict[str, Table], memory_budget: int | None):
+        self.name, self.tables, self.memory_budget = name, tables, memory_budget
+        self.requests = self.ids_served = self.puts = 0
+        self._count_lock = threading.Lock()
+        self._put_lock = threading.Lock()
+
+    def _table(self, name: str) -> Table:
+        table = self.tables.get(name)
+        if table is None:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"table {name!r} is not on server {self.name} (it holds {sorted(self.tables)})",
+            )
+        return table
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        out = pb.LookupResponse()
+        try:
+            served = []
+            for req in request.tables:
+                table = self._table(req.table)
+                ids = _ids(req.ids, req.table)
+                rows, found = table.lookup(ids)
+                out.tables.append(
+                    pb.TableRows(
+                        table=req.table,
+                        dtype=table.dtype.value,
+                        dim=table.dim,
+                        rows=rows,
+                        found=found,
+                    )
+                )
+                served.append((table, len(ids)))
+        except RequestError as e:
+            context.abort(e.code, str(e))
+        with self._count_lock:
+            self.requests += 1
+            for table, n in served:
+                table.served += n
+                self.ids_served += n
+        return out
+
+    def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
+        try:
+            table = self._table(request.table)
+            if not isinstance(table, KeyedTable):
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"table {request.table!r} is ranged; Put takes keyed tables only",
+                )
+            ids = _ids(request.ids, request.table)
+            if len(request.rows) != len(ids) * table.rb:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"table {request.table!r}: rows has {len(request.rows)} bytes, expected "
+                    f"{len(ids)} ids x {table.rb} bytes",
+                )
+            rows = np.frombuffer(request.rows, np.uint8).reshape(len(ids), table.rb)
+            with self._put_lock:
+                need = self.bytes_used() + table.new_keys(ids) * table.rb
+                try:
+                    _check_budget(need, self.memory_budget, f"put to table {request.table!r}")
+                except MemoryBudgetError as e:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+                table.put(ids, rows)
+        except RequestError as e:
+            context.abort(e.code, str(e))
+        with self._count_lock:
+            self.puts += 1
+        return pb.PutResponse(stored=len(ids))
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        out = pb.InfoResponse(
+            server=self.name,
+            memory_budget=self.memory_budget or 0,
+            bytes_used=self.bytes_used(),
+            requests=self.requests,
+            ids_served=self.ids_served,
+            puts=self.puts,
+        )
+        for t in self.tables.values():
+            info = pb.TableInfo(
+                name=t.name, dtype=t.dtype.value, dim=t.dim, bytes=t.nbytes(), ids_served=t.served
+            )
+            if isinstance(t, RangedTable):
+                info.partition, info.row_lo, info.row_hi = "range", t.lo, t.hi
+            else:
+                info.partition, info.keys = "keyed", t.nbytes() // t.rb
+            out.tables.append(info)
+        return out
+
+    def bytes_used(self) -> int:
+        return sum(t.nbytes() for t in self.tables.values())
+
+
+class EmbeddingServer:
+    """Loads a shard folder (at construction) and serves it over gRPC (:meth:`start`)."""
+
+    def __init__(
+        self,
+        shard: Path | str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        memory_budget: int | None = None,
+        tables: list[str] | None = None,
+        name: str | None = None,
+        workers: int = 8,
+        verify: bool = True,
+    ):
+        self.shard, self.host, self.port = Path(shard), host, port
+        self.tables = load_tables(self.shard, memory_budget, tables, verify)
+        self.servicer = EmbeddingServicer(name or str(self.shard), self.tables, memory_budget)
+        self.health = health.HealthServicer()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS
+        )
+        pb_grpc.add_EmbeddingServiceServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def start(self) -> str:
+        """Binds, starts and reports SERVING; returns ``host:port`` (the bound port)."""
+        try:
+            port = self._server.add_insecure_port(self.address)
+        except RuntimeError as e:
+            raise OSError(f"--port: cannot bind {self.address}: {e}") from None
+        if port == 0:
+            raise OSError(f"--port: cannot bind {self.address}")
+        self.port = port
+        self._server.start()
+        for service in ("", SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self.address
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Reports NOT_SERVING, lets in-flight calls finish (up to ``grace`` s), closes logs."""
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        for t in self.tables.values():
+            if isinstance(t, KeyedTable):
+                t.log.close()
+
+
+def serve(
+    folder: Path | str,
+    port: int,
+    host: str = "127.0.0.1",
+    memory_budget: int | None = None,
+    tables: list[str] | None = None,
+    *,
+    name: str | None = None,
+    grace: float = 5.0,
+    announce: Callable[[str], None] | None = None,
+) -> None:
+    """Serves ``folder`` until SIGTERM or SIGINT, then drains (NOT_SERVING) and stops."""
+    server = EmbeddingServer(
+        folder, host=host, port=port, memory_budget=memory_budget, tables=tables, name=name
+    )
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    address = server.start()
+    held = ", ".join(sorted(server.tables))
+    line = f"embed-server listening on {address} (shard {folder}: {held})"
+    if announce is None:
+        print(line, flush=True)  # a parent process waits for this line
+    else:
+        announce(line)
+    while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+        pass
+    server.stop(grace)
