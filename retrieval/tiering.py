@@ -25,7 +25,7 @@ def float_tables(model: RetrievalModel) -> dict[str, torch.Tensor]:
     """``{table: float rows [rows, D]}`` of a model with plain tables."""
     if not isinstance(model.tables, EmbeddingCollection):
         raise ValueError("the model's tables are already tiered")
-    return {name: bag.weight.detach() for name, bag in model.tables.tables.items()}
+    return {name: bag.weight.detach() for name, bag in model.tables.bags().items()}
 
 
 def tier_model(

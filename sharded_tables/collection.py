@@ -58,6 +58,10 @@ class EmbeddingCollection(nn.Module):
                     raise ValueError(f"feature {f!r} is assigned to two tables")
                 self.table_of[f] = t.name
 
+    def bags(self) -> dict[str, nn.EmbeddingBag]:
+        """``{table: its nn.EmbeddingBag}`` (weights ``[rows, D]``)."""
+        return {name: bag for name, bag in self.tables.items() if isinstance(bag, nn.EmbeddingBag)}
+
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check: known features, ``[B, L]`` int64, ids in range (raises ``ValueError``)."""
         for name, ids in features.items():

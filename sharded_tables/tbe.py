@@ -20,6 +20,7 @@ Backends, chosen at construction:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,11 +96,13 @@ class LocalTables(nn.Module):
         dims = [self.tables[t].dim for t in self.feature_table]
         self.feature_dims = dims
         mean = [self.tables[t].pooling == "mean" for t in self.feature_table]
-        self.register_buffer("_mean", torch.tensor(mean, dtype=torch.bool), persistent=False)
+        self._mean = torch.tensor(mean, dtype=torch.bool, device=self.device)  # [F]
+        self._any_mean = any(mean)
+        self._dims = torch.tensor(dims, device=self.device)  # [F]
         if backend is None:
             backend = "fbgemm" if self.device.type == "cpu" or fbgemm_has_cuda() else "torch"
         self.backend = backend
-        self._tbe: nn.Module | None = None
+        self._tbe: Any = None  # fbgemm IntNBitTableBatchedEmbeddingBagsCodegen
         self._packed: list[torch.Tensor] = []
         self._no_cache_locations = torch.empty(0, dtype=torch.int32, device=self.device)
         if backend == "fbgemm":
@@ -110,7 +113,7 @@ class LocalTables(nn.Module):
             raise ValueError(f"backend must be 'fbgemm' or 'torch', got {backend!r}")
 
     # ---- storage --------------------------------------------------------------------------
-    def _make_tbe(self) -> nn.Module:
+    def _make_tbe(self) -> Any:
         from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode,
@@ -210,12 +213,10 @@ class LocalTables(nn.Module):
             out = self._cuda_module(indices.to(self.device), offsets.to(self.device))
         else:
             out = self._torch_lookup(indices, offsets, b)
-        if bool(self._mean.any()):
+        if self._any_mean:
             lengths = (offsets[1:] - offsets[:-1]).view(f, b).to(out.device)  # [F, B]
             div = torch.where(self._mean[:, None], lengths.clamp(min=1), 1).float()  # [F, B]
-            div = torch.repeat_interleave(
-                div.t(), torch.tensor(self.feature_dims, device=div.device), dim=1
-            )
+            div = torch.repeat_interleave(div.t(), self._dims, dim=1)  # [B, sum of D]
             out = out / div
         return out
 
