@@ -29,9 +29,9 @@ from sharded_tables.cache import HotRowCache
 from sharded_tables.dynamic_table import TransformedTable
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.quantize import pack_rows, unpack_rows
-from sharded_tables.specs import TableSpec, Tier
+from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.store import MemoryRowStore, RowStore
-from sharded_tables.tbe import LocalTable, LocalTables, jagged_from_padded
+from sharded_tables.tbe import LocalTable, LocalTables
 
 
 class RemoteFetcher(Protocol):
@@ -83,14 +83,22 @@ class ShardedEmbeddingCollection(nn.Module):
         # Not registered as submodules: rows stay where the plan put them when the model moves
         # (``model.to("cuda")`` must not copy a host tier into HBM); they save via extra state.
         self.tiers: dict[str, LocalTables] = {}
+        self._module_of: dict[str, LocalTables] = {}
         for tier in self._local_tiers():
-            tables = [
-                LocalTable(s.name, s.rows, s.dim, p.dtype, s.feature_names(), s.pooling)
-                for s, p in self._placed()
-                if self._local_tier_of(p.tier) == tier and not s.hashed
-            ]
-            if tables:
-                self.tiers[tier] = LocalTables(tables, tier=tier, device=self.device)
+            for backend in ("fbgemm", "torch"):
+                tables = [
+                    LocalTable(s.name, s.rows, s.dim, p.dtype, s.feature_names(), s.pooling)
+                    for s, p in self._placed()
+                    if self._local_tier_of(p.tier) == tier
+                    and not s.hashed
+                    and self._backend(p.dtype) == backend
+                ]
+                if tables:
+                    module = LocalTables(
+                        tables, tier=tier, device=self.device, backend=self._backend_for(backend)
+                    )
+                    self.tiers[tier if backend == "fbgemm" else f"{tier}/{backend}"] = module
+                    self._module_of.update({t.name: module for t in tables})
         self.caches: dict[str, HotRowCache] = {}
         for s, p in self._placed():
             if p.tier is Tier.REMOTE:
@@ -115,6 +123,14 @@ class ShardedEmbeddingCollection(nn.Module):
     # ---- placement ----------------------------------------------------------------------------
     def _placed(self) -> list[tuple[TableSpec, Any]]:
         return [(self.specs[name], self.plan.placement(name)) for name in self.specs]
+
+    def _backend(self, dtype: DType) -> str:
+        # fbgemm's CPU kernel for FP8 rows is a generic scalar loop (~50x slower than INT8 in
+        # bench/tables.py); unpacking the unique rows with torch is faster there.
+        return "torch" if dtype is DType.FP8 and self.device.type == "cpu" else "fbgemm"
+
+    def _backend_for(self, group: str) -> str | None:
+        return "torch" if group == "torch" else None  # None: LocalTables picks fbgemm or torch
 
     def _local_tiers(self) -> list[str]:
         # Without a GPU, "device" is the fastest in-process copy: host DRAM, one TBE call.
@@ -153,25 +169,23 @@ class ShardedEmbeddingCollection(nn.Module):
             if p.tier is Tier.REMOTE:
                 remote[s.name] = packed
             else:
-                self._tier_module(p.tier).set_packed(s.name, packed)
+                self._local_module(s.name).set_packed(s.name, packed)
         return remote
 
-    def _tier_module(self, tier: Tier) -> LocalTables:
-        name = self._local_tier_of(tier)
-        assert name is not None
-        return self.tiers[name]
+    def _local_module(self, table: str) -> LocalTables:
+        return self._module_of[table]
 
     def local_float(self, name: str) -> torch.Tensor:
         """Dequantized rows ``[rows, D]`` of a local table (what lookups read)."""
         p = self.plan.placement(name)
         s = self.specs[name]
-        return unpack_rows(self._tier_module(p.tier).packed(name), p.dtype, s.dim)
+        return unpack_rows(self._local_module(name).packed(name), p.dtype, s.dim)
 
     def get_extra_state(self) -> dict[str, Any]:
         packed = {}
         for s, p in self._placed():
             if p.tier is not Tier.REMOTE and not s.hashed:
-                packed[s.name] = self._tier_module(p.tier).packed(s.name)
+                packed[s.name] = self._local_module(s.name).packed(s.name)
         dynamic = {
             name: {"weight": t.weight.cpu(), **t.transformer.state_dict()}
             for name, t in self.dynamic.items()
@@ -183,7 +197,7 @@ class ShardedEmbeddingCollection(nn.Module):
         if saved.to_dict() != self.plan.to_dict():
             raise ValueError("saved table plan differs from this collection's plan")
         for name, packed in state["packed"].items():
-            self._tier_module(self.plan.placement(name).tier).set_packed(name, packed)
+            self._local_module(name).set_packed(name, packed)
         for name, saved_table in state.get("dynamic", {}).items():
             table = self.dynamic[name]
             table.weight.copy_(saved_table["weight"])
@@ -222,8 +236,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 continue
             empty = torch.empty(b, 0, dtype=torch.int64, device=module.device)
             padded = [features.get(f, empty).to(module.device) for f in module.feature_names]
-            indices, offsets, _ = jagged_from_padded(padded)
-            pooled = module(indices, offsets).to(out_device).split(module.feature_dims, dim=1)
+            pooled = module.forward_padded(padded).to(out_device).split(module.feature_dims, dim=1)
             out.update({f: pooled[i] for i, f in enumerate(module.feature_names) if f in features})
         remote = [f for f in features if self._is_remote(self.table_of[f])]
         if remote:
@@ -232,6 +245,33 @@ class ShardedEmbeddingCollection(nn.Module):
         if hashed:
             out.update(self._hashed_lookup({f: features[f] for f in hashed}))
         return {f: out[f].to(out_device) for f in features}
+
+    def forward_jagged(
+        self, keys: Sequence[str], values: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """KeyedJaggedTensor-style input -> ``[B, sum of D]`` (features in ``keys`` order).
+
+        ``values``: the ids of all features end to end; ``offsets [len(keys) * B + 1]``: where
+        each (feature, sample) bag starts, feature-major (``kjt.values()``, ``kjt.offsets()``
+        of a TorchRec ``KeyedJaggedTensor``). When the keys are exactly one local tier's
+        features this is a single kernel call on the caller's tensors.
+        """
+        keys = list(keys)
+        for module in self.tiers.values():
+            if keys == module.feature_names:
+                return module(values.to(module.device), offsets.to(module.device)).to(values.device)
+        b = (offsets.numel() - 1) // len(keys)
+        lengths = (offsets[1:] - offsets[:-1]).view(len(keys), b)
+        padded = {}
+        for j, name in enumerate(keys):
+            seg = values[offsets[j * b] : offsets[(j + 1) * b]]
+            width = int(lengths[j].max()) if b else 0
+            mat = torch.full((b, width), -1, dtype=torch.int64, device=values.device)
+            mask = torch.arange(width, device=values.device)[None, :] < lengths[j][:, None]
+            mat[mask] = seg
+            padded[name] = mat
+        out = self(padded)
+        return torch.cat([out[k] for k in keys], dim=1)
 
     @torch.compiler.disable
     def _remote_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -98,6 +98,9 @@ class LocalTables(nn.Module):
         mean = [self.tables[t].pooling == "mean" for t in self.feature_table]
         self._mean = torch.tensor(mean, dtype=torch.bool, device=self.device)  # [F]
         self._any_mean = any(mean)
+        self._equal_dims = len(set(dims)) == 1
+        self._has_fp8 = any(t.dtype is DType.FP8 for t in self.tables)
+        self._offsets_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self._dims = torch.tensor(dims, device=self.device)  # [F]
         if backend is None:
             backend = "fbgemm" if self.device.type == "cpu" or fbgemm_has_cuda() else "torch"
@@ -200,6 +203,55 @@ class LocalTables(nn.Module):
         return sum(t.rows * row_bytes(t.dim, t.dtype) for t in self.tables)
 
     # ---- lookup -----------------------------------------------------------------------------
+    def forward_padded(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """Padded id matrices ``[B, L_f]`` (-1 = none), one per feature in :attr:`feature_names`
+        order -> ``[B, sum of D]``. The towers' call; trusts its inputs.
+
+        fbgemm's integer and float kernels skip id ``-1`` (pruned rows), so the padded matrix is
+        the jagged input as is (offsets every ``L_f``); no mask-select pass over the ids. FP8
+        tables take the kernel's generic path, which does not skip, so they go jagged.
+        """
+        b = features[0].shape[0]
+        if self._tbe is not None and self.device.type == "cpu" and not self._has_fp8:
+            indices = torch.cat([ids.reshape(-1) for ids in features])
+            offsets = self._padded_offsets(b, tuple(ids.shape[1] for ids in features))
+            out = self._host_kernel(indices, offsets)
+            if self._any_mean:
+                # ids present per bag from one prefix sum over the whole batch
+                seen = torch.zeros(indices.numel() + 1, dtype=torch.int64)
+                torch.cumsum(indices >= 0, 0, out=seen[1:])
+                lengths = (seen[offsets[1:]] - seen[offsets[:-1]]).view(len(features), b)
+                out = self._divide_means(out, lengths)
+            return out
+        if self._tbe is not None:
+            indices, offsets, _ = jagged_from_padded(features)
+            return self(indices, offsets)
+        present = [ids >= 0 for ids in features]
+        out = torch.cat(
+            [
+                self._torch_padded(j, ids, p)
+                for j, (ids, p) in enumerate(zip(features, present, strict=True))
+            ],
+            dim=1,
+        )
+        if self._any_mean:
+            lengths = torch.stack([p.sum(dim=1) for p in present])  # [F, B]
+            out = self._divide_means(out, lengths.to(out.device))
+        return out
+
+    def _padded_offsets(self, b: int, widths: tuple[int, ...]) -> torch.Tensor:
+        """Offsets ``[F * B + 1]`` of padded matrices ``[B, L_f]`` laid end to end (cached)."""
+        key = (b, widths)
+        offsets = self._offsets_cache.get(key)
+        if offsets is None:
+            steps = torch.tensor([w for w in widths for _ in range(b)], dtype=torch.int64)
+            offsets = torch.zeros(len(steps) + 1, dtype=torch.int64)
+            torch.cumsum(steps, 0, out=offsets[1:])
+            if len(self._offsets_cache) > 64:
+                self._offsets_cache.clear()
+            self._offsets_cache[key] = offsets
+        return offsets
+
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Jagged ids (feature-major, :attr:`feature_names` order) -> ``[B, sum of D]``.
 
@@ -214,11 +266,17 @@ class LocalTables(nn.Module):
         else:
             out = self._torch_lookup(indices, offsets, b)
         if self._any_mean:
-            lengths = (offsets[1:] - offsets[:-1]).view(f, b).to(out.device)  # [F, B]
-            div = torch.where(self._mean[:, None], lengths.clamp(min=1), 1).float()  # [F, B]
-            div = torch.repeat_interleave(div.t(), self._dims, dim=1)  # [B, sum of D]
-            out = out / div
+            out = self._divide_means(out, (offsets[1:] - offsets[:-1]).view(f, b).to(out.device))
         return out
+
+    def _divide_means(self, out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Sum-pooled ``out [B, sum of D]`` -> means for mean tables (``lengths [F, B]``)."""
+        div = torch.where(self._mean[:, None], lengths.clamp(min=1), 1).float()  # [F, B]
+        if self._equal_dims:
+            f, d = len(self.feature_dims), self.feature_dims[0]
+            out.view(-1, f, d).div_(div.t()[:, :, None])  # the kernel's fresh output, in place
+            return out
+        return out / torch.repeat_interleave(div.t(), self._dims, dim=1)
 
     def _host_kernel(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The TBE kernel itself on host weights: no cache state, so ``torch.compile`` traces it
@@ -256,6 +314,21 @@ class LocalTables(nn.Module):
         """fbgemm's module on CUDA (UVM caching keeps prefetch state between calls)."""
         assert self._tbe is not None
         return self._tbe(indices, offsets)
+
+    def _torch_padded(self, j: int, ids: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """Feature ``j`` on the torch backend: unique rows -> unpack once -> sum-pool ``[B, D]``."""
+        t_index = self.feature_table[j]
+        t = self.tables[t_index]
+        if ids.shape[1] == 0:  # a feature this call does not ask for
+            return torch.zeros(ids.shape[0], t.dim, device=self.device)
+        uniq, inverse = torch.unique(ids.clamp(min=0), return_inverse=True)
+        packed = self._packed[t_index]
+        rows = packed[uniq.to(packed.device)].to(self.device, non_blocking=True)
+        dense = unpack_rows(rows, t.dtype, t.dim)  # [U, D]
+        weights = present.to(self.device, torch.float32)
+        return F.embedding_bag(
+            inverse.to(self.device), dense, mode="sum", per_sample_weights=weights
+        )
 
     def _torch_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, b: int) -> torch.Tensor:
         """Per feature: unique rows -> unpack once -> sum-pool (the torch backend)."""

@@ -141,3 +141,23 @@ def test_state_saves_plan_and_rows(tmp_path):
     different = ShardedEmbeddingCollection(SPECS, _placement(cache_rows=4))
     with pytest.raises(ValueError, match="plan differs"):
         different.load_state_dict(torch.load(tmp_path / "t.pt", weights_only=True))
+
+
+def test_jagged_input_equals_the_padded_call():
+    weights = _weights()
+    coll = ShardedEmbeddingCollection(SPECS, _placement(cache_rows=0))
+    coll.remote = PackedRows(coll.load_float(weights))
+    padded = {
+        "history": torch.tensor([[1, 2, -1], [3, -1, -1]]),
+        "item_id": torch.tensor([[9], [8]]),
+        "country": torch.tensor([[4, 4], [-1, -1]]),
+        "user": torch.tensor([[7, 900], [-1, -1]]),
+    }
+    want = coll(padded)
+    # the first is exactly the local tier (one kernel call), the others go through padding
+    for keys in (["history", "item_id", "country"], ["country"], ["user", "history"]):
+        values = torch.cat([padded[k][padded[k] >= 0] for k in keys])
+        lengths = torch.cat([(padded[k] >= 0).sum(1) for k in keys])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        got = coll.forward_jagged(keys, values, offsets)
+        torch.testing.assert_close(got, torch.cat([want[k] for k in keys], dim=1))

@@ -58,6 +58,15 @@ def test_pooled_output_matches_unpacked_rows_and_fp32_within_bound(b: int, seed:
     indices, offsets, _ = jagged_from_padded(list(features.values()))
     out = tables(indices, offsets)
     assert out.shape == (b, sum(tables.feature_dims))
+    # the padded fast path (the kernel skips -1 ids) equals the jagged call
+    torch.testing.assert_close(tables.forward_padded(list(features.values())), out)
+    no_fp8 = LocalTables([t for t in TABLES if t.dtype is not DType.FP8], backend=backend)
+    for t in no_fp8.tables:
+        no_fp8.set_float(t.name, weights[t.name])
+    sub = [features[f] for f in no_fp8.feature_names]
+    torch.testing.assert_close(
+        no_fp8.forward_padded(sub), no_fp8(*jagged_from_padded(sub)[:2]), rtol=0, atol=0
+    )
     # bit-for-bit what pooling the stored rows gives (kernel layout == our packing)
     torch.testing.assert_close(out, _reference(features, weights, True), rtol=1e-5, atol=1e-6)
     # and vs FP32: a pooled value is off by at most the per-row bound (mean of bounded errors;
