@@ -38,6 +38,8 @@ class HotRowCache:
         device: where the rows live (ids are mapped on CPU either way).
         name: the ``cache`` label of the Prometheus counters.
         decay_period: batches between count halvings (``hybrid`` only).
+        storage: ``uint8 [capacity_rows, row_bytes]`` to hold the rows in (e.g. a view into a
+            TBE kernel's weights, so the kernel pools cached rows by slot); default: new zeros.
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class HotRowCache:
         device: str | torch.device = "cpu",
         name: str = "",
         decay_period: int = DEFAULT_DECAY_PERIOD,
+        storage: torch.Tensor | None = None,
     ) -> None:
         if capacity_rows < 0:
             raise ValueError(f"capacity_rows must be >= 0, got {capacity_rows}")
@@ -56,7 +59,14 @@ class HotRowCache:
         self.row_bytes = row_bytes
         self.device = torch.device(device)
         self.name = name
-        self.storage = torch.zeros(capacity_rows, row_bytes, dtype=torch.uint8, device=self.device)
+        if storage is None:
+            storage = torch.zeros(capacity_rows, row_bytes, dtype=torch.uint8, device=self.device)
+        if storage.dtype != torch.uint8 or tuple(storage.shape) != (capacity_rows, row_bytes):
+            raise ValueError(
+                f"storage must be uint8 [{capacity_rows}, {row_bytes}], "
+                f"got {storage.dtype} {tuple(storage.shape)}"
+            )
+        self.storage = storage
         self._map = IdMap(capacity_rows, policy, decay_period)
         # A get gathers rows after the map answered; a concurrent put must not reuse them between.
         self._lock = threading.Lock()
@@ -87,6 +97,28 @@ class HotRowCache:
         self._metrics[0].inc(n_hit)
         self._metrics[1].inc(len(slots) - n_hit)
         return rows, hit
+
+    def lookup_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids int64 [n]`` (any order, repeats, ``-1`` = padding) -> storage slots ``[n]``,
+        ``-1`` for misses and padding. Every present id counts as a hit or a miss.
+
+        The slots stay valid until the next :meth:`put` / :meth:`admit` (callers that read
+        storage by slot do so before admitting more rows)."""
+        with self._lock:
+            slots = self._map.find(ids)
+            n_hit = int((slots >= 0).sum())
+            n_miss = int((ids != -1).sum()) - n_hit
+            self._hits += n_hit
+            self._misses += n_miss
+        self._metrics[0].inc(n_hit)
+        self._metrics[1].inc(n_miss)
+        return slots
+
+    def admit(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`put` that returns each id's slot ``[n]`` (``-1`` for ids beyond capacity)."""
+        self.put(ids, rows)
+        with self._lock:
+            return self._map.find(ids, record=False)
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Admits ``rows uint8 [n, row_bytes]`` under ``ids int64 [n]`` (unique), evicting per

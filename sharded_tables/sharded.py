@@ -100,11 +100,7 @@ class ShardedEmbeddingCollection(nn.Module):
                     self.tiers[tier if backend == "fbgemm" else f"{tier}/{backend}"] = module
                     self._module_of.update({t.name: module for t in tables})
         self.caches: dict[str, HotRowCache] = {}
-        for s, p in self._placed():
-            if p.tier is Tier.REMOTE:
-                self.caches[s.name] = HotRowCache(
-                    p.cache_rows, s.row_bytes(p.dtype), device=self.device, name=s.name
-                )
+        self._cache_tables = self._make_cache_tables()
         # Hashed tables in a local tier: an id transformer over `rows` local rows whose evicted
         # rows go to the remote tier (or an in-process store when there are no servers).
         self.dynamic: dict[str, TransformedTable] = {}
@@ -123,6 +119,39 @@ class ShardedEmbeddingCollection(nn.Module):
     # ---- placement ----------------------------------------------------------------------------
     def _placed(self) -> list[tuple[TableSpec, Any]]:
         return [(self.specs[name], self.plan.placement(name)) for name in self.specs]
+
+    def _make_cache_tables(self) -> LocalTables | None:
+        """Hot-row caches of remote tables, their rows held in one TBE (sum pooling) so the
+        kernel pools cached rows by slot; a cache of 0 rows is no cache."""
+        cached = [(s, p) for s, p in self._placed() if p.tier is Tier.REMOTE and p.cache_rows > 0]
+        module = None
+        if cached:
+            module = LocalTables(
+                [
+                    LocalTable(s.name, p.cache_rows, s.dim, p.dtype, s.feature_names(), "sum")
+                    for s, p in cached
+                ],
+                tier="device" if self.device.type == "cuda" else "host",
+                device=self.device,
+                # CUDA: the torch path (slot views of fbgemm's UVM storage are not exposed)
+                backend=(
+                    "torch"
+                    if self.device.type == "cuda"
+                    or any(self._backend(p.dtype) == "torch" for _, p in cached)
+                    else "fbgemm"
+                ),
+            )
+        for s, p in self._placed():
+            if p.tier is Tier.REMOTE:
+                storage = module.rows_view(s.name) if module and p.cache_rows > 0 else None
+                self.caches[s.name] = HotRowCache(
+                    p.cache_rows,
+                    s.row_bytes(p.dtype),
+                    device=self.device,
+                    name=s.name,
+                    storage=storage,
+                )
+        return module
 
     def _backend(self, dtype: DType) -> str:
         # fbgemm's CPU kernel for FP8 rows is a generic scalar loop (~50x slower than INT8 in
@@ -275,34 +304,75 @@ class ShardedEmbeddingCollection(nn.Module):
 
     @torch.compiler.disable
     def _remote_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Remote features: per table unique ids -> cache -> one fetch for all misses -> pool."""
+        """Remote features: ids -> cache slots; the distinct misses of the whole batch -> one
+        fetch per server -> admitted to the cache; cached rows pooled by the kernel, rows that
+        found no room pooled from the fetched rows."""
         by_table = self._group(features)
-        uniq: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        slots = {f: self._cache_slots(self.table_of[f], ids) for f, ids in features.items()}
         misses: dict[str, torch.Tensor] = {}
         for table, feats in by_table.items():
-            u = self._unique_ids(table, [features[f] for f in feats])
-            rows, hit = self.caches[table].get(u)
-            uniq[table] = (u, rows, hit)
-            misses[table] = u[~hit]
-            self.stats.cache_hits += int(hit.sum())
-        to_fetch = {t: ids for t, ids in misses.items() if ids.numel()}
-        if to_fetch:
+            missed = [
+                features[f].cpu()[(slots[f] < 0) & self._present(table, features[f]).cpu()]
+                for f in feats
+            ]
+            u = torch.unique(torch.cat(missed))
+            self.stats.ids += sum(int(self._present(table, features[f]).sum()) for f in feats)
+            if u.numel():
+                misses[table] = u
+        fetched: dict[str, torch.Tensor] = {}
+        if misses:
             if self.remote is None:
-                raise RuntimeError(f"remote tables {sorted(to_fetch)} need embedding servers")
-            fetched = self.remote.fetch(to_fetch, timeout=self.timeout)
-            for t, ids in to_fetch.items():
-                self.caches[t].put(ids, fetched[t])
-                _, rows, hit = uniq[t]
-                rows[~hit] = fetched[t].to(rows.device)
-                self.stats.fetched += ids.numel()
-        out = {}
+                raise RuntimeError(f"remote tables {sorted(misses)} need embedding servers")
+            fetched = self.remote.fetch(misses, timeout=self.timeout)
+            self.stats.fetched += sum(len(u) for u in misses.values())
+        out: dict[str, torch.Tensor] = {}
+        leftovers: dict[str, torch.Tensor] = {}
+        for table, u in misses.items():
+            if self.caches[table].capacity == 0:
+                leftovers[table] = u
+                continue
+            admitted = self.caches[table].admit(u, fetched[table])  # [U] slot or -1
+            for f in by_table[table]:
+                ids = features[f].cpu()
+                fill = (slots[f] < 0) & self._present(table, ids)
+                slots[f][fill] = admitted[torch.searchsorted(u, ids[fill])]
+            if bool((admitted < 0).any()):
+                leftovers[table] = u
+        self.stats.cache_hits = sum(int(c.stats()["hits"]) for c in self.caches.values())
+        # cached rows: one kernel call over the cache storage, by slot
+        if self._cache_tables is not None:
+            names = self._cache_tables.feature_names
+            b = next(iter(features.values())).shape[0]
+            empty = torch.empty(b, 0, dtype=torch.int64)
+            pooled = self._cache_tables.forward_padded(
+                [slots.get(f, empty).to(self._cache_tables.device) for f in names]
+            ).split(self._cache_tables.feature_dims, dim=1)
+            out.update({f: pooled[i] for i, f in enumerate(names) if f in features})
+        # rows without a cache slot: pooled from what the servers sent
         for table, feats in by_table.items():
-            u, rows, _ = uniq[table]
-            dense = unpack_rows(
-                rows.to(self.device), self.plan.placement(table).dtype, self.specs[table].dim
-            )  # [U, D]
-            out.update(self._pool(table, {f: features[f] for f in feats}, u, dense))
+            spec = self.specs[table]
+            if table in leftovers:
+                u = leftovers[table]
+                dense = unpack_rows(fetched[table], self.plan.placement(table).dtype, spec.dim)
+                uncached = {f: torch.where(slots[f] < 0, features[f].cpu(), -1) for f in feats}
+                extra = self._pool(table, uncached, u, dense.to(self.device), mean=False)
+                for f in feats:
+                    out[f] = out[f] + extra[f] if f in out else extra[f]
+            for f in feats:  # no cache and nothing fetched: every bag is empty
+                if f not in out:
+                    out[f] = torch.zeros(features[f].shape[0], spec.dim, device=self.device)
+            if spec.pooling == "mean":
+                for f in feats:
+                    n = self._present(table, features[f]).sum(dim=1, keepdim=True).clamp(min=1)
+                    out[f] = out[f] / n.to(out[f].device)
         return out
+
+    def _cache_slots(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Cache slots of ``ids [B, L]`` (``-1``: not cached or padding), on CPU."""
+        cache = self.caches[table]
+        if cache.capacity == 0:
+            return torch.full(ids.shape, -1, dtype=torch.int64)
+        return cache.lookup_slots(ids.reshape(-1).cpu()).view(ids.shape)
 
     @torch.compiler.disable
     def _hashed_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -333,7 +403,12 @@ class ShardedEmbeddingCollection(nn.Module):
         return u
 
     def _pool(
-        self, table: str, features: Mapping[str, torch.Tensor], u: torch.Tensor, dense: torch.Tensor
+        self,
+        table: str,
+        features: Mapping[str, torch.Tensor],
+        u: torch.Tensor,
+        dense: torch.Tensor,
+        mean: bool | None = None,
     ) -> dict[str, torch.Tensor]:
         """Pools each feature ``[B, L]`` over ``dense [U, D]``, the rows of sorted ids ``u``."""
         spec = self.specs[table]
@@ -347,7 +422,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 continue
             pos = torch.where(present, torch.searchsorted(u, ids), 0).clamp(max=len(u) - 1)
             weights = present.float()
-            if spec.pooling == "mean":
+            if spec.pooling == "mean" if mean is None else mean:
                 weights = weights / present.sum(dim=1, keepdim=True).clamp(min=1)
             out[f] = F.embedding_bag(pos, dense, mode="sum", per_sample_weights=weights)
         return out

@@ -183,6 +183,21 @@ class LocalTables(nn.Module):
         else:
             self._packed[i].copy_(packed)
 
+    def rows_view(self, name: str) -> torch.Tensor:
+        """Table ``name``'s packed rows ``uint8 [rows, row_bytes]`` as a writable view of what
+        the kernel reads (a hot-row cache writes rows here and the kernel pools them by slot)."""
+        i = self._index(name)
+        t = self.tables[i]
+        rb = row_bytes(t.dim, t.dtype)
+        if self._tbe is None:
+            return self._packed[i]
+        if self.device.type != "cpu":
+            raise NotImplementedError("row views of fbgemm's CUDA storage")
+        weights, scale_bias = self._tbe.split_embedding_weights()[i]
+        first = scale_bias if scale_bias is not None else weights
+        assert first.stride(0) == rb, "the CPU kernel stores rows unpadded (row_alignment 1)"
+        return self._tbe.weights_host.as_strided((t.rows, rb), (rb, 1), first.storage_offset())
+
     def packed(self, name: str) -> torch.Tensor:
         """Table ``name``'s packed rows ``uint8 [rows, row_bytes]`` (a CPU copy)."""
         i = self._index(name)

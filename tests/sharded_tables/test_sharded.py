@@ -96,7 +96,8 @@ def test_warm_cache_serves_hot_rows_without_a_request():
     torch.testing.assert_close(
         out["user"], _reference(weights, {"user": torch.tensor([[3, 2, 1], [1, 5, -1]])})["user"]
     )
-    assert coll.cache_stats()["user"]["hits"] == 3  # distinct ids 1, 2, 3 (5 missed)
+    stats = coll.cache_stats()["user"]
+    assert (stats["hits"], stats["misses"]) == (4, 4)  # per id looked up: 3 + 1 missed, 4 hit
 
 
 def test_remote_tables_without_servers_fail_clearly():
@@ -161,3 +162,10 @@ def test_jagged_input_equals_the_padded_call():
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         got = coll.forward_jagged(keys, values, offsets)
         torch.testing.assert_close(got, torch.cat([want[k] for k in keys], dim=1))
+
+
+def test_remote_bags_that_are_all_padding_pool_to_zero():
+    coll = ShardedEmbeddingCollection(SPECS, _placement(cache_rows=0))
+    coll.remote = server = PackedRows(coll.load_float(_weights()))
+    out = coll({"user": torch.full((2, 3), -1)})
+    assert torch.equal(out["user"], torch.zeros(2, 8)) and server.calls == []

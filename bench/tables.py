@@ -1,0 +1,363 @@
+"""Embedding-table benchmark: our tiers against raw fbgemm TBE and ``nn.EmbeddingBag``, one run.
+
+8 tables x 1M rows x 64 dims (``--small``: 8 x 100k), a batch of ``--batch`` samples with
+``--pooling`` ids per table per sample, ids uniform or Zipf(1.1). For each dtype:
+
+* ``nn.EmbeddingBag`` FP32 sum pooling, one module per table (the baseline every ratio divides by);
+* raw fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``, jagged ids prepared outside the timer;
+* ours: ``ShardedEmbeddingCollection.forward`` from padded id matrices (the towers' call), so the
+  jagged conversion and mean pooling count as our overhead;
+* remote: the same tables on 2 embedding-server processes on 127.0.0.1, without a cache and
+  with a warm hot-row cache (Zipf ids; ``--cache-fraction`` of rows), latency vs local.
+
+Run from the repository root::
+
+    .venv/bin/python bench/tables.py --small          # ~1 min
+    .venv/bin/python bench/tables.py                  # 8 x 1M x 64, ~5 min on 2 cores
+
+Writes ``--out`` (JSON) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sharded_tables.planner import Budgets, PlacementPlan, TablePlacement
+from sharded_tables.quantize import pack_rows
+from sharded_tables.sharded import ShardedEmbeddingCollection
+from sharded_tables.specs import DType, TableSpec, Tier, row_bytes
+from sharded_tables.tbe import jagged_from_padded
+
+DTYPES = [DType.FP32, DType.FP16, DType.FP8, DType.INT8, DType.INT4]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--small", action="store_true", help="8 x 100k rows (quick check)")
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, help="rows per table (default 1M, 100k with --small)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=512, help="samples per lookup call")
+    p.add_argument("--pooling", type=int, default=20, help="ids per table per sample")
+    p.add_argument("--repeats", type=int, default=15, help="timed calls per case (median)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache-fraction", type=float, default=0.05)
+    p.add_argument("--no-remote", action="store_true", help="skip the embedding-server cases")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def make_ids(dist: str, rows: int, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """``[B, L]`` int64 ids: uniform, or Zipf(1.1) over a random permutation of the rows."""
+    rng = np.random.default_rng(seed)
+    if dist == "uniform":
+        return torch.from_numpy(rng.integers(0, rows, shape))
+    ranks = rng.zipf(1.1, size=shape)
+    ranks = np.where(ranks > rows, rng.integers(1, rows + 1, shape), ranks) - 1
+    perm = np.random.default_rng(seed + 1).permutation(rows)
+    return torch.from_numpy(perm[ranks])
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) * 1e3
+
+
+def plan_for(
+    specs: list[TableSpec], tier: Tier, servers: int = 0, cache_rows: int = 0
+) -> PlacementPlan:
+    """Every table in ``tier`` (remote: rows split evenly over ``servers``), budgets unbounded."""
+    placements = []
+    for s in specs:
+        if tier is Tier.REMOTE:
+            bounds = tuple(int(x) for x in np.linspace(0, s.rows, servers + 1).round())
+            placements.append(
+                TablePlacement(
+                    s.name,
+                    tier,
+                    s.dtype,
+                    s.bytes(),
+                    servers=tuple(range(servers)),
+                    partition="range",
+                    row_bounds=bounds,
+                    cache_rows=cache_rows,
+                )
+            )
+        else:
+            placements.append(TablePlacement(s.name, tier, s.dtype, s.bytes()))
+    big = 1 << 50
+    return PlacementPlan(
+        tuple(placements),
+        Budgets(
+            device=big, host=big, remote_per_server=big if servers else 0, remote_servers=servers
+        ),
+    )
+
+
+def raw_tbe(specs: list[TableSpec], packed: list[torch.Tensor]):
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        IntNBitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+        [(s.name, s.rows, s.dim, SparseType(s.dtype.value), EmbeddingLocation.HOST) for s in specs],
+        pooling_mode=PoolingMode.SUM,
+        device="cpu",
+        bounds_check_mode=BoundsCheckMode.NONE,
+        output_dtype=SparseType.FP32,
+        fp8_exponent_bits=4,
+        fp8_exponent_bias=7,
+        indices_dtype=torch.int64,
+    )
+    tbe.initialize_weights()
+    for (w, sb), p in zip(tbe.split_embedding_weights(), packed, strict=True):
+        if sb is None:
+            w.copy_(p)
+        else:
+            sb.copy_(p[:, :4])
+            w.copy_(p[:, 4:])
+    return tbe
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = args.rows or (100_000 if args.small else 1_000_000)
+    t, d, b, per = args.tables, args.dim, args.batch, args.pooling
+    print(
+        f"{t} tables x {rows:,} rows x {d} dims; batch {b} x {per} ids/table ({b * per * t:,} ids)"
+    )
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(rows, d, generator=g) * 0.05 for _ in range(t)]
+    names = [f"t{i}" for i in range(t)]
+    results: dict = {
+        "config": {**vars(args), "rows": rows, "out": str(args.out)},
+        "machine": {"cpu": platform.processor(), "threads": args.threads},
+        "cases": [],
+    }
+
+    def record(case: dict) -> None:
+        results["cases"].append(case)
+        print(json.dumps(case))
+
+    for dist in ("uniform", "zipf"):
+        feats = {n: make_ids(dist, rows, (b, per), seed=i) for i, n in enumerate(names)}
+        ids = b * per * t
+        # baseline: nn.EmbeddingBag FP32, one per table
+        bags = [torch.nn.EmbeddingBag.from_pretrained(w, mode="sum") for w in weights]
+        base_ms = median_ms(
+            lambda bags=bags, f=feats: [bag(f[n]) for bag, n in zip(bags, names, strict=True)],
+            args.repeats,
+        )
+        record(
+            {
+                "dist": dist,
+                "system": "nn.EmbeddingBag",
+                "dtype": "fp32",
+                "tier": "host",
+                "ms": base_ms,
+                "lookups_per_s": ids / base_ms * 1e3,
+                "bytes_per_row": row_bytes(d, DType.FP32),
+                "ratio_vs_embeddingbag": 1.0,
+            }
+        )
+        for dtype in DTYPES:
+            specs = [
+                TableSpec(n, rows, d, dtype=dtype, pooling="sum", features=(n,)) for n in names
+            ]
+            packed = [pack_rows(w, dtype) for w in weights]
+            tbe = raw_tbe(specs, packed)
+            indices, offsets, _ = jagged_from_padded([feats[n] for n in names])
+            raw_ms = median_ms(lambda m=tbe, i=indices, o=offsets: m(i, o), args.repeats)
+            ours = ShardedEmbeddingCollection(specs, plan_for(specs, Tier.HOST))
+            ours.load_float(dict(zip(names, weights, strict=True)))
+            ours_ms = median_ms(lambda m=ours, f=feats: m(f), args.repeats)
+            jagged_ms = median_ms(
+                lambda m=ours, i=indices, o=offsets: m.forward_jagged(names, i, o), args.repeats
+            )
+            for system, ms in (
+                ("fbgemm TBE (raw)", raw_ms),
+                ("ours host tier, padded ids", ours_ms),
+                ("ours host tier, jagged ids", jagged_ms),
+            ):
+                record(
+                    {
+                        "dist": dist,
+                        "system": system,
+                        "dtype": dtype.value,
+                        "tier": "host",
+                        "ms": ms,
+                        "lookups_per_s": ids / ms * 1e3,
+                        "bytes_per_row": row_bytes(d, dtype),
+                        "ratio_vs_embeddingbag": base_ms / ms,
+                        "overhead_vs_raw": ms / raw_ms - 1.0,
+                    }
+                )
+    if not args.no_remote:
+        remote_cases(args, names, weights, rows, record)
+    render(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.out}")
+
+
+def remote_cases(args, names, weights, rows, record) -> None:
+    """INT8 tables on 2 embedding servers: no cache vs warm cache, vs the local host tier."""
+    from sharded_tables.export import remote_routing, write_remote_shards
+    from sharded_tables.remote.client import RemoteTables
+
+    dtype, d, b, per, t = DType.INT8, args.dim, args.batch, args.pooling, args.tables
+    specs = [TableSpec(n, rows, d, dtype=dtype, pooling="sum", features=(n,)) for n in names]
+    servers = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        base = plan_for(specs, Tier.REMOTE, servers)
+        scratch = ShardedEmbeddingCollection(specs, base)
+        packed = scratch.load_float(dict(zip(names, weights, strict=True)))
+        folders = write_remote_shards(base, specs, packed, Path(tmp))
+        del scratch, packed
+        procs, addrs = [], []
+        try:
+            for i in sorted(folders):
+                proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "recserve",
+                        "embed-server",
+                        "--shard",
+                        str(folders[i]),
+                        "--port",
+                        "0",
+                        "--memory-budget",
+                        "64GiB",
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                procs.append(proc)
+                addrs.append(_read_address(proc))
+            local = ShardedEmbeddingCollection(specs, plan_for(specs, Tier.HOST))
+            local.load_float(dict(zip(names, weights, strict=True)))
+            for dist in ("uniform", "zipf"):
+                feats = {
+                    n: make_ids(dist, rows, (b, per), seed=100 + i) for i, n in enumerate(names)
+                }
+                ids = b * per * t
+                local_ms = median_ms(lambda f=feats: local(f), args.repeats)
+                want = local(feats)
+                for cache_fraction in (0.0, args.cache_fraction):
+                    cache_rows = int(rows * cache_fraction)
+                    placement = plan_for(specs, Tier.REMOTE, servers, cache_rows)
+                    client = RemoteTables(remote_routing(placement, specs, addrs), timeout=30.0)
+                    coll = ShardedEmbeddingCollection(specs, placement, remote=client, timeout=30.0)
+                    # warm the cache with the same traffic distribution, other samples
+                    for seed in range(5):
+                        coll(
+                            {
+                                n: make_ids(dist, rows, (b, per), seed=1000 * seed + i)
+                                for i, n in enumerate(names)
+                            }
+                        )
+                    out = coll(feats)
+                    for n in names:
+                        torch.testing.assert_close(out[n], want[n])
+                    before = _hits_misses(coll)
+                    ms = median_ms(lambda c=coll, f=feats: c(f), args.repeats)
+                    after = _hits_misses(coll)
+                    hits = after[0] - before[0]
+                    looked_up = hits + after[1] - before[1]
+                    record(
+                        {
+                            "dist": dist,
+                            "system": "ours remote tier (2 servers)",
+                            "dtype": dtype.value,
+                            "tier": "remote",
+                            "cache_fraction": cache_fraction,
+                            "ms": ms,
+                            "lookups_per_s": ids / ms * 1e3,
+                            "local_ms": local_ms,
+                            "latency_vs_local": ms / local_ms,
+                            "cache_hit_rate": hits / max(looked_up, 1),
+                            "bytes_per_row": row_bytes(d, dtype),
+                        }
+                    )
+                    client.close()
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(timeout=10)
+
+
+def _hits_misses(coll: ShardedEmbeddingCollection) -> tuple[int, int]:
+    """Cache hits and misses so far, summed over tables (per id looked up)."""
+    stats = coll.cache_stats().values()
+    return int(sum(s["hits"] for s in stats)), int(sum(s["misses"] for s in stats))
+
+
+def _read_address(proc: subprocess.Popen) -> str:
+    assert proc.stdout is not None
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if "listening on" in line:
+            return line.split("listening on", 1)[1].split()[0]
+    raise RuntimeError("embedding server did not report its address")
+
+
+def render(results: dict) -> None:
+    print(
+        "\n| ids | system | dtype | bytes/row | ms/batch | M lookups/s | × EmbeddingBag | "
+        "overhead vs raw | remote vs local | cache hit rate |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for c in results["cases"]:
+        print(
+            f"| {c['dist']} | {c['system']}"
+            + (f" cache {c['cache_fraction']:.0%}" if "cache_fraction" in c else "")
+            + f" | {c['dtype']} | {c.get('bytes_per_row', '')} | {c['ms']:.2f} | "
+            f"{c['lookups_per_s'] / 1e6:.1f} | "
+            + (f"{c['ratio_vs_embeddingbag']:.2f}" if "ratio_vs_embeddingbag" in c else "")
+            + " | "
+            + (f"{c['overhead_vs_raw']:+.1%}" if "overhead_vs_raw" in c else "")
+            + " | "
+            + (f"{c['latency_vs_local']:.2f}" if "latency_vs_local" in c else "")
+            + " | "
+            + (f"{c['cache_hit_rate']:.2f}" if "cache_hit_rate" in c else "")
+            + " |"
+        )
+
+
+if __name__ == "__main__":
+    main()
