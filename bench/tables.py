@@ -40,7 +40,7 @@ from sharded_tables.planner import Budgets, PlacementPlan, TablePlacement
 from sharded_tables.quantize import pack_rows
 from sharded_tables.sharded import ShardedEmbeddingCollection
 from sharded_tables.specs import DType, TableSpec, Tier, row_bytes
-from sharded_tables.tbe import jagged_from_padded
+from sharded_tables.tbe import fbgemm_has_cuda, jagged_from_padded
 
 DTYPES = [DType.FP32, DType.FP16, DType.FP8, DType.INT8, DType.INT4]
 
@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-fraction", type=float, default=0.05)
     p.add_argument("--no-remote", action="store_true", help="skip the embedding-server cases")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (remote cases run on cpu only)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -75,12 +76,15 @@ def make_ids(dist: str, rows: int, shape: tuple[int, int], seed: int) -> torch.T
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     fn()
+    sync()
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs) * 1e3
 
@@ -116,7 +120,7 @@ def plan_for(
     )
 
 
-def raw_tbe(specs: list[TableSpec], packed: list[torch.Tensor]):
+def raw_tbe(specs: list[TableSpec], packed: list[torch.Tensor], device: torch.device):
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
         BoundsCheckMode,
@@ -127,10 +131,11 @@ def raw_tbe(specs: list[TableSpec], packed: list[torch.Tensor]):
         IntNBitTableBatchedEmbeddingBagsCodegen,
     )
 
+    location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-        [(s.name, s.rows, s.dim, SparseType(s.dtype.value), EmbeddingLocation.HOST) for s in specs],
+        [(s.name, s.rows, s.dim, SparseType(s.dtype.value), location) for s in specs],
         pooling_mode=PoolingMode.SUM,
-        device="cpu",
+        device=device,
         bounds_check_mode=BoundsCheckMode.NONE,
         output_dtype=SparseType.FP32,
         fp8_exponent_bits=4,
@@ -160,7 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     names = [f"t{i}" for i in range(t)]
     results: dict = {
         "config": {**vars(args), "rows": rows, "out": str(args.out)},
-        "machine": {"cpu": platform.processor(), "threads": args.threads},
+        "machine": {
+            "cpu": platform.processor(),
+            "threads": args.threads,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "torch": torch.__version__,
+        },
         "cases": [],
     }
 
@@ -168,60 +178,71 @@ def main(argv: list[str] | None = None) -> None:
         results["cases"].append(case)
         print(json.dumps(case))
 
+    device = torch.device(args.device)
     for dist in ("uniform", "zipf"):
-        feats = {n: make_ids(dist, rows, (b, per), seed=i) for i, n in enumerate(names)}
+        feats = {n: make_ids(dist, rows, (b, per), seed=i).to(device) for i, n in enumerate(names)}
         ids = b * per * t
         # baseline: nn.EmbeddingBag FP32, one per table
-        bags = [torch.nn.EmbeddingBag.from_pretrained(w, mode="sum") for w in weights]
+        bags = [torch.nn.EmbeddingBag.from_pretrained(w, mode="sum").to(device) for w in weights]
         base_ms = median_ms(
             lambda bags=bags, f=feats: [bag(f[n]) for bag, n in zip(bags, names, strict=True)],
             args.repeats,
         )
+        base = {"dist": dist, "device": device.type, "ids": ids}
         record(
             {
-                "dist": dist,
+                **base,
                 "system": "nn.EmbeddingBag",
                 "dtype": "fp32",
-                "tier": "host",
+                "tier": "device" if device.type == "cuda" else "host",
                 "ms": base_ms,
                 "lookups_per_s": ids / base_ms * 1e3,
                 "bytes_per_row": row_bytes(d, DType.FP32),
                 "ratio_vs_embeddingbag": 1.0,
             }
         )
+        del bags
         for dtype in DTYPES:
             specs = [
                 TableSpec(n, rows, d, dtype=dtype, pooling="sum", features=(n,)) for n in names
             ]
-            packed = [pack_rows(w, dtype) for w in weights]
-            tbe = raw_tbe(specs, packed)
             indices, offsets, _ = jagged_from_padded([feats[n] for n in names])
-            raw_ms = median_ms(lambda m=tbe, i=indices, o=offsets: m(i, o), args.repeats)
-            ours = ShardedEmbeddingCollection(specs, plan_for(specs, Tier.HOST))
-            ours.load_float(dict(zip(names, weights, strict=True)))
-            ours_ms = median_ms(lambda m=ours, f=feats: m(f), args.repeats)
-            jagged_ms = median_ms(
-                lambda m=ours, i=indices, o=offsets: m.forward_jagged(names, i, o), args.repeats
-            )
-            for system, ms in (
-                ("fbgemm TBE (raw)", raw_ms),
-                ("ours host tier, padded ids", ours_ms),
-                ("ours host tier, jagged ids", jagged_ms),
-            ):
-                record(
-                    {
-                        "dist": dist,
-                        "system": system,
-                        "dtype": dtype.value,
-                        "tier": "host",
-                        "ms": ms,
-                        "lookups_per_s": ids / ms * 1e3,
-                        "bytes_per_row": row_bytes(d, dtype),
-                        "ratio_vs_embeddingbag": base_ms / ms,
-                        "overhead_vs_raw": ms / raw_ms - 1.0,
-                    }
+            timed: list[tuple[str, str, float]] = []
+            raw_ms = None
+            if device.type == "cpu" or fbgemm_has_cuda():
+                tbe = raw_tbe(specs, [pack_rows(w, dtype) for w in weights], device)
+                raw_ms = median_ms(lambda m=tbe, i=indices, o=offsets: m(i, o), args.repeats)
+                timed.append(
+                    ("fbgemm TBE (raw)", "device" if device.type == "cuda" else "host", raw_ms)
                 )
-    if not args.no_remote:
+                del tbe
+            for tier in [Tier.DEVICE, Tier.HOST] if device.type == "cuda" else [Tier.HOST]:
+                ours = ShardedEmbeddingCollection(specs, plan_for(specs, tier), device=device)
+                ours.load_float(dict(zip(names, weights, strict=True)))
+                backend = next(iter(ours.tiers.values())).backend
+                ms = median_ms(lambda m=ours, f=feats: m(f), args.repeats)
+                timed.append((f"ours {tier.value} tier ({backend}), padded ids", tier.value, ms))
+                ms = median_ms(
+                    lambda m=ours, i=indices, o=offsets: m.forward_jagged(names, i, o),
+                    args.repeats,
+                )
+                timed.append((f"ours {tier.value} tier ({backend}), jagged ids", tier.value, ms))
+                del ours
+            for system, tier_name, ms in timed:
+                case = {
+                    **base,
+                    "system": system,
+                    "dtype": dtype.value,
+                    "tier": tier_name,
+                    "ms": ms,
+                    "lookups_per_s": ids / ms * 1e3,
+                    "bytes_per_row": row_bytes(d, dtype),
+                    "ratio_vs_embeddingbag": base_ms / ms,
+                }
+                if raw_ms is not None:
+                    case["overhead_vs_raw"] = ms / raw_ms - 1.0
+                record(case)
+    if not args.no_remote and device.type == "cpu":
         remote_cases(args, names, weights, rows, record)
     render(results)
     if args.out:

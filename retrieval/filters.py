@@ -270,8 +270,9 @@ def estimate_selectivity(fb: FilterBatch, counts: torch.Tensor, num_items: int) 
     """
     if not fb.active:
         return torch.ones(fb.masks.shape[0])
+    masks, negate = fb.masks.cpu(), fb.negate.cpu()  # planning runs on the host
     shifts = torch.arange(WORD_BITS, dtype=torch.int64)
-    bits = ((fb.masks.unsqueeze(-1) >> shifts) & 1).reshape(*fb.masks.shape[:2], -1).float()
+    bits = ((masks.unsqueeze(-1) >> shifts) & 1).reshape(*masks.shape[:2], -1).float()
     frac = (bits @ counts.float().cpu() / max(num_items, 1)).clamp(max=1.0)  # [B, C]
-    frac = torch.where(fb.negate, 1.0 - frac, frac)
+    frac = torch.where(negate, 1.0 - frac, frac)
     return frac.prod(dim=1)

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.specs import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS, DType, row_bytes
@@ -40,6 +39,26 @@ class LocalTable:
     dtype: DType
     features: tuple[str, ...]
     pooling: str = "mean"
+
+
+@dataclass
+class _Group:
+    """Torch backend: the tables of one (dtype, dim) in one row store."""
+
+    dtype: DType
+    dim: int
+    store: torch.Tensor  # uint8 [sum of rows, row_bytes]
+    features: list[int]  # feature positions read from this store
+    base: list[int]  # first store row of each feature's table
+
+
+def fbgemm_installed() -> bool:
+    """True when fbgemm-gpu (CPU or CUDA build) imports here."""
+    try:
+        import fbgemm_gpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def fbgemm_has_cuda() -> bool:
@@ -101,9 +120,11 @@ class LocalTables(nn.Module):
         self._equal_dims = len(set(dims)) == 1
         self._has_fp8 = any(t.dtype is DType.FP8 for t in self.tables)
         self._offsets_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self._bags_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self._dims = torch.tensor(dims, device=self.device)  # [F]
         if backend is None:
-            backend = "fbgemm" if self.device.type == "cpu" or fbgemm_has_cuda() else "torch"
+            on_cpu = self.device.type == "cpu" and fbgemm_installed()
+            backend = "fbgemm" if on_cpu or fbgemm_has_cuda() else "torch"
         self.backend = backend
         self._tbe: Any = None  # fbgemm IntNBitTableBatchedEmbeddingBagsCodegen
         self._packed: list[torch.Tensor] = []
@@ -111,7 +132,7 @@ class LocalTables(nn.Module):
         if backend == "fbgemm":
             self._tbe = self._make_tbe()
         elif backend == "torch":
-            self._packed = [self._empty_packed(t) for t in self.tables]
+            self._groups = self._make_groups()
         else:
             raise ValueError(f"backend must be 'fbgemm' or 'torch', got {backend!r}")
 
@@ -151,11 +172,26 @@ class LocalTables(nn.Module):
         tbe.initialize_weights()
         return tbe
 
-    def _empty_packed(self, t: LocalTable) -> torch.Tensor:
-        rb = row_bytes(t.dim, t.dtype)
-        if self.device.type == "cuda" and self.tier == "host":
-            return torch.zeros(t.rows, rb, dtype=torch.uint8).pin_memory()
-        return torch.zeros(t.rows, rb, dtype=torch.uint8, device=self.device)
+    def _make_groups(self) -> list[_Group]:
+        """Torch backend: tables of one (dtype, dim) share one row store (as TBE weights do), so
+        all their features are one gather; ``_packed[i]`` is table i's slice of it."""
+        groups: list[_Group] = []
+        pinned = self.device.type == "cuda" and self.tier == "host"
+        self._packed = [torch.empty(0)] * len(self.tables)
+        for dtype, dim in dict.fromkeys((t.dtype, t.dim) for t in self.tables):
+            members = [i for i, t in enumerate(self.tables) if (t.dtype, t.dim) == (dtype, dim)]
+            rows = sum(self.tables[i].rows for i in members)
+            store = torch.zeros(rows, row_bytes(dim, dtype), dtype=torch.uint8)
+            store = store.pin_memory() if pinned else store.to(self.device)
+            first_row, start = {}, 0
+            for i in members:
+                first_row[i] = start
+                self._packed[i] = store[start : start + self.tables[i].rows]
+                start += self.tables[i].rows
+            feats = [j for j, t in enumerate(self.feature_table) if t in members]
+            base = [first_row[self.feature_table[j]] for j in feats]
+            groups.append(_Group(dtype, dim, store, feats, base))
+        return groups
 
     def _index(self, name: str) -> int:
         for i, t in enumerate(self.tables):
@@ -241,18 +277,7 @@ class LocalTables(nn.Module):
         if self._tbe is not None:
             indices, offsets, _ = jagged_from_padded(features)
             return self(indices, offsets)
-        present = [ids >= 0 for ids in features]
-        out = torch.cat(
-            [
-                self._torch_padded(j, ids, p)
-                for j, (ids, p) in enumerate(zip(features, present, strict=True))
-            ],
-            dim=1,
-        )
-        if self._any_mean:
-            lengths = torch.stack([p.sum(dim=1) for p in present])  # [F, B]
-            out = self._divide_means(out, lengths.to(out.device))
-        return out
+        return self._torch_padded(features)
 
     def _padded_offsets(self, b: int, widths: tuple[int, ...]) -> torch.Tensor:
         """Offsets ``[F * B + 1]`` of padded matrices ``[B, L_f]`` laid end to end (cached)."""
@@ -279,7 +304,7 @@ class LocalTables(nn.Module):
         elif self._tbe is not None:
             out = self._cuda_module(indices.to(self.device), offsets.to(self.device))
         else:
-            out = self._torch_lookup(indices, offsets, b)
+            return self._torch_lookup(indices, offsets, b)  # pools means itself
         if self._any_mean:
             out = self._divide_means(out, (offsets[1:] - offsets[:-1]).view(f, b).to(out.device))
         return out
@@ -330,32 +355,54 @@ class LocalTables(nn.Module):
         assert self._tbe is not None
         return self._tbe(indices, offsets)
 
-    def _torch_padded(self, j: int, ids: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-        """Feature ``j`` on the torch backend: unique rows -> unpack once -> sum-pool ``[B, D]``."""
-        t_index = self.feature_table[j]
-        t = self.tables[t_index]
-        if ids.shape[1] == 0:  # a feature this call does not ask for
-            return torch.zeros(ids.shape[0], t.dim, device=self.device)
-        uniq, inverse = torch.unique(ids.clamp(min=0), return_inverse=True)
-        packed = self._packed[t_index]
-        rows = packed[uniq.to(packed.device)].to(self.device, non_blocking=True)
-        dense = unpack_rows(rows, t.dtype, t.dim)  # [U, D]
-        weights = present.to(self.device, torch.float32)
-        return F.embedding_bag(
-            inverse.to(self.device), dense, mode="sum", per_sample_weights=weights
-        )
+    def _torch_padded(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """Torch backend: per (dtype, dim) group one gather of packed rows, unpack, and a sum
+        into bags by ``index_add_``: no unique, no host sync on the device tier."""
+        b = features[0].shape[0]
+        pooled: list[torch.Tensor] = [torch.empty(0)] * len(features)
+        lengths: list[torch.Tensor] = [torch.empty(0)] * len(features)
+        for g in self._groups:
+            ids = [features[j].to(self.device) for j in g.features]
+            rows = torch.cat([m.clamp(min=0).reshape(-1) + g.base[i] for i, m in enumerate(ids)])
+            present = torch.cat([(m >= 0).reshape(-1) for m in ids]).float()  # [n]
+            packed = g.store[rows.to(g.store.device)].to(self.device, non_blocking=True)
+            dense = unpack_rows(packed, g.dtype, g.dim) * present[:, None]  # [n, D]
+            bags = self._bag_index(b, tuple(m.shape[1] for m in ids))  # [n] bag of each id
+            sums = torch.zeros(len(ids) * b, g.dim, device=self.device).index_add_(0, bags, dense)
+            counts = torch.zeros(len(ids) * b, device=self.device).index_add_(0, bags, present)
+            for i, j in enumerate(g.features):
+                pooled[j] = sums[i * b : (i + 1) * b]
+                lengths[j] = counts[i * b : (i + 1) * b]
+        out = torch.cat(pooled, dim=1)
+        if self._any_mean:
+            out = self._divide_means(out, torch.stack(lengths).round().long())
+        return out
+
+    def _bag_index(self, b: int, widths: tuple[int, ...]) -> torch.Tensor:
+        """Bag of each id of padded matrices ``[B, L_f]`` laid end to end ``[sum B*L_f]``."""
+        bags = self._bags_cache.get((b, widths))
+        if bags is None:
+            bags = torch.cat(
+                [
+                    torch.arange(i * b, (i + 1) * b).repeat_interleave(w)
+                    for i, w in enumerate(widths)
+                ]
+            ).to(self.device)
+            if len(self._bags_cache) > 64:
+                self._bags_cache.clear()
+            self._bags_cache[(b, widths)] = bags
+        return bags
 
     def _torch_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, b: int) -> torch.Tensor:
-        """Per feature: unique rows -> unpack once -> sum-pool (the torch backend)."""
-        outs = []
-        for j, t_index in enumerate(self.feature_table):
-            t = self.tables[t_index]
-            lo, hi = offsets[j * b], offsets[(j + 1) * b]
-            ids = indices[lo:hi]
-            uniq, inverse = torch.unique(ids, return_inverse=True)
-            packed = self._packed[t_index]
-            rows = packed[uniq.to(packed.device)].to(self.device, non_blocking=True)
-            dense = unpack_rows(rows, t.dtype, t.dim)  # [U, D]
-            bag_offsets = (offsets[j * b : (j + 1) * b] - lo).to(self.device)
-            outs.append(F.embedding_bag(inverse.to(self.device), dense, bag_offsets, mode="sum"))
-        return torch.cat(outs, dim=1)
+        """Torch backend, jagged input: padded per feature, then :meth:`_torch_padded`."""
+        lengths = (offsets[1:] - offsets[:-1]).view(-1, b).cpu()  # [F, B]
+        bounds = offsets[::b].tolist()
+        padded = []
+        for j in range(len(self.feature_names)):
+            seg = indices[bounds[j] : bounds[j + 1]].to(self.device)
+            width = int(lengths[j].max()) if b else 0
+            mask = torch.arange(width)[None, :] < lengths[j][:, None]  # [B, width]
+            mat = torch.full((b, width), -1, dtype=torch.int64, device=self.device)
+            mat[mask.to(self.device)] = seg
+            padded.append(mat)
+        return self._torch_padded(padded)

@@ -18,9 +18,9 @@ A training loop stays as it is::
     opt.step()       # the dense parameters are updated here
 
 Every ``backward`` through a forward call is one optimizer step for the rows that call read:
-there is no gradient accumulation, ``retain_graph`` re-runs update twice, and a table read by two
-forward calls of one step (the item table: user history, then item ids) takes two row-wise
-Adagrad steps. Call once per step with all features when that matters.
+there is no gradient accumulation, a second backward through one graph updates again, and a
+table read by two forward calls of one step (the item table: user history, then item ids) takes
+two Adagrad steps. Call once per step with all features when that matters.
 
 Padding: fbgemm's CPU training kernel does **not** skip id ``-1`` (it raises), so the padded
 matrices are compacted to jagged ids (``ids[ids >= 0]``) with offsets from the counts. That is

@@ -84,3 +84,23 @@ def test_out_of_range_ids_name_the_table_and_the_id(trained):
     batch.history[0, 0] = 10**9
     with pytest.raises(ValueError, match=r"id 1000000000 is out of range for table 'item'"):
         tiered(batch, 10)
+
+
+@pytest.mark.gpu
+def test_tiered_model_on_cuda_matches_cpu(trained):
+    prep, model = trained
+    cpu, _ = tier_model(model, HOST_ONLY, dtype=DType.INT8)
+    gpu, _ = tier_model(
+        model, Budgets(device=1 << 30, host=0, has_gpu=True), dtype=DType.INT8, device="cuda"
+    )
+    gpu = gpu.to("cuda")
+    assert {p.tier for p in gpu.tables.plan.tables} == {Tier.DEVICE}
+    batch = prep.user_batch(np.arange(64), [None] * 32 + ["region in {eu, na}"] * 32)
+    with torch.inference_mode():
+        want, _ = cpu(batch, 50)
+        got, _ = gpu(batch.to("cuda"), 50)
+    assert got.is_cuda
+    overlap = sum(
+        len(set(a) & set(b)) for a, b in zip(got.cpu().tolist(), want.tolist(), strict=True)
+    )
+    assert overlap / want.numel() >= 0.97  # the CUDA index scan is the torch reference path
