@@ -138,7 +138,7 @@ class ShardedEmbeddingCollection(nn.Module):
                     "torch"
                     if self.device.type == "cuda"
                     or any(self._backend(p.dtype) == "torch" for _, p in cached)
-                    else "fbgemm"
+                    else None
                 ),
             )
         for s, p in self._placed():

@@ -394,7 +394,23 @@ class LocalTables(nn.Module):
         return bags
 
     def _torch_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, b: int) -> torch.Tensor:
-        """Torch backend, jagged input: padded per feature, then :meth:`_torch_padded`."""
+        """Torch backend, jagged input. One row store: each id's bag from a search over the
+        offsets, one gather, ``index_add_`` into bags (no host sync). Several: padded per
+        feature, then :meth:`_torch_padded`."""
+        if len(self._groups) == 1:
+            g = self._groups[0]
+            indices, offsets = indices.to(self.device), offsets.to(self.device)
+            n = torch.arange(indices.numel(), device=self.device)
+            bags = torch.searchsorted(offsets, n, right=True) - 1  # [n]
+            base = torch.tensor(g.base, device=self.device)[bags // b]  # features in order
+            packed = g.store[(indices + base).to(g.store.device)].to(self.device)
+            dense = unpack_rows(packed, g.dtype, g.dim)  # [n, D]
+            f = len(self.feature_names)
+            sums = torch.zeros(f * b, g.dim, device=self.device).index_add_(0, bags, dense)
+            out = sums.view(f, b, g.dim).transpose(0, 1).reshape(b, f * g.dim)
+            if self._any_mean:
+                out = self._divide_means(out, (offsets[1:] - offsets[:-1]).view(f, b))
+            return out
         lengths = (offsets[1:] - offsets[:-1]).view(-1, b).cpu()  # [F, B]
         bounds = offsets[::b].tolist()
         padded = []

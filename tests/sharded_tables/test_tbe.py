@@ -89,3 +89,20 @@ def test_packed_rows_round_trip_through_the_kernel_storage():
         t = next(t for t in TABLES if t.name == name)
         assert torch.equal(tables.packed(name), pack_rows(w[name], t.dtype))
     assert tables.bytes() == 200 * 20 + 40 * 8 + 30 * 8 + 20 * 8 + 10 * 16
+
+
+def test_torch_backend_single_store_jagged_path_equals_the_kernel():
+    same = [
+        LocalTable("u", 50, 8, DType.INT8, ("u1", "u2")),
+        LocalTable("v", 30, 8, DType.INT8, ("v",), pooling="sum"),
+    ]
+    kernel, torch_path = LocalTables(same), LocalTables(same, backend="torch")
+    for t in same:
+        w = torch.randn(t.rows, t.dim, generator=torch.Generator().manual_seed(t.rows))
+        kernel.set_float(t.name, w)
+        torch_path.set_float(t.name, w)
+    g = torch.Generator().manual_seed(9)
+    feats = [torch.randint(-1, rows, (6, 4), generator=g) for rows in (50, 50, 30)]
+    indices, offsets, _ = jagged_from_padded(feats)
+    torch.testing.assert_close(torch_path(indices, offsets), kernel(indices, offsets))
+    torch.testing.assert_close(torch_path.forward_padded(feats), kernel.forward_padded(feats))
