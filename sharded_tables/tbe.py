@@ -120,7 +120,7 @@ class LocalTables(nn.Module):
         self._equal_dims = len(set(dims)) == 1
         self._has_fp8 = any(t.dtype is DType.FP8 for t in self.tables)
         self._offsets_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        self._bags_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self._bags_cache: dict[tuple[Any, ...], torch.Tensor] = {}
         self._dims = torch.tensor(dims, device=self.device)  # [F]
         if backend is None:
             on_cpu = self.device.type == "cpu" and fbgemm_installed()
@@ -359,6 +359,22 @@ class LocalTables(nn.Module):
         """Torch backend: per (dtype, dim) group one gather of packed rows, unpack, and a sum
         into bags by ``index_add_``: no unique, no host sync on the device tier."""
         b = features[0].shape[0]
+        if len(self._groups) == 1:  # one row store: the whole batch is one gather
+            g = self._groups[0]
+            widths = tuple(m.shape[1] for m in features)
+            flat = torch.cat([m.to(self.device).reshape(-1) for m in features])  # [n]
+            mask = flat >= 0
+            base = self._bag_index(b, widths, g.base)  # [n] first store row of each id's table
+            packed = g.store[(flat.clamp(min=0) + base).to(g.store.device)].to(self.device)
+            dense = unpack_rows(packed, g.dtype, g.dim) * mask[:, None]  # [n, D]
+            f = len(features)
+            bags = self._bag_index(b, widths)
+            sums = torch.zeros(f * b, g.dim, device=self.device).index_add_(0, bags, dense)
+            out = sums.view(f, b, g.dim).transpose(0, 1).reshape(b, f * g.dim)
+            if self._any_mean:
+                counts = torch.zeros(f * b, device=self.device).index_add_(0, bags, mask.float())
+                out = self._divide_means(out, counts.view(f, b).round().long())
+            return out
         pooled: list[torch.Tensor] = [torch.empty(0)] * len(features)
         lengths: list[torch.Tensor] = [torch.empty(0)] * len(features)
         for g in self._groups:
@@ -378,20 +394,26 @@ class LocalTables(nn.Module):
             out = self._divide_means(out, torch.stack(lengths).round().long())
         return out
 
-    def _bag_index(self, b: int, widths: tuple[int, ...]) -> torch.Tensor:
-        """Bag of each id of padded matrices ``[B, L_f]`` laid end to end ``[sum B*L_f]``."""
-        bags = self._bags_cache.get((b, widths))
-        if bags is None:
-            bags = torch.cat(
-                [
+    def _bag_index(
+        self, b: int, widths: tuple[int, ...], per_feature: list[int] | None = None
+    ) -> torch.Tensor:
+        """For padded matrices ``[B, L_f]`` laid end to end: each id's bag ``[sum B*L_f]``, or
+        with ``per_feature``, each id's feature's value (cached per shape)."""
+        key = (b, widths, tuple(per_feature) if per_feature is not None else None)
+        out = self._bags_cache.get(key)
+        if out is None:
+            if per_feature is None:
+                parts = [
                     torch.arange(i * b, (i + 1) * b).repeat_interleave(w)
                     for i, w in enumerate(widths)
                 ]
-            ).to(self.device)
+            else:
+                parts = [torch.full((b * w,), v) for v, w in zip(per_feature, widths, strict=True)]
+            out = torch.cat(parts).to(self.device)
             if len(self._bags_cache) > 64:
                 self._bags_cache.clear()
-            self._bags_cache[(b, widths)] = bags
-        return bags
+            self._bags_cache[key] = out
+        return out
 
     def _torch_lookup(self, indices: torch.Tensor, offsets: torch.Tensor, b: int) -> torch.Tensor:
         """Torch backend, jagged input. One row store: each id's bag from a search over the
