@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=15, help="timed calls per case (median)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-fraction", type=float, default=0.05)
+    p.add_argument(
+        "--request-users", type=int, default=8, help="users in one request (latency regime)"
+    )
     p.add_argument("--no-remote", action="store_true", help="skip the embedding-server cases")
     p.add_argument("--device", default="cpu", help="cpu or cuda (remote cases run on cpu only)")
     p.add_argument("--out", type=Path, default=None)
@@ -73,6 +76,32 @@ def make_ids(dist: str, rows: int, shape: tuple[int, int], seed: int) -> torch.T
     ranks = np.where(ranks > rows, rng.integers(1, rows + 1, shape), ranks) - 1
     perm = np.random.default_rng(seed + 1).permutation(rows)
     return torch.from_numpy(perm[ranks])
+
+
+def median_ms_each(fn: Callable[[object], object], inputs: list) -> float:
+    """Median ms of ``fn(x)`` over ``inputs``, each a fresh batch (after 2 warm-up calls on the
+    last input): no batch is timed twice, so no cache -- ours or the CPU's -- sees it again."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn(inputs[-1])
+    fn(inputs[-1])
+    sync()
+    runs = []
+    for x in inputs[:-1]:
+        t0 = time.perf_counter()
+        fn(x)
+        sync()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) * 1e3
+
+
+def batches(
+    dist: str, names: list[str], rows: int, shape: tuple[int, int], count: int, seed: int
+) -> list[dict[str, torch.Tensor]]:
+    """``count`` batches ``{table: ids [B, L]}`` from one distribution, different samples."""
+    return [
+        {n: make_ids(dist, rows, shape, seed=seed + 1000 * k + i) for i, n in enumerate(names)}
+        for k in range(count)
+    ]
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -179,14 +208,18 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(case))
 
     device = torch.device(args.device)
+    count = args.repeats + 1
     for dist in ("uniform", "zipf"):
-        feats = {n: make_ids(dist, rows, (b, per), seed=i).to(device) for i, n in enumerate(names)}
+        inputs = [
+            {n: x.to(device) for n, x in batch.items()}
+            for batch in batches(dist, names, rows, (b, per), count, seed=0)
+        ]
+        jagged = [jagged_from_padded([x[n] for n in names])[:2] for x in inputs]
         ids = b * per * t
         # baseline: nn.EmbeddingBag FP32, one per table
         bags = [torch.nn.EmbeddingBag.from_pretrained(w, mode="sum").to(device) for w in weights]
-        base_ms = median_ms(
-            lambda bags=bags, f=feats: [bag(f[n]) for bag, n in zip(bags, names, strict=True)],
-            args.repeats,
+        base_ms = median_ms_each(
+            lambda f, bags=bags: [bag(f[n]) for bag, n in zip(bags, names, strict=True)], inputs
         )
         base = {"dist": dist, "device": device.type, "ids": ids}
         record(
@@ -206,26 +239,21 @@ def main(argv: list[str] | None = None) -> None:
             specs = [
                 TableSpec(n, rows, d, dtype=dtype, pooling="sum", features=(n,)) for n in names
             ]
-            indices, offsets, _ = jagged_from_padded([feats[n] for n in names])
             timed: list[tuple[str, str, float]] = []
             raw_ms = None
             if device.type == "cpu" or fbgemm_has_cuda():
                 tbe = raw_tbe(specs, [pack_rows(w, dtype) for w in weights], device)
-                raw_ms = median_ms(lambda m=tbe, i=indices, o=offsets: m(i, o), args.repeats)
-                timed.append(
-                    ("fbgemm TBE (raw)", "device" if device.type == "cuda" else "host", raw_ms)
-                )
+                raw_ms = median_ms_each(lambda j, m=tbe: m(*j), jagged)
+                tier_name = "device" if device.type == "cuda" else "host"
+                timed.append(("fbgemm TBE (raw)", tier_name, raw_ms))
                 del tbe
             for tier in [Tier.DEVICE, Tier.HOST] if device.type == "cuda" else [Tier.HOST]:
                 ours = ShardedEmbeddingCollection(specs, plan_for(specs, tier), device=device)
                 ours.load_float(dict(zip(names, weights, strict=True)))
                 backend = next(iter(ours.tiers.values())).backend
-                ms = median_ms(lambda m=ours, f=feats: m(f), args.repeats)
+                ms = median_ms_each(lambda f, m=ours: m(f), inputs)
                 timed.append((f"ours {tier.value} tier ({backend}), padded ids", tier.value, ms))
-                ms = median_ms(
-                    lambda m=ours, i=indices, o=offsets: m.forward_jagged(names, i, o),
-                    args.repeats,
-                )
+                ms = median_ms_each(lambda j, m=ours: m.forward_jagged(names, *j), jagged)
                 timed.append((f"ours {tier.value} tier ({backend}), jagged ids", tier.value, ms))
                 del ours
             for system, tier_name, ms in timed:
@@ -288,50 +316,48 @@ def remote_cases(args, names, weights, rows, record) -> None:
                 addrs.append(_read_address(proc))
             local = ShardedEmbeddingCollection(specs, plan_for(specs, Tier.HOST))
             local.load_float(dict(zip(names, weights, strict=True)))
+            count = args.repeats + 1
             for dist in ("uniform", "zipf"):
-                feats = {
-                    n: make_ids(dist, rows, (b, per), seed=100 + i) for i, n in enumerate(names)
-                }
-                ids = b * per * t
-                local_ms = median_ms(lambda f=feats: local(f), args.repeats)
-                want = local(feats)
-                for cache_fraction in (0.0, args.cache_fraction):
-                    cache_rows = int(rows * cache_fraction)
-                    placement = plan_for(specs, Tier.REMOTE, servers, cache_rows)
-                    client = RemoteTables(remote_routing(placement, specs, addrs), timeout=30.0)
-                    coll = ShardedEmbeddingCollection(specs, placement, remote=client, timeout=30.0)
-                    # warm the cache with the same traffic distribution, other samples
-                    for seed in range(5):
-                        coll(
+                # a served batch (--batch users) and one request (--request-users users)
+                for users in (b, args.request_users):
+                    timed = batches(dist, names, rows, (users, per), count, seed=7)
+                    warm = batches(dist, names, rows, (users, per), 30, seed=50_000)
+                    local_ms = median_ms_each(lambda f: local(f), timed)
+                    for cache_fraction in (0.0, args.cache_fraction):
+                        cache_rows = int(rows * cache_fraction)
+                        placement = plan_for(specs, Tier.REMOTE, servers, cache_rows)
+                        client = RemoteTables(remote_routing(placement, specs, addrs), timeout=30.0)
+                        coll = ShardedEmbeddingCollection(
+                            specs, placement, remote=client, timeout=30.0
+                        )
+                        for f in warm:  # other samples of the same distribution
+                            coll(f)
+                        check = coll(timed[0])
+                        want = local(timed[0])
+                        for n in names:
+                            torch.testing.assert_close(check[n], want[n])
+                        before = _hits_misses(coll)
+                        ms = median_ms_each(lambda f, c=coll: c(f), timed)
+                        after = _hits_misses(coll)
+                        hits = after[0] - before[0]
+                        looked_up = hits + after[1] - before[1]
+                        record(
                             {
-                                n: make_ids(dist, rows, (b, per), seed=1000 * seed + i)
-                                for i, n in enumerate(names)
+                                "dist": dist,
+                                "system": f"ours remote tier ({servers} servers), {users} users",
+                                "dtype": dtype.value,
+                                "tier": "remote",
+                                "users": users,
+                                "cache_fraction": cache_fraction,
+                                "ms": ms,
+                                "lookups_per_s": users * per * t / ms * 1e3,
+                                "local_ms": local_ms,
+                                "latency_vs_local": ms / local_ms,
+                                "cache_hit_rate": hits / max(looked_up, 1),
+                                "bytes_per_row": row_bytes(d, dtype),
                             }
                         )
-                    out = coll(feats)
-                    for n in names:
-                        torch.testing.assert_close(out[n], want[n])
-                    before = _hits_misses(coll)
-                    ms = median_ms(lambda c=coll, f=feats: c(f), args.repeats)
-                    after = _hits_misses(coll)
-                    hits = after[0] - before[0]
-                    looked_up = hits + after[1] - before[1]
-                    record(
-                        {
-                            "dist": dist,
-                            "system": "ours remote tier (2 servers)",
-                            "dtype": dtype.value,
-                            "tier": "remote",
-                            "cache_fraction": cache_fraction,
-                            "ms": ms,
-                            "lookups_per_s": ids / ms * 1e3,
-                            "local_ms": local_ms,
-                            "latency_vs_local": ms / local_ms,
-                            "cache_hit_rate": hits / max(looked_up, 1),
-                            "bytes_per_row": row_bytes(d, dtype),
-                        }
-                    )
-                    client.close()
+                        client.close()
         finally:
             for proc in procs:
                 proc.terminate()

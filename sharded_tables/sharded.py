@@ -305,8 +305,8 @@ class ShardedEmbeddingCollection(nn.Module):
     @torch.compiler.disable
     def _remote_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Remote features: ids -> cache slots; the distinct misses of the whole batch -> one
-        fetch per server -> admitted to the cache; cached rows pooled by the kernel, rows that
-        found no room pooled from the fetched rows."""
+        fetch per server. Cached rows are pooled by the kernel over the cache storage, missed
+        rows from what the servers sent; then the misses are admitted for later batches."""
         by_table = self._group(features)
         slots = {f: self._cache_slots(self.table_of[f], ids) for f, ids in features.items()}
         misses: dict[str, torch.Tensor] = {}
@@ -326,20 +326,8 @@ class ShardedEmbeddingCollection(nn.Module):
             fetched = self.remote.fetch(misses, timeout=self.timeout)
             self.stats.fetched += sum(len(u) for u in misses.values())
         out: dict[str, torch.Tensor] = {}
-        leftovers: dict[str, torch.Tensor] = {}
-        for table, u in misses.items():
-            if self.caches[table].capacity == 0:
-                leftovers[table] = u
-                continue
-            admitted = self.caches[table].admit(u, fetched[table])  # [U] slot or -1
-            for f in by_table[table]:
-                ids = features[f].cpu()
-                fill = (slots[f] < 0) & self._present(table, ids)
-                slots[f][fill] = admitted[torch.searchsorted(u, ids[fill])]
-            if bool((admitted < 0).any()):
-                leftovers[table] = u
-        self.stats.cache_hits = sum(int(c.stats()["hits"]) for c in self.caches.values())
-        # cached rows: one kernel call over the cache storage, by slot
+        # cached rows: one kernel call over the cache storage, by slot (misses are -1: skipped).
+        # This runs before any miss is admitted: admitting may evict rows this batch just hit.
         if self._cache_tables is not None:
             names = self._cache_tables.feature_names
             b = next(iter(features.values())).shape[0]
@@ -348,16 +336,20 @@ class ShardedEmbeddingCollection(nn.Module):
                 [slots.get(f, empty).to(self._cache_tables.device) for f in names]
             ).split(self._cache_tables.feature_dims, dim=1)
             out.update({f: pooled[i] for i, f in enumerate(names) if f in features})
-        # rows without a cache slot: pooled from what the servers sent
+        # missed rows: pooled from what the servers sent, then admitted for later batches
+        for table, u in misses.items():
+            spec = self.specs[table]
+            feats = by_table[table]
+            dense = unpack_rows(fetched[table], self.plan.placement(table).dtype, spec.dim)
+            missed = {f: torch.where(slots[f] < 0, features[f].cpu(), -1) for f in feats}
+            extra = self._pool(table, missed, u, dense.to(self.device), mean=False)
+            for f in feats:
+                out[f] = out[f] + extra[f] if f in out else extra[f]
+            if self.caches[table].capacity:
+                self.caches[table].put(u, fetched[table])
+        self.stats.cache_hits = sum(int(c.stats()["hits"]) for c in self.caches.values())
         for table, feats in by_table.items():
             spec = self.specs[table]
-            if table in leftovers:
-                u = leftovers[table]
-                dense = unpack_rows(fetched[table], self.plan.placement(table).dtype, spec.dim)
-                uncached = {f: torch.where(slots[f] < 0, features[f].cpu(), -1) for f in feats}
-                extra = self._pool(table, uncached, u, dense.to(self.device), mean=False)
-                for f in feats:
-                    out[f] = out[f] + extra[f] if f in out else extra[f]
             for f in feats:  # no cache and nothing fetched: every bag is empty
                 if f not in out:
                     out[f] = torch.zeros(features[f].shape[0], spec.dim, device=self.device)

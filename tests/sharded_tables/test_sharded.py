@@ -169,3 +169,17 @@ def test_remote_bags_that_are_all_padding_pool_to_zero():
     coll.remote = server = PackedRows(coll.load_float(_weights()))
     out = coll({"user": torch.full((2, 3), -1)})
     assert torch.equal(out["user"], torch.zeros(2, 8)) and server.calls == []
+
+
+def test_a_small_cache_under_churn_never_serves_a_stale_row():
+    """Admitting a batch's misses evicts rows; rows that batch hit must be pooled first."""
+    weights = _weights()
+    coll = ShardedEmbeddingCollection(SPECS, _placement(cache_rows=8))
+    coll.remote = PackedRows(coll.load_float(weights))
+    g = torch.Generator().manual_seed(4)
+    for _ in range(30):
+        hot = torch.randint(0, 12, (4, 3), generator=g)  # mostly cached
+        cold = torch.randint(-1, 1000, (4, 3), generator=g)  # mostly misses, forces evictions
+        feats = {"user": torch.cat([hot, cold], dim=1)}
+        torch.testing.assert_close(coll(feats)["user"], _reference(weights, feats)["user"])
+    assert coll.cache_stats()["user"]["evictions"] > 0
