@@ -57,24 +57,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pooling", type=int, default=20, help="ids per table per sample")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per case (median)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cache-fraction", type=float, default=0.05)
+    p.add_argument(
+        "--cache-fractions",
+        default="0.05,0.25",
+        help="hot-row cache sizes to try, as shares of a remote table's rows (0 always runs)",
+    )
     p.add_argument(
         "--request-users", type=int, default=8, help="users in one request (latency regime)"
     )
     p.add_argument("--no-remote", action="store_true", help="skip the embedding-server cases")
+    p.add_argument("--remote-only", action="store_true", help="only the embedding-server cases")
     p.add_argument("--device", default="cpu", help="cpu or cuda (remote cases run on cpu only)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
 
-def make_ids(dist: str, rows: int, shape: tuple[int, int], seed: int) -> torch.Tensor:
-    """``[B, L]`` int64 ids: uniform, or Zipf(1.1) over a random permutation of the rows."""
+def make_ids(
+    dist: str, rows: int, shape: tuple[int, int], seed: int, table: int = 0
+) -> torch.Tensor:
+    """``[B, L]`` int64 ids: uniform, or Zipf(1.1) over a permutation of the rows that depends
+    only on ``table`` (so every batch of a table shares its hot rows)."""
     rng = np.random.default_rng(seed)
     if dist == "uniform":
         return torch.from_numpy(rng.integers(0, rows, shape))
     ranks = rng.zipf(1.1, size=shape)
     ranks = np.where(ranks > rows, rng.integers(1, rows + 1, shape), ranks) - 1
-    perm = np.random.default_rng(seed + 1).permutation(rows)
+    perm = np.random.default_rng(10_000 + table).permutation(rows)
     return torch.from_numpy(perm[ranks])
 
 
@@ -99,7 +107,10 @@ def batches(
 ) -> list[dict[str, torch.Tensor]]:
     """``count`` batches ``{table: ids [B, L]}`` from one distribution, different samples."""
     return [
-        {n: make_ids(dist, rows, shape, seed=seed + 1000 * k + i) for i, n in enumerate(names)}
+        {
+            n: make_ids(dist, rows, shape, seed=seed + 1000 * k + i, table=i)
+            for i, n in enumerate(names)
+        }
         for k in range(count)
     ]
 
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
 
     device = torch.device(args.device)
     count = args.repeats + 1
-    for dist in ("uniform", "zipf"):
+    for dist in () if args.remote_only else ("uniform", "zipf"):
         inputs = [
             {n: x.to(device) for n, x in batch.items()}
             for batch in batches(dist, names, rows, (b, per), count, seed=0)
@@ -323,7 +334,8 @@ def remote_cases(args, names, weights, rows, record) -> None:
                     timed = batches(dist, names, rows, (users, per), count, seed=7)
                     warm = batches(dist, names, rows, (users, per), 30, seed=50_000)
                     local_ms = median_ms_each(lambda f: local(f), timed)
-                    for cache_fraction in (0.0, args.cache_fraction):
+                    fractions = [0.0] + [float(x) for x in args.cache_fractions.split(",") if x]
+                    for cache_fraction in fractions:
                         cache_rows = int(rows * cache_fraction)
                         placement = plan_for(specs, Tier.REMOTE, servers, cache_rows)
                         client = RemoteTables(remote_routing(placement, specs, addrs), timeout=30.0)

@@ -18,6 +18,7 @@ import threading
 import torch
 from prometheus_client import Counter
 
+from sharded_tables.id_transformer import AdmissionSketch
 from sharded_tables.idmap import DEFAULT_DECAY_PERIOD, IdMap
 
 # Module-level so that building many caches (tests, reloads) never registers a metric twice.
@@ -40,6 +41,9 @@ class HotRowCache:
         decay_period: batches between count halvings (``hybrid`` only).
         storage: ``uint8 [capacity_rows, row_bytes]`` to hold the rows in (e.g. a view into a
             TBE kernel's weights, so the kernel pools cached rows by slot); default: new zeros.
+        admit_after: a row offered to :meth:`put` is kept only once its id has been offered
+            this many times (a count-min sketch, TinyLFU-style), so one-off ids of a long tail
+            do not flush hot rows; ``1`` admits everything.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class HotRowCache:
         name: str = "",
         decay_period: int = DEFAULT_DECAY_PERIOD,
         storage: torch.Tensor | None = None,
+        admit_after: int = 1,
     ) -> None:
         if capacity_rows < 0:
             raise ValueError(f"capacity_rows must be >= 0, got {capacity_rows}")
@@ -67,6 +72,10 @@ class HotRowCache:
                 f"got {storage.dtype} {tuple(storage.shape)}"
             )
         self.storage = storage
+        if admit_after < 1:
+            raise ValueError(f"admit_after must be >= 1, got {admit_after}")
+        self.admit_after = admit_after
+        self._sketch = AdmissionSketch(max(1024, 4 * capacity_rows)) if admit_after > 1 else None
         self._map = IdMap(capacity_rows, policy, decay_period)
         # A get gathers rows after the map answered; a concurrent put must not reuse them between.
         self._lock = threading.Lock()
@@ -130,6 +139,10 @@ class HotRowCache:
             )
         if rows.shape[0] != len(ids):
             raise ValueError(f"rows has {rows.shape[0]} rows for {len(ids)} ids")
+        if self._sketch is not None:
+            with self._lock:
+                admitted = self._sketch.add(ids) >= self.admit_after
+            ids, rows = ids[admitted], rows[admitted]
         keep = min(len(ids), self.capacity)
         ids, rows = ids[:keep], rows[:keep]
         with self._lock:

@@ -64,8 +64,14 @@ class ShardedEmbeddingCollection(nn.Module):
         device: torch.device | str = "cpu",
         remote: RemoteFetcher | None = None,
         timeout: float | None = 1.0,
+        cache_policy: str = "hybrid",
+        cache_admit_after: int = 2,
     ):
+        """``cache_policy`` / ``cache_admit_after``: the hot-row caches' eviction policy and
+        admission threshold (:class:`HotRowCache`); decayed LFU with admission on a second
+        sighting keeps a skewed stream's head cached while its long tail passes through."""
         super().__init__()
+        self.cache_policy, self.cache_admit_after = cache_policy, cache_admit_after
         self.specs = {s.name: s for s in specs}
         self.plan = plan
         self.device = torch.device(device)
@@ -150,6 +156,8 @@ class ShardedEmbeddingCollection(nn.Module):
                     device=self.device,
                     name=s.name,
                     storage=storage,
+                    policy=self.cache_policy,
+                    admit_after=self.cache_admit_after,
                 )
         return module
 

@@ -105,3 +105,13 @@ def test_rows_live_on_cuda():
     rows, hit = cache.get(_t([2, 3]))
     assert rows.is_cuda and hit.tolist() == [True, False]
     assert torch.equal(rows[0].cpu(), _rows([2])[0])
+
+
+def test_admission_keeps_one_off_ids_out():
+    cache = HotRowCache(4, 3, admit_after=2)
+    cache.put(_t([1, 2]), _rows([1, 2]))  # first sighting: not kept
+    assert cache.get(_t([1, 2]))[1].tolist() == [False, False]
+    cache.put(_t([1, 9]), _rows([1, 9]))  # 1 seen twice: kept; 9 once: not
+    assert cache.get(_t([1, 9]))[1].tolist() == [True, False]
+    with pytest.raises(ValueError, match="admit_after"):
+        HotRowCache(4, 3, admit_after=0)

@@ -88,7 +88,9 @@ def test_local_and_remote_tables_pool_like_the_reference_and_dedupe_remote_ids()
 
 def test_warm_cache_serves_hot_rows_without_a_request():
     weights = _weights()
-    coll = ShardedEmbeddingCollection(SPECS, _placement(cache_rows=8))
+    coll = ShardedEmbeddingCollection(
+        SPECS, _placement(cache_rows=8), cache_policy="lru", cache_admit_after=1
+    )
     coll.remote = server = PackedRows(coll.load_float(weights))
     coll({"user": torch.tensor([[1, 2, 3]])})
     out = coll({"user": torch.tensor([[3, 2, 1], [1, 5, -1]])})
