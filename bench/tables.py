@@ -8,7 +8,7 @@
 * ours: ``ShardedEmbeddingCollection.forward`` from padded id matrices (the towers' call), so the
   jagged conversion and mean pooling count as our overhead;
 * remote: the same tables on 2 embedding-server processes on 127.0.0.1, without a cache and
-  with a warm hot-row cache (Zipf ids; ``--cache-fraction`` of rows), latency vs local.
+  with a warm hot-row cache (Zipf ids; ``--cache-fractions`` of rows), latency vs local, per batch and per request.
 
 Run from the repository root::
 
