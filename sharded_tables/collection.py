@@ -37,6 +37,33 @@ class TableConfig:
         return self.features or (self.name,)
 
 
+def check_id_features(
+    features: Mapping[str, torch.Tensor],
+    table_of: Mapping[str, str],
+    rows: Mapping[str, int | None],
+) -> None:
+    """The edge check every table collection runs: known features, ``int64 [B, L]`` ids, and
+    ids in ``[0, rows)`` or ``-1`` (padding); ``rows[table] = None`` means raw hashed ids (any
+    value). Raises ``ValueError`` naming the feature, its table and the first bad id."""
+    for name, ids in features.items():
+        if name not in table_of:
+            raise ValueError(f"unknown feature {name!r} (known: {sorted(table_of)})")
+        if ids.dim() != 2 or ids.dtype != torch.int64:
+            raise ValueError(
+                f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}"
+            )
+        table = table_of[name]
+        n = rows[table]
+        if n is None:
+            continue
+        bad = ids[(ids < -1) | (ids >= n)]
+        if bad.numel():
+            raise ValueError(
+                f"feature {name!r}: id {int(bad[0])} is out of range for table {table!r} "
+                f"(rows 0..{n - 1}, -1 for padding)"
+            )
+
+
 class EmbeddingCollection(nn.Module):
     """Pooled lookups for many features: ``{feature: ids [B, L]} -> {feature: [B, D]}``."""
 
@@ -63,17 +90,9 @@ class EmbeddingCollection(nn.Module):
         return {name: bag for name, bag in self.tables.items() if isinstance(bag, nn.EmbeddingBag)}
 
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
-        """Edge check: known features, ``[B, L]`` int64, ids in range (raises ``ValueError``)."""
-        for name, ids in features.items():
-            if name not in self.table_of:
-                raise ValueError(f"unknown feature {name!r} (known: {sorted(self.table_of)})")
-            if ids.dim() != 2 or ids.dtype != torch.int64:
-                raise ValueError(
-                    f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}"
-                )
-            rows = self.configs[self.table_of[name]].num_embeddings
-            if ids.numel() and (int(ids.max()) >= rows or int(ids.min()) < -1):
-                raise ValueError(f"feature {name!r}: ids must be in [0, {rows}) or -1 for padding")
+        """Edge check (:func:`check_id_features`); raises ``ValueError``."""
+        rows = {name: cfg.num_embeddings for name, cfg in self.configs.items()}
+        check_id_features(features, self.table_of, rows)
 
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""

@@ -27,41 +27,23 @@ Example::
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
 
+from sharded_tables.cpp_extension import load_extension
+
 POLICIES: tuple[str, ...] = ("lru", "lfu", "hybrid")
 DEFAULT_DECAY_PERIOD = 16
 
 _SRC = Path(__file__).parent / "csrc" / "idmap.cpp"
-_lock = threading.Lock()
-_ext: ModuleType | None = None
 
 
 def _extension() -> ModuleType:
     """Builds (once per source version, cached on disk) and loads the C++ map."""
-    global _ext
-    with _lock:
-        if _ext is None:
-            from torch.utils.cpp_extension import load
-
-            root = Path(os.environ.get("RECSERVE_BUILD_DIR", Path.home() / ".cache" / "recserve"))
-            # Own subfolder: the loader writes a fixed-name build.ninja into its build directory.
-            build_dir = root / "idmap"
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _ext = load(
-                name="recserve_idmap",
-                sources=[str(_SRC)],
-                extra_cflags=["-O3"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-    return _ext
+    return load_extension("recserve_idmap", _SRC, ("-O3",), ())
 
 
 def as_keys(keys: torch.Tensor, field: str = "keys") -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sharded_tables.cache import HotRowCache
+from sharded_tables.collection import check_id_features
 from sharded_tables.dynamic_table import TransformedTable
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.quantize import pack_rows, unpack_rows
@@ -244,23 +245,9 @@ class ShardedEmbeddingCollection(nn.Module):
 
     # ---- lookups ----------------------------------------------------------------------------
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
-        """Edge check: known features, ``[B, L]`` int64, ids in range; names table and id."""
-        for name, ids in features.items():
-            if name not in self.table_of:
-                raise ValueError(f"unknown feature {name!r} (known: {sorted(self.table_of)})")
-            if ids.dim() != 2 or ids.dtype != torch.int64:
-                raise ValueError(
-                    f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}"
-                )
-            spec = self.specs[self.table_of[name]]
-            if spec.hashed:
-                continue  # any raw 64-bit id; -1 pads
-            bad = (ids < -1) | (ids >= spec.rows)
-            if bool(bad.any()):
-                raise ValueError(
-                    f"feature {name!r}: id {int(ids[bad][0])} is out of range for table "
-                    f"{spec.name!r} (rows 0..{spec.rows - 1}, -1 for padding)"
-                )
+        """Edge check (:func:`check_id_features`; hashed tables take any raw id)."""
+        rows = {n: (None if s.hashed else s.rows) for n, s in self.specs.items()}
+        check_id_features(features, self.table_of, rows)
 
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""
@@ -349,8 +336,8 @@ class ShardedEmbeddingCollection(nn.Module):
             spec = self.specs[table]
             feats = by_table[table]
             dense = unpack_rows(fetched[table], self.plan.placement(table).dtype, spec.dim)
-            missed = {f: torch.where(slots[f] < 0, features[f].cpu(), -1) for f in feats}
-            extra = self._pool(table, missed, u, dense.to(self.device), mean=False)
+            uncached = {f: torch.where(slots[f] < 0, features[f].cpu(), -1) for f in feats}
+            extra = self._pool(table, uncached, u, dense.to(self.device), mean=False)
             for f in feats:
                 out[f] = out[f] + extra[f] if f in out else extra[f]
             if self.caches[table].capacity:

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sharded_tables.collection import TableConfig
+from sharded_tables.collection import TableConfig, check_id_features
 
 OPTIMIZERS: dict[str, str] = {
     "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
@@ -222,29 +222,13 @@ class TrainableTables(nn.Module):
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check: known features, ``[B, L]`` int64 with one B, ids in range
         (raises ``ValueError`` naming the feature, its table and the bad id)."""
-        batch: tuple[str, int] | None = None
-        for name, ids in features.items():
-            if name not in self.table_of:
-                raise ValueError(f"unknown feature {name!r} (known: {sorted(self.table_of)})")
-            if ids.dim() != 2 or ids.dtype != torch.int64:
-                raise ValueError(
-                    f"feature {name!r}: expected int64 [B, L], got {ids.dtype} {tuple(ids.shape)}"
-                )
-            if batch is None:
-                batch = (name, ids.shape[0])
-            elif ids.shape[0] != batch[1]:
-                raise ValueError(
-                    f"feature {name!r}: batch size {ids.shape[0]} differs from "
-                    f"{batch[0]!r}'s {batch[1]} (one kernel call needs one B)"
-                )
-            table = self.table_of[name]
-            rows = self.configs[table].num_embeddings
-            bad = ids[(ids >= rows) | (ids < -1)]
-            if bad.numel():
-                raise ValueError(
-                    f"feature {name!r} (table {table!r}): id {int(bad[0])} is out of range; "
-                    f"ids must be in [0, {rows}) or -1 for padding"
-                )
+        rows = {name: cfg.num_embeddings for name, cfg in self.configs.items()}
+        check_id_features(features, self.table_of, rows)
+        sizes = {name: ids.shape[0] for name, ids in features.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"features have different batch sizes {sizes} (one kernel call needs one B)"
+            )
 
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pools every given feature in one kernel call. Trusts its inputs (:meth:`validate`

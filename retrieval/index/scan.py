@@ -12,40 +12,22 @@ score among those that pass the filter (positions in list-sorted order, ``-1`` w
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from retrieval.index.codes import fp8_lut, quantize_int8
+from sharded_tables.cpp_extension import load_extension
 
 _SRC = Path(__file__).parent / "csrc" / "ivf_scan.cpp"
-_lock = threading.Lock()
-_ext: ModuleType | None = None
 
 
 def _extension() -> ModuleType:
     """Builds (once per source version, cached on disk) and loads the C++ kernel."""
-    global _ext
-    with _lock:
-        if _ext is None:
-            from torch.utils.cpp_extension import load
-
-            build_dir = Path(
-                os.environ.get("RECSERVE_BUILD_DIR", Path.home() / ".cache" / "recserve")
-            )
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _ext = load(
-                name="recserve_ivf_scan",
-                sources=[str(_SRC)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-    return _ext
+    return load_extension(
+        "recserve_ivf_scan", _SRC, ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
+    )
 
 
 @torch.library.custom_op("recserve::ivf_scan_int8", mutates_args=())

@@ -219,11 +219,17 @@ def test_state_dict_is_a_snapshot():
     [
         ({"nope": torch.zeros(1, 1, dtype=torch.int64)}, "unknown feature 'nope'"),
         ({"history": torch.zeros(1, 1)}, "feature 'history': expected int64"),
-        ({"history": torch.tensor([[3, 10]])}, r"'history' \(table 'item'\): id 10 .*\[0, 10\)"),
-        ({"country": torch.tensor([[-2]])}, r"'country' \(table 'country'\): id -2"),
+        (
+            {"history": torch.tensor([[3, 10]])},
+            r"'history': id 10 is out of range for table 'item'",
+        ),
+        (
+            {"country": torch.tensor([[-2]])},
+            r"'country': id -2 is out of range for table 'country'",
+        ),
         (
             {"history": torch.zeros(2, 1, dtype=torch.int64), "country": torch.zeros(3, 1).long()},
-            "batch size 3",
+            "different batch sizes",
         ),
     ],
 )
