@@ -1,0 +1,100 @@
+"""What crosses the serving boundary: one recommendation request and its result.
+
+Every front end (gRPC ``Recommend``, KServe v2 gRPC and HTTP) parses its wire format into
+:class:`RecRequest` (validating at the edge, errors naming the field), hands it to the batcher,
+and renders the :class:`RecResult` it gets back. The model side sees only these types.
+
+The KServe v2 / Triton tensor interface of a model (``config.pbtxt`` inputs and outputs) is
+fixed here too, so the model repository, the Python backend and the servers agree:
+
+=================  ========  ==========  ==================================================
+tensor             dtype     dims        meaning
+=================  ========  ==========  ==================================================
+``history``        INT64     ``[-1]``    recent item ids, newest first (``-1`` pads)
+``categorical``    INT64     ``[F]``     one code per categorical user feature (config order)
+``dense``          FP32      ``[Dd]``    dense user features
+``k``              INT32     ``[1]``     results wanted
+``filter``         BYTES     ``[1]``     filter expression (empty: none), optional
+``item_ids``       INT64     ``[-1]``    output: top-K item ids (``-1`` pads)
+``scores``         FP32      ``[-1]``    output: their scores
+=================  ========  ==========  ==================================================
+
+(dims without the batch dimension; ``max_batch_size > 0``, so every tensor is ``[B, ...]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+INPUTS = ("history", "categorical", "dense", "k", "filter")
+OUTPUTS = ("item_ids", "scores")
+MAX_K = 10_000
+"""Largest K a request may ask for (and never more than the catalog)."""
+
+
+class RequestError(ValueError):
+    """A request the server refuses (INVALID_ARGUMENT / HTTP 400); the message names the field."""
+
+
+@dataclass
+class RecRequest:
+    """One user's request, already parsed and checked at the edge."""
+
+    history: np.ndarray
+    """``int64 [H]`` recent item ids, newest first (any length; the model keeps its window)."""
+    categorical: np.ndarray
+    """``int64 [F]``."""
+    dense: np.ndarray
+    """``float32 [Dd]``."""
+    k: int
+    filter: str | None = None
+    user_id: str = ""
+    """Echoed back; free text (not used by the model)."""
+    deadline: float | None = None
+    """Absolute ``time.monotonic()`` after which the answer is useless (DEADLINE_EXCEEDED)."""
+    model: str = ""
+    """Model name asked for (empty: the server's default)."""
+    version: int | None = None
+    """Model version asked for (None: the latest loaded)."""
+
+
+@dataclass
+class RecResult:
+    """The answer to one :class:`RecRequest`."""
+
+    item_ids: np.ndarray
+    """``int64 [K]``; ``-1`` pads when the filter admits fewer than K items."""
+    scores: np.ndarray
+    """``float32 [K]``; ``-inf`` where ``item_ids`` is ``-1``."""
+    model: str
+    version: int
+    partial: bool = False
+    """True when some shard or embedding server did not answer in time (sharded serving)."""
+    missing: list[str] = field(default_factory=list)
+    """Which parts did not answer, when ``partial``."""
+
+
+def check_request(req: RecRequest, categorical: int, dense: int, num_items: int) -> None:
+    """Shape/range checks a model needs (raises :class:`RequestError` naming the field)."""
+    if req.history.dtype != np.int64 or req.history.ndim != 1:
+        raise RequestError(
+            f"history: expected int64 [H], got {req.history.dtype} {req.history.shape}"
+        )
+    if req.categorical.shape != (categorical,) or req.categorical.dtype != np.int64:
+        raise RequestError(
+            f"categorical: expected int64 [{categorical}], got "
+            f"{req.categorical.dtype} {list(req.categorical.shape)}"
+        )
+    if req.dense.shape != (dense,) or req.dense.dtype != np.float32:
+        raise RequestError(
+            f"dense: expected float32 [{dense}], got {req.dense.dtype} {list(req.dense.shape)}"
+        )
+    if not np.isfinite(req.dense).all():
+        raise RequestError("dense: contains NaN or infinity")
+    if not 1 <= req.k <= min(MAX_K, num_items):
+        raise RequestError(f"k: must be in [1, {min(MAX_K, num_items)}], got {req.k}")
+    bad = req.history[(req.history < -1) | (req.history >= num_items)]
+    if bad.size:
+        raise RequestError(f"history: item id {int(bad[0])} is not in [0, {num_items})")
