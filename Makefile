@@ -39,3 +39,5 @@ clean:
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. sharded_tables/remote/embedding.proto
 	for f in sharded_tables/remote/embedding_pb2.py sharded_tables/remote/embedding_pb2.pyi sharded_tables/remote/embedding_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/recommend.proto
+	for f in serving/recommend_pb2.py serving/recommend_pb2.pyi serving/recommend_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done

@@ -4,6 +4,7 @@ recserve demo              train on MovieLens 100k, build the index, print recom
 recserve fetch-movielens   extract MovieLens 100k from the recbole wheel into data/ml-100k
 recserve bench-ann         the index benchmark (bench/ann.py) vs faiss
 recserve embed-server      serve one shard of embedding rows (the remote tier) over gRPC
+recserve serve             serve a model repository: gRPC Recommend, health, metrics, hot reload
 """
 
 from __future__ import annotations
@@ -78,6 +79,45 @@ def embed_server(
         serve(shard, port=port, host=host, memory_budget=budget, tables=names)
     except (MemoryBudgetError, ValueError, OSError) as e:
         typer.echo(f"embed-server: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command("serve")
+def serve_cmd(
+    model_repo: Path = typer.Option(
+        None, help="model repository (<model>/config.pbtxt + versions)"
+    ),
+    model: str = typer.Option(None, help="model to serve (default: the repository's only one)"),
+    grpc_port: int = typer.Option(None, help="gRPC port: Recommend, KServe v2, health (0: any)"),
+    http_port: int = typer.Option(None, help="HTTP port: KServe v2 over HTTP (default: off)"),
+    metrics_port: int = typer.Option(None, help="Prometheus /metrics port (default: off)"),
+    host: str = typer.Option(None, help="address every listener binds (default 127.0.0.1)"),
+    config: Path = typer.Option(None, help="serve.toml; flags override its values"),
+) -> None:
+    """Serve a model of a repository over gRPC (and HTTP) until SIGTERM; prints one line when
+    ready, hot-reloads new versions, drains on SIGTERM."""
+    import logging
+
+    from serving.config import ConfigError, ServeConfig
+    from serving.host import NoLoadableVersionError
+    from serving.main import serve
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = ServeConfig.from_toml(config) if config is not None else ServeConfig()
+        cfg = cfg.with_overrides(
+            model_repo=model_repo,
+            model=model,
+            grpc_port=grpc_port,
+            http_port=http_port,
+            metrics_port=metrics_port,
+            host=host,
+        )
+        serve(cfg)
+    except (ConfigError, NoLoadableVersionError, OSError) as e:
+        typer.echo(f"serve: {e}", err=True)
         raise typer.Exit(2) from None
 
 

@@ -24,6 +24,7 @@ tensor             dtype     dims        meaning
 
 from __future__ import annotations
 
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,43 @@ MAX_K = 10_000
 
 class RequestError(ValueError):
     """A request the server refuses (INVALID_ARGUMENT / HTTP 400); the message names the field."""
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model or version this server does not serve (NOT_FOUND / HTTP 404)."""
+
+
+class QueueFullError(RuntimeError):
+    """The batcher's queue holds ``max_queue_size`` requests (RESOURCE_EXHAUSTED / HTTP 503)."""
+
+
+class DeadlineExceededError(TimeoutError):
+    """The request's deadline passed before it ran (DEADLINE_EXCEEDED / HTTP 504)."""
+
+
+class UnavailableError(RuntimeError):
+    """The server is draining or not ready (UNAVAILABLE / HTTP 503)."""
+
+
+ERROR_STATUS: tuple[tuple[type[BaseException], str, int, str], ...] = (
+    (RequestError, "INVALID_ARGUMENT", 400, "invalid_argument"),
+    (ModelNotFoundError, "NOT_FOUND", 404, "not_found"),
+    # 503, not 429: a full queue is the server's capacity, not this client's request rate,
+    # and it is what Triton answers when its dynamic batcher rejects a request.
+    (QueueFullError, "RESOURCE_EXHAUSTED", 503, "queue_full"),
+    (DeadlineExceededError, "DEADLINE_EXCEEDED", 504, "deadline_exceeded"),
+    (UnavailableError, "UNAVAILABLE", 503, "unavailable"),
+    (CancelledError, "CANCELLED", 499, "cancelled"),
+)
+"""Serving error -> (gRPC status code name, HTTP status, metrics ``reason`` label), first match."""
+
+
+def error_status(exc: BaseException) -> tuple[str, int, str]:
+    """``(grpc code name, http status, reason)`` of an error; anything unknown is INTERNAL/500."""
+    for cls, code, http, reason in ERROR_STATUS:
+        if isinstance(exc, cls):
+            return code, http, reason
+    return "INTERNAL", 500, "internal"
 
 
 @dataclass

@@ -1,0 +1,152 @@
+"""The gRPC front end: ``recserve.serving.v1.Recommender`` + ``grpc.health.v1.Health``.
+
+Other gRPC services (the KServe v2 ``GRPCInferenceService``) join the same server through
+``extra_servicers``: callables ``(grpc.Server, ServingState) -> None`` run before it starts.
+
+Status codes (``serving.requests.error_status``): INVALID_ARGUMENT for a bad request (the
+message names the field), NOT_FOUND for an unknown model or version, RESOURCE_EXHAUSTED when the
+batcher's queue is full, DEADLINE_EXCEEDED when the call's deadline passes first, UNAVAILABLE
+while draining. A message over ``max_receive_message_bytes`` is refused by gRPC itself
+(RESOURCE_EXHAUSTED) before it reaches a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from serving import recommend_pb2 as pb
+from serving import recommend_pb2_grpc as pb_grpc
+from serving.requests import RecRequest, RecResult, RequestError, error_status
+from serving.state import ServingState
+
+log = logging.getLogger(__name__)
+
+SERVICE = "recserve.serving.v1.Recommender"
+MAX_SEND_MESSAGE_BYTES = 16 << 20
+
+ExtraServicer = Callable[[grpc.Server, ServingState], None]
+
+
+def parse_recommend(msg: pb.RecommendRequest, deadline: float | None) -> RecRequest:
+    """Wire message -> :class:`RecRequest` (shapes and ranges are checked by the runner)."""
+    if msg.version < 0:
+        raise RequestError(f"version: must be >= 0 (0: the one being served), got {msg.version}")
+    return RecRequest(
+        history=np.fromiter(msg.history, dtype=np.int64, count=len(msg.history)),
+        categorical=np.fromiter(msg.categorical, dtype=np.int64, count=len(msg.categorical)),
+        dense=np.fromiter(msg.dense, dtype=np.float32, count=len(msg.dense)),
+        k=int(msg.k),
+        filter=msg.filter or None,
+        user_id=msg.user_id,
+        deadline=deadline,
+        model=msg.model,
+        version=int(msg.version) or None,
+    )
+
+
+def render_recommend(result: RecResult) -> pb.RecommendResponse:
+    return pb.RecommendResponse(
+        item_ids=result.item_ids.tolist(),
+        scores=result.scores.tolist(),
+        model=result.model,
+        version=result.version,
+        partial=result.partial,
+        missing=result.missing,
+    )
+
+
+class RecommendServicer(pb_grpc.RecommenderServicer):
+    """``Recommend``: parse -> ``state.recommend`` (edge check, batch, wait) -> render."""
+
+    def __init__(self, state: ServingState):
+        self.state = state
+
+    def Recommend(
+        self, request: pb.RecommendRequest, context: grpc.ServicerContext
+    ) -> pb.RecommendResponse:
+        remaining = context.time_remaining()  # None: the client set no deadline
+        deadline = None if remaining is None else time.monotonic() + remaining
+        try:
+            fut = self.state.submit(parse_recommend(request, deadline))
+            context.add_callback(fut.cancel)  # a caller that goes away leaves the queue
+            result = self.state.wait(fut, deadline)
+        except Exception as e:
+            code, _, _ = error_status(e)
+            if code == "INTERNAL":
+                log.exception("Recommend failed")
+            error = e
+        else:
+            return render_recommend(result)
+        context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
+        raise AssertionError("unreachable: abort raises")
+
+
+class GrpcServer:
+    """One ``grpc.Server`` with Recommend, health checking and any ``extra_servicers``."""
+
+    def __init__(
+        self,
+        state: ServingState,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        workers: int = 64,
+        max_receive_message_bytes: int = 4 << 20,
+        extra_servicers: Sequence[ExtraServicer] = (),
+    ):
+        self.state, self.host, self.port = state, host, port
+        self.health = health.HealthServicer()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            options=[
+                ("grpc.max_receive_message_length", max_receive_message_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),  # a second server on a taken port must fail
+            ],
+        )
+        pb_grpc.add_RecommenderServicer_to_server(RecommendServicer(state), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        for add in extra_servicers:
+            add(self._server, state)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def start(self) -> str:
+        """Binds and starts; health is SERVING when the state is ready. Returns ``host:port``."""
+        try:
+            port = self._server.add_insecure_port(self.address)
+        except RuntimeError as e:
+            raise OSError(f"grpc_port: cannot bind {self.address}: {e}") from None
+        if port == 0:
+            raise OSError(f"grpc_port: cannot bind {self.address}")
+        self.port = port
+        self._server.start()
+        self.set_serving(self.state.ready)
+        return self.address
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE):
+            self.health.set(service, status)
+
+    def drain(self) -> None:
+        """Health says NOT_SERVING from now on (load balancers stop sending)."""
+        self.health.enter_graceful_shutdown()
+
+    def stop(self, grace: float | None) -> None:
+        """Stops accepting calls; in-flight calls get ``grace`` seconds to finish."""
+        self._server.stop(grace).wait()

@@ -1,0 +1,236 @@
+"""Process wiring of ``recserve serve``: model host + batcher + gRPC/HTTP/metrics listeners.
+
+:class:`Server` runs in-process too (tests, notebooks)::
+
+    server = Server(ServeConfig(model_repo=Path("model_repo"), grpc_port=0))
+    addresses = server.start()   # loads + warms the model, binds, health SERVING
+    ...
+    server.drain_and_stop()      # NOT_SERVING -> finish queued and in-flight -> close
+
+:func:`serve` adds what a process needs: the announce line once ready
+(``serving MODEL vVERSION grpc=HOST:PORT http=... metrics=...``, ports 0 replaced by the bound
+ones) and SIGTERM/SIGINT -> drain -> exit within ``drain_timeout_s``.
+
+Optional front ends join when their module exists: ``serving/http_app.py`` (``make_app(state)
+-> ASGI app``, run by uvicorn on ``http_port``) and the gRPC modules in :data:`GRPC_PLUGINS`
+(``add_servicer(server, state)``, on the same gRPC port).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from serving.config import ConfigError, ServeConfig
+from serving.grpc_server import ExtraServicer, GrpcServer
+from serving.host import ModelHost, Repository
+from serving.metrics import ServingMetrics
+from serving.state import ServingState, make_batcher
+
+log = logging.getLogger(__name__)
+
+HTTP_APP_MODULE = "serving.http_app"
+GRPC_PLUGINS = ("serving.kserve_grpc",)
+"""Modules that add a gRPC service to the server, each with ``add_servicer(server, state)``."""
+
+
+@dataclass(frozen=True)
+class Addresses:
+    grpc: str
+    http: str | None
+    metrics: str | None
+
+
+def _optional_module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            return None
+        raise
+
+
+def discover_grpc_plugins() -> list[ExtraServicer]:
+    """``add_servicer`` of every module of :data:`GRPC_PLUGINS` that exists."""
+    found = []
+    for name in GRPC_PLUGINS:
+        module = _optional_module(name)
+        if module is not None and hasattr(module, "add_servicer"):
+            found.append(module.add_servicer)
+    return found
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Server:
+    """One serving process's parts; :meth:`start` and :meth:`drain_and_stop`."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        repo: Repository | None = None,
+        extra_servicers: Sequence[ExtraServicer] | None = None,
+        registry: CollectorRegistry | None = None,
+    ):
+        config.validate()  # fail fast, naming the field
+        self.config = config
+        self._make_app: Callable[[ServingState], Any] | None = None
+        if config.http_port is not None:
+            module = _optional_module(HTTP_APP_MODULE)
+            if module is None:
+                raise ConfigError(
+                    f"http_port: HTTP serving is not available ({HTTP_APP_MODULE} is not "
+                    "installed); leave --http-port out"
+                )
+            self._make_app = module.make_app
+        if repo is None:
+            from model_repo.repository import ModelRepository
+
+            assert config.model_repo is not None
+            repo = ModelRepository(config.model_repo)
+        self.extra_servicers = (
+            discover_grpc_plugins() if extra_servicers is None else list(extra_servicers)
+        )
+        self.metrics = ServingMetrics(config.model, registry)
+        self.host = ModelHost(repo, config.model, config.poll_s, metrics=self.metrics)
+        self.state: ServingState | None = None
+        self.grpc: GrpcServer | None = None
+        self.addresses: Addresses | None = None
+        self._uvicorn: Any = None
+        self._http_thread: threading.Thread | None = None
+
+    def start(self) -> Addresses:
+        """Loads and warms the model, then binds every listener; raises ``OSError`` naming the
+        port that cannot be bound."""
+        cfg = self.config
+        if cfg.torch_threads:
+            import torch
+
+            torch.set_num_threads(cfg.torch_threads)
+        self.host.start()
+        policy = cfg.batching.policy(getattr(self.host.loaded, "config", None))
+        batcher = make_batcher(self.host, policy, self.metrics)
+        self.state = ServingState(self.host, batcher, self.metrics, cfg)
+        self.grpc = GrpcServer(
+            self.state,
+            cfg.host,
+            cfg.grpc_port,
+            workers=cfg.grpc_workers,
+            max_receive_message_bytes=cfg.max_receive_message_bytes,
+            extra_servicers=self.extra_servicers,
+        )
+        grpc_address = self.grpc.start()
+        metrics_address = http_address = None
+        if cfg.metrics_port is not None:
+            try:
+                port = self.metrics.serve_http(cfg.metrics_port, cfg.host)
+            except OSError as e:
+                raise OSError(
+                    f"metrics_port: cannot bind {cfg.host}:{cfg.metrics_port}: {e}"
+                ) from None
+            metrics_address = _host_port(cfg.host, port)
+        if self._make_app is not None:
+            assert cfg.http_port is not None
+            http_address = self._start_http(self._make_app(self.state), cfg.host, cfg.http_port)
+        self.addresses = Addresses(grpc_address, http_address, metrics_address)
+        return self.addresses
+
+    def _start_http(self, app: Any, host: str, port: int) -> str:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"http_port: cannot bind {host}:{port}: {e}") from None
+        bound = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._uvicorn = server
+        self._http_thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True
+        )
+        self._http_thread.start()
+        until = time.monotonic() + 30
+        while not server.started:
+            if not self._http_thread.is_alive() or time.monotonic() > until:
+                raise OSError(f"http_port: uvicorn did not start on {host}:{bound}")
+            time.sleep(0.01)
+        return _host_port(host, bound)
+
+    def announce_line(self) -> str:
+        assert self.addresses is not None
+        a = self.addresses
+        return (
+            f"serving {self.host.name} v{self.host.version} grpc={a.grpc} "
+            f"http={a.http or 'off'} metrics={a.metrics or 'off'}"
+        )
+
+    def drain_and_stop(self, timeout: float | None = None) -> bool:
+        """Not ready -> finish queued and in-flight requests -> close, within ``timeout`` s
+        (default ``drain_timeout_s``). Returns False when the drain did not finish in time."""
+        until = time.monotonic() + (self.config.drain_timeout_s if timeout is None else timeout)
+
+        def left() -> float:
+            return max(until - time.monotonic(), 0.0)
+
+        clean = True
+        if self.state is not None:
+            self.state.draining.set()  # new requests: UNAVAILABLE
+        if self.grpc is not None:
+            self.grpc.drain()  # health: NOT_SERVING
+        if self.state is not None:
+            clean = self.state.batcher.stop(drain=True, timeout=left())
+        time.sleep(min(self.config.close_linger_s, left()))  # late callers hear UNAVAILABLE
+        if self.grpc is not None:
+            self.grpc.stop(grace=left())
+        if self._uvicorn is not None and self._http_thread is not None:
+            self._uvicorn.should_exit = True
+            self._http_thread.join(left())
+        self.metrics.stop_http()
+        self.host.stop(timeout=left())
+        return clean
+
+
+def serve(
+    config: ServeConfig,
+    *,
+    announce: Callable[[str], None] | None = None,
+    extra_servicers: Sequence[ExtraServicer] | None = None,
+) -> None:
+    """Serves until SIGTERM or SIGINT, then drains and returns; a drain that overruns
+    ``drain_timeout_s`` (a stuck batch) ends the process at once with status 1."""
+    server = Server(config, extra_servicers=extra_servicers)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    server.start()
+    line = server.announce_line()
+    if announce is None:
+        print(line, flush=True)  # a parent process waits for this line
+    else:
+        announce(line)
+    while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+        pass
+    log.info("draining (up to %.1f s)", config.drain_timeout_s)
+    if not server.drain_and_stop():
+        log.error("drain did not finish within %.1f s; exiting anyway", config.drain_timeout_s)
+        sys.stderr.flush()
+        os._exit(1)
+    log.info("drained; bye")

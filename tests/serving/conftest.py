@@ -1,0 +1,114 @@
+"""Serving fixtures: a tiny trained-shape model (untrained weights, real index) and an
+in-memory stand-in for ``model_repo.ModelRepository`` (latest / versions / load)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from retrieval.data import SyntheticConfig, generate
+from retrieval.model import RetrievalModel
+from retrieval.training.prepare import Prepared, prepare
+from serving.requests import RecRequest
+
+try:
+    from model_repo.manifest import CorruptVersionError
+except ImportError:  # model_repo/ is written by another task; the stand-in only needs the name
+
+    class CorruptVersionError(ValueError):  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class Tiny:
+    prep: Prepared
+    model: RetrievalModel
+
+    def build(self, seed: int) -> RetrievalModel:
+        """Another version: same config, different weights (so answers differ)."""
+        torch.manual_seed(seed)
+        m = RetrievalModel(self.prep.config)
+        m.build_index(self.prep.train.item_features, self.prep.dataset.item_attributes)
+        return m.eval()
+
+    def request(self, user: int, k: int = 10, **kw: Any) -> RecRequest:
+        ds, cfg = self.prep.dataset, self.prep.config
+        hist = self.prep.history[user]
+        return RecRequest(
+            history=hist[hist >= 0].astype(np.int64),
+            categorical=np.array([ds.user_features[n][user] for n in cfg.user_features], np.int64),
+            dense=ds.user_dense[user].astype(np.float32),
+            k=k,
+            **kw,
+        )
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Tiny:
+    ds = generate(SyntheticConfig(num_users=100, num_items=300, seed=1))
+    prep = prepare(ds, history_len=8)
+    t = Tiny(prep, None)  # type: ignore[arg-type]
+    t.model = t.build(0)
+    return t
+
+
+@dataclass
+class Loaded:
+    name: str
+    version: int
+    model: RetrievalModel
+    config: Any = None
+    path: Path | None = None
+
+
+class StandInRepo:
+    """The three methods of ``ModelRepository`` the server uses, over models in memory."""
+
+    def __init__(self, name: str = "demo"):
+        self.name = name
+        self.models: dict[int, RetrievalModel] = {}
+        self.corrupt: set[int] = set()
+        self.loads: list[int] = []
+        self._lock = threading.Lock()
+
+    def publish(self, model: RetrievalModel, corrupt: bool = False) -> int:
+        with self._lock:
+            v = max(self.models, default=0) + 1
+            self.models[v] = model
+            if corrupt:
+                self.corrupt.add(v)
+            return v
+
+    def latest(self, name: str) -> int | None:
+        return max(self.versions(name), default=None)
+
+    def versions(self, name: str) -> list[int]:
+        with self._lock:
+            return sorted(self.models) if name == self.name else []
+
+    def load(self, name: str, version: int | None = None) -> Loaded:
+        v = self.latest(name) if version is None else version
+        self.loads.append(v or 0)
+        if name != self.name or v not in self.models:
+            raise FileNotFoundError(f"no version {v} of {name}")
+        if v in self.corrupt:
+            raise CorruptVersionError(f"{name}/{v}: model.pt checksum mismatch")
+        return Loaded(name, v, self.models[v])
+
+
+@pytest.fixture
+def repo(tiny: Tiny) -> StandInRepo:
+    r = StandInRepo()
+    r.publish(tiny.model)
+    return r
+
+
+@pytest.fixture
+def empty_repo() -> StandInRepo:
+    return StandInRepo()
