@@ -62,6 +62,10 @@ def render_recommend(result: RecResult) -> pb.RecommendResponse:
     )
 
 
+NO_DEADLINE_S = 1e7
+"""A remaining time above this (~4 months) is gRPC's way of saying there is no deadline."""
+
+
 class RecommendServicer(pb_grpc.RecommenderServicer):
     """``Recommend``: parse -> ``state.recommend`` (edge check, batch, wait) -> render."""
 
@@ -71,8 +75,10 @@ class RecommendServicer(pb_grpc.RecommenderServicer):
     def Recommend(
         self, request: pb.RecommendRequest, context: grpc.ServicerContext
     ) -> pb.RecommendResponse:
-        remaining = context.time_remaining()  # None: the client set no deadline
-        deadline = None if remaining is None else time.monotonic() + remaining
+        # None or ~9.2e18 s: the client set no deadline (grpc reports "infinite" as a huge number)
+        remaining = context.time_remaining()
+        no_deadline = remaining is None or remaining > NO_DEADLINE_S
+        deadline = None if no_deadline else time.monotonic() + remaining
         try:
             fut = self.state.submit(parse_recommend(request, deadline))
             context.add_callback(fut.cancel)  # a caller that goes away leaves the queue

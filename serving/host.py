@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class Repository(Protocol):
-    """What the host needs of ``model_repo.ModelRepository``."""
+    """What the host needs of ``serving.repository.ModelRepository``."""
 
     def latest(self, name: str) -> int | None: ...
 

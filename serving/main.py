@@ -99,7 +99,7 @@ class Server:
                 )
             self._make_app = module.make_app
         if repo is None:
-            from model_repo.repository import ModelRepository
+            from serving.repository.repository import ModelRepository
 
             assert config.model_repo is not None
             repo = ModelRepository(config.model_repo)

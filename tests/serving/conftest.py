@@ -15,14 +15,8 @@ import torch
 from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import Prepared, prepare
+from serving.repository.manifest import CorruptVersionError
 from serving.requests import RecRequest
-
-try:
-    from model_repo.manifest import CorruptVersionError
-except ImportError:  # model_repo/ is written by another task; the stand-in only needs the name
-
-    class CorruptVersionError(ValueError):  # type: ignore[no-redef]
-        pass
 
 
 @dataclass

@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving import recommend_pb2 as pb
 from serving.recommend_pb2_grpc import RecommenderStub
+from serving.repository import repository
 
-repository = pytest.importorskip("model_repo.repository", reason="model_repo/ is not built yet")
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 STARTUP_S = 90.0

@@ -202,3 +202,9 @@ def test_http_port_needs_the_http_app(tmp_path, repo, monkeypatch):
             assert r.read() == b"ok /v2"
     finally:
         assert s.drain_and_stop(timeout=WAIT)
+
+
+def test_recommend_without_a_deadline_is_answered(server, stub, tiny):
+    """grpc reports 'no deadline' as ~9.2e18 s remaining; that must not overflow the clock."""
+    reply = stub.Recommend(message(tiny, 3, k=12))  # no timeout
+    assert len(reply.item_ids) == 12

@@ -1,0 +1,144 @@
+"""``config.pbtxt``: Triton's ``ModelConfig`` protobuf, built from a retrieval model's config.
+
+The file is protobuf text format of the real Triton message (``tritonclient.grpc.model_config_pb2``),
+written and parsed with ``google.protobuf.text_format``, never by hand. The tensor interface is the
+one fixed in ``serving/requests.py`` (dims without the batch dimension)::
+
+    history      TYPE_INT64   [-1]     recent item ids, newest first (-1 pads)
+    categorical  TYPE_INT64   [F]      F = len(model_cfg.user_features)
+    dense        TYPE_FP32    [Dd]     Dd = model_cfg.dense_dim
+    k            TYPE_INT32   [1]
+    filter       TYPE_STRING  [1]      optional
+    item_ids     TYPE_INT64   [-1]     output
+    scores       TYPE_FP32    [-1]     output
+
+Example::
+
+    cfg = make_config("demo", model.config, max_batch_size=32)
+    write_config(Path("repo/demo/config.pbtxt"), cfg)
+    assert read_config(Path("repo/demo/config.pbtxt")) == cfg
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from retrieval.config import ModelConfig as RetrievalConfig
+
+CONFIG_FILE = "config.pbtxt"
+DEFAULT_PREFERRED_BATCH_SIZES = (8, 32)
+TritonConfig = Any
+"""A ``model_config_pb2.ModelConfig`` message (the generated class carries no static types)."""
+
+
+def make_config(
+    name: str,
+    model_cfg: RetrievalConfig,
+    *,
+    max_batch_size: int = 64,
+    max_queue_delay_us: int = 2000,
+    preferred_batch_sizes: Sequence[int] | None = None,
+    max_queue_size: int = 1024,
+    versions_latest: int = 1,
+    backend: str = "python",
+    parameters: Mapping[str, str] | None = None,
+) -> TritonConfig:
+    """The ``ModelConfig`` of a retrieval model served under ``name``.
+
+    ``preferred_batch_sizes`` None: those of :data:`DEFAULT_PREFERRED_BATCH_SIZES` that fit
+    ``max_batch_size``; ``max_queue_size`` 0 means an unbounded queue (Triton's meaning); ``versions_latest``: how
+    many of the newest versions Triton loads; ``parameters``: free string pairs (Triton's
+    ``parameters`` map, read by the backend). Raises ``ValueError`` naming the argument.
+    """
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
+    if max_queue_delay_us < 0:
+        raise ValueError(f"max_queue_delay_us: must be >= 0, got {max_queue_delay_us}")
+    if max_queue_size < 0:
+        raise ValueError(f"max_queue_size: must be >= 0 (0: no limit), got {max_queue_size}")
+    if versions_latest < 1:
+        raise ValueError(f"versions_latest: must be >= 1, got {versions_latest}")
+    if preferred_batch_sizes is None:
+        preferred_batch_sizes = [p for p in DEFAULT_PREFERRED_BATCH_SIZES if p <= max_batch_size]
+    for p in preferred_batch_sizes:
+        if not 1 <= p <= max_batch_size:
+            raise ValueError(
+                f"preferred_batch_sizes: {p} is not in [1, max_batch_size={max_batch_size}]"
+            )
+    cfg = mc.ModelConfig(name=name, backend=backend, max_batch_size=max_batch_size)
+    cfg.version_policy.latest.num_versions = versions_latest
+    f, dd = len(model_cfg.user_features), model_cfg.dense_dim
+    inputs = (
+        ("history", mc.TYPE_INT64, [-1], False),
+        ("categorical", mc.TYPE_INT64, [f], False),
+        ("dense", mc.TYPE_FP32, [dd], False),
+        ("k", mc.TYPE_INT32, [1], False),
+        ("filter", mc.TYPE_STRING, [1], True),
+    )
+    for in_name, dtype, dims, optional in inputs:
+        cfg.input.add(name=in_name, data_type=dtype, dims=dims, optional=optional)
+    cfg.output.add(name="item_ids", data_type=mc.TYPE_INT64, dims=[-1])
+    cfg.output.add(name="scores", data_type=mc.TYPE_FP32, dims=[-1])
+    db = cfg.dynamic_batching
+    db.preferred_batch_size.extend(preferred_batch_sizes)
+    db.max_queue_delay_microseconds = max_queue_delay_us
+    db.default_queue_policy.max_queue_size = max_queue_size
+    for key, value in (parameters or {}).items():
+        cfg.parameters[key].string_value = value
+    return cfg
+
+
+def format_config(cfg: TritonConfig) -> str:
+    """The message as protobuf text (what ``config.pbtxt`` holds)."""
+    return str(text_format.MessageToString(cfg))
+
+
+def parse_config(text: str, source: str = CONFIG_FILE) -> TritonConfig:
+    """Protobuf text -> ``ModelConfig``; ``ValueError`` naming ``source``, line, column and field."""
+    cfg = mc.ModelConfig()
+    try:
+        text_format.Parse(text, cfg)
+    except text_format.ParseError as e:
+        where = f"line {e.GetLine()}, column {e.GetColumn()}" if e.GetLine() else "?"
+        raise ValueError(f"{source}: {where}: {e}") from None
+    if not cfg.name:
+        raise ValueError(f"{source}: name: missing")
+    return cfg
+
+
+def write_config(path: Path, cfg: TritonConfig) -> Path:
+    """Writes ``path`` atomically (temp file in the same folder, fsync, rename, fsync folder)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(format_config(cfg))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return path
+
+
+def read_config(path: Path) -> TritonConfig:
+    """Parses a ``config.pbtxt``; ``FileNotFoundError`` / ``ValueError`` naming the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    return parse_config(path.read_text(encoding="utf-8"), str(path))
+
+
+def fsync_dir(path: Path) -> None:
+    """Makes a folder's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,252 @@
+"""A model repository in Triton's layout, with atomic publish, retention and verified loads.
+
+Layout (``root`` is what ``tritonserver --model-repository`` reads)::
+
+    root/<model>/config.pbtxt          Triton ModelConfig (protobuf text), rewritten per publish
+    root/<model>/.publish.lock         flock'ed by publishers (Triton ignores files here)
+    root/<model>/<N>/model.py          the Triton Python backend (triton_python_model.py)
+    root/<model>/<N>/model/            our artifact: config.json + model.pt (retrieval.artifact)
+    root/<model>/<N>/manifest.json     sizes and SHA-256 of every file above
+    root/<model>/.staging-<uuid>/      a publish in progress: not a number, so Triton and
+                                       :meth:`ModelRepository.versions` ignore it
+
+A version is *complete* when its folder name is a number and it holds ``manifest.json``; the
+folder appears in one ``rename`` after every file was written and fsynced, so a reader never sees
+half a version. Example::
+
+    repo = ModelRepository(Path("repo"))
+    v = repo.publish("demo", model, keep=3, max_batch_size=32)
+    loaded = repo.load("demo")          # verifies checksums first
+    ids, scores = loaded.model(batch, 10)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retrieval.artifact import load_model, save_model
+from retrieval.model import RetrievalModel
+from serving.repository.config import (
+    CONFIG_FILE,
+    TritonConfig,
+    fsync_dir,
+    make_config,
+    read_config,
+    write_config,
+)
+from serving.repository.manifest import MANIFEST_FILE, CorruptVersionError, verify, write_manifest
+
+ARTIFACT_DIR = "model"
+"""Where a version keeps :func:`retrieval.artifact.save_model`'s folder."""
+BACKEND_FILE = "model.py"
+"""Triton's default file name for a Python backend model."""
+BACKEND_SOURCE = Path(__file__).with_name("triton_python_model.py")
+LOCK_FILE = ".publish.lock"
+STAGING_PREFIX = ".staging-"
+TRASH_PREFIX = ".deleted-"
+STALE_STAGING_S = 3600.0
+"""A staging folder older than this is a crashed publish; the next publish removes it."""
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_VERSION = re.compile(r"[1-9][0-9]*")
+
+
+def check_name(name: str) -> str:
+    """A model name that is one safe path component; ``ValueError`` otherwise."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("."):
+        raise ValueError(f"model name: {name!r} must match [A-Za-z0-9_.-]+ and not start with '.'")
+    return name
+
+
+def check_version(version: int) -> int:
+    """A positive int version; ``ValueError`` otherwise."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"version: {version!r} must be a positive int")
+    return version
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """One loaded, verified version."""
+
+    name: str
+    version: int
+    model: RetrievalModel
+    """In eval mode."""
+    config: TritonConfig
+    """The model's ``config.pbtxt`` (Triton ``ModelConfig``)."""
+    path: Path
+    """The version folder."""
+
+    @property
+    def config_pb(self) -> TritonConfig:
+        return self.config
+
+
+class ModelRepository:
+    """Reads and writes ``root`` (see the module docstring for the layout)."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+
+    # ---- paths --------------------------------------------------------------------------------
+    def model_dir(self, name: str) -> Path:
+        return self.root / check_name(name)
+
+    def version_dir(self, name: str, version: int) -> Path:
+        return self.model_dir(name) / str(check_version(version))
+
+    # ---- reading ------------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        """Model folders that hold a ``config.pbtxt`` or a complete version, sorted."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            p.name
+            for p in self.root.iterdir()
+            if p.is_dir()
+            and _NAME.fullmatch(p.name)
+            and not p.name.startswith(".")
+            and ((p / CONFIG_FILE).is_file() or _complete_versions(p))
+        )
+
+    def versions(self, name: str) -> list[int]:
+        """Complete versions (numbered folder with a manifest), ascending; [] for no model."""
+        return _complete_versions(self.model_dir(name))
+
+    def latest(self, name: str) -> int | None:
+        return max(self.versions(name), default=None)
+
+    def config(self, name: str) -> TritonConfig:
+        """The model's ``config.pbtxt``; errors name the file (and line / field when malformed)."""
+        return read_config(self.model_dir(name) / CONFIG_FILE)
+
+    def load(
+        self, name: str, version: int | None = None, map_location: str | torch.device = "cpu"
+    ) -> LoadedModel:
+        """Verifies then loads ``version`` (default: the latest complete one).
+
+        Raises ``FileNotFoundError`` (no such model or version), :class:`CorruptVersionError`
+        (checksums, or a manifest naming another model / version) before reading any weights.
+        """
+        v = self.latest(name) if version is None else check_version(version)
+        mdir = self.model_dir(name)
+        if v is None:
+            raise FileNotFoundError(f"model {name!r}: no published version in {mdir}")
+        vdir = mdir / str(v)
+        if not vdir.is_dir():
+            raise FileNotFoundError(f"model {name!r}: version {v} not found ({vdir})")
+        manifest = verify(vdir)
+        if manifest.model != name or manifest.version != v:
+            raise CorruptVersionError(
+                f"{vdir / MANIFEST_FILE}: written for {manifest.model!r} version "
+                f"{manifest.version}, found as {name!r} version {v}"
+            )
+        cfg = read_config(mdir / CONFIG_FILE)
+        model = load_model(vdir / ARTIFACT_DIR, map_location=map_location)
+        model.eval()
+        return LoadedModel(name, v, model, cfg, vdir)
+
+    # ---- writing ------------------------------------------------------------------------------
+    def publish(
+        self, name: str, model: RetrievalModel, *, keep: int = 3, **config_overrides: Any
+    ) -> int:
+        """Writes ``model`` as the next version of ``name``; returns the version number.
+
+        ``config_overrides`` go to :func:`serving.repository.config.make_config` (``max_batch_size``,
+        ``max_queue_delay_us``, ``preferred_batch_sizes``, ``max_queue_size``,
+        ``versions_latest``, ``backend``, ``parameters``). Publishers of one model take turns
+        (an exclusive ``flock``); after the new version is in place, all but the newest ``keep``
+        complete versions are removed, oldest first.
+        """
+        check_name(name)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep: must be a positive int, got {keep!r}")
+        cfg = make_config(name, model.config, **config_overrides)  # refuse bad overrides early
+        mdir = self.model_dir(name)
+        mdir.mkdir(parents=True, exist_ok=True)
+        with _locked(mdir / LOCK_FILE):
+            _remove_leftovers(mdir)
+            version = max(_numbered(mdir), default=0) + 1  # incomplete numbers are skipped too
+            stage = mdir / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
+            stage.mkdir()
+            try:
+                save_model(model, stage / ARTIFACT_DIR)
+                shutil.copyfile(BACKEND_SOURCE, stage / BACKEND_FILE)
+                write_manifest(stage, model=name, version=version)
+                _fsync_tree(stage)
+                os.rename(stage, mdir / str(version))  # the publish: one atomic rename
+            except BaseException:
+                shutil.rmtree(stage, ignore_errors=True)
+                raise
+            fsync_dir(mdir)
+            write_config(mdir / CONFIG_FILE, cfg)
+            _retain(mdir, keep)
+        return version
+
+
+# ---- helpers (the caller holds the model's lock where it writes) --------------------------------
+def _numbered(mdir: Path) -> list[int]:
+    """Every numbered folder, complete or not."""
+    if not mdir.is_dir():
+        return []
+    return [int(p.name) for p in mdir.iterdir() if _VERSION.fullmatch(p.name) and p.is_dir()]
+
+
+def _complete_versions(mdir: Path) -> list[int]:
+    return sorted(v for v in _numbered(mdir) if (mdir / str(v) / MANIFEST_FILE).is_file())
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (per open file, so threads of one process exclude
+    each other too)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _fsync_tree(directory: Path) -> None:
+    """fsyncs every file and folder under ``directory`` (children before parents)."""
+    for root, _dirs, files in os.walk(directory, topdown=False):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+def _remove_leftovers(mdir: Path) -> None:
+    """Removes deleted versions not yet gone and staging folders of crashed publishes."""
+    now = time.time()
+    for p in mdir.iterdir():
+        if p.name.startswith(TRASH_PREFIX) or (
+            p.name.startswith(STAGING_PREFIX) and now - p.stat().st_mtime > STALE_STAGING_S
+        ):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _retain(mdir: Path, keep: int) -> None:
+    """Removes all but the newest ``keep`` complete versions; each disappears in one rename."""
+    for v in _complete_versions(mdir)[:-keep]:
+        trash = mdir / f"{TRASH_PREFIX}{v}-{uuid.uuid4().hex}"
+        os.rename(mdir / str(v), trash)
+        fsync_dir(mdir)
+        shutil.rmtree(trash, ignore_errors=True)

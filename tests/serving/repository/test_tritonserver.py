@@ -1,0 +1,229 @@
+"""The real Triton Inference Server (bundled by nvidia-pytriton) serves our repository.
+
+The server runs as::
+
+    LD_LIBRARY_PATH=<libpython dir>:<site-packages>/nvidia_pytriton.libs \\
+    PATH=<venv>/bin:$PATH PYTHONPATH=<recserve checkout> \\
+    <site-packages>/pytriton/tritonserver/bin/tritonserver --model-repository=<repo> \\
+        --backend-directory=<tmp>/backends --http-address=127.0.0.1 --grpc-address=127.0.0.1 \\
+        --metrics-address=127.0.0.1 --http-port=P --grpc-port=P --metrics-port=P \\
+        --disable-auto-complete-config --exit-timeout-secs=5 \\
+        --backend-config=python,shm-region-prefix-name=<unique>
+
+``<tmp>/backends/python`` holds the bundled Python backend plus the stub built for this Python
+version (pytriton ships one stub per version and assembles that folder the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from serving.repository.repository import ModelRepository
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "demo"
+USERS = np.arange(6)
+_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32"}
+
+
+def _pytriton_dir() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("nvidia-pytriton is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _backend_dir(pytriton: Path, out: Path) -> Path:
+    """``<out>/python``: the bundled Python backend + the stub of this interpreter's version."""
+    dist = pytriton / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        pytest.skip(f"nvidia-pytriton has no Python backend stub for Python {version}")
+    shutil.copytree(dist / "backends", out)
+    shutil.copy2(stub, out / "python" / "triton_python_backend_stub")
+    return out
+
+
+def _env(pytriton: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    libs = [str(sysconfig.get_config_var("LIBDIR")), str(pytriton.parent / "nvidia_pytriton.libs")]
+    env["LD_LIBRARY_PATH"] = ":".join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub's python3
+    env["PYTHONPATH"] = ":".join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+@dataclass
+class Triton:
+    grpc_url: str
+    http_url: str
+    log: Path
+    repo: ModelRepository
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture(scope="module")
+def triton(tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Triton]:
+    pytriton = _pytriton_dir()
+    binary = pytriton / "tritonserver" / "bin" / "tritonserver"
+    if not binary.is_file():
+        pytest.skip(f"no tritonserver binary at {binary}")
+    tmp = tmp_path_factory.mktemp("triton")
+    repo = ModelRepository(tmp / "repo")
+    repo.publish(MODEL, tiny.build(7), parameters={"torch_threads": "1"})
+    repo.publish(MODEL, tiny.model, parameters={"torch_threads": "1"})  # latest: Triton serves 2
+    backends = _backend_dir(pytriton, tmp / "backends")
+    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
+    cmd = [
+        str(binary),
+        f"--model-repository={repo.root}",
+        f"--backend-directory={backends}",
+        "--http-address=127.0.0.1",
+        "--grpc-address=127.0.0.1",
+        "--metrics-address=127.0.0.1",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        "--disable-auto-complete-config",
+        "--exit-timeout-secs=5",
+        f"--backend-config=python,shm-region-prefix-name=recserve{os.getpid()}_{uuid.uuid4().hex[:8]}",
+    ]
+    log = tmp / "tritonserver.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=_env(pytriton), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = Triton(f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", log, repo)
+    try:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"tritonserver exited with {proc.returncode}:\n{server.log_tail()}")
+            try:
+                if client.is_server_ready() and client.is_model_ready(MODEL):
+                    break
+            except InferenceServerException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"tritonserver not ready after 120 s:\n{server.log_tail()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):  # backend stubs that outlived it
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _grpc_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
+    out = []
+    for name, a in arrays.items():
+        t = grpcclient.InferInput(name, list(a.shape), _DTYPES.get(a.dtype, "BYTES"))
+        t.set_data_from_numpy(a)
+        out.append(t)
+    return out
+
+
+def test_grpc_answers_like_the_model_in_process(tiny, triton: Triton) -> None:
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    meta = client.get_model_metadata(MODEL)
+    assert list(meta.versions) == ["2"]
+    got = client.infer(MODEL, _grpc_inputs(tiny.inputs(USERS, k=10)))
+    want_ids, want_scores = tiny.expected(tiny.model, USERS, 10)
+    np.testing.assert_array_equal(got.as_numpy("item_ids"), want_ids)
+    np.testing.assert_allclose(got.as_numpy("scores"), want_scores, rtol=1e-5, atol=1e-6)
+    assert got.get_response().model_version == "2"
+
+
+def test_grpc_filters_match(tiny, triton: Triton) -> None:
+    filters = ["available", "", "not available", "available and language != 'en'", "", ""]
+    arrays = tiny.inputs(USERS, k=8)
+    arrays["filter"] = np.array([[f.encode()] for f in filters], dtype=object)
+    got = grpcclient.InferenceServerClient(triton.grpc_url).infer(MODEL, _grpc_inputs(arrays))
+    want = tiny.expected(tiny.model, USERS, 8, [f or None for f in filters])[0]
+    np.testing.assert_array_equal(got.as_numpy("item_ids"), want)
+
+
+def test_http_answers_like_the_model_in_process(tiny, triton: Triton) -> None:
+    client = httpclient.InferenceServerClient(triton.http_url)
+    inputs = []
+    for name, a in tiny.inputs(USERS, k=5).items():
+        t = httpclient.InferInput(name, list(a.shape), _DTYPES[a.dtype])
+        t.set_data_from_numpy(a)
+        inputs.append(t)
+    got = client.infer(MODEL, inputs)
+    np.testing.assert_array_equal(got.as_numpy("item_ids"), tiny.expected(tiny.model, USERS, 5)[0])
+
+
+def test_concurrent_requests_are_batched_correctly(tiny, triton: Triton) -> None:
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+
+    def one(user: int) -> np.ndarray:
+        k = 3 + user % 5
+        got = client.infer(MODEL, _grpc_inputs(tiny.inputs(np.array([user]), k=k)))
+        return got.as_numpy("item_ids")
+
+    users = list(range(24))
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, users))
+    for user, ids in zip(users, answers, strict=True):
+        want = tiny.expected(tiny.model, np.array([user]), 3 + user % 5)[0]
+        np.testing.assert_array_equal(ids, want)
+    stats = client.get_inference_statistics(MODEL, "2").model_stats[0]
+    assert stats.inference_count >= stats.execution_count  # several requests per execute: batched
+    print(f"inferences {stats.inference_count}, executions {stats.execution_count}")
+
+
+def test_bad_inputs_get_errors_naming_the_tensor(tiny, triton: Triton) -> None:
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    arrays = tiny.inputs(USERS[:2], k=10)
+    with pytest.raises(InferenceServerException, match="k: must be in"):
+        client.infer(MODEL, _grpc_inputs(dict(arrays, k=np.zeros((2, 1), np.int32))))
+    bad_filter = np.array([[b"colour = red"], [b""]], dtype=object)
+    with pytest.raises(InferenceServerException, match="filter: unknown attribute 'colour'"):
+        client.infer(MODEL, _grpc_inputs(dict(arrays, filter=bad_filter)))
+    missing = {k: v for k, v in arrays.items() if k != "categorical"}
+    with pytest.raises(InferenceServerException, match="categorical"):
+        client.infer(MODEL, _grpc_inputs(missing))  # Triton's own check
+    assert client.is_model_ready(MODEL)
+
+
+def test_versions_still_verify_after_triton_loaded_them(triton: Triton) -> None:
+    """The stub's import of model.py may leave __pycache__/ in the version; it is not 'extra'."""
+    assert triton.repo.load(MODEL).version == 2
