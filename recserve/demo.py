@@ -10,6 +10,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from recserve.demo_serving import serve_and_query
 from retrieval.artifact import load_model, save_model
 from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
 from retrieval.index.exact import recall_at_k
@@ -127,4 +128,7 @@ def run_demo(
     again = load_model(path)
     same = np.array_equal(_recommend(again, prep, users[:64], k), recs[:64])
     console.print(f"saved to {path} (reloaded with weights_only=True; same results: {same})")
+
+    console.rule("serving")
+    serve_and_query(model, prep, out / "model_repo", ds.name.split("-")[0], first, None, console)
     console.print(f"[green]done in {time.perf_counter() - t0:.0f} s")
