@@ -17,6 +17,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc
+import tritonclient.http
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving import recommend_pb2 as pb
@@ -68,6 +70,23 @@ def stop(proc: subprocess.Popen[str]) -> None:
         proc.stdout.close()
 
 
+def kserve_inputs(module, tiny, user: int, k: int) -> list:
+    """One user's request as KServe v2 tensors (the names and dtypes of serving/requests.py)."""
+    batch = tiny.prep.user_batch(np.array([user]))
+    history = batch.history[0][batch.history[0] >= 0].numpy()[None, :]
+    tensors = (
+        ("history", "INT64", history.astype(np.int64)),
+        ("categorical", "INT64", batch.categorical.numpy().astype(np.int64)),
+        ("dense", "FP32", batch.dense.numpy().astype(np.float32)),
+        ("k", "INT32", np.array([[k]], dtype=np.int32)),
+    )
+    inputs = []
+    for name, dtype, values in tensors:
+        inputs.append(module.InferInput(name, list(values.shape), dtype))
+        inputs[-1].set_data_from_numpy(values)
+    return inputs
+
+
 def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
     repo = repository.ModelRepository(tmp_path / "repo")
     v1 = repo.publish("demo", tiny.model)
@@ -78,14 +97,15 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
     with open(err, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "recserve", "serve", "--model-repo", str(tmp_path / "repo"),
-             "--model", "demo", "--grpc-port", "0", "--metrics-port", "0", "--config", str(toml)],
+             "--model", "demo", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+             "--config", str(toml)],
             stdout=subprocess.PIPE, stderr=f, text=True,
         )  # fmt: skip
     try:
         line = first_line(proc, err)
-        m = re.fullmatch(rf"serving demo v{v1} grpc=(\S+) http=off metrics=(\S+)", line)
+        m = re.fullmatch(rf"serving demo v{v1} grpc=(\S+) http=(\S+) metrics=(\S+)", line)
         assert m, line
-        address = m.group(1)
+        address, http_address = m.group(1), m.group(2)
         channel = grpc.insecure_channel(address)
         stub = RecommenderStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
@@ -98,6 +118,18 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
             reply = stub.Recommend(message(tiny, u), timeout=WAIT)
             assert (reply.model, reply.version) == ("demo", v1)
             assert list(reply.item_ids) == want_v1[u]
+        # the KServe v2 protocol on the same process: tritonclient over gRPC and HTTP, unchanged
+        for client in (
+            tritonclient.grpc.InferenceServerClient(address),
+            tritonclient.http.InferenceServerClient(http_address),
+        ):
+            module = tritonclient.grpc if "grpc" in type(client).__module__ else tritonclient.http
+            assert client.is_server_ready() and client.is_model_ready("demo")
+            u = USERS[0]
+            inputs = kserve_inputs(module, tiny, u, k=10)
+            ids = client.infer("demo", inputs).as_numpy("item_ids")[0].tolist()
+            assert ids == want_v1[u][:10]
+            client.close()
 
         # hot reload under concurrent load: zero failures, versions only move forward
         want_v2 = expected(tiny, v2_model)
