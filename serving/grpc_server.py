@@ -25,6 +25,7 @@ from serving import recommend_pb2 as pb
 from serving import recommend_pb2_grpc as pb_grpc
 from serving.requests import RecRequest, RecResult, RequestError, error_status
 from serving.state import ServingState
+from sharded_tables.grpc_util import bind_insecure, format_address
 
 log = logging.getLogger(__name__)
 
@@ -124,18 +125,11 @@ class GrpcServer:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return format_address(self.host, self.port)
 
     def start(self) -> str:
         """Binds and starts; health is SERVING when the state is ready. Returns ``host:port``."""
-        try:
-            port = self._server.add_insecure_port(self.address)
-        except RuntimeError as e:
-            raise OSError(f"grpc_port: cannot bind {self.address}: {e}") from None
-        if port == 0:
-            raise OSError(f"grpc_port: cannot bind {self.address}")
-        self.port = port
+        self.port = bind_insecure(self._server, self.host, self.port, "grpc_port")
         self._server.start()
         self.set_serving(self.state.ready)
         return self.address

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from sharded_tables.grpc_util import bind_insecure, format_address
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.shard_files import (
@@ -326,18 +327,11 @@ class EmbeddingServer:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return format_address(self.host, self.port)
 
     def start(self) -> str:
         """Binds, starts and reports SERVING; returns ``host:port`` (the bound port)."""
-        try:
-            port = self._server.add_insecure_port(self.address)
-        except RuntimeError as e:
-            raise OSError(f"--port: cannot bind {self.address}: {e}") from None
-        if port == 0:
-            raise OSError(f"--port: cannot bind {self.address}")
-        self.port = port
+        self.port = bind_insecure(self._server, self.host, self.port, "--port")
         self._server.start()
         for service in ("", SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
