@@ -107,7 +107,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
     """-> (the JSON header, the binary data after it)."""
     cut = len(body)
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        # ASCII only: "²" passes isdigit() but int() refuses it
+        valid = header_length.isascii() and header_length.isdecimal()
+        if not valid or int(header_length) > len(body):
             raise RequestError(
                 f"{HEADER_LENGTH}: must be a byte count in [0, {len(body)}], got {header_length!r}"
             )

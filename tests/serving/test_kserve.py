@@ -375,3 +375,12 @@ def test_random_bytes_as_a_body_never_crash(body, length):
         kserve.parse(json_tensors(h, rest), SPEC)
     except RequestError as e:
         assert_named(e)
+
+
+def test_a_non_ascii_digit_header_length_is_a_request_error():
+    """``"²".isdigit()`` is True but ``int("²")`` fails: found by the random-body property."""
+    from serving.http_app import split_body
+    from serving.requests import RequestError
+
+    with pytest.raises(RequestError, match="byte count"):
+        split_body(b"{}", "²")
