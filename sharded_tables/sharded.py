@@ -47,11 +47,12 @@ class RemoteFetcher(Protocol):
 
 @dataclass
 class RemoteStats:
-    """Counters of remote lookups (cache hits count ids served without a request)."""
+    """Counters of lookups that leave the local tiers: ids read (remote and hashed tables),
+    distinct ids of hashed tables, rows fetched from the servers. Cache hits and misses are
+    the caches' own (:meth:`ShardedEmbeddingCollection.cache_stats`)."""
 
     ids: int = 0
     unique: int = 0
-    cache_hits: int = 0
     fetched: int = 0
 
 
@@ -102,7 +103,10 @@ class ShardedEmbeddingCollection(nn.Module):
                 ]
                 if tables:
                     module = LocalTables(
-                        tables, tier=tier, device=self.device, backend=self._backend_for(backend)
+                        tables,
+                        tier=tier,
+                        device=self.device,
+                        backend="torch" if backend == "torch" else None,
                     )
                     self.tiers[tier if backend == "fbgemm" else f"{tier}/{backend}"] = module
                     self._module_of.update({t.name: module for t in tables})
@@ -167,9 +171,6 @@ class ShardedEmbeddingCollection(nn.Module):
         # bench/tables.py); unpacking the unique rows with torch is faster there.
         return "torch" if dtype is DType.FP8 and self.device.type == "cpu" else "fbgemm"
 
-    def _backend_for(self, group: str) -> str | None:
-        return "torch" if group == "torch" else None  # None: LocalTables picks fbgemm or torch
-
     def _local_tiers(self) -> list[str]:
         # Without a GPU, "device" is the fastest in-process copy: host DRAM, one TBE call.
         return ["device", "host"] if self.device.type == "cuda" else ["host"]
@@ -181,9 +182,6 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def _is_remote(self, table: str) -> bool:
         return self.plan.placement(table).tier is Tier.REMOTE
-
-    def remote_tables(self) -> list[str]:
-        return [s.name for s, p in self._placed() if p.tier is Tier.REMOTE]
 
     # ---- weights ----------------------------------------------------------------------------
     def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -342,7 +340,6 @@ class ShardedEmbeddingCollection(nn.Module):
                 out[f] = out[f] + extra[f] if f in out else extra[f]
             if self.caches[table].capacity:
                 self.caches[table].put(u, fetched[table])
-        self.stats.cache_hits = sum(int(c.stats()["hits"]) for c in self.caches.values())
         for table, feats in by_table.items():
             spec = self.specs[table]
             for f in feats:  # no cache and nothing fetched: every bag is empty
