@@ -20,6 +20,7 @@ from serving.main import Server
 from serving.recommend_pb2 import RecommendRequest
 from serving.recommend_pb2_grpc import RecommenderStub
 from serving.repository import ModelRepository
+from serving.requests import DATATYPES
 
 
 def serve_and_query(
@@ -62,13 +63,13 @@ def serve_and_query(
         )
         client = triton.InferenceServerClient(addresses.grpc)
         inputs = []
-        for tensor, dtype, values in (
-            ("history", "INT64", np.array([history], dtype=np.int64)),
-            ("categorical", "INT64", np.array([categorical], dtype=np.int64)),
-            ("dense", "FP32", np.array([dense], dtype=np.float32)),
-            ("k", "INT32", np.array([[k]], dtype=np.int32)),
+        for tensor, values in (
+            ("history", np.array([history], dtype=np.int64)),
+            ("categorical", np.array([categorical], dtype=np.int64)),
+            ("dense", np.array([dense], dtype=np.float32)),
+            ("k", np.array([[k]], dtype=np.int32)),
         ):
-            inputs.append(triton.InferInput(tensor, list(values.shape), dtype))
+            inputs.append(triton.InferInput(tensor, list(values.shape), DATATYPES[tensor]))
             inputs[-1].set_data_from_numpy(values)
         result = client.infer(name, inputs)
         ids = result.as_numpy("item_ids")[0].tolist()

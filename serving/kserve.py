@@ -39,6 +39,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from retrieval.filters import parse_filter
 from serving.requests import (
+    DATATYPES,
     INPUTS,
     MAX_K,
     OUTPUTS,
@@ -95,16 +96,16 @@ class ModelSpec:
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
         return (
-            TensorSpec("history", "INT64", (-1,)),
-            TensorSpec("categorical", "INT64", (self.categorical,)),
-            TensorSpec("dense", "FP32", (self.dense,)),
-            TensorSpec("k", "INT32", (1,)),
-            TensorSpec("filter", "BYTES", (1,), optional=True),
+            TensorSpec("history", DATATYPES["history"], (-1,)),
+            TensorSpec("categorical", DATATYPES["categorical"], (self.categorical,)),
+            TensorSpec("dense", DATATYPES["dense"], (self.dense,)),
+            TensorSpec("k", DATATYPES["k"], (1,)),
+            TensorSpec("filter", DATATYPES["filter"], (1,), optional=True),
         )
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        return (TensorSpec("item_ids", "INT64", (-1,)), TensorSpec("scores", "FP32", (-1,)))
+        return tuple(TensorSpec(name, DATATYPES[name], (-1,)) for name in OUTPUTS)
 
 
 @dataclass
@@ -447,10 +448,9 @@ def render(results: Sequence[RecResult], names: Sequence[str]) -> list[OutputTen
     k = max(len(r.item_ids) for r in results)
     out = []
     for name in names:
-        spec_dt = "INT64" if name == "item_ids" else "FP32"
-        array = np.full((len(results), k), _PAD[name], dtype=NUMPY[spec_dt])  # [B, K]
+        array = np.full((len(results), k), _PAD[name], dtype=NUMPY[DATATYPES[name]])  # [B, K]
         for b, r in enumerate(results):
             row = getattr(r, name)
             array[b, : len(row)] = row
-        out.append(OutputTensor(name, spec_dt, array))
+        out.append(OutputTensor(name, DATATYPES[name], array))
     return out

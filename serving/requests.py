@@ -31,6 +31,16 @@ import numpy as np
 
 INPUTS = ("history", "categorical", "dense", "k", "filter")
 OUTPUTS = ("item_ids", "scores")
+DATATYPES = {
+    "history": "INT64",
+    "categorical": "INT64",
+    "dense": "FP32",
+    "k": "INT32",
+    "filter": "BYTES",
+    "item_ids": "INT64",
+    "scores": "FP32",
+}
+"""KServe v2 datatype of every tensor in the table above."""
 MAX_K = 10_000
 """Largest K a request may ask for (and never more than the catalog)."""
 

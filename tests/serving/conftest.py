@@ -4,6 +4,7 @@ in-memory stand-in for ``model_repo.ModelRepository`` (latest / versions / load)
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import Prepared, prepare
+from serving.config import ServeConfig
 from serving.repository.manifest import CorruptVersionError
 from serving.requests import RecRequest
 
@@ -41,6 +43,29 @@ class Tiny:
             k=k,
             **kw,
         )
+
+    def inputs(self, users: np.ndarray, k: int = 10) -> dict[str, np.ndarray]:
+        """The KServe tensors of ``users`` (``[B, ...]``, no filter)."""
+        ds, cfg = self.prep.dataset, self.prep.config
+        cat = np.stack([ds.user_features[n][users] for n in cfg.user_features], axis=1)
+        return {
+            "history": self.prep.history[users].astype(np.int64),
+            "categorical": cat.astype(np.int64),
+            "dense": ds.user_dense[users].astype(np.float32),
+            "k": np.full((len(users), 1), k, dtype=np.int32),
+        }
+
+    def expected(
+        self,
+        model: RetrievalModel,
+        users: np.ndarray,
+        k: int,
+        filters: list[str | None] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """In-process forward of ``users`` -> (ids, scores) as numpy."""
+        with torch.inference_mode():
+            ids, scores = model.eval()(self.prep.user_batch(users, filters), k)
+        return ids.numpy(), scores.numpy()
 
 
 @pytest.fixture(scope="session")
@@ -106,3 +131,23 @@ def repo(tiny: Tiny) -> StandInRepo:
 @pytest.fixture
 def empty_repo() -> StandInRepo:
     return StandInRepo()
+
+
+@pytest.fixture
+def serve_config(tmp_path: Path) -> Callable[..., ServeConfig]:
+    """``serve_config(**overrides)``: a loopback test server's config over ``tmp_path`` (free
+    ports, no polling, no linger) holding a ``demo`` model folder."""
+    (tmp_path / "demo").mkdir(exist_ok=True)
+    (tmp_path / "demo" / "config.pbtxt").write_text('name: "demo"\n')
+
+    def make(**overrides: Any) -> ServeConfig:
+        base: dict[str, Any] = {
+            "model_repo": tmp_path,
+            "grpc_port": 0,
+            "metrics_port": 0,
+            "poll_s": 0.0,
+            "close_linger_s": 0.0,
+        }
+        return ServeConfig(**{**base, **overrides})
+
+    return make

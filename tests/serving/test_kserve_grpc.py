@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +15,9 @@ from tritonclient.utils import InferenceServerException
 
 from retrieval.features import make_user_batch
 from serving import kserve_grpc
-from serving.config import BatchingConfig, ServeConfig
+from serving.config import BatchingConfig
 from serving.main import Server, discover_grpc_plugins
+from serving.requests import DATATYPES
 
 WAIT = 10.0
 USERS = [0, 3, 7, 42]
@@ -46,14 +46,9 @@ def pbtxt() -> mc.ModelConfig:
 
 
 @pytest.fixture
-def server(tmp_path: Path, repo) -> Iterator[Server]:
-    (tmp_path / "demo").mkdir()
-    (tmp_path / "demo" / "config.pbtxt").write_text('name: "demo"\n')
-    config = ServeConfig(
-        model_repo=tmp_path,
-        grpc_port=0,
-        poll_s=0.0,
-        close_linger_s=0.0,
+def server(serve_config, repo) -> Iterator[Server]:
+    config = serve_config(
+        metrics_port=None,
         batching=BatchingConfig(max_batch_size=8, max_queue_delay_ms=1.0, max_queue_size=4),
     )
     s = Server(config, repo=ConfiguredRepo(repo, pbtxt()))  # plugins discovered: KServe joins
@@ -71,14 +66,7 @@ def client(server: Server) -> Iterator[tc.InferenceServerClient]:
 
 
 def inputs(tiny, users: list[int], k: int = 10, filters: list[str] | None = None):
-    ds, cfg, prep = tiny.prep.dataset, tiny.prep.config, tiny.prep
-    arrays = {
-        "history": prep.history[users].astype(np.int64),  # [B, H], -1 pads
-        "categorical": np.stack([ds.user_features[n][users] for n in cfg.user_features], 1),
-        "dense": ds.user_dense[users].astype(np.float32),
-        "k": np.full((len(users), 1), k, np.int32),
-    }
-    arrays["categorical"] = arrays["categorical"].astype(np.int64)
+    arrays = tiny.inputs(np.array(users), k)
     if filters is not None:
         arrays["filter"] = np.array(filters, dtype=object).reshape(-1, 1)
     return arrays
@@ -87,13 +75,7 @@ def inputs(tiny, users: list[int], k: int = 10, filters: list[str] | None = None
 def to_inputs(arrays: dict[str, np.ndarray], datatypes: dict[str, str] | None = None):
     out = []
     for name, a in arrays.items():
-        dt = (datatypes or {}).get(name) or {
-            "history": "INT64",
-            "categorical": "INT64",
-            "dense": "FP32",
-            "k": "INT32",
-            "filter": "BYTES",
-        }[name]
+        dt = (datatypes or {}).get(name) or DATATYPES[name]
         t = tc.InferInput(name, list(a.shape), dt)
         t.set_data_from_numpy(a)
         out.append(t)

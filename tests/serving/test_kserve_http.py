@@ -9,7 +9,6 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,24 +16,19 @@ import torch
 import tritonclient.http as tc
 from tritonclient.utils import InferenceServerException
 
-from serving.config import BatchingConfig, ServeConfig
+from serving.config import BatchingConfig
 from serving.main import Server
+from serving.requests import DATATYPES
 
 WAIT = 10.0
 USERS = [0, 3, 7, 42]
-DATATYPES = {"history": "INT64", "categorical": "INT64", "dense": "FP32", "k": "INT32"}
 
 
 @pytest.fixture
-def server(tmp_path: Path, repo) -> Iterator[Server]:
-    (tmp_path / "demo").mkdir()
-    (tmp_path / "demo" / "config.pbtxt").write_text('name: "demo"\n')
-    config = ServeConfig(
-        model_repo=tmp_path,
-        grpc_port=0,
+def server(serve_config, repo) -> Iterator[Server]:
+    config = serve_config(
         http_port=0,
-        poll_s=0.0,
-        close_linger_s=0.0,
+        metrics_port=None,
         batching=BatchingConfig(max_batch_size=8, max_queue_delay_ms=1.0, max_queue_size=4),
     )
     s = Server(config, repo=repo, extra_servicers=[])
@@ -52,21 +46,13 @@ def client(server: Server) -> Iterator[tc.InferenceServerClient]:
 
 
 def arrays(tiny, users: list[int], k: int = 10) -> dict[str, np.ndarray]:
-    ds, cfg, prep = tiny.prep.dataset, tiny.prep.config, tiny.prep
-    return {
-        "history": prep.history[users].astype(np.int64),  # [B, H], -1 pads
-        "categorical": np.stack([ds.user_features[n][users] for n in cfg.user_features], 1).astype(
-            np.int64
-        ),
-        "dense": ds.user_dense[users].astype(np.float32),
-        "k": np.full((len(users), 1), k, np.int32),
-    }
+    return tiny.inputs(np.array(users), k)
 
 
 def to_inputs(a: dict[str, np.ndarray], binary: bool = True) -> list[tc.InferInput]:
     out = []
     for name, x in a.items():
-        t = tc.InferInput(name, list(x.shape), "BYTES" if name == "filter" else DATATYPES[name])
+        t = tc.InferInput(name, list(x.shape), DATATYPES[name])
         t.set_data_from_numpy(x, binary_data=binary)
         out.append(t)
     return out

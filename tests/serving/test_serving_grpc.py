@@ -8,7 +8,6 @@ import time
 import types
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving import recommend_pb2 as pb
-from serving.config import BatchingConfig, ConfigError, ServeConfig
+from serving.config import BatchingConfig, ConfigError
 from serving.grpc_server import SERVICE
 from serving.main import Server
 from serving.recommend_pb2_grpc import RecommenderStub
@@ -37,23 +36,10 @@ def message(tiny, user: int, k: int = 10, **kw) -> pb.RecommendRequest:
     )
 
 
-def config(tmp_path: Path, **kw) -> ServeConfig:
-    (tmp_path / "demo").mkdir(exist_ok=True)
-    (tmp_path / "demo" / "config.pbtxt").write_text('name: "demo"\n')
-    base = {
-        "model_repo": tmp_path,
-        "grpc_port": 0,
-        "metrics_port": 0,
-        "poll_s": 0.0,
-        "close_linger_s": 0.0,
-    }
-    return ServeConfig(**{**base, **kw})
-
-
 @pytest.fixture
-def server(tmp_path: Path, repo) -> Iterator[Server]:
+def server(serve_config, repo) -> Iterator[Server]:
     batching = BatchingConfig(max_batch_size=8, max_queue_delay_ms=1.0, max_queue_size=2)
-    s = Server(config(tmp_path, batching=batching), repo=repo, extra_servicers=[])
+    s = Server(serve_config(batching=batching), repo=repo, extra_servicers=[])
     s.start()
     yield s
     s.state.batcher.gate.set()
@@ -182,10 +168,10 @@ def test_metrics_count_requests_batches_and_the_version(server, stub, tiny):
         assert name in text
 
 
-def test_http_port_needs_the_http_app(tmp_path, repo, monkeypatch):
+def test_http_port_needs_the_http_app(serve_config, repo, monkeypatch):
     monkeypatch.setitem(sys.modules, "serving.http_app", None)
     with pytest.raises(ConfigError, match=r"^http_port"):
-        Server(config(tmp_path, http_port=0), repo=repo, extra_servicers=[])
+        Server(serve_config(http_port=0), repo=repo, extra_servicers=[])
 
     async def app(scope, receive, send):  # the smallest ASGI app
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -194,7 +180,7 @@ def test_http_port_needs_the_http_app(tmp_path, repo, monkeypatch):
     fake = types.ModuleType("serving.http_app")
     fake.make_app = lambda state: app  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "serving.http_app", fake)
-    s = Server(config(tmp_path, http_port=0), repo=repo, extra_servicers=[])
+    s = Server(serve_config(http_port=0), repo=repo, extra_servicers=[])
     s.start()
     try:
         assert " http=127.0.0.1:" in s.announce_line()
