@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -38,6 +37,7 @@ from serving.grpc_server import ExtraServicer, GrpcServer
 from serving.host import ModelHost, Repository
 from serving.metrics import ServingMetrics
 from serving.state import ServingState, make_batcher
+from sharded_tables.grpc_util import serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -217,17 +217,12 @@ def serve(
     """Serves until SIGTERM or SIGINT, then drains and returns; a drain that overruns
     ``drain_timeout_s`` (a stuck batch) ends the process at once with status 1."""
     server = Server(config, extra_servicers=extra_servicers)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    server.start()
-    line = server.announce_line()
-    if announce is None:
-        print(line, flush=True)  # a parent process waits for this line
-    else:
-        announce(line)
-    while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-        pass
+
+    def start() -> str:
+        server.start()
+        return server.announce_line()
+
+    serve_until_signal(start, announce)
     log.info("draining (up to %.1f s)", config.drain_timeout_s)
     if not server.drain_and_stop():
         log.error("drain did not finish within %.1f s; exiting anyway", config.drain_timeout_s)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Callable
+
 import grpc
 
 
@@ -21,3 +25,18 @@ def bind_insecure(server: grpc.Server, host: str, port: int, field: str) -> int:
     if bound == 0:
         raise OSError(f"{field}: cannot bind {address}")
     return bound
+
+
+def serve_until_signal(start: Callable[[], str], announce: Callable[[str], None] | None) -> None:
+    """Runs ``start()`` (which returns the ready line), announces it, and blocks until SIGTERM
+    or SIGINT. The line goes to stdout by default: a parent process waits for it."""
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    line = start()
+    if announce is None:
+        print(line, flush=True)
+    else:
+        announce(line)
+    while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+        pass

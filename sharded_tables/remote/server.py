@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import re
-import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sharded_tables.grpc_util import bind_insecure, format_address
+from sharded_tables.grpc_util import bind_insecure, format_address, serve_until_signal
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.shard_files import (
@@ -361,16 +360,11 @@ def serve(
     server = EmbeddingServer(
         folder, host=host, port=port, memory_budget=memory_budget, tables=tables, name=name
     )
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    address = server.start()
-    held = ", ".join(sorted(server.tables))
-    line = f"embed-server listening on {address} (shard {folder}: {held})"
-    if announce is None:
-        print(line, flush=True)  # a parent process waits for this line
-    else:
-        announce(line)
-    while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-        pass
+
+    def start() -> str:
+        address = server.start()
+        held = ", ".join(sorted(server.tables))
+        return f"embed-server listening on {address} (shard {folder}: {held})"
+
+    serve_until_signal(start, announce)
     server.stop(grace)

@@ -16,6 +16,7 @@ import torch
 from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import Prepared, prepare
+from serving import recommend_pb2
 from serving.config import ServeConfig
 from serving.repository.manifest import CorruptVersionError
 from serving.requests import RecRequest
@@ -40,6 +41,18 @@ class Tiny:
             history=hist[hist >= 0].astype(np.int64),
             categorical=np.array([ds.user_features[n][user] for n in cfg.user_features], np.int64),
             dense=ds.user_dense[user].astype(np.float32),
+            k=k,
+            **kw,
+        )
+
+    def message(self, user: int, k: int = 10, **kw: Any) -> recommend_pb2.RecommendRequest:
+        """The gRPC ``Recommend`` request of ``user`` (extra fields in ``kw``)."""
+        r = self.request(user, k)
+        return recommend_pb2.RecommendRequest(
+            user_id=str(user),
+            history=r.history.tolist(),
+            categorical=r.categorical.tolist(),
+            dense=r.dense.tolist(),
             k=k,
             **kw,
         )

@@ -21,7 +21,6 @@ import tritonclient.grpc
 import tritonclient.http
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving import recommend_pb2 as pb
 from serving.recommend_pb2_grpc import RecommenderStub
 from serving.repository import repository
 
@@ -30,17 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 STARTUP_S = 90.0
 WAIT = 10.0
 USERS = list(range(0, 100, 7))
-
-
-def message(tiny, user: int, k: int = 10) -> pb.RecommendRequest:
-    r = tiny.request(user, k)
-    return pb.RecommendRequest(
-        user_id=str(user),
-        history=r.history.tolist(),
-        categorical=r.categorical.tolist(),
-        dense=r.dense.tolist(),
-        k=k,
-    )
 
 
 def expected(tiny, model, k: int = 10) -> dict[int, list[int]]:
@@ -115,7 +103,7 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
         # round trip: the ids an in-process forward gives
         want_v1 = expected(tiny, tiny.model)
         for u in USERS:
-            reply = stub.Recommend(message(tiny, u), timeout=WAIT)
+            reply = stub.Recommend(tiny.message(u), timeout=WAIT)
             assert (reply.model, reply.version) == ("demo", v1)
             assert list(reply.item_ids) == want_v1[u]
         # the KServe v2 protocol on the same process: tritonclient over gRPC and HTTP, unchanged
@@ -143,7 +131,7 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
                 u = USERS[i % len(USERS)]
                 i += 1
                 try:
-                    r = stub.Recommend(message(tiny, u), timeout=WAIT)
+                    r = stub.Recommend(tiny.message(u), timeout=WAIT)
                 except grpc.RpcError as e:
                     failures.append(f"{e.code()}: {e.details()}")
                     continue
@@ -168,7 +156,7 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
         for versions in seen:
             assert versions[0] == v1 and versions[-1] == v2
             assert versions == sorted(versions)  # never back to the old version
-        assert stub.Recommend(message(tiny, 0), timeout=WAIT).version == v2
+        assert stub.Recommend(tiny.message(0), timeout=WAIT).version == v2
 
         # SIGTERM with requests in flight: each finishes or is refused UNAVAILABLE, clean exit
         outcomes: list[str] = []
@@ -178,7 +166,7 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
         def drain_client() -> None:
             while not stop_load.is_set():
                 try:
-                    stub.Recommend(message(tiny, 1), timeout=WAIT)
+                    stub.Recommend(tiny.message(1), timeout=WAIT)
                     outcomes.append("OK")
                 except grpc.RpcError as e:
                     outcomes.append(e.code().name)

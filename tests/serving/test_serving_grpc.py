@@ -15,25 +15,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving import recommend_pb2 as pb
 from serving.config import BatchingConfig, ConfigError
 from serving.grpc_server import SERVICE
 from serving.main import Server
 from serving.recommend_pb2_grpc import RecommenderStub
 
 WAIT = 10.0
-
-
-def message(tiny, user: int, k: int = 10, **kw) -> pb.RecommendRequest:
-    r = tiny.request(user, k)
-    return pb.RecommendRequest(
-        user_id=str(user),
-        history=r.history.tolist(),
-        categorical=r.categorical.tolist(),
-        dense=r.dense.tolist(),
-        k=k,
-        **kw,
-    )
 
 
 @pytest.fixture
@@ -53,7 +40,7 @@ def stub(server: Server) -> Iterator[RecommenderStub]:
 
 
 def test_recommend_round_trip_equals_a_forward(server, stub, tiny):
-    reply = stub.Recommend(message(tiny, 3, k=12), timeout=WAIT)
+    reply = stub.Recommend(tiny.message(3, k=12), timeout=WAIT)
     assert (reply.model, reply.version, reply.partial) == ("demo", 1, False)
     with torch.inference_mode():
         ids, scores = tiny.model(tiny.prep.user_batch(np.array([3])), 12)
@@ -77,7 +64,7 @@ def test_recommend_round_trip_equals_a_forward(server, stub, tiny):
     ],
 )
 def test_bad_requests_get_their_code_and_field_fast(server, stub, tiny, kw, code, field):
-    msg = message(tiny, 0)
+    msg = tiny.message(0)
     for name, value in kw.items():
         if isinstance(value, list):
             getattr(msg, name)[:] = value
@@ -89,18 +76,18 @@ def test_bad_requests_get_their_code_and_field_fast(server, stub, tiny, kw, code
     assert time.monotonic() - start < 1.0
     assert err.value.code() == code
     assert err.value.details().startswith(field), err.value.details()
-    assert stub.Recommend(message(tiny, 0), timeout=WAIT).version == 1  # still up
+    assert stub.Recommend(tiny.message(0), timeout=WAIT).version == 1  # still up
 
 
 def test_queue_full_is_resource_exhausted_and_deadline_is_deadline_exceeded(server, stub, tiny):
     batcher = server.state.batcher
     batcher.gate.clear()
-    held = [stub.Recommend.future(message(tiny, u), timeout=WAIT) for u in (1, 2)]
+    held = [stub.Recommend.future(tiny.message(u), timeout=WAIT) for u in (1, 2)]
     until = time.monotonic() + WAIT
     while batcher.waiting < 2 and time.monotonic() < until:
         time.sleep(0.01)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Recommend(message(tiny, 3), timeout=WAIT)
+        stub.Recommend(tiny.message(3), timeout=WAIT)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "queue full" in err.value.details()
     batcher.gate.set()
@@ -108,7 +95,7 @@ def test_queue_full_is_resource_exhausted_and_deadline_is_deadline_exceeded(serv
 
     batcher.gate.clear()
     with pytest.raises(grpc.RpcError) as err:
-        stub.Recommend(message(tiny, 4), timeout=0.2)
+        stub.Recommend(tiny.message(4), timeout=0.2)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     batcher.gate.set()
     text = scrape(server)
@@ -117,12 +104,12 @@ def test_queue_full_is_resource_exhausted_and_deadline_is_deadline_exceeded(serv
 
 
 def test_an_oversized_message_is_refused_and_the_server_stays_up(server, stub, tiny):
-    msg = message(tiny, 0)
+    msg = tiny.message(0)
     msg.dense[:] = [0.5] * 1_200_000  # 4.8 MB > 4 MiB
     with pytest.raises(grpc.RpcError) as err:
         stub.Recommend(msg, timeout=WAIT)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert stub.Recommend(message(tiny, 0), timeout=WAIT).version == 1
+    assert stub.Recommend(tiny.message(0), timeout=WAIT).version == 1
 
 
 def test_health_and_draining(server, stub, tiny):
@@ -136,7 +123,7 @@ def test_health_and_draining(server, stub, tiny):
         status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT)
         assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.RpcError) as err:
-        stub.Recommend(message(tiny, 0), timeout=WAIT)
+        stub.Recommend(tiny.message(0), timeout=WAIT)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -148,9 +135,9 @@ def scrape(server: Server) -> str:
 
 def test_metrics_count_requests_batches_and_the_version(server, stub, tiny):
     for u in range(5):
-        stub.Recommend(message(tiny, u), timeout=WAIT)
+        stub.Recommend(tiny.message(u), timeout=WAIT)
     with pytest.raises(grpc.RpcError):
-        stub.Recommend(message(tiny, 0, k=0), timeout=WAIT)
+        stub.Recommend(tiny.message(0, k=0), timeout=WAIT)
     text = scrape(server)
     assert 'nv_inference_request_success{model="demo",version="1"} 5.0' in text
     assert (
@@ -192,5 +179,5 @@ def test_http_port_needs_the_http_app(serve_config, repo, monkeypatch):
 
 def test_recommend_without_a_deadline_is_answered(server, stub, tiny):
     """grpc reports 'no deadline' as ~9.2e18 s remaining; that must not overflow the clock."""
-    reply = stub.Recommend(message(tiny, 3, k=12))  # no timeout
+    reply = stub.Recommend(tiny.message(3, k=12))  # no timeout
     assert len(reply.item_ids) == 12
