@@ -178,33 +178,53 @@ class RetrievalModel(nn.Module):
         """Top-``k`` items per request. ``exact=True`` scans every eligible item (the reference)."""
         if not torch.compiler.is_compiling():
             self.validate(batch, k)
-        cfg = self.config
         # features -> tables -> tower
         q = self.user_vectors(batch)  # [B, D]
         # index, with the request's filter applied inside the scan
-        hist = batch.history if cfg.exclude_history else batch.history[:, :0]
-        r = min(
-            self.index.ntotal,
-            max(k + hist.shape[1], cfg.head_candidates if self.head is not None else 0),
-        )
+        r, hist = self.candidate_budget(batch, k)
         fb = FilterBatch(batch.filter_masks, batch.filter_negate)
         icfg = self.index.config  # as built (nprobe may be tuned)
         pos, dot = self.index.search_positions(
             q, r, fb, icfg.nprobe, icfg.rerank, exact=exact
         )  # [B, R]
         ids = torch.where(pos >= 0, self.index.item_ids[pos.clamp(min=0)], pos)
-        # score: dot product, plus the learned head when configured
+        vecs = None
         if self.head is not None:
-            cand = self.index.vectors_at(pos.clamp(min=0).flatten()).view(
-                *pos.shape, -1
-            )  # [B, R, D]
-            dot = score_candidates(q, cand, dot, self.head, cfg.temperature).masked_fill(
-                pos < 0, float("-inf")
+            vecs = self.index.vectors_at(pos.clamp(min=0).flatten()).view(*pos.shape, -1)
+        return self.rank(q, hist, ids, dot, vecs, k)
+
+    def candidate_budget(self, batch: UserBatch, k: int) -> tuple[int, torch.Tensor]:
+        """(candidates R the index returns, history ``[B, H]`` to exclude): enough that K
+        remain after removing seen items, and what the scoring head re-scores."""
+        hist = batch.history if self.config.exclude_history else batch.history[:, :0]
+        r = min(
+            self.index.ntotal,
+            max(k + hist.shape[1], self.config.head_candidates if self.head is not None else 0),
+        )
+        return r, hist
+
+    def rank(
+        self,
+        q: torch.Tensor,
+        hist: torch.Tensor,
+        ids: torch.Tensor,
+        dot: torch.Tensor,
+        vecs: torch.Tensor | None,
+        k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates -> top-``k``: the scoring head (when configured) over ``vecs [B, R, D]``,
+        seen items removed. ``ids [B, R]`` (-1 pads), ``dot [B, R]`` from the index."""
+        if self.head is not None and vecs is not None:
+            dot = score_candidates(q, vecs, dot, self.head, self.config.temperature).masked_fill(
+                ids < 0, float("-inf")
             )
         # already-seen items never take a slot
         seen = (ids.unsqueeze(2) == hist.unsqueeze(1)).any(dim=2) & (ids >= 0)  # [B, R]
         dot = dot.masked_fill(seen, float("-inf"))
-        # top-K
+        if dot.shape[1] < k:  # a router's merged candidates may be fewer than k
+            pad = k - dot.shape[1]
+            dot = torch.cat([dot, dot.new_full((dot.shape[0], pad), float("-inf"))], dim=1)
+            ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), -1)], dim=1)
         top, idx = dot.topk(k, dim=1)
         return torch.where(top > float("-inf"), ids.gather(1, idx), torch.full_like(idx, -1)), top
 

@@ -32,6 +32,7 @@ from retrieval.filters import FilterBatch, FilterSchema, eligible, estimate_sele
 from retrieval.index.codes import CODE_KINDS, dequantize
 from retrieval.index.exact import exact_topk
 from retrieval.index.scan import filter_mask, scan, topk_rows
+from retrieval.index.search import Candidates, SearchPlan, run_search
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -122,12 +123,15 @@ class IVFIndex(nn.Module):
         # items of each signature bit, bit after bit (int32 positions; offsets = cumsum(bit_counts))
         self.register_buffer("postings", torch.zeros(0, dtype=torch.int32))
         self.max_list = 0
+        self._ntotal = 0
         self.posting_offsets: list[int] = [0]
 
     # ---- state -------------------------------------------------------------------------------
     @property
     def ntotal(self) -> int:
-        return int(self.item_ids.shape[0])
+        """Items in the catalog this index plans for (a router's statistics-only index holds
+        the catalog's list sizes but none of its items)."""
+        return self._ntotal
 
     @property
     def nlist(self) -> int:
@@ -174,6 +178,7 @@ class IVFIndex(nn.Module):
     def _refresh(self) -> None:
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
+        self._ntotal = int(self.offsets[-1])
         self.posting_offsets = torch.cat(
             [self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]
         ).tolist()
@@ -244,33 +249,37 @@ class IVFIndex(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
         ``exact=True`` scans every eligible item (the reference the index is measured against)."""
-        b = q.shape[0]
-        r = max(k, rerank) if rerank and self.exact.shape[0] else k
-        if not fb.active and not exact:  # the common case, kept lean for single queries
-            pos, scores = self._ivf(q, k, r, self._nprobe_for(1.0, nprobe, r), fb.masks, fb.negate)
-            if bool(pos[:, -1].ge(0).all()):  # results fill each row from the front
-                return pos, scores
-            use_exact = torch.zeros(b, dtype=torch.bool, device=q.device)
-        else:
-            sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).tolist()  # [B]
-            plans = {s_: self._plan_for(s_, nprobe, r, exact) for s_ in set(sel)}  # few distinct
-            probes = [plans[s_][0] for s_ in sel]
-            plan_exact = [plans[s_][1] for s_ in sel]
-            use_exact = torch.tensor(plan_exact, device=q.device)
-            pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
-            scores = torch.full((b, k), float("-inf"), device=q.device)
-            rows = (~use_exact).nonzero().flatten()
-            if rows.numel():
-                nprobe_rows = torch.tensor(probes, device=q.device)[rows]
-                p, s = self._ivf(q[rows], k, r, nprobe_rows, fb.masks[rows], fb.negate[rows])
-                pos[rows], scores[rows] = p, s
-        # Rows the lists could not fill (or planned as exact) get the exact scan.
-        short = use_exact | pos[:, -1].lt(0)
-        if bool(short.any()):
-            rows = short.nonzero().flatten()
-            p, s = self._exact(q[rows], k, fb.masks[rows], fb.negate[rows])
-            pos[rows], scores[rows] = p, s
-        return pos, scores
+        plan = self.plan(fb, k, nprobe, rerank, exact)
+
+        def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
+            if rows is None:
+                return self.candidates(q, fb, p)
+            return self.candidates(q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]), p)
+
+        top = run_search(plan, fetch)
+        return top.keys, top.scores
+
+    # ---- the steps of a search (see retrieval/index/search.py) -----------------------------
+    def plan(
+        self, fb: FilterBatch, k: int, nprobe: int, rerank: int, exact: bool = False
+    ) -> SearchPlan:
+        """Per row: lists to probe, or an exact scan. Reads only the index's statistics
+        (``ntotal``, ``nlist``, ``bit_counts``), so a router holding them plans for its shards."""
+        b = fb.masks.shape[0]
+        r = max(k, rerank) if rerank and self.config.exact_copy != "none" else k
+        if not fb.active and not exact:  # the common case, kept lean
+            p = self._nprobe_for(1.0, nprobe, r)
+            return SearchPlan(
+                k, r, torch.full((b,), p, dtype=torch.int64), torch.zeros(b, dtype=torch.bool)
+            )
+        sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).tolist()  # [B]
+        plans = {s_: self._plan_for(s_, nprobe, r, exact) for s_ in set(sel)}  # few distinct
+        return SearchPlan(
+            k,
+            r,
+            torch.tensor([plans[s_][0] for s_ in sel], dtype=torch.int64),
+            torch.tensor([plans[s_][1] for s_ in sel], dtype=torch.bool),
+        )
 
     def _nprobe_for(self, selectivity: float, nprobe: int, r: int) -> int:
         """Lists to probe for a request admitting ``selectivity`` of the items: widened as
@@ -288,22 +297,52 @@ class IVFIndex(nn.Module):
         n = self.ntotal
         return p, exact or selectivity * n * self.config.exact_cost <= p * n / max(self.nlist, 1)
 
-    def _ivf(
-        self,
-        q: torch.Tensor,
-        k: int,
-        r: int,
-        nprobe_rows: int | torch.Tensor,
-        masks: torch.Tensor,
-        negate: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(nprobe_rows, int):
-            coarse, probes = topk_rows(q @ self.centroids.T, nprobe_rows)  # [b, P]
-        else:  # per-row probe counts: probe the most, skip (-1) the slots a row does not need
-            p_max = int(nprobe_rows.max())
-            coarse, probes = topk_rows(q @ self.centroids.T, p_max)
-            slot = torch.arange(p_max, device=q.device)
-            probes = torch.where(slot < nprobe_rows[:, None], probes, torch.full_like(probes, -1))
+    def candidates(self, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan) -> Candidates:
+        """This index's candidates for ``q [B, D]`` under ``plan``: ``[B, r]`` (keys are
+        positions). List rows: the best ``r`` approximate scores of the probed lists, re-scored
+        with the exact copy when the plan re-ranks. Exact rows: the best ``k`` eligible items."""
+        b, dev = q.shape[0], q.device
+        exact_rows = plan.exact.to(dev)
+        if not bool(exact_rows.any()):  # every row probes lists: no scatter
+            return self._list_candidates(q, plan, fb.masks, fb.negate)
+        out = Candidates.empty(b, plan.r, dev)
+        rows = (~exact_rows).nonzero().flatten()
+        if rows.numel():
+            out.put(
+                rows,
+                self._list_candidates(q[rows], plan.rows(rows), fb.masks[rows], fb.negate[rows]),
+            )
+        rows = exact_rows.nonzero().flatten()
+        pos, s = self._exact(q[rows], plan.k, fb.masks[rows], fb.negate[rows])
+        out.put(rows, Candidates(pos, s, s))
+        return out
+
+    def item_candidates(
+        self, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan, with_vectors: bool = False
+    ) -> Candidates:
+        """:meth:`candidates` keyed by item id (what a document shard answers), with the
+        candidates' vectors ``[B, r, D]`` when ``with_vectors`` (for a scoring head)."""
+        c = self.candidates(q, fb, plan)
+        pos = c.keys.clamp(min=0)
+        ids = torch.where(c.keys >= 0, self.item_ids[pos], c.keys)
+        vecs = None
+        if with_vectors:
+            vecs = self.vectors_at(pos.flatten()).view(*pos.shape, -1) if self.ntotal else None
+            if vecs is None:
+                vecs = q.new_zeros(*pos.shape, self.dim)
+        return Candidates(ids, c.approx, c.scores, vecs)
+
+    def _list_candidates(
+        self, q: torch.Tensor, plan: SearchPlan, masks: torch.Tensor, negate: torch.Tensor
+    ) -> Candidates:
+        """Probe, scan (filter inside the scan), and re-score the survivors exactly."""
+        p_max = int(plan.nprobe.max()) if plan.nprobe.numel() else 1
+        coarse, probes = topk_rows(q @ self.centroids.T, min(p_max, max(self.nlist, 1)))  # [b, P]
+        if bool((plan.nprobe != p_max).any()):  # per-row probe counts: skip (-1) unneeded slots
+            slot = torch.arange(probes.shape[1], device=q.device)
+            probes = torch.where(
+                slot < plan.nprobe.to(q.device)[:, None], probes, torch.full_like(probes, -1)
+            )
         cand, approx = scan(
             q.contiguous(),
             probes.contiguous(),
@@ -314,15 +353,13 @@ class IVFIndex(nn.Module):
             self.sig,
             masks.contiguous(),
             negate.contiguous(),
-            r,
+            plan.r,
             max_list=self.max_list,
         )
-        if r == k:
-            return cand, approx
+        if not plan.reranks:
+            return Candidates(cand, approx, approx)
         exact = torch.einsum("bd,brd->br", q, self.exact[cand.clamp(min=0)].float())  # [b, r]
-        exact = exact.masked_fill(cand < 0, float("-inf"))
-        top, idx = exact.topk(k, dim=1)
-        return torch.where(top > float("-inf"), cand.gather(1, idx), torch.full_like(idx, -1)), top
+        return Candidates(cand, approx, exact.masked_fill(cand < 0, float("-inf")))
 
     def vectors_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""
