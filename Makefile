@@ -35,9 +35,11 @@ clean:
 	rm -rf $(VENV) data runs
 
 .PHONY: proto
-# Regenerates the remote tier's gRPC modules from sharded_tables/remote/embedding.proto.
+# Regenerates the gRPC modules (embedding server, Recommend, document shard) from their .proto files.
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. sharded_tables/remote/embedding.proto
 	for f in sharded_tables/remote/embedding_pb2.py sharded_tables/remote/embedding_pb2.pyi sharded_tables/remote/embedding_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/recommend.proto
 	for f in serving/recommend_pb2.py serving/recommend_pb2.pyi serving/recommend_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/shard.proto
+	for f in serving/shard_pb2.py serving/shard_pb2.pyi serving/shard_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done

@@ -5,6 +5,9 @@ recserve fetch-movielens   extract MovieLens 100k from the recbole wheel into da
 recserve bench-ann         the index benchmark (bench/ann.py) vs faiss
 recserve embed-server      serve one shard of embedding rows (the remote tier) over gRPC
 recserve serve             serve a model repository: gRPC Recommend, health, metrics, hot reload
+                           (with --shards: the router of a document-sharded version)
+recserve shard-server      serve one document shard of a model's index over gRPC
+recserve cluster           up / status / down: router, shards and embedding servers on 127.0.0.1
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -60,8 +64,13 @@ def bench_ann(ctx: typer.Context) -> None:
 
 @app.command("embed-server")
 def embed_server(
-    shard: Path = typer.Option(..., help="shard folder (manifest.json + packed rows)"),
     port: int = typer.Option(..., min=0, max=65535, help="port to listen on (0: any free port)"),
+    shard: Path = typer.Option(None, help="shard folder (manifest.json + packed rows)"),
+    model_repo: Path = typer.Option(
+        None, help="instead of --shard: a model repository; serves the latest version's rows"
+    ),
+    model: str = typer.Option(None, help="with --model-repo: the model (default: the only one)"),
+    index: int = typer.Option(None, min=0, help="with --model-repo: which embedding server"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
     memory_budget: str = typer.Option(
         "4GiB", help="refuse a shard larger than this (512MiB, 4GiB, bytes)"
@@ -75,10 +84,85 @@ def embed_server(
 
     names = [t.strip() for t in tables.split(",") if t.strip()] or None
     try:
+        if (shard is None) == (model_repo is None):
+            raise ValueError("give --shard DIR, or --model-repo DIR with --index N")
+        if model_repo is not None:
+            shard = _embedding_folder(model_repo, model, index)
         budget = parse_size(memory_budget, "--memory-budget")
         serve(shard, port=port, host=host, memory_budget=budget, tables=names)
     except (MemoryBudgetError, ValueError, OSError) as e:
         typer.echo(f"embed-server: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _only_model(model_repo: Path, model: str | None) -> str:
+    """``model``, or the repository's only model (``ValueError`` naming --model otherwise)."""
+    from serving.repository.repository import ModelRepository
+
+    found = ModelRepository(model_repo).models()
+    if model:
+        if model not in found:
+            raise ValueError(f"--model: no model {model!r} in {model_repo} (found: {found})")
+        return model
+    if len(found) != 1:
+        raise ValueError(f"--model: {model_repo} holds models {found}; name one")
+    return found[0]
+
+
+def _embedding_folder(model_repo: Path, model: str | None, index: int | None) -> Path:
+    """The latest version's rows for embedding server ``index``."""
+    from serving.repository.repository import EMBEDDINGS_DIR, ModelRepository
+    from sharded_tables.export import shard_folder
+
+    if index is None:
+        raise ValueError("--index: required with --model-repo (which embedding server)")
+    name = _only_model(model_repo, model)
+    vdir = ModelRepository(model_repo).verified_dir(name)
+    folder = shard_folder(vdir / EMBEDDINGS_DIR, index)
+    if not folder.is_dir():
+        raise ValueError(f"--index: {name} version {vdir.name} has no rows for server {index}")
+    return folder
+
+
+@app.command("shard-server")
+def shard_server_cmd(
+    model_repo: Path = typer.Option(..., help="model repository with a document-sharded version"),
+    shard: int = typer.Option(..., min=0, help="which shard of the catalog to serve"),
+    model: str = typer.Option(None, help="model (default: the repository's only one)"),
+    grpc_port: int = typer.Option(
+        8101, min=0, max=65535, help="gRPC port: Search, health (0: any)"
+    ),
+    metrics_port: int = typer.Option(None, help="Prometheus /metrics port (default: off)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+    poll_s: float = typer.Option(1.0, min=0, help="seconds between repository checks (0: never)"),
+    keep: int = typer.Option(2, min=1, help="versions kept loaded (a rollout needs 2)"),
+    device: str = typer.Option("cpu", help="where the index lives: cpu or cuda"),
+) -> None:
+    """Serve one document shard of a model's index until SIGTERM (prints its address)."""
+    import logging
+
+    from serving.repository.repository import ModelRepository
+    from serving.shard_server import ShardServer, serve_shard
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        name = _only_model(model_repo, model)
+        server = ShardServer(
+            ModelRepository(model_repo),
+            name,
+            shard,
+            host=host,
+            port=grpc_port,
+            metrics_port=metrics_port,
+            poll_s=poll_s,
+            keep=keep,
+            device=device,
+        )
+        serve_shard(server)
+    except (ValueError, OSError) as e:
+        typer.echo(f"shard-server: {e}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -93,6 +177,14 @@ def serve_cmd(
     metrics_port: int = typer.Option(None, help="Prometheus /metrics port (default: off)"),
     host: str = typer.Option(None, help="address every listener binds (default 127.0.0.1)"),
     config: Path = typer.Option(None, help="serve.toml; flags override its values"),
+    shards: str = typer.Option(
+        None, help="route to shard servers: shards by ',', replicas by '|' (a:1|a:2,b:1)"
+    ),
+    shard_deadline_ms: float = typer.Option(None, help="router: deadline of a shard call"),
+    hedge_after_ms: float = typer.Option(None, help="router: twin call to a replica after"),
+    embedding_servers: str = typer.Option(
+        None, help="router: embedding server addresses, comma-separated (server 0, 1, ...)"
+    ),
 ) -> None:
     """Serve a model of a repository over gRPC (and HTTP) until SIGTERM; prints one line when
     ready, hot-reloads new versions, drains on SIGTERM."""
@@ -115,10 +207,37 @@ def serve_cmd(
             metrics_port=metrics_port,
             host=host,
         )
+        cfg = _with_router_flags(cfg, shards, shard_deadline_ms, hedge_after_ms, embedding_servers)
         serve(cfg)
     except (ConfigError, NoLoadableVersionError, OSError) as e:
         typer.echo(f"serve: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def _with_router_flags(
+    cfg: Any,
+    shards: str | None,
+    deadline_ms: float | None,
+    hedge_ms: float | None,
+    embedding: str | None,
+) -> Any:
+    """The config with ``serve``'s router flags applied (any of them makes a router)."""
+    from dataclasses import replace
+
+    from serving.config import RouterConfig, parse_shards
+
+    flags = {
+        "shards": parse_shards(shards) if shards is not None else None,
+        "shard_deadline_ms": deadline_ms,
+        "hedge_after_ms": hedge_ms,
+        "embedding_servers": [a.strip() for a in embedding.split(",") if a.strip()]
+        if embedding is not None
+        else None,
+    }
+    given = {k: v for k, v in flags.items() if v is not None}
+    if not given:
+        return cfg
+    return replace(cfg, router=replace(cfg.router or RouterConfig(), **given))
 
 
 def main() -> None:

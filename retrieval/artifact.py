@@ -1,22 +1,34 @@
 """Save and load a model folder: ``config.json`` + ``model.pt`` (a plain state dict).
 
+A document-sharded model is saved as a router folder (the model with a statistics-only index,
+plus ``shard_map.json``) and one folder per shard (``index.json`` + ``index.pt``: its part of
+the index), with :func:`save_sharded`; see ``retrieval/index/split.py``.
+
 Loading never executes code: ``torch.load(weights_only=True)``. A state dict from another config
 fails with the names of the tensors that disagree.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from retrieval.config import ModelConfig
+from retrieval.index.ivf import IVFConfig, IVFIndex
+from retrieval.index.split import shard_of, split_index
 from retrieval.model import RetrievalModel
 from sharded_tables.sharded import RemoteFetcher
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.pt"
+SHARD_MAP_FILE = "shard_map.json"
+SHARD_INDEX_FILE = "index.pt"
+SHARD_META_FILE = "index.json"
 
 
 def save_model(model: RetrievalModel, directory: Path) -> Path:
@@ -64,3 +76,89 @@ def load_state(model: RetrievalModel, state: dict[str, torch.Tensor]) -> None:
     if problems:
         raise ValueError("state dict does not fit this model config: " + "; ".join(problems))
     model.load_state_dict(state)
+
+
+# ---- document shards ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardMap:
+    """How a model's catalog is split (``shard_map.json`` in the router folder)."""
+
+    num_shards: int
+    split: str
+    """"hash" (``retrieval.index.split.shard_of`` of the item id) or "assignment" (given)."""
+    items_per_shard: tuple[int, ...]
+    ntotal: int
+
+    @classmethod
+    def read(cls, directory: Path) -> ShardMap | None:
+        """The folder's shard map, or None for an unsharded model folder."""
+        path = directory / SHARD_MAP_FILE
+        if not path.is_file():
+            return None
+        d = json.loads(path.read_text())
+        return cls(d["num_shards"], d["split"], tuple(d["items_per_shard"]), d["ntotal"])
+
+
+def save_sharded(
+    model: RetrievalModel,
+    router_dir: Path,
+    shards_dir: Path,
+    num_shards: int,
+    assignment: torch.Tensor | None = None,
+) -> ShardMap:
+    """Splits the model's index into ``num_shards`` document shards and saves them.
+
+    ``router_dir``: the model with a statistics-only index + ``shard_map.json``;
+    ``shards_dir/<s>/``: shard ``s``'s index part. ``assignment [N] int64`` gives each item's
+    shard by item id (``assignment[item_id]``); default: a stable hash of the id. Refuses a map
+    that leaves an item without a shard or gives one two.
+    """
+    index = model.index
+    if index.ntotal == 0 or index.item_ids.shape[0] != index.ntotal:
+        raise ValueError("save_sharded: the model has no built, unsharded index to split")
+    if assignment is None:
+        rows_shard, split = shard_of(index.item_ids, num_shards), "hash"
+    else:
+        assignment = torch.as_tensor(assignment, dtype=torch.int64).cpu()
+        if assignment.dim() != 1 or assignment.shape[0] <= int(index.item_ids.max()):
+            raise ValueError(
+                f"shard assignment: expected one shard per item id ([{model.config.num_items}]), "
+                f"got {tuple(assignment.shape)}"
+            )
+        rows_shard, split = assignment[index.item_ids.cpu()], "assignment"
+    stats, parts = split_index(index, rows_shard, num_shards)
+    router = copy.copy(model)  # shares towers and tables; only the index differs
+    router._modules = dict(model._modules)
+    router._modules["index"] = stats
+    save_model(router, router_dir)
+    for s, part in enumerate(parts):
+        save_shard(part, shards_dir / str(s))
+    smap = ShardMap(num_shards, split, tuple(p.ntotal for p in parts), index.ntotal)
+    (router_dir / SHARD_MAP_FILE).write_text(json.dumps(asdict(smap), indent=2))
+    return smap
+
+
+def save_shard(index: IVFIndex, directory: Path) -> None:
+    """One shard's index: ``index.json`` (how to build the module) + ``index.pt`` (buffers)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "config": asdict(index.config),
+        "dim": index.dim,
+        "attribute_values": index.schema.to_dict(),
+    }
+    tmp = directory / (SHARD_INDEX_FILE + ".tmp")
+    torch.save(index.state_dict(), tmp)
+    os.replace(tmp, directory / SHARD_INDEX_FILE)
+    (directory / SHARD_META_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def load_shard(directory: Path, map_location: str | torch.device = "cpu") -> IVFIndex:
+    """Reads a folder written by :func:`save_shard` (no code runs: ``weights_only``)."""
+    meta_path, weights = directory / SHARD_META_FILE, directory / SHARD_INDEX_FILE
+    for p in (meta_path, weights):
+        if not p.is_file():
+            raise FileNotFoundError(f"shard folder {directory}: missing {p.name}")
+    meta = json.loads(meta_path.read_text())
+    index = IVFIndex(IVFConfig(**meta["config"]), meta["dim"], meta["attribute_values"])
+    index.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
+    return index.to(map_location).eval()

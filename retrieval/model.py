@@ -136,6 +136,11 @@ class RetrievalModel(nn.Module):
             raise ValueError(f"k must be a positive int, got {k!r}")
         if self.index.ntotal == 0:
             raise ValueError("the index is empty: build it (build_index) or load a built model")
+        if self.index.item_ids.shape[0] != self.index.ntotal:
+            raise ValueError(
+                "this model's index is the router part of a document-sharded version (it holds "
+                "statistics, no items): serve it as a router over its shard servers"
+            )
         if k > self.index.ntotal:
             raise ValueError(f"k={k} is larger than the catalog ({self.index.ntotal} items)")
         expect = {

@@ -10,6 +10,12 @@ Example ``serve.toml`` (every key optional; flags override the file)::
     poll_s = 1.0
     drain_timeout_s = 10.0
 
+    [router]              # serve a document-sharded version: route to its shard servers
+    shards = [["10.0.0.1:8101", "10.0.0.2:8101"], ["10.0.0.3:8101"]]  # per shard: replicas
+    shard_deadline_ms = 100.0
+    hedge_after_ms = 0.0  # > 0: ask the next replica when the first is this slow
+    embedding_servers = ["10.0.0.9:8201"]  # the version's remote tables, server 0, 1, ...
+
     [batching]            # unset keys come from the model's config.pbtxt dynamic_batching
     max_batch_size = 32
     max_queue_delay_ms = 2.0
@@ -108,6 +114,42 @@ class BatchingConfig:
 
 
 @dataclass
+class RouterConfig:
+    """A router in front of document shard servers (``serving/router.py``)."""
+
+    shards: list[list[str]] = field(default_factory=list)
+    """Per shard (in shard order): the addresses of its replicas."""
+    shard_deadline_ms: float = 100.0
+    """Longest a batch waits for a shard; a shard that misses it makes the answer partial."""
+    hedge_after_ms: float = 0.0
+    """> 0: a shard replica that has not answered after this long gets a twin call to the next
+    replica, and the first answer wins. 0: no hedging (a replica that fails fast still fails
+    over to the next one)."""
+    embedding_servers: list[str] = field(default_factory=list)
+    """Addresses of embedding servers 0, 1, ... for the version's remote tables."""
+    embedding_timeout_ms: float = 500.0
+    """Deadline of one remote-row fetch."""
+
+    def validate(self) -> None:
+        if not self.shards:
+            raise ConfigError("router.shards: at least one shard (a list of replica addresses)")
+        for i, replicas in enumerate(self.shards):
+            if not replicas or not all(isinstance(a, str) and a.strip() for a in replicas):
+                raise ConfigError(f"router.shards[{i}]: expected one or more host:port addresses")
+        for name in ("shard_deadline_ms", "embedding_timeout_ms"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"router.{name}: must be > 0, got {getattr(self, name)}")
+        if not self.hedge_after_ms >= 0:
+            raise ConfigError(f"router.hedge_after_ms: must be >= 0, got {self.hedge_after_ms}")
+
+
+def parse_shards(text: str) -> list[list[str]]:
+    """``--shards`` text: shards separated by ``,``, replicas of one shard by ``|``
+    (``"h:1|h:2,h:3"`` -> ``[["h:1", "h:2"], ["h:3"]]``)."""
+    return [[a.strip() for a in s.split("|") if a.strip()] for s in text.split(",") if s.strip()]
+
+
+@dataclass
 class ServeConfig:
     """One ``recserve serve`` process."""
 
@@ -139,6 +181,8 @@ class ServeConfig:
     torch_threads: int = 0
     """Intra-op threads of the forward (0: torch's default)."""
     batching: BatchingConfig = field(default_factory=BatchingConfig)
+    router: RouterConfig | None = None
+    """Set: this process is the router of a document-sharded model."""
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
@@ -146,10 +190,14 @@ class ServeConfig:
         """Builds from TOML-like data, checking every key's type (errors name the key)."""
         data = dict(data)
         batching = data.pop("batching", {})
-        if not isinstance(batching, dict):
-            raise ConfigError(f"{where}: batching: expected a table, got {batching!r}")
+        router = data.pop("router", None)
+        for key, table in (("batching", batching), ("router", router or {})):
+            if not isinstance(table, dict):
+                raise ConfigError(f"{where}: {key}: expected a table, got {table!r}")
         out = cls(**_typed(cls, data, where, ""))
         out.batching = BatchingConfig(**_typed(BatchingConfig, batching, where, "batching."))
+        if router is not None:
+            out.router = RouterConfig(**_typed(RouterConfig, router, where, "router."))
         return out
 
     @classmethod
@@ -190,6 +238,8 @@ class ServeConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         self.batching.validate()
+        if self.router is not None:
+            self.router.validate()
         self.model = self.resolve_model()
 
     def resolve_model(self) -> str:
@@ -214,7 +264,7 @@ class ServeConfig:
 def _typed(cls: type, data: dict[str, Any], where: str, prefix: str) -> dict[str, Any]:
     """Checks ``data`` against ``cls``'s field types; returns the values to construct it."""
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)} - {"batching"}
+    known = {f.name for f in fields(cls)} - {"batching", "router"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{where}: {prefix}{unknown[0]}: unknown key (known: {sorted(known)})")

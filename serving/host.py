@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,8 +65,14 @@ class ModelHost:
         *,
         metrics: ServingMetrics | None = None,
         warmup_sizes: tuple[int, ...] = (1, 8),
+        make_runner: Callable[[Any], ModelRunner] | None = None,
     ):
+        """``make_runner(loaded) -> runner``: how a loaded version is run (default: a
+        :class:`ModelRunner` over ``loaded.model``; the router runs shards instead)."""
         self.repo, self.name, self.poll_s = repo, name, poll_s
+        self.make_runner = make_runner or (
+            lambda loaded: ModelRunner(loaded.model, self.name, int(loaded.version))
+        )
         self.metrics, self.warmup_sizes = metrics, warmup_sizes
         self.failed: set[int] = set()
         """Versions that failed to load; never retried."""
@@ -162,7 +169,7 @@ class ModelHost:
         """Load + warm up ``version`` beside the served one, then swap; False on failure."""
         try:
             loaded = self.repo.load(self.name, version)
-            runner = ModelRunner(loaded.model, self.name, int(loaded.version))
+            runner = self.make_runner(loaded)
             runner.warmup(self.warmup_sizes)
         except Exception as e:
             self.failed.add(version)

@@ -107,7 +107,21 @@ class Server:
             discover_grpc_plugins() if extra_servicers is None else list(extra_servicers)
         )
         self.metrics = ServingMetrics(config.model, registry)
-        self.host = ModelHost(repo, config.model, config.poll_s, metrics=self.metrics)
+        make_runner = None
+        self._router: Any = None
+        if config.router is not None:  # a router: the index search runs on shard servers
+            from serving.router import make_router
+
+            repo, make_runner = make_router(
+                repo,  # type: ignore[arg-type]
+                config.model,
+                config.router,
+                self.metrics.registry,
+            )
+            self._router = repo
+        self.host = ModelHost(
+            repo, config.model, config.poll_s, metrics=self.metrics, make_runner=make_runner
+        )
         self.state: ServingState | None = None
         self.grpc: GrpcServer | None = None
         self.addresses: Addresses | None = None
@@ -205,6 +219,8 @@ class Server:
             self._http_thread.join(left())
         self.metrics.stop_http()
         self.host.stop(timeout=left())
+        if self._router is not None:
+            self._router.close()
         return clean
 
 

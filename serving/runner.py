@@ -103,15 +103,30 @@ class ModelRunner:
         if good:
             batch = self._batch([reqs[i] for i in good], clauses)
             k_max = max(reqs[i].k for i in good)
+            deadlines = [d for i in good if (d := reqs[i].deadline) is not None]
             with torch.inference_mode():
-                ids, scores = self.model(batch, k_max)  # [B, K], [B, K]
+                ids, scores, missing = self.forward(batch, k_max, min(deadlines, default=None))
             ids_np, scores_np = ids.cpu().numpy(), scores.cpu().numpy()
             for row, i in enumerate(good):
                 k = reqs[i].k
                 outcomes[i] = RecResult(
-                    ids_np[row, :k].copy(), scores_np[row, :k].copy(), self.name, self.version
+                    ids_np[row, :k].copy(),
+                    scores_np[row, :k].copy(),
+                    self.name,
+                    self.version,
+                    partial=bool(missing),
+                    missing=list(missing),
                 )
         return [o for o in outcomes if o is not None]
+
+    def forward(
+        self, batch: UserBatch, k: int, deadline: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """One batch through the model -> ``(ids [B, k], scores [B, k], parts that did not
+        answer)``. ``deadline``: the batch's earliest request deadline (``time.monotonic()``);
+        the model runs in this process, so nothing can be missing."""
+        ids, scores = self.model(batch, k)
+        return ids, scores, []
 
     def _batch(self, reqs: list[RecRequest], clauses: list[list[Clause]]) -> UserBatch:
         """Checked requests -> tensors on the model's device (trusted: :meth:`check` ran)."""

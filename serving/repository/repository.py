@@ -6,6 +6,9 @@ Layout (``root`` is what ``tritonserver --model-repository`` reads)::
     root/<model>/.publish.lock         flock'ed by publishers (Triton ignores files here)
     root/<model>/<N>/model.py          the Triton Python backend (triton_python_model.py)
     root/<model>/<N>/model/            our artifact: config.json + model.pt (retrieval.artifact)
+    root/<model>/<N>/shards/<s>/       document-sharded versions: shard s's part of the index
+                                       (then model/ is the router part, with shard_map.json)
+    root/<model>/<N>/embeddings/server-<i>/  rows of remote tables, for embedding server i
     root/<model>/<N>/manifest.json     sizes and SHA-256 of every file above
     root/<model>/.staging-<uuid>/      a publish in progress: not a number, so Triton and
                                        :meth:`ModelRepository.versions` ignore it
@@ -36,8 +39,9 @@ from typing import Any
 
 import torch
 
-from retrieval.artifact import load_model, save_model
-from retrieval.model import RetrievalModel
+from retrieval.artifact import ShardMap, load_model, load_shard, save_model, save_sharded
+from retrieval.index.ivf import IVFIndex
+from retrieval.model import RetrievalModel, table_specs
 from serving.repository.config import (
     CONFIG_FILE,
     TritonConfig,
@@ -47,9 +51,16 @@ from serving.repository.config import (
     write_config,
 )
 from serving.repository.manifest import MANIFEST_FILE, CorruptVersionError, verify, write_manifest
+from sharded_tables.export import write_remote_shards
+from sharded_tables.planner import PlacementPlan
+from sharded_tables.sharded import RemoteFetcher
 
 ARTIFACT_DIR = "model"
 """Where a version keeps :func:`retrieval.artifact.save_model`'s folder."""
+SHARDS_DIR = "shards"
+"""Where a document-sharded version keeps its shards' index parts (``shards/<s>/``)."""
+EMBEDDINGS_DIR = "embeddings"
+"""Where a version keeps the rows of its remote tables (``embeddings/server-<i>/``)."""
 BACKEND_FILE = "model.py"
 """Triton's default file name for a Python backend model."""
 BACKEND_SOURCE = Path(__file__).with_name("triton_python_model.py")
@@ -89,6 +100,9 @@ class LoadedModel:
     """The model's ``config.pbtxt`` (Triton ``ModelConfig``)."""
     path: Path
     """The version folder."""
+    shard_map: ShardMap | None = None
+    """For a document-sharded version: how its catalog is split (``model.index`` is then the
+    router's statistics-only index; the shards hold the items)."""
 
     @property
     def config_pb(self) -> TritonConfig:
@@ -134,13 +148,42 @@ class ModelRepository:
         return read_config(self.model_dir(name) / CONFIG_FILE)
 
     def load(
-        self, name: str, version: int | None = None, map_location: str | torch.device = "cpu"
+        self,
+        name: str,
+        version: int | None = None,
+        map_location: str | torch.device = "cpu",
+        remote: RemoteFetcher | None = None,
     ) -> LoadedModel:
-        """Verifies then loads ``version`` (default: the latest complete one).
+        """Verifies then loads ``version`` (default: the latest complete one); ``remote``: the
+        embedding servers of its remote tables, if it has any.
 
         Raises ``FileNotFoundError`` (no such model or version), :class:`CorruptVersionError`
         (checksums, or a manifest naming another model / version) before reading any weights.
         """
+        vdir = self.verified_dir(name, version)
+        cfg = read_config(self.model_dir(name) / CONFIG_FILE)
+        model = load_model(vdir / ARTIFACT_DIR, map_location=map_location, remote=remote)
+        model.eval()
+        return LoadedModel(
+            name, int(vdir.name), model, cfg, vdir, ShardMap.read(vdir / ARTIFACT_DIR)
+        )
+
+    def load_shard(
+        self, name: str, version: int, shard: int, map_location: str | torch.device = "cpu"
+    ) -> tuple[IVFIndex, ShardMap]:
+        """Verifies ``version``, then loads document shard ``shard``'s part of its index."""
+        vdir = self.verified_dir(name, version)
+        smap = ShardMap.read(vdir / ARTIFACT_DIR)
+        if smap is None:
+            raise FileNotFoundError(f"model {name!r} version {version} is not document-sharded")
+        if not 0 <= shard < smap.num_shards:
+            raise FileNotFoundError(
+                f"model {name!r} version {version} has shards 0..{smap.num_shards - 1}, not {shard}"
+            )
+        return load_shard(vdir / SHARDS_DIR / str(shard), map_location), smap
+
+    def verified_dir(self, name: str, version: int | None = None) -> Path:
+        """The folder of ``version`` (default: latest) after its checksums verified."""
         v = self.latest(name) if version is None else check_version(version)
         mdir = self.model_dir(name)
         if v is None:
@@ -154,16 +197,26 @@ class ModelRepository:
                 f"{vdir / MANIFEST_FILE}: written for {manifest.model!r} version "
                 f"{manifest.version}, found as {name!r} version {v}"
             )
-        cfg = read_config(mdir / CONFIG_FILE)
-        model = load_model(vdir / ARTIFACT_DIR, map_location=map_location)
-        model.eval()
-        return LoadedModel(name, v, model, cfg, vdir)
+        return vdir
 
     # ---- writing ------------------------------------------------------------------------------
     def publish(
-        self, name: str, model: RetrievalModel, *, keep: int = 3, **config_overrides: Any
+        self,
+        name: str,
+        model: RetrievalModel,
+        *,
+        keep: int = 3,
+        shards: int | None = None,
+        assignment: torch.Tensor | None = None,
+        remote_rows: dict[str, torch.Tensor] | None = None,
+        **config_overrides: Any,
     ) -> int:
         """Writes ``model`` as the next version of ``name``; returns the version number.
+
+        ``shards``: split the catalog into that many document shards (by a stable hash of the
+        item id, or by ``assignment [num_items]``: each item id's shard). ``remote_rows``: the
+        packed rows of the plan's remote tables (what ``retrieval.tiering.tier_model``
+        returns), written as one folder per embedding server.
 
         ``config_overrides`` go to :func:`serving.repository.config.make_config` (``max_batch_size``,
         ``max_queue_delay_us``, ``preferred_batch_sizes``, ``max_queue_size``,
@@ -175,6 +228,10 @@ class ModelRepository:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep: must be a positive int, got {keep!r}")
         cfg = make_config(name, model.config, **config_overrides)  # refuse bad overrides early
+        if shards is not None and (isinstance(shards, bool) or shards < 1):
+            raise ValueError(f"shards: must be a positive int, got {shards!r}")
+        if assignment is not None and shards is None:
+            raise ValueError("assignment: give shards (the number of shards) with it")
         mdir = self.model_dir(name)
         mdir.mkdir(parents=True, exist_ok=True)
         with _locked(mdir / LOCK_FILE):
@@ -183,7 +240,14 @@ class ModelRepository:
             stage = mdir / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
             stage.mkdir()
             try:
-                save_model(model, stage / ARTIFACT_DIR)
+                if shards is None:
+                    save_model(model, stage / ARTIFACT_DIR)
+                else:
+                    save_sharded(
+                        model, stage / ARTIFACT_DIR, stage / SHARDS_DIR, shards, assignment
+                    )
+                if remote_rows is not None:
+                    _write_embeddings(model, remote_rows, stage / EMBEDDINGS_DIR)
                 shutil.copyfile(BACKEND_SOURCE, stage / BACKEND_FILE)
                 write_manifest(stage, model=name, version=version)
                 _fsync_tree(stage)
@@ -198,6 +262,16 @@ class ModelRepository:
 
 
 # ---- helpers (the caller holds the model's lock where it writes) --------------------------------
+def _write_embeddings(
+    model: RetrievalModel, remote_rows: dict[str, torch.Tensor], out: Path
+) -> None:
+    """One folder per embedding server the model's table plan uses."""
+    if model.config.table_plan is None:
+        raise ValueError("remote_rows: the model has no table plan (its tables are not tiered)")
+    plan = PlacementPlan.from_dict(model.config.table_plan)
+    write_remote_shards(plan, table_specs(model.config), remote_rows, out)
+
+
 def _numbered(mdir: Path) -> list[int]:
     """Every numbered folder, complete or not."""
     if not mdir.is_dir():

@@ -164,3 +164,17 @@ def serve_config(tmp_path: Path) -> Callable[..., ServeConfig]:
         return ServeConfig(**{**base, **overrides})
 
     return make
+
+
+@pytest.fixture(scope="session", params=["plain", "head+rerank"])
+def wide(request: pytest.FixtureRequest) -> Tiny:
+    """12,000 items (K up to 10,000 fits), untrained weights; "head+rerank": a scoring head
+    (candidates' vectors cross the wire) and an exact re-rank of 300 candidates."""
+    ds = generate(SyntheticConfig(num_users=64, num_items=12_000, seed=3))
+    prep = prepare(ds, history_len=8)
+    if request.param != "plain":
+        prep.config.scoring_head = True
+        prep.config.index.rerank = 300
+    t = Tiny(prep, None)  # type: ignore[arg-type]
+    t.model = t.build(0)
+    return t

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_topk
 from hypothesis import given
 from hypothesis import strategies as st
+from topk_check import assert_same_topk
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf

@@ -1,0 +1,75 @@
+# ruff: noqa
+# fmt: off
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SearchRequest(_message.Message):
+    __slots__ = ("model", "version", "batch", "dim", "queries", "k", "r", "nprobe", "exact", "clauses", "words", "filter_masks", "filter_negate", "with_vectors")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    R_FIELD_NUMBER: _ClassVar[int]
+    NPROBE_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    CLAUSES_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    FILTER_MASKS_FIELD_NUMBER: _ClassVar[int]
+    FILTER_NEGATE_FIELD_NUMBER: _ClassVar[int]
+    WITH_VECTORS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    batch: int
+    dim: int
+    queries: bytes
+    k: int
+    r: int
+    nprobe: bytes
+    exact: bytes
+    clauses: int
+    words: int
+    filter_masks: bytes
+    filter_negate: bytes
+    with_vectors: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., batch: _Optional[int] = ..., dim: _Optional[int] = ..., queries: _Optional[bytes] = ..., k: _Optional[int] = ..., r: _Optional[int] = ..., nprobe: _Optional[bytes] = ..., exact: _Optional[bytes] = ..., clauses: _Optional[int] = ..., words: _Optional[int] = ..., filter_masks: _Optional[bytes] = ..., filter_negate: _Optional[bytes] = ..., with_vectors: _Optional[bool] = ...) -> None: ...
+
+class SearchResponse(_message.Message):
+    __slots__ = ("shard", "version", "width", "ids", "approx", "scores", "vectors")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    APPROX_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    version: int
+    width: int
+    ids: bytes
+    approx: bytes
+    scores: bytes
+    vectors: bytes
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ..., width: _Optional[int] = ..., ids: _Optional[bytes] = ..., approx: _Optional[bytes] = ..., scores: _Optional[bytes] = ..., vectors: _Optional[bytes] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "shard", "num_shards", "versions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    shard: int
+    num_shards: int
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,116 @@
+"""The router over document shard servers (in this process, real gRPC on loopback): its answer
+equals the unsharded model's; a missing shard makes it partial, never a hang or an error."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from topk_check import assert_same_topk
+
+from serving.config import RouterConfig, ServeConfig
+from serving.main import Server
+from serving.repository.repository import ModelRepository
+from serving.requests import RecResult, UnavailableError
+from serving.shard_server import ShardServer
+
+FILTERS = [None, "category in {news, music}", "language = fr and region = eu and available"]
+
+
+class Cluster:
+    """A published sharded version, its shard servers and a router, all in this process."""
+
+    def __init__(self, root: Path, wide, shards: int = 2, **router: object):
+        self.repo = ModelRepository(root)
+        self.version = self.repo.publish("demo", wide.model, shards=shards)
+        self.shards = [ShardServer(self.repo, "demo", s, poll_s=0) for s in range(shards)]
+        addresses = [[s.start()] for s in self.shards]
+        cfg = RouterConfig(shards=addresses, **router)  # type: ignore[arg-type]
+        self.router = Server(
+            ServeConfig(model_repo=root, model="demo", grpc_port=0, poll_s=0, router=cfg)
+        )
+        self.router.start()
+        assert self.router.state is not None
+        self.state = self.router.state
+
+    def close(self) -> None:
+        self.router.drain_and_stop(timeout=5)
+        for s in self.shards:
+            s.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster(wide, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("repo"), wide, shards=3, shard_deadline_ms=10_000.0)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("k", [10, 1000, 10_000])
+@pytest.mark.parametrize("text", FILTERS)
+def test_routed_top_k_equals_unsharded(cluster, wide, k, text):
+    users = np.arange(6)
+    want_ids, want_scores = wide.expected(wide.model, users, k, [text] * len(users))
+    futures = [cluster.state.submit(wide.request(int(u), k, filter=text)) for u in users]
+    for row, fut in enumerate(futures):
+        res = fut.result(timeout=30)
+        assert not res.partial and res.version == cluster.version
+        assert_same_topk(
+            torch.from_numpy(res.item_ids[None]),
+            torch.from_numpy(res.scores[None]),
+            torch.from_numpy(want_ids[row : row + 1]),
+            torch.from_numpy(want_scores[row : row + 1]),
+        )
+
+
+def test_the_router_holds_no_items(cluster, wide):
+    model = cluster.router.host.current().model
+    assert model.index.item_ids.numel() == 0 and model.index.ntotal == wide.model.index.ntotal
+    with pytest.raises(ValueError, match="router part of a document-sharded version"):
+        model(wide.prep.user_batch(np.arange(2)), 5)
+
+
+def test_a_dead_shard_makes_answers_partial_within_the_deadline(wide, tmp_path):
+    c = Cluster(tmp_path, wide, shards=2, shard_deadline_ms=300.0)
+    try:
+        c.shards[1].stop(0)
+        start = time.monotonic()
+        res = c.state.recommend(wide.request(0, 50))
+        assert time.monotonic() - start < 2.0
+        assert isinstance(res, RecResult) and res.partial and res.missing == ["shard-1"]
+        kept = set(c.repo.load_shard("demo", c.version, 0)[0].item_ids.tolist())
+        assert set(res.item_ids[res.item_ids >= 0].tolist()) <= kept
+        c.shards[0].stop(0)
+        with pytest.raises(UnavailableError, match="no shard answered"):
+            c.state.recommend(wide.request(0, 50))
+    finally:
+        c.close()
+
+
+def test_a_replica_takes_over_from_a_dead_one(wide, tmp_path):
+    repo = ModelRepository(tmp_path)
+    repo.publish("demo", wide.model, shards=1)
+    a, b = (ShardServer(repo, "demo", 0, poll_s=0) for _ in range(2))
+    addresses = [a.start(), b.start()]
+    router = Server(
+        ServeConfig(
+            model_repo=tmp_path,
+            model="demo",
+            grpc_port=0,
+            poll_s=0,
+            router=RouterConfig(shards=[addresses], hedge_after_ms=20.0),
+        )
+    )
+    router.start()
+    try:
+        a.stop(0)
+        assert router.state is not None
+        for u in range(4):  # whichever replica goes first, the answer is whole
+            res = router.state.recommend(wide.request(u, 20))
+            assert not res.partial
+    finally:
+        router.drain_and_stop(timeout=5)
+        b.stop(0)
