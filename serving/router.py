@@ -61,7 +61,8 @@ CHANNEL_OPTIONS = [
     *GRPC_OPTIONS,
     # a restarted shard is reachable again within a second, not after minutes of backoff
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
 

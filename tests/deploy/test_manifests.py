@@ -1,0 +1,527 @@
+"""deploy/: the image and the Kubernetes manifests agree with the code they run.
+
+There is no cluster here, so these checks read the files: every YAML parses and the kustomization
+lists every file; Services, PodDisruptionBudgets and the HorizontalPodAutoscaler select or target
+a real workload; probes hit ports and paths the servers serve; container args parse with the real
+``recserve`` CLI; serve.toml agrees with the manifests (ports, shard and embedding-server
+addresses) and loads with ``ServeConfig``. ``kubectl kustomize`` (or ``kustomize build``) renders
+the base and the gpu overlay where a binary is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+BASE = K8S / "base"
+GPU = K8S / "overlays" / "gpu"
+ADAPTER = K8S / "prometheus-adapter-rules.yaml"
+WORKLOADS = ("Deployment", "StatefulSet")
+COMPONENTS = {"router", "shard", "embedding-server"}
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
+# The flag naming the port where each subcommand serves grpc.health.v1 (serve: serve.toml).
+HEALTH_PORT_FLAG = {"shard-server": "--grpc-port", "embed-server": "--port"}
+_UNITS = {"": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2.0**10, "Mi": 2.0**20}
+_UNITS |= {"Gi": 2.0**30, "Ti": 2.0**40}
+
+Doc = dict[str, Any]
+
+
+# ---- reading the files ---------------------------------------------------------------------------
+def load(path: Path) -> list[Doc]:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert docs, f"{path}: no YAML documents"
+    assert all(isinstance(d, dict) for d in docs), f"{path}: a document is not a mapping"
+    return docs
+
+
+@functools.cache
+def kustomization(folder: Path) -> Doc:
+    (doc,) = load(folder / "kustomization.yaml")
+    return doc
+
+
+@functools.cache
+def resources() -> tuple[Doc, ...]:
+    return tuple(d for name in kustomization(BASE)["resources"] for d in load(BASE / name))
+
+
+@functools.cache
+def serve_toml() -> dict[str, Any]:
+    return tomllib.loads((BASE / "serve.toml").read_text())
+
+
+def of_kind(*kinds: str) -> list[Doc]:
+    return [d for d in resources() if d["kind"] in kinds]
+
+
+def named(kind: str, name: str) -> Doc:
+    (doc,) = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
+    return doc
+
+
+def pod_labels(w: Doc) -> dict[str, str]:
+    return w["spec"]["template"]["metadata"]["labels"]
+
+
+def pod_spec(w: Doc) -> Doc:
+    return w["spec"]["template"]["spec"]
+
+
+def component(w: Doc) -> str:
+    return pod_labels(w)["app.kubernetes.io/component"]
+
+
+def selected(selector: dict[str, str]) -> list[Doc]:
+    """The workloads whose pods carry every label of ``selector``."""
+    return [w for w in of_kind(*WORKLOADS) if selector.items() <= pod_labels(w).items()]
+
+
+def workload(name: str) -> Doc:
+    (w,) = [w for w in of_kind(*WORKLOADS) if component(w) == name]
+    return w
+
+
+def container(name: str) -> Doc:
+    (c,) = pod_spec(workload(name))["containers"]
+    return c
+
+
+def containers() -> list[tuple[Doc, Doc]]:
+    return [(w, c) for w in of_kind(*WORKLOADS) for c in pod_spec(w)["containers"]]
+
+
+def port_number(c: Doc, port: int | str) -> int:
+    """A probe's or Service's port, by name or number, as one of ``c``'s container ports."""
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    number = ports.get(port) if isinstance(port, str) else port
+    assert number in ports.values(), f"{c['name']}: port {port!r} is not a container port"
+    return cast(int, number)
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs after the subcommand (every flag we pass takes a value)."""
+    assert len(args) % 2 == 1 and all(a.startswith("--") for a in args[1::2]), args
+    return dict(zip(args[1::2], args[2::2], strict=True))
+
+
+def quantity(q: str | int) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(q))
+    assert m and m[2] in _UNITS, f"not a Kubernetes quantity: {q!r}"
+    return float(m[1]) * _UNITS[m[2]]
+
+
+def health_port(c: Doc) -> int:
+    """The port where the container's process serves grpc.health.v1."""
+    if c["args"][0] == "serve":
+        return serve_toml()["grpc_port"]
+    return int(flags(c["args"])[HEALTH_PORT_FLAG[c["args"][0]]])
+
+
+def mount_of(c: Doc, volume: Doc) -> Doc:
+    (m,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+    return m
+
+
+# ---- kustomize layout ----------------------------------------------------------------------------
+def test_every_yaml_under_deploy_k8s_parses() -> None:
+    """A YAML typo must fail here, not at `kubectl apply`; no file is skipped."""
+    paths = sorted(K8S.rglob("*.yaml")) + sorted(K8S.rglob("*.yml"))
+    assert {BASE / "kustomization.yaml", GPU / "kustomization.yaml", ADAPTER} <= set(paths)
+    for path in paths:
+        load(path)
+
+
+def test_kustomizations_list_every_file_and_leave_out_the_adapter_rules() -> None:
+    """No orphan manifest that never gets applied; the adapter values are not a resource."""
+    for folder in (BASE, GPU):
+        k = kustomization(folder)
+        generated = [f for g in k.get("configMapGenerator", []) for f in g["files"]]
+        patches = [p["path"] for p in k.get("patches", [])]
+        local = [r for r in k["resources"] if not r.startswith("..")]
+        listed = {"kustomization.yaml", *local, *generated, *patches}
+        assert listed == {p.name for p in folder.iterdir()}, folder
+        assert ADAPTER not in {(folder / r).resolve() for r in k["resources"]}
+
+
+def test_workloads_are_labelled_and_their_selectors_do_not_overlap() -> None:
+    """Each component is one workload; its selector picks its own pods and no other's."""
+    ws = of_kind(*WORKLOADS)
+    assert sorted(component(w) for w in ws) == sorted(COMPONENTS)
+    for w in ws:
+        assert pod_labels(w)["app.kubernetes.io/name"] == "recserve"
+        assert w["metadata"]["labels"].items() <= pod_labels(w).items()
+        assert selected(w["spec"]["selector"]["matchLabels"]) == [w]
+
+
+# ---- Services, probes, ports ---------------------------------------------------------------------
+def test_services_select_one_workload_and_its_ports() -> None:
+    """A Service with no pods, or a targetPort the container does not open, never answers. The
+    port equals the container's: headless Services (pod DNS) do not translate ports."""
+    for svc in of_kind("Service"):
+        (w,) = selected(svc["spec"]["selector"])
+        (c,) = pod_spec(w)["containers"]
+        for p in svc["spec"]["ports"]:
+            assert port_number(c, p["targetPort"]) == p["port"], svc["metadata"]["name"]
+
+
+def test_statefulsets_have_their_headless_service() -> None:
+    """Pod DNS names (recserve-shard-0.recserve-shard) exist only through a headless Service
+    named by the StatefulSet's serviceName."""
+    for sts in of_kind("StatefulSet"):
+        svc = named("Service", sts["spec"]["serviceName"])
+        assert svc["spec"].get("clusterIP") == "None"
+        assert selected(svc["spec"]["selector"]) == [sts]
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+
+
+def test_probes_hit_ports_and_paths_the_servers_serve() -> None:
+    """HTTP probes use routes of serving/http_app.py on the HTTP port; gRPC probes the port where
+    grpc.health.v1 runs (router: serve.toml grpc_port; others: the port flag in their args)."""
+    from serving.http_app import make_app
+
+    routes = {getattr(r, "path", None) for r in make_app(cast(Any, None)).routes}
+    for _, c in containers():
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c[kind]
+            if "httpGet" in probe:
+                assert c["args"][0] == "serve", f"{c['name']}: only the router serves HTTP"
+                assert port_number(c, probe["httpGet"]["port"]) == serve_toml()["http_port"]
+                assert probe["httpGet"]["path"] in routes, probe
+            else:
+                assert port_number(c, probe["grpc"]["port"]) == health_port(c), (c["name"], kind)
+    router = container("router")
+    assert router["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert router["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+
+
+def test_serve_toml_agrees_with_the_router_pod() -> None:
+    """serve.toml (the ConfigMap) binds the ports the pod declares, on all interfaces, and is
+    mounted where `--config` looks; Prometheus scrapes the metrics port."""
+    cfg, w, c = serve_toml(), workload("router"), container("router")
+    assert cfg["host"] == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {
+        "grpc": cfg["grpc_port"],
+        "http": cfg["http_port"],
+        "metrics": cfg["metrics_port"],
+    }
+    generators = {g["name"] for g in kustomization(BASE)["configMapGenerator"]}
+    (config,) = [
+        v for v in pod_spec(w)["volumes"] if v.get("configMap", {}).get("name") in generators
+    ]
+    assert flags(c["args"])["--config"] == mount_of(c, config)["mountPath"] + "/serve.toml"
+    for w, c in containers():
+        annotations = w["spec"]["template"]["metadata"].get("annotations", {})
+        if "prometheus.io/port" in annotations:
+            assert port_number(c, "metrics") == int(annotations["prometheus.io/port"])
+
+
+def test_every_server_reads_the_model_repo_volume_read_only() -> None:
+    """All three load the same model from the PVC, at the path their config or flags name."""
+    claim = named("PersistentVolumeClaim", "recserve-model-repo")["metadata"]["name"]
+    for w, c in containers():
+        (vol,) = [v for v in pod_spec(w)["volumes"] if "persistentVolumeClaim" in v]
+        assert vol["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}
+        mount = mount_of(c, vol)
+        assert mount["readOnly"] is True
+        if c["args"][0] == "serve":
+            repo, model = serve_toml()["model_repo"], serve_toml()["model"]
+        else:
+            repo, model = flags(c["args"])["--model-repo"], flags(c["args"])["--model"]
+        assert (repo, model) == (mount["mountPath"], serve_toml()["model"]), c["name"]
+
+
+def test_router_addresses_are_the_statefulset_pods() -> None:
+    """[router].shards holds one list per shard, the i-th naming pod i of recserve-shard on its
+    gRPC port; embedding_servers likewise; counts equal the StatefulSets' replicas; each pod takes
+    its shard/slice number from its ordinal."""
+    router = serve_toml()["router"]
+    for key, name, ordinal_flag in (
+        ("shards", "shard", "--shard"),
+        ("embedding_servers", "embedding-server", "--index"),
+    ):
+        sts, c = workload(name), container(name)
+        groups = router[key] if key == "shards" else [[a] for a in router[key]]
+        assert len(groups) == sts["spec"]["replicas"], key
+        base = f"{sts['metadata']['name']}-{{}}.{sts['spec']['serviceName']}:{health_port(c)}"
+        assert groups == [[base.format(i)] for i in range(len(groups))], key
+        var = re.fullmatch(r"\$\((\w+)\)", flags(c["args"])[ordinal_flag])
+        assert var, f"{name}: {ordinal_flag} must be $(VAR) from the pod index"
+        env = {e["name"]: e for e in c["env"]}
+        assert env[var[1]]["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX
+
+
+# ---- the code's view of the config and the args --------------------------------------------------
+def test_serve_toml_loads_and_validates_with_serve_config(tmp_path: Path) -> None:
+    """`recserve serve` accepts the file: every key known and typed, [router] included, values
+    valid; gRPC workers outnumber the batch, as ServeConfig.grpc_workers asks."""
+    from serving.config import ServeConfig
+
+    cfg = ServeConfig.from_toml(BASE / "serve.toml")
+    (tmp_path / cfg.model).mkdir()
+    (tmp_path / cfg.model / "config.pbtxt").touch()
+    replace(cfg, model_repo=tmp_path).validate()
+    assert cfg.router is not None and cfg.router.shards == serve_toml()["router"]["shards"]
+    assert cfg.grpc_workers > (cfg.batching.max_batch_size or 0)
+
+
+@pytest.mark.parametrize("name", sorted(COMPONENTS))
+def test_container_args_parse_with_the_recserve_cli(name: str) -> None:
+    """The args name a real subcommand and flags, with values click accepts (types, ranges,
+    required options); `$(VAR)` refers to the container's env (else Kubernetes passes it as is)."""
+    import typer
+
+    from recserve.cli import app
+
+    c = container(name)
+    assert "command" not in c, "the image's ENTRYPOINT is recserve"
+    env = {e["name"]: e.get("value", "0") for e in c["env"]}  # "0": an ordinal from the pod
+    for var in re.findall(r"\$\((\w+)\)", " ".join(c["args"])):
+        assert var in env, f"{name}: $({var}) is not in env"
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in c["args"]]
+    if args[0] != "serve":
+        assert flags(args)["--host"] == "0.0.0.0"
+    cmd = cast(Any, typer.main.get_command(app)).commands.get(args[0])
+    assert cmd is not None, f"no subcommand `recserve {args[0]}`"
+    unknown = set(args[1::2]) - {o for p in cmd.params for o in p.opts}
+    assert not unknown, f"recserve {args[0]}: no {sorted(unknown)}"
+    cmd.make_context(args[0], args[1:])
+
+
+# ---- scaling, disruption, resources --------------------------------------------------------------
+def test_hpa_scales_the_router_on_the_adapter_metric() -> None:
+    """The HPA targets the router Deployment (which leaves replicas to it) on the metric the
+    adapter rule serves, computed from counters serving/metrics.py really exports; its target is
+    above the batcher's designed wait, or an idle router would scale to the maximum."""
+    from serving.metrics import ServingMetrics
+
+    (hpa,) = of_kind("HorizontalPodAutoscaler")
+    router = workload("router")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["kind"], ref["name"]) == ("Deployment", router["metadata"]["name"])
+    assert "replicas" not in router["spec"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    target_us = quantity(metric["pods"]["target"]["averageValue"])
+    assert target_us > serve_toml()["batching"]["max_queue_delay_ms"] * 1000
+    (values,) = load(ADAPTER)
+    (rule,) = [
+        r for r in values["rules"]["custom"] if r["name"]["as"] == metric["pods"]["metric"]["name"]
+    ]
+    query = " ".join(rule["metricsQuery"].split())
+    assert "rate(nv_inference_queue_duration_us{" in query
+    assert "rate(nv_inference_request_success{" in query
+    exported = {m.name for m in ServingMetrics("m").registry.collect()}
+    assert {"nv_inference_queue_duration_us", "nv_inference_request_success"} <= exported
+    (pdb,) = [
+        p
+        for p in of_kind("PodDisruptionBudget")
+        if selected(p["spec"]["selector"]["matchLabels"]) == [router]
+    ]
+    assert hpa["spec"]["minReplicas"] > pdb["spec"]["maxUnavailable"]
+
+
+def test_every_workload_has_one_pdb() -> None:
+    pdbs = [selected(p["spec"]["selector"]["matchLabels"]) for p in of_kind("PodDisruptionBudget")]
+    assert all(len(ws) == 1 for ws in pdbs)
+    assert sorted(component(ws[0]) for ws in pdbs) == sorted(COMPONENTS)
+
+
+def test_containers_have_resources_and_run_locked_down() -> None:
+    """Requests and limits for CPU and memory; non-root, no privilege escalation, read-only root;
+    the scan kernel's build dir and /tmp are writable emptyDirs (it compiles on first use)."""
+    for w, c in containers():
+        spec, res = pod_spec(w), c["resources"]
+        for key in ("cpu", "memory"):
+            assert quantity(res["requests"][key]) <= quantity(res["limits"][key]), c["name"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] != 0
+        sc = c["securityContext"]
+        assert (sc["allowPrivilegeEscalation"], sc["readOnlyRootFilesystem"]) == (False, True)
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        empty = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+        writable = {m["mountPath"] for m in c["volumeMounts"] if m["name"] in empty}
+        build = {e["name"]: e.get("value") for e in c["env"]}["RECSERVE_BUILD_DIR"]
+        assert {build, "/tmp"} <= writable, c["name"]
+
+
+def test_router_grace_period_covers_the_drain() -> None:
+    """SIGTERM comes after the preStop hook; the drain (drain_timeout_s) must end before SIGKILL."""
+    c, spec = container("router"), pod_spec(workload("router"))
+    pre = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    pre_s = float(pre[1]) if pre[:1] == ["sleep"] else 0.0
+    assert spec["terminationGracePeriodSeconds"] > serve_toml()["drain_timeout_s"] + pre_s
+
+
+def test_embedding_server_memory_budget_fits_its_memory() -> None:
+    """The rows it may hold (--memory-budget) plus 1 GiB for the process fit the limit, and the
+    request equals the limit (no overcommit of the tier's DRAM)."""
+    from sharded_tables.remote.server import parse_size
+
+    c = container("embedding-server")
+    budget = parse_size(flags(c["args"])["--memory-budget"], "--memory-budget")
+    mem = {k: quantity(c["resources"][k]["memory"]) for k in ("requests", "limits")}
+    assert mem["requests"] == mem["limits"] >= budget + 2**30
+
+
+# ---- gpu overlay and rendering -------------------------------------------------------------------
+def gpus(c: Doc) -> int:
+    return int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+
+
+def device(c: Doc) -> str | None:
+    """The container's ``--device``, ``$(VAR)`` resolved from its env (None: no such flag)."""
+    flag = flags(c["args"]).get("--device")
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], flag) if flag else None
+
+
+def test_gpu_overlay_adds_gpus_to_router_and_shards() -> None:
+    """The overlay builds on the base and patches existing containers: a GPU limit and the GPU
+    taint's toleration for the router and the shards, nothing for the embedding servers; a
+    process with a `--device` flag is switched to cuda (the base runs it on cpu)."""
+    k = kustomization(GPU)
+    assert k["resources"] == ["../../base"]
+    with_gpu = set()
+    for p in k["patches"]:
+        (patch,) = load(GPU / p["path"])
+        target = named(patch["kind"], patch["metadata"]["name"])
+        by_name = {c["name"]: c for c in pod_spec(target)["containers"]}
+        for c in pod_spec(patch)["containers"]:
+            assert c["name"] in by_name, f"{p['path']}: no container {c['name']} in the base"
+            base = by_name[c["name"]]
+            env = {e["name"]: e for e in [*base.get("env", []), *c.get("env", [])]}
+            assert device(base) in (None, "cpu")
+            if gpus(c) >= 1:
+                with_gpu.add(component(target))
+                assert device({**base, "env": list(env.values())}) in (None, "cuda"), p["path"]
+        keys = {t["key"] for t in pod_spec(patch).get("tolerations", [])}
+        assert "nvidia.com/gpu" in keys, p["path"]
+    assert with_gpu == {"router", "shard"}
+
+
+def kustomize_cmd() -> list[str] | None:
+    if exe := shutil.which("kustomize"):
+        return [exe, "build"]
+    if exe := shutil.which("kubectl"):
+        return [exe, "kustomize"]
+    return None
+
+
+@pytest.mark.parametrize("folder", [BASE, GPU], ids=["cpu-base", "gpu-overlay"])
+def test_kustomize_renders_config_and_gpus(folder: Path) -> None:
+    """The real renderer: the router mounts the generated (hash-named) ConfigMap holding
+    serve.toml, and only the overlay asks for GPUs (router and shards) and runs on cuda."""
+    cmd = kustomize_cmd()
+    if cmd is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    out = subprocess.run([*cmd, str(folder)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert cm["data"]["serve.toml"] == (BASE / "serve.toml").read_text()
+    ws = [d for d in docs if d["kind"] in WORKLOADS]
+    (router,) = [w for w in ws if component(w) == "router"]
+    assert cm["metadata"]["name"] in json.dumps(pod_spec(router)["volumes"])
+    with_gpu = {component(w) for w in ws for c in pod_spec(w)["containers"] if gpus(c)}
+    assert with_gpu == ({"router", "shard"} if folder == GPU else set())
+    for c in (c for w in ws for c in pod_spec(w)["containers"]):
+        assert device(c) in (None, "cuda" if gpus(c) else "cpu"), c["name"]
+
+
+# ---- the image -----------------------------------------------------------------------------------
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    lines = [
+        ln
+        for ln in (DEPLOY / "Dockerfile").read_text().splitlines()
+        if not ln.lstrip().startswith("#")
+    ]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [
+        (ln.split(None, 1)[0].upper(), ln.split(None, 1)[1])
+        for ln in joined.splitlines()
+        if ln.strip()
+    ]
+
+
+def test_dockerfile_installs_the_pinned_cpu_project_as_a_non_root_recserve() -> None:
+    """python:3.11-slim; every pip call under constraints.txt (torch==2.13.0) with the CPU wheel
+    index for the project; all packages and the lock copied in; the ports the manifests use
+    exposed; `recserve` as entrypoint; the uid the pods run as."""
+    steps = dockerfile()
+    assert steps[0] == ("FROM", "python:3.11-slim")
+    assert ("ENTRYPOINT", '["recserve"]') in steps
+    exposed = {int(p) for op, a in steps if op == "EXPOSE" for p in a.split()}
+    used = {p["containerPort"] for _, c in containers() for p in c["ports"]}
+    assert used <= exposed
+    assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().splitlines()
+    copied = {src for op, a in steps if op == "COPY" for src in a.split()[:-1]}
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {p.rstrip("*") for p in include["packages"]["find"]["include"]}
+    assert packages | {"pyproject.toml", "constraints.txt", "README.md"} <= copied
+    pips = [s for op, a in steps if op == "RUN" for s in a.split("&&") if "pip install" in s]
+    assert pips and all("-c constraints.txt" in s for s in pips), pips
+    assert any(
+        "--extra-index-url https://download.pytorch.org/whl/cpu" in s and s.split()[-1] == "."
+        for s in pips
+    )
+    (user,) = [a for op, a in steps if op == "USER"]
+    uids = {pod_spec(w)["securityContext"]["runAsUser"] for w in of_kind(*WORKLOADS)}
+    assert uids == {int(user.split(":")[0])}
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parents wins."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    out = False
+    for pat in patterns:
+        negate, pat = pat.startswith("!"), pat.lstrip("!").strip("/")
+        rx = (
+            re.escape(pat)
+            .replace(r"\*\*/", "(.*/)?")
+            .replace(r"\*", "[^/]*")
+            .replace(r"\?", "[^/]")
+        )
+        if any(re.fullmatch(rx, c) for c in candidates):
+            out = not negate
+    return out
+
+
+def test_dockerignore_sends_sources_but_never_data() -> None:
+    """The build context (repo root) carries the C++ kernel sources the pods compile, and never
+    the venv, runs or MovieLens data (GroupLens forbids redistribution)."""
+    text = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [ln.strip() for ln in text if ln.strip() and not ln.startswith("#")]
+    for kept in (
+        "pyproject.toml",
+        "constraints.txt",
+        "retrieval/index/csrc/ivf_scan.cpp",
+        "sharded_tables/csrc/idmap.cpp",
+        "serving/config.py",
+    ):
+        assert not dockerignored(kept, patterns), kept
+    for dropped in (
+        ".venv/bin/python",
+        "data/ml-100k/ml-100k.inter",
+        "runs/demo/model/model.pt",
+        "serving/__pycache__/config.cpython-311.pyc",
+        ".git/HEAD",
+    ):
+        assert dockerignored(dropped, patterns), dropped
