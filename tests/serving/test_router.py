@@ -114,3 +114,61 @@ def test_a_replica_takes_over_from_a_dead_one(wide, tmp_path):
     finally:
         router.drain_and_stop(timeout=5)
         b.stop(0)
+
+
+def test_the_router_moves_to_a_version_only_once_every_shard_holds_it(wide, tmp_path):
+    c = Cluster(tmp_path, wide, shards=2)
+    try:
+        v2 = c.repo.publish("demo", wide.build(1), shards=2)
+        assert c.shards[0].poll_once() == v2
+        assert c.router.host.poll_once() is None  # shard 1 has only the old version
+        res = c.state.recommend(wide.request(0, 10))
+        assert (res.version, res.partial) == (c.version, False)  # shard 0 kept the old one
+        assert c.shards[1].poll_once() == v2
+        assert c.router.host.poll_once() == v2
+        res = c.state.recommend(wide.request(0, 10))
+        assert (res.version, res.partial) == (v2, False)
+    finally:
+        c.close()
+
+
+def test_a_shard_refuses_a_version_it_does_not_hold(cluster, wide):
+    import grpc
+
+    from serving import shard_pb2, shard_pb2_grpc
+
+    with (
+        grpc.insecure_channel(cluster.shards[0].address) as channel,
+        pytest.raises(grpc.RpcError) as err,
+    ):
+        shard_pb2_grpc.ShardStub(channel).Search(
+            shard_pb2.SearchRequest(model="demo", version=99), timeout=5
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"holds versions [{cluster.version}], not 99" in err.value.details()
+
+
+def test_shards_listed_in_the_wrong_order_are_refused(wide, tmp_path):
+    repo = ModelRepository(tmp_path)
+    repo.publish("demo", wide.model, shards=2)
+    shards = [ShardServer(repo, "demo", s, poll_s=0) for s in range(2)]
+    a, b = (s.start() for s in shards)
+    router = Server(
+        ServeConfig(
+            model_repo=tmp_path, grpc_port=0, poll_s=0, router=RouterConfig(shards=[[b], [a]])
+        )
+    )
+    try:
+        with pytest.raises(ValueError, match=r"serves shard 1/2 of 'demo'; expected shard 0/2"):
+            router.start()
+    finally:
+        for s in shards:
+            s.stop(0)
+
+
+def test_publish_refuses_a_map_that_leaves_an_item_out(wide, tmp_path):
+    assignment = torch.zeros(wide.prep.config.num_items, dtype=torch.int64)
+    assignment[123] = -1
+    with pytest.raises(ValueError, match="no shard in"):
+        ModelRepository(tmp_path).publish("demo", wide.model, shards=2, assignment=assignment)
+    assert ModelRepository(tmp_path).versions("demo") == []
