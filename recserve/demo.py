@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from recserve.demo_serving import serve_and_query
+from recserve.demo_serving import serve_on_cluster
 from retrieval.artifact import load_model, save_model
 from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
 from retrieval.index.exact import recall_at_k
@@ -129,6 +129,17 @@ def run_demo(
     same = np.array_equal(_recommend(again, prep, users[:64], k), recs[:64])
     console.print(f"saved to {path} (reloaded with weights_only=True; same results: {same})")
 
-    console.rule("serving")
-    serve_and_query(model, prep, out / "model_repo", ds.name.split("-")[0], first, None, console)
+    console.rule("serving: router + 2 document shards + 1 embedding server on 127.0.0.1")
+    name = ds.name.split("-")[0]
+    routed = serve_on_cluster(
+        model, prep, out / "model_repo", out / "cluster", name, users, k,
+        DEMO_FILTERS.get(name), console,
+    )  # fmt: skip
+    in_process = _recommend(tiered, prep, users, k)  # the same INT8 rows, all in this process
+    routed_recall = ranking_metrics(routed, relevant, k)[f"recall@{k}"]
+    overlap = np.mean([len(set(a) & set(b)) / k for a, b in zip(routed, in_process, strict=True)])
+    console.print(
+        f"routed recall@{k}: {routed_recall:.3f}; top-{k} overlap with the unsharded model in "
+        f"this process: {overlap:.2%}"
+    )
     console.print(f"[green]done in {time.perf_counter() - t0:.0f} s")

@@ -1,80 +1,153 @@
-"""The demo's serving step: publish -> start the server -> Recommend and tritonclient calls.
+"""The demo's serving step: publish sharded -> local cluster -> Recommend and tritonclient calls.
 
-The server runs in this process on free 127.0.0.1 ports (``recserve serve`` runs the same
-``Server`` as a process); the calls go over real gRPC sockets.
+The trained model is published with its catalog split into 2 document shards and its coldest
+tables on 1 embedding server; ``serving.cluster.up`` starts the embedding server, the two shard
+servers and the router as real processes on 127.0.0.1 (``recserve cluster up`` runs the same
+code); every call below goes over real gRPC sockets, and the cluster is stopped at the end.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import numpy as np
+import torch
 import tritonclient.grpc as triton
 from rich.console import Console
+from rich.table import Table
 
-from retrieval.model import RetrievalModel
+from retrieval.model import RetrievalModel, table_specs
+from retrieval.tiering import tier_model
 from retrieval.training.prepare import Prepared
-from serving.config import ServeConfig
-from serving.main import Server
-from serving.recommend_pb2 import RecommendRequest
+from serving.cluster import ClusterSpec, down, up
+from serving.recommend_pb2 import RecommendRequest, RecommendResponse
 from serving.recommend_pb2_grpc import RecommenderStub
 from serving.repository import ModelRepository
 from serving.requests import DATATYPES
+from sharded_tables.placement import Budgets
+from sharded_tables.specs import DType
+
+SHARDS, EMBEDDING_SERVERS = 2, 1
 
 
-def serve_and_query(
+def tier_for_cluster(model: RetrievalModel) -> tuple[RetrievalModel, dict[str, torch.Tensor]]:
+    """INT8 tables; the host budget holds the hot item table, the colder ones go remote."""
+    item = next(s for s in table_specs(model.config, DType.INT8) if s.name == "item")
+    budgets = Budgets(
+        device=0,
+        host=int(item.bytes(DType.INT8) * 1.01),
+        remote_per_server=64 << 20,
+        remote_servers=EMBEDDING_SERVERS,
+    )
+    return tier_model(model, budgets, dtype=DType.INT8)
+
+
+def _request(prep: Prepared, user: int, k: int, flt: str | None) -> RecommendRequest:
+    batch = prep.user_batch(np.array([user]))
+    return RecommendRequest(
+        user_id=str(user),
+        history=batch.history[0][batch.history[0] >= 0].tolist(),
+        categorical=batch.categorical[0].tolist(),
+        dense=batch.dense[0].tolist(),
+        k=k,
+        filter=flt or "",
+    )
+
+
+def serve_on_cluster(
     model: RetrievalModel,
     prep: Prepared,
     repo_dir: Path,
+    cluster_dir: Path,
     name: str,
-    user: int,
+    users: np.ndarray,
+    k: int,
     flt: str | None,
     console: Console,
-    k: int = 10,
-) -> list[int]:
-    """Publishes ``model``, serves it, asks for ``user``'s top-``k`` twice; returns the ids."""
+) -> np.ndarray:
+    """Publishes, starts the cluster, asks the router for every user's top-``k``; returns the
+    routed ids ``[U, k]`` (the cluster is down again when this returns)."""
+    tiered, remote_rows = tier_for_cluster(model)
+    remote = sorted(remote_rows)  # the tables the plan put on the embedding server
     repo = ModelRepository(repo_dir)
-    version = repo.publish(name, model)
-    console.print(f"published {name} v{version} to {repo.version_dir(name, version)}")
-    server = Server(ServeConfig(model_repo=repo_dir, model=name, grpc_port=0, poll_s=0.0))
-    addresses = server.start()
-    console.print(server.announce_line())
+    version = repo.publish(name, tiered, shards=SHARDS, remote_rows=remote_rows)
+    console.print(
+        f"published {name} v{version}: {SHARDS} document shards, tables {remote} on "
+        f"{EMBEDDING_SERVERS} embedding server ({repo.version_dir(name, version)})"
+    )
+    spec = ClusterSpec(
+        model_repo=repo_dir, model=name, shards=SHARDS, embedding_servers=EMBEDDING_SERVERS
+    )
+    cluster = up(spec, cluster_dir, progress=lambda m: console.print(f"  {m}"))
     try:
-        batch = prep.user_batch(np.array([user]))
-        history = batch.history[0][batch.history[0] >= 0].tolist()
-        categorical = batch.categorical[0].tolist()
-        dense = batch.dense[0].tolist()
-        with grpc.insecure_channel(addresses.grpc) as channel:
-            reply = RecommenderStub(channel).Recommend(
-                RecommendRequest(
-                    user_id=str(user),
-                    history=history,
-                    categorical=categorical,
-                    dense=dense,
-                    k=k,
-                    filter=flt or "",
-                ),
-                timeout=10.0,
-            )
-        console.print(
-            f"Recommend(user {user}, k={k}, filter={flt!r}) -> {name} v{reply.version}: "
-            f"{list(reply.item_ids)}"
-        )
-        client = triton.InferenceServerClient(addresses.grpc)
-        inputs = []
-        for tensor, values in (
-            ("history", np.array([history], dtype=np.int64)),
-            ("categorical", np.array([categorical], dtype=np.int64)),
-            ("dense", np.array([dense], dtype=np.float32)),
-            ("k", np.array([[k]], dtype=np.int32)),
-        ):
-            inputs.append(triton.InferInput(tensor, list(values.shape), DATATYPES[tensor]))
-            inputs[-1].set_data_from_numpy(values)
-        result = client.infer(name, inputs)
-        ids = result.as_numpy("item_ids")[0].tolist()
-        console.print(f"tritonclient ModelInfer(user {user}, k={k}) -> {ids}")
-        client.close()
-        return ids
+        address = cluster.router.address
+        with grpc.insecure_channel(address) as channel:
+            stub = RecommenderStub(channel)
+            replies = _recommend_all(stub, prep, users, k, console)
+            _show(stub, prep, int(users[0]), flt, console)
+        _triton_call(address, name, prep, int(users[0]), console)
+        return np.array([list(r.item_ids) for r in replies])
     finally:
-        server.drain_and_stop(timeout=10.0)
+        down(cluster_dir)
+        console.print("cluster down: every process stopped")
+
+
+def _recommend_all(
+    stub: RecommenderStub, prep: Prepared, users: np.ndarray, k: int, console: Console
+) -> list[RecommendResponse]:
+    """Every user's Recommend, 8 in flight (the router batches them)."""
+
+    def call(u: int) -> tuple[RecommendResponse, float]:
+        start = time.perf_counter()
+        reply = stub.Recommend(_request(prep, u, k, None), timeout=10.0)
+        return reply, time.perf_counter() - start
+
+    with ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(call, users.tolist()))
+    partial = sum(r.partial for r, _ in out)
+    ms = sorted(t * 1e3 for _, t in out)
+    console.print(
+        f"Recommend x{len(out)} via the router (8 in flight): p50 {statistics.median(ms):.1f} ms, "
+        f"p99 {ms[int(0.99 * (len(ms) - 1))]:.1f} ms, partial answers: {partial}"
+    )
+    return [r for r, _ in out]
+
+
+def _show(
+    stub: RecommenderStub, prep: Prepared, user: int, flt: str | None, console: Console
+) -> None:
+    ds = prep.dataset
+    names = ds.item_names or [f"item {i}" for i in range(ds.num_items)]
+    reply = stub.Recommend(_request(prep, user, 8, flt), timeout=10.0)
+    table = Table(title=f"router: user {user}" + (f" — filter: {flt}" if flt else ""))
+    table.add_column("#", justify="right")
+    table.add_column("recommended")
+    table.add_column("score", justify="right")
+    for rank, (i, s) in enumerate(zip(reply.item_ids, reply.scores, strict=True), 1):
+        if i >= 0:
+            table.add_row(str(rank), names[i], f"{s:.3f}")
+    console.print(table)
+
+
+def _triton_call(address: str, name: str, prep: Prepared, user: int, console: Console) -> None:
+    """The same router through the unchanged Triton client (KServe v2 gRPC)."""
+    req = _request(prep, user, 10, None)
+    client = triton.InferenceServerClient(address)
+    inputs = []
+    for tensor, values in (
+        ("history", np.array([list(req.history)], dtype=np.int64)),
+        ("categorical", np.array([list(req.categorical)], dtype=np.int64)),
+        ("dense", np.array([list(req.dense)], dtype=np.float32)),
+        ("k", np.array([[10]], dtype=np.int32)),
+    ):
+        inputs.append(triton.InferInput(tensor, list(values.shape), DATATYPES[tensor]))
+        inputs[-1].set_data_from_numpy(values)
+    result = client.infer(name, inputs)
+    console.print(
+        f"tritonclient ModelInfer(user {user}, k=10) -> {result.as_numpy('item_ids')[0].tolist()}"
+    )
+    client.close()

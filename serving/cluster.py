@@ -72,6 +72,8 @@ class Proc:
     """gRPC ``host:port``."""
     http: str = ""
     metrics: str = ""
+    log_offset: int = 0
+    """Where this run of the process starts in its log (earlier runs' lines come before)."""
 
 
 @dataclass
@@ -148,6 +150,8 @@ def up(
     model, version = check_version(spec)
     logs = directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    for old in logs.glob("*.log"):  # a new cluster starts with new logs
+        old.unlink()
     repo = str(spec.model_repo)
     cluster = Cluster(model, version)
     try:
@@ -223,6 +227,7 @@ def up(
 
 def _start(name: str, role: str, cmd: list[str], logs: Path) -> Proc:
     log = logs / f"{name}.log"
+    offset = log.stat().st_size if log.exists() else 0  # a restart appends to the log
     with open(log, "ab") as out:
         child = subprocess.Popen(
             cmd,
@@ -232,7 +237,7 @@ def _start(name: str, role: str, cmd: list[str], logs: Path) -> Proc:
             start_new_session=True,  # outlives `cluster up`; a Ctrl-C there does not reach it
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    return Proc(name, role, cmd, child.pid, str(log))
+    return Proc(name, role, cmd, child.pid, str(log), log_offset=offset)
 
 
 def _wait_ready(p: Proc, timeout: float) -> None:
@@ -240,7 +245,9 @@ def _wait_ready(p: Proc, timeout: float) -> None:
     until = time.monotonic() + timeout
     pattern = READY[p.role]
     while time.monotonic() < until:
-        text = Path(p.log).read_text(errors="replace")
+        with open(p.log, "rb") as f:
+            f.seek(p.log_offset)
+            text = f.read().decode(errors="replace")
         m = pattern.search(text)
         if m:
             p.address = m.group(1)
