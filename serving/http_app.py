@@ -203,7 +203,8 @@ def render_json(
     if isinstance(header.get("id"), str):
         body["id"] = header["id"]
     if any(r.partial for r in results):
-        body["parameters"] = {"partial": True}
+        missing = sorted({m for r in results for m in r.missing})
+        body["parameters"] = {"partial": True, "missing": ",".join(missing)}
     text = json.dumps(body, separators=(",", ":")).encode()
     if not blobs:
         return Response(text, media_type="application/json")

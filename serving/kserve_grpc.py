@@ -93,6 +93,8 @@ def render_response(
         response.raw_output_contents.append(o.raw())
     if any(r.partial for r in results):
         response.parameters["partial"].bool_param = True
+        missing = sorted({m for r in results for m in r.missing})
+        response.parameters["missing"].string_param = ",".join(missing)
     return response
 
 

@@ -255,3 +255,20 @@ def test_deadline_and_draining(client, server, tiny):
     with pytest.raises(InferenceServerException) as err:
         client.infer("demo", to_inputs(inputs(tiny, [1])))
     assert err.value.status() == "StatusCode.UNAVAILABLE"
+
+
+def test_a_partial_answer_names_the_missing_shards_in_its_parameters():
+    from tritonclient.grpc import service_pb2
+
+    from serving.requests import RecResult
+
+    ids, scores = np.array([3, 1], np.int64), np.array([0.5, 0.4], np.float32)
+    results = [
+        RecResult(ids, scores, "demo", 2, partial=True, missing=["shard-1"]),
+        RecResult(ids, scores, "demo", 2),
+    ]
+    out = kserve_grpc.render_response(
+        service_pb2.ModelInferRequest(id="r1"), results, ["item_ids", "scores"]
+    )
+    assert out.parameters["partial"].bool_param
+    assert out.parameters["missing"].string_param == "shard-1"
