@@ -137,9 +137,15 @@ def shard_server_cmd(
     poll_s: float = typer.Option(1.0, min=0, help="seconds between repository checks (0: never)"),
     keep: int = typer.Option(2, min=1, help="versions kept loaded (a rollout needs 2)"),
     device: str = typer.Option("cpu", help="where the index lives: cpu or cuda"),
+    torch_threads: int = typer.Option(0, min=0, help="intra-op threads (0: torch's default)"),
 ) -> None:
     """Serve one document shard of a model's index until SIGTERM (prints its address)."""
     import logging
+
+    import torch
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
 
     from serving.repository.repository import ModelRepository
     from serving.shard_server import ShardServer, serve_shard
@@ -185,6 +191,7 @@ def serve_cmd(
     embedding_servers: str = typer.Option(
         None, help="router: embedding server addresses, comma-separated (server 0, 1, ...)"
     ),
+    torch_threads: int = typer.Option(None, min=0, help="intra-op threads (0: torch's default)"),
 ) -> None:
     """Serve a model of a repository over gRPC (and HTTP) until SIGTERM; prints one line when
     ready, hot-reloads new versions, drains on SIGTERM."""
@@ -206,6 +213,7 @@ def serve_cmd(
             http_port=http_port,
             metrics_port=metrics_port,
             host=host,
+            torch_threads=torch_threads,
         )
         cfg = _with_router_flags(cfg, shards, shard_deadline_ms, hedge_after_ms, embedding_servers)
         serve(cfg)

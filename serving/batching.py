@@ -119,7 +119,10 @@ class _Entry:
 
 
 class DynamicBatcher:
-    """Thread-safe queue + one worker thread forming batches by ``policy``.
+    """Thread-safe queue + worker threads forming batches by ``policy``.
+
+    ``workers`` batches may run at once (Triton's model instance count): one is right for a
+    model that computes in this process; a router waiting on shards overlaps their round trips.
 
     ``run_batch(reqs) -> outcomes`` gets up to ``max_batch_size`` requests and returns one
     outcome per request (a result, or an exception the request's future raises).
@@ -136,7 +139,10 @@ class DynamicBatcher:
         clock: Callable[[], float] = time.monotonic,
         name: str = "batcher",
         start: bool = True,
+        workers: int = 1,
     ):
+        if workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {workers}")
         self.policy, self.run_batch, self.on_batch, self.clock = policy, run_batch, on_batch, clock
         self.gate = threading.Event()
         self.gate.set()
@@ -145,12 +151,16 @@ class DynamicBatcher:
         self._stopping = False
         self._drain = True
         self.batches = 0
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
         if start:
             self.start()
 
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     @property
     def waiting(self) -> int:
@@ -184,10 +194,11 @@ class DynamicBatcher:
             self._stopping, self._drain = True, drain
             self._cond.notify()
         self.gate.set()
-        if not self._thread.is_alive():
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        until = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            if t.is_alive():
+                t.join(None if until is None else max(until - time.monotonic(), 0.0))
+        return not any(t.is_alive() for t in self._threads)
 
     # ---- worker -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -195,6 +206,8 @@ class DynamicBatcher:
             self.gate.wait()  # a closed gate holds the worker before it forms a batch
             with self._cond:
                 step = self._step()
+                if step == "done":
+                    self._cond.notify_all()  # the other workers see the stop too
             if step == "done":
                 return
             if isinstance(step, list):
@@ -253,7 +266,8 @@ class DynamicBatcher:
                 entry.future.set_exception(e)
             return
         finally:
-            self.batches += 1
+            with self._cond:
+                self.batches += 1
         for entry, out in zip(entries, outcomes, strict=True):
             if isinstance(out, BaseException):
                 entry.future.set_exception(out)

@@ -153,6 +153,8 @@ def up(
     for old in logs.glob("*.log"):  # a new cluster starts with new logs
         old.unlink()
     repo = str(spec.model_repo)
+    # processes that compute share the cores instead of each taking all of them
+    threads = str(max(1, (os.cpu_count() or 1) // (spec.shards * spec.replicas + 1)))
     cluster = Cluster(model, version)
     try:
         started = [
@@ -190,6 +192,8 @@ def up(
                     "0",
                     "--metrics-port",
                     "0",
+                    "--torch-threads",
+                    threads,
                 ),
                 logs,
             )
@@ -209,7 +213,7 @@ def up(
             "--grpc-port", str(spec.router_grpc_port), "--http-port", str(spec.router_http_port),
             "--metrics-port", "0", "--shards", shards,
             "--shard-deadline-ms", str(spec.shard_deadline_ms),
-            "--hedge-after-ms", str(spec.hedge_after_ms),
+            "--hedge-after-ms", str(spec.hedge_after_ms), "--torch-threads", threads,
         ]  # fmt: skip
         embed = [p.address for p in started if p.role == "embedding-server"]
         if embed:

@@ -129,6 +129,8 @@ class RouterConfig:
     """Addresses of embedding servers 0, 1, ... for the version's remote tables."""
     embedding_timeout_ms: float = 500.0
     """Deadline of one remote-row fetch."""
+    batches_in_flight: int = 4
+    """Batches routed at once: while one waits on the shards the next runs its tower."""
 
     def validate(self) -> None:
         if not self.shards:
@@ -139,6 +141,10 @@ class RouterConfig:
         for name in ("shard_deadline_ms", "embedding_timeout_ms"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router.{name}: must be > 0, got {getattr(self, name)}")
+        if self.batches_in_flight < 1:
+            raise ConfigError(
+                f"router.batches_in_flight: must be >= 1, got {self.batches_in_flight}"
+            )
         if not self.hedge_after_ms >= 0:
             raise ConfigError(f"router.hedge_after_ms: must be >= 0, got {self.hedge_after_ms}")
 

@@ -138,7 +138,8 @@ class Server:
             torch.set_num_threads(cfg.torch_threads)
         self.host.start()
         policy = cfg.batching.policy(getattr(self.host.loaded, "config", None))
-        batcher = make_batcher(self.host, policy, self.metrics)
+        workers = cfg.router.batches_in_flight if cfg.router is not None else 1
+        batcher = make_batcher(self.host, policy, self.metrics, workers)
         self.state = ServingState(self.host, batcher, self.metrics, cfg)
         self.grpc = GrpcServer(
             self.state,

@@ -285,18 +285,22 @@ class RouterRunner(ModelRunner):
     def __init__(self, model: RetrievalModel, name: str, version: int, client: ShardClient):
         super().__init__(model, name, version)
         self.client = client
+        # Batches overlap only while they wait on shards: the tables' hot-row caches are not
+        # safe for two forwards at once, so the tower runs one batch at a time.
+        self._tower = threading.Lock()
 
     def forward(
         self, batch: UserBatch, k: int, deadline: float | None
     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         model = self.model
-        q = model.user_vectors(batch)  # [B, D]
+        with self._tower:
+            q = model.user_vectors(batch)  # [B, D]
         r, hist = model.candidate_budget(batch, k)
         fb = FilterBatch(batch.filter_masks, batch.filter_negate)
         icfg = model.index.config
         plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank)
         with_vectors = model.head is not None
-        timeout = self.client.timeout(deadline)
+        until = time.monotonic() + self.client.timeout(deadline)  # one deadline for all rounds
         failed: dict[int, str] = {}
 
         def fetch(p: Any, rows: torch.Tensor | None) -> Candidates:
@@ -304,7 +308,8 @@ class RouterRunner(ModelRunner):
                 (q, fb) if rows is None else (q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]))
             )
             request = encode_request(self.name, self.version, qq, f, p, with_vectors)
-            answers, errors = self.client.search(request, timeout, skip=set(failed))
+            left = max(until - time.monotonic(), 0.001)
+            answers, errors = self.client.search(request, left, skip=set(failed))
             failed.update(errors)
             if not answers:
                 why = "; ".join(f"shard {s}: {e}" for s, e in sorted(failed.items()))

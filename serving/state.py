@@ -107,7 +107,9 @@ class ServingState:
             self.metrics.request_done(self.host.version, seconds, error_status(exc)[2])
 
 
-def make_batcher(host: ModelHost, policy: BatchPolicy, metrics: ServingMetrics) -> DynamicBatcher:
+def make_batcher(
+    host: ModelHost, policy: BatchPolicy, metrics: ServingMetrics, workers: int = 1
+) -> DynamicBatcher:
     """The engine loop over ``host``: each batch reads ``host.current()`` once, so a hot swap
     takes effect between batches."""
 
@@ -123,6 +125,7 @@ def make_batcher(host: ModelHost, policy: BatchPolicy, metrics: ServingMetrics) 
         run_batch,
         on_batch=lambda waits: metrics.batch_queued(host.version, waits),
         name=f"batcher-{host.name}",
+        workers=workers,
     )
     metrics.watch_queue(lambda: batcher.waiting)
     return batcher

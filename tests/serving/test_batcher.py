@@ -197,3 +197,20 @@ def test_a_cancelled_request_frees_its_place_in_a_full_queue():
     assert (second.result(WAIT), third.result(WAIT)) == (2, 3)
     assert echo.batches == [[2, 3]]
     b.stop(timeout=WAIT)
+
+
+def test_several_workers_run_batches_at_once_and_all_stop():
+    inside, release = threading.Barrier(2, timeout=WAIT), threading.Event()
+
+    def slow(reqs: list[RecRequest]) -> list[object]:
+        inside.wait()  # both batches must be running together to pass this
+        release.wait(WAIT)
+        return [r.k for r in reqs]
+
+    b = DynamicBatcher(BatchPolicy(1, 0.0, 0), slow, workers=2)
+    futures = [b.submit(req(i)) for i in range(2)]
+    release.set()
+    assert [f.result(WAIT) for f in futures] == [0, 1]
+    assert b.stop(timeout=WAIT)
+    with pytest.raises(ValueError, match="workers"):
+        DynamicBatcher(BatchPolicy(1, 0.0, 0), slow, workers=0)
