@@ -8,6 +8,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from topk_check import assert_same_topk
 
 from retrieval.artifact import load_model, load_state, save_model
 from retrieval.config import ModelConfig
@@ -76,8 +77,9 @@ def test_torch_compile_equals_eager(trained):
     with torch.inference_mode():
         eager = model(batch, 100)
         compiled = torch.compile(model)(batch, 100)
-    assert torch.equal(eager[0], compiled[0])
-    torch.testing.assert_close(eager[1], compiled[1])
+    # inductor fuses the towers' ops, so q may differ in the last float bits: ids may swap
+    # only where two scores tie that closely
+    assert_same_topk(eager[0], eager[1], compiled[0], compiled[1], atol=1e-5)
 
 
 def test_state_dict_round_trip_weights_only(trained, tmp_path):

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from tiny_model import Tiny
 from topk_check import assert_same_topk
 
 from retrieval.data import SyntheticConfig, generate
@@ -43,8 +44,6 @@ def recserve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[st
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """(model, tiny helper, cluster dir): FP32 tables, the item table on the embedding server."""
-    from conftest import Tiny
-
     root = tmp_path_factory.mktemp("cluster")
     ds = generate(SyntheticConfig(num_users=64, num_items=12_000, seed=3))
     prep = prepare(ds, history_len=8)
