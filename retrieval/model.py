@@ -115,15 +115,27 @@ class RetrievalModel(nn.Module):
     # ---- towers (shared by training and serving) ----------------------------------------------
     def user_vectors(self, batch: UserBatch) -> torch.Tensor:
         """``batch`` -> query vectors ``q [B, D]``."""
-        sparse = {"history": batch.history}
-        for j, name in enumerate(self.user_feature_names):
-            sparse[f"user_{name}"] = batch.categorical[:, j : j + 1]
-        pooled = self.tables(sparse)
-        return self.user_tower([pooled[f] for f in sparse] + [batch.dense])
+        return self.user_tower_on(self.tables(self.user_sparse(batch)), batch)
 
     def item_vectors(self, item_features: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Item features (``item_id [N, 1]``, ``item_<attr> [N, L]``) -> item vectors ``[N, D]``."""
-        pooled = self.tables(item_features)
+        return self.item_tower_on(self.tables(item_features))
+
+    def user_sparse(self, batch: UserBatch) -> dict[str, torch.Tensor]:
+        """The user side's table features: ``history [B, H]``, ``user_<name> [B, 1]``."""
+        sparse = {"history": batch.history}
+        for j, name in enumerate(self.user_feature_names):
+            sparse[f"user_{name}"] = batch.categorical[:, j : j + 1]
+        return sparse
+
+    def user_tower_on(self, pooled: Mapping[str, torch.Tensor], batch: UserBatch) -> torch.Tensor:
+        """Pooled user features (+ the batch's dense features) -> ``q [B, D]``."""
+        order = ["history"] + [f"user_{n}" for n in self.user_feature_names]
+        return self.user_tower([pooled[f] for f in order] + [batch.dense])
+
+    def item_tower_on(self, pooled: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Pooled item features -> item vectors ``[N, D]``. Training pools user and item
+        features in ONE table call (a fused-optimizer table steps once per call)."""
         order = ["item_id"] + [f"item_{n}" for n in self.config.item_attributes]
         return self.item_tower([pooled[f] for f in order])
 

@@ -1,9 +1,13 @@
-"""Sampled softmax over in-batch negatives with log-Q correction.
+"""Sampled softmax over in-batch (and optionally random) negatives with log-Q correction.
 
-Every other positive item in the batch is a negative for a row. Popular items appear as negatives
-more often than under uniform sampling, so each column's logit is lowered by ``log Q(item)``, its
-sampling probability (Yi et al., "Sampling-bias-corrected neural modeling", RecSys 2019).
-Columns holding the row's own item elsewhere in the batch are masked (not false negatives).
+Every other positive item in the batch is a negative for a row; ``R`` items drawn uniformly
+from the catalog can join them (mixed negative sampling, Yang et al., WWW 2020). Popular items
+appear as in-batch negatives more often than rare ones, so each column's logit is lowered by the
+log of its expected count among the negatives, ``log(B * Q(item) + R / N)`` with ``Q`` the
+item's share of the training pairs (Yi et al., "Sampling-bias-corrected neural modeling", RecSys
+2019). With ``R = 0`` that is ``log Q + log B``: the constant changes nothing. Columns holding
+the row's own item elsewhere (a repeat in the batch, or a random draw) are masked, so a positive
+is never its own negative.
 """
 
 from __future__ import annotations
@@ -17,19 +21,37 @@ from retrieval.scoring import PairHead
 def in_batch_logits(
     q: torch.Tensor, v: torch.Tensor, temperature: float, head: PairHead | None = None
 ) -> torch.Tensor:
-    """``q [B, D]``, ``v [B, D]`` -> ``[B, B]`` logits (row: user, column: item)."""
+    """``q [B, D]``, column vectors ``v [C, D]`` -> ``[B, C]`` logits (row: user, column: item)."""
     logits = q @ v.T / temperature
     if head is not None:
-        logits = logits + head(q.unsqueeze(1), v.unsqueeze(0))  # [B, B]
+        logits = logits + head(q.unsqueeze(1), v.unsqueeze(0))  # [B, C]
     return logits
 
 
+def column_log_q(log_q: torch.Tensor, batch: int, random: int, num_items: int) -> torch.Tensor:
+    """``log(B * Q + R / N)`` per column from ``log_q [C]`` (each column item's log share)."""
+    expected = batch * log_q.exp()
+    if random:
+        expected = expected + random / num_items
+    return torch.log(expected)
+
+
 def sampled_softmax_loss(
-    logits: torch.Tensor, item_ids: torch.Tensor, log_q: torch.Tensor
+    logits: torch.Tensor,
+    item_ids: torch.Tensor,
+    column_ids: torch.Tensor,
+    column_log_q: torch.Tensor,
 ) -> torch.Tensor:
-    """``logits [B, B]``, the batch's positive ``item_ids [B]``, their ``log_q [B]`` -> scalar loss."""
-    corrected = logits - log_q.unsqueeze(0)
-    same = item_ids.unsqueeze(0) == item_ids.unsqueeze(1)
-    eye = torch.eye(len(item_ids), dtype=torch.bool, device=logits.device)
-    corrected = corrected.masked_fill(same & ~eye, float("-inf"))
-    return F.cross_entropy(corrected, torch.arange(len(item_ids), device=logits.device))
+    """Mean cross-entropy of each row's positive (column ``i`` of row ``i``) -> scalar.
+
+    ``logits [B, C]`` with the batch's positives ``item_ids [B]`` as the first B columns and
+    ``C - B`` extra negatives after them; ``column_ids [C]``, ``column_log_q [C]`` (see
+    :func:`column_log_q`).
+    """
+    b = item_ids.shape[0]
+    corrected = logits - column_log_q.unsqueeze(0)
+    same = item_ids.unsqueeze(1) == column_ids.unsqueeze(0)  # [B, C]
+    own = torch.zeros_like(same)
+    own[:, :b] = torch.eye(b, dtype=torch.bool, device=logits.device)
+    corrected = corrected.masked_fill(same & ~own, float("-inf"))
+    return F.cross_entropy(corrected, torch.arange(b, device=logits.device))

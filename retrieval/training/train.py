@@ -1,13 +1,36 @@
-"""Trains a :class:`RetrievalModel` on (user, item) interactions.
+"""Trains a :class:`RetrievalModel` on (user, item) interactions: both towers together.
 
-Run through the CLI (``recserve demo`` trains, builds the index and evaluates). One process;
-multi-process training (torchrun) is not built yet.
+One step, for a batch of B positive (user, item) pairs and R random items::
+
+    pooled = tables(user features + item features)     ONE fbgemm training-kernel call
+    q, v   = user_tower(pooled), item_tower(pooled)    [B, D], [B + R, D]
+    loss   = sampled softmax over in-batch + random negatives, log-Q corrected
+    loss.backward()                                     table rows updated inside (fused
+                                                        row-wise Adagrad), towers by Adam
+
+:class:`Trainer` adds what a long run needs: a progress bar with loss and examples/s, an
+evaluation after each epoch, checkpoints (every ``checkpoint_every`` steps and each epoch;
+written then renamed), resume from a checkpoint with the same result as an uninterrupted run
+(batch order and negatives are functions of (seed, epoch, step), not of a running generator),
+and a stop on a NaN/inf loss that names the step and its batch and leaves the last good
+checkpoint as it was.
+
+Tables: ``table_optimizer="rowwise_adagrad"`` (or ``adagrad`` / ``sgd``) trains them through
+fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` with the optimizer fused into backward
+(:class:`sharded_tables.trainable.TrainableTables`); the model's float tables are swapped out
+for the run and get the trained rows back at the end, so export is unchanged. ``"adam"`` keeps
+them as plain ``nn.EmbeddingBag`` parameters in the dense optimizer.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,20 +38,79 @@ from tqdm import tqdm
 
 from retrieval.features import UserBatch
 from retrieval.model import RetrievalModel
-from retrieval.training.loss import in_batch_logits, sampled_softmax_loss
+from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
+from sharded_tables import EmbeddingCollection
+from sharded_tables.trainable import OPTIMIZERS, TrainableTables
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FILE = "checkpoint.pt"
 
 
 @dataclass
 class TrainConfig:
-    """Optimization settings."""
+    """Optimization settings (``recserve train``'s ``[train]`` table)."""
 
     epochs: int = 5
     batch_size: int = 512
     lr: float = 3e-3
+    """Adam's learning rate for the dense parts (towers, head)."""
     weight_decay: float = 0.0
+    table_optimizer: str = "rowwise_adagrad"
+    """Fused fbgemm optimizer of the tables ("rowwise_adagrad", "adagrad", "sgd"), or "adam"
+    (tables as dense parameters)."""
+    table_lr: float = 0.05
+    """Learning rate of the fused table optimizer."""
+    random_negatives: int = 0
+    """Items drawn uniformly per batch as extra negatives (0: in-batch negatives only)."""
+    micro_batches: int = 1
+    """Each batch's softmax runs over this many equal slices (what each of that many
+    data-parallel ranks sees), so one process reproduces a multi-process run."""
     seed: int = 0
     progress: bool = True
     """Show a progress bar with loss and examples/s."""
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: at the end of each epoch only); needs checkpoint_dir."""
+    max_steps: int | None = None
+    """Stop after this many steps in all (a later run resumes from the checkpoint)."""
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` naming the first bad field."""
+        for name in ("epochs", "batch_size", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "table_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"train.{name}: must be > 0, got {getattr(self, name)}")
+        if self.table_optimizer not in (*OPTIMIZERS, "adam"):
+            raise ValueError(
+                f"train.table_optimizer: one of {[*OPTIMIZERS, 'adam']}, got {self.table_optimizer!r}"
+            )
+        if self.random_negatives < 0 or self.checkpoint_every < 0 or self.weight_decay < 0:
+            raise ValueError("train.random_negatives, checkpoint_every, weight_decay: must be >= 0")
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"train.micro_batches: {self.micro_batches} must divide batch_size {self.batch_size}"
+            )
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ValueError("train.checkpoint_every: needs train.checkpoint_dir")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"train.{unknown[0]}: unknown key (known: {sorted(known)})")
+        d = dict(d)
+        if d.get("checkpoint_dir") is not None:
+            d["checkpoint_dir"] = Path(d["checkpoint_dir"])
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and its batch."""
 
 
 @dataclass
@@ -72,44 +154,202 @@ def batch_inputs(
     )
 
 
-def train(model: RetrievalModel, data: TrainingData, cfg: TrainConfig) -> list[float]:
+def batch_starts(num_pairs: int, batch_size: int) -> list[int]:
+    """Start of every full batch (one short batch when there are fewer pairs than a batch)."""
+    if num_pairs < batch_size:
+        return [0]
+    return list(range(0, num_pairs - batch_size + 1, batch_size))
+
+
+class Trainer:
+    """Trains ``model`` on ``data`` (see the module docstring); :meth:`fit` runs or resumes."""
+
+    def __init__(
+        self,
+        model: RetrievalModel,
+        data: TrainingData,
+        cfg: TrainConfig,
+        evaluate: Callable[[RetrievalModel], dict[str, float]] | None = None,
+    ):
+        cfg.validate()
+        if model.config.table_plan is not None:
+            raise ValueError("training needs plain float tables (tier the model after training)")
+        self.model, self.data, self.cfg, self.evaluate = model, data, cfg, evaluate
+        self.float_tables: EmbeddingCollection | None = None
+        if cfg.table_optimizer != "adam":
+            self._swap_in_trainable()
+        self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.epoch = self.step_in_epoch = self.global_step = 0
+        self.epoch_losses: list[float] = []
+        self.losses: list[float] = []
+        """Losses of the current epoch's steps so far."""
+        self.evals: list[dict[str, float]] = []
+
+    # ---- tables ---------------------------------------------------------------------------
+    def _swap_in_trainable(self) -> None:
+        tables = self.model.tables
+        assert isinstance(tables, EmbeddingCollection)
+        configs = [tables.configs[name] for name in tables.bags()]
+        trainable = TrainableTables(
+            configs, optimizer=self.cfg.table_optimizer, learning_rate=self.cfg.table_lr
+        )
+        trainable.load_weights({n: b.weight.detach() for n, b in tables.bags().items()})
+        self.float_tables = tables
+        self.model.tables = trainable  # type: ignore[assignment]
+
+    def _swap_back(self) -> None:
+        """The float tables take the trained rows and return to the model (export format)."""
+        if self.float_tables is None or not isinstance(self.model.tables, TrainableTables):
+            return
+        with torch.no_grad():
+            for name, rows in self.model.tables.weights().items():
+                self.float_tables.bags()[name].weight.copy_(rows)
+        self.model.tables = self.float_tables
+
+    # ---- one step -------------------------------------------------------------------------
+    def step_loss(self, idx: np.ndarray, epoch: int, step: int) -> torch.Tensor:
+        """The loss of the batch of pairs ``idx [B]`` (negatives drawn for (epoch, step))."""
+        model, data, cfg = self.model, self.data, self.cfg
+        users, items = data.user_ids[idx], data.item_ids[idx]
+        batch = batch_inputs(model, data, users, items)
+        n = data.item_log_q.shape[0]
+        neg = np.random.default_rng([cfg.seed, epoch, step, 1]).integers(0, n, cfg.random_negatives)
+        cols = torch.from_numpy(np.concatenate([items, neg]))  # [B + R]
+        b, c = len(items), len(cols)
+        user = {
+            f: torch.cat([t, t.new_full((c - b, t.shape[1]), -1)]) if c > b else t
+            for f, t in model.user_sparse(batch).items()
+        }  # one table call needs one batch size: users padded with empty bags
+        pooled = model.tables({**user, **{f: t[cols] for f, t in data.item_features.items()}})
+        q = model.user_tower_on({f: pooled[f][:b] for f in user}, batch)  # [B, D]
+        v = model.item_tower_on(pooled)  # [B + R, D]
+        parts = []
+        size = b // cfg.micro_batches if b >= cfg.micro_batches else b
+        for s in range(0, b, size):  # a slice sees its own positives and the random items
+            sl = slice(s, s + size)
+            col = torch.cat([cols[sl], cols[b:]])
+            v_col = torch.cat([v[sl], v[b:]])
+            logits = in_batch_logits(q[sl], v_col, model.config.temperature, model.head)
+            lq = column_log_q(data.item_log_q[col], len(col) - (c - b), c - b, n)
+            parts.append(sampled_softmax_loss(logits, cols[sl], col, lq))
+        return torch.stack(parts).mean()
+
+    # ---- the loop -------------------------------------------------------------------------
+    def fit(self) -> list[float]:
+        """Trains (or continues) until ``epochs`` or ``max_steps``; returns per-epoch mean
+        losses. Raises :class:`TrainingDivergedError` on a NaN/inf loss."""
+        cfg, data = self.cfg, self.data
+        m = len(data.user_ids)
+        starts = batch_starts(m, cfg.batch_size)
+        self.model.train()
+        try:
+            while self.epoch < cfg.epochs:
+                order = np.random.default_rng([cfg.seed, self.epoch]).permutation(m)
+                bar = tqdm(
+                    total=len(starts),
+                    initial=self.step_in_epoch,
+                    desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
+                    disable=not cfg.progress,
+                    leave=False,
+                )
+                t0, seen = time.perf_counter(), 0
+                while self.step_in_epoch < len(starts):
+                    if cfg.max_steps is not None and self.global_step >= cfg.max_steps:
+                        bar.close()
+                        self.checkpoint()
+                        return self.epoch_losses
+                    s = starts[self.step_in_epoch]
+                    idx = order[s : s + cfg.batch_size]
+                    self._train_step(idx)
+                    seen += len(idx)
+                    bar.update()
+                    bar.set_postfix(
+                        loss=f"{np.mean(self.losses[-20:]):.3f}",
+                        ex_s=f"{seen / (time.perf_counter() - t0):.0f}",
+                        refresh=False,
+                    )
+                    if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
+                        self.checkpoint()
+                bar.close()
+                self._end_epoch()
+        finally:
+            self.model.eval()
+        self._swap_back()
+        return self.epoch_losses
+
+    def _train_step(self, idx: np.ndarray) -> None:
+        loss = self.step_loss(idx, self.epoch, self.step_in_epoch)
+        if not torch.isfinite(loss):
+            where = self.cfg.checkpoint_dir or "(no checkpoint_dir)"
+            raise TrainingDivergedError(
+                f"loss is {loss.item()} at step {self.global_step} (epoch {self.epoch + 1}, "
+                f"batch {self.step_in_epoch}: pairs {idx[:8].tolist()}...); nothing from this "
+                f"step was applied; the last good checkpoint is in {where}"
+            )
+        self.opt.zero_grad()
+        loss.backward()  # fused tables: the rows this batch read are updated here
+        self.opt.step()
+        self.losses.append(loss.item())
+        self.step_in_epoch += 1
+        self.global_step += 1
+
+    def _end_epoch(self) -> None:
+        self.epoch_losses.append(float(np.mean(self.losses)) if self.losses else float("nan"))
+        self.losses = []
+        self.epoch += 1
+        self.step_in_epoch = 0
+        if self.evaluate is not None:
+            self.model.eval()
+            result = {"epoch": float(self.epoch), **self.evaluate(self.model)}
+            self.evals.append(result)
+            log.info("epoch %d: %s", self.epoch, result)
+            self.model.train()
+        self.checkpoint()
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything a resume needs (plain tensors and numbers: loads with weights_only)."""
+        cfg = asdict(self.cfg)
+        cfg["checkpoint_dir"] = str(cfg["checkpoint_dir"]) if cfg["checkpoint_dir"] else None
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_step": self.global_step,
+            "epoch_losses": list(self.epoch_losses),
+            "losses": list(self.losses),
+            "evals": [dict(e) for e in self.evals],
+            "train_config": cfg,
+        }
+
+    def checkpoint(self) -> Path | None:
+        """Writes ``checkpoint_dir/checkpoint.pt`` (temp file + rename: a crash keeps the old)."""
+        if self.cfg.checkpoint_dir is None:
+            return None
+        self.cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        path = self.cfg.checkpoint_dir / CHECKPOINT_FILE
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.state(), tmp)
+        os.replace(tmp, path)
+        return path
+
+    def resume(self, path: Path) -> None:
+        """Continues from a checkpoint written by :meth:`checkpoint` (same model config)."""
+        state = torch.load(path, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.global_step = state["global_step"]
+        self.epoch_losses, self.losses = list(state["epoch_losses"]), list(state["losses"])
+        self.evals = [dict(e) for e in state["evals"]]
+
+
+def train(
+    model: RetrievalModel,
+    data: TrainingData,
+    cfg: TrainConfig,
+    evaluate: Callable[[RetrievalModel], dict[str, float]] | None = None,
+) -> list[float]:
     """Runs ``cfg.epochs`` epochs; returns the mean loss of each epoch. Deterministic for a seed."""
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model.train()
-    m = len(data.user_ids)
-    epoch_losses = []
-    for epoch in range(cfg.epochs):
-        order = rng.permutation(m)
-        steps = (
-            range(0, m - cfg.batch_size + 1, cfg.batch_size)
-            if m >= cfg.batch_size
-            else range(0, m, m)
-        )
-        bar = tqdm(
-            steps, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress, leave=False
-        )
-        losses, start, seen = [], time.perf_counter(), 0
-        for s in bar:
-            idx = order[s : s + cfg.batch_size]
-            users, items = data.user_ids[idx], data.item_ids[idx]
-            q = model.user_vectors(batch_inputs(model, data, users, items))
-            it = torch.from_numpy(items)
-            v = model.item_vectors({f: t[it] for f, t in data.item_features.items()})
-            loss = sampled_softmax_loss(
-                in_batch_logits(q, v, model.config.temperature, model.head), it, data.item_log_q[it]
-            )
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            seen += len(idx)
-            bar.set_postfix(  # drawn at tqdm's own pace, not every step
-                loss=f"{np.mean(losses[-20:]):.3f}",
-                ex_s=f"{seen / (time.perf_counter() - start):.0f}",
-                refresh=False,
-            )
-        epoch_losses.append(float(np.mean(losses)) if losses else float("nan"))
-    model.eval()
-    return epoch_losses
+    return Trainer(model, data, cfg, evaluate).fit()
