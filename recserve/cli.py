@@ -1,6 +1,7 @@
 """``recserve`` command line: one subcommand per job.
 
 recserve demo              train on MovieLens 100k, build the index, print recommendations and recall
+recserve train             train from a config (torchrun for several processes), evaluate, publish
 recserve fetch-movielens   extract MovieLens 100k from the recbole wheel into data/ml-100k
 recserve bench-ann         the index benchmark (bench/ann.py) vs faiss
 recserve embed-server      serve one shard of embedding rows (the remote tier) over gRPC
@@ -41,6 +42,38 @@ def demo(
     run_demo(
         data=data, data_dir=data_dir, epochs=epochs, k=k, out=out, seed=seed, progress=not quiet
     )
+
+
+@app.command("train")
+def train_cmd(
+    config: Path = typer.Option(
+        ..., help="train.toml: [data] [model] [train] [evaluate] [publish]"
+    ),
+    out: Path = typer.Option(REPO / "runs" / "train", help="model folder, metrics, checkpoints"),
+    resume: bool = typer.Option(False, help="continue from the last checkpoint"),
+) -> None:
+    """Train both towers (fbgemm fused tables), evaluate, save, and publish if configured.
+    Under torchrun (--nproc_per_node N) tables are sharded across ranks."""
+    import logging
+
+    from recserve.train import run
+    from retrieval.training.distributed import init_from_env
+    from retrieval.training.train import TrainingDivergedError
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    ctx = init_from_env()
+    try:
+        run(config, out, resume, ctx)
+    except (ValueError, TrainingDivergedError) as e:
+        typer.echo(f"train: {e}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        if ctx is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 @app.command("fetch-movielens")

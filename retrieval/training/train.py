@@ -34,10 +34,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from retrieval.features import UserBatch
 from retrieval.model import RetrievalModel
+from retrieval.training.distributed import (
+    DistContext,
+    ShardedTrainableTables,
+    average_gradients,
+)
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
 from sharded_tables import EmbeddingCollection
 from sharded_tables.trainable import OPTIMIZERS, TrainableTables
@@ -170,10 +176,16 @@ class Trainer:
         data: TrainingData,
         cfg: TrainConfig,
         evaluate: Callable[[RetrievalModel], dict[str, float]] | None = None,
+        dist_ctx: DistContext | None = None,
     ):
+        """``dist_ctx``: this process's rank among several (torchrun); see
+        ``retrieval/training/distributed.py``."""
         cfg.validate()
         if model.config.table_plan is not None:
             raise ValueError("training needs plain float tables (tier the model after training)")
+        self.dist = dist_ctx if dist_ctx is not None and dist_ctx.world > 1 else None
+        if self.dist is not None:
+            _check_distributed(cfg, self.dist.world)
         self.model, self.data, self.cfg, self.evaluate = model, data, cfg, evaluate
         self.float_tables: EmbeddingCollection | None = None
         if cfg.table_optimizer != "adam":
@@ -190,19 +202,32 @@ class Trainer:
         tables = self.model.tables
         assert isinstance(tables, EmbeddingCollection)
         configs = [tables.configs[name] for name in tables.bags()]
-        trainable = TrainableTables(
-            configs, optimizer=self.cfg.table_optimizer, learning_rate=self.cfg.table_lr
-        )
-        trainable.load_weights({n: b.weight.detach() for n, b in tables.bags().items()})
+        rows = {n: b.weight.detach() for n, b in tables.bags().items()}
+        trainable: nn.Module
+        if self.dist is not None:
+            trainable = ShardedTrainableTables(
+                configs, self.dist, self.cfg.table_optimizer, self.cfg.table_lr, rows
+            )
+        else:
+            trainable = TrainableTables(
+                configs, optimizer=self.cfg.table_optimizer, learning_rate=self.cfg.table_lr
+            )
+            trainable.load_weights(rows)
         self.float_tables = tables
         self.model.tables = trainable  # type: ignore[assignment]
 
     def _swap_back(self) -> None:
         """The float tables take the trained rows and return to the model (export format)."""
-        if self.float_tables is None or not isinstance(self.model.tables, TrainableTables):
+        tables = self.model.tables
+        if self.float_tables is None or tables is self.float_tables:
             return
+        if isinstance(tables, ShardedTrainableTables):
+            trained = tables.all_weights()  # every rank gets every table's rows
+        else:
+            assert isinstance(tables, TrainableTables)
+            trained = tables.weights()
         with torch.no_grad():
-            for name, rows in self.model.tables.weights().items():
+            for name, rows in trained.items():
                 self.float_tables.bags()[name].weight.copy_(rows)
         self.model.tables = self.float_tables
 
@@ -210,6 +235,10 @@ class Trainer:
     def step_loss(self, idx: np.ndarray, epoch: int, step: int) -> torch.Tensor:
         """The loss of the batch of pairs ``idx [B]`` (negatives drawn for (epoch, step))."""
         model, data, cfg = self.model, self.data, self.cfg
+        slices = cfg.micro_batches
+        if self.dist is not None:  # this rank's slice of the global batch is one softmax
+            b = len(idx) // self.dist.world
+            idx, slices = idx[self.dist.rank * b : (self.dist.rank + 1) * b], 1
         users, items = data.user_ids[idx], data.item_ids[idx]
         batch = batch_inputs(model, data, users, items)
         n = data.item_log_q.shape[0]
@@ -224,7 +253,7 @@ class Trainer:
         q = model.user_tower_on({f: pooled[f][:b] for f in user}, batch)  # [B, D]
         v = model.item_tower_on(pooled)  # [B + R, D]
         parts = []
-        size = b // cfg.micro_batches if b >= cfg.micro_batches else b
+        size = b // slices if b >= slices else b
         for s in range(0, b, size):  # a slice sees its own positives and the random items
             sl = slice(s, s + size)
             col = torch.cat([cols[sl], cols[b:]])
@@ -249,7 +278,7 @@ class Trainer:
                     total=len(starts),
                     initial=self.step_in_epoch,
                     desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
-                    disable=not cfg.progress,
+                    disable=not cfg.progress or (self.dist is not None and not self.dist.is_main),
                     leave=False,
                 )
                 t0, seen = time.perf_counter(), 0
@@ -279,7 +308,7 @@ class Trainer:
 
     def _train_step(self, idx: np.ndarray) -> None:
         loss = self.step_loss(idx, self.epoch, self.step_in_epoch)
-        if not torch.isfinite(loss):
+        if not self._all_finite(loss):
             where = self.cfg.checkpoint_dir or "(no checkpoint_dir)"
             raise TrainingDivergedError(
                 f"loss is {loss.item()} at step {self.global_step} (epoch {self.epoch + 1}, "
@@ -288,10 +317,26 @@ class Trainer:
             )
         self.opt.zero_grad()
         loss.backward()  # fused tables: the rows this batch read are updated here
+        if self.dist is not None:
+            average_gradients(list(self.model.parameters()), self.dist.world)
         self.opt.step()
-        self.losses.append(loss.item())
+        self.losses.append(self._mean_over_ranks(loss.item()))
         self.step_in_epoch += 1
         self.global_step += 1
+
+    def _all_finite(self, loss: torch.Tensor) -> bool:
+        """Finite on every rank (ranks stop together)."""
+        bad = torch.tensor([0.0 if bool(torch.isfinite(loss)) else 1.0])
+        if self.dist is not None:
+            torch.distributed.all_reduce(bad)
+        return bad.item() == 0.0
+
+    def _mean_over_ranks(self, value: float) -> float:
+        if self.dist is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t.item()) / self.dist.world
 
     def _end_epoch(self) -> None:
         self.epoch_losses.append(float(np.mean(self.losses)) if self.losses else float("nan"))
@@ -343,6 +388,17 @@ class Trainer:
         self.global_step = state["global_step"]
         self.epoch_losses, self.losses = list(state["epoch_losses"]), list(state["losses"])
         self.evals = [dict(e) for e in state["evals"]]
+
+
+def _check_distributed(cfg: TrainConfig, world: int) -> None:
+    if cfg.batch_size % world:
+        raise ValueError(f"train.batch_size: {cfg.batch_size} must be a multiple of {world} ranks")
+    if cfg.table_optimizer == "adam":
+        raise ValueError("train.table_optimizer: multi-process runs shard tables: use a fused one")
+    if cfg.checkpoint_dir is not None:
+        raise ValueError(
+            "train.checkpoint_dir: checkpoints of multi-process runs are not built yet"
+        )
 
 
 def train(
