@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import torch
 import tritonclient.grpc
 import tritonclient.http
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from process_util import first_line, stop
 
 from serving.recommend_pb2_grpc import RecommenderStub
 from serving.repository import repository
@@ -35,27 +35,6 @@ def expected(tiny, model, k: int = 10) -> dict[int, list[int]]:
     with torch.inference_mode():
         ids, _ = model(tiny.prep.user_batch(np.array(USERS)), k)
     return dict(zip(USERS, ids.tolist(), strict=True))
-
-
-def first_line(proc: subprocess.Popen[str], stderr: Path) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(STARTUP_S):
-            raise TimeoutError(f"serve printed nothing in {STARTUP_S} s: {stderr.read_text()}")
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(WAIT)
-        raise RuntimeError(f"serve exited ({proc.returncode}): {stderr.read_text()}")
-    return line.strip()
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(WAIT)
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 def kserve_inputs(module, tiny, user: int, k: int) -> list:
