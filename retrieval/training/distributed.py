@@ -14,8 +14,9 @@ training TBE and trains on its slice of every global batch (``batch_size / W`` p
 
 That is exactly one process training with ``micro_batches = W`` (each slice a softmax of its
 own, one table update for the whole batch, mean loss), up to the order of float sums in the
-reductions; ``tests/retrieval/training/test_distributed.py`` checks it. Backend: gloo on CPU,
-nccl on GPU. Checkpoints of a multi-process run are not built yet (refused at start).
+reductions; ``tests/retrieval/training/test_distributed.py`` checks it. Backend: gloo; the
+exchange and the tables live on the CPU (a GPU/nccl variant is not built). Checkpoints of a
+multi-process run are not built yet (refused at start).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def init_from_env() -> DistContext | None:
     if world <= 1:
         return None
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo")  # the exchange's tensors are on the CPU
     return DistContext(dist.get_rank(), dist.get_world_size())
 
 
