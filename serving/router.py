@@ -105,7 +105,6 @@ class _ShardCall:
     shard: int
     replicas: list[Any]  # stubs, in the order to try
     futures: list[Any] = field(default_factory=list)
-    started: float = 0.0
     last_error: str = ""
     last_code: str = ""
 
@@ -226,7 +225,7 @@ class ShardClient:
             order = [
                 self._stubs[replicas[(turn + j) % len(replicas)]] for j in range(len(replicas))
             ]
-            call = pending[s] = _ShardCall(s, order, started=start)
+            call = pending[s] = _ShardCall(s, order)
             call.launch(request, timeout, wake)
         answers: dict[int, pb.SearchResponse] = {}
         errors: dict[int, str] = {}
