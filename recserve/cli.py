@@ -2,6 +2,7 @@
 
 recserve demo              train on MovieLens 100k, build the index, print recommendations and recall
 recserve train             train from a config (torchrun for several processes), evaluate, publish
+recserve score             score a parquet file of users offline with a published model
 recserve fetch-movielens   extract MovieLens 100k from the recbole wheel into data/ml-100k
 recserve bench-ann         the index benchmark (bench/ann.py) vs faiss
 recserve embed-server      serve one shard of embedding rows (the remote tier) over gRPC
@@ -74,6 +75,45 @@ def train_cmd(
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+@app.command("score")
+def score_cmd(
+    model_repo: Path = typer.Option(..., help="model repository"),
+    users: Path = typer.Option(..., help="parquet: user_id, history, categorical, dense[, filter]"),
+    out: Path = typer.Option(..., help="output folder (parts + _manifest.json); resumable"),
+    model: str = typer.Option(None, help="model (default: the repository's only one)"),
+    version: int = typer.Option(None, help="version (default: the latest)"),
+    k: int = typer.Option(100, min=1, help="recommendations per user"),
+    filter: str = typer.Option(None, help="eligibility filter for every user"),
+    workers: int = typer.Option(2, min=1, help="worker processes (each loads the model once)"),
+    chunk_rows: int = typer.Option(4096, min=1, help="users per output part"),
+    overwrite: bool = typer.Option(False, help="replace an existing output folder"),
+    quiet: bool = typer.Option(False, help="no progress bar"),
+) -> None:
+    """Score a parquet file of users offline with a published model (continues a killed run)."""
+    from retrieval.artifact import ShardMap
+    from retrieval.batch_scoring import ScoreInputError, ScoreJob, score
+    from serving.repository.repository import ARTIFACT_DIR, ModelRepository
+
+    try:
+        name = _only_model(model_repo, model)
+        vdir = ModelRepository(model_repo).verified_dir(name, version)
+        if ShardMap.read(vdir / ARTIFACT_DIR) is not None:
+            raise ValueError(
+                f"--version: {name} v{vdir.name} is document-sharded; batch scoring needs an "
+                "unsharded version (not built for sharded ones yet)"
+            )
+        job = ScoreJob(
+            vdir / ARTIFACT_DIR, int(vdir.name), users, out, k, filter, chunk_rows,
+            workers=workers, overwrite=overwrite,
+        )  # fmt: skip
+        manifest = score(job, progress=not quiet)
+    except (ScoreInputError, ValueError, FileNotFoundError) as e:
+        typer.echo(f"score: {e}", err=True)
+        raise typer.Exit(2) from None
+    rows = sum(v["rows"] for v in manifest["done"].values())
+    typer.echo(f"scored {rows} users with {name} v{vdir.name} into {out}")
 
 
 @app.command("fetch-movielens")

@@ -1,0 +1,277 @@
+"""Offline batch scoring: the published model over a parquet file of users, resumable.
+
+Input columns (checked before any work; an error names the column):
+
+=============  ==================  ===================================================
+column         type                meaning
+=============  ==================  ===================================================
+``user_id``    int64 or string     echoed to the output
+``history``    list<int64>         recent item ids, newest first (the model keeps its window)
+``categorical`` list<int64>        one code per categorical user feature, config order
+``dense``      list<float>         the model's dense user features
+``filter``     string (optional)   a per-user filter; ``--filter`` applies one to all
+=============  ==================  ===================================================
+
+Output: a folder of ``part-NNNNN.parquet`` files (``user_id, item_ids list<int64>,
+scores list<float>, model_version``) and ``_manifest.json``, which lists the parts that are
+complete. Input chunks of ``chunk_rows`` users are scored by worker processes (each loads the
+model once) and each part is written to a temporary name and renamed, then recorded; a killed
+run started again skips the recorded chunks and redoes the rest, so no user is missing or
+written twice. Example::
+
+    score(ScoreJob(model_dir=Path("repo/demo/3/model"), version=3, users=Path("users.parquet"),
+                   out=Path("recs"), k=100))
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+MANIFEST = "_manifest.json"
+COLUMNS: dict[str, Callable[[pa.DataType], bool]] = {
+    "user_id": lambda t: (
+        pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+    ),
+    "history": lambda t: pa.types.is_list(t) and pa.types.is_integer(t.value_type),
+    "categorical": lambda t: pa.types.is_list(t) and pa.types.is_integer(t.value_type),
+    "dense": lambda t: pa.types.is_list(t) and pa.types.is_floating(t.value_type),
+}
+EXPECTED = {
+    "user_id": "int64 or string",
+    "history": "list<int64>",
+    "categorical": "list<int64>",
+    "dense": "list<float>",
+}
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    model_dir: Path
+    """The version's model folder (``retrieval.artifact.save_model`` layout)."""
+    version: int
+    users: Path
+    out: Path
+    k: int = 100
+    filter: str | None = None
+    chunk_rows: int = 4096
+    batch_size: int = 256
+    workers: int = 2
+    overwrite: bool = False
+
+
+class ScoreInputError(ValueError):
+    """The users file or the output folder cannot be used (the message names the column)."""
+
+
+# ---- checks before any work ------------------------------------------------------------------
+def check_input(job: ScoreJob) -> pq.ParquetFile:
+    """Opens the users file and checks its columns' presence and types."""
+    try:
+        f = pq.ParquetFile(job.users)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ScoreInputError(f"--users: cannot read {job.users} as parquet: {e}") from None
+    schema = f.schema_arrow
+    for name, ok in COLUMNS.items():
+        if name not in schema.names:
+            raise ScoreInputError(f"--users: column {name!r} is missing ({EXPECTED[name]})")
+        if not ok(schema.field(name).type):
+            raise ScoreInputError(
+                f"--users: column {name!r} is {schema.field(name).type}, expected {EXPECTED[name]}"
+            )
+    if "filter" in schema.names and not pa.types.is_string(schema.field("filter").type):
+        raise ScoreInputError(
+            f"--users: column 'filter' is {schema.field('filter').type}, expected string"
+        )
+    if job.k < 1:
+        raise ScoreInputError(f"--k: must be >= 1, got {job.k}")
+    return f
+
+
+def check_output(job: ScoreJob) -> dict[str, Any]:
+    """The manifest to continue from; refuses a foreign or different job's folder."""
+    manifest_path = job.out / MANIFEST
+    foreign = job.out.exists() and not manifest_path.exists()
+    if foreign and not job.overwrite and (not job.out.is_dir() or any(job.out.iterdir())):
+        raise ScoreInputError(
+            f"--out: {job.out} exists and is not a scoring output (no {MANIFEST}); "
+            "pass --overwrite to replace it"
+        )
+    if job.overwrite and job.out.is_dir():
+        for p in job.out.glob("part-*.parquet*"):
+            p.unlink()
+        manifest_path.unlink(missing_ok=True)
+    job.out.mkdir(parents=True, exist_ok=True)
+    signature = _signature(job)
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest["job"] != signature:
+            raise ScoreInputError(
+                f"--out: {job.out} holds the output of another job ({manifest['job']}); "
+                "pass --overwrite to replace it"
+            )
+        return manifest
+    return {"job": signature, "done": {}}
+
+
+def _signature(job: ScoreJob) -> dict[str, Any]:
+    """What must match for a run to continue another's output."""
+    stat = job.users.stat()
+    return {
+        "users": str(job.users.resolve()),
+        "users_bytes": stat.st_size,
+        "version": job.version,
+        "k": job.k,
+        "filter": job.filter,
+        "chunk_rows": job.chunk_rows,
+    }
+
+
+def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / MANIFEST)
+
+
+# ---- the work ----------------------------------------------------------------------------------
+def chunks(f: pq.ParquetFile, chunk_rows: int) -> Iterator[tuple[int, pa.Table]]:
+    """``(chunk index, rows)`` in file order; the same split on every run."""
+    for i, batch in enumerate(f.iter_batches(batch_size=chunk_rows)):
+        yield i, pa.Table.from_batches([batch])
+
+
+_MODEL: Any = None  # the worker's model, loaded once per process
+
+
+def _load_worker(model_dir: str, threads: int) -> None:
+    global _MODEL
+    from retrieval.artifact import load_model
+
+    torch.set_num_threads(threads)
+    _MODEL = load_model(Path(model_dir)).eval()
+
+
+def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
+    """Top-``k`` for every row of ``table`` -> the output columns. Raises ``ValueError``
+    naming the column and row of a bad value."""
+    from retrieval.features import make_user_batch
+
+    cfg = model.config
+    n = table.num_rows
+    hist = np.full((n, cfg.history_len), -1, dtype=np.int64)
+    for r, h in enumerate(table.column("history").to_pylist()):
+        recent = (h or [])[: cfg.history_len]
+        hist[r, : len(recent)] = recent
+    cat = _matrix(table, "categorical", len(cfg.user_features), np.int64)
+    dense = _matrix(table, "dense", cfg.dense_dim, np.float32)
+    filters = _filters(table, job.filter)
+    schema = model.index.schema
+    ids_out, scores_out = [], []
+    for s in range(0, n, job.batch_size):
+        sl = slice(s, s + job.batch_size)
+        try:
+            batch = make_user_batch(hist[sl], cat[sl], dense[sl], schema, filters[sl])
+        except ValueError as e:
+            raise ValueError(f"filter (rows {s}..): {e}") from None
+        with torch.inference_mode():
+            ids, scores = model(batch, job.k)
+        ids_out.extend(ids.numpy().tolist())
+        scores_out.extend(scores.numpy().tolist())
+    return pa.table(
+        {
+            "user_id": table.column("user_id"),
+            "item_ids": pa.array(ids_out, type=pa.list_(pa.int64())),
+            "scores": pa.array(scores_out, type=pa.list_(pa.float32())),
+            "model_version": pa.array(np.full(n, job.version, dtype=np.int64)),
+        }
+    )
+
+
+def _matrix(table: pa.Table, column: str, width: int, dtype: type) -> np.ndarray:
+    rows = table.column(column).to_pylist()
+    for r, v in enumerate(rows):
+        if v is None or len(v) != width:
+            raise ValueError(
+                f"{column}: row {r} has {0 if v is None else len(v)} values, expected {width}"
+            )
+    return np.asarray(rows, dtype=dtype).reshape(len(rows), width)
+
+
+def _filters(table: pa.Table, common: str | None) -> list[str | None]:
+    per_row = table.column("filter").to_pylist() if "filter" in table.column_names else None
+    out: list[str | None] = []
+    for r in range(table.num_rows):
+        parts = [p for p in (common, per_row[r] if per_row else None) if p]
+        out.append(" and ".join(parts) or None)  # filters are conjunctions of clauses
+    return out
+
+
+def _score_chunk(index: int, table: pa.Table, job: ScoreJob) -> tuple[int, str, int]:
+    """Worker: scores one chunk and writes its part (temp name + rename)."""
+    out = score_table(_MODEL, table, job)
+    name = f"part-{index:05d}.parquet"
+    tmp = job.out / (name + ".tmp")
+    pq.write_table(out, tmp)
+    os.replace(tmp, job.out / name)
+    return index, name, out.num_rows
+
+
+def score(job: ScoreJob, progress: bool = True) -> dict[str, Any]:
+    """Runs (or continues) the job; returns the manifest. Uses ``job.workers`` processes."""
+    from tqdm import tqdm
+
+    f = check_input(job)
+    manifest = check_output(job)
+    done = {int(i) for i in manifest["done"]}
+    total = f.metadata.num_rows
+    todo = ((i, t) for i, t in chunks(f, job.chunk_rows) if i not in done)
+    already = sum(v["rows"] for v in manifest["done"].values())
+    bar = tqdm(total=total, initial=already, unit="users", disable=not progress, desc="scoring")
+    threads = max(1, (os.cpu_count() or 1) // max(job.workers, 1))
+    ctx = multiprocessing.get_context("spawn")  # torch and fork do not mix
+    with ProcessPoolExecutor(
+        job.workers,
+        mp_context=ctx,
+        initializer=_load_worker,
+        initargs=(str(job.model_dir), threads),
+    ) as pool:
+        pending = set()
+        for i, table in todo:
+            pending.add(pool.submit(_score_chunk, i, table, job))
+            if len(pending) >= 2 * job.workers:  # bounded memory: a few chunks in flight
+                pending = _collect(pending, manifest, job, bar)
+        while pending:
+            pending = _collect(pending, manifest, job, bar)
+    bar.close()
+    manifest["complete"] = sum(v["rows"] for v in manifest["done"].values()) == total
+    _write_manifest(job.out, manifest)
+    return manifest
+
+
+def _collect(pending: set[Any], manifest: dict[str, Any], job: ScoreJob, bar: Any) -> set[Any]:
+    """Waits for one finished chunk (at least) and records it in the manifest."""
+    finished, rest = wait(pending, return_when=FIRST_COMPLETED)
+    for fut in finished:
+        index, name, rows = fut.result()  # a worker's error stops the job (parts so far stay)
+        manifest["done"][str(index)] = {"file": name, "rows": rows}
+        _write_manifest(job.out, manifest)
+        bar.update(rows)
+    return rest
+
+
+def read_output(out: Path) -> pa.Table:
+    """Every recorded part, in chunk order."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    parts = [manifest["done"][k]["file"] for k in sorted(manifest["done"], key=int)]
+    return pa.concat_tables([pq.read_table(out / p) for p in parts])
