@@ -35,7 +35,7 @@ clean:
 	rm -rf $(VENV) data runs
 
 .PHONY: proto
-# Regenerates the gRPC modules (embedding server, Recommend, document shard) from their .proto files.
+# Regenerates the gRPC modules (embedding server, Recommend, document shard, admin) from their .proto files.
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. sharded_tables/remote/embedding.proto
 	for f in sharded_tables/remote/embedding_pb2.py sharded_tables/remote/embedding_pb2.pyi sharded_tables/remote/embedding_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
@@ -43,3 +43,5 @@ proto: $(STAMP)
 	for f in serving/recommend_pb2.py serving/recommend_pb2.pyi serving/recommend_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/shard.proto
 	for f in serving/shard_pb2.py serving/shard_pb2.pyi serving/shard_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/admin.proto
+	for f in serving/admin_pb2.py serving/admin_pb2.pyi serving/admin_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done

@@ -265,6 +265,10 @@ def serve_cmd(
         None, help="router: embedding server addresses, comma-separated (server 0, 1, ...)"
     ),
     torch_threads: int = typer.Option(None, min=0, help="intra-op threads (0: torch's default)"),
+    state_dir: Path = typer.Option(
+        None,
+        help="serving state folder: turns on the admin API (live updates) and holds their logs",
+    ),
 ) -> None:
     """Serve a model of a repository over gRPC (and HTTP) until SIGTERM; prints one line when
     ready, hot-reloads new versions, drains on SIGTERM."""
@@ -287,6 +291,7 @@ def serve_cmd(
             metrics_port=metrics_port,
             host=host,
             torch_threads=torch_threads,
+            state_dir=state_dir,
         )
         cfg = _with_router_flags(cfg, shards, shard_deadline_ms, hedge_after_ms, embedding_servers)
         serve(cfg)

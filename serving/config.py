@@ -9,6 +9,7 @@ Example ``serve.toml`` (every key optional; flags override the file)::
     metrics_port = 8002
     poll_s = 1.0
     drain_timeout_s = 10.0
+    state_dir = "state"   # live updates: enables the admin API, holds the update logs
 
     [router]              # serve a document-sharded version: route to its shard servers
     shards = [["10.0.0.1:8101", "10.0.0.2:8101"], ["10.0.0.3:8101"]]  # per shard: replicas
@@ -189,6 +190,10 @@ class ServeConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     router: RouterConfig | None = None
     """Set: this process is the router of a document-sharded model."""
+    state_dir: Path | None = None
+    """Serving state folder: set, the admin gRPC API (live updates: ``serving/admin.proto``) is
+    on and its update logs live here (``<model>/<version>/updates.log``, replayed on load).
+    None: the admin API refuses every call. Not with ``[router]``."""
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
@@ -219,8 +224,9 @@ class ServeConfig:
     def with_overrides(self, **flags: Any) -> ServeConfig:
         """A copy with every flag that is not None applied (flags win over the file)."""
         given = {k: v for k, v in flags.items() if v is not None}
-        if "model_repo" in given:
-            given["model_repo"] = Path(given["model_repo"])
+        for key in ("model_repo", "state_dir"):
+            if key in given:
+                given[key] = Path(given[key])
         return replace(self, **given)
 
     # ---- checks -------------------------------------------------------------------------------
@@ -246,6 +252,14 @@ class ServeConfig:
         self.batching.validate()
         if self.router is not None:
             self.router.validate()
+        if self.state_dir is not None:
+            if self.router is not None:
+                raise ConfigError(
+                    "state_dir: live updates are not supported on a router ([router] is set): "
+                    "a document-sharded version is updated by publishing a new one"
+                )
+            if self.state_dir.exists() and not self.state_dir.is_dir():
+                raise ConfigError(f"state_dir: {self.state_dir} exists and is not a folder")
         self.model = self.resolve_model()
 
     def resolve_model(self) -> str:

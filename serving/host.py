@@ -4,7 +4,8 @@ Lifecycle::
 
     host = ModelHost(ModelRepository("model_repo"), "demo", poll_s=1.0)
     host.start()            # newest loadable version, warmed up; ready from here on
-    runner = host.current() # the batcher calls this ONCE per batch
+    with host.running() as runner:  # the batcher, ONCE per batch
+        runner.run(requests)
     host.stop()
 
 A poll thread watches the repository. A newer version is loaded and warmed up beside the one
@@ -13,13 +14,21 @@ old runner (it holds its own reference), the next batch gets the new one, so a s
 batches and readiness never drops. A version that fails to load or warm up (checksum mismatch:
 ``CorruptVersionError``, or any other error) is logged, counted and never retried, while the
 old version keeps serving.
+
+Live updates (``serving/admin.py``) change the served version in place, also between batches:
+under :meth:`ModelHost.updating` (no version load runs meanwhile) they build the updated model
+beside the served one, then :meth:`ModelHost.swap_updated` waits for the running batches to
+finish (:class:`BatchGate`: batches share it, an update takes it alone), runs the update's
+in-place row writes, and swaps in a runner over the updated model. ``on_load`` prepares every
+version before it serves (the admin replays the version's update log there).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,6 +63,48 @@ class Served:
     loaded: Any
 
 
+class BatchGate:
+    """Batches hold the gate shared (several may run at once); an update holds it alone, so it
+    lands between batches. A waiting update holds new batches back (it is never starved)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        """Held by one batch while it runs."""
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                if not self._running:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Held by an update: waits for the running batches, keeps new ones out."""
+        with self._cond:
+            self._waiting += 1
+            while self._exclusive or self._running:
+                self._cond.wait()
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
 class ModelHost:
     """Serves one model name from a repository; swaps in newer versions as they appear."""
 
@@ -66,14 +117,21 @@ class ModelHost:
         metrics: ServingMetrics | None = None,
         warmup_sizes: tuple[int, ...] = (1, 8),
         make_runner: Callable[[Any], ModelRunner] | None = None,
+        on_load: Callable[[Any], Any] | None = None,
     ):
         """``make_runner(loaded) -> runner``: how a loaded version is run (default: a
-        :class:`ModelRunner` over ``loaded.model``; the router runs shards instead)."""
+        :class:`ModelRunner` over ``loaded.model``; the router runs shards instead).
+        ``on_load(loaded) -> loaded``: runs on every loaded version before its runner is made
+        (the live updates replay the version's log there); raising refuses the version."""
         self.repo, self.name, self.poll_s = repo, name, poll_s
         self.make_runner = make_runner or (
             lambda loaded: ModelRunner(loaded.model, self.name, int(loaded.version))
         )
         self.metrics, self.warmup_sizes = metrics, warmup_sizes
+        self.on_load = on_load
+        self.gate = BatchGate()
+        """Batches run inside ``gate.shared()`` (:meth:`running`); live updates swap inside
+        ``gate.exclusive()`` (:meth:`swap_updated`)."""
         self.failed: set[int] = set()
         """Versions that failed to load; never retried."""
         self.reloads = self.reload_failures = 0
@@ -97,6 +155,12 @@ class ModelHost:
     @property
     def runner(self) -> ModelRunner:
         return self.current()
+
+    @contextmanager
+    def running(self) -> Iterator[ModelRunner]:
+        """The runner of one batch, held for the batch's duration (a live update waits)."""
+        with self.gate.shared():
+            yield self.current()
 
     @property
     def version(self) -> int | None:
@@ -158,6 +222,28 @@ class ModelHost:
                     return version
         return None
 
+    # ---- live updates -------------------------------------------------------------------------
+    @contextmanager
+    def updating(self) -> Iterator[Served]:
+        """Yields the served version with version loads held off (and other updates: they
+        queue here), so an update is built on, and swapped into, the version it read."""
+        with self._poll_lock:
+            served = self._served
+            if served is None:
+                raise UnavailableError(f"model {self.name} is not loaded yet")
+            yield served
+
+    def swap_updated(self, loaded: Any, commit: Callable[[], object] | None = None) -> ModelRunner:
+        """Serves ``loaded`` (the served version, updated) from the next batch on: waits for
+        running batches, runs ``commit`` (in-place writes; must not fail), swaps the runner.
+        Call inside :meth:`updating`. No warm-up: same version, same shapes of work."""
+        runner = self.make_runner(loaded)
+        with self.gate.exclusive():
+            if commit is not None:
+                commit()
+            self._served = Served(runner, loaded)
+        return runner
+
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
@@ -169,6 +255,8 @@ class ModelHost:
         """Load + warm up ``version`` beside the served one, then swap; False on failure."""
         try:
             loaded = self.repo.load(self.name, version)
+            if self.on_load is not None:
+                loaded = self.on_load(loaded)
             runner = self.make_runner(loaded)
             runner.warmup(self.warmup_sizes)
         except Exception as e:

@@ -14,6 +14,9 @@ ones) and SIGTERM/SIGINT -> drain -> exit within ``drain_timeout_s``.
 Optional front ends join when their module exists: ``serving/http_app.py`` (``make_app(state)
 -> ASGI app``, run by uvicorn on ``http_port``) and the gRPC modules in :data:`GRPC_PLUGINS`
 (``add_servicer(server, state)``, on the same gRPC port).
+
+With ``state_dir`` set, live updates are on (``serving/admin.py``): the host replays each
+version's update log as it loads it, and the admin service applies new updates.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -37,12 +40,15 @@ from serving.grpc_server import ExtraServicer, GrpcServer
 from serving.host import ModelHost, Repository
 from serving.metrics import ServingMetrics
 from serving.state import ServingState, make_batcher
+
+if TYPE_CHECKING:
+    from serving.admin import LiveUpdates
 from sharded_tables.grpc_util import serve_until_signal
 
 log = logging.getLogger(__name__)
 
 HTTP_APP_MODULE = "serving.http_app"
-GRPC_PLUGINS = ("serving.kserve_grpc",)
+GRPC_PLUGINS = ("serving.kserve_grpc", "serving.admin")
 """Modules that add a gRPC service to the server, each with ``add_servicer(server, state)``."""
 
 
@@ -119,8 +125,24 @@ class Server:
                 self.metrics.registry,
             )
             self._router = repo
+        self.updates: LiveUpdates | None = None
+        if config.state_dir is not None:  # config.validate refuses it with a router
+            from serving.admin import LiveUpdates
+
+            model_repo = repo
+            self.updates = LiveUpdates(
+                config.state_dir,
+                config.model,
+                self.metrics,
+                versions=lambda: model_repo.versions(config.model),
+            )
         self.host = ModelHost(
-            repo, config.model, config.poll_s, metrics=self.metrics, make_runner=make_runner
+            repo,
+            config.model,
+            config.poll_s,
+            metrics=self.metrics,
+            make_runner=make_runner,
+            on_load=self.updates.replay if self.updates is not None else None,
         )
         self.state: ServingState | None = None
         self.grpc: GrpcServer | None = None
@@ -140,7 +162,7 @@ class Server:
         policy = cfg.batching.policy(getattr(self.host.loaded, "config", None))
         workers = cfg.router.batches_in_flight if cfg.router is not None else 1
         batcher = make_batcher(self.host, policy, self.metrics, workers)
-        self.state = ServingState(self.host, batcher, self.metrics, cfg)
+        self.state = ServingState(self.host, batcher, self.metrics, cfg, updates=self.updates)
         self.grpc = GrpcServer(
             self.state,
             cfg.host,
@@ -220,6 +242,8 @@ class Server:
             self._http_thread.join(left())
         self.metrics.stop_http()
         self.host.stop(timeout=left())
+        if self.updates is not None:
+            self.updates.close()
         if self._router is not None:
             self._router.close()
         return clean

@@ -20,6 +20,12 @@ metric                                       labels                      meaning
 ``recserve_model_version``                   model                       version being served
 ``recserve_model_reloads_total``             model, result (ok/failed)   hot-reload attempts
 ``recserve_queue_waiting``                   model                       requests queued now
+``recserve_updates_applied_total``           model, kind                 live update batches applied
+``recserve_update_failures_total``           model, kind, reason         live updates refused/failed
+``recserve_updates_replayed_total``          model                       log records replayed on load
+``recserve_update_sequence``                 model                       last update of the version
+``recserve_index_list_imbalance``            model                       largest IVF list / mean
+``recserve_index_rebuild_recommended``       model                       1: lists unbalanced, rebuild
 ===========================================  ==========================  ========================
 
 ``reason`` is the failure's ``serving.requests.error_status`` reason (``invalid_argument``,
@@ -109,6 +115,39 @@ class ServingMetrics:
             "recserve_model_reloads", "Hot-reload attempts", ["model", "result"], registry=r
         )
         self.waiting = Gauge("recserve_queue_waiting", "Requests queued now", ["model"], registry=r)
+        self.updates = Counter(
+            "recserve_updates_applied", "Live update batches applied", ["model", "kind"], registry=r
+        )
+        self.update_failures = Counter(
+            "recserve_update_failures",
+            "Live update batches refused or failed",
+            ["model", "kind", "reason"],
+            registry=r,
+        )
+        self.updates_replayed = Counter(
+            "recserve_updates_replayed",
+            "Update log records replayed on load",
+            ["model"],
+            registry=r,
+        )
+        self.update_sequence = Gauge(
+            "recserve_update_sequence",
+            "Sequence number of the last update applied to the version served",
+            ["model"],
+            registry=r,
+        )
+        self.list_imbalance = Gauge(
+            "recserve_index_list_imbalance",
+            "Largest IVF list over the mean list size (1: balanced)",
+            ["model"],
+            registry=r,
+        )
+        self.rebuild_recommended = Gauge(
+            "recserve_index_rebuild_recommended",
+            "1 when live updates unbalanced the IVF lists enough that a full rebuild pays off",
+            ["model"],
+            registry=r,
+        )
         self._http: Any = None
 
     def _labels(self, version: int | None) -> dict[str, str]:
@@ -142,6 +181,23 @@ class ServingMetrics:
 
     def reload(self, ok: bool) -> None:
         self.reloads.labels(self.model, "ok" if ok else "failed").inc()
+
+    def update_applied(self, kind: str, sequence: int) -> None:
+        """A live update batch of ``kind`` was applied as number ``sequence`` of its version."""
+        self.updates.labels(self.model, kind).inc()
+        self.update_sequence.labels(self.model).set(sequence)
+
+    def update_failed(self, kind: str, reason: str) -> None:
+        self.update_failures.labels(self.model, kind, reason).inc()
+
+    def replayed(self, records: int, sequence: int) -> None:
+        """``records`` log records were replayed onto a loaded version (last: ``sequence``)."""
+        self.updates_replayed.labels(self.model).inc(records)
+        self.update_sequence.labels(self.model).set(sequence)
+
+    def index_balance(self, imbalance: float, rebuild: bool) -> None:
+        self.list_imbalance.labels(self.model).set(imbalance)
+        self.rebuild_recommended.labels(self.model).set(1.0 if rebuild else 0.0)
 
     def watch_queue(self, waiting: Callable[[], int]) -> None:
         """``recserve_queue_waiting`` reads ``waiting()`` at every scrape."""

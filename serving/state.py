@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.batching import BatchPolicy, DynamicBatcher
 from serving.config import ServeConfig
@@ -32,6 +32,9 @@ from serving.requests import (
 )
 from serving.runner import Outcome
 
+if TYPE_CHECKING:
+    from serving.admin import LiveUpdates
+
 
 @dataclass
 class ServingState:
@@ -43,6 +46,8 @@ class ServingState:
     config: ServeConfig
     draining: threading.Event = field(default_factory=threading.Event)
     """Set on SIGTERM: health says NOT_SERVING and new requests get UNAVAILABLE."""
+    updates: LiveUpdates | None = None
+    """Live updates (the admin API, ``serving/admin.py``); None without ``state_dir``."""
 
     @property
     def model(self) -> str:
@@ -110,13 +115,13 @@ class ServingState:
 def make_batcher(
     host: ModelHost, policy: BatchPolicy, metrics: ServingMetrics, workers: int = 1
 ) -> DynamicBatcher:
-    """The engine loop over ``host``: each batch reads ``host.current()`` once, so a hot swap
-    takes effect between batches."""
+    """The engine loop over ``host``: each batch reads ``host.current()`` once, inside
+    ``host.running()``, so a hot swap or a live update takes effect between batches."""
 
     def run_batch(reqs: list[RecRequest]) -> list[Outcome]:
-        runner = host.current()
-        start = time.monotonic()
-        out = runner.run(reqs)
+        with host.running() as runner:  # a live update waits for this batch, then swaps
+            start = time.monotonic()
+            out = runner.run(reqs)
         metrics.batch_computed(runner.version, len(reqs), time.monotonic() - start)
         return out
 

@@ -1,0 +1,236 @@
+"""In-place updates of an :class:`IVFIndex`, copy-on-write: every function returns a NEW index.
+
+A search that holds the old index (a batch in flight) never sees a half-applied update; the
+caller swaps the new one in between batches. Buffers an update does not change are shared
+with the old index (nothing here writes into a buffer, so sharing is safe).
+
+* :func:`add_items` assigns each new item to its nearest centroid's list (the centroids stay as
+  built: no k-means, no rebuild) and quantizes its residual with the index's code format;
+  an id already in the index is replaced.
+* :func:`remove_items` drops items; :func:`set_signatures` rewrites items' filter signatures.
+* :func:`list_imbalance` says how far the lists have drifted from balanced; above
+  :data:`REBUILD_IMBALANCE` a full rebuild (k-means again) is worth its cost.
+
+Items stay list-sorted (a new item goes after the existing items of its list), and ``sig``,
+``bit_counts`` and ``postings`` are recomputed so that every buffer agrees. Cost: one pass over
+the index's buffers per call (``O(N * D)`` copied), whatever the batch size.
+
+Example::
+
+    index = add_items(index, torch.tensor([300, 301]), vectors, sig)  # vectors [2, D], sig [2, W]
+    index = remove_items(index, torch.tensor([7]))
+    list_imbalance(index)  # 1.0 = every list the mean size
+"""
+
+from __future__ import annotations
+
+import torch
+
+from retrieval.filters import bit_counts
+from retrieval.index.build import postings
+from retrieval.index.codes import quantize
+from retrieval.index.ivf import EXACT_DTYPES, IVFIndex
+from retrieval.index.kmeans import assign
+
+REBUILD_IMBALANCE = 4.0
+"""A rebuild is recommended when the largest list holds more than this many times the mean.
+The probe of a list costs its length, and nprobe is fixed, so a query that lands on a list 4x
+the mean scans ~4x the codes the build planned for: its latency (and the tail) grows, while
+recall of items in the thin lists does not improve. Fresh k-means lists sit well under it
+(about 2-2.5x on our catalogs)."""
+
+
+def _check_ids(ids: torch.Tensor, field: str = "ids") -> torch.Tensor:
+    """``ids [n] int64``, each >= 0 and distinct -> ``ids`` on the CPU."""
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ValueError(f"{field}: expected int64 [n], got {ids.dtype} {tuple(ids.shape)}")
+    ids = ids.cpu()
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError(f"{field}: item ids must be >= 0, got {int(ids.min())}")
+    uniq, counts = torch.unique(ids, return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"{field}: item {int(uniq[counts > 1][0])} appears more than once")
+    return ids
+
+
+def _check_editable(index: IVFIndex) -> None:
+    if index.item_ids.shape[0] != index.ntotal:
+        raise ValueError(
+            "this index is the router part of a document-sharded version (statistics only, no "
+            "items): it cannot be updated in place"
+        )
+
+
+def positions_of(index: IVFIndex, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of ``ids [n]`` in the index (list-sorted order) -> ``[n] int64``, ``-1`` where an id
+    is not in the index."""
+    item_ids = index.item_ids.cpu()
+    if item_ids.numel() == 0:
+        return torch.full_like(ids, -1)
+    sorted_ids, perm = item_ids.sort()
+    at = torch.searchsorted(sorted_ids, ids).clamp(max=sorted_ids.numel() - 1)
+    found = sorted_ids[at] == ids
+    return torch.where(found, perm[at], torch.full_like(ids, -1))
+
+
+def _require_known(index: IVFIndex, ids: torch.Tensor, field: str) -> torch.Tensor:
+    """Positions of ``ids``; ``ValueError`` naming the ids that are not in the index."""
+    pos = positions_of(index, ids)
+    missing = ids[pos < 0]
+    if missing.numel():
+        shown = ", ".join(str(int(i)) for i in missing[:10])
+        more = f" (and {missing.numel() - 10} more)" if missing.numel() > 10 else ""
+        raise ValueError(f"{field}: items not in the index: {shown}{more}")
+    return pos
+
+
+def _check_sig(index: IVFIndex, sig: torch.Tensor, n: int, field: str = "sig") -> None:
+    w = index.sig.shape[1]
+    if sig.dtype != torch.int64 or tuple(sig.shape) != (n, w):
+        raise ValueError(f"{field}: expected int64 [{n}, {w}], got {sig.dtype} {tuple(sig.shape)}")
+
+
+def _list_of_rows(index: IVFIndex) -> torch.Tensor:
+    """The list of every stored row -> ``[N] int64`` (CPU)."""
+    sizes = (index.offsets[1:] - index.offsets[:-1]).cpu()
+    return torch.repeat_interleave(torch.arange(index.nlist), sizes)
+
+
+def _rebuilt(
+    index: IVFIndex,
+    lists: torch.Tensor,
+    item_ids: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    exact: torch.Tensor,
+    sig: torch.Tensor,
+) -> IVFIndex:
+    """A new index with ``index``'s centroids and config over rows in any order (``lists [N]``
+    says each row's list): sorts them by list (stable), recomputes offsets, counts, postings."""
+    dev = index.centroids.device
+    order = torch.argsort(lists, stable=True)
+    counts = torch.bincount(lists, minlength=index.nlist)
+    new = IVFIndex(index.config, index.dim, index.schema.attribute_values)
+    new.centroids = index.centroids
+    new.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dev)
+    new.item_ids = item_ids[order].contiguous().to(dev)
+    new.codes = codes[order].contiguous().to(dev)
+    new.scales = scales[order].contiguous().to(dev)
+    new.exact = (exact[order] if _has_exact(index) else exact[:0]).contiguous().to(dev)
+    _set_signatures(new, sig[order].contiguous().to(dev))
+    return new
+
+
+def _has_exact(index: IVFIndex) -> bool:
+    """The index keeps an exact copy of every vector (``exact [N, D]``, else ``[0, D]``)."""
+    return EXACT_DTYPES[index.config.exact_copy] is not None
+
+
+def _set_signatures(index: IVFIndex, sig: torch.Tensor) -> None:
+    """Installs ``sig [N, W]`` with its per-bit counts and postings, then refreshes."""
+    index.sig = sig
+    index.bit_counts = (
+        bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64, device=sig.device)
+    )
+    index.postings = postings(sig.cpu()).to(sig.device)
+    index._refresh()
+
+
+def add_items(
+    index: IVFIndex, ids: torch.Tensor, vectors: torch.Tensor, sig: torch.Tensor
+) -> IVFIndex:
+    """A new index with items ``ids [n] int64`` (vectors ``[n, D] float32``, signatures
+    ``[n, W] int64``) added; an id already in the index is replaced (its old row removed).
+
+    Each item joins the list of its nearest centroid (L2, as the build assigns), after that
+    list's existing items; its residual to the centroid is quantized like the build's codes.
+    """
+    _check_editable(index)
+    ids = _check_ids(ids)
+    n = ids.numel()
+    if vectors.dim() != 2 or tuple(vectors.shape) != (n, index.dim):
+        raise ValueError(f"vectors: expected [{n}, {index.dim}], got {tuple(vectors.shape)}")
+    if not vectors.is_floating_point() or not bool(torch.isfinite(vectors).all()):
+        raise ValueError("vectors: expected finite floats")
+    _check_sig(index, sig, n)
+    if index.nlist == 0:
+        raise ValueError("the index has no centroids: build it before adding items")
+    x = vectors.detach().cpu().float()
+    centroids = index.centroids.cpu()
+    lists_new = assign(x, centroids)  # [n]
+    codes_new, scales_new = quantize(x - centroids[lists_new], index.config.codes)
+    keep = positions_of(index, ids)
+    kept = torch.ones(index.ntotal, dtype=torch.bool)
+    kept[keep[keep >= 0]] = False  # replaced items leave their old row
+    old_exact = index.exact.cpu()
+    exact = torch.cat([old_exact[kept], x.to(old_exact.dtype)]) if _has_exact(index) else old_exact
+    return _rebuilt(
+        index,
+        torch.cat([_list_of_rows(index)[kept], lists_new]),
+        torch.cat([index.item_ids.cpu()[kept], ids]),
+        torch.cat([index.codes.cpu()[kept], codes_new.to(index.codes.dtype)]),
+        torch.cat([index.scales.cpu()[kept], scales_new]),
+        exact,
+        torch.cat([index.sig.cpu()[kept], sig.cpu()]),
+    )
+
+
+def remove_items(index: IVFIndex, ids: torch.Tensor) -> IVFIndex:
+    """A new index without items ``ids [n] int64``; ``ValueError`` naming any id that is not in
+    the index (then nothing is removed)."""
+    _check_editable(index)
+    ids = _check_ids(ids)
+    pos = _require_known(index, ids, "ids")
+    kept = torch.ones(index.ntotal, dtype=torch.bool)
+    kept[pos] = False
+    exact = index.exact.cpu()
+    return _rebuilt(
+        index,
+        _list_of_rows(index)[kept],
+        index.item_ids.cpu()[kept],
+        index.codes.cpu()[kept],
+        index.scales.cpu()[kept],
+        exact[kept] if _has_exact(index) else exact,
+        index.sig.cpu()[kept],
+    )
+
+
+def set_signatures(index: IVFIndex, ids: torch.Tensor, sig: torch.Tensor) -> IVFIndex:
+    """A new index where items ``ids [n]`` have signatures ``sig [n, W] int64`` (codes, lists and
+    vectors shared with ``index``); ``ValueError`` naming any id not in the index."""
+    _check_editable(index)
+    ids = _check_ids(ids)
+    _check_sig(index, sig, ids.numel())
+    pos = _require_known(index, ids, "ids").to(index.sig.device)
+    new = IVFIndex(index.config, index.dim, index.schema.attribute_values)
+    for name in ("centroids", "offsets", "item_ids", "codes", "scales", "exact"):
+        setattr(new, name, getattr(index, name))
+    all_sig = index.sig.clone()
+    all_sig[pos] = sig.to(all_sig.device)
+    _set_signatures(new, all_sig)
+    return new
+
+
+def signatures_of(index: IVFIndex, ids: torch.Tensor) -> torch.Tensor:
+    """Current signatures of items ``ids [n]`` -> ``[n, W] int64`` (``ValueError`` if unknown)."""
+    pos = _require_known(index, _check_ids(ids), "ids")
+    return index.sig.cpu()[pos]
+
+
+def list_sizes(index: IVFIndex) -> torch.Tensor:
+    """Items per list -> ``[nlist] int64``."""
+    return (index.offsets[1:] - index.offsets[:-1]).cpu()
+
+
+def list_imbalance(index: IVFIndex) -> float:
+    """Largest list over the mean list size (1.0: perfectly balanced; 0.0: empty index).
+    Compare with :data:`REBUILD_IMBALANCE`."""
+    sizes = list_sizes(index).float()
+    if sizes.numel() == 0 or float(sizes.sum()) == 0:
+        return 0.0
+    return float(sizes.max() / sizes.mean())
+
+
+def rebuild_recommended(index: IVFIndex, threshold: float = REBUILD_IMBALANCE) -> bool:
+    """True when :func:`list_imbalance` exceeds ``threshold``."""
+    return list_imbalance(index) > threshold
