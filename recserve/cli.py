@@ -90,10 +90,13 @@ def score_cmd(
     chunk_rows: int = typer.Option(4096, min=1, help="users per output part"),
     overwrite: bool = typer.Option(False, help="replace an existing output folder"),
     quiet: bool = typer.Option(False, help="no progress bar"),
+    engine: str = typer.Option(
+        "local", help="local (worker processes, resumable) or ray (Ray Data; RAY_ADDRESS)"
+    ),
 ) -> None:
     """Score a parquet file of users offline with a published model (continues a killed run)."""
     from retrieval.artifact import ShardMap
-    from retrieval.batch_scoring import ScoreInputError, ScoreJob, score
+    from retrieval.batch_scoring import ScoreInputError, ScoreJob, score, score_ray
     from serving.repository.repository import ARTIFACT_DIR, ModelRepository
 
     try:
@@ -108,7 +111,9 @@ def score_cmd(
             vdir / ARTIFACT_DIR, int(vdir.name), users, out, k, filter, chunk_rows,
             workers=workers, overwrite=overwrite,
         )  # fmt: skip
-        manifest = score(job, progress=not quiet)
+        if engine not in ("local", "ray"):
+            raise ValueError(f"--engine: local or ray, got {engine!r}")
+        manifest = score_ray(job) if engine == "ray" else score(job, progress=not quiet)
     except (ScoreInputError, ValueError, FileNotFoundError) as e:
         typer.echo(f"score: {e}", err=True)
         raise typer.Exit(2) from None

@@ -133,3 +133,24 @@ def test_an_existing_folder_without_a_manifest_needs_overwrite(setup, tmp_path):
     assert (tmp_path / "recs" / "mine.txt").exists()
     score(ScoreJob(**{**j.__dict__, "overwrite": True}), progress=False)
     assert read_output(tmp_path / "recs").num_rows == 200
+
+
+@pytest.mark.slow
+def test_the_ray_engine_gives_the_local_engine_answers(setup, tmp_path):
+    ray = pytest.importorskip("ray")
+    from retrieval.batch_scoring import score_ray
+
+    root, _, _, _ = setup
+    local = ScoreJob(root / "model", 1, root / "users.parquet", tmp_path / "local", k=K, workers=1)
+    score(local, progress=False)
+    remote = ScoreJob(root / "model", 1, root / "users.parquet", tmp_path / "ray", k=K,
+                      chunk_rows=64, workers=1)  # fmt: skip
+    try:
+        manifest = score_ray(remote)
+    finally:
+        ray.shutdown()
+    assert manifest["complete"]
+    a = read_output(local.out).sort_by("user_id")
+    b = read_output(remote.out).sort_by("user_id")
+    assert a.column("user_id").to_pylist() == b.column("user_id").to_pylist()
+    assert a.column("item_ids").to_pylist() == b.column("item_ids").to_pylist()
