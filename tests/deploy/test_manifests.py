@@ -525,3 +525,22 @@ def test_dockerignore_sends_sources_but_never_data() -> None:
         ".git/HEAD",
     ):
         assert dockerignored(dropped, patterns), dropped
+
+
+def test_the_batch_scoring_rayjob_runs_a_real_score_command_on_the_pinned_ray() -> None:
+    """The RayJob's entrypoint parses with the `recserve score` CLI; its Ray version is ours."""
+    import shlex
+    import tomllib
+
+    import typer
+
+    from recserve.cli import app
+
+    (job,) = load(K8S / "jobs" / "batch-scoring-rayjob.yaml")
+    assert job["kind"] == "RayJob"
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["recserve", "score"]
+    score = cast(Any, typer.main.get_command(app)).commands["score"]
+    score.make_context("score", argv[2:])  # raises on an unknown flag or a missing option
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"ray[data]=={job['spec']['rayClusterSpec']['rayVersion']}" in deps
