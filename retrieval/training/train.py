@@ -301,9 +301,9 @@ class Trainer:
                         self.checkpoint()
                 bar.close()
                 self._end_epoch()
-        finally:
+        finally:  # also on max_steps and errors: the model always gets its float tables back
             self.model.eval()
-        self._swap_back()
+            self._swap_back()
         return self.epoch_losses
 
     def _train_step(self, idx: np.ndarray) -> None:

@@ -113,3 +113,9 @@ def test_micro_batches_split_the_softmax_not_the_step(prep):
     idx = np.arange(128)
     halves = (alone.step_loss(idx[:64], 0, 0) + alone.step_loss(idx[64:], 0, 0)) / 2
     torch.testing.assert_close(split.step_loss(idx, 0, 0), halves)
+
+
+def test_a_run_stopped_at_max_steps_gives_back_float_tables(prep):
+    model = fresh(prep)
+    Trainer(model, prep.train, TrainConfig(batch_size=64, max_steps=2, progress=False)).fit()
+    assert isinstance(model.tables, EmbeddingCollection)

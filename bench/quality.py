@@ -1,0 +1,360 @@
+"""Quality benchmark: recall@K and NDCG@K of held-out interactions, per table optimizer, table
+dtype and index code format, on MovieLens 100k and on the synthetic set.
+
+Per dataset (``prepare``: each user's latest 20 % of interactions held out, as ``make demo``)
+and per table optimizer (``rowwise_adagrad``: fused fbgemm, the default; ``adam``: tables as
+dense parameters), one model is trained per model seed (``--seeds`` of them from ``--seed``;
+the data and its split stay fixed; table cells are means over the seeds) for ``--epochs``,
+its IVF index built with INT8 codes (nprobe tuned for recall 0.97 against exact search, as the
+demo), and every held-out user is asked for top-K (history excluded) by:
+
+* the float model through its index (INT8 codes), through an index rebuilt with FP8 codes,
+  and by exact search (``model(batch, k, exact=True)``);
+* the model with its tables quantized to FP16 / FP8 / INT8 / INT4
+  (``retrieval.tiering.tier_model``; the index is the float model's, as published models
+  serve); with ``--rebuild-quantized`` also with the index rebuilt from the quantized tables'
+  item vectors (what a model tiered before its index is built would serve);
+* the popularity baseline (the K most popular train items the user has not seen).
+
+Index recall@K against exact search of the same vectors is reported for both code formats, and
+the float model's spread over seeds. Deterministic for given seeds (torch and numpy seeded,
+``--threads`` fixed: two runs give identical metrics).
+
+Run from the repository root (MovieLens needs ``make data``)::
+
+    .venv/bin/python bench/quality.py --small         # ~40 s: 2 epochs, 1 seed
+    .venv/bin/python bench/quality.py                 # 8 epochs, 3 seeds: ~3.5 min on 2 cores
+
+Writes ``--out`` (default ``bench/results/quality.json``, ``quality_small.json`` with
+``--small``) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
+from retrieval.index.exact import recall_at_k
+from retrieval.metrics import popularity_recs, ranking_metrics
+from retrieval.model import RetrievalModel
+from retrieval.tiering import tier_model
+from retrieval.training.prepare import Prepared, prepare
+from retrieval.training.train import TrainConfig, train
+from sharded_tables.placement import Budgets
+from sharded_tables.specs import DType
+
+OPTIMIZERS = ("rowwise_adagrad", "adam")
+TABLE_DTYPES = (DType.FP16, DType.FP8, DType.INT8, DType.INT4)
+FLOAT_IVF = "float tables, IVF INT8 codes"
+ALL_IN_HOST = Budgets(device=0, host=1 << 40)
+"""Every table in the host tier: only the dtype changes."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--small", action="store_true", help="2 epochs (a quick check)")
+    p.add_argument("--datasets", default="movielens,synthetic", help="comma-separated")
+    p.add_argument("--users", type=int, default=2000, help="synthetic users (the demo's set)")
+    p.add_argument("--items", type=int, default=5000, help="synthetic items")
+    p.add_argument("--data-dir", type=Path, default=Path("data/ml-100k"))
+    p.add_argument("--epochs", type=int, help="training epochs (default 8 as make demo; 2 --small)")
+    p.add_argument("--k", type=int, default=100)
+    p.add_argument("--eval-users", type=int, default=0, help="at most this many users (0: all)")
+    p.add_argument("--rebuild-quantized", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="data seed and first model seed")
+    p.add_argument(
+        "--seeds", type=int, help="model seeds per optimizer, averaged (default 3; 1 --small)"
+    )
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.epochs = args.epochs or (2 if args.small else 8)
+    args.seeds = args.seeds or (1 if args.small else 3)
+    if args.out is None:
+        args.out = Path("bench/results") / ("quality_small.json" if args.small else "quality.json")
+    return args
+
+
+# ---- data and training ------------------------------------------------------------------------
+def load_dataset(name: str, args: argparse.Namespace) -> RecDataset:
+    """MovieLens 100k from ``--data-dir`` or the synthetic set of ``--users`` x ``--items``."""
+    if name == "movielens":
+        return load_movielens(args.data_dir)
+    if name == "synthetic":
+        return generate(SyntheticConfig(num_users=args.users, num_items=args.items, seed=args.seed))
+    raise ValueError(f"unknown dataset {name!r} (movielens, synthetic)")
+
+
+def trained_model(
+    prep: Prepared, table_optimizer: str, epochs: int, seed: int
+) -> tuple[RetrievalModel, list[float]]:
+    """A seeded model trained on ``prep`` with its INT8-code index built (as the demo)."""
+    torch.manual_seed(seed)
+    model = RetrievalModel(copy.deepcopy(prep.config))  # build_index rewrites config.index
+    cfg = TrainConfig(epochs=epochs, seed=seed, progress=False, table_optimizer=table_optimizer)
+    losses = train(model, prep.train, cfg)
+    build_index(model, prep, seed)
+    return model, losses
+
+
+def build_index(model: RetrievalModel, prep: Prepared, seed: int) -> None:
+    """(Re)builds ``model``'s index from its own item tower, nprobe tuned on sample users."""
+    ds = prep.dataset
+    model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch(seed=seed))
+
+
+def with_codes(model: RetrievalModel, prep: Prepared, codes: str, seed: int) -> RetrievalModel:
+    """A deep copy of ``model`` whose index is rebuilt with ``codes`` ("int8" / "fp8")."""
+    other = copy.deepcopy(model)
+    other.config.index = dataclasses.replace(other.config.index, codes=codes)
+    build_index(other, prep, seed)
+    return other
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+def recommend(
+    model: RetrievalModel,
+    prep: Prepared,
+    users: np.ndarray,
+    k: int,
+    exact: bool = False,
+    chunk: int = 512,
+) -> np.ndarray:
+    """Top-``k`` item ids ``[U, k]`` for ``users`` (history excluded), in chunks."""
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(users), chunk):
+            batch = prep.user_batch(users[s : s + chunk])
+            out.append(model(batch, k, exact=exact)[0].numpy())
+    return np.concatenate(out)
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """Held-out users of one dataset and what a variant's recommendations score."""
+
+    prep: Prepared
+    users: np.ndarray
+    k: int
+
+    @property
+    def relevant(self) -> list[set[int]]:
+        return [self.prep.test_items[u] for u in self.users]
+
+    def score(self, recs: np.ndarray) -> dict[str, float]:
+        """recall@K, NDCG@K (and the users counted)."""
+        m = ranking_metrics(recs, self.relevant, self.k)
+        return {"recall": m[f"recall@{self.k}"], "ndcg": m[f"ndcg@{self.k}"], "users": m["users"]}
+
+    def recs(self, model: RetrievalModel, exact: bool = False) -> np.ndarray:
+        return recommend(model, self.prep, self.users, self.k, exact=exact)
+
+
+def held_out_users(prep: Prepared, limit: int) -> np.ndarray:
+    """Users with at least one held-out interaction (the first ``limit``, 0: all)."""
+    users = np.array([u for u in range(prep.dataset.num_users) if prep.test_items[u]])
+    return users[:limit] if limit else users
+
+
+def variants(
+    model: RetrievalModel, ev: Evaluation, seed: int, rebuild: bool
+) -> dict[str, Callable[[], np.ndarray]]:
+    """``{row label: () -> recs}`` for one trained model, in table order."""
+    out: dict[str, Callable[[], np.ndarray]] = {
+        FLOAT_IVF: lambda: ev.recs(model),
+        "float tables, IVF FP8 codes": lambda: ev.recs(with_codes(model, ev.prep, "fp8", seed)),
+        "float tables, exact search": lambda: ev.recs(model, exact=True),
+    }
+    for dtype in TABLE_DTYPES:
+        out[f"{dtype.value.upper()} tables, IVF INT8 codes"] = _tiered(model, ev, dtype)
+    if rebuild:
+        for dtype in TABLE_DTYPES:
+            label = f"{dtype.value.upper()} tables, INT8-code index rebuilt from them"
+            out[label] = _tiered(model, ev, dtype, rebuild_seed=seed)
+    return out
+
+
+def _tiered(
+    model: RetrievalModel, ev: Evaluation, dtype: DType, rebuild_seed: int | None = None
+) -> Callable[[], np.ndarray]:
+    """Recs of ``model`` with ``dtype`` tables; the index rebuilt from them when a seed is given."""
+
+    def run() -> np.ndarray:
+        tiered, _ = tier_model(model, ALL_IN_HOST, dtype=dtype)
+        if rebuild_seed is not None:
+            build_index(tiered, ev.prep, rebuild_seed)
+        return ev.recs(tiered)
+
+    return run
+
+
+def evaluate_model(
+    model: RetrievalModel, ev: Evaluation, seed: int, rebuild: bool
+) -> dict[str, Any]:
+    """Every variant's metrics, plus the index's recall against exact search per code format."""
+    rows, recs = {}, {}
+    for label, fn in variants(model, ev, seed, rebuild).items():
+        recs[label] = fn()
+        rows[label] = ev.score(recs[label])
+    exact = torch.from_numpy(recs["float tables, exact search"])
+    index_recall = {
+        codes: recall_at_k(torch.from_numpy(recs[f"float tables, IVF {codes} codes"]), exact)
+        for codes in ("INT8", "FP8")
+    }
+    return {
+        "rows": rows,
+        "index_recall_vs_exact": index_recall,
+        "nprobe": model.config.index.nprobe,
+    }
+
+
+def bench_dataset(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Trains one model per table optimizer and model seed on one dataset (the data and its
+    split stay fixed) and evaluates every variant; rows are means over the seeds."""
+    ds = load_dataset(name, args)
+    prep = prepare(ds)
+    ev = Evaluation(prep, held_out_users(prep, args.eval_users), args.k)
+    hist = prep.history[ev.users]
+    pop = popularity_recs(prep.train.item_ids, ds.num_items, hist, args.k)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for opt in OPTIMIZERS:
+        runs[opt] = []
+        for seed in range(args.seed, args.seed + args.seeds):
+            t0 = time.perf_counter()
+            model, losses = trained_model(prep, opt, args.epochs, seed)
+            train_s = time.perf_counter() - t0
+            scored = evaluate_model(model, ev, seed, args.rebuild_quantized)
+            scored.update(seed=seed, epoch_losses=losses, train_s=train_s)
+            scored["total_s"] = time.perf_counter() - t0
+            runs[opt].append(scored)
+    return {
+        "dataset": ds.name,
+        "users": ds.num_users,
+        "items": ds.num_items,
+        "eval_users": len(ev.users),
+        "popularity": ev.score(pop),
+        "models": {opt: aggregate(r) for opt, r in runs.items()},
+        "runs": runs,
+    }
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and (population) standard deviation over seeds of every variant's metrics."""
+    rows = {}
+    for label in runs[0]["rows"]:
+        rec = [r["rows"][label]["recall"] for r in runs]
+        ndcg = [r["rows"][label]["ndcg"] for r in runs]
+        rows[label] = {
+            "recall": float(np.mean(rec)),
+            "ndcg": float(np.mean(ndcg)),
+            "recall_std": float(np.std(rec)),
+            "ndcg_std": float(np.std(ndcg)),
+        }
+    index_recall = {
+        c: float(np.mean([r["index_recall_vs_exact"][c] for r in runs]))
+        for c in runs[0]["index_recall_vs_exact"]
+    }
+    return {
+        "rows": rows,
+        "index_recall_vs_exact": index_recall,
+        "nprobe": [r["nprobe"] for r in runs],
+        "first_epoch_loss": float(np.mean([r["epoch_losses"][0] for r in runs])),
+        "last_epoch_loss": float(np.mean([r["epoch_losses"][-1] for r in runs])),
+        "epochs": len(runs[0]["epoch_losses"]),
+        "train_s": float(np.mean([r["train_s"] for r in runs])),
+        "seeds": [r["seed"] for r in runs],
+    }
+
+
+# ---- output -----------------------------------------------------------------------------------
+def markdown(result: dict[str, Any], k: int) -> str:
+    """One dataset's table: a row per variant, recall and NDCG per table optimizer."""
+    models = result["models"]
+    opts = list(models)
+    head = " | ".join(f"recall@{k}, {o} | NDCG@{k}, {o}" for o in opts)
+    lines = [
+        f"**{result['dataset']}** ({result['users']} users, {result['items']} items; "
+        f"{result['eval_users']} held-out users)",
+        "",
+        f"| variant | {head} |",
+        "|---|" + "---|---|" * len(opts),
+    ]
+    for label in models[opts[0]]["rows"]:
+        cells = " | ".join(
+            f"{models[o]['rows'][label]['recall']:.4f} | {models[o]['rows'][label]['ndcg']:.4f}"
+            for o in opts
+        )
+        lines.append(f"| {label} | {cells} |")  # means over seeds
+    pop = result["popularity"]
+    lines.append(
+        "| popularity baseline | "
+        + " | ".join(f"{pop['recall']:.4f} | {pop['ndcg']:.4f}" for _ in opts)
+        + " |"
+    )
+    lines.append("")
+    for o in opts:
+        m = models[o]
+        ir = ", ".join(f"{c} codes {v:.3f}" for c, v in m["index_recall_vs_exact"].items())
+        spread = m["rows"][FLOAT_IVF]
+        lines.append(
+            f"- {o}: loss {m['first_epoch_loss']:.3f} -> {m['last_epoch_loss']:.3f} over "
+            f"{m['epochs']} epochs ({m['train_s']:.0f} s per model); nprobe {m['nprobe']}; index "
+            f"recall@{k} vs exact: {ir}; float-model std over seeds {m['seeds']}: recall "
+            f"{spread['recall_std']:.4f}, NDCG {spread['ndcg_std']:.4f}"
+        )
+    return "\n".join(lines)
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    """Versions, settings and machine load."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "epochs": args.epochs,
+        "k": args.k,
+        "seed": args.seed,
+        "seeds": args.seeds,
+        "argv": sys.argv[1:],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    np.random.seed(args.seed)
+    env = environment(args)
+    results = []
+    for name in args.datasets.split(","):
+        result = bench_dataset(name.strip(), args)
+        print(markdown(result, args.k) + "\n", flush=True)
+        results.append(result)
+    env["loadavg_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"environment": env, "results": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
