@@ -3,20 +3,16 @@ in-memory stand-in for ``model_repo.ModelRepository`` (latest / versions / load)
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_model import Tiny
+from tiny_model import StandInRepo, Tiny
 
 from retrieval.data import SyntheticConfig, generate
-from retrieval.model import RetrievalModel
 from retrieval.training.prepare import prepare
 from serving.config import ServeConfig
-from serving.repository.manifest import CorruptVersionError
 
 
 @pytest.fixture(scope="session")
@@ -26,50 +22,6 @@ def tiny() -> Tiny:
     t = Tiny(prep, None)  # type: ignore[arg-type]
     t.model = t.build(0)
     return t
-
-
-@dataclass
-class Loaded:
-    name: str
-    version: int
-    model: RetrievalModel
-    config: Any = None
-    path: Path | None = None
-
-
-class StandInRepo:
-    """The three methods of ``ModelRepository`` the server uses, over models in memory."""
-
-    def __init__(self, name: str = "demo"):
-        self.name = name
-        self.models: dict[int, RetrievalModel] = {}
-        self.corrupt: set[int] = set()
-        self.loads: list[int] = []
-        self._lock = threading.Lock()
-
-    def publish(self, model: RetrievalModel, corrupt: bool = False) -> int:
-        with self._lock:
-            v = max(self.models, default=0) + 1
-            self.models[v] = model
-            if corrupt:
-                self.corrupt.add(v)
-            return v
-
-    def latest(self, name: str) -> int | None:
-        return max(self.versions(name), default=None)
-
-    def versions(self, name: str) -> list[int]:
-        with self._lock:
-            return sorted(self.models) if name == self.name else []
-
-    def load(self, name: str, version: int | None = None) -> Loaded:
-        v = self.latest(name) if version is None else version
-        self.loads.append(v or 0)
-        if name != self.name or v not in self.models:
-            raise FileNotFoundError(f"no version {v} of {name}")
-        if v in self.corrupt:
-            raise CorruptVersionError(f"{name}/{v}: model.pt checksum mismatch")
-        return Loaded(name, v, self.models[v])
 
 
 @pytest.fixture

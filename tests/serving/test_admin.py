@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import StandInRepo
+from tiny_model import StandInRepo
 
 from retrieval.model import RetrievalModel
 from retrieval.updates import UpdateEmbeddings, apply_update

@@ -1,9 +1,12 @@
-"""A small model with its prepared data and request builders (the serving tests' fixture type;
-a module of its own so test modules can import it: ``from tiny_model import Tiny``)."""
+"""The serving tests' doubles: a small model with its prepared data and request builders
+(:class:`Tiny`), and an in-memory stand-in for the model repository (:class:`StandInRepo`).
+A module of its own so test modules can import them: ``from tiny_model import Tiny``."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +15,7 @@ import torch
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import Prepared
 from serving import recommend_pb2
+from serving.repository.manifest import CorruptVersionError
 from serving.requests import RecRequest
 
 
@@ -72,3 +76,47 @@ class Tiny:
         with torch.inference_mode():
             ids, scores = model.eval()(self.prep.user_batch(users, filters), k)
         return ids.numpy(), scores.numpy()
+
+
+@dataclass
+class Loaded:
+    name: str
+    version: int
+    model: RetrievalModel
+    config: Any = None
+    path: Path | None = None
+
+
+class StandInRepo:
+    """The three methods of ``ModelRepository`` the server uses, over models in memory."""
+
+    def __init__(self, name: str = "demo"):
+        self.name = name
+        self.models: dict[int, RetrievalModel] = {}
+        self.corrupt: set[int] = set()
+        self.loads: list[int] = []
+        self._lock = threading.Lock()
+
+    def publish(self, model: RetrievalModel, corrupt: bool = False) -> int:
+        with self._lock:
+            v = max(self.models, default=0) + 1
+            self.models[v] = model
+            if corrupt:
+                self.corrupt.add(v)
+            return v
+
+    def latest(self, name: str) -> int | None:
+        return max(self.versions(name), default=None)
+
+    def versions(self, name: str) -> list[int]:
+        with self._lock:
+            return sorted(self.models) if name == self.name else []
+
+    def load(self, name: str, version: int | None = None) -> Loaded:
+        v = self.latest(name) if version is None else version
+        self.loads.append(v or 0)
+        if name != self.name or v not in self.models:
+            raise FileNotFoundError(f"no version {v} of {name}")
+        if v in self.corrupt:
+            raise CorruptVersionError(f"{name}/{v}: model.pt checksum mismatch")
+        return Loaded(name, v, self.models[v])
