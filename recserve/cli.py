@@ -3,6 +3,7 @@
 recserve demo              train on MovieLens 100k, build the index, print recommendations and recall
 recserve train             train from a config (torchrun for several processes), evaluate, publish
 recserve score             score a parquet file of users offline with a published model
+recserve loadtest          locust (gRPC or HTTP users) against a server, with a summary and a plot
 recserve fetch-movielens   extract MovieLens 100k from the recbole wheel into data/ml-100k
 recserve bench-ann         the index benchmark (bench/ann.py) vs faiss
 recserve embed-server      serve one shard of embedding rows (the remote tier) over gRPC
@@ -407,6 +408,46 @@ def cluster_down(
         raise typer.Exit(2) from None
     extra = f" (SIGKILL: {', '.join(killed)})" if killed else ""
     typer.echo(f"cluster down{extra}")
+
+
+@app.command("loadtest")
+def loadtest_cmd(
+    target: str = typer.Option(..., help="HOST:PORT of the gRPC or HTTP listener"),
+    protocol: str = typer.Option("grpc", help="grpc (Recommend) or http (KServe v2 infer)"),
+    model_repo: Path = typer.Option(..., help="model repository: shapes the requests"),
+    model: str = typer.Option(None, help="model (default: the repository's only one)"),
+    users: int = typer.Option(10, min=1, help="concurrent locust users"),
+    spawn_rate: float = typer.Option(5.0, min=0.01, help="users started per second"),
+    duration: float = typer.Option(30.0, min=1, help="seconds of load"),
+    out: Path = typer.Option(REPO / "runs" / "loadtest", help="CSVs, summary.json, latency.png"),
+    max_p99_ms: float = typer.Option(None, min=0, help="fail (exit 1) when p99 is over this"),
+    max_failure_ratio: float = typer.Option(
+        None, min=0, max=1, help="fail (exit 1) when failures / requests is over this"
+    ),
+) -> None:
+    """Load-test a running target with locust (loadtest/locustfile.py, headless); prints
+    requests, RPS, p50/p95/p99 and failures, writes summary.json and latency.png; exit 1 when
+    a threshold is missed, 2 when the target is down or locust fails."""
+    from recserve import loadtest as lt
+
+    try:
+        if protocol not in lt.USER_CLASSES:
+            raise ValueError(f"--protocol: grpc or http, got {protocol!r}")
+        shape = lt.read_model_shape(model_repo, model)
+        lt.check_target(target, protocol)
+        spec = lt.LoadTestSpec(
+            target, protocol, model_repo, shape.name, users, spawn_rate, duration, out
+        )
+        summary, problems = lt.run(spec, lt.Thresholds(max_p99_ms, max_failure_ratio))
+    except (ValueError, lt.TargetDownError, lt.LoadTestError) as e:
+        typer.echo(f"loadtest: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(lt.format_summary(spec, summary))
+    typer.echo(f"wrote {out / 'summary.json'} and {out / 'latency.png'}")
+    for p in problems:
+        typer.echo(f"loadtest: FAILED: {p}", err=True)
+    if problems:
+        raise typer.Exit(1)
 
 
 def _with_router_flags(

@@ -190,7 +190,10 @@ class Server:
     def _start_http(self, app: Any, host: str, port: int) -> str:
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets it knows are TCP;
+        # without it each answer on a kept-alive connection waits ~40 ms for a delayed ACK
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
