@@ -129,11 +129,15 @@ def run_demo(
     same = np.array_equal(_recommend(again, prep, users[:64], k), recs[:64])
     console.print(f"saved to {path} (reloaded with weights_only=True; same results: {same})")
 
+    summary = {
+        f"recall@{k} (popularity)": f"{ours[f'recall@{k}']:.3f} ({base[f'recall@{k}']:.3f})",
+        f"index recall@{k} vs exact": f"{idx_recall:.3f}",
+    }
     console.rule("serving: router + 2 document shards + 1 embedding server on 127.0.0.1")
     name = ds.name.split("-")[0]
     routed = serve_on_cluster(
         model, prep, out / "model_repo", out / "cluster", name, users, k,
-        DEMO_FILTERS.get(name), console,
+        DEMO_FILTERS.get(name), console, summary,
     )  # fmt: skip
     in_process = _recommend(tiered, prep, users, k)  # the same INT8 rows, all in this process
     routed_recall = ranking_metrics(routed, relevant, k)[f"recall@{k}"]
@@ -142,4 +146,45 @@ def run_demo(
         f"routed recall@{k}: {routed_recall:.3f}; top-{k} overlap with the unsharded model in "
         f"this process: {overlap:.2%}"
     )
+    summary[f"routed recall@{k}"] = f"{routed_recall:.3f}"
+    console.rule("offline batch scoring")
+    summary["batch scoring"] = _batch_score(path, prep, out / "batch", k)
+    console.print(summary["batch scoring"])
+    table = Table(title="summary")
+    table.add_column("")
+    table.add_column("")
+    for key, value in summary.items():
+        table.add_row(key, value)
+    console.print(table)
     console.print(f"[green]done in {time.perf_counter() - t0:.0f} s")
+
+
+def _batch_score(model_dir: Path, prep: Prepared, out: Path, k: int) -> str:
+    """Every user through ``retrieval.batch_scoring`` (2 worker processes) from a parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from retrieval.batch_scoring import ScoreJob, read_output, score
+
+    out.mkdir(parents=True, exist_ok=True)
+    users = np.arange(prep.dataset.num_users)
+    batch = prep.user_batch(users)
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": pa.array(users, pa.int64()),
+                "history": [h[h >= 0].tolist() for h in batch.history.numpy()],
+                "categorical": batch.categorical.numpy().tolist(),
+                "dense": pa.array(batch.dense.numpy().tolist(), pa.list_(pa.float32())),
+            }
+        ),
+        out / "users.parquet",
+    )
+    job = ScoreJob(model_dir, 0, out / "users.parquet", out / "recs", k=k, overwrite=True)
+    start = time.perf_counter()
+    score(job, progress=False)
+    took = time.perf_counter() - start
+    rows = read_output(job.out).num_rows
+    return (
+        f"{rows} users scored in {took:.1f} s ({rows / took:.0f} users/s, 2 processes) -> {job.out}"
+    )

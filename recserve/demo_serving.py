@@ -68,9 +68,11 @@ def serve_on_cluster(
     k: int,
     flt: str | None,
     console: Console,
+    summary: dict[str, str],
 ) -> np.ndarray:
-    """Publishes, starts the cluster, asks the router for every user's top-``k``; returns the
-    routed ids ``[U, k]`` (the cluster is down again when this returns)."""
+    """Publishes, starts the cluster, asks the router for every user's top-``k``, runs a short
+    locust burst at it; returns the routed ids ``[U, k]`` (the cluster is down again when this
+    returns). Adds its figures to ``summary``."""
     tiered, remote_rows = tier_for_cluster(model)
     remote = sorted(remote_rows)  # the tables the plan put on the embedding server
     repo = ModelRepository(repo_dir)
@@ -87,9 +89,10 @@ def serve_on_cluster(
         address = cluster.router.address
         with grpc.insecure_channel(address) as channel:
             stub = RecommenderStub(channel)
-            replies = _recommend_all(stub, prep, users, k, console)
+            replies = _recommend_all(stub, prep, users, k, console, summary)
             _show(stub, prep, int(users[0]), flt, console)
         _triton_call(address, name, prep, int(users[0]), console)
+        _locust_burst(address, repo_dir, name, cluster_dir / "loadtest", console, summary)
         return np.array([list(r.item_ids) for r in replies])
     finally:
         down(cluster_dir)
@@ -97,7 +100,12 @@ def serve_on_cluster(
 
 
 def _recommend_all(
-    stub: RecommenderStub, prep: Prepared, users: np.ndarray, k: int, console: Console
+    stub: RecommenderStub,
+    prep: Prepared,
+    users: np.ndarray,
+    k: int,
+    console: Console,
+    summary: dict[str, str],
 ) -> list[RecommendResponse]:
     """Every user's Recommend, 8 in flight (the router batches them)."""
 
@@ -114,7 +122,29 @@ def _recommend_all(
         f"Recommend x{len(out)} via the router (8 in flight): p50 {statistics.median(ms):.1f} ms, "
         f"p99 {ms[int(0.99 * (len(ms) - 1))]:.1f} ms, partial answers: {partial}"
     )
+    summary["Recommend via router, 8 in flight"] = (
+        f"p50 {statistics.median(ms):.1f} ms, p99 {ms[int(0.99 * (len(ms) - 1))]:.1f} ms, "
+        f"{partial} partial"
+    )
     return [r for r, _ in out]
+
+
+def _locust_burst(
+    address: str, repo: Path, name: str, out: Path, console: Console, summary: dict[str, str]
+) -> None:
+    """5 s of locust gRPC users (Zipf users, varied K and filters) against the router."""
+    from recserve.loadtest import LoadTestSpec, Thresholds, run
+
+    spec = LoadTestSpec(address, "grpc", repo, name, users=8, spawn_rate=8, duration_s=5, out=out)
+    s, found = run(spec, Thresholds(max_failure_ratio=0.0))
+    line = (
+        f"{s.requests} requests, {s.rps:.0f} req/s, p50 {s.p50_ms or 0:.0f} ms, "
+        f"p99 {s.p99_ms or 0:.0f} ms, failures {s.failures}"
+    )
+    console.print(f"locust burst (8 users, 5 s, gRPC): {line}; plot: {out / 'latency.png'}")
+    if found:
+        console.print(f"[red]locust: {'; '.join(found)}")
+    summary["locust burst against the router"] = line
 
 
 def _show(
