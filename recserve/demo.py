@@ -161,25 +161,13 @@ def run_demo(
 
 def _batch_score(model_dir: Path, prep: Prepared, out: Path, k: int) -> str:
     """Every user through ``retrieval.batch_scoring`` (2 worker processes) from a parquet file."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from retrieval.batch_scoring import ScoreJob, read_output, score
+    from retrieval.batch_scoring import ScoreJob, read_output, score, users_table
 
     out.mkdir(parents=True, exist_ok=True)
     users = np.arange(prep.dataset.num_users)
-    batch = prep.user_batch(users)
-    pq.write_table(
-        pa.table(
-            {
-                "user_id": pa.array(users, pa.int64()),
-                "history": [h[h >= 0].tolist() for h in batch.history.numpy()],
-                "categorical": batch.categorical.numpy().tolist(),
-                "dense": pa.array(batch.dense.numpy().tolist(), pa.list_(pa.float32())),
-            }
-        ),
-        out / "users.parquet",
-    )
+    pq.write_table(users_table(users, prep.user_batch(users)), out / "users.parquet")
     job = ScoreJob(model_dir, 0, out / "users.parquet", out / "recs", k=k, overwrite=True)
     start = time.perf_counter()
     score(job, progress=False)

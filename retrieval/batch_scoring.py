@@ -81,6 +81,19 @@ class ScoreInputError(ValueError):
     """The users file or the output folder cannot be used (the message names the column)."""
 
 
+def users_table(user_ids: np.ndarray, batch: Any) -> pa.Table:
+    """The input columns for users ``user_ids [U]`` from their :class:`UserBatch` (``-1`` history
+    pads dropped)."""
+    return pa.table(
+        {
+            "user_id": pa.array(user_ids, pa.int64()),
+            "history": [h[h >= 0].tolist() for h in batch.history.numpy()],
+            "categorical": batch.categorical.numpy().tolist(),
+            "dense": pa.array(batch.dense.numpy().tolist(), pa.list_(pa.float32())),
+        }
+    )
+
+
 # ---- checks before any work ------------------------------------------------------------------
 def check_input(job: ScoreJob) -> pq.ParquetFile:
     """Opens the users file and checks its columns' presence and types."""

@@ -18,7 +18,14 @@ import torch
 from topk_check import assert_same_topk
 
 from retrieval.artifact import save_model
-from retrieval.batch_scoring import MANIFEST, ScoreInputError, ScoreJob, read_output, score
+from retrieval.batch_scoring import (
+    MANIFEST,
+    ScoreInputError,
+    ScoreJob,
+    read_output,
+    score,
+    users_table,
+)
 from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import prepare
@@ -36,15 +43,7 @@ def setup(tmp_path_factory):
     model.eval()
     save_model(model, root / "model")
     users = np.arange(prep.dataset.num_users)
-    batch = prep.user_batch(users)
-    table = pa.table(
-        {
-            "user_id": pa.array(users, pa.int64()),
-            "history": [h[h >= 0].tolist() for h in batch.history.numpy()],
-            "categorical": batch.categorical.numpy().tolist(),
-            "dense": pa.array(batch.dense.numpy().tolist(), pa.list_(pa.float32())),
-        }
-    )
+    table = users_table(users, prep.user_batch(users))
     pq.write_table(table, root / "users.parquet")
     return root, prep, model, table
 
