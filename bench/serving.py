@@ -1,0 +1,885 @@
+"""Serving benchmark: ``recserve serve`` against a no-op grpcio server, a naive unbatched server
+and the real Triton Inference Server -- one run, one model, one load generator.
+
+One synthetic catalog (``--items``, default 100k; ``--small``: 20k) and one model (untrained
+weights, real IVF index), published once into a model repository. Every system serves it on
+127.0.0.1 as its own process:
+
+(a) ``noop``: a grpcio ``Recommend`` servicer that returns a fixed empty response (the
+    framework's ceiling), thread pool as large as ours (``--grpc-workers``);
+(b) ``naive``: a grpcio ``Recommend`` servicer that runs the model's forward for each request
+    on its own (``ModelRunner.run([request])``: no batcher), same thread pool;
+(c) ``triton``: nvidia-pytriton's bundled ``tritonserver`` on the same repository through our
+    Python backend (``model.py`` of the version, dynamic batching from its ``config.pbtxt``),
+    called with KServe v2 ``ModelInfer`` (raw gRPC stubs of tritonclient); skipped, with the
+    reason recorded, when it cannot start;
+(d) ``ours``: ``recserve serve`` with its default batching (from ``config.pbtxt``), called with
+    ``Recommend``; and ``ours-kserve``: the same process called with KServe v2 ``ModelInfer``
+    (the same protocol as Triton).
+
+The load generator is a separate process: closed loop, C clients (``--concurrency``), each a
+thread with its own channel, sending the next request as soon as the last answers; 1 query per
+request, K = 100, unfiltered, the same users in the same order for every system. Reported per
+(system, C): q/s, p50, p99, errors, and the share of the 2 cores used by processes outside this
+run. The headline is each system's max q/s at p99 <= ``--p99-ms`` (the highest q/s among the
+concurrency levels whose p99 is within it) and ours / each of them against the targets
+(>= 0.5x noop, >= 3x naive, >= 1.0x Triton). Answers of naive, Triton and ours are checked
+against the in-process forward (ids equal) for a few users.
+
+Latency vs catalog size (``--sizes``, default 1M; ``--small``: none): ours at C=1 (p50/p99)
+and C=8 (q/s), each size its own model, repository and server; the main size reuses the sweep.
+
+Run from the repository root::
+
+    .venv/bin/python bench/serving.py --small     # 20k items, ~2 min
+    .venv/bin/python bench/serving.py             # 100k items + 1M sizes, ~6 min on 2 cores
+
+Writes ``--out`` (default ``bench/results/serving.json``, ``serving_small.json`` with
+``--small``) and prints markdown tables. Every server process is stopped in a ``finally`` (its
+process group, so Triton's backend stubs too); the JSON records that none was left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import multiprocessing
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from retrieval.data import SyntheticConfig, generate  # noqa: E402
+from retrieval.model import RetrievalModel  # noqa: E402
+from retrieval.training.prepare import Prepared, prepare  # noqa: E402
+from serving import recommend_pb2, recommend_pb2_grpc  # noqa: E402
+
+MODEL = "bench"
+RUN_MARKER = "recserve-serving-bench-"
+"""Prefix of this run's temp folder; every server's command line names it."""
+TARGETS = {"noop": 0.5, "naive": 3.0, "triton": 1.0}
+"""ours / system: the issue's targets for max q/s at p99 <= budget."""
+SYSTEMS = ("noop", "naive", "triton", "ours", "ours-kserve")
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    """``"1,8,32"`` -> ``[1, 8, 32]``; every value must be >= 1 (empty text: ``[]``)."""
+    try:
+        values = [int(float(x)) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line (see the module docstring); ``--serve`` is internal (a baseline server)."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--small", action="store_true", help="20k items, shorter cases, no --sizes")
+    p.add_argument("--items", type=int, help="catalog size (default 100k, 20k with --small)")
+    p.add_argument("--users", type=int, default=2000, help="synthetic users")
+    p.add_argument("--request-users", type=int, default=256, help="distinct users in requests")
+    p.add_argument(
+        "--concurrency", type=_int_list, default=[1, 4, 8, 16, 32], help="closed-loop clients"
+    )
+    p.add_argument("--k", type=int, default=100, help="results per request")
+    p.add_argument("--seconds", type=float, help="measured seconds per load case (default 5; 2)")
+    p.add_argument("--warmup-s", type=float, default=1.0, help="untimed seconds per load case")
+    p.add_argument("--p99-ms", type=float, default=20.0, help="latency budget of the headline")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of every model server")
+    p.add_argument("--grpc-workers", type=int, default=64, help="gRPC threads (ours' default)")
+    p.add_argument("--sizes", type=_int_list, help="extra catalog sizes for ours (default 1M)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
+    p.add_argument("--check-users", type=int, default=4, help="users checked vs in-process")
+    p.add_argument("--startup-timeout-s", type=float, default=180.0, help="per server start")
+    p.add_argument("--out", type=Path, help="JSON results (default bench/results/serving*.json)")
+    p.add_argument("--serve", choices=["noop", "naive"], help=argparse.SUPPRESS)
+    p.add_argument("--repo", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve:
+        return args
+    args.items = args.items or (20_000 if args.small else 100_000)
+    args.seconds = args.seconds or (2.0 if args.small else 5.0)
+    if args.sizes is None:
+        args.sizes = [] if args.small else [1_000_000]
+    args.sizes = [s for s in args.sizes if s != args.items]
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if unknown := set(args.systems) - set(SYSTEMS):
+        p.error(f"--systems: unknown {sorted(unknown)}; choose from {SYSTEMS}")
+    if args.out is None:
+        name = "serving_small.json" if args.small else "serving.json"
+        args.out = ROOT / "bench" / "results" / name
+    if args.k > args.items or args.request_users > args.users:
+        p.error("need --k <= --items and --request-users <= --users")
+    return args
+
+
+# ---- the workload -------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """The model, its data, and the requests every system gets (one user per request)."""
+
+    prep: Prepared
+    model: RetrievalModel
+    users: np.ndarray
+    k: int
+
+    def history(self, user: int) -> np.ndarray:
+        """The user's recent items, newest first (pads dropped; ``[-1]`` when there are none)."""
+        hist = self.prep.history[user]
+        hist = hist[hist >= 0].astype(np.int64)
+        return hist if len(hist) else np.array([-1], np.int64)
+
+    def categorical(self, user: int) -> np.ndarray:
+        ds, cfg = self.prep.dataset, self.prep.config
+        return np.array([ds.user_features[n][user] for n in cfg.user_features], np.int64)
+
+    def dense(self, user: int) -> np.ndarray:
+        return self.prep.dataset.user_dense[user].astype(np.float32)
+
+    def recommend(self, user: int) -> bytes:
+        """The serialized gRPC ``Recommend`` request of ``user``."""
+        return recommend_pb2.RecommendRequest(
+            user_id=str(user),
+            history=self.history(user).tolist(),
+            categorical=self.categorical(user).tolist(),
+            dense=self.dense(user).tolist(),
+            k=self.k,
+        ).SerializeToString()
+
+    def model_infer(self, user: int) -> bytes:
+        """The serialized KServe v2 ``ModelInferRequest`` of ``user`` (one row, raw contents).
+        History is -1-padded to the model's ``history_len`` so every request has the same shape:
+        Triton's dynamic batcher stalls (~500 ms) on a queue of differently shaped requests."""
+        from tritonclient.grpc import service_pb2
+
+        req = service_pb2.ModelInferRequest(model_name=MODEL)
+        hist = np.full((1, self.prep.config.history_len), -1, np.int64)  # -1 pads: one shape
+        recent = self.history(user)[: hist.shape[1]]
+        hist[0, : len(recent)] = recent
+        tensors = {
+            "history": ("INT64", hist),
+            "categorical": ("INT64", self.categorical(user)[None, :]),
+            "dense": ("FP32", self.dense(user)[None, :]),
+            "k": ("INT32", np.array([[self.k]], np.int32)),
+        }
+        for name, (dtype, a) in tensors.items():
+            req.inputs.add(name=name, datatype=dtype, shape=list(a.shape))
+            req.raw_input_contents.append(np.ascontiguousarray(a).tobytes())
+        for name in ("item_ids", "scores"):
+            req.outputs.add(name=name)
+        return req.SerializeToString()
+
+    def payloads(self, protocol: str) -> list[bytes]:
+        make = self.recommend if protocol == "recommend" else self.model_infer
+        return [make(int(u)) for u in self.users]
+
+    def expected_ids(self, users: np.ndarray) -> np.ndarray:
+        """In-process ``model(batch, k)`` ids of ``users`` (one forward per user)."""
+        with torch.inference_mode():
+            rows = [
+                self.model(self.prep.user_batch(users[i : i + 1]), self.k)[0]
+                for i in range(len(users))
+            ]
+        return torch.cat(rows).numpy()
+
+
+def build_workload(items: int, args: argparse.Namespace) -> tuple[Workload, float]:
+    """Synthetic catalog -> prepared data -> model with its index; returns it and build seconds."""
+    t0 = time.perf_counter()
+    ds = generate(SyntheticConfig(num_users=args.users, num_items=items, seed=3))
+    prep = prepare(ds)
+    torch.manual_seed(0)
+    model = RetrievalModel(prep.config)
+    model.build_index(prep.train.item_features, prep.dataset.item_attributes)
+    work = Workload(prep, model.eval(), np.arange(args.request_users), args.k)
+    return work, time.perf_counter() - t0
+
+
+def publish(work: Workload, root: Path, threads: int) -> Path:
+    """Publishes the model as ``MODEL`` version 1 in a new repository at ``root``."""
+    from serving.repository.repository import ModelRepository
+
+    ModelRepository(root).publish(MODEL, work.model, parameters={"torch_threads": str(threads)})
+    return root
+
+
+def inprocess_latency(work: Workload, n: int = 200) -> dict[str, float]:
+    """p50/p99 ms of one-user ``model(batch, k)`` calls in this process (no serving at all)."""
+    batches = [work.prep.user_batch(work.users[i : i + 1]) for i in range(len(work.users))]
+    lat = []
+    with torch.inference_mode():
+        for i in range(n + 10):
+            t0 = time.perf_counter()
+            work.model(batches[i % len(batches)], work.k)
+            if i >= 10:
+                lat.append((time.perf_counter() - t0) * 1e3)
+    p50, p99 = percentiles(lat)
+    return {"p50_ms": p50, "p99_ms": p99}
+
+
+# ---- baseline servers ((a) and (b)), run as `python bench/serving.py --serve KIND` --------------
+class NoopServicer(recommend_pb2_grpc.RecommenderServicer):
+    """(a): the same fixed empty answer to every call; no parsing beyond gRPC's own."""
+
+    RESPONSE = recommend_pb2.RecommendResponse(model=MODEL, version=1)
+
+    def Recommend(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.RESPONSE
+
+
+class NaiveServicer(recommend_pb2_grpc.RecommenderServicer):
+    """(b): parse -> one forward for this request alone (``ModelRunner.run([req])``) -> render.
+    Every gRPC thread runs its own forward; nothing is batched or queued."""
+
+    def __init__(self, repo: Path):
+        from serving.repository.repository import ModelRepository
+        from serving.runner import ModelRunner
+
+        loaded = ModelRepository(repo).load(MODEL)
+        self.runner = ModelRunner(loaded.model, MODEL, loaded.version)
+        self.runner.warmup()
+
+    def Recommend(self, request: Any, context: grpc.ServicerContext) -> Any:
+        from serving.grpc_server import parse_recommend, render_recommend
+
+        (out,) = self.runner.run([parse_recommend(request, None)])
+        if isinstance(out, Exception):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
+        return render_recommend(out)
+
+
+def serve_baseline(args: argparse.Namespace) -> None:
+    """Runs (a) or (b) on a free port: prints ``listening HOST:PORT``, serves until SIGTERM."""
+    torch.set_num_threads(args.threads)
+    servicer = NoopServicer() if args.serve == "noop" else NaiveServicer(args.repo)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.grpc_workers))
+    recommend_pb2_grpc.add_RecommenderServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"listening 127.0.0.1:{port}", flush=True)
+    while not done.wait(0.5):
+        pass
+    server.stop(1).wait()
+
+
+# ---- server processes ---------------------------------------------------------------------------
+@dataclass
+class Running:
+    """A started server process (the leader of its own process group)."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    address: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def _start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Running:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return Running(proc, log)
+
+
+def _wait_for_line(run: Running, pattern: str, timeout_s: float) -> str:
+    """The first group of ``pattern`` once it appears in the server's log."""
+    until = time.monotonic() + timeout_s
+    while time.monotonic() < until:
+        if m := re.search(pattern, run.log.read_text(errors="replace")):
+            return m.group(1)
+        if run.proc.poll() is not None:
+            raise RuntimeError(f"exited with {run.proc.returncode}:\n{run.log_tail()}")
+        time.sleep(0.1)
+    raise RuntimeError(f"not ready after {timeout_s:.0f} s:\n{run.log_tail()}")
+
+
+def stop(run: Running, grace_s: float = 20.0) -> None:
+    """SIGTERM the process group, SIGKILL it if still alive after ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(run.proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        run.proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):  # the leader or children that outlived it
+        os.killpg(run.proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        run.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def server(system: str, repo: Path, tmp: Path, args: argparse.Namespace) -> Iterator[Running]:
+    """Starts ``system`` on ``repo``; yields it once ready; always stops it."""
+    log = tmp / f"{system}-{repo.name}.log"
+    if system in ("noop", "naive"):
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--serve",
+            system,
+            "--repo",
+            str(repo),
+        ]
+        cmd += ["--threads", str(args.threads), "--grpc-workers", str(args.grpc_workers)]
+        run, pattern = _start(cmd, log), r"listening (\S+)"
+    elif system in ("ours", "ours-kserve"):
+        cmd = [sys.executable, "-m", "recserve", "serve", "--model-repo", str(repo)]
+        cmd += ["--model", MODEL, "--grpc-port", "0", "--torch-threads", str(args.threads)]
+        run, pattern = _start(cmd, log), r"serving \S+ v\d+ grpc=(\S+)"
+    else:
+        run, pattern = start_triton(repo, tmp, log), ""
+    try:
+        if pattern:
+            run.address = _wait_for_line(run, pattern, args.startup_timeout_s)
+        else:
+            wait_triton(run, args.startup_timeout_s)
+        yield run
+    finally:
+        stop(run)
+
+
+# ---- (c) Triton (as tests/serving/repository/test_tritonserver.py) ------------------------------
+class Unavailable(RuntimeError):
+    """A system that cannot run on this machine (the message says why)."""
+
+
+def _pytriton_dir() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable("nvidia-pytriton is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_triton(repo: Path, tmp: Path, log: Path) -> Running:
+    """``tritonserver`` on ``repo`` with the bundled Python backend + this Python's stub."""
+    pytriton = _pytriton_dir()
+    dist = pytriton / "tritonserver"
+    binary = dist / "bin" / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not binary.is_file() or not stub.is_file():
+        raise Unavailable(f"no tritonserver binary or Python {version} stub under {dist}")
+    backends = tmp / f"backends-{uuid.uuid4().hex[:6]}"
+    shutil.copytree(dist / "backends", backends)
+    shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+    env = dict(os.environ)
+    libs = [str(sysconfig.get_config_var("LIBDIR")), str(pytriton.parent / "nvidia_pytriton.libs")]
+    env["LD_LIBRARY_PATH"] = ":".join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = ":".join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
+    cmd = [
+        str(binary),
+        f"--model-repository={repo}",
+        f"--backend-directory={backends}",
+        "--http-address=127.0.0.1",
+        "--grpc-address=127.0.0.1",
+        "--metrics-address=127.0.0.1",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        "--disable-auto-complete-config",
+        "--exit-timeout-secs=5",
+        f"--backend-config=python,shm-region-prefix-name=bench{os.getpid()}_{uuid.uuid4().hex[:8]}",
+    ]
+    run = _start(cmd, log, env)
+    run.address = f"127.0.0.1:{grpc_port}"
+    return run
+
+
+def wait_triton(run: Running, timeout_s: float) -> None:
+    """Until server and model are ready; records the model's instance groups and batching."""
+    import tritonclient.grpc as grpcclient
+    from google.protobuf.json_format import MessageToDict
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(run.address)
+    until = time.monotonic() + timeout_s
+    while True:
+        if run.proc.poll() is not None:
+            raise Unavailable(f"tritonserver exited with {run.proc.returncode}:\n{run.log_tail()}")
+        with contextlib.suppress(InferenceServerException):
+            if client.is_server_ready() and client.is_model_ready(MODEL):
+                break
+        if time.monotonic() > until:
+            raise Unavailable(f"tritonserver not ready after {timeout_s:.0f} s:\n{run.log_tail()}")
+        time.sleep(0.25)
+    cfg = MessageToDict(client.get_model_config(MODEL).config)
+    run.extra = {k: cfg.get(k) for k in ("instanceGroup", "dynamicBatching", "maxBatchSize")}
+    client.close()
+
+
+def triton_stats(address: str) -> dict[str, float]:
+    """Triton's own account of the run: requests, executions (batches), and the mean time a
+    request spent queued and in the backend (where a stall happened)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(address)
+    st = client.get_inference_statistics(MODEL).model_stats[0]
+    client.close()
+    n = max(st.inference_stats.success.count, 1)
+    return {
+        "inferences": st.inference_count,
+        "executions": st.execution_count,
+        "mean_queue_ms": st.inference_stats.queue.ns / n / 1e6,
+        "mean_compute_input_ms": st.inference_stats.compute_input.ns / n / 1e6,
+        "mean_compute_infer_ms": st.inference_stats.compute_infer.ns / n / 1e6,
+        "mean_compute_output_ms": st.inference_stats.compute_output.ns / n / 1e6,
+        "mean_request_ms": st.inference_stats.success.ns / n / 1e6,
+    }
+
+
+# ---- the load generator (a separate process) ----------------------------------------------------
+def _ready() -> int:
+    """Run once in the load generator process so its start-up is not timed; returns its pid."""
+    return os.getpid()
+
+
+def _call(protocol: str, channel: grpc.Channel) -> Callable[[bytes], Any]:
+    """``send(serialized request)`` for ``protocol`` (the request is parsed once, up front)."""
+    if protocol == "recommend":
+        return recommend_pb2_grpc.RecommenderStub(channel).Recommend
+    from tritonclient.grpc import service_pb2_grpc
+
+    return service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+
+
+def _parse(protocol: str, payloads: list[bytes]) -> list[Any]:
+    if protocol == "recommend":
+        return [recommend_pb2.RecommendRequest.FromString(b) for b in payloads]
+    from tritonclient.grpc import service_pb2
+
+    return [service_pb2.ModelInferRequest.FromString(b) for b in payloads]
+
+
+def run_load(
+    protocol: str,
+    address: str,
+    payloads: list[bytes],
+    concurrency: int,
+    warmup_s: float,
+    seconds: float,
+) -> dict[str, Any]:
+    """Closed loop: ``concurrency`` threads, each with its own channel, send the next request as
+    soon as the last answers. Counts the calls that end in the ``seconds`` after ``warmup_s``."""
+    requests = _parse(protocol, payloads)
+    start = time.perf_counter() + 0.3  # every thread connected before the clock starts
+    measure_from, end = start + warmup_s, start + warmup_s + seconds
+    records: list[list[tuple[float, float, str]]] = [[] for _ in range(concurrency)]
+
+    def client(c: int) -> None:
+        with grpc.insecure_channel(address) as channel:
+            send = _call(protocol, channel)
+            grpc.channel_ready_future(channel).result(timeout=30)
+            while time.perf_counter() < start:
+                time.sleep(0.001)
+            i = c
+            while (t0 := time.perf_counter()) < end:
+                try:
+                    send(requests[i % len(requests)], timeout=30)
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                records[c].append((t0, time.perf_counter(), code))
+                i += concurrency
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = [r for rs in records for r in rs if measure_from <= r[1] <= end]
+    ok = [r for r in done if r[2] == "OK"]
+    errors: dict[str, int] = {}
+    for r in done:
+        if r[2] != "OK":
+            errors[r[2]] = errors.get(r[2], 0) + 1
+    p50, p99 = percentiles([(r[1] - r[0]) * 1e3 for r in ok])
+    return {"requests": len(done), "qps": len(ok) / seconds, "p50_ms": p50, "p99_ms": p99,
+            "errors": errors}  # fmt: skip
+
+
+def percentiles(lat_ms: list[float]) -> tuple[float, float]:
+    """(p50, p99) in ms, with ``bench/timing.py``'s convention (nan when empty)."""
+    if not lat_ms:
+        return float("nan"), float("nan")
+    s = sorted(lat_ms)
+    return statistics.median(s), s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+
+
+# ---- CPU used outside this run ------------------------------------------------------------------
+def _proc_cpu_s(pids: set[int], groups: set[int]) -> float:
+    """CPU seconds so far of the live processes in ``pids`` or in the process groups ``groups``."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(entry.name) in pids or int(fields[2]) in groups:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _busy_s() -> float:
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (v + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """Share of the machine's CPU used by processes *outside* this run (this process, the load
+    generator and the server's process group are the run) between ``start`` and ``stop``."""
+
+    def __init__(self, pids: set[int], groups: set[int]):
+        self.pids, self.groups = pids, groups
+        self._t0 = self._busy0 = self._ours0 = 0.0
+
+    def start(self) -> None:
+        self._t0, self._busy0 = time.perf_counter(), _busy_s()
+        self._ours0 = _proc_cpu_s(self.pids, self.groups)
+
+    def stop(self) -> float:
+        wall = time.perf_counter() - self._t0
+        others = (_busy_s() - self._busy0) - (_proc_cpu_s(self.pids, self.groups) - self._ours0)
+        return max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
+
+
+def top_other_processes(n: int = 5) -> list[str]:
+    """The busiest processes right now (``ps``), as a record of what shared the machine."""
+    out = subprocess.run(
+        ["ps", "-eo", "pcpu,etime,args", "--sort=-pcpu"], capture_output=True, text=True
+    ).stdout.splitlines()
+    return [line.strip()[:160] for line in out[1 : n + 1]]
+
+
+# ---- the runs -----------------------------------------------------------------------------------
+PROTOCOL = {"noop": "recommend", "naive": "recommend", "triton": "kserve", "ours": "recommend",
+            "ours-kserve": "kserve"}  # fmt: skip
+
+
+def check_ids(system: str, address: str, work: Workload, users: np.ndarray) -> bool:
+    """Whether ``system``'s answers for ``users`` have the in-process forward's ids."""
+    want = work.expected_ids(users)
+    with grpc.insecure_channel(address) as channel:
+        send = _call(PROTOCOL[system], channel)
+        got = []
+        for u in users:
+            if PROTOCOL[system] == "recommend":
+                req = recommend_pb2.RecommendRequest.FromString(work.recommend(int(u)))
+                got.append(np.array(send(req, timeout=60).item_ids, np.int64))
+            else:
+                from tritonclient.grpc import service_pb2
+
+                req = service_pb2.ModelInferRequest.FromString(work.model_infer(int(u)))
+                res = send(req, timeout=60)
+                i = [o.name for o in res.outputs].index("item_ids")
+                got.append(np.frombuffer(res.raw_output_contents[i], np.int64))
+    return all(g.shape == w.shape and bool((g == w).all()) for g, w in zip(got, want, strict=True))
+
+
+def load_cases(
+    system: str,
+    run: Running,
+    work: Workload,
+    levels: list[int],
+    pool: ProcessPoolExecutor,
+    loadgen_pid: int,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """Every concurrency level of ``levels`` against a running ``system``."""
+    payloads = work.payloads(PROTOCOL[system])
+    rows = []
+    for c in levels:
+        load = OtherLoad({os.getpid(), loadgen_pid}, {run.proc.pid})
+        load.start()
+        got = pool.submit(
+            run_load, PROTOCOL[system], run.address, payloads, c, args.warmup_s, args.seconds
+        ).result()
+        row = {"system": system, "items": work.model.index.ntotal, "concurrency": c, **got}
+        rows.append({**row, "other_load": load.stop()})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def system_cases(
+    system: str,
+    repo: Path,
+    tmp: Path,
+    work: Workload,
+    pool: ProcessPoolExecutor,
+    loadgen_pid: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Start ``system``, check its answers, run the load levels, stop it. Never raises for a
+    system that cannot run: the result says why it was skipped."""
+    started = time.perf_counter()
+    try:
+        with server(system, repo, tmp, args) as run:
+            out: dict[str, Any] = {"startup_s": time.perf_counter() - started, **run.extra}
+            print(f"{system} up at {run.address} in {out['startup_s']:.1f} s", flush=True)
+            if system != "noop":
+                out["ids_equal"] = check_ids(
+                    system, run.address, work, work.users[: args.check_users]
+                )
+            out["rows"] = load_cases(system, run, work, args.concurrency, pool, loadgen_pid, args)
+            if system == "triton":
+                out["triton_stats"] = triton_stats(run.address)
+            return out
+    except Unavailable as e:
+        print(f"{system} skipped: {e}", file=sys.stderr, flush=True)
+        return {"skipped": str(e)[-2000:], "rows": []}
+
+
+def size_cases(
+    tmp: Path, pool: ProcessPoolExecutor, loadgen_pid: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Ours at C=1 and C=8 on each extra catalog size (own model, repository and server)."""
+    rows = []
+    for items in args.sizes:
+        work, build_s = build_workload(items, args)
+        repo = publish(work, tmp / f"repo-{items}", args.threads)
+        inproc = inprocess_latency(work)
+        with server("ours", repo, tmp, args) as run:
+            cases = load_cases("ours", run, work, [1, 8], pool, loadgen_pid, args)
+        rows.append(size_row(items, build_s, inproc, cases, work))
+        del work
+    return rows
+
+
+def size_row(
+    items: int,
+    build_s: float,
+    inproc: dict[str, float],
+    cases: list[dict[str, Any]],
+    work: Workload,
+) -> dict[str, Any]:
+    """One row of the catalog-size table from ours' C=1 and C=8 cases."""
+    by_c = {r["concurrency"]: r for r in cases}
+    one, eight = by_c.get(1, {}), by_c.get(8, {})
+    idx = work.model.index
+    return {
+        "items": items, "nlist": idx.nlist, "nprobe": idx.config.nprobe, "build_s": build_s,
+        "inprocess_p50_ms": inproc["p50_ms"], "inprocess_p99_ms": inproc["p99_ms"],
+        "c1_p50_ms": one.get("p50_ms"), "c1_p99_ms": one.get("p99_ms"), "c1_qps": one.get("qps"),
+        "c8_qps": eight.get("qps"), "c8_p50_ms": eight.get("p50_ms"),
+        "c8_p99_ms": eight.get("p99_ms"),
+        "other_load": max(one.get("other_load", 0.0), eight.get("other_load", 0.0)),
+    }  # fmt: skip
+
+
+# ---- summary and tables -------------------------------------------------------------------------
+def best_under_budget(rows: list[dict[str, Any]], budget_ms: float) -> dict[str, Any] | None:
+    """The error-free row with the highest q/s among those with p99 <= ``budget_ms``."""
+    fit = [r for r in rows if not r["errors"] and r["p99_ms"] <= budget_ms]
+    return max(fit, key=lambda r: r["qps"], default=None)
+
+
+def summarize(results: dict[str, Any], budget_ms: float) -> dict[str, Any]:
+    """Per system: its best row under the budget; ratios of ours to each baseline vs targets."""
+    best = {s: best_under_budget(v["rows"], budget_ms) for s, v in results["systems"].items()}
+    ours = best.get("ours")
+    ratios = {}
+    for base, target in TARGETS.items():
+        b = best.get(base)
+        ratio = ours["qps"] / b["qps"] if ours and b else None
+        ratios[base] = {"ratio": ratio, "target": target,
+                        "met": None if ratio is None else ratio >= target}  # fmt: skip
+    if best.get("ours-kserve") and best.get("triton"):
+        r = best["ours-kserve"]["qps"] / best["triton"]["qps"]
+        ratios["triton (both KServe)"] = {"ratio": r, "target": 1.0, "met": r >= 1.0}
+    return {"best": best, "ratios": ratios}
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "—" if x is None or x != x else format(x, fmt)
+
+
+def render(results: dict[str, Any]) -> str:
+    """Markdown: headline (best under budget + ratios), every load case, catalog sizes."""
+    budget = results["config"]["p99_ms"]
+    summary = results["summary"]
+    lines = [
+        f"| system | protocol | max q/s at p99 ≤ {budget:g} ms | at concurrency | p50 ms | p99 ms "
+        "| ours / system | target | met |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s, v in results["systems"].items():
+        b = summary["best"].get(s)
+        r = summary["ratios"].get(s, {})
+        met = {True: "yes", False: "**no**", None: "—"}[r.get("met")]
+        why = f"skipped: {v['skipped'].splitlines()[0][:80]}" if v.get("skipped") else "none fits"
+        lines.append(
+            f"| {s} | {PROTOCOL[s]} | {_f(b and b['qps'], '.0f') if b else why} | "
+            f"{b['concurrency'] if b else '—'} | {_f(b and b['p50_ms'], '.2f')} | "
+            f"{_f(b and b['p99_ms'], '.2f')} | {_f(r.get('ratio'), '.2f')} | "
+            f"{'≥ ' + format(r['target'], 'g') + '×' if r else '—'} | {met if r else '—'} |"
+        )
+    if (r := summary["ratios"].get("triton (both KServe)")) is not None:
+        lines.append(f"\nours-kserve / triton (same protocol): {r['ratio']:.2f}")
+    lines += ["", *render_cases(results), "", *render_sizes(results)]
+    return "\n".join(lines)
+
+
+def render_cases(results: dict[str, Any]) -> list[str]:
+    """One row per (system, concurrency)."""
+    lines = [
+        "| system | concurrency | q/s | p50 ms | p99 ms | errors | CPU used by others |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s, v in results["systems"].items():
+        for r in v["rows"]:
+            lines.append(
+                f"| {s} | {r['concurrency']} | {r['qps']:.0f} | {r['p50_ms']:.2f} | "
+                f"{r['p99_ms']:.2f} | {sum(r['errors'].values())} | {r['other_load']:.0%} |"
+            )
+    return lines
+
+
+def render_sizes(results: dict[str, Any]) -> list[str]:
+    """Ours: latency vs catalog size."""
+    lines = [
+        "| items | nlist / nprobe | in-process p50 ms | ours C=1 p50 ms | C=1 p99 ms | "
+        "C=8 q/s | C=8 p99 ms | CPU used by others |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["sizes"]:
+        lines.append(
+            f"| {r['items']:,} | {r['nlist']} / {r['nprobe']} | {r['inprocess_p50_ms']:.2f} | "
+            f"{_f(r['c1_p50_ms'], '.2f')} | {_f(r['c1_p99_ms'], '.2f')} | "
+            f"{_f(r['c8_qps'], '.0f')} | {_f(r['c8_p99_ms'], '.2f')} | {r['other_load']:.0%} |"
+        )
+    return lines
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def environment(work: Workload) -> dict[str, Any]:
+    """Machine, versions, the index's shape and what else was running at the start."""
+    idx = work.model.index
+    load = OtherLoad({os.getpid()}, set())
+    load.start()
+    time.sleep(1.0)
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "grpc": grpc.__version__, "items": idx.ntotal, "dim": idx.dim, "nlist": idx.nlist,
+        "nprobe": idx.config.nprobe, "codes": idx.config.codes,
+        "other_load_at_start": load.stop(), "loadavg_at_start": os.getloadavg(),
+        "top_processes_at_start": top_other_processes(),
+    }  # fmt: skip
+
+
+def leftover_servers(marker: str) -> list[int]:
+    """Pids of live processes whose command line names this run's temp folder (must be none)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmd and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Builds and publishes the main model, then every system, then the catalog sizes."""
+    work, build_s = build_workload(args.items, args)
+    results["environment"] = environment(work)
+    print(f"{args.items:,} items, K={args.k}, model built in {build_s:.1f} s", flush=True)
+    print(json.dumps(results["environment"]), flush=True)
+    spawn = multiprocessing.get_context("spawn")
+    with (
+        tempfile.TemporaryDirectory(prefix=RUN_MARKER) as tmp_name,
+        ProcessPoolExecutor(1, mp_context=spawn) as pool,
+    ):
+        tmp = Path(tmp_name)
+        try:
+            loadgen_pid = pool.submit(_ready).result()
+            repo = publish(work, tmp / "repo", args.threads)
+            inproc = inprocess_latency(work)
+            results["inprocess"] = inproc
+            results["systems"] = {}
+            for s in args.systems:
+                results["systems"][s] = system_cases(s, repo, tmp, work, pool, loadgen_pid, args)
+            ours = results["systems"].get("ours", {}).get("rows", [])
+            results["sizes"] = [size_row(args.items, build_s, inproc, ours, work)] if ours else []
+            del work
+            results["sizes"] += size_cases(tmp, pool, loadgen_pid, args)
+        finally:
+            results["leftover_servers"] = leftover_servers(tmp_name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.serve:
+        serve_baseline(args)
+        return
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    results: dict[str, Any] = {"config": config}
+    run_all(args, results)
+    results["summary"] = summarize(results, args.p99_ms)
+    results["wall_s"] = time.perf_counter() - t0
+    print("\n" + render(results))
+    print(f"\nserver processes left by this run: {results['leftover_servers'] or 'none'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out} ({results['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
