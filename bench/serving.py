@@ -52,7 +52,6 @@ import platform
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import sysconfig
@@ -74,6 +73,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from timing import busy_s, int_list, percentiles  # noqa: E402
+
 from retrieval.data import SyntheticConfig, generate  # noqa: E402
 from retrieval.model import RetrievalModel  # noqa: E402
 from retrieval.training.prepare import Prepared, prepare  # noqa: E402
@@ -88,15 +89,6 @@ SYSTEMS = ("noop", "naive", "triton", "ours", "ours-kserve")
 
 
 # ---- arguments ----------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    """``"1,8,32"`` -> ``[1, 8, 32]``; every value must be >= 1 (empty text: ``[]``)."""
-    try:
-        values = [int(float(x)) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--users", type=int, default=2000, help="synthetic users")
     p.add_argument("--request-users", type=int, default=256, help="distinct users in requests")
     p.add_argument(
-        "--concurrency", type=_int_list, default=[1, 4, 8, 16, 32], help="closed-loop clients"
+        "--concurrency", type=int_list, default=[1, 4, 8, 16, 32], help="closed-loop clients"
     )
     p.add_argument("--k", type=int, default=100, help="results per request")
     p.add_argument("--seconds", type=float, help="measured seconds per load case (default 5; 2)")
@@ -117,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--p99-ms", type=float, default=20.0, help="latency budget of the headline")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every model server")
     p.add_argument("--grpc-workers", type=int, default=64, help="gRPC threads (ours' default)")
-    p.add_argument("--sizes", type=_int_list, help="extra catalog sizes for ours (default 1M)")
+    p.add_argument("--sizes", type=int_list, help="extra catalog sizes for ours (default 1M)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
     p.add_argument("--check-users", type=int, default=4, help="users checked vs in-process")
     p.add_argument("--startup-timeout-s", type=float, default=180.0, help="per server start")
@@ -541,14 +533,6 @@ def run_load(
             "errors": errors}  # fmt: skip
 
 
-def percentiles(lat_ms: list[float]) -> tuple[float, float]:
-    """(p50, p99) in ms, with ``bench/timing.py``'s convention (nan when empty)."""
-    if not lat_ms:
-        return float("nan"), float("nan")
-    s = sorted(lat_ms)
-    return statistics.median(s), s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
-
-
 # ---- CPU used outside this run ------------------------------------------------------------------
 def _proc_cpu_s(pids: set[int], groups: set[int]) -> float:
     """CPU seconds so far of the live processes in ``pids`` or in the process groups ``groups``."""
@@ -565,16 +549,6 @@ def _proc_cpu_s(pids: set[int], groups: set[int]) -> float:
     return total
 
 
-def _busy_s() -> float:
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (v + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 class OtherLoad:
     """Share of the machine's CPU used by processes *outside* this run (this process, the load
     generator and the server's process group are the run) between ``start`` and ``stop``."""
@@ -584,12 +558,12 @@ class OtherLoad:
         self._t0 = self._busy0 = self._ours0 = 0.0
 
     def start(self) -> None:
-        self._t0, self._busy0 = time.perf_counter(), _busy_s()
+        self._t0, self._busy0 = time.perf_counter(), busy_s()
         self._ours0 = _proc_cpu_s(self.pids, self.groups)
 
     def stop(self) -> float:
         wall = time.perf_counter() - self._t0
-        others = (_busy_s() - self._busy0) - (_proc_cpu_s(self.pids, self.groups) - self._ours0)
+        others = (busy_s() - self._busy0) - (_proc_cpu_s(self.pids, self.groups) - self._ours0)
         return max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
 
 

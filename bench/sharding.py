@@ -42,7 +42,6 @@ import multiprocessing
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timing import OtherLoad, time_batched, time_single
+from timing import OtherLoad, int_list, percentiles, time_batched, time_single
 
 from retrieval.data import SyntheticConfig, generate
 from retrieval.features import UserBatch
@@ -87,17 +86,6 @@ SHARD_SERVER_PATTERN = "recserve shard-server"
 
 
 # ---- arguments ----------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]``; every value must be >= 1."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,9 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--items", type=int, help="catalog size (default 200k, 20k with --small)")
     p.add_argument("--users", type=int, default=2000, help="synthetic users")
     p.add_argument("--request-users", type=int, default=256, help="distinct users in requests")
-    p.add_argument("--shards", type=_int_list, default=[1, 2, 4], help="shard counts, e.g. 1,2,4")
+    p.add_argument("--shards", type=int_list, default=[1, 2, 4], help="shard counts, e.g. 1,2,4")
     p.add_argument(
-        "--concurrency", type=_int_list, default=[1, 8], help="closed-loop clients, e.g. 1,8"
+        "--concurrency", type=int_list, default=[1, 8], help="closed-loop clients, e.g. 1,8"
     )
     p.add_argument("--k", type=int, default=100, help="results per request")
     p.add_argument("--filter", default="category in {news, music}", help="the filtered case")
@@ -237,12 +225,6 @@ def _idle_other_load(seconds: float = 1.0) -> float:
 
 
 # ---- statistics ---------------------------------------------------------------------------------
-def percentiles(lat_ms: list[float]) -> tuple[float, float]:
-    """(p50, p99) in ms, with ``bench/timing.py``'s convention."""
-    if not lat_ms:
-        return float("nan"), float("nan")
-    s = sorted(lat_ms)
-    return statistics.median(s), s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
 
 
 def single_latency(fn: Callable[[int], object], n: int) -> dict[str, float]:

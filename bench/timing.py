@@ -72,6 +72,40 @@ def stopwatch() -> Callable[[], float]:
     return lambda: time.perf_counter() - t0
 
 
+def busy_s() -> float:
+    """CPU seconds the whole machine has been busy (``/proc/stat``; 0.0 where unavailable)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def percentiles(lat_ms: list[float]) -> tuple[float, float]:
+    """(p50, p99) in ms of single-request latencies (nan when empty)."""
+    if not lat_ms:
+        return float("nan"), float("nan")
+    s = sorted(lat_ms)
+    return statistics.median(s), s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: ``"1,2,4"`` -> ``[1, 2, 4]``; every value must be >= 1."""
+    import argparse
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
 class OtherLoad:
     """Share of the machine's CPU used by *other* processes between ``start()`` and ``stop()``.
 
@@ -83,15 +117,7 @@ class OtherLoad:
     def __init__(self) -> None:
         self._t0 = self._busy0 = self._own0 = 0.0
 
-    @staticmethod
-    def _busy_s() -> float:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-        except OSError:
-            return 0.0
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    _busy_s = staticmethod(lambda: busy_s())
 
     @staticmethod
     def _own_s() -> float:
