@@ -79,23 +79,24 @@ def test_a_killed_run_continues_to_the_same_output(setup, tmp_path):
     repo.publish("demo", load_model(root / "model"))
     args = [sys.executable, "-m", "recserve", "score", "--model-repo", str(tmp_path / "repo"),
             "--users", str(root / "users.parquet"), "--out", str(tmp_path / "recs"),
-            "--k", str(K), "--chunk-rows", "8", "--workers", "1", "--quiet"]  # fmt: skip
+            "--k", str(K), "--chunk-rows", "2", "--workers", "1", "--quiet"]  # fmt: skip
     proc = subprocess.Popen(args, start_new_session=True)
     manifest = tmp_path / "recs" / MANIFEST
     until = time.monotonic() + 120
     while time.monotonic() < until:  # kill -9 once some but not all chunks are recorded
-        if manifest.exists() and 0 < len(json.loads(manifest.read_text())["done"]) < 20:
+        # 100 chunks of 2 users: a wide window to land the kill in, however fast the machine
+        if manifest.exists() and 0 < len(json.loads(manifest.read_text())["done"]) < 60:
             break
-        time.sleep(0.05)
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
     done_before = len(json.loads(manifest.read_text())["done"])
-    assert 0 < done_before < 25
+    assert 0 < done_before < 100
     again = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr
     resumed = read_output(tmp_path / "recs")
     whole = ScoreJob(root / "model", 1, root / "users.parquet", tmp_path / "whole", k=K,
-                     chunk_rows=8, workers=1)  # fmt: skip
+                     chunk_rows=2, workers=1)  # fmt: skip
     score(whole, progress=False)
     for column in ("user_id", "item_ids"):  # no user missing, none twice, the same answers
         assert (
