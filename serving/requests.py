@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -106,6 +107,9 @@ class RecRequest:
     """Model name asked for (empty: the server's default)."""
     version: int | None = None
     """Model version asked for (None: the latest loaded)."""
+    checked: tuple[object, list[Any]] | None = field(default=None, repr=False, compare=False)
+    """(runner, parsed filter clauses) once a runner's edge check passed: the same runner
+    skips the check when the request reaches its batch (another, after a hot swap, redoes it)."""
 
 
 @dataclass

@@ -66,7 +66,8 @@ class ServingState:
             if self.draining.is_set():
                 raise UnavailableError("server is draining: not accepting new requests")
             self.host.check_target(req.model, req.version)
-            self.host.current().check(req)
+            runner = self.host.current()
+            req.checked = (runner, runner.check(req))
             fut = self.batcher.submit(req)
         except Exception as e:
             self.metrics.request_done(

@@ -117,3 +117,18 @@ def test_unknown_model_or_version_is_not_found(tiny):
 
 def test_warmup_runs(tiny):
     ModelRunner(tiny.model, "demo", 1).warmup((1, 3))
+
+
+def test_a_request_checked_by_this_runner_is_not_checked_again_but_another_runner_checks(
+    tiny, monkeypatch
+):
+    runner, other = ModelRunner(tiny.model, "demo", 1), ModelRunner(tiny.model, "demo", 2)
+    req = tiny.request(3, 5, filter="available")
+    req.checked = (runner, runner.check(req))
+    calls = []
+    for r in (runner, other):
+        monkeypatch.setattr(r, "check", lambda q, r=r: calls.append(r) or ModelRunner.check(r, q))
+    (first,) = runner.run([req])
+    (second,) = other.run([req])  # a hot swap between the edge and the batch: checked again
+    assert calls == [other]
+    assert np.array_equal(first.item_ids, second.item_ids)
