@@ -73,6 +73,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loadgen import closed_loop, ready  # noqa: E402
 from timing import busy_s, int_list, percentiles  # noqa: E402
 
 from retrieval.data import SyntheticConfig, generate  # noqa: E402
@@ -433,7 +434,7 @@ def wait_triton(run: Running, timeout_s: float) -> None:
         if run.proc.poll() is not None:
             raise Unavailable(f"tritonserver exited with {run.proc.returncode}:\n{run.log_tail()}")
         with contextlib.suppress(InferenceServerException):
-            if client.is_server_ready() and client.is_model_ready(MODEL):
+            if client.is_serverready() and client.is_modelready(MODEL):
                 break
         if time.monotonic() > until:
             raise Unavailable(f"tritonserver not ready after {timeout_s:.0f} s:\n{run.log_tail()}")
@@ -464,11 +465,6 @@ def triton_stats(address: str) -> dict[str, float]:
 
 
 # ---- the load generator (a separate process) ----------------------------------------------------
-def _ready() -> int:
-    """Run once in the load generator process so its start-up is not timed; returns its pid."""
-    return os.getpid()
-
-
 def _call(protocol: str, channel: grpc.Channel) -> Callable[[bytes], Any]:
     """``send(serialized request)`` for ``protocol`` (the request is parsed once, up front)."""
     if protocol == "recommend":
@@ -494,43 +490,15 @@ def run_load(
     warmup_s: float,
     seconds: float,
 ) -> dict[str, Any]:
-    """Closed loop: ``concurrency`` threads, each with its own channel, send the next request as
-    soon as the last answers. Counts the calls that end in the ``seconds`` after ``warmup_s``."""
-    requests = _parse(protocol, payloads)
-    start = time.perf_counter() + 0.3  # every thread connected before the clock starts
-    measure_from, end = start + warmup_s, start + warmup_s + seconds
-    records: list[list[tuple[float, float, str]]] = [[] for _ in range(concurrency)]
-
-    def client(c: int) -> None:
-        with grpc.insecure_channel(address) as channel:
-            send = _call(protocol, channel)
-            grpc.channel_ready_future(channel).result(timeout=30)
-            while time.perf_counter() < start:
-                time.sleep(0.001)
-            i = c
-            while (t0 := time.perf_counter()) < end:
-                try:
-                    send(requests[i % len(requests)], timeout=30)
-                    code = "OK"
-                except grpc.RpcError as e:
-                    code = e.code().name
-                records[c].append((t0, time.perf_counter(), code))
-                i += concurrency
-
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    done = [r for rs in records for r in rs if measure_from <= r[1] <= end]
-    ok = [r for r in done if r[2] == "OK"]
-    errors: dict[str, int] = {}
-    for r in done:
-        if r[2] != "OK":
-            errors[r[2]] = errors.get(r[2], 0) + 1
-    p50, p99 = percentiles([(r[1] - r[0]) * 1e3 for r in ok])
-    return {"requests": len(done), "qps": len(ok) / seconds, "p50_ms": p50, "p99_ms": p99,
-            "errors": errors}  # fmt: skip
+    """The load generator process: ``protocol``'s calls in a closed loop (``bench/loadgen.py``)."""
+    return closed_loop(
+        address,
+        lambda channel: _call(protocol, channel),
+        _parse(protocol, payloads),
+        concurrency,
+        warmup_s,
+        seconds,
+    )
 
 
 # ---- CPU used outside this run ------------------------------------------------------------------
@@ -821,7 +789,7 @@ def run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
     ):
         tmp = Path(tmp_name)
         try:
-            loadgen_pid = pool.submit(_ready).result()
+            loadgen_pid = pool.submit(ready).result()
             repo = publish(work, tmp / "repo", args.threads)
             inproc = inprocess_latency(work)
             results["inprocess"] = inproc

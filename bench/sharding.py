@@ -45,7 +45,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -60,7 +59,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timing import OtherLoad, int_list, percentiles, time_batched, time_single
+from loadgen import closed_loop, ready
+from timing import OtherLoad, int_list, time_batched, time_single
 
 from retrieval.data import SyntheticConfig, generate
 from retrieval.features import UserBatch
@@ -470,58 +470,19 @@ def check_equal(address: str, work: Workload, users: np.ndarray) -> list[dict[st
     return out
 
 
-def _ready() -> int:
-    """Run in the load generator process once, so its start-up is not timed."""
-    return os.getpid()
-
-
 def run_load(
     address: str, payloads: list[bytes], concurrency: int, warmup_s: float, seconds: float
 ) -> dict[str, Any]:
-    """Closed loop in the load generator process: ``concurrency`` threads, each with its own
-    channel, send the next request as soon as the last one answers. Counts the calls that end in
-    the ``seconds`` after ``warmup_s``: q/s, latencies, partial answers, errors by gRPC code."""
-    requests = [recommend_pb2.RecommendRequest.FromString(b) for b in payloads]
-    start = time.perf_counter() + 0.2  # every thread connected before the clock starts
-    measure_from, end = start + warmup_s, start + warmup_s + seconds
-    records: list[list[tuple[float, float, bool, str]]] = [[] for _ in range(concurrency)]
-
-    def client(c: int) -> None:
-        with grpc.insecure_channel(address) as channel:
-            stub = recommend_pb2_grpc.RecommenderStub(channel)
-            grpc.channel_ready_future(channel).result(timeout=30)
-            while time.perf_counter() < start:
-                time.sleep(0.001)
-            i = c
-            while (t0 := time.perf_counter()) < end:
-                try:
-                    res = stub.Recommend(requests[i % len(requests)], timeout=60)
-                    partial, code = bool(res.partial), "OK"
-                except grpc.RpcError as e:
-                    partial, code = False, e.code().name
-                records[c].append((t0, time.perf_counter(), partial, code))
-                i += concurrency
-
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    done = [r for rs in records for r in rs if measure_from <= r[1] <= end]
-    ok = [r for r in done if r[3] == "OK"]
-    errors: dict[str, int] = {}
-    for r in done:
-        if r[3] != "OK":
-            errors[r[3]] = errors.get(r[3], 0) + 1
-    p50, p99 = percentiles([(r[1] - r[0]) * 1e3 for r in ok])
-    return {
-        "requests": len(done),
-        "qps": len(ok) / seconds,
-        "p50_ms": p50,
-        "p99_ms": p99,
-        "partial": sum(r[2] for r in ok),
-        "errors": errors,
-    }
+    """The load generator process: ``Recommend`` in a closed loop (``bench/loadgen.py``)."""
+    return closed_loop(
+        address,
+        lambda channel: recommend_pb2_grpc.RecommenderStub(channel).Recommend,
+        [recommend_pb2.RecommendRequest.FromString(b) for b in payloads],
+        concurrency,
+        warmup_s,
+        seconds,
+        partial=lambda response: bool(response.partial),
+    )
 
 
 def cluster_cases(
@@ -687,7 +648,7 @@ def main(argv: list[str] | None = None) -> None:
         tempfile.TemporaryDirectory(prefix="recserve-sharding-") as tmp,
         ProcessPoolExecutor(1, mp_context=spawn) as pool,
     ):
-        pool.submit(_ready).result()  # the load generator process exists before any timing
+        pool.submit(ready).result()  # the load generator process exists before any timing
         results["inprocess"] = inprocess_cases(work, args)
         try:
             for s in args.shards:
