@@ -238,10 +238,6 @@ class RetrievalModel(nn.Module):
         # already-seen items never take a slot
         seen = (ids.unsqueeze(2) == hist.unsqueeze(1)).any(dim=2) & (ids >= 0)  # [B, R]
         dot = dot.masked_fill(seen, float("-inf"))
-        if dot.shape[1] < k:  # a router's merged candidates may be fewer than k
-            pad = k - dot.shape[1]
-            dot = torch.cat([dot, dot.new_full((dot.shape[0], pad), float("-inf"))], dim=1)
-            ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), -1)], dim=1)
         top, idx = dot.topk(k, dim=1)
         return torch.where(top > float("-inf"), ids.gather(1, idx), torch.full_like(idx, -1)), top
 
