@@ -28,6 +28,7 @@ class Cluster:
         self.version = self.repo.publish("demo", wide.model, shards=shards)
         self.shards = [ShardServer(self.repo, "demo", s, poll_s=0) for s in range(shards)]
         addresses = [[s.start()] for s in self.shards]
+        router = {"shard_deadline_ms": 5000.0, **router}  # a busy CI machine is no partial answer
         cfg = RouterConfig(shards=addresses, **router)  # type: ignore[arg-type]
         self.router = Server(
             ServeConfig(model_repo=root, model="demo", grpc_port=0, poll_s=0, router=cfg)
@@ -101,7 +102,8 @@ def test_a_replica_takes_over_from_a_dead_one(wide, tmp_path):
             model="demo",
             grpc_port=0,
             poll_s=0,
-            router=RouterConfig(shards=[addresses], hedge_after_ms=20.0),
+            # a generous deadline: this is about fail-over, not timing on a busy machine
+            router=RouterConfig(shards=[addresses], hedge_after_ms=20.0, shard_deadline_ms=5000.0),
         )
     )
     router.start()
