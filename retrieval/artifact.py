@@ -4,8 +4,10 @@ A document-sharded model is saved as a router folder (the model with a statistic
 plus ``shard_map.json``) and one folder per shard (``index.json`` + ``index.pt``: its part of
 the index), with :func:`save_sharded`; see ``retrieval/index/split.py``.
 
-Loading never executes code: ``torch.load(weights_only=True)``. A state dict from another config
-fails with the names of the tensors that disagree.
+Loading never executes code: ``torch.load(weights_only=True)``; a weights file that is a pickle
+of anything but tensors and plain containers is refused (:class:`UnsafeArtifactError`, naming the
+file). A state dict from another config fails with the names of the tensors that disagree. A
+failed write (disk full) raises the ``OSError`` of the file it was writing.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,11 +36,15 @@ SHARD_INDEX_FILE = "index.pt"
 SHARD_META_FILE = "index.json"
 
 
+class UnsafeArtifactError(ValueError):
+    """A weights file that is not plain tensors: unpickling it would run code, so it is refused."""
+
+
 def save_model(model: RetrievalModel, directory: Path) -> Path:
     """Writes the model folder (files are written then renamed, so a crash leaves no half file)."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (WEIGHTS_FILE + ".tmp")
-    torch.save(model.state_dict(), tmp)
+    save_tensors(model.state_dict(), tmp)
     os.replace(tmp, directory / WEIGHTS_FILE)
     model.config.save(directory / CONFIG_FILE)
     return directory
@@ -50,10 +59,45 @@ def load_model(
     for p in (cfg_path, weights):
         if not p.is_file():
             raise FileNotFoundError(f"model folder {directory}: missing {p.name}")
-    model = RetrievalModel(ModelConfig.load(cfg_path), remote=remote, table_device=map_location)
-    state = torch.load(weights, map_location=map_location, weights_only=True)
-    load_state(model, state)
+    cfg = ModelConfig.from_dict(read_json(cfg_path))
+    model = RetrievalModel(cfg, remote=remote, table_device=map_location)
+    load_state(model, load_tensors(weights, map_location))
     return model.to(map_location)
+
+
+def save_tensors(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` through a Python file: a failed write (disk full, read-only) raises the
+    ``OSError`` naming ``path``, where torch's own file writer raises a bare RuntimeError."""
+    try:
+        with open(path, "wb") as fh:
+            torch.save(state, fh)
+    except RuntimeError as e:
+        cause = e.__context__  # torch's zip writer fails again in its __exit__, over the OSError
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from e
+        raise
+
+
+def load_tensors(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """``torch.load(weights_only=True)``; :class:`UnsafeArtifactError` naming ``path`` when the
+    file holds anything else (unpickling it could run code)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL [\w.]+", str(e))
+        asks = f" (it asks for {found.group(0)})" if found else ""
+        raise UnsafeArtifactError(
+            f"{path}: refused: not a file of plain tensors{asks}; weights are loaded with "
+            "weights_only=True, so that loading never runs code"
+        ) from None
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's value; ``ValueError`` naming ``path`` when it is not UTF-8 JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
 
 
 def load_state(model: RetrievalModel, state: dict[str, torch.Tensor]) -> None:
@@ -95,7 +139,7 @@ class ShardMap:
         path = directory / SHARD_MAP_FILE
         if not path.is_file():
             return None
-        d = json.loads(path.read_text())
+        d = read_json(path)
         return cls(d["num_shards"], d["split"], tuple(d["items_per_shard"]), d["ntotal"])
 
 
@@ -147,7 +191,7 @@ def save_shard(index: IVFIndex, directory: Path) -> None:
         "attribute_values": index.schema.to_dict(),
     }
     tmp = directory / (SHARD_INDEX_FILE + ".tmp")
-    torch.save(index.state_dict(), tmp)
+    save_tensors(index.state_dict(), tmp)
     os.replace(tmp, directory / SHARD_INDEX_FILE)
     (directory / SHARD_META_FILE).write_text(json.dumps(meta, indent=2))
 
@@ -158,7 +202,7 @@ def load_shard(directory: Path, map_location: str | torch.device = "cpu") -> IVF
     for p in (meta_path, weights):
         if not p.is_file():
             raise FileNotFoundError(f"shard folder {directory}: missing {p.name}")
-    meta = json.loads(meta_path.read_text())
+    meta = read_json(meta_path)
     index = IVFIndex(IVFConfig(**meta["config"]), meta["dim"], meta["attribute_values"])
-    index.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
+    index.load_state_dict(load_tensors(weights, map_location))
     return index.to(map_location).eval()

@@ -8,7 +8,8 @@ wrote it. A version whose files do not match is refused (:class:`CorruptVersionE
     verify(repo / "demo" / "3")                      # raises naming the first bad file
 
 ``__pycache__`` folders are neither listed nor counted as extra: the Python backend's import of
-``model.py`` may write one beside it.
+``model.py`` may write one beside it. A version holds plain files and folders only: a symlink
+could make a verified version load unverified bytes from anywhere, so it is refused.
 """
 
 from __future__ import annotations
@@ -137,6 +138,17 @@ def write_manifest(
     return m
 
 
+def _refuse_links(directory: Path) -> None:
+    """``CorruptVersionError`` naming the first symlink under ``directory`` (which may be one)."""
+    for root, dirs, files in os.walk(directory):
+        for name in sorted(dirs + files):
+            p = Path(root) / name
+            if p.is_symlink():
+                rel = p.relative_to(directory).as_posix()
+                raise CorruptVersionError(f"{directory}: {rel}: a symlink (versions hold files)")
+        dirs[:] = [d for d in dirs if d not in IGNORED_DIRS]
+
+
 def read_manifest(directory: Path) -> Manifest:
     """``manifest.json`` of a version; ``CorruptVersionError`` when missing or malformed."""
     path = directory / MANIFEST_FILE
@@ -147,7 +159,9 @@ def read_manifest(directory: Path) -> Manifest:
 
 def verify(directory: Path) -> Manifest:
     """Checks every file against the manifest; raises :class:`CorruptVersionError` naming the
-    first missing, resized, altered or unlisted file. Returns the manifest when all match."""
+    first missing, resized, altered, unlisted or symlinked file. Returns the manifest when all
+    match."""
+    _refuse_links(directory)
     m = read_manifest(directory)
     listed = {e.path for e in m.files}
     for e in m.files:

@@ -10,12 +10,14 @@ Layout (``root`` is what ``tritonserver --model-repository`` reads)::
                                        (then model/ is the router part, with shard_map.json)
     root/<model>/<N>/embeddings/server-<i>/  rows of remote tables, for embedding server i
     root/<model>/<N>/manifest.json     sizes and SHA-256 of every file above
-    root/<model>/.staging-<uuid>/      a publish in progress: not a number, so Triton and
-                                       :meth:`ModelRepository.versions` ignore it
+    root/<model>/.staging-<host>-<pid>-<uuid>/  a publish in progress: not a number, so
+                                       Triton and :meth:`ModelRepository.versions` ignore it
 
 A version is *complete* when its folder name is a number and it holds ``manifest.json``; the
 folder appears in one ``rename`` after every file was written and fsynced, so a reader never sees
-half a version. Example::
+half a version. A publish that fails (disk full, read-only folder) raises :class:`PublishError`
+and leaves nothing; one killed midway leaves a staging folder (or a config temp file), which the
+next publish removes. Example::
 
     repo = ModelRepository(Path("repo"))
     v = repo.publish("demo", model, keep=3, max_batch_size=32)
@@ -29,6 +31,7 @@ import fcntl
 import os
 import re
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -68,10 +71,19 @@ LOCK_FILE = ".publish.lock"
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".deleted-"
 STALE_STAGING_S = 3600.0
-"""A staging folder older than this is a crashed publish; the next publish removes it."""
+"""A staging folder older than this is a crashed publish; the next publish removes it (one
+staged by a process of this host that no longer runs is removed at once)."""
+CONFIG_TMP_PREFIX = f".{CONFIG_FILE}."
+"""``write_config``'s temp files (``.config.pbtxt.<uuid>.tmp``)."""
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _VERSION = re.compile(r"[1-9][0-9]*")
+
+
+class PublishError(OSError):
+    """A publish the file system refused (disk full, read-only folder, ...); the message names
+    the model, the version and the folder, and says whether the version was published (only a
+    failure after the rename leaves it published). ``errno`` is the cause's."""
 
 
 def check_name(name: str) -> str:
@@ -145,7 +157,7 @@ class ModelRepository:
 
     def config(self, name: str) -> TritonConfig:
         """The model's ``config.pbtxt``; errors name the file (and line / field when malformed)."""
-        return read_config(self.model_dir(name) / CONFIG_FILE)
+        return _read_config(self.model_dir(name) / CONFIG_FILE)
 
     def load(
         self,
@@ -161,7 +173,7 @@ class ModelRepository:
         (checksums, or a manifest naming another model / version) before reading any weights.
         """
         vdir = self.verified_dir(name, version)
-        cfg = read_config(self.model_dir(name) / CONFIG_FILE)
+        cfg = _read_config(self.model_dir(name) / CONFIG_FILE)
         model = load_model(vdir / ARTIFACT_DIR, map_location=map_location, remote=remote)
         model.eval()
         return LoadedModel(
@@ -172,6 +184,8 @@ class ModelRepository:
         self, name: str, version: int, shard: int, map_location: str | torch.device = "cpu"
     ) -> tuple[IVFIndex, ShardMap]:
         """Verifies ``version``, then loads document shard ``shard``'s part of its index."""
+        if isinstance(shard, bool) or not isinstance(shard, int):
+            raise ValueError(f"shard: {shard!r} must be an int")
         vdir = self.verified_dir(name, version)
         smap = ShardMap.read(vdir / ARTIFACT_DIR)
         if smap is None:
@@ -223,6 +237,10 @@ class ModelRepository:
         ``versions_latest``, ``backend``, ``parameters``). Publishers of one model take turns
         (an exclusive ``flock``); after the new version is in place, all but the newest ``keep``
         complete versions are removed, oldest first.
+
+        A write the file system refuses (disk full, read-only folder) raises
+        :class:`PublishError` and leaves no new version and no staging folder. The model's
+        ``config.pbtxt`` is replaced (atomically) just before the version's rename.
         """
         check_name(name)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -233,31 +251,47 @@ class ModelRepository:
         if assignment is not None and shards is None:
             raise ValueError("assignment: give shards (the number of shards) with it")
         mdir = self.model_dir(name)
-        mdir.mkdir(parents=True, exist_ok=True)
-        with _locked(mdir / LOCK_FILE):
-            _remove_leftovers(mdir)
-            version = max(_numbered(mdir), default=0) + 1  # incomplete numbers are skipped too
-            stage = mdir / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
-            stage.mkdir()
-            try:
-                if shards is None:
-                    save_model(model, stage / ARTIFACT_DIR)
-                else:
-                    save_sharded(
-                        model, stage / ARTIFACT_DIR, stage / SHARDS_DIR, shards, assignment
-                    )
-                if remote_rows is not None:
-                    _write_embeddings(model, remote_rows, stage / EMBEDDINGS_DIR)
-                shutil.copyfile(BACKEND_SOURCE, stage / BACKEND_FILE)
-                write_manifest(stage, model=name, version=version)
-                _fsync_tree(stage)
-                os.rename(stage, mdir / str(version))  # the publish: one atomic rename
-            except BaseException:
-                shutil.rmtree(stage, ignore_errors=True)
-                raise
-            fsync_dir(mdir)
-            write_config(mdir / CONFIG_FILE, cfg)
-            _retain(mdir, keep)
+        version, published = 0, False
+        try:
+            mdir.mkdir(parents=True, exist_ok=True)
+            with _locked(mdir / LOCK_FILE):
+                _remove_leftovers(mdir)
+                version = max(_numbered(mdir), default=0) + 1  # incomplete numbers are skipped too
+                stage = mdir / _stage_name()
+                stage.mkdir()
+                try:
+                    if shards is None:
+                        save_model(model, stage / ARTIFACT_DIR)
+                    else:
+                        save_sharded(
+                            model, stage / ARTIFACT_DIR, stage / SHARDS_DIR, shards, assignment
+                        )
+                    if remote_rows is not None:
+                        _write_embeddings(model, remote_rows, stage / EMBEDDINGS_DIR)
+                    shutil.copyfile(BACKEND_SOURCE, stage / BACKEND_FILE)
+                    write_manifest(stage, model=name, version=version)
+                    _fsync_tree(stage)
+                    # config before the version: a version never shows without its config, and a
+                    # failed config write (disk full) leaves nothing published
+                    write_config(mdir / CONFIG_FILE, cfg)
+                    os.rename(stage, mdir / str(version))  # the publish: one atomic rename
+                except BaseException:
+                    shutil.rmtree(stage, ignore_errors=True)
+                    raise
+                published = True
+                fsync_dir(mdir)
+                _retain(mdir, keep)
+        except OSError as e:
+            what = f"version {version}" if version else "a new version"
+            why = (e.strerror or str(e)) + (f": {e.filename!s}" if e.filename else "")
+            msg = (
+                f"model {name!r}: {what} is published in {mdir}, but finishing the publish "
+                f"failed: {why}"
+                if published
+                else f"model {name!r}: publishing {what} into {mdir} failed, nothing was "
+                f"published: {why}"
+            )
+            raise (PublishError(e.errno, msg) if e.errno else PublishError(msg)) from e
         return version
 
 
@@ -281,6 +315,14 @@ def _numbered(mdir: Path) -> list[int]:
 
 def _complete_versions(mdir: Path) -> list[int]:
     return sorted(v for v in _numbered(mdir) if (mdir / str(v) / MANIFEST_FILE).is_file())
+
+
+def _read_config(path: Path) -> TritonConfig:
+    """:func:`read_config`, with a file that is no text refused naming it too."""
+    try:
+        return read_config(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
 
 
 @contextmanager
@@ -307,14 +349,36 @@ def _fsync_tree(directory: Path) -> None:
         fsync_dir(Path(root))
 
 
+def _stage_name() -> str:
+    """Names its publisher, so that the next publish can tell when that one is gone."""
+    return f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _abandoned(stage: Path, now: float) -> bool:
+    """A staging folder whose publisher is gone: staged by a process of this host that no longer
+    runs, or older than :data:`STALE_STAGING_S` (another host's, or an unknown name)."""
+    host_pid = stage.name[len(STAGING_PREFIX) :].rsplit("-", 2)[:-1]
+    if len(host_pid) == 2 and host_pid[0] == socket.gethostname() and host_pid[1].isdigit():
+        try:
+            os.kill(int(host_pid[1]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # it runs, as another user
+    return now - stage.stat().st_mtime > STALE_STAGING_S
+
+
 def _remove_leftovers(mdir: Path) -> None:
-    """Removes deleted versions not yet gone and staging folders of crashed publishes."""
+    """Removes deleted versions not yet gone, staging folders of crashed publishes and the temp
+    files of interrupted config writes (only publish writes the config, under the lock held)."""
     now = time.time()
     for p in mdir.iterdir():
         if p.name.startswith(TRASH_PREFIX) or (
-            p.name.startswith(STAGING_PREFIX) and now - p.stat().st_mtime > STALE_STAGING_S
+            p.name.startswith(STAGING_PREFIX) and _abandoned(p, now)
         ):
             shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(CONFIG_TMP_PREFIX) and p.name.endswith(".tmp"):
+            p.unlink(missing_ok=True)
 
 
 def _retain(mdir: Path, keep: int) -> None:
