@@ -235,9 +235,8 @@ class RetrievalModel(nn.Module):
             dot = score_candidates(q, vecs, dot, self.head, self.config.temperature).masked_fill(
                 ids < 0, float("-inf")
             )
-        # already-seen items never take a slot
-        seen = (ids.unsqueeze(2) == hist.unsqueeze(1)).any(dim=2) & (ids >= 0)  # [B, R]
-        dot = dot.masked_fill(seen, float("-inf"))
+        if hist.shape[1]:  # already-seen items never take a slot
+            dot = dot.masked_fill(seen_in(ids, hist), float("-inf"))
         top, idx = dot.topk(k, dim=1)
         return torch.where(top > float("-inf"), ids.gather(1, idx), torch.full_like(idx, -1)), top
 
@@ -270,3 +269,12 @@ class RetrievalModel(nn.Module):
             tune_queries=tune,
         ).to(self.index.centroids.device)
         self.config.index = self.index.config
+
+
+def seen_in(ids: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
+    """``[B, R] bool``: which ``ids [B, R]`` (-1 pads) are in their row of ``hist [B, H]``
+    (H >= 1, -1 pads). A binary search in the sorted history: O(R log H) per row, where the
+    all-pairs compare builds a ``[B, R, H]`` tensor."""
+    sorted_hist = hist.sort(dim=1).values
+    at = torch.searchsorted(sorted_hist, ids).clamp(max=hist.shape[1] - 1)
+    return (sorted_hist.gather(1, at) == ids) & (ids >= 0)

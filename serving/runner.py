@@ -34,6 +34,21 @@ from serving.requests import (
 Outcome = RecResult | RequestError | ModelNotFoundError
 
 
+def _id_limits(model: RetrievalModel, features: list[str]) -> np.ndarray | None:
+    """``int64 [F]``: one past the largest valid id of each categorical feature (hashed tables
+    take any id), so the edge check is one vectorized compare; None when the tables cannot say
+    (then every request takes the tables' own check)."""
+    rows_of = getattr(model.tables, "table_rows", None)
+    if rows_of is None:
+        return None
+    rows, table_of = rows_of(), model.tables.table_of
+    top = np.iinfo(np.int64).max
+    return np.array(
+        [r if (r := rows[table_of[f"user_{n}"]]) is not None else top for n in features],
+        dtype=np.int64,
+    )
+
+
 class ModelRunner:
     """One loaded model version and the code that turns requests into its input tensors."""
 
@@ -47,6 +62,7 @@ class ModelRunner:
         self.num_items = cfg.num_items
         self.schema = model.index.schema
         self.device = model.index.centroids.device
+        self.id_limits = _id_limits(model, self.features)
 
     # ---- edge -------------------------------------------------------------------------------
     def check(self, req: RecRequest) -> list[Clause]:
@@ -67,14 +83,19 @@ class ModelRunner:
         ntotal = self.model.index.ntotal
         if req.k > ntotal:
             raise RequestError(f"k: must be in [1, {ntotal}] (items in the index), got {req.k}")
-        codes = torch.from_numpy(req.categorical).view(1, -1)  # [1, F]
+        cat = req.categorical
+        if self.id_limits is None or ((cat < -1) | (cat >= self.id_limits)).any():
+            self._check_categorical(cat)  # the tables' own check names the feature and table
+        return self._clauses(req.filter)
+
+    def _check_categorical(self, cat: np.ndarray) -> None:
+        codes = torch.from_numpy(cat).view(1, -1)  # [1, F]
         try:
             self.model.tables.validate(
                 {f"user_{n}": codes[:, j : j + 1] for j, n in enumerate(self.features)}
             )
         except ValueError as e:
             raise RequestError(f"categorical: {e}") from None
-        return self._clauses(req.filter)
 
     def _clauses(self, text: str | None) -> list[Clause]:
         if not text:

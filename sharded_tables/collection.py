@@ -89,10 +89,13 @@ class EmbeddingCollection(nn.Module):
         """``{table: its nn.EmbeddingBag}`` (weights ``[rows, D]``)."""
         return {name: bag for name, bag in self.tables.items() if isinstance(bag, nn.EmbeddingBag)}
 
+    def table_rows(self) -> dict[str, int | None]:
+        """Rows of each table (ids must be in ``[0, rows)``)."""
+        return {name: cfg.num_embeddings for name, cfg in self.configs.items()}
+
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check (:func:`check_id_features`); raises ``ValueError``."""
-        rows = {name: cfg.num_embeddings for name, cfg in self.configs.items()}
-        check_id_features(features, self.table_of, rows)
+        check_id_features(features, self.table_of, self.table_rows())
 
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""

@@ -242,10 +242,13 @@ class ShardedEmbeddingCollection(nn.Module):
             )
 
     # ---- lookups ----------------------------------------------------------------------------
+    def table_rows(self) -> dict[str, int | None]:
+        """Rows of each table; None for a hashed table (it takes any raw id)."""
+        return {n: (None if s.hashed else s.rows) for n, s in self.specs.items()}
+
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check (:func:`check_id_features`; hashed tables take any raw id)."""
-        rows = {n: (None if s.hashed else s.rows) for n, s in self.specs.items()}
-        check_id_features(features, self.table_of, rows)
+        check_id_features(features, self.table_of, self.table_rows())
 
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""

@@ -219,11 +219,14 @@ class TrainableTables(nn.Module):
                 live[t][n].copy_(s)
 
     # ---- lookups ------------------------------------------------------------------------------
+    def table_rows(self) -> dict[str, int | None]:
+        """Rows of each table (ids must be in ``[0, rows)``)."""
+        return {name: cfg.num_embeddings for name, cfg in self.configs.items()}
+
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check: known features, ``[B, L]`` int64 with one B, ids in range
         (raises ``ValueError`` naming the feature, its table and the bad id)."""
-        rows = {name: cfg.num_embeddings for name, cfg in self.configs.items()}
-        check_id_features(features, self.table_of, rows)
+        check_id_features(features, self.table_of, self.table_rows())
         sizes = {name: ids.shape[0] for name, ids in features.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(

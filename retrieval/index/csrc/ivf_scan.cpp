@@ -455,8 +455,10 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap");
-  m.def("filter_mask", &filter_mask, "Items passing one filter");
-  m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter");
-  m.def("ivf_scan_fp8", &ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter");
+  // The kernels touch only tensors: other Python threads (a server's gRPC threads) run meanwhile.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap", nogil);
+  m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
+  m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter", nogil);
+  m.def("ivf_scan_fp8", &ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter", nogil);
 }
