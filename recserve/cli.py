@@ -26,6 +26,45 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 REPO = Path(__file__).resolve().parents[1]
 
 
+# ---- security flags of serve, shard-server and embed-server (serving/security.py) -------------
+# Functions, not shared constants: each command gets its own option objects.
+def _token_file_option() -> Any:
+    return typer.Option(
+        None, help="file holding the bearer token: admin calls need it (and serving calls, "
+        "unless --no-auth-serving); health checks never do. A file, not a flag: ps shows flags",
+    )  # fmt: skip
+
+
+def _token_env_option() -> Any:
+    return typer.Option(None, help="instead of --auth-token-file: env variable with the token")
+
+
+def _auth_serving_option() -> Any:
+    return typer.Option(
+        None, "--auth-serving/--no-auth-serving",
+        help="with a token: serving calls need it too (default), or only admin calls",
+    )  # fmt: skip
+
+
+def _tls_cert_option() -> Any:
+    return typer.Option(None, help="PEM certificate chain: serve TLS only (with --tls-key)")
+
+
+def _tls_key_option() -> Any:
+    return typer.Option(None, help="PEM private key of --tls-cert")
+
+
+def _tls_client_ca_option() -> Any:
+    return typer.Option(None, help="PEM CA: clients must show a certificate it signed (mTLS)")
+
+
+def _security(base: Any = None, **flags: Any) -> Any:
+    """The ``SecurityConfig`` of a command: ``base`` (serve.toml's) with the flags applied."""
+    from serving.security import SecurityConfig
+
+    return SecurityConfig.from_flags(base, **flags)
+
+
 @app.command()
 def demo(
     data: str = typer.Option("movielens", help="movielens (real ratings) or synthetic"),
@@ -157,6 +196,12 @@ def embed_server(
     tables: str = typer.Option(
         "", help="comma-separated tables to serve (default: all in the shard)"
     ),
+    auth_token_file: Path = _token_file_option(),
+    auth_token_env: str = _token_env_option(),
+    auth_serving: bool = _auth_serving_option(),
+    tls_cert: Path = _tls_cert_option(),
+    tls_key: Path = _tls_key_option(),
+    tls_client_ca: Path = _tls_client_ca_option(),
 ) -> None:
     """Serve a shard of embedding rows over gRPC until SIGTERM or SIGINT (prints its address)."""
     from sharded_tables.remote.server import MemoryBudgetError, parse_size, serve
@@ -168,7 +213,19 @@ def embed_server(
         if model_repo is not None:
             shard = _embedding_folder(model_repo, model, index)
         budget = parse_size(memory_budget, "--memory-budget")
-        serve(shard, port=port, host=host, memory_budget=budget, tables=names)
+        security = _security(
+            token_file=auth_token_file,
+            token_env=auth_token_env,
+            auth_serving=auth_serving,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_client_ca=tls_client_ca,
+        ).load()
+        security.warn_if_exposed(host, "embed-server")
+        serve(
+            shard, port=port, host=host, memory_budget=budget, tables=names,
+            interceptors=security.interceptors(), credentials=security.grpc_credentials,
+        )  # fmt: skip
     except (MemoryBudgetError, ValueError, OSError) as e:
         typer.echo(f"embed-server: {e}", err=True)
         raise typer.Exit(2) from None
@@ -217,6 +274,12 @@ def shard_server_cmd(
     keep: int = typer.Option(2, min=1, help="versions kept loaded (a rollout needs 2)"),
     device: str = typer.Option("cpu", help="where the index lives: cpu or cuda"),
     torch_threads: int = typer.Option(0, min=0, help="intra-op threads (0: torch's default)"),
+    auth_token_file: Path = _token_file_option(),
+    auth_token_env: str = _token_env_option(),
+    auth_serving: bool = _auth_serving_option(),
+    tls_cert: Path = _tls_cert_option(),
+    tls_key: Path = _tls_key_option(),
+    tls_client_ca: Path = _tls_client_ca_option(),
 ) -> None:
     """Serve one document shard of a model's index until SIGTERM (prints its address)."""
     import logging
@@ -234,6 +297,14 @@ def shard_server_cmd(
     )
     try:
         name = _only_model(model_repo, model)
+        security = _security(
+            token_file=auth_token_file,
+            token_env=auth_token_env,
+            auth_serving=auth_serving,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_client_ca=tls_client_ca,
+        ).load()
         server = ShardServer(
             ModelRepository(model_repo),
             name,
@@ -244,6 +315,7 @@ def shard_server_cmd(
             poll_s=poll_s,
             keep=keep,
             device=device,
+            security=security,
         )
         serve_shard(server)
     except (ValueError, OSError) as e:
@@ -275,10 +347,20 @@ def serve_cmd(
         None,
         help="serving state folder: turns on the admin API (live updates) and holds their logs",
     ),
+    auth_token_file: Path = _token_file_option(),
+    auth_token_env: str = _token_env_option(),
+    auth_serving: bool = _auth_serving_option(),
+    tls_cert: Path = _tls_cert_option(),
+    tls_key: Path = _tls_key_option(),
+    tls_client_ca: Path = _tls_client_ca_option(),
+    upstream_ca: Path = typer.Option(
+        None, help="router: PEM CA verifying the shard and embedding servers (calls use TLS)"
+    ),
 ) -> None:
     """Serve a model of a repository over gRPC (and HTTP) until SIGTERM; prints one line when
     ready, hot-reloads new versions, drains on SIGTERM."""
     import logging
+    from dataclasses import replace
 
     from serving.config import ConfigError, ServeConfig
     from serving.host import NoLoadableVersionError
@@ -300,7 +382,17 @@ def serve_cmd(
             state_dir=state_dir,
         )
         cfg = _with_router_flags(cfg, shards, shard_deadline_ms, hedge_after_ms, embedding_servers)
-        serve(cfg)
+        security = _security(
+            cfg.security,
+            token_file=auth_token_file,
+            token_env=auth_token_env,
+            auth_serving=auth_serving,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_client_ca=tls_client_ca,
+            upstream_ca=upstream_ca,
+        )
+        serve(replace(cfg, security=security))
     except (ConfigError, NoLoadableVersionError, OSError) as e:
         typer.echo(f"serve: {e}", err=True)
         raise typer.Exit(2) from None
@@ -326,6 +418,12 @@ def cluster_up(
     shard_deadline_ms: float = typer.Option(200.0, min=1, help="router: deadline per shard call"),
     hedge_after_ms: float = typer.Option(0.0, min=0, help="router: twin call to a replica after"),
     directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
+    auth_token_file: Path = typer.Option(
+        None, help="every process needs this bearer token (the router sends it on)"
+    ),
+    tls_cert: Path = typer.Option(None, help="every process serves TLS with this certificate"),
+    tls_key: Path = typer.Option(None, help="PEM private key of --tls-cert"),
+    tls_ca: Path = typer.Option(None, help="CA verifying --tls-cert (default: --tls-cert)"),
 ) -> None:
     """Start embedding servers, shard servers and the router; wait until all are healthy."""
     from serving.cluster import ClusterError, ClusterSpec, up
@@ -340,6 +438,10 @@ def cluster_up(
         hedge_after_ms=hedge_after_ms,
         router_grpc_port=grpc_port,
         router_http_port=http_port,
+        auth_token_file=auth_token_file,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_ca=tls_ca,
     )
     try:
         cluster = up(spec, directory, progress=typer.echo)
@@ -447,6 +549,42 @@ def loadtest_cmd(
     for p in problems:
         typer.echo(f"loadtest: FAILED: {p}", err=True)
     if problems:
+        raise typer.Exit(1)
+
+
+@app.command("soak")
+def soak_cmd(
+    minutes: float = typer.Option(None, min=0.1, help="how long to load (default: --seconds)"),
+    seconds: float = typer.Option(60.0, min=6, help="how long to load, in seconds"),
+    qps: float = typer.Option(50.0, min=0.1, max=2000, help="open-loop request rate"),
+    items: int = typer.Option(20_000, min=1000, help="catalog size of the synthetic model"),
+    shards: int = typer.Option(2, min=1, help="document shards"),
+    replicas: int = typer.Option(2, min=2, help="replicas per shard (one is restarted)"),
+    max_p99_ms: float = typer.Option(250.0, min=0.1, help="fail when p99 is over this"),
+    deadline_ms: float = typer.Option(2000.0, min=1, help="each call's gRPC deadline"),
+    out: Path = typer.Option(REPO / "runs" / "soak", help="work folders and soak.json"),
+) -> None:
+    """Soak a local cluster: steady open-loop load with a hot reload (v2 published at T/3) and
+    a shard replica restart (T/2). Exit 1 when a call failed or was partial, p99 is over
+    --max-p99-ms, the router never served v2, or its success counter differs from the client's
+    OK count; 2 when the cluster cannot start."""
+    from recserve import soak
+
+    spec = soak.SoakSpec(
+        seconds=minutes * 60 if minutes is not None else seconds, qps=qps, out=out,
+        items=items, shards=shards, replicas=replicas, max_p99_ms=max_p99_ms,
+        deadline_ms=deadline_ms,
+    )  # fmt: skip
+    try:
+        report = soak.run(spec, say=typer.echo)
+    except (ValueError, soak.local_cluster.ClusterError) as e:
+        typer.echo(f"soak: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(soak.format_report(report))
+    typer.echo(f"wrote {out / 'soak.json'}")
+    for p in report["problems"]:
+        typer.echo(f"soak: FAILED: {p}", err=True)
+    if report["problems"]:
         raise typer.Exit(1)
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -96,7 +97,8 @@ def users_table(user_ids: np.ndarray, batch: Any) -> pa.Table:
 
 # ---- checks before any work ------------------------------------------------------------------
 def check_input(job: ScoreJob) -> pq.ParquetFile:
-    """Opens the users file and checks its columns' presence and types."""
+    """Opens the users file and checks it before any work: the columns' presence and types, then
+    every value against the model's ``config.json`` (:func:`check_values`)."""
     try:
         f = pq.ParquetFile(job.users)
     except (OSError, pa.ArrowInvalid) as e:
@@ -115,7 +117,100 @@ def check_input(job: ScoreJob) -> pq.ParquetFile:
         )
     if job.k < 1:
         raise ScoreInputError(f"--k: must be >= 1, got {job.k}")
+    if f.metadata.num_rows == 0:
+        raise ScoreInputError(f"--users: {job.users} has no rows")
+    check_values(f, job)
     return f
+
+
+def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
+    """Reads the file's input columns once (in batches) and refuses, naming the column and row:
+    a null ``user_id``, ``categorical`` or ``dense`` (a null ``history`` is empty, a null
+    ``filter`` none); a null inside a list; ``categorical`` / ``dense`` of another length than
+    the model's; a history id outside ``[-1, num_items)``; a categorical code outside
+    ``[-1, cardinality)`` (plain tables: a table plan may hash them); a dense value that is not a
+    finite float32; a filter (or ``--filter``) that does not parse or names an unknown attribute
+    or value. The workers trust what passes (they would fail mid-job, or index out of range)."""
+    from retrieval.artifact import CONFIG_FILE
+    from retrieval.config import ModelConfig
+    from retrieval.filters import FilterSchema
+
+    path = job.model_dir / CONFIG_FILE
+    try:
+        cfg = ModelConfig.load(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ScoreInputError(f"model_dir: cannot read {path}: {e}") from None
+    schema = FilterSchema(cfg.item_attributes)
+    if job.filter:
+        _check_filter(job.filter, schema, "--filter")
+    columns = [c for c in (*COLUMNS, "filter") if c in f.schema_arrow.names]
+    start = 0
+    for batch in f.iter_batches(batch_size=65_536, columns=columns):
+        _check_batch(batch, start, cfg, schema)
+        start += batch.num_rows
+
+
+def _check_batch(batch: pa.RecordBatch, start: int, cfg: Any, schema: Any) -> None:
+    """:func:`check_values` of rows ``start ..`` of the file."""
+
+    def refuse(column: str, row: int, why: str) -> ScoreInputError:
+        return ScoreInputError(f"--users: column {column!r}, row {start + row}: {why}")
+
+    widths = {"categorical": len(cfg.user_features), "dense": cfg.dense_dim}
+    id_ranges = {"history": [(-1, cfg.num_items)]}
+    if cfg.table_plan is None:
+        id_ranges["categorical"] = [(-1, n) for n in cfg.user_features.values()]
+    for name in ("user_id", "categorical", "dense"):
+        nulls = batch.column(name).is_null().to_numpy(zero_copy_only=False)
+        if nulls.any():
+            raise refuse(name, int(np.argmax(nulls)), "is null")
+    for name in ("history", "categorical", "dense"):
+        lists = batch.column(name)
+        rows = pc.list_parent_indices(lists).to_numpy()  # value -> its row
+        values = pc.list_flatten(lists)
+        if values.null_count:
+            at = int(np.argmax(values.is_null().to_numpy(zero_copy_only=False)))
+            raise refuse(name, int(rows[at]), "holds a null")
+        if name in widths:
+            lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False)
+            wrong = np.flatnonzero(lengths != widths[name])
+            if wrong.size:
+                got = int(lengths[wrong[0]])
+                raise refuse(name, int(wrong[0]), f"has {got} values, expected {widths[name]}")
+        v = values.to_numpy(zero_copy_only=False)
+        if name == "dense":
+            with np.errstate(over="ignore"):
+                finite = np.isfinite(v.astype(np.float32))
+            if not finite.all():
+                at = int(np.argmin(finite))
+                raise refuse(name, int(rows[at]), f"{v[at]} is not a finite float32")
+        step = widths.get(name, 1)  # categorical: feature j of row r is value r * F + j
+        for j, (lo, hi) in enumerate(id_ranges.get(name, [])):
+            ids = v[j::step]
+            out = (ids >= hi) if ids.dtype.kind == "u" else (ids < lo) | (ids >= hi)
+            if out.any():
+                at = int(np.argmax(out))
+                feature = f" (feature {j})" if name == "categorical" else ""
+                row = int(rows[j::step][at])
+                raise refuse(name, row, f"id {ids[at]}{feature} is not in [{lo}, {hi})")
+    if "filter" in batch.schema.names:
+        texts = batch.column("filter")
+        for text in pc.unique(texts.drop_null()).to_pylist():
+            try:
+                _check_filter(text, schema, "filter")
+            except ScoreInputError as e:
+                row = pc.index(texts, text).as_py()
+                raise refuse("filter", row, str(e).removeprefix("filter: ")) from None
+
+
+def _check_filter(text: str, schema: Any, where: str) -> None:
+    from retrieval.filters import parse_filter
+
+    try:
+        for clause in parse_filter(text):
+            schema.clause_mask(clause)
+    except ValueError as e:
+        raise ScoreInputError(f"{where}: {str(e).removeprefix('filter: ')}") from None
 
 
 def check_output(job: ScoreJob) -> dict[str, Any]:

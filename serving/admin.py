@@ -15,14 +15,16 @@ One update, on the gRPC thread that received it::
 ``serving/update_log.py``) and replays a version's log when the host loads it (``on_load``),
 before the version serves. A newer publish starts with an empty log; the logs of versions no
 longer in the repository are deleted. The API is on only with ``state_dir`` (else every call is
-FAILED_PRECONDITION saying so) and never on a router. No authentication yet: the
-:data:`Authorizer` hook is where issue 8's tokens go.
+FAILED_PRECONDITION saying so) and never on a router. With a token configured, a call needs
+it before it gets here (``serving/security.py``: admin methods always need the token, even
+with ``auth_serving`` off); the :data:`Authorizer` hook is for finer rules on top.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -51,7 +53,13 @@ from serving import admin_pb2 as pb
 from serving import admin_pb2_grpc as pb_grpc
 from serving.host import ModelHost
 from serving.metrics import ServingMetrics
-from serving.requests import RequestError, UnavailableError, error_status
+from serving.requests import (
+    MalformedMessage,
+    RequestError,
+    UnavailableError,
+    error_status,
+    tolerant_deserializer,
+)
 from serving.state import ServingState
 from serving.update_log import UpdateLog, log_path
 
@@ -60,11 +68,17 @@ log = logging.getLogger(__name__)
 SERVICE = "recserve.admin.v1.Admin"
 Authorizer = Callable[[grpc.ServicerContext, str], None]
 """``authorize(context, method)`` runs first in every admin call; raising ``PermissionError``
-refuses it (PERMISSION_DENIED). Issue 8 adds token checks here; the default admits all."""
+refuses it (PERMISSION_DENIED). Tokens are checked earlier, by the server's interceptor
+(``serving/security.py``); the default admits every call that got this far."""
 
 
 def allow_all(context: grpc.ServicerContext, method: str) -> None:
-    """The default :data:`Authorizer`: no authentication yet (issue 8)."""
+    """The default :data:`Authorizer`: no rule beyond the server's token check."""
+
+
+MAX_VECTOR_NORM = 1e18
+"""Longest item vector an update may give: the index compares squared L2 distances in float32
+(at most ~3.4e38), so a much longer vector has no nearest list at all."""
 
 
 class AdminUnavailableError(RuntimeError):
@@ -85,8 +99,11 @@ def _ids(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
-def parse_upsert(msg: pb.UpsertItemsRequest, dim: int) -> UpsertItems:
-    """``UpsertItems`` message -> batch; ``dim``: the model's vector width D."""
+def parse_upsert(
+    msg: pb.UpsertItemsRequest, dim: int, max_norm: float | None = MAX_VECTOR_NORM
+) -> UpsertItems:
+    """``UpsertItems`` message -> batch; ``dim``: the model's vector width D; ``max_norm``: the
+    longest vector taken (None: any, for a log's records, which were taken once)."""
     n = len(msg.items)
     vectors, given = torch.zeros(n, dim), torch.zeros(n, dtype=torch.bool)
     for i, item in enumerate(msg.items):
@@ -96,7 +113,14 @@ def parse_upsert(msg: pb.UpsertItemsRequest, dim: int) -> UpsertItems:
                 f"(computed by the item tower), got {len(item.vector)}"
             )
         if len(item.vector):
-            vectors[i] = torch.from_numpy(np.asarray(item.vector, dtype=np.float32))
+            vector = np.asarray(item.vector, dtype=np.float32)
+            norm = float(np.linalg.norm(vector.astype(np.float64)))
+            if max_norm is not None and math.isfinite(norm) and norm > max_norm:  # NaN: later
+                raise RequestError(
+                    f"items[{i}].vector: its length {norm:.3g} is over {max_norm:g} (the "
+                    "index compares squared distances in float32)"
+                )
+            vectors[i] = torch.from_numpy(vector)
             given[i] = True
     attrs = [_attributes(it.attributes, f"items[{i}].attributes") for i, it in enumerate(msg.items)]
     return UpsertItems(
@@ -166,7 +190,7 @@ def from_record(record: pb.LogRecord, model: RetrievalModel) -> UpdateBatch:
     """A log record -> the batch it logged."""
     which = record.WhichOneof("update")
     if which == "upsert_items":
-        return parse_upsert(record.upsert_items, model.index.dim)
+        return parse_upsert(record.upsert_items, model.index.dim, max_norm=None)
     if which == "remove_items":
         return RemoveItems(_ids(record.remove_items.ids))
     if which == "set_item_attributes":
@@ -383,6 +407,8 @@ class AdminServicer(pb_grpc.AdminServicer):
     ) -> pb.UpdateReply:
         try:
             self.authorize(context, kind)
+            if isinstance(request, MalformedMessage):  # see add_servicer
+                raise request.error()
             updates = self._updates()
             return updates.apply(self.state.host, kind, (request.model, request.version), parse)
         except Exception as e:
@@ -407,5 +433,18 @@ class AdminServicer(pb_grpc.AdminServicer):
 def add_servicer(
     server: grpc.Server, state: ServingState, authorize: Authorizer = allow_all
 ) -> None:
-    """Adds the ``Admin`` service to ``server`` (a ``serving.main`` gRPC plugin)."""
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(state, authorize), server)
+    """Adds the ``Admin`` service to ``server`` (a ``serving.main`` gRPC plugin): the generated
+    ``add_AdminServicer_to_server``'s handlers, but with requests parsed by
+    :func:`~serving.requests.tolerant_deserializer` (bytes that are no valid message get
+    INVALID_ARGUMENT; the generated deserializer makes gRPC answer INTERNAL)."""
+    servicer = AdminServicer(state, authorize)
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name),
+            request_deserializer=tolerant_deserializer(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+        for m in pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]].methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

@@ -12,6 +12,11 @@ started.
     cluster = up(spec, Path("runs/cluster"))
     cluster.router.grpc     # "127.0.0.1:PORT": Recommend, KServe v2, health
     down(Path("runs/cluster"))
+
+Every process binds 127.0.0.1 (none is given ``--host``). With ``auth_token_file`` every one of
+them needs the token (the router sends it to the shards and embedding servers); with
+``tls_cert``/``tls_key`` every one serves TLS with that certificate, and the router and
+``status`` verify them with ``tls_ca`` (default: the certificate itself, as when self-signed).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from retrieval.artifact import ShardMap
 from serving.repository.repository import ARTIFACT_DIR, EMBEDDINGS_DIR, ModelRepository
+from sharded_tables.grpc_util import ClientAuth, open_channel
 
 CLUSTER_FILE = "cluster.json"
 READY = {
@@ -57,6 +63,29 @@ class ClusterSpec:
     router_grpc_port: int = 0
     router_http_port: int = 0
     startup_timeout_s: float = 120.0
+    auth_token_file: Path | None = None
+    """Every process needs this bearer token (``serving/security.py``); None: no token."""
+    tls_cert: Path | None = None
+    """Every process serves TLS with this certificate (and ``tls_key``); None: plaintext."""
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+    """CA that verifies ``tls_cert`` (the router's ``--upstream-ca``); None: ``tls_cert``."""
+
+    def security_args(self) -> list[str]:
+        """The security flags every process of the cluster gets (paths: no secret in argv)."""
+        args = []
+        if self.auth_token_file is not None:
+            args += ["--auth-token-file", str(self.auth_token_file.resolve())]
+        if self.tls_cert is not None and self.tls_key is not None:
+            args += ["--tls-cert", str(self.tls_cert.resolve())]
+            args += ["--tls-key", str(self.tls_key.resolve())]
+        return args
+
+    def ca(self) -> Path | None:
+        """The CA the router and ``status`` verify the processes with (None: plaintext)."""
+        if self.tls_cert is None:
+            return None
+        return (self.tls_ca or self.tls_cert).resolve()
 
 
 @dataclass
@@ -81,6 +110,8 @@ class Cluster:
     model: str
     version: int
     processes: list[Proc] = field(default_factory=list)
+    tls_ca: str = ""
+    """CA of the processes' TLS certificate ("": they serve plaintext)."""
 
     @property
     def router(self) -> Proc:
@@ -101,7 +132,8 @@ class Cluster:
                 f"no cluster file at {path} (is a cluster up? `recserve cluster up`)"
             )
         d = json.loads(path.read_text())
-        return cls(d["model"], d["version"], [Proc(**p) for p in d["processes"]])
+        procs = [Proc(**p) for p in d["processes"]]
+        return cls(d["model"], d["version"], procs, d.get("tls_ca", ""))
 
 
 # ---- up -------------------------------------------------------------------------------------
@@ -147,6 +179,10 @@ def up(
             raise ClusterError(f"a cluster is already up ({directory}); `recserve cluster down`")
     if spec.shards < 1 or spec.replicas < 1 or spec.embedding_servers < 0:
         raise ClusterError("--shards and --replicas must be >= 1, --embedding-servers >= 0")
+    if (spec.tls_cert is None) != (spec.tls_key is None):
+        raise ClusterError("--tls-cert and --tls-key: give both, or neither")
+    secure = spec.security_args()
+    ca = spec.ca()
     model, version = check_version(spec)
     logs = directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -155,7 +191,7 @@ def up(
     repo = str(spec.model_repo)
     # processes that compute share the cores instead of each taking all of them
     threads = str(max(1, (os.cpu_count() or 1) // (spec.shards * spec.replicas + 1)))
-    cluster = Cluster(model, version)
+    cluster = Cluster(model, version, tls_ca=str(ca or ""))
     try:
         started = [
             _start(
@@ -171,6 +207,7 @@ def up(
                     str(i),
                     "--port",
                     "0",
+                    *secure,
                 ),
                 logs,
             )
@@ -194,6 +231,7 @@ def up(
                     "0",
                     "--torch-threads",
                     threads,
+                    *secure,
                 ),
                 logs,
             )
@@ -213,8 +251,10 @@ def up(
             "--grpc-port", str(spec.router_grpc_port), "--http-port", str(spec.router_http_port),
             "--metrics-port", "0", "--shards", shards,
             "--shard-deadline-ms", str(spec.shard_deadline_ms),
-            "--hedge-after-ms", str(spec.hedge_after_ms), "--torch-threads", threads,
+            "--hedge-after-ms", str(spec.hedge_after_ms), "--torch-threads", threads, *secure,
         ]  # fmt: skip
+        if ca is not None:
+            args += ["--upstream-ca", str(ca)]
         embed = [p.address for p in started if p.role == "embedding-server"]
         if embed:
             args += ["--embedding-servers", ",".join(embed)]
@@ -293,9 +333,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def healthy(address: str, timeout: float = 2.0) -> bool:
-    """grpc.health.v1 says SERVING at ``address``."""
-    with grpc.insecure_channel(address) as channel:
+def healthy(address: str, timeout: float = 2.0, tls_ca: str = "") -> bool:
+    """grpc.health.v1 says SERVING at ``address`` (over TLS verified by ``tls_ca`` when set;
+    health checks need no token)."""
+    auth = ClientAuth(Path(tls_ca).read_bytes()) if tls_ca else None
+    with open_channel(address, (), auth) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
@@ -311,7 +353,8 @@ def status(directory: Path) -> list[tuple[Proc, bool, bool]]:
     out = []
     for p in cluster.processes:
         alive = _alive(p.pid)
-        out.append((p, alive, alive and bool(p.address) and healthy(p.address)))
+        ok = alive and bool(p.address) and healthy(p.address, tls_ca=cluster.tls_ca)
+        out.append((p, alive, ok))
     return out
 
 
@@ -329,6 +372,15 @@ def restart(directory: Path, name: str, timeout: float = 60.0) -> Proc:
     cluster.processes[cluster.processes.index(old)] = fresh
     cluster.save(directory)
     return fresh
+
+
+def stop(directory: Path, name: str, timeout: float = 15.0) -> bool:
+    """Stops process ``name`` (SIGTERM: it drains; SIGKILL after ``timeout`` s); returns True
+    when it needed SIGKILL. :func:`restart` starts it again."""
+    found = [p for p in Cluster.load(directory).processes if p.name == name]
+    if not found:
+        raise ClusterError(f"no process {name!r}")
+    return bool(_stop_all(found, timeout))
 
 
 def down(directory: Path, timeout: float = 15.0) -> list[str]:

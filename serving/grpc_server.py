@@ -2,6 +2,8 @@
 
 Other gRPC services (the KServe v2 ``GRPCInferenceService``) join the same server through
 ``extra_servicers``: callables ``(grpc.Server, ServingState) -> None`` run before it starts.
+``security`` (``serving/security.py``) adds the bearer-token check to every service and TLS to
+the port.
 
 Status codes (``serving.requests.error_status``): INVALID_ARGUMENT for a bad request (the
 message names the field), NOT_FOUND for an unknown model or version, RESOURCE_EXHAUSTED when the
@@ -23,9 +25,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from serving import recommend_pb2 as pb
 from serving import recommend_pb2_grpc as pb_grpc
-from serving.requests import RecRequest, RecResult, RequestError, error_status
+from serving.requests import (
+    MalformedMessage,
+    RecRequest,
+    RecResult,
+    RequestError,
+    error_status,
+    tolerant_deserializer,
+)
+from serving.security import NO_SECURITY, Security
 from serving.state import ServingState
-from sharded_tables.grpc_util import bind_insecure, format_address
+from sharded_tables.grpc_util import bind_port, format_address
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +45,15 @@ MAX_SEND_MESSAGE_BYTES = 16 << 20
 ExtraServicer = Callable[[grpc.Server, ServingState], None]
 
 
-def parse_recommend(msg: pb.RecommendRequest, deadline: float | None) -> RecRequest:
-    """Wire message -> :class:`RecRequest` (shapes and ranges are checked by the runner)."""
+def parse_recommend(
+    msg: pb.RecommendRequest | MalformedMessage, deadline: float | None
+) -> RecRequest:
+    """Wire message -> :class:`RecRequest` (shapes and ranges are checked by the runner).
+
+    ``msg`` is a :class:`MalformedMessage` when the service is registered with
+    ``tolerant_deserializer(pb.RecommendRequest)`` and the bytes did not parse."""
+    if isinstance(msg, MalformedMessage):
+        raise msg.error()
     if msg.version < 0:
         raise RequestError(f"version: must be >= 0 (0: the one being served), got {msg.version}")
     return RecRequest(
@@ -61,6 +78,21 @@ def render_recommend(result: RecResult) -> pb.RecommendResponse:
         partial=result.partial,
         missing=result.missing,
     )
+
+
+def add_recommender(server: grpc.Server, servicer: RecommendServicer) -> None:
+    """Adds ``Recommender`` as the generated ``add_RecommenderServicer_to_server`` does, but with
+    requests parsed by ``tolerant_deserializer``: bytes that are no ``RecommendRequest`` get
+    INVALID_ARGUMENT (the generated deserializer makes gRPC answer INTERNAL)."""
+    handlers = {
+        "Recommend": grpc.unary_unary_rpc_method_handler(
+            servicer.Recommend,
+            request_deserializer=tolerant_deserializer(pb.RecommendRequest),
+            response_serializer=pb.RecommendResponse.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 NO_DEADLINE_S = 1e7
@@ -107,18 +139,21 @@ class GrpcServer:
         workers: int = 64,
         max_receive_message_bytes: int = 4 << 20,
         extra_servicers: Sequence[ExtraServicer] = (),
+        security: Security = NO_SECURITY,
     ):
         self.state, self.host, self.port = state, host, port
+        self.security = security
         self.health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            interceptors=security.interceptors(),
             options=[
                 ("grpc.max_receive_message_length", max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),  # a second server on a taken port must fail
             ],
         )
-        pb_grpc.add_RecommenderServicer_to_server(RecommendServicer(state), self._server)
+        add_recommender(self._server, RecommendServicer(state))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for add in extra_servicers:
             add(self._server, state)
@@ -129,7 +164,8 @@ class GrpcServer:
 
     def start(self) -> str:
         """Binds and starts; health is SERVING when the state is ready. Returns ``host:port``."""
-        self.port = bind_insecure(self._server, self.host, self.port, "grpc_port")
+        creds = self.security.grpc_credentials
+        self.port = bind_port(self._server, self.host, self.port, "grpc_port", creds)
         self._server.start()
         self.set_serving(self.state.ready)
         return self.address

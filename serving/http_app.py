@@ -107,11 +107,12 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
     """-> (the JSON header, the binary data after it)."""
     cut = len(body)
     if header_length is not None:
-        # ASCII only: "²" passes isdigit() but int() refuses it
-        valid = header_length.isascii() and header_length.isdecimal()
+        # ASCII only: "²" passes isdigit() but int() refuses it, as it does past 4300 digits
+        valid = header_length.isascii() and header_length.isdecimal() and len(header_length) < 20
         if not valid or int(header_length) > len(body):
+            shown = header_length if len(header_length) <= 40 else header_length[:37] + "..."
             raise RequestError(
-                f"{HEADER_LENGTH}: must be a byte count in [0, {len(body)}], got {header_length!r}"
+                f"{HEADER_LENGTH}: must be a byte count in [0, {len(body)}], got {shown!r}"
             )
         cut = int(header_length)
     try:

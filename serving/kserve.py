@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -62,6 +63,7 @@ _INT_RANGE: dict[str, tuple[int, int]] = {
     "INT64": (-(2**63), 2**63 - 1),
     "INT32": (-(2**31), 2**31 - 1),
 }
+_FLOAT_MAX = sys.float_info.max
 NO_DEADLINE_S = 1e7
 """A time left beyond this (~4 months) is no deadline at all."""
 _PAD: dict[str, float] = {"item_ids": -1, "scores": -np.inf}
@@ -138,8 +140,9 @@ class OutputTensor:
 def resolve(state: ServingState, model: str, version: str) -> ModelSpec:
     """The spec of the loaded model if ``model`` / ``version`` (``""``: the latest) name it;
     raises :class:`ModelNotFoundError` or :class:`RequestError` (a version that is no number)."""
-    if version and not (version.isascii() and version.isdigit()):
-        raise RequestError(f"version: {version!r} is not a version number")
+    # at most 18 digits: an int64, and int() refuses over 4300 digits with a ValueError
+    if version and not (version.isascii() and version.isdigit() and len(version) <= 18):
+        raise RequestError(f"version: {_short(version)} is not a version number")
     state.host.check_target(model, int(version) if version else None)
     return model_spec(state)
 
@@ -310,8 +313,8 @@ def decode(t: WireTensor, shape: list[int]) -> np.ndarray:
     if t.datatype in _INT_RANGE:
         lo, hi = _INT_RANGE[t.datatype]
         bad = [v for v in flat if not (_is_int(v) and lo <= v <= hi)]
-    else:
-        bad = [v for v in flat if not _is_number(v)]
+    else:  # an int past float64 (JSON allows it) makes numpy raise OverflowError
+        bad = [v for v in flat if not _is_number(v) or (_is_int(v) and abs(v) > _FLOAT_MAX)]
     if bad:
         raise RequestError(f"{t.name}: {_short(bad[0])} is not an {t.datatype} value")
     with np.errstate(over="ignore"):  # an FP32 overflow is infinity: dense refuses it later

@@ -17,6 +17,11 @@ Optional front ends join when their module exists: ``serving/http_app.py`` (``ma
 
 With ``state_dir`` set, live updates are on (``serving/admin.py``): the host replays each
 version's update log as it loads it, and the admin service applies new updates.
+
+``[security]`` (``serving/security.py``) is loaded once here: the token check and TLS go to the
+gRPC and HTTP listeners, and a router calls its shards and embedding servers with the token
+(and TLS with ``upstream_ca``). The metrics listener stays plaintext and open. Every listener
+binds ``host``, 127.0.0.1 unless ``--host`` says otherwise.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class Server:
     ):
         config.validate()  # fail fast, naming the field
         self.config = config
+        self.security = config.security.load()  # reads the token and certificates once
         self._make_app: Callable[[ServingState], Any] | None = None
         if config.http_port is not None:
             module = _optional_module(HTTP_APP_MODULE)
@@ -123,6 +129,7 @@ class Server:
                 config.model,
                 config.router,
                 self.metrics.registry,
+                upstream=self.security.upstream,
             )
             self._router = repo
         self.updates: LiveUpdates | None = None
@@ -170,7 +177,9 @@ class Server:
             workers=cfg.grpc_workers,
             max_receive_message_bytes=cfg.max_receive_message_bytes,
             extra_servicers=self.extra_servicers,
+            security=self.security,
         )
+        self.security.warn_if_exposed(cfg.host, "serve")
         grpc_address = self.grpc.start()
         metrics_address = http_address = None
         if cfg.metrics_port is not None:
@@ -201,7 +210,11 @@ class Server:
             sock.close()
             raise OSError(f"http_port: cannot bind {host}:{port}: {e}") from None
         bound = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        config = uvicorn.Config(
+            self.security.wrap_http(app), log_level="warning", lifespan="off",
+            **self.security.http_ssl,
+        )  # fmt: skip
+        server = uvicorn.Server(config)
         self._uvicorn = server
         self._http_thread = threading.Thread(
             target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True
@@ -217,9 +230,11 @@ class Server:
     def announce_line(self) -> str:
         assert self.addresses is not None
         a = self.addresses
+        secured = self.security.describe()  # never the token: which protections are on
         return (
             f"serving {self.host.name} v{self.host.version} grpc={a.grpc} "
             f"http={a.http or 'off'} metrics={a.metrics or 'off'}"
+            + (f" security={secured}" if secured else "")
         )
 
     def drain_and_stop(self, timeout: float | None = None) -> bool:

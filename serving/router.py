@@ -50,6 +50,7 @@ from serving.runner import ModelRunner
 from serving.shard_server import GRPC_OPTIONS
 from serving.shard_wire import decode_response, encode_request
 from sharded_tables.export import remote_routing
+from sharded_tables.grpc_util import ClientAuth, open_channel
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.remote.client import RemoteTables
 from sharded_tables.specs import Tier
@@ -144,12 +145,18 @@ class _ShardCall:
 class ShardClient:
     """Channels to every replica of every shard; scatter/gather with deadlines and hedging."""
 
-    def __init__(self, config: RouterConfig, model: str, registry: CollectorRegistry):
+    def __init__(
+        self,
+        config: RouterConfig,
+        model: str,
+        registry: CollectorRegistry,
+        upstream: ClientAuth | None = None,
+    ):
         config.validate()
         self.config = config
         self.shards = config.shards
         addresses = sorted({a for replicas in self.shards for a in replicas})
-        self._channels = {a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses}
+        self._channels = {a: open_channel(a, CHANNEL_OPTIONS, upstream) for a in addresses}
         self._stubs = {a: pb_grpc.ShardStub(c) for a, c in self._channels.items()}
         self._turn = itertools.count()  # rotates which replica goes first
         self.metrics = RouterMetrics(model, registry)
@@ -166,8 +173,8 @@ class ShardClient:
     # ---- versions and identity --------------------------------------------------------------
     def infos(self) -> dict[str, pb.InfoResponse]:
         """``Info`` of every replica that answers (address -> answer)."""
-        calls = {
-            a: s.Info.future(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
+        calls = {  # wait_for_ready: a channel still connecting (a busy machine) is no answer yet
+            a: s.Info.future(pb.InfoRequest(), timeout=INFO_TIMEOUT_S, wait_for_ready=True)
             for a, s in self._stubs.items()
         }
         out = {}
@@ -180,10 +187,13 @@ class ShardClient:
 
     def common_versions(self, model: str) -> list[int]:
         """Versions every answering replica holds, after checking each one is the shard its
-        place in the config says (refuses another model or shard layout: ``ValueError``)."""
+        place in the config says (refuses another model or shard layout: ``ValueError``).
+        Empty while a shard has no answering replica: nothing is known to be whole there."""
         infos = self.infos()
         common: set[int] | None = None
         for i, replicas in enumerate(self.shards):
+            if not any(a in infos for a in replicas):
+                return []
             for a in replicas:
                 info = infos.get(a)
                 if info is None:
@@ -330,8 +340,15 @@ class ShardedRepository:
     loaded version gets its remote tables' embedding servers and is checked against the shard
     layout."""
 
-    def __init__(self, repo: ModelRepository, client: ShardClient, config: RouterConfig):
+    def __init__(
+        self,
+        repo: ModelRepository,
+        client: ShardClient,
+        config: RouterConfig,
+        upstream: ClientAuth | None = None,
+    ):
         self.repo, self.client, self.config = repo, client, config
+        self.upstream = upstream
         self.remotes: list[RemoteTables] = []
 
     def versions(self, name: str) -> list[int]:
@@ -371,7 +388,8 @@ class ShardedRepository:
                 f"router.embedding_servers: version {version} has remote tables ({e}); "
                 f"{len(self.config.embedding_servers)} addresses given"
             ) from None
-        remote = RemoteTables(routing, timeout=self.config.embedding_timeout_ms / 1000.0)
+        timeout = self.config.embedding_timeout_ms / 1000.0
+        remote = RemoteTables(routing, timeout=timeout, auth=self.upstream)
         self.remotes.append(remote)
         return remote
 
@@ -382,11 +400,16 @@ class ShardedRepository:
 
 
 def make_router(
-    repo: ModelRepository, model: str, config: RouterConfig, registry: CollectorRegistry
+    repo: ModelRepository,
+    model: str,
+    config: RouterConfig,
+    registry: CollectorRegistry,
+    upstream: ClientAuth | None = None,
 ) -> tuple[ShardedRepository, Any]:
-    """-> (the repository the model host reads, its ``make_runner``)."""
-    client = ShardClient(config, model, registry)
-    sharded = ShardedRepository(repo, client, config)
+    """-> (the repository the model host reads, its ``make_runner``). ``upstream``: TLS and the
+    token for the calls to shard and embedding servers (``Security.upstream``)."""
+    client = ShardClient(config, model, registry, upstream)
+    sharded = ShardedRepository(repo, client, config, upstream)
 
     def make_runner(loaded: LoadedModel) -> RouterRunner:
         return RouterRunner(loaded.model, model, int(loaded.version), client)

@@ -28,8 +28,10 @@ from serving.requests import (
     RecRequest,
     RecResult,
     RequestError,
+    UnavailableError,
     check_request,
 )
+from sharded_tables.remote.client import SERVER_TROUBLE, RemoteLookupError
 
 Outcome = RecResult | RequestError | ModelNotFoundError
 
@@ -126,8 +128,13 @@ class ModelRunner:
             batch = self._batch([reqs[i] for i in good], clauses)
             k_max = max(reqs[i].k for i in good)
             deadlines = [d for i in good if (d := reqs[i].deadline) is not None]
-            with torch.inference_mode():
-                ids, scores, missing = self.forward(batch, k_max, min(deadlines, default=None))
+            try:
+                with torch.inference_mode():
+                    ids, scores, missing = self.forward(batch, k_max, min(deadlines, default=None))
+            except RemoteLookupError as e:  # an embedding server is down or too slow: retryable
+                if e.code not in SERVER_TROUBLE:
+                    raise
+                raise UnavailableError(f"tables: {e}") from e
             ids_np, scores_np = ids.cpu().numpy(), scores.cpu().numpy()
             for row, i in enumerate(good):
                 k = reqs[i].k

@@ -12,6 +12,9 @@ new one; see ``serving/router.py``)::
     ...
     server.stop()
 
+With ``security`` (``serving/security.py``) the searches need the router's bearer token and the
+port serves TLS; health checks stay open.
+
 The shard runs exactly the router's plan (``retrieval/index/search.py``): it never plans itself,
 since planning needs the whole catalog's statistics.
 """
@@ -33,8 +36,9 @@ from retrieval.index.ivf import IVFIndex
 from serving import shard_pb2 as pb
 from serving import shard_pb2_grpc as pb_grpc
 from serving.repository.repository import ModelRepository
+from serving.security import NO_SECURITY, Security
 from serving.shard_wire import decode_request, encode_response
-from sharded_tables.grpc_util import bind_insecure, format_address, serve_until_signal
+from sharded_tables.grpc_util import bind_port, format_address, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +179,7 @@ class ShardServer:
         workers: int = 8,
         device: str = "cpu",
         registry: CollectorRegistry | None = None,
+        security: Security = NO_SECURITY,
     ):
         if shard < 0:
             raise ValueError(f"--shard: must be >= 0, got {shard}")
@@ -189,8 +194,11 @@ class ShardServer:
         self.failed: set[int] = set()
         self.metrics = ShardMetrics(model, shard, registry)
         self.health = health.HealthServicer()
+        self.security = security
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=workers),
+            interceptors=security.interceptors(),
+            options=GRPC_OPTIONS,
         )
         pb_grpc.add_ShardServicer_to_server(ShardServicer(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -246,7 +254,9 @@ class ShardServer:
                 f"model {self.model!r}: no version with a loadable shard {self.shard} in "
                 f"{self.repo.root} (publish it with shards=...; see the log)"
             )
-        self.port = bind_insecure(self._server, self.host, self.port, "--grpc-port")
+        self.security.warn_if_exposed(self.host, f"shard-server {self.shard}")
+        creds = self.security.grpc_credentials
+        self.port = bind_port(self._server, self.host, self.port, "--grpc-port", creds)
         self._server.start()
         if self.metrics_port is not None:
             try:
@@ -262,9 +272,11 @@ class ShardServer:
         return self.address
 
     def announce_line(self) -> str:
+        secured = self.security.describe()
         return (
             f"shard-server {self.model} v{max(self.held)} shard {self.shard}/{self.num_shards} "
             f"listening on {self.address} metrics={self.metrics_address or 'off'}"
+            + (f" security={secured}" if secured else "")
         )
 
     def stop(self, grace: float = 5.0) -> None:

@@ -33,7 +33,10 @@ evaluates and writes the result.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ import torch
 from retrieval.config import ModelConfig
 from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
 from retrieval.index.exact import recall_at_k
+from retrieval.index.ivf import IVFConfig
 from retrieval.metrics import popularity_recs, ranking_metrics
 from retrieval.model import RetrievalModel
 from retrieval.training.distributed import DistContext
@@ -51,6 +55,8 @@ from retrieval.training.prepare import Prepared, prepare
 from retrieval.training.train import TrainConfig, Trainer
 
 TABLES = ("data", "model", "train", "evaluate", "publish")
+DERIVED = frozenset({"num_items", "item_attributes", "dense_dim"})
+"""ModelConfig fields that come from the data, never from ``[model]``."""
 
 
 @dataclass
@@ -63,16 +69,25 @@ class RunConfig:
 
     @classmethod
     def from_toml(cls, path: Path) -> RunConfig:
+        """Reads and checks ``path`` (keys and value types of every table but ``[publish]``,
+        which the CLI checks; ranges of ``[train]`` and ``[evaluate]``) before any work;
+        ``ValueError`` naming the table and key."""
         try:
-            raw = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"--config: cannot read {path}: {e}") from None
+        except RecursionError:  # tomllib recurses once per level of nested arrays and tables
+            raise ValueError(f"--config: cannot read {path}: nested too deep") from None
         unknown = sorted(set(raw) - set(TABLES))
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown table (known: {list(TABLES)})")
         for t in TABLES:
             if not isinstance(raw.get(t, {}), dict):
                 raise ValueError(f"{t}: expected a table")
+        check_data(raw.get("data", {}))
+        check_model(raw.get("model", {}))
+        check_types("train", raw.get("train", {}), TrainConfig)
+        check_evaluate(raw.get("evaluate", {}))
         return cls(
             data=raw.get("data", {}),
             model=raw.get("model", {}),
@@ -80,6 +95,85 @@ class RunConfig:
             evaluate=raw.get("evaluate", {}),
             publish=raw.get("publish", {}),
         )
+
+
+# ---- checks of the tables (types here; each config's own validate checks ranges) -----------
+def check_types(
+    table: str, data: dict[str, Any], cls: type, skip: frozenset[str] = frozenset()
+) -> None:
+    """Refuses a key ``cls`` has no field for (or one in ``skip``) and a value of another type
+    than the field's; ``ValueError`` naming ``table.key``."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)} - skip
+    for key, value in data.items():
+        if key not in known:
+            raise ValueError(f"{table}.{key}: unknown key (known: {sorted(known)})")
+        if not _fits(value, hints[key]):
+            raise ValueError(f"{table}.{key}: expected {_type_name(hints[key])}, got {value!r:.60}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, a) for a in args if a is not type(None))
+    if hint is Any or origin is dict or hint is dict:
+        return hint is Any or isinstance(value, dict)
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            return False
+        if origin is tuple and (len(args) != 2 or args[1] is not Ellipsis):
+            return len(value) == len(args) and all(map(_fits, value, args))
+        return all(_fits(v, args[0]) for v in value)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, str if hint is Path else hint)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_args(hint):  # e.g. "tuple[int, int]", "Path | None"
+        return str(hint).replace("typing.", "").replace("pathlib.", "")
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_data(spec: dict[str, Any]) -> None:
+    """``[data]``: ``source`` and the keys of that source."""
+    spec = dict(spec)
+    source = spec.pop("source", "synthetic")
+    if source == "movielens":
+        for key, value in spec.items():
+            if key != "data_dir":
+                raise ValueError(f"data.{key}: unknown key for movielens")
+            if not isinstance(value, str):
+                raise ValueError(f"data.data_dir: expected a path, got {value!r:.60}")
+    elif source == "synthetic":
+        check_types("data", spec, SyntheticConfig)
+    else:
+        raise ValueError(f"data.source: 'synthetic' or 'movielens', got {source!r:.60}")
+
+
+def check_model(spec: dict[str, Any]) -> None:
+    """``[model]``: ModelConfig fields but the derived ones; ``user_features`` names a subset of
+    the data's features; ``index`` is a table of IVFConfig fields."""
+    spec = dict(spec)
+    wanted = spec.pop("user_features", [])
+    if not (isinstance(wanted, list) and all(isinstance(f, str) for f in wanted)):
+        raise ValueError(f"model.user_features: expected a list of names, got {wanted!r:.60}")
+    check_types("model", spec, ModelConfig, skip=DERIVED)
+    check_types("model.index", spec.get("index", {}), IVFConfig)
+
+
+def check_evaluate(spec: dict[str, Any]) -> None:
+    """``[evaluate]``: ``k`` (>= 1) and ``users`` (>= 0, 0: all)."""
+    for key, value in spec.items():
+        if key not in ("k", "users"):
+            raise ValueError(f"evaluate.{key}: unknown key (known: ['k', 'users'])")
+        least = 1 if key == "k" else 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"evaluate.{key}: must be an int >= {least}, got {value!r:.60}")
 
 
 def load_data(spec: dict[str, Any]) -> RecDataset:

@@ -33,7 +33,6 @@ from tritonclient.grpc import model_config_pb2 as mc
 from retrieval.config import ModelConfig as RetrievalConfig
 
 CONFIG_FILE = "config.pbtxt"
-DEFAULT_PREFERRED_BATCH_SIZES = (8, 32)
 TritonConfig = Any
 """A ``model_config_pb2.ModelConfig`` message (the generated class carries no static types)."""
 
@@ -43,8 +42,8 @@ def make_config(
     model_cfg: RetrievalConfig,
     *,
     max_batch_size: int = 64,
-    max_queue_delay_us: int = 2000,
-    preferred_batch_sizes: Sequence[int] | None = None,
+    max_queue_delay_us: int = 0,
+    preferred_batch_sizes: Sequence[int] = (),
     max_queue_size: int = 1024,
     versions_latest: int = 1,
     backend: str = "python",
@@ -52,8 +51,9 @@ def make_config(
 ) -> TritonConfig:
     """The ``ModelConfig`` of a retrieval model served under ``name``.
 
-    ``preferred_batch_sizes`` None: those of :data:`DEFAULT_PREFERRED_BATCH_SIZES` that fit
-    ``max_batch_size``; ``max_queue_size`` 0 means an unbounded queue (Triton's meaning); ``versions_latest``: how
+    The defaults batch work-conservingly, as Triton's own do: no queue delay and no preferred
+    sizes, so a batch starts once the model is free and takes everything waiting (a preferred
+    size would only split it); ``max_queue_size`` 0 means an unbounded queue (Triton's meaning); ``versions_latest``: how
     many of the newest versions Triton loads; ``parameters``: free string pairs (Triton's
     ``parameters`` map, read by the backend). Raises ``ValueError`` naming the argument.
     """
@@ -65,8 +65,6 @@ def make_config(
         raise ValueError(f"max_queue_size: must be >= 0 (0: no limit), got {max_queue_size}")
     if versions_latest < 1:
         raise ValueError(f"versions_latest: must be >= 1, got {versions_latest}")
-    if preferred_batch_sizes is None:
-        preferred_batch_sizes = [p for p in DEFAULT_PREFERRED_BATCH_SIZES if p <= max_batch_size]
     for p in preferred_batch_sizes:
         if not 1 <= p <= max_batch_size:
             raise ValueError(
@@ -132,7 +130,11 @@ def read_config(path: Path) -> TritonConfig:
     """Parses a ``config.pbtxt``; ``FileNotFoundError`` / ``ValueError`` naming the file."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    return parse_config(path.read_text(encoding="utf-8"), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # a ValueError that would not name the file
+        raise ValueError(f"{path}: not UTF-8 text: {e}") from None
+    return parse_config(text, str(path))
 
 
 def fsync_dir(path: Path) -> None:

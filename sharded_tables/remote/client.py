@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from sharded_tables.grpc_util import ClientAuth, open_channel
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.server import MAX_MESSAGE_BYTES
@@ -156,7 +157,8 @@ class RemoteTables(RowStore):
     """Packed rows of remote tables (any partition) and the keyed :class:`RowStore` interface.
 
     One channel and stub per server, kept open until :meth:`close`. ``timeout`` (seconds) is the
-    default deadline of every call; ``fallback`` is ``"raise"`` or ``"zero"`` (see module doc).
+    default deadline of every call; ``fallback`` is ``"raise"`` or ``"zero"`` (see module doc);
+    ``auth``: TLS and a bearer token for the calls (None: plaintext, no token).
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class RemoteTables(RowStore):
         *,
         timeout: float = 1.0,
         fallback: Literal["raise", "zero"] = "raise",
+        auth: ClientAuth | None = None,
     ):
         if fallback not in ("raise", "zero"):
             raise ValueError(f"fallback must be 'raise' or 'zero', got {fallback!r}")
@@ -175,7 +178,7 @@ class RemoteTables(RowStore):
             raise ValueError(f"tables: duplicate names in {[t.name for t in tables]}")
         self.timeout, self.fallback = timeout, fallback
         addresses = sorted({a for t in tables for a in t.servers})
-        self._channels = {a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses}
+        self._channels = {a: open_channel(a, CHANNEL_OPTIONS, auth) for a in addresses}
         self._stubs = {a: pb_grpc.EmbeddingServiceStub(c) for a, c in self._channels.items()}
         names = ("requests", "ids", "failures", "zero_filled_ids")
         self._stats: dict[str, dict[str, int]] = {k: dict.fromkeys(addresses, 0) for k in names}

@@ -9,6 +9,9 @@
   zero row and ``found = 0``. ``Put`` appends to the table's log (fsynced) before it answers,
   so a restarted server serves the same rows.
 
+``interceptors`` and ``credentials`` secure the port (``serving/security.py`` builds them: a
+bearer-token check and TLS); the server itself knows nothing of tokens.
+
 The shard must fit ``memory_budget`` bytes: the server refuses to start (and refuses puts) with a
 message saying by how many bytes it is over.
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sharded_tables.grpc_util import bind_insecure, format_address, serve_until_signal
+from sharded_tables.grpc_util import bind_port, format_address, serve_until_signal
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.shard_files import (
@@ -313,13 +316,18 @@ class EmbeddingServer:
         name: str | None = None,
         workers: int = 8,
         verify: bool = True,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None,
     ):
         self.shard, self.host, self.port = Path(shard), host, port
+        self.credentials = credentials
         self.tables = load_tables(self.shard, memory_budget, tables, verify)
         self.servicer = EmbeddingServicer(name or str(self.shard), self.tables, memory_budget)
         self.health = health.HealthServicer()
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=workers),
+            interceptors=list(interceptors),
+            options=GRPC_OPTIONS,
         )
         pb_grpc.add_EmbeddingServiceServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -330,7 +338,7 @@ class EmbeddingServer:
 
     def start(self) -> str:
         """Binds, starts and reports SERVING; returns ``host:port`` (the bound port)."""
-        self.port = bind_insecure(self._server, self.host, self.port, "--port")
+        self.port = bind_port(self._server, self.host, self.port, "--port", self.credentials)
         self._server.start()
         for service in ("", SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -355,11 +363,14 @@ def serve(
     name: str | None = None,
     grace: float = 5.0,
     announce: Callable[[str], None] | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Serves ``folder`` until SIGTERM or SIGINT, then drains (NOT_SERVING) and stops."""
     server = EmbeddingServer(
-        folder, host=host, port=port, memory_budget=memory_budget, tables=tables, name=name
-    )
+        folder, host=host, port=port, memory_budget=memory_budget, tables=tables, name=name,
+        interceptors=interceptors, credentials=credentials,
+    )  # fmt: skip
 
     def start() -> str:
         address = server.start()

@@ -136,6 +136,109 @@ def test_a_killed_shard_gives_partial_answers_then_recovers(cluster):
     print(f"recovered {recovered_at - restarted_at:.2f} s after the restarted shard was ready")
 
 
+class Load:
+    """A thread sending Recommend calls back to back; records (latency s, status, partial,
+    missing shards, ids equal the unsharded model's) per call. ``fresh``: while set, each call
+    has a history of random items (rows no cache holds yet; its ids are not checked)."""
+
+    def __init__(self, cluster, k: int = 20):
+        model, tiny, d = cluster
+        self.stub, self.tiny, self.k = stub(d), tiny, k
+        self.want = tiny.expected(model, np.arange(8), k)[0]
+        self.fresh = threading.Event()
+        self._rng = np.random.default_rng(0)
+        self._items = model.config.num_items
+        self.seen: list[tuple[float, str, bool, list[str], bool]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        u = 0
+        while not self._stop.is_set():
+            start = time.monotonic()
+            msg, fresh = self.tiny.message(u % 8, self.k), self.fresh.is_set()
+            if fresh:
+                msg.history[:] = self._rng.integers(0, self._items, len(msg.history)).tolist()
+            try:
+                res = self.stub.Recommend(msg, timeout=10)
+                row = ("OK", res.partial, list(res.missing))
+                whole = fresh or list(res.item_ids) == self.want[u % 8].tolist()
+            except grpc.RpcError as e:
+                row, whole = (e.code().name, False, []), False
+            self.seen.append((time.monotonic() - start, *row, whole))
+            u += 1
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def since(self, n: int) -> list[tuple[float, str, bool, list[str], bool]]:
+        return self.seen[n:]
+
+    def wait_whole(self, timeout: float) -> bool:
+        """Until the last 3 answers are whole (OK, not partial)."""
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            last = self.seen[-3:]
+            if len(last) == 3 and all(c == "OK" and not p for _, c, p, _, _ in last):
+                return True
+            time.sleep(0.05)
+        return False
+
+
+def test_a_paused_shard_makes_answers_partial_within_the_deadline(cluster):
+    """SIGSTOP: the process is alive and its socket open, but it never answers (a hung host)."""
+    _, _, d = cluster
+    shard = next(p for p in Cluster.load(d).processes if p.name == "shard-0-0")
+    with Load(cluster) as load:
+        assert load.wait_whole(20)
+        mark = len(load.seen)
+        os.kill(shard.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.0)
+        finally:
+            os.kill(shard.pid, signal.SIGCONT)
+        paused = load.since(mark)
+        assert load.wait_whole(20), "answers are whole again once the shard runs"
+    assert paused and all(c == "OK" for _, c, *_ in paused), {c for _, c, *_ in paused}
+    partial = [x for x in paused if x[2]]
+    assert partial, "no answer was partial while the shard was paused"
+    assert all(m == ["shard-0"] for _, _, _, m, _ in partial)
+    assert max(lat for lat, *_ in paused) < DEADLINE_MS / 1000 * 2 + 1.0  # never a hang
+    assert all(ok for _, c, p, _, ok in paused if not p), "a whole answer was wrong"
+    print(f"{len(partial)} of {len(paused)} answers partial while paused")
+
+
+def test_a_paused_embedding_server_fails_fast_and_recovers(cluster):
+    """SIGSTOP of the embedding server holding a table the tower needs: each call ends within
+    the embedding timeout (UNAVAILABLE or DEADLINE_EXCEEDED, or OK if it was not needed), never
+    a hang, never a wrong answer; whole answers again after SIGCONT."""
+    _, _, d = cluster
+    embed = next(p for p in Cluster.load(d).processes if p.name == "embed-0")
+    with Load(cluster) as load:
+        assert load.wait_whole(20)
+        load.fresh.set()  # histories of rows the router's hot-row cache does not hold
+        mark = len(load.seen)
+        os.kill(embed.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.0)
+        finally:
+            os.kill(embed.pid, signal.SIGCONT)
+        paused = load.since(mark)
+        load.fresh.clear()
+        assert load.wait_whole(20), "answers are whole again once the embedding server runs"
+    codes = {c for _, c, *_ in paused}
+    assert paused and codes <= {"OK", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, codes
+    assert codes - {"OK"}, "no call noticed the paused embedding server"
+    assert max(lat for lat, *_ in paused) < 2.0  # the router's 0.5 s embedding timeout, not a hang
+    assert all(ok for _, c, p, _, ok in paused if c == "OK" and not p), "an OK answer was wrong"
+    print(f"paused: {len(paused)} calls, codes {sorted(codes)}")
+
+
 def test_down_leaves_no_process_behind(cluster, tmp_path):
     _, _, d = cluster
     pids = [p.pid for p in Cluster.load(d).processes]

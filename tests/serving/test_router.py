@@ -134,6 +134,20 @@ def test_the_router_moves_to_a_version_only_once_every_shard_holds_it(wide, tmp_
         c.close()
 
 
+def test_the_router_stays_while_a_shard_has_no_replica_that_answers(wide, tmp_path):
+    """A shard that cannot be asked cannot confirm a version: the router keeps the one it
+    serves instead of moving to what the other shards hold."""
+    c = Cluster(tmp_path, wide, shards=2)
+    try:
+        c.shards[1].stop(0)
+        v2 = c.repo.publish("demo", wide.build(1), shards=2)
+        assert c.shards[0].poll_once() == v2
+        assert c.router.host.poll_once() is None
+        assert c.router.host.version == c.version
+    finally:
+        c.close()
+
+
 def test_a_shard_refuses_a_version_it_does_not_hold(cluster, wide):
     import grpc
 

@@ -41,9 +41,9 @@ def test_tensor_interface_matches_the_serving_table(tiny) -> None:
             assert t.optional == optional, name
     assert cfg.backend == "python" and cfg.max_batch_size == 64
     assert cfg.version_policy.latest.num_versions == 1
-    db = cfg.dynamic_batching
-    assert list(db.preferred_batch_size) == [8, 32]
-    assert db.max_queue_delay_microseconds == 2000
+    db = cfg.dynamic_batching  # work-conserving by default: no delay, no preferred sizes
+    assert cfg.HasField("dynamic_batching")
+    assert list(db.preferred_batch_size) == [] and db.max_queue_delay_microseconds == 0
     assert db.default_queue_policy.max_queue_size == 1024
 
 

@@ -36,7 +36,7 @@ def test_publish_then_load_answers_like_the_model(tiny, repo: ModelRepository) -
     assert (loaded.name, loaded.version, loaded.path) == ("demo", 1, vdir)
     assert not loaded.model.training
     assert loaded.config.max_batch_size == 16 and loaded.config_pb is loaded.config
-    assert list(loaded.config.dynamic_batching.preferred_batch_size) == [8]  # 32 > 16 dropped
+    assert list(loaded.config.dynamic_batching.preferred_batch_size) == []  # work-conserving
     assert loaded.config == read_config(repo.root / "demo" / CONFIG_FILE)
     want = tiny.expected(tiny.model, USERS, 10)
     got = tiny.expected(loaded.model, USERS, 10)
