@@ -59,7 +59,10 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
     v1 = repo.publish("demo", tiny.model)
     v2_model = tiny.build(7)
     toml = tmp_path / "serve.toml"
-    toml.write_text("poll_s = 0.2\ndrain_timeout_s = 10.0\n[batching]\nmax_queue_delay_ms = 2.0\n")
+    toml.write_text(
+        "poll_s = 0.2\ndrain_timeout_s = 10.0\nclose_linger_s = 1.0\n"
+        "[batching]\nmax_queue_delay_ms = 2.0\n"
+    )
     err = tmp_path / "serve.stderr"
     with open(err, "w") as f:
         proc = subprocess.Popen(
@@ -137,8 +140,10 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
             assert versions == sorted(versions)  # never back to the old version
         assert stub.Recommend(tiny.message(0), timeout=WAIT).version == v2
 
-        # SIGTERM with requests in flight: each finishes or is refused UNAVAILABLE, clean exit
+        # SIGTERM with requests in flight: health says NOT_SERVING, each request finishes or is
+        # refused UNAVAILABLE, clean exit within the drain timeout
         outcomes: list[str] = []
+        health_seen: list[str] = []
         details: list[str] = []
         stop_load.clear()
 
@@ -159,6 +164,14 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
         time.sleep(0.3)
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        while proc.poll() is None and time.monotonic() - start < 5.0:  # the linger window
+            try:
+                check = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                health_seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(check.status))
+            except grpc.RpcError as e:
+                health_seen.append(e.code().name)
+            time.sleep(0.05)
+        assert "NOT_SERVING" in health_seen, health_seen  # load balancers stop sending
         assert proc.wait(15) == 0, err.read_text()
         assert time.monotonic() - start < 10.0
         stop_load.set()
