@@ -58,11 +58,30 @@ def _tls_client_ca_option() -> Any:
     return typer.Option(None, help="PEM CA: clients must show a certificate it signed (mTLS)")
 
 
-def _security(base: Any = None, **flags: Any) -> Any:
-    """The ``SecurityConfig`` of a command: ``base`` (serve.toml's) with the flags applied."""
+def _security(
+    base: Any,
+    token_file: Path | None,
+    token_env: str | None,
+    auth_serving: bool | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_client_ca: Path | None,
+    **more: Any,
+) -> Any:
+    """The ``SecurityConfig`` of a command: ``base`` (serve.toml's, or None) with the security
+    flags every server command takes applied (``more``: a command's own, e.g. ``upstream_ca``)."""
     from serving.security import SecurityConfig
 
-    return SecurityConfig.from_flags(base, **flags)
+    return SecurityConfig.from_flags(
+        base,
+        token_file=token_file,
+        token_env=token_env,
+        auth_serving=auth_serving,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
+        **more,
+    )
 
 
 @app.command()
@@ -214,12 +233,7 @@ def embed_server(
             shard = _embedding_folder(model_repo, model, index)
         budget = parse_size(memory_budget, "--memory-budget")
         security = _security(
-            token_file=auth_token_file,
-            token_env=auth_token_env,
-            auth_serving=auth_serving,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_client_ca=tls_client_ca,
+            None, auth_token_file, auth_token_env, auth_serving, tls_cert, tls_key, tls_client_ca
         ).load()
         security.warn_if_exposed(host, "embed-server")
         serve(
@@ -298,12 +312,7 @@ def shard_server_cmd(
     try:
         name = _only_model(model_repo, model)
         security = _security(
-            token_file=auth_token_file,
-            token_env=auth_token_env,
-            auth_serving=auth_serving,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_client_ca=tls_client_ca,
+            None, auth_token_file, auth_token_env, auth_serving, tls_cert, tls_key, tls_client_ca
         ).load()
         server = ShardServer(
             ModelRepository(model_repo),
@@ -384,12 +393,12 @@ def serve_cmd(
         cfg = _with_router_flags(cfg, shards, shard_deadline_ms, hedge_after_ms, embedding_servers)
         security = _security(
             cfg.security,
-            token_file=auth_token_file,
-            token_env=auth_token_env,
-            auth_serving=auth_serving,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_client_ca=tls_client_ca,
+            auth_token_file,
+            auth_token_env,
+            auth_serving,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
             upstream_ca=upstream_ca,
         )
         serve(replace(cfg, security=security))
