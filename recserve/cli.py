@@ -10,7 +10,8 @@ recserve embed-server      serve one shard of embedding rows (the remote tier) o
 recserve serve             serve a model repository: gRPC Recommend, health, metrics, hot reload
                            (with --shards: the router of a document-sharded version)
 recserve shard-server      serve one document shard of a model's index over gRPC
-recserve cluster           up / status / down: router, shards and embedding servers on 127.0.0.1
+recserve cluster           up / status / restart / down: router, shards and embedding servers on 127.0.0.1
+recserve soak              steady load on a local cluster with a hot reload and a shard restart
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import typer
+
+from recserve.cluster_cli import cluster_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 REPO = Path(__file__).resolve().parents[1]
@@ -407,118 +410,7 @@ def serve_cmd(
         raise typer.Exit(2) from None
 
 
-cluster_app = typer.Typer(
-    no_args_is_help=True,
-    help="A local cluster on 127.0.0.1: router, document shards, embedding servers.",
-)
 app.add_typer(cluster_app, name="cluster")
-CLUSTER_DIR = REPO / "runs" / "cluster"
-
-
-@cluster_app.command("up")
-def cluster_up(
-    model_repo: Path = typer.Option(..., help="repository with a document-sharded version"),
-    model: str = typer.Option("", help="model (default: the repository's only one)"),
-    shards: int = typer.Option(2, min=1, help="document shards (the version's shard count)"),
-    replicas: int = typer.Option(1, min=1, help="shard servers per shard"),
-    embedding_servers: int = typer.Option(1, min=0, help="embedding servers (the version's)"),
-    grpc_port: int = typer.Option(0, min=0, max=65535, help="router gRPC port (0: any free)"),
-    http_port: int = typer.Option(0, min=0, max=65535, help="router HTTP port (0: any free)"),
-    shard_deadline_ms: float = typer.Option(200.0, min=1, help="router: deadline per shard call"),
-    hedge_after_ms: float = typer.Option(0.0, min=0, help="router: twin call to a replica after"),
-    directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
-    auth_token_file: Path = typer.Option(
-        None, help="every process needs this bearer token (the router sends it on)"
-    ),
-    tls_cert: Path = typer.Option(None, help="every process serves TLS with this certificate"),
-    tls_key: Path = typer.Option(None, help="PEM private key of --tls-cert"),
-    tls_ca: Path = typer.Option(None, help="CA verifying --tls-cert (default: --tls-cert)"),
-) -> None:
-    """Start embedding servers, shard servers and the router; wait until all are healthy."""
-    from serving.cluster import ClusterError, ClusterSpec, up
-
-    spec = ClusterSpec(
-        model_repo=model_repo,
-        model=model,
-        shards=shards,
-        replicas=replicas,
-        embedding_servers=embedding_servers,
-        shard_deadline_ms=shard_deadline_ms,
-        hedge_after_ms=hedge_after_ms,
-        router_grpc_port=grpc_port,
-        router_http_port=http_port,
-        auth_token_file=auth_token_file,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        tls_ca=tls_ca,
-    )
-    try:
-        cluster = up(spec, directory, progress=typer.echo)
-    except (ClusterError, OSError, ValueError) as e:
-        typer.echo(f"cluster up: {e}", err=True)
-        raise typer.Exit(2) from None
-    r = cluster.router
-    typer.echo(
-        f"cluster up: {cluster.model} v{cluster.version}, {len(cluster.processes)} processes; "
-        f"router grpc={r.address} http={r.http} metrics={r.metrics} "
-        f"(file: {directory / 'cluster.json'})"
-    )
-
-
-@cluster_app.command("status")
-def cluster_status(
-    directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
-) -> None:
-    """Every process: pid, address, alive, healthy (exit 1 when any is not)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from serving.cluster import ClusterError, status
-
-    try:
-        rows = status(directory)
-    except ClusterError as e:
-        typer.echo(f"cluster status: {e}", err=True)
-        raise typer.Exit(2) from None
-    table = Table("process", "role", "pid", "address", "alive", "healthy")
-    for p, alive, ok in rows:
-        table.add_row(p.name, p.role, str(p.pid), p.address, str(alive), str(ok))
-    Console().print(table)
-    if not all(ok for _, _, ok in rows):
-        raise typer.Exit(1)
-
-
-@cluster_app.command("restart")
-def cluster_restart(
-    name: str = typer.Argument(..., help="process name, e.g. shard-1-0"),
-    directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
-) -> None:
-    """Start a stopped process again, on its old port."""
-    from serving.cluster import ClusterError, restart
-
-    try:
-        p = restart(directory, name)
-    except ClusterError as e:
-        typer.echo(f"cluster restart: {e}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"{p.name} running (pid {p.pid}) at {p.address}")
-
-
-@cluster_app.command("down")
-def cluster_down(
-    directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
-    timeout: float = typer.Option(15.0, min=0, help="seconds to drain before SIGKILL"),
-) -> None:
-    """Stop every process: SIGTERM (drain), SIGKILL after --timeout."""
-    from serving.cluster import ClusterError, down
-
-    try:
-        killed = down(directory, timeout)
-    except ClusterError as e:
-        typer.echo(f"cluster down: {e}", err=True)
-        raise typer.Exit(2) from None
-    extra = f" (SIGKILL: {', '.join(killed)})" if killed else ""
-    typer.echo(f"cluster down{extra}")
 
 
 @app.command("loadtest")
