@@ -34,10 +34,10 @@ from locust import FastHttpUser, User, events, task
 from locust.env import Environment
 from locust.exception import LocustError
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
-from workload import Request, RequestMix, kserve_body
+from workload import RequestMix, kserve_body, recommend_request
 
 from recserve.loadtest import read_model_shape
-from serving.recommend_pb2 import RecommendRequest, RecommendResponse
+from serving.recommend_pb2 import RecommendResponse
 from serving.recommend_pb2_grpc import RecommenderStub
 
 # locust has monkey-patched the standard library by now; grpc must use gevent too, or each
@@ -164,18 +164,6 @@ def partial_error(response: RecommendResponse) -> Exception | None:
     if response.partial:
         return PartialAnswerError(f"partial answer (missing: {', '.join(response.missing)})")
     return None
-
-
-def recommend_request(req: Request, model: str) -> RecommendRequest:
-    return RecommendRequest(
-        user_id=req.user_id,
-        history=req.history,
-        categorical=req.categorical,
-        dense=req.dense,
-        k=req.k,
-        filter=req.filter,
-        model=model,
-    )
 
 
 class RecommendGrpcUser(User):

@@ -1,6 +1,6 @@
 """The request mix of the load tests, built from a published model's shape; no locust here, so
-it is testable in any process (``loadtest/locustfile.py`` turns a :class:`Request` into a gRPC
-``RecommendRequest`` or a KServe v2 JSON body).
+it is testable in any process and shared by ``loadtest/locustfile.py`` and ``recserve soak``
+(a :class:`Request` becomes a gRPC ``RecommendRequest`` or a KServe v2 JSON body here).
 
 - **users**: a pool of ``pool`` synthetic users drawn Zipf-like (rank ``r`` with probability
   ∝ 1/r), so a few users come back often, as on a real site. A user's features are a pure
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recserve.loadtest import ModelShape
+from serving.recommend_pb2 import RecommendRequest
 
 K_WEIGHTS = ((10, 4.0), (50, 3.0), (100, 2.0), (500, 1.0))
 FILTER_WEIGHTS = (("none", 6.0), ("broad", 3.0), ("narrow", 1.0))
@@ -123,6 +124,19 @@ class RequestMix:
         kind = rng.choices([f for f, _ in FILTER_WEIGHTS], [w for _, w in FILTER_WEIGHTS])[0]
         text = self.filter(rng, kind)
         return Request(f"u{u}", history, categorical, dense, k, text, f"k={k} filter={kind}")
+
+
+def recommend_request(req: Request, model: str = "") -> RecommendRequest:
+    """The gRPC ``Recommend`` message of ``req`` (``model`` empty: the server's default)."""
+    return RecommendRequest(
+        user_id=req.user_id,
+        history=req.history,
+        categorical=req.categorical,
+        dense=req.dense,
+        k=req.k,
+        filter=req.filter,
+        model=model,
+    )
 
 
 def kserve_body(req: Request) -> dict[str, Any]:

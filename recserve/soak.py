@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.workload import Request, RequestMix
+from loadtest.workload import RequestMix, recommend_request
 from recserve.loadtest import read_model_shape
 from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel, table_specs
@@ -138,18 +138,7 @@ def messages(repo_dir: Path, n: int, seed: int) -> list[RecommendRequest]:
     """``n`` requests of the load tests' mix for the published model."""
     mix = RequestMix(read_model_shape(repo_dir, MODEL), pool=1000, seed=seed)
     rng = random.Random(seed)
-    return [_message(mix.draw(rng)) for _ in range(n)]
-
-
-def _message(r: Request) -> RecommendRequest:
-    return RecommendRequest(
-        user_id=r.user_id,
-        history=r.history,
-        categorical=r.categorical,
-        dense=r.dense,
-        k=r.k,
-        filter=r.filter,
-    )
+    return [recommend_request(mix.draw(rng)) for _ in range(n)]
 
 
 # ---- load ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, settings
 from tiny_model import StandInRepo, Tiny
 
 from serving.config import BatchingConfig, ServeConfig
@@ -19,6 +20,17 @@ from serving.grpc_server import ExtraServicer
 from serving.main import Server
 
 WAIT = 10.0
+
+
+def fuzz_settings(max_examples: int) -> settings:
+    """Hypothesis settings of the server fuzz tests: bounded, no deadline per example (a busy
+    2-core machine), no example database written into the checkout."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 class Quiet:

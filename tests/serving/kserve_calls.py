@@ -6,6 +6,7 @@ send over gRPC or HTTP, knowing which mutations must make the server refuse it, 
 from __future__ import annotations
 
 import copy
+import http.client
 import json
 import struct
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from serving.http_app import HEADER_LENGTH
+from serving.main import Server
 from serving.requests import DATATYPES, INPUTS, OUTPUTS
 
 PREFIXES = (
@@ -322,3 +324,21 @@ def replace_somewhere(draw: st.DrawFn, doc: object) -> bool:
         node[key] = draw(json_values)
         return True
     return False
+
+
+def post(
+    server: Server,
+    path: str,
+    body: bytes,
+    headers: dict[str, str] | None = None,
+    timeout: float = 10.0,
+) -> tuple[int, dict[str, str], bytes]:
+    """-> (status, headers, body) of one raw POST to the server's HTTP port, on a new
+    connection."""
+    conn = http.client.HTTPConnection(*server.addresses.http.split(":"), timeout=timeout)
+    try:
+        conn.request("POST", path, body, headers or {})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from fuzz_util import WAIT, Quiet, serving
-from hypothesis import HealthCheck, event, given, settings
+from fuzz_util import WAIT, Quiet, fuzz_settings, serving
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from tiny_model import Tiny
 
@@ -36,12 +36,7 @@ TABLES = {"item": (300, 32), "user_region": (6, 32), "attr_language": (8, 32), "
 ATTRIBUTES = {"language": ["en", "fr", "xx"], "available": ["true", "false", "maybe"], "colour": ["red"]}  # fmt: skip
 FIELDS = ("items", "ids", "table", "rows", "values", "model", "version", "request", "attributes")
 """What a refusal's message starts with (``items[2].vector: ...`` starts with ``items``)."""
-FUZZ = settings(
-    max_examples=200,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+FUZZ = fuzz_settings(200)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ valid calls during the whole run, and every one of them is answered.
 from __future__ import annotations
 
 import gzip
-import http.client
 import json
 from collections.abc import Iterator
 
@@ -22,10 +21,10 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from fuzz_util import WAIT, Canary, Quiet, serving
-from hypothesis import HealthCheck, event, given, settings
+from fuzz_util import WAIT, Canary, Quiet, fuzz_settings, serving
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from kserve_calls import PREFIXES, Call, calls, judge, replace_somewhere
+from kserve_calls import PREFIXES, Call, calls, judge, post, replace_somewhere
 from tiny_model import Tiny
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -34,12 +33,7 @@ from serving import kserve_grpc
 from serving.http_app import DEFAULT_MAX_BODY_BYTES, HEADER_LENGTH
 from serving.main import Server
 
-FUZZ = settings(
-    max_examples=300,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+FUZZ = fuzz_settings(300)
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +76,6 @@ def canary(server: Server, stub, tiny) -> Iterator[Canary]:
     c.start()
     yield c
     c.stop()
-
-
-def post(server: Server, path: str, body: bytes, headers: dict[str, str] | None = None):
-    """-> (status, headers, body) of one POST on a new connection."""
-    conn = http.client.HTTPConnection(*server.addresses.http.split(":"), timeout=WAIT)
-    try:
-        conn.request("POST", path, body, headers or {})
-        r = conn.getresponse()
-        return r.status, dict(r.getheaders()), r.read()
-    finally:
-        conn.close()
 
 
 # ---- gRPC -----------------------------------------------------------------------------------------

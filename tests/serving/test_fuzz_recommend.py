@@ -19,8 +19,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from fuzz_util import WAIT, Canary, Quiet, serving
-from hypothesis import HealthCheck, event, given, settings
+from fuzz_util import WAIT, Canary, Quiet, fuzz_settings, serving
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from tiny_model import Tiny
 
@@ -34,12 +34,7 @@ RECEIVE_LIMIT = 64 << 10
 """The server's ``max_receive_message_bytes`` (small, so a message over it is cheap to send)."""
 METHOD = "/recserve.serving.v1.Recommender/Recommend"
 REFUSED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
-FUZZ = settings(
-    max_examples=300,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+FUZZ = fuzz_settings(300)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ on 127.0.0.1 (the stand-in repository), and ``tritonclient.http`` talks to it un
 from __future__ import annotations
 
 import gzip
-import http.client
 import json
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.http as tc
+from kserve_calls import post
 from tritonclient.utils import InferenceServerException
 
 from serving.config import BatchingConfig
@@ -62,17 +62,6 @@ def forward(tiny, users: list[int], k: int = 10) -> tuple[np.ndarray, np.ndarray
     with torch.inference_mode():
         ids, scores = tiny.model(tiny.prep.user_batch(np.array(users)), k)
     return ids.numpy(), scores.numpy()
-
-
-def post(server: Server, path: str, body: bytes, headers: dict[str, str] | None = None):
-    """-> (status, headers, body) of a raw POST."""
-    conn = http.client.HTTPConnection(*server.addresses.http.split(":"), timeout=WAIT)
-    try:
-        conn.request("POST", path, body, headers or {})
-        r = conn.getresponse()
-        return r.status, dict(r.getheaders()), r.read()
-    finally:
-        conn.close()
 
 
 def test_binary_round_trip_equals_a_forward(client, tiny):
