@@ -166,3 +166,19 @@ def triton_stats(address: str, model: str) -> dict[str, float]:
         "mean_compute_output_ms": st.inference_stats.compute_output.ns / n / 1e6,
         "mean_request_ms": st.inference_stats.success.ns / n / 1e6,
     }
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Pids of live processes whose command line contains ``marker`` (this run's temp paths)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found

@@ -72,6 +72,7 @@ from loadgen import closed_loop, ready  # noqa: E402
 from server_procs import (  # noqa: E402
     Running,
     Unavailable,
+    processes_mentioning,
     start,
     start_triton,
     stop,
@@ -79,7 +80,7 @@ from server_procs import (  # noqa: E402
     wait_for_line,
     wait_triton,
 )
-from timing import busy_s, int_list, percentiles  # noqa: E402
+from timing import OtherLoad, cell, int_list, percentiles  # noqa: E402
 
 from retrieval.data import SyntheticConfig, generate  # noqa: E402
 from retrieval.model import RetrievalModel  # noqa: E402
@@ -363,40 +364,7 @@ def run_load(
     )
 
 
-# ---- CPU used outside this run ------------------------------------------------------------------
-def _proc_cpu_s(pids: set[int], groups: set[int]) -> float:
-    """CPU seconds so far of the live processes in ``pids`` or in the process groups ``groups``."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(entry.name) in pids or int(fields[2]) in groups:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
-class OtherLoad:
-    """Share of the machine's CPU used by processes *outside* this run (this process, the load
-    generator and the server's process group are the run) between ``start`` and ``stop``."""
-
-    def __init__(self, pids: set[int], groups: set[int]):
-        self.pids, self.groups = pids, groups
-        self._t0 = self._busy0 = self._ours0 = 0.0
-
-    def start(self) -> None:
-        self._t0, self._busy0 = time.perf_counter(), busy_s()
-        self._ours0 = _proc_cpu_s(self.pids, self.groups)
-
-    def stop(self) -> float:
-        wall = time.perf_counter() - self._t0
-        others = (busy_s() - self._busy0) - (_proc_cpu_s(self.pids, self.groups) - self._ours0)
-        return max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
-
-
+# ---- what else ran -----------------------------------------------------------------------------
 def top_other_processes(n: int = 5) -> list[str]:
     """The busiest processes right now (``ps``), as a record of what shared the machine."""
     out = subprocess.run(
@@ -543,10 +511,6 @@ def summarize(results: dict[str, Any], budget_ms: float) -> dict[str, Any]:
     return {"best": best, "ratios": ratios}
 
 
-def _f(x: float | None, fmt: str) -> str:
-    return "—" if x is None or x != x else format(x, fmt)
-
-
 def render(results: dict[str, Any]) -> str:
     """Markdown: headline (best under budget + ratios), every load case, catalog sizes."""
     budget = results["config"]["p99_ms"]
@@ -562,9 +526,9 @@ def render(results: dict[str, Any]) -> str:
         met = {True: "yes", False: "**no**", None: "—"}[r.get("met")]
         why = f"skipped: {v['skipped'].splitlines()[0][:80]}" if v.get("skipped") else "none fits"
         lines.append(
-            f"| {s} | {PROTOCOL[s]} | {_f(b and b['qps'], '.0f') if b else why} | "
-            f"{b['concurrency'] if b else '—'} | {_f(b and b['p50_ms'], '.2f')} | "
-            f"{_f(b and b['p99_ms'], '.2f')} | {_f(r.get('ratio'), '.2f')} | "
+            f"| {s} | {PROTOCOL[s]} | {cell(b and b['qps'], '.0f') if b else why} | "
+            f"{b['concurrency'] if b else '—'} | {cell(b and b['p50_ms'], '.2f')} | "
+            f"{cell(b and b['p99_ms'], '.2f')} | {cell(r.get('ratio'), '.2f')} | "
             f"{'≥ ' + format(r['target'], 'g') + '×' if r else '—'} | {met if r else '—'} |"
         )
     if (r := summary["ratios"].get("triton (both KServe)")) is not None:
@@ -598,8 +562,8 @@ def render_sizes(results: dict[str, Any]) -> list[str]:
     for r in results["sizes"]:
         lines.append(
             f"| {r['items']:,} | {r['nlist']} / {r['nprobe']} | {r['inprocess_p50_ms']:.2f} | "
-            f"{_f(r['c1_p50_ms'], '.2f')} | {_f(r['c1_p99_ms'], '.2f')} | "
-            f"{_f(r['c8_qps'], '.0f')} | {_f(r['c8_p99_ms'], '.2f')} | {r['other_load']:.0%} |"
+            f"{cell(r['c1_p50_ms'], '.2f')} | {cell(r['c1_p99_ms'], '.2f')} | "
+            f"{cell(r['c8_qps'], '.0f')} | {cell(r['c8_p99_ms'], '.2f')} | {r['other_load']:.0%} |"
         )
     return lines
 
@@ -608,7 +572,7 @@ def render_sizes(results: dict[str, Any]) -> list[str]:
 def environment(work: Workload) -> dict[str, Any]:
     """Machine, versions, the index's shape and what else was running at the start."""
     idx = work.model.index
-    load = OtherLoad({os.getpid()}, set())
+    load = OtherLoad()
     load.start()
     time.sleep(1.0)
     return {
@@ -620,22 +584,6 @@ def environment(work: Workload) -> dict[str, Any]:
         "other_load_at_start": load.stop(), "loadavg_at_start": os.getloadavg(),
         "top_processes_at_start": top_other_processes(),
     }  # fmt: skip
-
-
-def leftover_servers(marker: str) -> list[int]:
-    """Pids of live processes whose command line names this run's temp folder (must be none)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if marker in cmd and state != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
@@ -663,7 +611,7 @@ def run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
             del work
             results["sizes"] += size_cases(tmp, pool, loadgen_pid, args)
         finally:
-            results["leftover_servers"] = leftover_servers(tmp_name)
+            results["leftover_servers"] = processes_mentioning(tmp_name)
 
 
 def main(argv: list[str] | None = None) -> None:

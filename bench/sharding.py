@@ -60,7 +60,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadgen import closed_loop, ready
-from timing import OtherLoad, int_list, time_batched, time_single
+from server_procs import processes_mentioning
+from timing import OtherLoad, cell, int_list, time_batched, time_single
 
 from retrieval.data import SyntheticConfig, generate
 from retrieval.features import UserBatch
@@ -411,22 +412,6 @@ def cluster(
         stop_pids(processes_mentioning(str(repo_root)))
 
 
-def processes_mentioning(marker: str) -> list[int]:
-    """Pids of live processes whose command line contains ``marker`` (this run's temp paths)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if marker in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 def stop_pids(pids: list[int], grace_s: float = 10.0) -> None:
     """SIGTERM each pid, SIGKILL those alive after ``grace_s`` (only this run's processes)."""
     if not pids:
@@ -551,10 +536,6 @@ def add_ratios(results: dict[str, Any]) -> None:
         r["qps_vs_inprocess_batched"] = r["qps"] / base[r["filter"]]["batched_qps"]
 
 
-def _f(x: float | None, fmt: str) -> str:
-    return "—" if x is None or x != x else format(x, fmt)
-
-
 def render(results: dict[str, Any]) -> str:
     """The two markdown tables: load cases, then the latency breakdown at concurrency 1."""
     lines = [
@@ -575,7 +556,7 @@ def render(results: dict[str, Any]) -> str:
         lines.append(
             f"| {r['shards']} | {r['concurrency']} | {r['filter']} | {r['qps']:.0f} | "
             f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['partial']} | "
-            f"{sum(r['errors'].values())} | {_f(r['qps_vs_1_shard'], '.2f')} | "
+            f"{sum(r['errors'].values())} | {cell(r['qps_vs_1_shard'], '.2f')} | "
             f"{r['p50_vs_inprocess']:.2f} | {r['qps_vs_inprocess_batched']:.2f} |"
         )
     lines += ["", *render_breakdown(results), "", render_checks(results)]
@@ -620,14 +601,14 @@ def render_breakdown(results: dict[str, Any]) -> list[str]:
         for label, b in base.items():
             c = p50("cluster", s, label, concurrency=1)
             lines.append(
-                f"| {s} | {label} | {b:.2f} | {_f(p50('local_merge', s, label), '.2f')} | "
+                f"| {s} | {label} | {b:.2f} | {cell(p50('local_merge', s, label), '.2f')} | "
                 + "".join(
-                    f"{_f(p50('inprocess_router', s, label, queue_delay_ms=d), '.2f')} | "
+                    f"{cell(p50('inprocess_router', s, label, queue_delay_ms=d), '.2f')} | "
                     for d in delays
                 )
-                + f"{_f(c, '.2f')} | "
-                f"{_f(None if c is None else c - b, '+.2f')} | "
-                f"{_f(None if c is None else c / b, '.2f')} |"
+                + f"{cell(c, '.2f')} | "
+                f"{cell(None if c is None else c - b, '+.2f')} | "
+                f"{cell(None if c is None else c / b, '.2f')} |"
             )
     return lines
 

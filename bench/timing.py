@@ -18,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -106,28 +107,49 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def proc_cpu_s(pids: set[int], groups: set[int]) -> float:
+    """CPU seconds so far of the live processes in ``pids`` or in the process groups ``groups``."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(entry.name) in pids or int(fields[2]) in groups:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 class OtherLoad:
     """Share of the machine's CPU used by *other* processes between ``start()`` and ``stop()``.
 
     Benchmarks here share two cores with other sessions' compiles and tests; a point measured while
-    others were busy is suspect. Reads ``/proc/stat`` (all CPUs) minus this process's CPU time.
-    Returns 0.0 where ``/proc/stat`` is unavailable.
+    others were busy is suspect. Reads ``/proc/stat`` (all CPUs) minus the run's own CPU time: this
+    process, plus ``pids`` and the process groups ``groups`` when the run has more processes
+    (a load generator, a server). Returns 0.0 where ``/proc/stat`` is unavailable.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pids: set[int] | None = None, groups: set[int] | None = None) -> None:
+        self.pids = (pids or set()) - {os.getpid()}
+        self.groups = groups or set()
         self._t0 = self._busy0 = self._own0 = 0.0
 
-    _busy_s = staticmethod(lambda: busy_s())
-
-    @staticmethod
-    def _own_s() -> float:
+    def _own_s(self) -> float:
         t = os.times()
-        return t.user + t.system
+        others = proc_cpu_s(self.pids, self.groups) if self.pids or self.groups else 0.0
+        return t.user + t.system + others
 
     def start(self) -> None:
-        self._t0, self._busy0, self._own0 = time.perf_counter(), self._busy_s(), self._own_s()
+        self._t0, self._busy0, self._own0 = time.perf_counter(), busy_s(), self._own_s()
 
     def stop(self) -> float:
         wall = time.perf_counter() - self._t0
-        others = (self._busy_s() - self._busy0) - (self._own_s() - self._own0)
+        others = (busy_s() - self._busy0) - (self._own_s() - self._own0)
         return max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
+
+
+def cell(x: float | None, fmt: str) -> str:
+    """A table cell: ``x`` formatted, or an em dash for None / NaN (a case that did not run)."""
+    return "—" if x is None or x != x else format(x, fmt)
