@@ -28,6 +28,7 @@ from serving.recommend_pb2 import RecommendRequest, RecommendResponse
 from serving.recommend_pb2_grpc import RecommenderStub
 from serving.repository import ModelRepository
 from serving.requests import DATATYPES
+from sharded_tables.grpc_util import retry_options
 from sharded_tables.placement import Budgets
 from sharded_tables.specs import DType
 
@@ -87,7 +88,8 @@ def serve_on_cluster(
     cluster = up(spec, cluster_dir, progress=lambda m: console.print(f"  {m}"))
     try:
         address = cluster.router.address
-        with grpc.insecure_channel(address) as channel:
+        # a client retries UNAVAILABLE (no shard answered in time: a busy machine's hiccup)
+        with grpc.insecure_channel(address, options=retry_options()) as channel:
             stub = RecommenderStub(channel)
             replies = _recommend_all(stub, prep, users, k, console, summary)
             _show(stub, prep, int(users[0]), flt, console)

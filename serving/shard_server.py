@@ -51,6 +51,26 @@ GRPC_OPTIONS = [
 ]
 
 
+def warm_up(index: IVFIndex, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
+    """Searches ``index`` as a router would (unfiltered; filtered and exact, with vectors) once
+    per batch size, so the first routed search does not pay the first-call costs (~70 ms on
+    CPU: the kernels' first dispatch, the pages of the codes) inside the router's shard
+    deadline. Raises when the index cannot answer."""
+    if index.ntotal == 0:
+        return
+    k = min(10, index.ntotal)
+    attr, values = next(iter(index.schema.to_dict().items()), ("", []))
+    some_filter = f"{attr} = {values[0]!r}" if values else None
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for size in batch_sizes:
+            q = torch.randn(size, index.dim, generator=gen).to(index.centroids.device)
+            for text, exact in ((None, False), (some_filter, True)):
+                fb = index.compile_filter(text, size)
+                plan = index.plan(fb, k, index.config.nprobe, index.config.rerank, exact)
+                index.item_candidates(q, fb, plan, with_vectors=exact)
+
+
 class ShardMetrics:
     """Per-shard Prometheus series (own registry: one per server, also in tests)."""
 
@@ -214,8 +234,9 @@ class ShardServer:
     def _load(self, version: int) -> bool:
         try:
             index, smap = self.repo.load_shard(self.model, version, self.shard, self.device)
-        except Exception as e:  # corrupt, not sharded, no such shard: keep what serves
-            self.failed.add(version)
+            warm_up(index)
+        except Exception as e:  # corrupt, not sharded, no such shard, cannot search: keep
+            self.failed.add(version)  # ... what serves
             log.error("shard %d: version %d of %s refused: %s", self.shard, version, self.model, e)
             return False
         held = dict(self.held)
@@ -245,7 +266,8 @@ class ShardServer:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> str:
-        """Loads the newest loadable version, binds, reports SERVING; returns ``host:port``."""
+        """Loads and warms up the newest loadable version, binds, reports SERVING; returns
+        ``host:port``."""
         for v in sorted(self.repo.versions(self.model), reverse=True):
             if self._load(v):
                 break

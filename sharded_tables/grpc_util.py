@@ -5,6 +5,7 @@ is ``serving/security.py``'s business; this module only speaks gRPC."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -76,6 +77,26 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._details(details), request)
+
+
+def retry_options(
+    attempts: int = 3, codes: Sequence[str] = ("UNAVAILABLE",), backoff_s: float = 0.05
+) -> list[tuple[str, Any]]:
+    """Channel options that make gRPC itself retry a call that failed with one of ``codes``
+    (up to ``attempts`` tries, exponential backoff from ``backoff_s`` with jitter, within the
+    call's own deadline): for clients, since UNAVAILABLE (a router with no shard answering, a
+    draining server) is transient by definition."""
+    if attempts < 2:
+        raise ValueError(f"attempts: must be >= 2, got {attempts}")
+    policy = {
+        "maxAttempts": attempts,
+        "initialBackoff": f"{backoff_s}s",
+        "maxBackoff": f"{backoff_s * 2 ** (attempts - 1)}s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": list(codes),
+    }
+    config = {"methodConfig": [{"name": [{}], "retryPolicy": policy}]}
+    return [("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 1)]
 
 
 def open_channel(

@@ -11,6 +11,7 @@ import pytest
 import torch
 from topk_check import assert_same_topk
 
+from retrieval.index.ivf import IVFIndex
 from serving.config import RouterConfig, ServeConfig
 from serving.main import Server
 from serving.repository.repository import ModelRepository
@@ -162,6 +163,35 @@ def test_a_shard_refuses_a_version_it_does_not_hold(cluster, wide):
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"holds versions [{cluster.version}], not 99" in err.value.details()
+
+
+def test_a_shard_searches_every_batch_size_before_it_reports_serving(wide, tmp_path, monkeypatch):
+    repo = ModelRepository(tmp_path)
+    repo.publish("demo", wide.model, shards=2)
+    searched: list[tuple[int, bool]] = []
+    real = IVFIndex.item_candidates
+
+    def counted(self, q, fb, plan, with_vectors=False):
+        searched.append((q.shape[0], fb.active))
+        return real(self, q, fb, plan, with_vectors)
+
+    monkeypatch.setattr(IVFIndex, "item_candidates", counted)
+    server = ShardServer(repo, "demo", 0, poll_s=0)
+    server.start()
+    server.stop(0)
+    assert set(searched) == {(1, False), (1, True), (8, False), (8, True)}
+
+
+def test_a_shard_that_cannot_search_a_version_refuses_it(wide, tmp_path, monkeypatch):
+    repo = ModelRepository(tmp_path)
+    repo.publish("demo", wide.model, shards=2)
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("codes do not match the lists")
+
+    monkeypatch.setattr(IVFIndex, "item_candidates", broken)
+    with pytest.raises(FileNotFoundError, match="no version with a loadable shard 0"):
+        ShardServer(repo, "demo", 0, poll_s=0).start()
 
 
 def test_shards_listed_in_the_wrong_order_are_refused(wide, tmp_path):
