@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 from timing import percentiles
 
+from loadtest.workload import OWN_CONNECTION
+
 Send = Callable[..., Any]
 """``send(request, timeout=...) -> response``: a bound unary stub method."""
 
@@ -41,7 +43,9 @@ def closed_loop(
     records: list[list[tuple[float, float, bool, str]]] = [[] for _ in range(concurrency)]
 
     def client(c: int) -> None:
-        with grpc.insecure_channel(address) as channel:
+        # each client its own TCP connection, as real clients are (and as a group of server
+        # processes sharing a port needs: the kernel spreads connections, not calls)
+        with grpc.insecure_channel(address, options=[OWN_CONNECTION]) as channel:
             send = make_send(channel)
             grpc.channel_ready_future(channel).result(timeout=30)
             while time.perf_counter() < start:

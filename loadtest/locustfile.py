@@ -34,7 +34,7 @@ from locust import FastHttpUser, User, events, task
 from locust.env import Environment
 from locust.exception import LocustError
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
-from workload import RequestMix, kserve_body, recommend_request
+from workload import OWN_CONNECTION, RequestMix, kserve_body, recommend_request
 
 from recserve.loadtest import read_model_shape
 from serving.recommend_pb2 import RecommendResponse
@@ -176,7 +176,9 @@ class RecommendGrpcUser(User):
         if not self.host:
             raise LocustError("--host: the gRPC listener's HOST:PORT is required")
         self.interceptor = LocustInterceptor(environment, check=partial_error)
-        self.channel = grpc.intercept_channel(grpc.insecure_channel(self.host), self.interceptor)
+        # each user its own TCP connection (a server group spreads connections, not calls)
+        channel = grpc.insecure_channel(self.host, options=[OWN_CONNECTION])
+        self.channel = grpc.intercept_channel(channel, self.interceptor)
         self.stub = RecommenderStub(self.channel)
         self.rng = client_rng()
 

@@ -31,6 +31,12 @@ from typing import Any
 from recserve.loadtest import ModelShape
 from serving.recommend_pb2 import RecommendRequest
 
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+"""A channel option: this channel opens its own TCP connection. gRPC otherwise shares one
+connection among the channels of a process to the same address, and a group of server
+processes sharing a port (``SO_REUSEPORT``) spreads connections, not calls: a load generator's
+simulated clients must each be a connection, as real clients are."""
+
 K_WEIGHTS = ((10, 4.0), (50, 3.0), (100, 2.0), (500, 1.0))
 FILTER_WEIGHTS = (("none", 6.0), ("broad", 3.0), ("narrow", 1.0))
 MAX_K = 10_000

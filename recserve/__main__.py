@@ -1,3 +1,4 @@
 from recserve.cli import main
 
-main()
+if __name__ == "__main__":  # a spawned serving process imports this module too
+    main()

@@ -355,6 +355,11 @@ def serve_cmd(
         None, help="router: embedding server addresses, comma-separated (server 0, 1, ...)"
     ),
     torch_threads: int = typer.Option(None, min=0, help="intra-op threads (0: torch's default)"),
+    processes: int = typer.Option(
+        None,
+        min=1,
+        help="serving processes sharing the ports (more use more cores; default 1)",
+    ),
     state_dir: Path = typer.Option(
         None,
         help="serving state folder: turns on the admin API (live updates) and holds their logs",
@@ -377,6 +382,7 @@ def serve_cmd(
     from serving.config import ConfigError, ServeConfig
     from serving.host import NoLoadableVersionError
     from serving.main import serve
+    from serving.processes import GroupStartError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -391,6 +397,7 @@ def serve_cmd(
             metrics_port=metrics_port,
             host=host,
             torch_threads=torch_threads,
+            processes=processes,
             state_dir=state_dir,
         )
         cfg = _with_router_flags(cfg, shards, shard_deadline_ms, hedge_after_ms, embedding_servers)
@@ -405,7 +412,7 @@ def serve_cmd(
             upstream_ca=upstream_ca,
         )
         serve(replace(cfg, security=security))
-    except (ConfigError, NoLoadableVersionError, OSError) as e:
+    except (ConfigError, NoLoadableVersionError, OSError, GroupStartError) as e:
         typer.echo(f"serve: {e}", err=True)
         raise typer.Exit(2) from None
 

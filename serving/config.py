@@ -56,6 +56,7 @@ MAX_WAIT_S = 86_400.0
 mistake, and Python's waits refuse past ~292 years (OverflowError in the thread that waits)."""
 MAX_C_INT = 2**31 - 1
 """gRPC channel options and ``torch.set_num_threads`` take a C int."""
+MAX_PROCESSES = 256
 
 
 class ConfigError(ValueError):
@@ -213,7 +214,13 @@ class ServeConfig:
     max_receive_message_bytes: int = 4 << 20
     """Largest gRPC request; a larger one is refused (RESOURCE_EXHAUSTED, by gRPC)."""
     torch_threads: int = 0
-    """Intra-op threads of the forward (0: torch's default)."""
+    """Intra-op threads of the forward (0: torch's default; in a group of ``processes``, the
+    cores divided among them)."""
+    processes: int = 1
+    """Serving processes sharing the gRPC and HTTP ports (``serving/processes.py``), each with
+    its own model copy, batcher and Python interpreter lock: more of them use more cores for
+    the Python parts of serving (gRPC handlers, parsing, each batch's many small ops). 1: this
+    process serves. Not with ``state_dir`` (an update log has one writer)."""
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     router: RouterConfig | None = None
     """Set: this process is the router of a document-sharded model."""
@@ -290,6 +297,13 @@ class ServeConfig:
         for name in ("poll_s", "torch_threads", "close_linger_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.processes <= MAX_PROCESSES:
+            raise ConfigError(f"processes: must be in [1, {MAX_PROCESSES}], got {self.processes}")
+        if self.processes > 1 and self.state_dir is not None:
+            raise ConfigError(
+                "processes: live updates (state_dir) need one serving process: each process "
+                "would apply an update to its own copy, and an update log has one writer"
+            )
         self.batching.validate()
         if self.router is not None:
             self.router.validate()

@@ -140,6 +140,7 @@ class GrpcServer:
         max_receive_message_bytes: int = 4 << 20,
         extra_servicers: Sequence[ExtraServicer] = (),
         security: Security = NO_SECURITY,
+        reuse_port: bool = False,
     ):
         self.state, self.host, self.port = state, host, port
         self.security = security
@@ -150,7 +151,8 @@ class GrpcServer:
             options=[
                 ("grpc.max_receive_message_length", max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),  # a second server on a taken port must fail
+                # a second server on a taken port must fail, unless a process group shares it
+                ("grpc.so_reuseport", int(reuse_port)),
             ],
         )
         add_recommender(self._server, RecommendServicer(state))

@@ -83,6 +83,19 @@ def discover_grpc_plugins() -> list[ExtraServicer]:
     return found
 
 
+def announce_line(
+    model: str, version: int | None, a: Addresses, secured: str, processes: int = 1
+) -> str:
+    """The ready line: ``serving MODEL vVERSION grpc=.. http=.. metrics=..`` (+ ``processes=N``
+    for a group, + ``security=..``: which protections are on, never the token)."""
+    return (
+        f"serving {model} v{version} grpc={a.grpc} http={a.http or 'off'} "
+        f"metrics={a.metrics or 'off'}"
+        + (f" processes={processes}" if processes > 1 else "")
+        + (f" security={secured}" if secured else "")
+    )
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -97,9 +110,12 @@ class Server:
         repo: Repository | None = None,
         extra_servicers: Sequence[ExtraServicer] | None = None,
         registry: CollectorRegistry | None = None,
+        reuse_port: bool = False,
     ):
+        """``reuse_port``: bind the gRPC and HTTP ports with ``SO_REUSEPORT``, beside the
+        other processes of a group (``serving/processes.py``); otherwise a taken port fails."""
         config.validate()  # fail fast, naming the field
-        self.config = config
+        self.config, self.reuse_port = config, reuse_port
         self.security = config.security.load()  # reads the token and certificates once
         self._make_app: Callable[[ServingState], Any] | None = None
         if config.http_port is not None:
@@ -178,6 +194,7 @@ class Server:
             max_receive_message_bytes=cfg.max_receive_message_bytes,
             extra_servicers=self.extra_servicers,
             security=self.security,
+            reuse_port=self.reuse_port,
         )
         self.security.warn_if_exposed(cfg.host, "serve")
         grpc_address = self.grpc.start()
@@ -204,6 +221,8 @@ class Server:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError as e:
@@ -229,12 +248,8 @@ class Server:
 
     def announce_line(self) -> str:
         assert self.addresses is not None
-        a = self.addresses
-        secured = self.security.describe()  # never the token: which protections are on
-        return (
-            f"serving {self.host.name} v{self.host.version} grpc={a.grpc} "
-            f"http={a.http or 'off'} metrics={a.metrics or 'off'}"
-            + (f" security={secured}" if secured else "")
+        return announce_line(
+            self.host.name, self.host.version, self.addresses, self.security.describe()
         )
 
     def drain_and_stop(self, timeout: float | None = None) -> bool:
@@ -274,7 +289,14 @@ def serve(
     extra_servicers: Sequence[ExtraServicer] | None = None,
 ) -> None:
     """Serves until SIGTERM or SIGINT, then drains and returns; a drain that overruns
-    ``drain_timeout_s`` (a stuck batch) ends the process at once with status 1."""
+    ``drain_timeout_s`` (a stuck batch) ends the process at once with status 1. With
+    ``processes > 1`` a group of serving processes serves (``serving/processes.py``; each
+    finds its gRPC plugins itself)."""
+    if config.processes > 1:
+        from serving.processes import serve_processes
+
+        serve_processes(config, announce)
+        return
     server = Server(config, extra_servicers=extra_servicers)
 
     def start() -> str:
