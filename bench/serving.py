@@ -10,15 +10,16 @@ weights, real IVF index), published once into a model repository. Every system s
 (b) ``naive``: a grpcio ``Recommend`` servicer that runs the model's forward for each request
     on its own (``ModelRunner.run([request])``: no batcher), same thread pool;
 (c) ``triton``: nvidia-pytriton's bundled ``tritonserver`` on the same repository through our
-    Python backend (``model.py`` of the version, dynamic batching from its ``config.pbtxt``),
-    called with KServe v2 ``ModelInfer`` (raw gRPC stubs of tritonclient); skipped, with the
-    reason recorded, when it cannot start;
-(d) ``ours``: ``recserve serve`` with its default batching (from ``config.pbtxt``), called with
-    ``Recommend``; and ``ours-kserve``: the same process called with KServe v2 ``ModelInfer``
-    (the same protocol as Triton).
+    Python backend (``model.py`` of the version, dynamic batching from its ``config.pbtxt``,
+    ``--processes`` model instances), called with KServe v2 ``ModelInfer`` (raw gRPC stubs of
+    tritonclient); skipped, with the reason recorded, when it cannot start;
+(d) ``ours``: ``recserve serve --processes N`` (default: one per core, the torch threads shared
+    out) with its default batching (from ``config.pbtxt``), called with ``Recommend``;
+    ``ours-1proc``: one serving process (what each of the N adds); and ``ours-kserve``: the
+    group called with KServe v2 ``ModelInfer`` (the same protocol as Triton).
 
 The load generator is a separate process: closed loop, C clients (``--concurrency``), each a
-thread with its own channel, sending the next request as soon as the last answers; 1 query per
+thread with its own channel and connection, sending the next request as soon as the last answers; 1 query per
 request, K = 100, unfiltered, the same users in the same order for every system. Reported per
 (system, C): q/s, p50, p99, errors, and the share of the 2 cores used by processes outside this
 run. The headline is each system's max q/s at p99 <= ``--p99-ms`` (the highest q/s among the
@@ -92,7 +93,7 @@ RUN_MARKER = "recserve-serving-bench-"
 """Prefix of this run's temp folder; every server's command line names it."""
 TARGETS = {"noop": 0.5, "naive": 3.0, "triton": 1.0}
 """ours / system: the issue's targets for max q/s at p99 <= budget."""
-SYSTEMS = ("noop", "naive", "ours", "ours-kserve", "triton")
+SYSTEMS = ("noop", "naive", "ours", "ours-1proc", "ours-kserve", "triton")
 """Run in this order: Triton last, since its backend stubs linger after it stops and would
 load the machine while the next system is measured (seen as 16-33 % other load)."""
 
@@ -117,6 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=1.0, help="untimed seconds per load case")
     p.add_argument("--p99-ms", type=float, default=20.0, help="latency budget of the headline")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every model server")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="ours' serving processes and Triton's model instances (default: the cores)",
+    )
     p.add_argument("--grpc-workers", type=int, default=64, help="gRPC threads (ours' default)")
     p.add_argument("--sizes", type=int_list, help="extra catalog sizes for ours (default 1M)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
@@ -226,12 +233,27 @@ def build_workload(items: int, args: argparse.Namespace) -> tuple[Workload, floa
     return work, time.perf_counter() - t0
 
 
-def publish(work: Workload, root: Path, threads: int) -> Path:
-    """Publishes the model as ``MODEL`` version 1 in a new repository at ``root``."""
+def publish(work: Workload, root: Path, args: argparse.Namespace) -> Path:
+    """Publishes the model as ``MODEL`` version 1 in a new repository at ``root``, with
+    ``--processes`` model instances for Triton (``instance_group``: one Python backend stub
+    process each), each with its share of the torch threads."""
+    from tritonclient.grpc import model_config_pb2
+
+    from serving.repository.config import read_config, write_config
     from serving.repository.repository import ModelRepository
 
-    ModelRepository(root).publish(MODEL, work.model, parameters={"torch_threads": str(threads)})
+    threads = str(threads_each(args))
+    ModelRepository(root).publish(MODEL, work.model, parameters={"torch_threads": threads})
+    path = root / MODEL / "config.pbtxt"
+    cfg = read_config(path)
+    cfg.instance_group.add(count=args.processes, kind=model_config_pb2.ModelInstanceGroup.KIND_CPU)
+    write_config(path, cfg)
     return root
+
+
+def threads_each(args: argparse.Namespace) -> int:
+    """Torch threads of each of the ``--processes`` model processes (Triton's instances too)."""
+    return max(1, args.threads // args.processes)
 
 
 def inprocess_latency(work: Workload, n: int = 200) -> dict[str, float]:
@@ -311,9 +333,13 @@ def server(system: str, repo: Path, tmp: Path, args: argparse.Namespace) -> Iter
         ]
         cmd += ["--threads", str(args.threads), "--grpc-workers", str(args.grpc_workers)]
         run, pattern = start(cmd, log), r"listening (\S+)"
-    elif system in ("ours", "ours-kserve"):
+    elif system in ("ours", "ours-kserve", "ours-1proc"):
         cmd = [sys.executable, "-m", "recserve", "serve", "--model-repo", str(repo)]
-        cmd += ["--model", MODEL, "--grpc-port", "0", "--torch-threads", str(args.threads)]
+        cmd += ["--model", MODEL, "--grpc-port", "0"]
+        if system == "ours-1proc":
+            cmd += ["--torch-threads", str(args.threads)]
+        else:
+            cmd += ["--processes", str(args.processes), "--torch-threads", str(threads_each(args))]
         run, pattern = start(cmd, log), r"serving \S+ v\d+ grpc=(\S+)"
     else:
         run, pattern = start_triton(repo, tmp, log), ""
@@ -375,7 +401,7 @@ def top_other_processes(n: int = 5) -> list[str]:
 
 # ---- the runs -----------------------------------------------------------------------------------
 PROTOCOL = {"noop": "recommend", "naive": "recommend", "triton": "kserve", "ours": "recommend",
-            "ours-kserve": "kserve"}  # fmt: skip
+            "ours-1proc": "recommend", "ours-kserve": "kserve"}  # fmt: skip
 
 
 def check_ids(system: str, address: str, work: Workload, users: np.ndarray) -> bool:
@@ -458,7 +484,7 @@ def size_cases(
     rows = []
     for items in args.sizes:
         work, build_s = build_workload(items, args)
-        repo = publish(work, tmp / f"repo-{items}", args.threads)
+        repo = publish(work, tmp / f"repo-{items}", args)
         inproc = inprocess_latency(work)
         with server("ours", repo, tmp, args) as run:
             cases = load_cases("ours", run, work, [1, 8], pool, loadgen_pid, args)
@@ -600,7 +626,7 @@ def run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
         tmp = Path(tmp_name)
         try:
             loadgen_pid = pool.submit(ready).result()
-            repo = publish(work, tmp / "repo", args.threads)
+            repo = publish(work, tmp / "repo", args)
             inproc = inprocess_latency(work)
             results["inprocess"] = inproc
             results["systems"] = {}
