@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -48,7 +47,7 @@ from serving.state import ServingState, make_batcher
 
 if TYPE_CHECKING:
     from serving.admin import LiveUpdates
-from sharded_tables.grpc_util import serve_until_signal
+from sharded_tables.grpc_util import bind_tcp, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -216,18 +215,9 @@ class Server:
     def _start_http(self, app: Any, host: str, port: int) -> str:
         import uvicorn
 
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets it knows are TCP;
-        # without it each answer on a kept-alive connection waits ~40 ms for a delayed ACK
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if self.reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            sock.close()
-            raise OSError(f"http_port: cannot bind {host}:{port}: {e}") from None
+        # without TCP_NODELAY (bind_tcp's IPPROTO_TCP lets asyncio set it) each answer on a
+        # kept-alive connection waits ~40 ms for a delayed ACK
+        sock = bind_tcp(host, port, "http_port", reuse_addr=True, reuse_port=self.reuse_port)
         bound = sock.getsockname()[1]
         config = uvicorn.Config(
             self.security.wrap_http(app), log_level="warning", lifespan="off",

@@ -51,7 +51,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.config import ServeConfig
-from sharded_tables.grpc_util import format_address, serve_until_signal
+from sharded_tables.grpc_util import bind_tcp, format_address, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +79,9 @@ def reserve_port(host: str, port: int, field: str) -> socket.socket:
     processes bind the same port beside it, nobody else can. Port 0 picks a free port (read
     it back with ``getsockname``). ``OSError`` naming ``field`` when the port is taken --
     checked without ``SO_REUSEPORT`` first, so another group cannot silently join."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     if port:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as e:
-                raise OSError(f"{field}: cannot bind {format_address(host, port)}: {e}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"{field}: cannot bind {format_address(host, port)}: {e}") from None
-    return sock
+        bind_tcp(host, port, field, reuse_addr=True).close()  # anyone on it: fails here
+    return bind_tcp(host, port, field, reuse_port=True)
 
 
 def threads_per_process(processes: int, torch_threads: int) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,26 @@ def bind_port(
     if bound == 0:
         raise OSError(f"{field}: cannot bind {address}")
     return bound
+
+
+def bind_tcp(
+    host: str, port: int, field: str, *, reuse_addr: bool = False, reuse_port: bool = False
+) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port), not yet listening; ``OSError``
+    naming the config ``field`` when the address cannot be bound. IPPROTO_TCP explicitly:
+    asyncio sets TCP_NODELAY only on sockets it knows are TCP."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    if reuse_addr:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"{field}: cannot bind {format_address(host, port)}: {e}") from None
+    return sock
 
 
 @dataclass(frozen=True)
