@@ -153,8 +153,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """One batch through the model -> ``(ids [B, k], scores [B, k], parts that did not
         answer)``. ``deadline``: the batch's earliest request deadline (``time.monotonic()``);
-        the model runs in this process, so nothing can be missing."""
-        ids, scores = self.model(batch, k)
+        the model runs in this process, so nothing can be missing. ``batch`` comes from
+        :meth:`check`-ed requests (the model's own validation would repeat it)."""
+        ids, scores = self.model(batch, k, checked=True)
         return ids, scores, []
 
     def _batch(self, reqs: list[RecRequest], clauses: list[list[Clause]]) -> UserBatch:

@@ -71,8 +71,9 @@ def test_routed_top_k_equals_unsharded(cluster, wide, k, text):
 def test_the_router_holds_no_items(cluster, wide):
     model = cluster.router.host.current().model
     assert model.index.item_ids.numel() == 0 and model.index.ntotal == wide.model.index.ntotal
-    with pytest.raises(ValueError, match="router part of a document-sharded version"):
-        model(wide.prep.user_batch(np.arange(2)), 5)
+    for checked in (False, True):  # a caller that checked its requests still hears it
+        with pytest.raises(ValueError, match="router part of a document-sharded version"):
+            model(wide.prep.user_batch(np.arange(2)), 5, checked=checked)
 
 
 def test_a_dead_shard_makes_answers_partial_within_the_deadline(wide, tmp_path):
