@@ -27,6 +27,9 @@ def cluster_up(
     http_port: int = typer.Option(0, min=0, max=65535, help="router HTTP port (0: any free)"),
     shard_deadline_ms: float = typer.Option(200.0, min=1, help="router: deadline per shard call"),
     hedge_after_ms: float = typer.Option(0.0, min=0, help="router: twin call to a replica after"),
+    router_processes: int = typer.Option(
+        1, min=1, help="router: serving processes sharing its ports (serve --processes)"
+    ),
     directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
     auth_token_file: Path = typer.Option(
         None, help="every process needs this bearer token (the router sends it on)"
@@ -48,6 +51,7 @@ def cluster_up(
         hedge_after_ms=hedge_after_ms,
         router_grpc_port=grpc_port,
         router_http_port=http_port,
+        router_processes=router_processes,
         auth_token_file=auth_token_file,
         tls_cert=tls_cert,
         tls_key=tls_key,

@@ -62,6 +62,8 @@ class ClusterSpec:
     hedge_after_ms: float = 0.0
     router_grpc_port: int = 0
     router_http_port: int = 0
+    router_processes: int = 1
+    """Serving processes of the router (``recserve serve --processes``)."""
     startup_timeout_s: float = 120.0
     auth_token_file: Path | None = None
     """Every process needs this bearer token (``serving/security.py``); None: no token."""
@@ -253,6 +255,8 @@ def up(
             "--shard-deadline-ms", str(spec.shard_deadline_ms),
             "--hedge-after-ms", str(spec.hedge_after_ms), "--torch-threads", threads, *secure,
         ]  # fmt: skip
+        if spec.router_processes > 1:
+            args += ["--processes", str(spec.router_processes)]
         if ca is not None:
             args += ["--upstream-ca", str(ca)]
         embed = [p.address for p in started if p.role == "embedding-server"]

@@ -6,11 +6,13 @@ are whole again after it restarts; `down` leaves no process behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -20,6 +22,7 @@ import torch
 from tiny_model import Tiny
 from topk_check import assert_same_topk
 
+from loadtest.workload import OWN_CONNECTION
 from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel
 from retrieval.tiering import tier_model
@@ -59,6 +62,7 @@ def cluster(tmp_path_factory):
     up = recserve(
         "cluster", "up", "--model-repo", str(root / "repo"), "--shards", "2",
         "--embedding-servers", "1", "--shard-deadline-ms", str(DEADLINE_MS), "--directory", str(d),
+        "--router-processes", "2",
     )  # fmt: skip
     assert up.returncode == 0, up.stderr + up.stdout
     yield model.eval(), Tiny(prep, model), d
@@ -86,6 +90,22 @@ def test_routed_answers_equal_the_unsharded_model(cluster, k, text):
             torch.from_numpy(want_ids[row : row + 1]),
             torch.from_numpy(want_scores[row : row + 1]),
         )
+
+
+def test_the_router_is_a_group_whose_processes_both_answer(cluster):
+    _, tiny, d = cluster
+    router = Cluster.load(d).router
+    for u in range(20):  # each call on its own connection: the kernel spreads connections
+        with grpc.insecure_channel(router.address, options=[OWN_CONNECTION]) as channel:
+            reply = recommend_pb2_grpc.RecommenderStub(channel).Recommend(
+                tiny.message(u, 10), timeout=30
+            )
+            assert len(reply.item_ids) == 10 and not reply.partial
+    text = urllib.request.urlopen(f"http://{router.metrics}/metrics", timeout=10).read().decode()
+    counts = re.findall(
+        r'^recserve_request_duration_seconds_count\{.*process="(\d)".*\} (\S+)$', text, re.M
+    )
+    assert {p for p, n in counts if float(n) > 0} == {"0", "1"}
 
 
 def test_status_reports_every_process_healthy(cluster):
