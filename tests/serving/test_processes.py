@@ -23,7 +23,7 @@ from process_util import first_line, stop
 
 from loadtest.workload import OWN_CONNECTION
 from serving.config import ConfigError, ServeConfig
-from serving.processes import reserve_port
+from serving.processes import RESTARTS_PER_MINUTE, reserve_port
 from serving.recommend_pb2_grpc import RecommenderStub
 from serving.repository import repository
 
@@ -121,6 +121,27 @@ def test_a_group_serves_one_port_restarts_a_dead_process_and_drains(tmp_path: Pa
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, err.read_text()[-2000:]
         assert not any(alive(p) for p in after.values())
+    finally:
+        stop(proc)
+
+
+def test_a_crash_loop_ends_the_group_with_status_1(tmp_path: Path, tiny):
+    proc, err = start_group(tmp_path, tiny)
+    try:
+        first_line(proc, err)
+        starts = len(READY.findall(err.read_text()))
+        for death in range(RESTARTS_PER_MINUTE + 1):
+            os.kill(pids(err)[0], signal.SIGKILL)
+            if death == RESTARTS_PER_MINUTE:
+                break  # this death is one too many: no restart
+            until = time.monotonic() + 60
+            while len(READY.findall(err.read_text())) == starts and time.monotonic() < until:
+                time.sleep(0.1)
+            starts += 1
+            assert len(READY.findall(err.read_text())) == starts, err.read_text()[-2000:]
+        assert proc.wait(60) == 1, err.read_text()[-2000:]
+        assert "deaths within a minute: giving up" in err.read_text()
+        assert not any(alive(p) for p in pids(err).values())
     finally:
         stop(proc)
 
