@@ -47,7 +47,7 @@ from serving.state import ServingState, make_batcher
 
 if TYPE_CHECKING:
     from serving.admin import LiveUpdates
-from sharded_tables.grpc_util import bind_tcp, serve_until_signal
+from sharded_tables.grpc_util import bind_tcp, format_address, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,6 @@ def announce_line(
         + (f" processes={processes}" if processes > 1 else "")
         + (f" security={secured}" if secured else "")
     )
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Server:
@@ -205,7 +201,7 @@ class Server:
                 raise OSError(
                     f"metrics_port: cannot bind {cfg.host}:{cfg.metrics_port}: {e}"
                 ) from None
-            metrics_address = _host_port(cfg.host, port)
+            metrics_address = format_address(cfg.host, port)
         if self._make_app is not None:
             assert cfg.http_port is not None
             http_address = self._start_http(self._make_app(self.state), cfg.host, cfg.http_port)
@@ -234,7 +230,7 @@ class Server:
             if not self._http_thread.is_alive() or time.monotonic() > until:
                 raise OSError(f"http_port: uvicorn did not start on {host}:{bound}")
             time.sleep(0.01)
-        return _host_port(host, bound)
+        return format_address(host, bound)
 
     def announce_line(self) -> str:
         assert self.addresses is not None
@@ -285,6 +281,8 @@ def serve(
     if config.processes > 1:
         from serving.processes import serve_processes
 
+        if extra_servicers is not None:
+            raise ValueError("extra_servicers: not with processes > 1 (each finds its plugins)")
         serve_processes(config, announce)
         return
     server = Server(config, extra_servicers=extra_servicers)

@@ -235,8 +235,9 @@ class ShardServer:
         try:
             index, smap = self.repo.load_shard(self.model, version, self.shard, self.device)
             warm_up(index)
-        except Exception as e:  # corrupt, not sharded, no such shard, cannot search: keep
-            self.failed.add(version)  # ... what serves
+        # corrupt, not sharded, no such shard, or it cannot search: keep what serves
+        except Exception as e:
+            self.failed.add(version)
             log.error("shard %d: version %d of %s refused: %s", self.shard, version, self.model, e)
             return False
         held = dict(self.held)
