@@ -195,6 +195,7 @@ class ProcessGroup:
         )
         process.start()
         child_end.close()  # the parent's copy: EOF on parent_end once the child is gone
+        log.info("process %d (pid %d) started", index, process.pid)
         return _Member(index, process, parent_end)
 
     def _await_ready(self, m: _Member) -> None:
