@@ -6,16 +6,11 @@ as ``tests/serving/repository/test_tritonserver.py`` does."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
-import sysconfig
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,55 +69,16 @@ class Unavailable(RuntimeError):
     """A system that cannot run on this machine (the message says why)."""
 
 
-def _pytriton_dir() -> Path:
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise Unavailable("nvidia-pytriton is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_triton(repo: Path, tmp: Path, log: Path) -> Running:
-    """``tritonserver`` on ``repo`` with the bundled Python backend + this Python's stub."""
-    pytriton = _pytriton_dir()
-    dist = pytriton / "tritonserver"
-    binary = dist / "bin" / "tritonserver"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not binary.is_file() or not stub.is_file():
-        raise Unavailable(f"no tritonserver binary or Python {version} stub under {dist}")
-    backends = tmp / f"backends-{uuid.uuid4().hex[:6]}"
-    shutil.copytree(dist / "backends", backends)
-    shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
-    env = dict(os.environ)
-    libs = [str(sysconfig.get_config_var("LIBDIR")), str(pytriton.parent / "nvidia_pytriton.libs")]
-    env["LD_LIBRARY_PATH"] = ":".join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    env["PYTHONPATH"] = ":".join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
-    cmd = [
-        str(binary),
-        f"--model-repository={repo}",
-        f"--backend-directory={backends}",
-        "--http-address=127.0.0.1",
-        "--grpc-address=127.0.0.1",
-        "--metrics-address=127.0.0.1",
-        f"--http-port={http_port}",
-        f"--grpc-port={grpc_port}",
-        f"--metrics-port={metrics_port}",
-        "--disable-auto-complete-config",
-        "--exit-timeout-secs=5",
-        f"--backend-config=python,shm-region-prefix-name=bench{os.getpid()}_{uuid.uuid4().hex[:8]}",
-    ]
-    run = start(cmd, log, env)
-    run.address = f"127.0.0.1:{grpc_port}"
+    """``tritonserver`` on ``repo`` (``serving/repository/tritonserver.py``)."""
+    from serving.repository.tritonserver import TritonUnavailable, triton_launch
+
+    try:
+        launch = triton_launch(repo, tmp, prefix="bench")
+    except TritonUnavailable as e:
+        raise Unavailable(str(e)) from None
+    run = start(launch.cmd, log, launch.env)
+    run.address = f"127.0.0.1:{launch.grpc_port}"
     return run
 
 

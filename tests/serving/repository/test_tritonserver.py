@@ -1,32 +1,13 @@
-"""The real Triton Inference Server (bundled by nvidia-pytriton) serves our repository.
-
-The server runs as::
-
-    LD_LIBRARY_PATH=<libpython dir>:<site-packages>/nvidia_pytriton.libs \\
-    PATH=<venv>/bin:$PATH PYTHONPATH=<recserve checkout> \\
-    <site-packages>/pytriton/tritonserver/bin/tritonserver --model-repository=<repo> \\
-        --backend-directory=<tmp>/backends --http-address=127.0.0.1 --grpc-address=127.0.0.1 \\
-        --metrics-address=127.0.0.1 --http-port=P --grpc-port=P --metrics-port=P \\
-        --disable-auto-complete-config --exit-timeout-secs=5 \\
-        --backend-config=python,shm-region-prefix-name=<unique>
-
-``<tmp>/backends/python`` holds the bundled Python backend plus the stub built for this Python
-version (pytriton ships one stub per version and assembles that folder the same way).
-"""
+"""The real Triton Inference Server (bundled by nvidia-pytriton) serves our repository, started
+as ``serving/repository/tritonserver.py`` says."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
-import sysconfig
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,47 +20,13 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from serving.repository.repository import ModelRepository
+from serving.repository.tritonserver import TritonUnavailable, triton_launch
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "demo"
 USERS = np.arange(6)
 _DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32"}
-
-
-def _pytriton_dir() -> Path:
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("nvidia-pytriton is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _backend_dir(pytriton: Path, out: Path) -> Path:
-    """``<out>/python``: the bundled Python backend + the stub of this interpreter's version."""
-    dist = pytriton / "tritonserver"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.is_file():
-        pytest.skip(f"nvidia-pytriton has no Python backend stub for Python {version}")
-    shutil.copytree(dist / "backends", out)
-    shutil.copy2(stub, out / "python" / "triton_python_backend_stub")
-    return out
-
-
-def _env(pytriton: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    libs = [str(sysconfig.get_config_var("LIBDIR")), str(pytriton.parent / "nvidia_pytriton.libs")]
-    env["LD_LIBRARY_PATH"] = ":".join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub's python3
-    env["PYTHONPATH"] = ":".join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
 
 
 @dataclass
@@ -95,34 +42,19 @@ class Triton:
 
 @pytest.fixture(scope="module")
 def triton(tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Triton]:
-    pytriton = _pytriton_dir()
-    binary = pytriton / "tritonserver" / "bin" / "tritonserver"
-    if not binary.is_file():
-        pytest.skip(f"no tritonserver binary at {binary}")
     tmp = tmp_path_factory.mktemp("triton")
     repo = ModelRepository(tmp / "repo")
     repo.publish(MODEL, tiny.build(7), parameters={"torch_threads": "1"})
     repo.publish(MODEL, tiny.model, parameters={"torch_threads": "1"})  # latest: Triton serves 2
-    backends = _backend_dir(pytriton, tmp / "backends")
-    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
-    cmd = [
-        str(binary),
-        f"--model-repository={repo.root}",
-        f"--backend-directory={backends}",
-        "--http-address=127.0.0.1",
-        "--grpc-address=127.0.0.1",
-        "--metrics-address=127.0.0.1",
-        f"--http-port={http_port}",
-        f"--grpc-port={grpc_port}",
-        f"--metrics-port={metrics_port}",
-        "--disable-auto-complete-config",
-        "--exit-timeout-secs=5",
-        f"--backend-config=python,shm-region-prefix-name=recserve{os.getpid()}_{uuid.uuid4().hex[:8]}",
-    ]
+    try:
+        launch = triton_launch(repo.root, tmp)
+    except TritonUnavailable as e:
+        pytest.skip(str(e))
+    cmd, grpc_port, http_port = launch.cmd, launch.grpc_port, launch.http_port
     log = tmp / "tritonserver.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, env=_env(pytriton), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=launch.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     server = Triton(f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", log, repo)
     try:
