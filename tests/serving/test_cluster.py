@@ -199,6 +199,16 @@ class Load:
     def since(self, n: int) -> list[tuple[float, str, bool, list[str], bool]]:
         return self.seen[n:]
 
+    def while_paused(self, pid: int, seconds: float = 2.0) -> list[tuple]:
+        """The answers that ended while ``pid`` was stopped (SIGSTOP ... SIGCONT)."""
+        mark = len(self.seen)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return self.since(mark)
+
     def wait_whole(self, timeout: float) -> bool:
         """Until the last 3 answers are whole (OK, not partial)."""
         until = time.monotonic() + timeout
@@ -216,13 +226,7 @@ def test_a_paused_shard_makes_answers_partial_within_the_deadline(cluster):
     shard = next(p for p in Cluster.load(d).processes if p.name == "shard-0-0")
     with Load(cluster) as load:
         assert load.wait_whole(20)
-        mark = len(load.seen)
-        os.kill(shard.pid, signal.SIGSTOP)
-        try:
-            time.sleep(2.0)
-        finally:
-            os.kill(shard.pid, signal.SIGCONT)
-        paused = load.since(mark)
+        paused = load.while_paused(shard.pid)
         assert load.wait_whole(20), "answers are whole again once the shard runs"
     assert paused and all(c == "OK" for _, c, *_ in paused), {c for _, c, *_ in paused}
     partial = [x for x in paused if x[2]]
@@ -242,13 +246,7 @@ def test_a_paused_embedding_server_fails_fast_and_recovers(cluster):
     with Load(cluster) as load:
         assert load.wait_whole(20)
         load.fresh.set()  # histories of rows the router's hot-row cache does not hold
-        mark = len(load.seen)
-        os.kill(embed.pid, signal.SIGSTOP)
-        try:
-            time.sleep(2.0)
-        finally:
-            os.kill(embed.pid, signal.SIGCONT)
-        paused = load.since(mark)
+        paused = load.while_paused(embed.pid)
         load.fresh.clear()
         assert load.wait_whole(20), "answers are whole again once the embedding server runs"
     codes = {c for _, c, *_ in paused}
