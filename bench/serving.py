@@ -1,9 +1,11 @@
 """Serving benchmark: ``recserve serve`` against a no-op grpcio server, a naive unbatched server
 and the real Triton Inference Server -- one run, one model, one load generator.
 
-One synthetic catalog (``--items``, default 100k; ``--small``: 20k) and one model (untrained
-weights, real IVF index), published once into a model repository. Every system serves it on
-127.0.0.1 as its own process:
+One synthetic catalog (``--items``, default 100k; ``--small``: 20k) and one model, trained
+``--epochs`` (default 2: a few seconds) with its IVF index's nprobe tuned for recall 0.97 on
+users' queries as ``recserve train`` does (``--epochs 0``: untrained weights, the workload of the
+runs before 2026-11-24, where IVF needs ~40 % of the lists), published once into a model
+repository. Every system serves it on 127.0.0.1 as its own process:
 
 (a) ``noop``: a grpcio ``Recommend`` servicer that returns a fixed empty response (the
     framework's ceiling), thread pool as large as ours (``--grpc-workers``);
@@ -86,6 +88,7 @@ from timing import OtherLoad, cell, int_list, percentiles  # noqa: E402
 from retrieval.data import SyntheticConfig, generate  # noqa: E402
 from retrieval.model import RetrievalModel  # noqa: E402
 from retrieval.training.prepare import Prepared, prepare  # noqa: E402
+from retrieval.training.train import TrainConfig, train  # noqa: E402
 from serving import recommend_pb2, recommend_pb2_grpc  # noqa: E402
 
 MODEL = "bench"
@@ -109,6 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="20k items, shorter cases, no --sizes")
     p.add_argument("--items", type=int, help="catalog size (default 100k, 20k with --small)")
     p.add_argument("--users", type=int, default=2000, help="synthetic users")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=2,
+        help="training epochs of the served model (0: untrained weights, IVF's worst case)",
+    )
     p.add_argument("--request-users", type=int, default=256, help="distinct users in requests")
     p.add_argument(
         "--concurrency", type=int_list, default=[1, 4, 8, 16, 32], help="closed-loop clients"
@@ -222,13 +231,20 @@ class Workload:
 
 
 def build_workload(items: int, args: argparse.Namespace) -> tuple[Workload, float]:
-    """Synthetic catalog -> prepared data -> model with its index; returns it and build seconds."""
+    """Synthetic catalog -> prepared data -> model (trained ``--epochs``) with its index; returns
+    it and build seconds. As ``recserve train`` does, nprobe is tuned for recall 0.97 on users'
+    query vectors; an untrained model (``--epochs 0``) gets it tuned on item vectors instead
+    (random towers put users nowhere near items), the worst case for an IVF index."""
     t0 = time.perf_counter()
     ds = generate(SyntheticConfig(num_users=args.users, num_items=items, seed=3))
     prep = prepare(ds)
     torch.manual_seed(0)
     model = RetrievalModel(prep.config)
-    model.build_index(prep.train.item_features, prep.dataset.item_attributes)
+    if args.epochs:
+        train(model, prep.train, TrainConfig(epochs=args.epochs, seed=0, progress=False))
+        model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch(seed=0))
+    else:
+        model.build_index(prep.train.item_features, ds.item_attributes)
     work = Workload(prep, model.eval(), np.arange(args.request_users), args.k)
     return work, time.perf_counter() - t0
 
@@ -595,7 +611,7 @@ def render_sizes(results: dict[str, Any]) -> list[str]:
 
 
 # ---- main ---------------------------------------------------------------------------------------
-def environment(work: Workload) -> dict[str, Any]:
+def environment(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
     """Machine, versions, the index's shape and what else was running at the start."""
     idx = work.model.index
     load = OtherLoad()
@@ -606,8 +622,8 @@ def environment(work: Workload) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(), "torch": torch.__version__,
         "grpc": grpc.__version__, "items": idx.ntotal, "dim": idx.dim, "nlist": idx.nlist,
-        "nprobe": idx.config.nprobe, "codes": idx.config.codes,
-        "other_load_at_start": load.stop(), "loadavg_at_start": os.getloadavg(),
+        "nprobe": idx.config.nprobe, "codes": idx.config.codes, "epochs": args.epochs,
+        "argv": sys.argv[1:], "other_load_at_start": load.stop(), "loadavg_at_start": os.getloadavg(),
         "top_processes_at_start": top_other_processes(),
     }  # fmt: skip
 
@@ -615,7 +631,7 @@ def environment(work: Workload) -> dict[str, Any]:
 def run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
     """Builds and publishes the main model, then every system, then the catalog sizes."""
     work, build_s = build_workload(args.items, args)
-    results["environment"] = environment(work)
+    results["environment"] = environment(work, args)
     print(f"{args.items:,} items, K={args.k}, model built in {build_s:.1f} s", flush=True)
     print(json.dumps(results["environment"]), flush=True)
     spawn = multiprocessing.get_context("spawn")

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sharded_tables.pooled_lookup import pooled_lookup
+
 
 @dataclass(frozen=True)
 class TableConfig:
@@ -98,7 +100,18 @@ class EmbeddingCollection(nn.Module):
         check_id_features(features, self.table_of, self.table_rows())
 
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""
+        """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge). Without
+        gradients on CPU (serving, index builds) all features go through one fused call
+        (:func:`~sharded_tables.pooled_lookup.pooled_lookup`, the same sums)."""
+        if not torch.is_grad_enabled():
+            bags = [self.tables[self.table_of[name]] for name in features]
+            if all(_fusable(bag.weight, ids) for bag, ids in zip(bags, features.values())):
+                pooled = pooled_lookup(
+                    [bag.weight for bag in bags],
+                    list(features.values()),
+                    [self.configs[self.table_of[n]].pooling == "mean" for n in features],
+                )
+                return dict(zip(features, pooled, strict=True))
         out = {}
         for name, ids in features.items():
             cfg = self.configs[self.table_of[name]]
@@ -108,3 +121,13 @@ class EmbeddingCollection(nn.Module):
                 weights = weights / present.sum(dim=1, keepdim=True).clamp(min=1)
             out[name] = self.tables[cfg.name](ids.clamp(min=0), per_sample_weights=weights)
         return out
+
+
+def _fusable(weight: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether the fused CPU kernel can pool ``ids`` from ``weight``."""
+    return (
+        weight.device.type == "cpu"
+        and ids.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+    )

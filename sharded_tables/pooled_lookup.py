@@ -1,0 +1,55 @@
+"""Fused pooled lookups for inference: many features' ``ids [B, L]`` -> ``[B, D]`` in one call.
+
+:class:`~sharded_tables.collection.EmbeddingCollection` pools with ``nn.EmbeddingBag`` when it
+trains (gradients flow to the tables); without gradients on CPU it calls this kernel instead
+(``csrc/pooled_lookup.cpp``, built on first use like the scan kernel): the same sums, one C++
+call for all features instead of ~10 small torch ops each, which is most of the tables' cost for
+a serving batch of a few users. Registered as the ``recserve::pooled_lookup`` op with a fake
+implementation, so ``torch.compile`` traces through it.
+
+Example::
+
+    out = pooled_lookup([weight], [torch.tensor([[3, 7, -1]])], [True])
+    out[0]  # [1, D]: (weight[3] + weight[7]) / 2
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from sharded_tables.cpp_extension import load_extension
+
+_SRC = Path(__file__).parent / "csrc" / "pooled_lookup.cpp"
+
+
+def _extension() -> ModuleType:
+    """Builds (once per source version, cached on disk) and loads the C++ kernel."""
+    return load_extension("recserve_pooled_lookup", _SRC, ("-O3", "-march=native"), ())
+
+
+@torch.library.custom_op("recserve::pooled_lookup", mutates_args=())
+def _pooled_lookup_op(
+    weights: list[torch.Tensor], ids: list[torch.Tensor], mean: list[bool]
+) -> list[torch.Tensor]:
+    return list(_extension().pooled_lookup(weights, ids, mean))
+
+
+@_pooled_lookup_op.register_fake
+def _(weights, ids, mean):
+    return [w.new_empty((i.shape[0], w.shape[1])) for w, i in zip(weights, ids, strict=True)]
+
+
+def pooled_lookup(
+    weights: list[torch.Tensor], ids: list[torch.Tensor], mean: list[bool]
+) -> list[torch.Tensor]:
+    """Per feature ``f``: rows of ``weights[f] float32 [R, D]`` (contiguous, CPU) at the
+    present ids of ``ids[f] int64 [B, L]`` (``-1``: none), summed, divided by their count when
+    ``mean[f]`` -> ``float32 [B, D]`` (zeros where no id is present). Raises on an id outside
+    ``[-1, R)``. Not differentiable: for inference only."""
+    if torch.compiler.is_compiling():
+        return _pooled_lookup_op(weights, ids, mean)
+    # eager callers skip the op dispatcher (tens of microseconds a call)
+    return list(_extension().pooled_lookup(weights, ids, mean))
