@@ -105,7 +105,7 @@ class EmbeddingCollection(nn.Module):
         (:func:`~sharded_tables.pooled_lookup.pooled_lookup`, the same sums)."""
         if not torch.is_grad_enabled():
             bags = [self.tables[self.table_of[name]] for name in features]
-            if all(_fusable(bag.weight, ids) for bag, ids in zip(bags, features.values())):
+            if all(_fusable(b.weight, ids) for b, ids in zip(bags, features.values(), strict=True)):
                 pooled = pooled_lookup(
                     [bag.weight for bag in bags],
                     list(features.values()),
