@@ -104,10 +104,11 @@ class EmbeddingCollection(nn.Module):
         gradients on CPU (serving, index builds) all features go through one fused call
         (:func:`~sharded_tables.pooled_lookup.pooled_lookup`, the same sums)."""
         if not torch.is_grad_enabled():
-            bags = [self.tables[self.table_of[name]] for name in features]
-            if all(_fusable(b.weight, ids) for b, ids in zip(bags, features.values(), strict=True)):
+            bags = self.bags()
+            tables = [bags[self.table_of[n]].weight for n in features]
+            if all(_fusable(w, ids) for w, ids in zip(tables, features.values(), strict=True)):
                 pooled = pooled_lookup(
-                    [bag.weight for bag in bags],
+                    tables,
                     list(features.values()),
                     [self.configs[self.table_of[n]].pooling == "mean" for n in features],
                 )
