@@ -4,7 +4,7 @@ and the real Triton Inference Server -- one run, one model, one load generator.
 One synthetic catalog (``--items``, default 100k; ``--small``: 20k) and one model, trained
 ``--epochs`` (default 2: a few seconds) with its IVF index's nprobe tuned for recall 0.97 on
 users' queries as ``recserve train`` does (``--epochs 0``: untrained weights, the workload of the
-runs before 2026-11-24, where IVF needs ~40 % of the lists), published once into a model
+first runs, where IVF needs ~40 % of the lists), published once into a model
 repository. Every system serves it on 127.0.0.1 as its own process:
 
 (a) ``noop``: a grpcio ``Recommend`` servicer that returns a fixed empty response (the
