@@ -26,7 +26,7 @@ $(ML100K): | $(STAMP)
 	$(BIN)/recserve fetch-movielens --out data/ml-100k
 
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy && $(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python bench/ann.py
@@ -39,9 +39,9 @@ clean:
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. sharded_tables/remote/embedding.proto
 	for f in sharded_tables/remote/embedding_pb2.py sharded_tables/remote/embedding_pb2.pyi sharded_tables/remote/embedding_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/recommend.proto
-	for f in serving/recommend_pb2.py serving/recommend_pb2.pyi serving/recommend_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/shard.proto
-	for f in serving/shard_pb2.py serving/shard_pb2.pyi serving/shard_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/admin.proto
-	for f in serving/admin_pb2.py serving/admin_pb2.pyi serving/admin_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/protos/recommend.proto
+	for f in serving/protos/recommend_pb2.py serving/protos/recommend_pb2.pyi serving/protos/recommend_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/protos/shard.proto
+	for f in serving/protos/shard_pb2.py serving/protos/shard_pb2.pyi serving/protos/shard_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. serving/protos/admin.proto
+	for f in serving/protos/admin_pb2.py serving/protos/admin_pb2.pyi serving/protos/admin_pb2_grpc.py; do sed -i '1i # ruff: noqa\n# fmt: off' $$f; done

@@ -89,7 +89,7 @@ from retrieval.data import SyntheticConfig, generate  # noqa: E402
 from retrieval.model import RetrievalModel  # noqa: E402
 from retrieval.training.prepare import Prepared, prepare  # noqa: E402
 from retrieval.training.train import TrainConfig, train  # noqa: E402
-from serving import recommend_pb2, recommend_pb2_grpc  # noqa: E402
+from serving.protos import recommend_pb2, recommend_pb2_grpc  # noqa: E402
 
 MODEL = "bench"
 RUN_MARKER = "recserve-serving-bench-"
@@ -301,15 +301,15 @@ class NaiveServicer(recommend_pb2_grpc.RecommenderServicer):
     Every gRPC thread runs its own forward; nothing is batched or queued."""
 
     def __init__(self, repo: Path):
+        from serving.engine.runner import ModelRunner
         from serving.repository.repository import ModelRepository
-        from serving.runner import ModelRunner
 
         loaded = ModelRepository(repo).load(MODEL)
         self.runner = ModelRunner(loaded.model, MODEL, loaded.version)
         self.runner.warmup()
 
     def Recommend(self, request: Any, context: grpc.ServicerContext) -> Any:
-        from serving.grpc_server import parse_recommend, render_recommend
+        from serving.frontends.recommend_grpc import parse_recommend, render_recommend
 
         (out,) = self.runner.run([parse_recommend(request, None)])
         if isinstance(out, Exception):

@@ -11,7 +11,7 @@ weights, real IVF index). Measured, in this order, on the same requests:
     this thread (wire encoding included, no gRPC): the cost of splitting and merging;
   - in-process router: S ``ShardServer`` and a router ``Server`` in this process, requests
     through its batcher (``state.recommend``), shards over loopback gRPC (as
-    ``tests/serving/test_router.py``);
+    ``tests/serving/sharding/test_router.py``);
   - the real serving path: ``recserve cluster up --shards S`` (router and S shard servers as
     processes on 127.0.0.1), gRPC ``Recommend`` from a load generator in a separate process,
     closed loop with C clients (``--concurrency``) for ``--seconds``: q/s, p50, p99, partial
@@ -63,21 +63,21 @@ from loadgen import closed_loop, ready
 from server_procs import processes_mentioning
 from timing import OtherLoad, cell, int_list, time_batched, time_single
 
+from recserve.cluster import Cluster
 from retrieval.data import SyntheticConfig, generate
 from retrieval.features import UserBatch
 from retrieval.index.ivf import IVFIndex
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import Prepared, prepare
-from serving import recommend_pb2, recommend_pb2_grpc
-from serving import shard_pb2 as shard_pb
-from serving.cluster import Cluster
-from serving.config import BatchingConfig, RouterConfig, ServeConfig
-from serving.main import Server
+from serving.app.config import BatchingConfig, RouterConfig, ServeConfig
+from serving.app.server import Server
+from serving.protos import recommend_pb2, recommend_pb2_grpc
+from serving.protos import shard_pb2 as shard_pb
 from serving.repository.repository import ModelRepository
-from serving.requests import RecRequest
-from serving.router import RouterRunner
-from serving.shard_server import ShardServer
-from serving.shard_wire import decode_request, encode_response
+from serving.sharding.router import RouterRunner
+from serving.sharding.shard_server import ShardServer
+from serving.sharding.wire import decode_request, encode_response
+from serving.types import RecRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bench"
@@ -151,7 +151,7 @@ class Workload:
         return self.prep.user_batch(users, [self.filters[label]] * len(users))
 
     def request(self, user: int, label: str) -> RecRequest:
-        """What the server makes of a ``Recommend`` call (as ``tests/serving/conftest.py``)."""
+        """What the server makes of a ``Recommend`` call (as ``tests/support/serving_fixtures.py``)."""
         ds, cfg = self.prep.dataset, self.prep.config
         hist = self.prep.history[user]
         return RecRequest(
@@ -265,7 +265,7 @@ def inprocess_cases(work: Workload, args: argparse.Namespace) -> list[dict[str, 
 
 # ---- 2a. local merge: RouterRunner.forward with the shards in this thread -----------------------
 class LocalShards:
-    """Stands in for :class:`serving.router.ShardClient`: the same ``search`` contract, each shard
+    """Stands in for :class:`serving.sharding.router.ShardClient`: the same ``search`` contract, each shard
     searched in turn in this thread, request and answers serialized and parsed as on the wire
     (no gRPC, no threads)."""
 

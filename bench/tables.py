@@ -5,7 +5,7 @@
 
 * ``nn.EmbeddingBag`` FP32 sum pooling, one module per table (the baseline every ratio divides by);
 * raw fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen``, jagged ids prepared outside the timer;
-* ours: ``ShardedEmbeddingCollection.forward`` from padded id matrices (the towers' call), so the
+* ours: ``TieredEmbeddingCollection.forward`` from padded id matrices (the towers' call), so the
   jagged conversion and mean pooling count as our overhead;
 * remote: the same tables on 2 embedding-server processes on 127.0.0.1, without a cache and
   with a warm hot-row cache (Zipf ids; ``--cache-fractions`` of rows), latency vs local, per batch and per request.
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sharded_tables.planner import Budgets, PlacementPlan, TablePlacement
 from sharded_tables.quantize import pack_rows
-from sharded_tables.sharded import ShardedEmbeddingCollection
 from sharded_tables.specs import DType, TableSpec, Tier, row_bytes
 from sharded_tables.tbe import fbgemm_has_cuda, jagged_from_padded
+from sharded_tables.tiered import TieredEmbeddingCollection
 
 DTYPES = [DType.FP32, DType.FP16, DType.FP8, DType.INT8, DType.INT4]
 
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                 timed.append(("fbgemm TBE (raw)", tier_name, raw_ms))
                 del tbe
             for tier in [Tier.DEVICE, Tier.HOST] if device.type == "cuda" else [Tier.HOST]:
-                ours = ShardedEmbeddingCollection(specs, plan_for(specs, tier), device=device)
+                ours = TieredEmbeddingCollection(specs, plan_for(specs, tier), device=device)
                 ours.load_float(dict(zip(names, weights, strict=True)))
                 backend = next(iter(ours.tiers.values())).backend
                 ms = median_ms_each(lambda f, m=ours: m(f), inputs)
@@ -300,7 +300,7 @@ def remote_cases(args, names, weights, rows, record) -> None:
     servers = 2
     with tempfile.TemporaryDirectory() as tmp:
         base = plan_for(specs, Tier.REMOTE, servers)
-        scratch = ShardedEmbeddingCollection(specs, base)
+        scratch = TieredEmbeddingCollection(specs, base)
         packed = scratch.load_float(dict(zip(names, weights, strict=True)))
         folders = write_remote_shards(base, specs, packed, Path(tmp))
         del scratch, packed
@@ -325,7 +325,7 @@ def remote_cases(args, names, weights, rows, record) -> None:
                 )
                 procs.append(proc)
                 addrs.append(_read_address(proc))
-            local = ShardedEmbeddingCollection(specs, plan_for(specs, Tier.HOST))
+            local = TieredEmbeddingCollection(specs, plan_for(specs, Tier.HOST))
             local.load_float(dict(zip(names, weights, strict=True)))
             count = args.repeats + 1
             for dist in ("uniform", "zipf"):
@@ -339,7 +339,7 @@ def remote_cases(args, names, weights, rows, record) -> None:
                         cache_rows = int(rows * cache_fraction)
                         placement = plan_for(specs, Tier.REMOTE, servers, cache_rows)
                         client = RemoteTables(remote_routing(placement, specs, addrs), timeout=30.0)
-                        coll = ShardedEmbeddingCollection(
+                        coll = TieredEmbeddingCollection(
                             specs, placement, remote=client, timeout=30.0
                         )
                         for f in warm:  # other samples of the same distribution
@@ -377,7 +377,7 @@ def remote_cases(args, names, weights, rows, record) -> None:
                 proc.wait(timeout=10)
 
 
-def _hits_misses(coll: ShardedEmbeddingCollection) -> tuple[int, int]:
+def _hits_misses(coll: TieredEmbeddingCollection) -> tuple[int, int]:
     """Cache hits and misses so far, summed over tables (per id looked up)."""
     stats = coll.cache_stats().values()
     return int(sum(s["hits"] for s in stats)), int(sum(s["misses"] for s in stats))

@@ -1,6 +1,6 @@
 """Locust users for a recserve target; the request mix is :mod:`workload` (beside this file).
 
-- :class:`RecommendGrpcUser`: gRPC ``Recommend`` (``serving/recommend.proto``) over a
+- :class:`RecommendGrpcUser`: gRPC ``Recommend`` (``serving/protos/recommend.proto``) over a
   gevent-patched grpc channel; a client interceptor reports every call to locust.
 - :class:`KServeHttpUser`: KServe v2 JSON ``POST /v2/models/{model}/infer``.
 
@@ -34,11 +34,11 @@ from locust import FastHttpUser, User, events, task
 from locust.env import Environment
 from locust.exception import LocustError
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
-from workload import OWN_CONNECTION, RequestMix, kserve_body, recommend_request
 
-from recserve.loadtest import read_model_shape
-from serving.recommend_pb2 import RecommendResponse
-from serving.recommend_pb2_grpc import RecommenderStub
+from loadtest.shape import read_model_shape
+from loadtest.workload import OWN_CONNECTION, RequestMix, kserve_body, recommend_request
+from serving.protos.recommend_pb2 import RecommendResponse
+from serving.protos.recommend_pb2_grpc import RecommenderStub
 
 # locust has monkey-patched the standard library by now; grpc must use gevent too, or each
 # call would block every user of this process

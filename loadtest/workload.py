@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from recserve.loadtest import ModelShape
-from serving.recommend_pb2 import RecommendRequest
+from loadtest.shape import ModelShape
+from serving.protos.recommend_pb2 import RecommendRequest
 
 OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 """A channel option: this channel opens its own TCP connection. gRPC otherwise shares one
@@ -40,7 +40,7 @@ simulated clients must each be a connection, as real clients are."""
 K_WEIGHTS = ((10, 4.0), (50, 3.0), (100, 2.0), (500, 1.0))
 FILTER_WEIGHTS = (("none", 6.0), ("broad", 3.0), ("narrow", 1.0))
 MAX_K = 10_000
-"""The servers' own cap on K (``serving.requests.MAX_K``)."""
+"""The servers' own cap on K (``serving.types.MAX_K``)."""
 # a bare word of the filter grammar (retrieval/filters.py); other attribute names are skipped
 _WORD = re.compile(r"[A-Za-z0-9_.+\-:/]+")
 

@@ -1,3 +1,5 @@
 """recserve: recommendation retrieval as one PyTorch model. The CLI lives in ``recserve.cli``."""
 
-__version__ = "0.1.0"
+from common import __version__
+
+__all__ = ["__version__"]

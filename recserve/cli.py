@@ -29,7 +29,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 REPO = Path(__file__).resolve().parents[1]
 
 
-# ---- security flags of serve, shard-server and embed-server (serving/security.py) -------------
+# ---- security flags of serve, shard-server and embed-server (common/security.py) -------------
 # Functions, not shared constants: each command gets its own option objects.
 def _token_file_option() -> Any:
     return typer.Option(
@@ -73,7 +73,7 @@ def _security(
 ) -> Any:
     """The ``SecurityConfig`` of a command: ``base`` (serve.toml's, or None) with the security
     flags every server command takes applied (``more``: a command's own, e.g. ``upstream_ca``)."""
-    from serving.security import SecurityConfig
+    from common.security import SecurityConfig
 
     return SecurityConfig.from_flags(
         base,
@@ -307,7 +307,7 @@ def shard_server_cmd(
         torch.set_num_threads(torch_threads)
 
     from serving.repository.repository import ModelRepository
-    from serving.shard_server import ShardServer, serve_shard
+    from serving.sharding.shard_server import ShardServer, serve_shard
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -379,10 +379,10 @@ def serve_cmd(
     import logging
     from dataclasses import replace
 
-    from serving.config import ConfigError, ServeConfig
-    from serving.host import NoLoadableVersionError
-    from serving.main import serve
-    from serving.processes import GroupStartError
+    from serving.app.config import ConfigError, ServeConfig
+    from serving.app.main import serve
+    from serving.app.processes import GroupStartError
+    from serving.engine.host import NoLoadableVersionError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -438,12 +438,13 @@ def loadtest_cmd(
     """Load-test a running target with locust (loadtest/locustfile.py, headless); prints
     requests, RPS, p50/p95/p99 and failures, writes summary.json and latency.png; exit 1 when
     a threshold is missed, 2 when the target is down or locust fails."""
+    from loadtest.shape import read_model_shape
     from recserve import loadtest as lt
 
     try:
         if protocol not in lt.USER_CLASSES:
             raise ValueError(f"--protocol: grpc or http, got {protocol!r}")
-        shape = lt.read_model_shape(model_repo, model)
+        shape = read_model_shape(model_repo, model)
         lt.check_target(target, protocol)
         spec = lt.LoadTestSpec(
             target, protocol, model_repo, shape.name, users, spawn_rate, duration, out
@@ -506,7 +507,7 @@ def _with_router_flags(
     """The config with ``serve``'s router flags applied (any of them makes a router)."""
     from dataclasses import replace
 
-    from serving.config import RouterConfig, parse_shards
+    from serving.sharding.config import RouterConfig, parse_shards
 
     flags = {
         "shards": parse_shards(shards) if shards is not None else None,

@@ -1,5 +1,5 @@
 """``recserve cluster up / status / restart / down``: a local cluster on 127.0.0.1 (router, document
-shards, embedding servers as real processes; ``serving/cluster.py`` does the work)."""
+shards, embedding servers as real processes; ``recserve/cluster.py`` does the work)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def cluster_up(
     tls_ca: Path = typer.Option(None, help="CA verifying --tls-cert (default: --tls-cert)"),
 ) -> None:
     """Start embedding servers, shard servers and the router; wait until all are healthy."""
-    from serving.cluster import ClusterError, ClusterSpec, up
+    from recserve.cluster import ClusterError, ClusterSpec, up
 
     spec = ClusterSpec(
         model_repo=model_repo,
@@ -78,7 +78,7 @@ def cluster_status(
     from rich.console import Console
     from rich.table import Table
 
-    from serving.cluster import ClusterError, status
+    from recserve.cluster import ClusterError, status
 
     try:
         rows = status(directory)
@@ -99,7 +99,7 @@ def cluster_restart(
     directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
 ) -> None:
     """Start a stopped process again, on its old port."""
-    from serving.cluster import ClusterError, restart
+    from recserve.cluster import ClusterError, restart
 
     try:
         p = restart(directory, name)
@@ -115,7 +115,7 @@ def cluster_down(
     timeout: float = typer.Option(15.0, min=0, help="seconds to drain before SIGKILL"),
 ) -> None:
     """Stop every process: SIGTERM (drain), SIGKILL after --timeout."""
-    from serving.cluster import ClusterError, down
+    from recserve.cluster import ClusterError, down
 
     try:
         killed = down(directory, timeout)

@@ -1,7 +1,7 @@
 """The demo's serving step: publish sharded -> local cluster -> Recommend and tritonclient calls.
 
 The trained model is published with its catalog split into 2 document shards and its coldest
-tables on 1 embedding server; ``serving.cluster.up`` starts the embedding server, the two shard
+tables on 1 embedding server; ``recserve.cluster.up`` starts the embedding server, the two shard
 servers and the router as real processes on 127.0.0.1 (``recserve cluster up`` runs the same
 code); every call below goes over real gRPC sockets, and the cluster is stopped at the end.
 """
@@ -20,15 +20,15 @@ import tritonclient.grpc as triton
 from rich.console import Console
 from rich.table import Table
 
+from common.grpc_util import retry_options
+from recserve.cluster import ClusterSpec, down, up
 from retrieval.model import RetrievalModel, table_specs
 from retrieval.tiering import tier_model
 from retrieval.training.prepare import Prepared
-from serving.cluster import ClusterSpec, down, up
-from serving.recommend_pb2 import RecommendRequest, RecommendResponse
-from serving.recommend_pb2_grpc import RecommenderStub
+from serving.protos.recommend_pb2 import RecommendRequest, RecommendResponse
+from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository import ModelRepository
-from serving.requests import DATATYPES
-from sharded_tables.grpc_util import retry_options
+from serving.types import DATATYPES
 from sharded_tables.placement import Budgets
 from sharded_tables.specs import DType
 

@@ -20,7 +20,6 @@ import csv
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import urllib.error
@@ -29,18 +28,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
+import loadtest
+
+LOCUSTFILE = Path(loadtest.__file__).parent / "locustfile.py"
+PACKAGE_ROOT = Path(loadtest.__file__).parents[1]
+"""Where ``loadtest`` and its siblings are importable from: locust runs in its own process."""
 USER_CLASSES = {"grpc": "RecommendGrpcUser", "http": "KServeHttpUser"}
 """The locustfile's user class for each protocol."""
 CSV_PREFIX = "locust"
 """locust writes ``OUT/locust_stats.csv``, ``_stats_history.csv``, ``_failures.csv``, ..."""
 AGGREGATED = "Aggregated"
-_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-_VERSION = re.compile(r"[1-9][0-9]*")
-# a published version's layout (serving/repository/repository.py): a complete version is a
-# numbered folder holding manifest.json; the model's config.json is in its model/ folder
-_MANIFEST, _ARTIFACT, _CONFIG, _PBTXT = "manifest.json", "model", "config.json", "config.pbtxt"
 
 
 class TargetDownError(RuntimeError):
@@ -49,78 +46,6 @@ class TargetDownError(RuntimeError):
 
 class LoadTestError(RuntimeError):
     """locust itself failed (bad arguments, a crash, no CSVs)."""
-
-
-# ---- the model ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelShape:
-    """What a valid request of a published model looks like (from its ``config.json``)."""
-
-    name: str
-    version: int
-    num_items: int
-    """Item ids are ``0 .. num_items - 1``."""
-    user_features: dict[str, int]
-    """Categorical user feature -> vocabulary size, in request order (F features)."""
-    dense_dim: int
-    """Dd: dense user features."""
-    history_len: int
-    """Most recent history items the model reads."""
-    item_attributes: dict[str, list[str]] = field(default_factory=dict)
-    """Filterable attribute -> its values."""
-
-
-def _versions(model_dir: Path) -> list[int]:
-    if not model_dir.is_dir():
-        return []
-    return sorted(
-        int(p.name)
-        for p in model_dir.iterdir()
-        if _VERSION.fullmatch(p.name) and (p / _MANIFEST).is_file()
-    )
-
-
-def _models(repo: Path) -> list[str]:
-    if not repo.is_dir():
-        return []
-    return sorted(
-        p.name
-        for p in repo.iterdir()
-        if p.is_dir()
-        and _NAME.fullmatch(p.name)
-        and not p.name.startswith(".")
-        and ((p / _PBTXT).is_file() or _versions(p))
-    )
-
-
-def read_model_shape(repo: Path, model: str | None = None) -> ModelShape:
-    """The latest published version of ``model`` (default: the repository's only model);
-    ``ValueError`` naming ``--model-repo`` / ``--model`` when there is none."""
-    found = _models(repo)
-    if not found:
-        raise ValueError(f"--model-repo: {repo} holds no published model")
-    if model and model not in found:
-        raise ValueError(f"--model: no model {model!r} in {repo} (found: {', '.join(found)})")
-    if not model and len(found) != 1:
-        raise ValueError(f"--model: {repo} holds models {', '.join(found)}; name one")
-    name = model or found[0]
-    versions = _versions(repo / name)
-    if not versions:
-        raise ValueError(f"--model: {name!r} has no published version in {repo / name}")
-    path = repo / name / str(versions[-1]) / _ARTIFACT / _CONFIG
-    try:
-        cfg = json.loads(path.read_text())
-        return ModelShape(
-            name=name,
-            version=versions[-1],
-            num_items=int(cfg["num_items"]),
-            user_features={str(k): int(v) for k, v in cfg["user_features"].items()},
-            dense_dim=int(cfg["dense_dim"]),
-            history_len=int(cfg.get("history_len", 50)),
-            item_attributes={str(a): list(map(str, v)) for a, v in cfg["item_attributes"].items()},
-        )
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-        raise ValueError(f"--model-repo: cannot read {path}: {e!r}") from None
 
 
 # ---- the target --------------------------------------------------------------------------------
@@ -211,11 +136,11 @@ def run_locust(spec: LoadTestSpec) -> Path:
     spec.out.mkdir(parents=True, exist_ok=True)
     log = spec.out / "locust.log"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     with open(log, "w") as f:
         try:
             code = subprocess.run(
-                locust_command(spec), stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                locust_command(spec), stdout=f, stderr=subprocess.STDOUT, env=env, cwd=spec.out,
                 timeout=spec.duration_s + 120, check=False,
             ).returncode  # fmt: skip
         except subprocess.TimeoutExpired:

@@ -41,15 +41,15 @@ import numpy as np
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.shape import read_model_shape
 from loadtest.workload import RequestMix, recommend_request
-from recserve.loadtest import read_model_shape
+from recserve import cluster as local_cluster
 from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel, table_specs
 from retrieval.tiering import tier_model
 from retrieval.training.prepare import prepare
-from serving import cluster as local_cluster
-from serving.recommend_pb2 import RecommendRequest, RecommendResponse
-from serving.recommend_pb2_grpc import RecommenderStub
+from serving.protos.recommend_pb2 import RecommendRequest, RecommendResponse
+from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository import ModelRepository
 from sharded_tables.placement import Budgets
 from sharded_tables.specs import DType

@@ -27,7 +27,7 @@ from retrieval.config import ModelConfig
 from retrieval.index.ivf import IVFConfig, IVFIndex
 from retrieval.index.split import shard_of, split_index
 from retrieval.model import RetrievalModel
-from sharded_tables.sharded import RemoteFetcher
+from sharded_tables.tiered import RemoteFetcher
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.pt"

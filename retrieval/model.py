@@ -24,8 +24,8 @@ from retrieval.scoring import PairHead, score_candidates
 from retrieval.towers import Tower
 from sharded_tables import EmbeddingCollection, TableConfig
 from sharded_tables.planner import PlacementPlan
-from sharded_tables.sharded import RemoteFetcher, ShardedEmbeddingCollection
 from sharded_tables.specs import DType, TableSpec
+from sharded_tables.tiered import RemoteFetcher, TieredEmbeddingCollection
 
 
 def _table_configs(cfg: ModelConfig) -> list[TableConfig]:
@@ -60,7 +60,7 @@ def table_specs(
 
 def _make_tables(
     cfg: ModelConfig, remote: RemoteFetcher | None, device: torch.device | str
-) -> EmbeddingCollection | ShardedEmbeddingCollection:
+) -> EmbeddingCollection | TieredEmbeddingCollection:
     """Plain float tables, or the tiered ones the config's plan places."""
     if cfg.table_plan is None:
         return EmbeddingCollection(_table_configs(cfg))
@@ -76,7 +76,7 @@ def _make_tables(
         )
         for s in table_specs(cfg)
     ]
-    return ShardedEmbeddingCollection(specs, plan, device=device, remote=remote)
+    return TieredEmbeddingCollection(specs, plan, device=device, remote=remote)
 
 
 class RetrievalModel(nn.Module):

@@ -17,8 +17,8 @@ import torch
 from retrieval.model import RetrievalModel, table_specs
 from sharded_tables import EmbeddingCollection
 from sharded_tables.planner import Budgets, PlacementPlan, plan
-from sharded_tables.sharded import RemoteFetcher, ShardedEmbeddingCollection
 from sharded_tables.specs import DType
+from sharded_tables.tiered import RemoteFetcher, TieredEmbeddingCollection
 
 
 def float_tables(model: RetrievalModel) -> dict[str, torch.Tensor]:
@@ -52,6 +52,6 @@ def tier_model(
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(("tables.", "index."))}
     tiered.load_state_dict(own, strict=False)
     tiered.index = copy.deepcopy(model.index)
-    assert isinstance(tiered.tables, ShardedEmbeddingCollection)
+    assert isinstance(tiered.tables, TieredEmbeddingCollection)
     remote_rows = tiered.tables.load_float(float_tables(model))
     return tiered.eval(), remote_rows

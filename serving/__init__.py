@@ -1,11 +1,16 @@
-"""The serving process: front ends -> dynamic batcher -> model runner, with hot reload.
+"""Serving: the model behind gRPC ``Recommend``, KServe v2 (gRPC and HTTP) and a router.
 
-``recserve serve --model-repo DIR`` loads the latest version of a model from a Triton-style
-repository (:mod:`serving.repository`; the folder itself, e.g. `model_repo/`), serves the gRPC ``Recommend`` endpoint with ``grpc.health.v1``
-(and the KServe v2 protocol where built), batches requests dynamically, swaps in new versions
-between batches, exports Prometheus metrics, and drains on SIGTERM.
+Layers, each importing only those below it (checked by ``make lint``)::
 
-Flow: ``grpc_server`` / ``kserve*`` / ``http_app`` parse -> :class:`requests.RecRequest` ->
-``state.submit`` -> ``batching.DynamicBatcher`` -> ``host.ModelHost.current()`` ->
-``runner.ModelRunner.run`` -> :class:`requests.RecResult`.
+    app/         the process: config, wiring, process groups, the ready line
+    frontends/   Recommend gRPC, KServe v2 gRPC and HTTP: parse -> engine -> render
+    sharding/    router and shard server (document shards), their wire format
+    live/        live updates: messages, update log, LiveUpdates, the admin service
+    repository/  the Triton-layout model repository (files, not models)
+    engine/      batcher, model host (hot reload), runner, service state, metrics
+    types.py     request/result types, errors and their status codes
+    protos/      wire schemas
+
+A request: front end parses -> ``types.RecRequest`` -> ``engine.state.submit`` -> batcher ->
+``host.current()`` -> ``runner.run`` (one forward) -> ``types.RecResult`` -> front end renders.
 """

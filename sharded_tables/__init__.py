@@ -5,7 +5,7 @@ Two implementations of that call:
 * :class:`EmbeddingCollection` -- plain float ``nn.EmbeddingBag`` tables in the process (what
   training uses by default); :class:`TrainableTables` -- the same tables in fbgemm's training
   kernel with a fused row-wise optimizer.
-* :class:`ShardedEmbeddingCollection` -- tables placed by a :class:`PlacementPlan` over three
+* :class:`TieredEmbeddingCollection` -- tables placed by a :class:`PlacementPlan` over three
   tiers (device / host / remote embedding servers), stored as packed FP32/FP16/FP8/INT8/INT4 rows,
   read through fbgemm's table-batched kernel, with hot-row caches for remote tables and id
   transformers for hashed (unbounded) id spaces.
@@ -20,8 +20,8 @@ Files, in the order data flows: ``specs`` (dtypes, tiers, TableSpec) -> ``placem
 from sharded_tables.collection import EmbeddingCollection, TableConfig
 from sharded_tables.placement import Budgets, PlacementPlan, PlanError, TablePlacement
 from sharded_tables.planner import plan
-from sharded_tables.sharded import ShardedEmbeddingCollection
 from sharded_tables.specs import DType, TableSpec, Tier
+from sharded_tables.tiered import TieredEmbeddingCollection
 from sharded_tables.trainable import TrainableTables
 
 __all__ = [
@@ -30,11 +30,11 @@ __all__ = [
     "EmbeddingCollection",
     "PlacementPlan",
     "PlanError",
-    "ShardedEmbeddingCollection",
     "TableConfig",
     "TablePlacement",
     "TableSpec",
     "Tier",
+    "TieredEmbeddingCollection",
     "TrainableTables",
     "plan",
 ]

@@ -16,7 +16,7 @@ import torch
 
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.remote.client import RemoteTable
-from sharded_tables.remote.shard_files import ShardTable, write_shard
+from sharded_tables.remote.server_files import ShardTable, write_shard
 from sharded_tables.specs import TableSpec, Tier
 
 
@@ -38,7 +38,7 @@ def write_remote_shards(
     """Writes one shard folder per server -> ``{server index: folder}``.
 
     ``packed``: ``{table: uint8 [rows, row_bytes]}`` for every ranged remote table (what
-    :meth:`ShardedEmbeddingCollection.load_float` returns).
+    :meth:`TieredEmbeddingCollection.load_float` returns).
     """
     by_name = {s.name: s for s in specs}
     per_server: dict[int, list[ShardTable]] = {i: [] for i in remote_servers(plan)}

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sharded_tables.cpp_extension import load_extension
+from common.cpp_extension import load_extension
 
 POLICIES: tuple[str, ...] = ("lru", "lfu", "hybrid")
 DEFAULT_DECAY_PERIOD = 16

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from sharded_tables.cpp_extension import load_extension
+from common.cpp_extension import load_extension
 
 _SRC = Path(__file__).parent / "csrc" / "pooled_lookup.cpp"
 

@@ -11,6 +11,8 @@ from hypothesis import settings
 
 torch.set_num_threads(2)
 
+pytest_plugins = ["support.serving_fixtures"]
+
 # Property tests draw the same examples on every run (CI must not turn red by chance); set
 # HYPOTHESIS_PROFILE=explore to draw new ones, and keep any failure it finds as a regular test.
 settings.register_profile("repeatable", derandomize=True)

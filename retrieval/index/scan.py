@@ -17,8 +17,8 @@ from types import ModuleType
 
 import torch
 
+from common.cpp_extension import load_extension
 from retrieval.index.codes import fp8_lut, quantize_int8
-from sharded_tables.cpp_extension import load_extension
 
 _SRC = Path(__file__).parent / "csrc" / "ivf_scan.cpp"
 

@@ -2,7 +2,7 @@
 
 The file is protobuf text format of the real Triton message (``tritonclient.grpc.model_config_pb2``),
 written and parsed with ``google.protobuf.text_format``, never by hand. The tensor interface is the
-one fixed in ``serving/requests.py`` (dims without the batch dimension)::
+one fixed in ``serving/types.py`` (dims without the batch dimension)::
 
     history      TYPE_INT64   [-1]     recent item ids, newest first (-1 pads)
     categorical  TYPE_INT64   [F]      F = len(model_cfg.user_features)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-import recserve
+import common
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1
@@ -55,7 +55,7 @@ class Manifest:
     files: list[FileEntry]
     created: str = ""
     """UTC time of writing, ISO 8601."""
-    recserve_version: str = recserve.__version__
+    recserve_version: str = common.__version__
     torch_version: str = torch.__version__
     format: int = FORMAT
     extra: dict[str, Any] = field(default_factory=dict)

@@ -56,7 +56,7 @@ from serving.repository.config import (
 from serving.repository.manifest import MANIFEST_FILE, CorruptVersionError, verify, write_manifest
 from sharded_tables.export import write_remote_shards
 from sharded_tables.planner import PlacementPlan
-from sharded_tables.sharded import RemoteFetcher
+from sharded_tables.tiered import RemoteFetcher
 
 ARTIFACT_DIR = "model"
 """Where a version keeps :func:`retrieval.artifact.save_model`'s folder."""

@@ -1,6 +1,6 @@
 """The remote tier: embedding servers holding packed rows in DRAM, read over gRPC.
 
-* :mod:`~sharded_tables.remote.shard_files`: one server's shard on disk (manifest + packed rows,
+* :mod:`~sharded_tables.remote.server_files`: one server's shard on disk (manifest + packed rows,
   keyed tables' put logs), written atomically.
 * :mod:`~sharded_tables.remote.server`: ``EmbeddingServer`` / ``serve`` (``recserve embed-server``).
 * :mod:`~sharded_tables.remote.client`: ``RemoteTables``, the batched, de-duplicated client.
@@ -9,7 +9,7 @@
 
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables, route
 from sharded_tables.remote.server import EmbeddingServer, MemoryBudgetError, parse_size, serve
-from sharded_tables.remote.shard_files import ShardTable, read_shard, write_shard
+from sharded_tables.remote.server_files import ShardTable, read_shard, write_shard
 
 __all__ = [
     "EmbeddingServer",

@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
-from sharded_tables.grpc_util import ClientAuth, open_channel
+from common.grpc_util import ClientAuth, open_channel
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.server import MAX_MESSAGE_BYTES
-from sharded_tables.remote.shard_files import Partition
+from sharded_tables.remote.server_files import Partition
 from sharded_tables.specs import DType, row_bytes
 from sharded_tables.store import RowStore
 

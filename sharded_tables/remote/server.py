@@ -9,7 +9,7 @@
   zero row and ``found = 0``. ``Put`` appends to the table's log (fsynced) before it answers,
   so a restarted server serves the same rows.
 
-``interceptors`` and ``credentials`` secure the port (``serving/security.py`` builds them: a
+``interceptors`` and ``credentials`` secure the port (``common/security.py`` builds them: a
 bearer-token check and TLS); the server itself knows nothing of tokens.
 
 The shard must fit ``memory_budget`` bytes: the server refuses to start (and refuses puts) with a
@@ -37,10 +37,10 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sharded_tables.grpc_util import bind_port, format_address, serve_until_signal
+from common.grpc_util import bind_port, format_address, serve_until_signal
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
-from sharded_tables.remote.shard_files import (
+from sharded_tables.remote.server_files import (
     KeyLog,
     latest_positions,
     read_manifest,

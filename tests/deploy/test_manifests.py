@@ -189,9 +189,9 @@ def test_statefulsets_have_their_headless_service() -> None:
 
 
 def test_probes_hit_ports_and_paths_the_servers_serve() -> None:
-    """HTTP probes use routes of serving/http_app.py on the HTTP port; gRPC probes the port where
+    """HTTP probes use routes of serving/frontends/kserve_http.py on the HTTP port; gRPC probes the port where
     grpc.health.v1 runs (router: serve.toml grpc_port; others: the port flag in their args)."""
-    from serving.http_app import make_app
+    from serving.frontends.kserve_http import make_app
 
     routes = {getattr(r, "path", None) for r in make_app(cast(Any, None)).routes}
     for _, c in containers():
@@ -269,7 +269,7 @@ def test_router_addresses_are_the_statefulset_pods() -> None:
 def test_serve_toml_loads_and_validates_with_serve_config(tmp_path: Path) -> None:
     """`recserve serve` accepts the file: every key known and typed, [router] included, values
     valid; gRPC workers outnumber the batch, as ServeConfig.grpc_workers asks."""
-    from serving.config import ServeConfig
+    from serving.app.config import ServeConfig
 
     cfg = ServeConfig.from_toml(BASE / "serve.toml")
     (tmp_path / cfg.model).mkdir()
@@ -305,9 +305,9 @@ def test_container_args_parse_with_the_recserve_cli(name: str) -> None:
 # ---- scaling, disruption, resources --------------------------------------------------------------
 def test_hpa_scales_the_router_on_the_adapter_metric() -> None:
     """The HPA targets the router Deployment (which leaves replicas to it) on the metric the
-    adapter rule serves, computed from counters serving/metrics.py really exports; its target is
+    adapter rule serves, computed from counters serving/engine/metrics.py really exports; its target is
     above the batcher's designed wait, or an idle router would scale to the maximum."""
-    from serving.metrics import ServingMetrics
+    from serving.engine.metrics import ServingMetrics
 
     (hpa,) = of_kind("HorizontalPodAutoscaler")
     router = workload("router")
@@ -514,7 +514,7 @@ def test_dockerignore_sends_sources_but_never_data() -> None:
         "constraints.txt",
         "retrieval/index/csrc/ivf_scan.cpp",
         "sharded_tables/csrc/idmap.cpp",
-        "serving/config.py",
+        "serving/app/config.py",
     ):
         assert not dockerignored(kept, patterns), kept
     for dropped in (

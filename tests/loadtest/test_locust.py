@@ -22,16 +22,16 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health, health_pb2_grpc
-from process_util import first_line, stop
 
-from recserve.loadtest import REPO, read_model_shape
+from loadtest.shape import read_model_shape
 from retrieval.data import SyntheticConfig, generate
 from retrieval.filters import parse_filter
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import prepare
-from serving.recommend_pb2 import RecommendResponse
-from serving.recommend_pb2_grpc import RecommenderServicer, add_RecommenderServicer_to_server
+from serving.protos.recommend_pb2 import RecommendResponse
+from serving.protos.recommend_pb2_grpc import RecommenderServicer, add_RecommenderServicer_to_server
 from serving.repository import repository
+from support.process_util import first_line, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -185,11 +185,7 @@ def test_partial_answers_are_failures(protocol, partial_targets, model_repo: Pat
 # ---- the request mix ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def workload() -> ModuleType:
-    sys.path.insert(0, str(REPO / "loadtest"))
-    try:
-        return importlib.import_module("workload")
-    finally:
-        sys.path.remove(str(REPO / "loadtest"))
+    return importlib.import_module("loadtest.workload")
 
 
 def test_model_shape_is_the_published_config(model_repo: Path):

@@ -13,11 +13,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from process_util import first_line, stop
 
 from retrieval.training.run import RunConfig, load_data, prepare_run
-from serving.recommend_pb2 import RecommendRequest
-from serving.recommend_pb2_grpc import RecommenderStub
+from serving.protos.recommend_pb2 import RecommendRequest
+from serving.protos.recommend_pb2_grpc import RecommenderStub
+from support.process_util import first_line, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

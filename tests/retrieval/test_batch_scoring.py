@@ -15,7 +15,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from topk_check import assert_same_topk
 
 from retrieval.artifact import save_model
 from retrieval.batch_scoring import (
@@ -29,6 +28,7 @@ from retrieval.batch_scoring import (
 from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import prepare
+from support.topk_check import assert_same_topk
 
 K = 20
 

@@ -8,7 +8,6 @@ import io
 import numpy as np
 import pytest
 import torch
-from topk_check import assert_same_topk
 
 from retrieval.artifact import load_model, load_state, save_model
 from retrieval.config import ModelConfig
@@ -19,6 +18,7 @@ from retrieval.metrics import popularity_recs, ranking_metrics
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import prepare
 from retrieval.training.train import TrainConfig, train
+from support.topk_check import assert_same_topk
 
 
 @pytest.fixture(scope="module")

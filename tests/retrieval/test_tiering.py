@@ -14,8 +14,8 @@ from retrieval.tiering import tier_model
 from retrieval.training.prepare import prepare
 from retrieval.training.train import TrainConfig, train
 from sharded_tables.planner import Budgets
-from sharded_tables.sharded import ShardedEmbeddingCollection
 from sharded_tables.specs import DType, Tier
+from sharded_tables.tiered import TieredEmbeddingCollection
 
 HOST_ONLY = Budgets(device=0, host=1 << 30)
 
@@ -42,7 +42,7 @@ def test_int8_tables_keep_recall_within_half_a_point(trained):
     fp32 = _recall(prep, model, users)
     for dtype, tolerance in ((DType.INT8, 0.005), (DType.FP8, 0.01), (DType.INT4, 0.03)):
         tiered, remote = tier_model(model, HOST_ONLY, dtype=dtype)
-        assert remote == {} and isinstance(tiered.tables, ShardedEmbeddingCollection)
+        assert remote == {} and isinstance(tiered.tables, TieredEmbeddingCollection)
         assert all(
             p.dtype is dtype and p.tier is not Tier.REMOTE for p in tiered.tables.plan.tables
         )

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from sharded_tables.planner import Budgets, PlacementPlan, TablePlacement
-from sharded_tables.sharded import ShardedEmbeddingCollection
 from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.tbe import LocalTable, LocalTables
+from sharded_tables.tiered import TieredEmbeddingCollection
 
 pytestmark = pytest.mark.gpu
 
@@ -88,9 +88,9 @@ def test_collection_on_cuda_with_a_remote_table_cached_in_hbm():
         budgets,
     )
     weights = {s.name: torch.randn(s.rows, s.dim) for s in specs}
-    cpu = ShardedEmbeddingCollection(specs, placement)
+    cpu = TieredEmbeddingCollection(specs, placement)
     cpu.remote = PackedRows(cpu.load_float(weights))
-    gpu = ShardedEmbeddingCollection(specs, placement, device="cuda")
+    gpu = TieredEmbeddingCollection(specs, placement, device="cuda")
     gpu.remote = server = PackedRows(gpu.load_float(weights))
     assert gpu.caches["user"].storage.is_cuda
     g = torch.Generator().manual_seed(0)

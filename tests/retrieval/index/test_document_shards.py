@@ -6,12 +6,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from topk_check import assert_same_topk
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.split import check_cover, shard_of, split_index
+from support.topk_check import assert_same_topk
 
 FILTERS = [
     None,

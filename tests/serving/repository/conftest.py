@@ -1,5 +1,5 @@
 """Repository fixtures: a fresh repository folder per test (the tiny model comes from
-``tests/serving/conftest.py``)."""
+``tests/support/serving_fixtures.py``)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from retrieval.data import SyntheticConfig
 from retrieval.index.ivf import IVFConfig
 from retrieval.training.run import TABLES, RunConfig
 from retrieval.training.train import TrainConfig
-from serving.config import (
+from serving.app.config import (
     MAX_C_INT,
     MAX_WAIT_S,
     BatchingConfig,
@@ -122,7 +122,7 @@ def test_config_pbtxt_parses_or_names_the_file(text):
         assert str(e).startswith(f"{SOURCE}: "), e
         return
     event("parsed")
-    try:  # what the server derives from it (serving.main: cfg.batching.policy(config))
+    try:  # what the server derives from it (serving.app.server: cfg.batching.policy(config))
         policy = BatchingConfig().policy(cfg)
     except ConfigError as e:
         event("policy refused")

@@ -27,14 +27,14 @@ import torch
 
 from retrieval.artifact import UnsafeArtifactError
 from retrieval.tiering import tier_model
-from serving import kserve
-from serving.config import ConfigError, ServeConfig
-from serving.host import ModelHost
+from serving.app.config import ConfigError, ServeConfig
+from serving.engine.host import ModelHost
+from serving.engine.runner import ModelRunner
+from serving.frontends import kserve
 from serving.repository.manifest import CorruptVersionError, verify, write_manifest
-from serving.requests import ModelNotFoundError, RecResult, RequestError
-from serving.runner import ModelRunner
+from serving.types import ModelNotFoundError, RecResult, RequestError
 from sharded_tables.placement import Budgets
-from sharded_tables.remote.shard_files import read_shard
+from sharded_tables.remote.server_files import read_shard
 from sharded_tables.specs import DType
 
 NAME = "demo"

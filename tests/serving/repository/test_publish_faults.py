@@ -36,12 +36,12 @@ from publish_worker import Worker
 
 from retrieval.artifact import save_model
 from retrieval.tiering import tier_model
-from serving.host import ModelHost
+from serving.engine.host import ModelHost
+from serving.engine.runner import ModelRunner
 from serving.repository.config import CONFIG_FILE
 from serving.repository.manifest import verify
 from serving.repository.repository import LOCK_FILE, LoadedModel, ModelRepository, PublishError
-from serving.requests import RecResult
-from serving.runner import ModelRunner
+from serving.types import RecResult
 from sharded_tables.placement import Budgets
 from sharded_tables.specs import DType
 

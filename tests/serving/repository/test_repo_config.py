@@ -16,7 +16,7 @@ from serving.repository.config import (
     read_config,
     write_config,
 )
-from serving.requests import INPUTS, OUTPUTS
+from serving.types import INPUTS, OUTPUTS
 
 
 def test_tensor_interface_matches_the_serving_table(tiny) -> None:

@@ -25,7 +25,7 @@ from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables
 from sharded_tables.remote.embedding_pb2_grpc import EmbeddingServiceStub
 from sharded_tables.remote.server import EmbeddingServer
-from sharded_tables.remote.shard_files import ShardTable, write_shard
+from sharded_tables.remote.server_files import ShardTable, write_shard
 from sharded_tables.specs import DType
 
 pytestmark = pytest.mark.multiproc

@@ -21,9 +21,9 @@ from retrieval.training.train import TrainConfig, train
 from sharded_tables.export import remote_routing, write_remote_shards
 from sharded_tables.planner import Budgets, plan
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables
-from sharded_tables.remote.shard_files import ShardTable, write_shard
-from sharded_tables.sharded import ShardedEmbeddingCollection
+from sharded_tables.remote.server_files import ShardTable, write_shard
 from sharded_tables.specs import DType, TableSpec, Tier
+from sharded_tables.tiered import TieredEmbeddingCollection
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_hashed_table_evicts_to_the_servers_and_reads_back(servers, tmp_path):
     write_shard(tmp_path / "kv", [ShardTable("query", DType.FP32, 8, "keyed")])
     (proc,) = servers.start((tmp_path / "kv", 0))
     client = RemoteTables([RemoteTable("query", DType.FP32, 8, (proc.address,), "keyed")])
-    coll = ShardedEmbeddingCollection(specs, placement, remote=client)
+    coll = TieredEmbeddingCollection(specs, placement, remote=client)
     raw = torch.tensor([[2**40 + 1, -(2**50), 123456789]])
     coll({"query": raw})
     coll.dynamic["query"].weight[:] = torch.randn(4, 8)

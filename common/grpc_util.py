@@ -1,0 +1,153 @@
+"""Small gRPC helpers shared by this project's servers (embedding servers, the serving process)
+and their clients: binding a port (TLS when given credentials) and opening a channel that may
+use TLS and send a bearer token (:class:`ClientAuth`). What to check and which token to accept
+is ``common/security.py``'s business; this module only speaks gRPC."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with IPv6 hosts in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_port(
+    server: grpc.Server,
+    host: str,
+    port: int,
+    field: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Binds ``host:port`` (0: any free port), with TLS when ``credentials`` are given, and
+    returns the bound port; ``OSError`` naming the config ``field`` when the address cannot be
+    bound (grpc reports that as port 0 or an error)."""
+    address = format_address(host, port)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError as e:
+        raise OSError(f"{field}: cannot bind {address}: {e}") from None
+    if bound == 0:
+        raise OSError(f"{field}: cannot bind {address}")
+    return bound
+
+
+def bind_tcp(
+    host: str, port: int, field: str, *, reuse_addr: bool = False, reuse_port: bool = False
+) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port), not yet listening; ``OSError``
+    naming the config ``field`` when the address cannot be bound. IPPROTO_TCP explicitly:
+    asyncio sets TCP_NODELAY only on sockets it knows are TCP."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    if reuse_addr:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"{field}: cannot bind {format_address(host, port)}: {e}") from None
+    return sock
+
+
+@dataclass(frozen=True)
+class ClientAuth:
+    """How a process calls a server of ours: TLS (when ``root_certificates`` is set) and a bearer
+    token in every call's ``authorization`` metadata (when ``token`` is set). The token and key
+    stay out of ``repr`` (and so out of logs)."""
+
+    root_certificates: bytes | None = None
+    """PEM CA certificates that verify the server; None: plaintext."""
+    token: str | None = field(default=None, repr=False)
+    """Sent as ``authorization: Bearer <token>``; None: no token."""
+    certificate_chain: bytes | None = None
+    """PEM client certificate (mutual TLS), with ``private_key``."""
+    private_key: bytes | None = field(default=None, repr=False)
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call (plaintext channels included, where
+    gRPC refuses call credentials: a token over plaintext is for loopback and tests)."""
+
+    def __init__(self, token: str):
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def __repr__(self) -> str:
+        return "_BearerToken(<hidden>)"
+
+    def _details(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._metadata]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+
+def retry_options(
+    attempts: int = 3, codes: Sequence[str] = ("UNAVAILABLE",), backoff_s: float = 0.05
+) -> list[tuple[str, Any]]:
+    """Channel options that make gRPC itself retry a call that failed with one of ``codes``
+    (up to ``attempts`` tries, exponential backoff from ``backoff_s`` with jitter, within the
+    call's own deadline): for clients, since UNAVAILABLE (a router with no shard answering, a
+    draining server) is transient by definition."""
+    if attempts < 2:
+        raise ValueError(f"attempts: must be >= 2, got {attempts}")
+    policy = {
+        "maxAttempts": attempts,
+        "initialBackoff": f"{backoff_s}s",
+        "maxBackoff": f"{backoff_s * 2 ** (attempts - 1)}s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": list(codes),
+    }
+    config = {"methodConfig": [{"name": [{}], "retryPolicy": policy}]}
+    return [("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 1)]
+
+
+def open_channel(
+    address: str, options: Sequence[tuple[str, Any]] = (), auth: ClientAuth | None = None
+) -> grpc.Channel:
+    """A channel to ``address``: plaintext without ``auth``, else TLS and/or a bearer token."""
+    if auth is None:
+        return grpc.insecure_channel(address, options=list(options))
+    if auth.root_certificates is None:
+        channel = grpc.insecure_channel(address, options=list(options))
+    else:
+        credentials = grpc.ssl_channel_credentials(
+            auth.root_certificates, auth.private_key, auth.certificate_chain
+        )
+        channel = grpc.secure_channel(address, credentials, options=list(options))
+    if auth.token is None:
+        return channel
+    return grpc.intercept_channel(channel, _BearerToken(auth.token))
+
+
+def serve_until_signal(start: Callable[[], str], announce: Callable[[str], None] | None) -> None:
+    """Runs ``start()`` (which returns the ready line), announces it, and blocks until SIGTERM
+    or SIGINT. The line goes to stdout by default: a parent process waits for it."""
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    line = start()
+    if announce is None:
+        print(line, flush=True)
+    else:
+        announce(line)
+    while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+        pass

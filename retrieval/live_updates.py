@@ -1,0 +1,399 @@
+"""Live updates of a :class:`RetrievalModel` between full publishes: typed update batches and
+the code that validates and applies them.
+
+Four kinds of batch (:data:`UpdateBatch`):
+
+* :class:`UpsertItems` — add items to the index, or replace them: a vector given, or computed by
+  the item tower from the item's id and attributes (the id must then be a row of the item
+  table, ``< config.num_items``); the attributes become its filter signature.
+* :class:`RemoveItems` — drop items from the index.
+* :class:`SetItemAttributes` — rewrite the listed attributes of items (their eligibility bits);
+  other attributes and the vectors stay as they are.
+* :class:`UpdateEmbeddings` — overwrite rows of an embedding table (float tables, and tiered
+  tables in a local tier, re-packed in the table's dtype; remote and hashed tables are refused).
+
+Applying is two steps so that a server can apply "between batches":
+:func:`prepare_update` validates everything (raising :class:`UpdateError`, a ``ValueError``
+naming the field, before anything changes), runs the item tower and builds the new index
+(copy-on-write: the old model is untouched); :meth:`PreparedUpdate.commit` then runs the
+in-place table row writes, which cannot fail, and returns the model to serve.
+:func:`apply_update` does both. Updating table rows does not recompute item vectors already in
+the index: upsert those items again to refresh them.
+
+Example::
+
+    batch = UpsertItems(torch.tensor([12]), ({"language": ("fr",), "available": ("true",)},))
+    model = apply_update(model, batch)  # item 12's vector from the item tower
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from retrieval.filters import WORD_BITS, FilterSchema, pack_bits
+from retrieval.index import update as index_update
+from retrieval.index.ivf import IVFIndex
+from retrieval.model import RetrievalModel
+from sharded_tables import EmbeddingCollection
+from sharded_tables.quantize import pack_rows
+from sharded_tables.specs import Tier
+from sharded_tables.tiered import TieredEmbeddingCollection
+
+Attributes = Mapping[str, Sequence[str]]
+"""One item's attributes: attribute -> its values (names from ``config.item_attributes``)."""
+Hold = Callable[[], AbstractContextManager[Any]]
+"""A context to enter around reads of the model's tables (e.g. a server's batch gate)."""
+
+
+class UpdateError(ValueError):
+    """An update refused before anything changed. ``field`` is the batch field ("ids",
+    "vectors", "attributes", "table", "rows", "values"), ``item`` the row of the batch it is
+    about (or None), ``sub`` a path below it (".language"); ``str()`` reads
+    ``attributes[2].language: unknown value 'xx' ...``."""
+
+    def __init__(self, field: str, message: str, item: int | None = None, sub: str = ""):
+        self.field, self.item, self.sub, self.reason = field, item, sub, message
+        where = field + ("" if item is None else f"[{item}]") + sub
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass(frozen=True)
+class UpsertItems:
+    """Add or replace items. ``ids [n] int64``; ``attributes``: one mapping per item (an
+    attribute left out has no value); ``vectors [n, D] float32`` where ``has_vector [n] bool``
+    (``vectors=None``: every vector from the item tower; ``has_vector=None``: all given)."""
+
+    kind: ClassVar[str] = "upsert_items"
+    ids: torch.Tensor
+    attributes: Sequence[Attributes]
+    vectors: torch.Tensor | None = None
+    has_vector: torch.Tensor | None = None
+
+    def given(self) -> torch.Tensor:
+        """``[n] bool``: rows whose vector is given."""
+        n = self.ids.shape[0]
+        if self.vectors is None:
+            return torch.zeros(n, dtype=torch.bool)
+        return torch.ones(n, dtype=torch.bool) if self.has_vector is None else self.has_vector
+
+
+@dataclass(frozen=True)
+class RemoveItems:
+    """Remove items ``ids [n] int64`` from the index."""
+
+    kind: ClassVar[str] = "remove_items"
+    ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SetItemAttributes:
+    """Items ``ids [n] int64`` get the attributes of ``attributes`` (one mapping per item; only
+    the attributes named change, an empty value list clears one)."""
+
+    kind: ClassVar[str] = "set_item_attributes"
+    ids: torch.Tensor
+    attributes: Sequence[Attributes]
+
+
+@dataclass(frozen=True)
+class UpdateEmbeddings:
+    """Rows ``rows [n] int64`` of embedding table ``table`` become ``values [n, E] float32``."""
+
+    kind: ClassVar[str] = "update_embeddings"
+    table: str
+    rows: torch.Tensor
+    values: torch.Tensor
+
+
+UpdateBatch = UpsertItems | RemoveItems | SetItemAttributes | UpdateEmbeddings
+KINDS = tuple(c.kind for c in (UpsertItems, RemoveItems, SetItemAttributes, UpdateEmbeddings))
+
+
+@dataclass
+class PreparedUpdate:
+    """A validated update: the model to serve after it, the batch as it is replayed (every
+    vector filled in), and in-place row writes that :meth:`commit` runs."""
+
+    model: RetrievalModel
+    resolved: UpdateBatch
+    writes: list[Callable[[], None]] = field(default_factory=list)
+
+    def commit(self) -> RetrievalModel:
+        """Runs the row writes (the caller holds batches off while they run); -> the model."""
+        for write in self.writes:
+            write()
+        self.writes = []
+        return self.model
+
+
+def prepare_update(
+    model: RetrievalModel, batch: UpdateBatch, hold: Hold | None = None
+) -> PreparedUpdate:
+    """Validates ``batch`` against ``model`` and computes its result without changing
+    ``model``; raises :class:`UpdateError` naming the field.
+
+    ``hold()`` is entered around the item tower's table lookups: tables that change as they
+    are read (hashed ids, hot-row caches) must not be read while a batch reads them, so a
+    server passes its batch gate here."""
+    if isinstance(batch, UpsertItems):
+        return _prepare_upsert(model, batch, hold or nullcontext)
+    if isinstance(batch, RemoveItems):
+        ids = _check_ids(batch.ids)
+        pos = _known_positions(model, ids)
+        if pos.numel() >= model.index.ntotal:
+            raise UpdateError("ids", "removing every item would leave the index empty")
+        return PreparedUpdate(
+            _with_index(model, index_update.remove_items(model.index, ids)), batch
+        )
+    if isinstance(batch, SetItemAttributes):
+        return _prepare_attributes(model, batch)
+    if isinstance(batch, UpdateEmbeddings):
+        return PreparedUpdate(model, batch, [_prepare_rows(model, batch)])
+    raise TypeError(f"not an update batch: {type(batch).__name__}")
+
+
+def apply_update(model: RetrievalModel, batch: UpdateBatch) -> RetrievalModel:
+    """:func:`prepare_update` then :meth:`PreparedUpdate.commit`: the updated model (it shares
+    everything but the changed parts with ``model``; table row writes land in shared tables)."""
+    return prepare_update(model, batch).commit()
+
+
+# ---- items ------------------------------------------------------------------------------------
+def _prepare_upsert(model: RetrievalModel, batch: UpsertItems, hold: Hold) -> PreparedUpdate:
+    ids = _check_ids(batch.ids)
+    n, d = ids.numel(), model.index.dim
+    schema = model.index.schema
+    _check_count(batch.attributes, n)
+    sig = torch.cat([signature(schema, a, i) for i, a in enumerate(batch.attributes)]).view(
+        n, schema.num_words
+    )
+    given = batch.given()
+    if tuple(given.shape) != (n,) or given.dtype != torch.bool:
+        raise UpdateError(
+            "has_vector", f"expected bool [{n}], got {given.dtype} {list(given.shape)}"
+        )
+    vectors = torch.zeros(n, d)
+    if batch.vectors is not None:
+        if tuple(batch.vectors.shape) != (n, d) or not batch.vectors.is_floating_point():
+            raise UpdateError(
+                "vectors",
+                f"expected float [{n}, {d}] (the model's dim), got {list(batch.vectors.shape)}",
+            )
+        vectors = batch.vectors.detach().cpu().float().clone()
+        bad = (~torch.isfinite(vectors).all(dim=1) & given).nonzero().flatten()
+        if bad.numel():
+            raise UpdateError("vectors", "contains NaN or infinity", item=int(bad[0]))
+    tower = (~given).nonzero().flatten()
+    rows = model.config.num_items
+    beyond = tower[ids[tower] >= rows]
+    if beyond.numel():
+        i = int(beyond[0])
+        raise UpdateError(
+            "vectors",
+            f"item {int(ids[i])} is beyond the item table (rows 0..{rows - 1}), so the item "
+            "tower cannot embed it: give its vector",
+            item=i,
+        )
+    if tower.numel():
+        with hold():
+            vectors[tower] = item_tower_vectors(
+                model, ids[tower], [batch.attributes[int(i)] for i in tower]
+            )
+    index = index_update.add_items(model.index, ids, vectors, sig)
+    resolved = UpsertItems(ids, tuple(batch.attributes), vectors, torch.ones(n, dtype=torch.bool))
+    return PreparedUpdate(_with_index(model, index), resolved)
+
+
+def _prepare_attributes(model: RetrievalModel, batch: SetItemAttributes) -> PreparedUpdate:
+    ids = _check_ids(batch.ids)
+    _check_count(batch.attributes, ids.numel())
+    schema = model.index.schema
+    _known_positions(model, ids)
+    sig = index_update.signatures_of(model.index, ids)  # [n, W]
+    for i, attrs in enumerate(batch.attributes):
+        signature(schema, attrs, i)  # every name and value is known
+        for name, values in attrs.items():
+            new_bits = signature(schema, {name: values}, i)[0]
+            sig[i] = (sig[i] & ~_attribute_mask(schema, name)) | new_bits
+    return PreparedUpdate(
+        _with_index(model, index_update.set_signatures(model.index, ids, sig)), batch
+    )
+
+
+def signature(schema: FilterSchema, attrs: Attributes, item: int = 0) -> torch.Tensor:
+    """One item's attributes -> its signature ``[1, W] int64``; :class:`UpdateError` naming
+    ``attributes[item]`` for an unknown attribute or value."""
+    bits = np.zeros((1, schema.num_words * WORD_BITS), dtype=bool)
+    for name, values in attrs.items():
+        vocab = schema.attribute_values.get(name)
+        if vocab is None:
+            known = ", ".join(schema.attribute_values) or "none"
+            raise UpdateError("attributes", f"unknown attribute {name!r} (known: {known})", item)
+        if isinstance(values, str):
+            raise UpdateError("attributes", "expected a list of values", item, f".{name}")
+        for v in values:
+            bit = schema.bit_of.get((name, v))
+            if bit is None:
+                raise UpdateError(
+                    "attributes",
+                    f"unknown value {v!r} (known: {', '.join(vocab)})",
+                    item,
+                    f".{name}",
+                )
+            bits[0, bit] = True
+    return pack_bits(bits)
+
+
+def _attribute_mask(schema: FilterSchema, name: str) -> torch.Tensor:
+    """``[W] int64``: the bits of every value of attribute ``name``."""
+    bits = np.zeros((1, schema.num_words * WORD_BITS), dtype=bool)
+    for v in schema.attribute_values[name]:
+        bits[0, schema.bit_of[(name, v)]] = True
+    return pack_bits(bits)[0]
+
+
+@torch.no_grad()
+def item_tower_vectors(
+    model: RetrievalModel, ids: torch.Tensor, attributes: Sequence[Attributes]
+) -> torch.Tensor:
+    """The item tower over items ``ids [m]`` (rows of the item table) with their attributes
+    (validated names) -> ``[m, D] float32`` on the CPU."""
+    device = next(model.item_tower.parameters()).device
+    features = {"item_id": ids.view(-1, 1)}
+    for name, vocab in model.config.item_attributes.items():
+        codes = [[vocab.index(v) for v in a.get(name, ())] for a in attributes]
+        width = max((len(c) for c in codes), default=0) or 1
+        padded = torch.full((len(codes), width), -1, dtype=torch.int64)
+        for row, c in enumerate(codes):
+            padded[row, : len(c)] = torch.tensor(c, dtype=torch.int64)
+        features[f"item_{name}"] = padded
+    model.tables.validate(features)
+    return model.item_vectors({f: t.to(device) for f, t in features.items()}).float().cpu()
+
+
+def _check_ids(ids: torch.Tensor, field: str = "ids") -> torch.Tensor:
+    """``ids [n] int64``, each >= 0, none twice -> the ids on the CPU."""
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise UpdateError(field, f"expected int64 [n], got {ids.dtype} {list(ids.shape)}")
+    ids = ids.cpu()
+    if ids.numel() == 0:
+        raise UpdateError(field, "empty: nothing to update")
+    neg = (ids < 0).nonzero().flatten()
+    if neg.numel():
+        raise UpdateError(field, f"must be >= 0, got {int(ids[neg[0]])}", int(neg[0]))
+    seen: set[int] = set()
+    for i, v in enumerate(ids.tolist()):
+        if v in seen:
+            raise UpdateError(field, f"{v} appears more than once in the batch", i)
+        seen.add(v)
+    return ids
+
+
+def _check_count(attributes: Sequence[Attributes], n: int) -> None:
+    if len(attributes) != n:
+        raise UpdateError(
+            "attributes", f"expected one mapping per item ({n}), got {len(attributes)}"
+        )
+
+
+def _known_positions(model: RetrievalModel, ids: torch.Tensor) -> torch.Tensor:
+    pos = index_update.positions_of(model.index, ids)
+    missing = (pos < 0).nonzero().flatten()
+    if missing.numel():
+        i = int(missing[0])
+        raise UpdateError("ids", f"item {int(ids[i])} is not in the index", i)
+    return pos
+
+
+def _with_index(model: RetrievalModel, index: IVFIndex) -> RetrievalModel:
+    """A shallow copy of ``model`` whose ``index`` is ``index`` (``model`` keeps its own)."""
+    new = copy.copy(model)
+    new._modules = dict(model._modules)  # its own module table: setting index leaves model's
+    new.index = index
+    return new
+
+
+# ---- embedding rows ---------------------------------------------------------------------------
+def table_shapes(model: RetrievalModel) -> dict[str, tuple[int, int]]:
+    """``{table: (rows, E)}`` of every table of ``model.tables``."""
+    tables = model.tables
+    if isinstance(tables, EmbeddingCollection):
+        return {n: (c.num_embeddings, c.dim) for n, c in tables.configs.items()}
+    return {n: (s.rows, s.dim) for n, s in tables.specs.items()}
+
+
+def _prepare_rows(model: RetrievalModel, batch: UpdateEmbeddings) -> Callable[[], None]:
+    """Validates a row update; -> the write that applies it."""
+    known = table_shapes(model)
+    if batch.table not in known:
+        raise UpdateError("table", f"unknown table {batch.table!r} (known: {', '.join(known)})")
+    rows = _check_ids(batch.rows, "rows")
+    n_rows = known[batch.table][0]
+    bad = (rows >= n_rows).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise UpdateError("rows", f"{int(rows[i])} is not in [0, {n_rows})", i)
+    tables = model.tables
+    if isinstance(tables, EmbeddingCollection):
+        weight = tables.bags()[batch.table].weight
+        values = _check_values(batch.values, rows.numel(), weight.shape[1])
+
+        def write() -> None:
+            with torch.no_grad():
+                weight[rows.to(weight.device)] = values.to(weight.device, weight.dtype)
+
+        return write
+    return _prepare_tiered_rows(tables, batch.table, rows, batch.values)
+
+
+def _check_values(values: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if tuple(values.shape) != (n, dim) or not values.is_floating_point():
+        raise UpdateError("values", f"expected float [{n}, {dim}], got {list(values.shape)}")
+    values = values.detach().cpu().float()
+    bad = (~torch.isfinite(values).all(dim=1)).nonzero().flatten()
+    if bad.numel():
+        raise UpdateError("values", "contains NaN or infinity", int(bad[0]))
+    return values
+
+
+def _prepare_tiered_rows(
+    tables: TieredEmbeddingCollection, name: str, rows: torch.Tensor, values: torch.Tensor
+) -> Callable[[], None]:
+    """Re-packs rows in the table's dtype; the write puts them where the kernel reads them."""
+    spec, placement = tables.specs[name], tables.plan.placement(name)
+    if placement.tier is Tier.REMOTE:
+        raise UpdateError(
+            "table",
+            f"table {name!r} lives on the remote tier (embedding servers, with hot-row caches "
+            "here): its rows are not updated in place; publish a new version",
+        )
+    if spec.hashed:
+        raise UpdateError(
+            "table", f"table {name!r} is hashed (rows follow raw ids): not updated in place"
+        )
+    try:
+        packed = pack_rows(_check_values(values, rows.numel(), spec.dim), placement.dtype)
+    except ValueError as e:
+        if isinstance(e, UpdateError):
+            raise
+        raise UpdateError("values", f"{e} (table {name!r} is {placement.dtype.value})") from None
+    module = next(m for m in tables.tiers.values() if name in {t.name for t in m.tables})
+
+    def write() -> None:
+        try:
+            view = module.rows_view(name)
+        except NotImplementedError:  # fbgemm's CUDA storage: rewrite the whole table
+            whole = module.packed(name)
+            whole[rows] = packed
+            module.set_packed(name, whole)
+            return
+        view[rows.to(view.device)] = packed.to(view.device)
+
+    return write

@@ -1,0 +1,367 @@
+"""``recserve serve --processes N``: N serving processes behind one gRPC port and one HTTP port.
+
+One Python process runs one thread of Python at a time (the interpreter lock): its gRPC
+handlers, request parsing and rendering, and each batch's many small ops take turns, so one
+serving process keeps a 2-core machine ~65 % busy at best (``bench/RESULTS.md``). A group of
+processes, each a whole :class:`~serving.app.server.Server` (its own model copy, batcher and lock),
+shares the listening ports with ``SO_REUSEPORT``: the kernel spreads connections across them
+-- the pattern of gRPC's own multiprocessing example and of gunicorn's workers. Batching
+happens within each process.
+
+The parent process (this module) serves nothing itself. It
+
+* reserves the ports: a taken port fails at once, naming the field; port 0 picks one free port
+  for the whole group; the reserving socket stays bound (never listening) so no stranger can
+  take the port between restarts;
+* starts the processes (``spawn``) and announces one ready line once every one has loaded and
+  warmed its model (``... processes=N``);
+* serves ``/metrics`` (``metrics_port``): every process's samples with a ``process`` label;
+* restarts a process that dies (more than :data:`RESTARTS_PER_MINUTE` deaths in a minute ends
+  the group with status 1: a crash loop is not service);
+* on SIGTERM/SIGINT drains them all (each finishes its in-flight requests) and exits 1 when
+  one did not drain in time.
+
+A process whose parent dies (kill -9) drains and exits by itself: it watches its pipe to the
+parent. Each process polls the repository and hot-swaps on its own, so during a rollout
+different connections may see different versions for up to ``poll_s``. Live updates
+(``state_dir``) need one process (``ServeConfig.validate`` refuses the mix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.grpc_util import bind_tcp, format_address, serve_until_signal
+from serving.app.announce import Addresses, announce_line
+from serving.app.config import ServeConfig
+from serving.app.server import Server
+
+log = logging.getLogger(__name__)
+
+RESTARTS_PER_MINUTE = 5
+"""Deaths of the group's processes within 60 s after which the group gives up (status 1)."""
+SCRAPE_TIMEOUT_S = 2.0
+
+
+class GroupStartError(Exception):
+    """A process of the group could not start (its message says why)."""
+
+
+@dataclass
+class _Member:
+    """One serving process of the group: slot ``index``, its pipe, and what it reported."""
+
+    index: int
+    process: BaseProcess
+    conn: Connection
+    ready: dict[str, Any] | None = None
+
+
+def reserve_port(host: str, port: int, field: str) -> socket.socket:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT`` and never listening: the group's
+    processes bind the same port beside it, nobody else can. Port 0 picks a free port (read
+    it back with ``getsockname``). ``OSError`` naming ``field`` when the port is taken --
+    checked without ``SO_REUSEPORT`` first, so another group cannot silently join."""
+    if port:
+        bind_tcp(host, port, field, reuse_addr=True).close()  # anyone on it: fails here
+    return bind_tcp(host, port, field, reuse_port=True)
+
+
+def threads_per_process(processes: int, torch_threads: int) -> int:
+    """Intra-op threads each process uses: as configured, else the cores shared out."""
+    if torch_threads:
+        return torch_threads
+    return max(1, len(os.sched_getaffinity(0)) // processes)
+
+
+class ProcessMetrics:
+    """A Prometheus collector: every process's ``/metrics``, each sample labelled
+    ``process="<slot>"``; a process that does not answer (restarting) is left out of that
+    scrape."""
+
+    def __init__(self, addresses: Callable[[], dict[int, str]]):
+        self.addresses = addresses
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for slot, address in sorted(self.addresses().items()):
+            try:
+                with urllib.request.urlopen(
+                    f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_S
+                ) as reply:
+                    text = reply.read().decode()
+            except OSError:
+                continue
+            for family in text_string_to_metric_families(text):
+                out = families.get(family.name)
+                if out is None:
+                    out = Metric(family.name, family.documentation, family.type, family.unit)
+                    families[family.name] = out
+                for s in family.samples:
+                    labels = {**s.labels, "process": str(slot)}
+                    out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+        yield from families.values()
+
+
+class ProcessGroup:
+    """The parent of ``config.processes`` serving processes (see the module docstring)::
+
+    group = ProcessGroup(config)
+    line = group.start()      # every process ready; the ready line
+    ...
+    clean = group.stop()      # drain all
+    """
+
+    def __init__(self, config: ServeConfig):
+        config.validate()
+        self.config = config
+        self._ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        self._members: list[_Member] = []
+        self._reserved: list[socket.socket] = []
+        self._child_config = config
+        self._stopping = threading.Event()
+        self._deaths: deque[float] = deque()
+        self.failed = False
+        """True once the group gave up restarting (a crash loop)."""
+        self.registry = CollectorRegistry()
+        self.restarts = Counter(
+            "recserve_process_restarts",
+            "Serving processes of the group restarted after dying",
+            registry=self.registry,
+        )
+        self._metrics_server: Any = None
+        self._supervisor: threading.Thread | None = None
+
+    # ---- start --------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Reserves the ports, starts every process, waits until each is ready; returns the
+        ready line. Raises ``OSError`` (a port) or :class:`GroupStartError` (a process)."""
+        cfg = self.config
+        grpc_port = self._reserve(cfg.host, cfg.grpc_port, "grpc_port")
+        http_port = None
+        if cfg.http_port is not None:
+            http_port = self._reserve(cfg.host, cfg.http_port, "http_port")
+        self._child_config = replace(
+            cfg,
+            processes=1,
+            grpc_port=grpc_port,
+            http_port=http_port,
+            metrics_port=None if cfg.metrics_port is None else 0,
+            torch_threads=threads_per_process(cfg.processes, cfg.torch_threads),
+        )
+        try:
+            self._members = [self._spawn(i) for i in range(cfg.processes)]
+            for m in self._members:
+                self._await_ready(m)
+        except BaseException:
+            self.stop()
+            raise
+        metrics = None
+        if cfg.metrics_port is not None:
+            metrics = self._serve_metrics(cfg.host, cfg.metrics_port)
+        self._supervisor = threading.Thread(target=self._supervise, name="group", daemon=True)
+        self._supervisor.start()
+        return self._announce(metrics)
+
+    def _reserve(self, host: str, port: int, field: str) -> int:
+        sock = reserve_port(host, port, field)
+        self._reserved.append(sock)
+        return int(sock.getsockname()[1])
+
+    def _spawn(self, index: int) -> _Member:
+        parent_end, child_end = self._ctx.Pipe()
+        process = self._ctx.Process(
+            target=run_member,
+            args=(self._child_config, index, child_end),
+            name=f"serve-{index}",
+            daemon=False,
+        )
+        process.start()
+        child_end.close()  # the parent's copy: EOF on parent_end once the child is gone
+        log.info("process %d (pid %d) started", index, process.pid)
+        return _Member(index, process, parent_end)
+
+    def _await_ready(self, m: _Member) -> None:
+        """Blocks until ``m`` reports; :class:`GroupStartError` when it fails or dies first."""
+        while True:
+            if self._stopping.is_set() and self._supervisor is not None:
+                raise GroupStartError(f"serving process {m.index}: the group is stopping")
+            if m.conn.poll(0.2):
+                try:
+                    kind, payload = m.conn.recv()
+                except EOFError:
+                    kind, payload = "failed", "it exited without saying why (see its log)"
+                if kind == "ready":
+                    m.ready = payload
+                    log.info("process %d (pid %d) ready", m.index, m.process.pid)
+                    return
+                m.process.join(10)
+                raise GroupStartError(f"serving process {m.index}: {payload}")
+            if not m.process.is_alive():
+                raise GroupStartError(
+                    f"serving process {m.index} exited ({m.process.exitcode}) before it was "
+                    "ready (see its log)"
+                )
+
+    def _serve_metrics(self, host: str, port: int) -> str:
+        self.registry.register(ProcessMetrics(self._metrics_addresses))
+        try:
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(f"metrics_port: cannot bind {host}:{port}: {e}") from None
+        self._metrics_server = server
+        return format_address(host, server.server_port)
+
+    def _metrics_addresses(self) -> dict[int, str]:
+        return {
+            m.index: m.ready["metrics"]
+            for m in list(self._members)
+            if m.ready is not None and m.ready.get("metrics") and m.process.is_alive()
+        }
+
+    def _announce(self, metrics: str | None) -> str:
+
+        first = self._members[0].ready
+        assert first is not None
+        addresses = Addresses(first["grpc"], first["http"], metrics)
+        return announce_line(
+            first["model"], first["version"], addresses, first["secured"], len(self._members)
+        )
+
+    # ---- supervise ----------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        """Restarts a process that died, until :meth:`stop` or a crash loop."""
+        while not self._stopping.wait(0.2):
+            for slot, m in enumerate(list(self._members)):
+                if m.process.is_alive() or self._stopping.is_set():
+                    continue
+                log.error(
+                    "serving process %d (pid %d) died (exit %s); restarting it",
+                    m.index,
+                    m.process.pid,
+                    m.process.exitcode,
+                )
+                now = time.monotonic()
+                self._deaths.append(now)
+                while self._deaths and self._deaths[0] < now - 60:
+                    self._deaths.popleft()
+                if len(self._deaths) > RESTARTS_PER_MINUTE:
+                    log.critical("%d deaths within a minute: giving up", len(self._deaths))
+                    self.failed = True
+                    os.kill(os.getpid(), signal.SIGTERM)  # serve_processes drains the rest
+                    return
+                m.conn.close()
+                fresh = self._spawn(m.index)
+                self._members[slot] = fresh
+                try:
+                    self._await_ready(fresh)
+                    self.restarts.inc()
+                except GroupStartError as e:
+                    log.error("%s", e)  # dead again: the next round counts it
+
+    # ---- stop ---------------------------------------------------------------------------------
+    def stop(self) -> bool:
+        """SIGTERM to every process (each drains), waits ``drain_timeout_s`` plus a margin,
+        kills what is left. True when every process drained and exited 0."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(self.config.drain_timeout_s)
+        for m in self._members:
+            if m.process.is_alive() and m.process.pid is not None:
+                os.kill(m.process.pid, signal.SIGTERM)
+        until = time.monotonic() + self.config.drain_timeout_s + 5.0
+        clean = True
+        for m in self._members:
+            m.process.join(max(until - time.monotonic(), 0.0))
+            if m.process.is_alive():
+                log.error("serving process %d did not drain in time: killed", m.index)
+                m.process.kill()
+                m.process.join(5)
+                clean = False
+            elif m.process.exitcode not in (0, None):
+                clean = False
+            m.conn.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        for sock in self._reserved:
+            sock.close()
+        self._reserved.clear()
+        return clean and not self.failed
+
+
+def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
+    """A group process: one :class:`~serving.app.server.Server` until SIGTERM or the parent's end;
+    reports ``("ready", {...})`` or ``("failed", message)`` on ``conn``."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s [process {index}] %(name)s: %(message)s",
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the parent decides
+
+    try:
+        server = Server(config, reuse_port=True)
+        a = server.start()
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        sys.exit(2)
+    conn.send(
+        (
+            "ready",
+            {
+                "model": server.host.name,
+                "version": server.host.version,
+                "grpc": a.grpc,
+                "http": a.http,
+                "metrics": a.metrics,
+                "secured": server.security.describe(),
+            },
+        )
+    )
+
+    def parent_gone() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()  # the parent never sends: this ends (EOFError) when it is gone
+        if not stop.is_set():
+            log.error("the parent process is gone: draining")
+            stop.set()
+
+    threading.Thread(target=parent_gone, name="parent-watch", daemon=True).start()
+    while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+        pass
+    clean = server.drain_and_stop()
+    sys.stderr.flush()
+    os._exit(0 if clean else 1)
+
+
+def serve_processes(config: ServeConfig, announce: Callable[[str], None] | None = None) -> None:
+    """:func:`serving.app.main.serve` for ``processes > 1``: the group until SIGTERM or SIGINT,
+    then every process drains; status 1 when one did not drain or the group gave up."""
+    group = ProcessGroup(config)
+    serve_until_signal(group.start, announce)
+    log.info("draining %d processes (up to %.1f s)", config.processes, config.drain_timeout_s)
+    if not group.stop():
+        sys.stderr.flush()
+        os._exit(1)
+    log.info("drained; bye")

@@ -1,0 +1,248 @@
+"""Process wiring of ``recserve serve``: model host + batcher + gRPC/HTTP/metrics listeners.
+
+:class:`Server` runs in-process too (tests, notebooks)::
+
+    server = Server(ServeConfig(model_repo=Path("model_repo"), grpc_port=0))
+    addresses = server.start()   # loads + warms the model, binds, health SERVING
+    ...
+    server.drain_and_stop()      # NOT_SERVING -> finish queued and in-flight -> close
+
+:func:`serve` adds what a process needs: the announce line once ready
+(``serving MODEL vVERSION grpc=HOST:PORT http=... metrics=...``, ports 0 replaced by the bound
+ones) and SIGTERM/SIGINT -> drain -> exit within ``drain_timeout_s``.
+
+Optional front ends join when their module exists: ``serving/frontends/kserve_http.py`` (``make_app(state)
+-> ASGI app``, run by uvicorn on ``http_port``) and the gRPC modules in :data:`GRPC_PLUGINS`
+(``add_servicer(server, state)``, on the same gRPC port).
+
+With ``state_dir`` set, live updates are on (``serving/live/admin.py``): the host replays each
+version's update log as it loads it, and the admin service applies new updates.
+
+``[security]`` (``common/security.py``) is loaded once here: the token check and TLS go to the
+gRPC and HTTP listeners, and a router calls its shards and embedding servers with the token
+(and TLS with ``upstream_ca``). The metrics listener stays plaintext and open. Every listener
+binds ``host``, 127.0.0.1 unless ``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+
+from serving.app.config import ConfigError, ServeConfig
+from serving.engine.host import ModelHost, Repository
+from serving.engine.metrics import ServingMetrics
+from serving.engine.state import ServingState, make_batcher
+from serving.frontends.recommend_grpc import ExtraServicer, GrpcServer
+
+if TYPE_CHECKING:
+    from serving.live.updates import LiveUpdates
+from common.grpc_util import bind_tcp, format_address
+from serving.app.announce import Addresses, announce_line
+
+log = logging.getLogger(__name__)
+
+HTTP_APP_MODULE = "serving.frontends.kserve_http"
+GRPC_PLUGINS = ("serving.frontends.kserve_grpc", "serving.live.admin")
+"""Modules that add a gRPC service to the server, each with ``add_servicer(server, state)``."""
+
+
+def _optional_module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            return None
+        raise
+
+
+def discover_grpc_plugins() -> list[ExtraServicer]:
+    """``add_servicer`` of every module of :data:`GRPC_PLUGINS` that exists."""
+    found = []
+    for name in GRPC_PLUGINS:
+        module = _optional_module(name)
+        if module is not None and hasattr(module, "add_servicer"):
+            found.append(module.add_servicer)
+    return found
+
+
+class Server:
+    """One serving process's parts; :meth:`start` and :meth:`drain_and_stop`."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        repo: Repository | None = None,
+        extra_servicers: Sequence[ExtraServicer] | None = None,
+        registry: CollectorRegistry | None = None,
+        reuse_port: bool = False,
+    ):
+        """``reuse_port``: bind the gRPC and HTTP ports with ``SO_REUSEPORT``, beside the
+        other processes of a group (``serving/app/processes.py``); otherwise a taken port fails."""
+        config.validate()  # fail fast, naming the field
+        self.config, self.reuse_port = config, reuse_port
+        self.security = config.security.load()  # reads the token and certificates once
+        self._make_app: Callable[[ServingState], Any] | None = None
+        if config.http_port is not None:
+            module = _optional_module(HTTP_APP_MODULE)
+            if module is None:
+                raise ConfigError(
+                    f"http_port: HTTP serving is not available ({HTTP_APP_MODULE} is not "
+                    "installed); leave --http-port out"
+                )
+            self._make_app = module.make_app
+        if repo is None:
+            from serving.repository.repository import ModelRepository
+
+            assert config.model_repo is not None
+            repo = ModelRepository(config.model_repo)
+        self.extra_servicers = (
+            discover_grpc_plugins() if extra_servicers is None else list(extra_servicers)
+        )
+        self.metrics = ServingMetrics(config.model, registry)
+        make_runner = None
+        self._router: Any = None
+        if config.router is not None:  # a router: the index search runs on shard servers
+            from serving.sharding.router import make_router
+
+            repo, make_runner = make_router(
+                repo,  # type: ignore[arg-type]
+                config.model,
+                config.router,
+                self.metrics.registry,
+                upstream=self.security.upstream,
+            )
+            self._router = repo
+        self.updates: LiveUpdates | None = None
+        if config.state_dir is not None:  # config.validate refuses it with a router
+            from serving.live.updates import LiveUpdates
+
+            model_repo = repo
+            self.updates = LiveUpdates(
+                config.state_dir,
+                config.model,
+                self.metrics,
+                versions=lambda: model_repo.versions(config.model),
+            )
+        self.host = ModelHost(
+            repo,
+            config.model,
+            config.poll_s,
+            metrics=self.metrics,
+            make_runner=make_runner,
+            on_load=self.updates.replay if self.updates is not None else None,
+        )
+        self.state: ServingState | None = None
+        self.grpc: GrpcServer | None = None
+        self.addresses: Addresses | None = None
+        self._uvicorn: Any = None
+        self._http_thread: threading.Thread | None = None
+
+    def start(self) -> Addresses:
+        """Loads and warms the model, then binds every listener; raises ``OSError`` naming the
+        port that cannot be bound."""
+        cfg = self.config
+        if cfg.torch_threads:
+            import torch
+
+            torch.set_num_threads(cfg.torch_threads)
+        self.host.start()
+        policy = cfg.batching.policy(getattr(self.host.loaded, "config", None))
+        workers = cfg.router.batches_in_flight if cfg.router is not None else 1
+        batcher = make_batcher(self.host, policy, self.metrics, workers)
+        self.state = ServingState(
+            self.host, batcher, self.metrics, routed=cfg.router is not None, updates=self.updates
+        )
+        self.grpc = GrpcServer(
+            self.state,
+            cfg.host,
+            cfg.grpc_port,
+            workers=cfg.grpc_workers,
+            max_receive_message_bytes=cfg.max_receive_message_bytes,
+            extra_servicers=self.extra_servicers,
+            security=self.security,
+            reuse_port=self.reuse_port,
+        )
+        self.security.warn_if_exposed(cfg.host, "serve")
+        grpc_address = self.grpc.start()
+        metrics_address = http_address = None
+        if cfg.metrics_port is not None:
+            try:
+                port = self.metrics.serve_http(cfg.metrics_port, cfg.host)
+            except OSError as e:
+                raise OSError(
+                    f"metrics_port: cannot bind {cfg.host}:{cfg.metrics_port}: {e}"
+                ) from None
+            metrics_address = format_address(cfg.host, port)
+        if self._make_app is not None:
+            assert cfg.http_port is not None
+            http_address = self._start_http(self._make_app(self.state), cfg.host, cfg.http_port)
+        self.addresses = Addresses(grpc_address, http_address, metrics_address)
+        return self.addresses
+
+    def _start_http(self, app: Any, host: str, port: int) -> str:
+        import uvicorn
+
+        # without TCP_NODELAY (bind_tcp's IPPROTO_TCP lets asyncio set it) each answer on a
+        # kept-alive connection waits ~40 ms for a delayed ACK
+        sock = bind_tcp(host, port, "http_port", reuse_addr=True, reuse_port=self.reuse_port)
+        bound = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.security.wrap_http(app), log_level="warning", lifespan="off",
+            **self.security.http_ssl,
+        )  # fmt: skip
+        server = uvicorn.Server(config)
+        self._uvicorn = server
+        self._http_thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True
+        )
+        self._http_thread.start()
+        until = time.monotonic() + 30
+        while not server.started:
+            if not self._http_thread.is_alive() or time.monotonic() > until:
+                raise OSError(f"http_port: uvicorn did not start on {host}:{bound}")
+            time.sleep(0.01)
+        return format_address(host, bound)
+
+    def announce_line(self) -> str:
+        assert self.addresses is not None
+        return announce_line(
+            self.host.name, self.host.version, self.addresses, self.security.describe()
+        )
+
+    def drain_and_stop(self, timeout: float | None = None) -> bool:
+        """Not ready -> finish queued and in-flight requests -> close, within ``timeout`` s
+        (default ``drain_timeout_s``). Returns False when the drain did not finish in time."""
+        until = time.monotonic() + (self.config.drain_timeout_s if timeout is None else timeout)
+
+        def left() -> float:
+            return max(until - time.monotonic(), 0.0)
+
+        clean = True
+        if self.state is not None:
+            self.state.draining.set()  # new requests: UNAVAILABLE
+        if self.grpc is not None:
+            self.grpc.drain()  # health: NOT_SERVING
+        if self.state is not None:
+            clean = self.state.batcher.stop(drain=True, timeout=left())
+        time.sleep(min(self.config.close_linger_s, left()))  # late callers hear UNAVAILABLE
+        if self.grpc is not None:
+            self.grpc.stop(grace=left())
+        if self._uvicorn is not None and self._http_thread is not None:
+            self._uvicorn.should_exit = True
+            self._http_thread.join(left())
+        self.metrics.stop_http()
+        self.host.stop(timeout=left())
+        if self.updates is not None:
+            self.updates.close()
+        if self._router is not None:
+            self._router.close()
+        return clean

@@ -1,0 +1,201 @@
+"""ModelRunner: B parsed requests -> one ``RetrievalModel.forward`` -> one outcome each.
+
+The runner is the model's edge: :meth:`ModelRunner.check` validates one request against the
+loaded model (shapes, id ranges, K, filter text, model name and version) and raises an error
+naming the field. :meth:`ModelRunner.run` checks every request of a batch on its own, so a bad
+request gets its error and the others still run, then stacks the good ones into one
+:class:`~retrieval.features.UserBatch` and calls the model once with ``K = max k``::
+
+    runner = ModelRunner(model, "demo", 3)
+    runner.warmup()
+    outcomes = runner.run([req_a, req_b])  # [RecResult | RequestError | ModelNotFoundError]
+
+Requests in one batch share the candidate budget of the largest K (the index re-ranks
+``K + history_len`` candidates), so a small-K request may see a slightly better list than it
+would alone; it never sees a worse one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from retrieval.features import UserBatch
+from retrieval.filters import Clause, parse_filter
+from retrieval.model import RetrievalModel
+from serving.types import (
+    ModelNotFoundError,
+    RecRequest,
+    RecResult,
+    RequestError,
+    UnavailableError,
+    check_request,
+)
+from sharded_tables.remote.client import SERVER_TROUBLE, RemoteLookupError
+
+Outcome = RecResult | RequestError | ModelNotFoundError
+
+
+def _id_limits(model: RetrievalModel, features: list[str]) -> np.ndarray | None:
+    """``int64 [F]``: one past the largest valid id of each categorical feature (hashed tables
+    take any id), so the edge check is one vectorized compare; None when the tables cannot say
+    (then every request takes the tables' own check)."""
+    rows_of = getattr(model.tables, "table_rows", None)
+    if rows_of is None:
+        return None
+    rows, table_of = rows_of(), model.tables.table_of
+    top = np.iinfo(np.int64).max
+    return np.array(
+        [r if (r := rows[table_of[f"user_{n}"]]) is not None else top for n in features],
+        dtype=np.int64,
+    )
+
+
+class ModelRunner:
+    """One loaded model version and the code that turns requests into its input tensors."""
+
+    def __init__(self, model: RetrievalModel, name: str, version: int):
+        self.model = model.eval()
+        self.name, self.version = name, version
+        cfg = model.config
+        self.history_len = cfg.history_len
+        self.features = list(cfg.user_features)
+        self.dense_dim = cfg.dense_dim
+        self.num_items = cfg.num_items
+        self.schema = model.index.schema
+        self.device = model.index.centroids.device
+        self.id_limits = _id_limits(model, self.features)
+
+    # ---- edge -------------------------------------------------------------------------------
+    def check(self, req: RecRequest) -> list[Clause]:
+        """Validates ``req`` for this model; returns its parsed filter clauses.
+
+        Raises :class:`ModelNotFoundError` (``model`` / ``version``) or :class:`RequestError`
+        naming the field.
+        """
+        if req.model and req.model != self.name:
+            raise ModelNotFoundError(
+                f"model: {req.model!r} is not served here (serving {self.name!r})"
+            )
+        if req.version is not None and req.version != self.version:
+            raise ModelNotFoundError(
+                f"version: {self.name} version {req.version} is not loaded (serving {self.version})"
+            )
+        check_request(req, len(self.features), self.dense_dim, self.num_items)
+        ntotal = self.model.index.ntotal
+        if req.k > ntotal:
+            raise RequestError(f"k: must be in [1, {ntotal}] (items in the index), got {req.k}")
+        cat = req.categorical
+        if self.id_limits is None or ((cat < -1) | (cat >= self.id_limits)).any():
+            self._check_categorical(cat)  # the tables' own check names the feature and table
+        return self._clauses(req.filter)
+
+    def _check_categorical(self, cat: np.ndarray) -> None:
+        codes = torch.from_numpy(cat).view(1, -1)  # [1, F]
+        try:
+            self.model.tables.validate(
+                {f"user_{n}": codes[:, j : j + 1] for j, n in enumerate(self.features)}
+            )
+        except ValueError as e:
+            raise RequestError(f"categorical: {e}") from None
+
+    def _clauses(self, text: str | None) -> list[Clause]:
+        if not text:
+            return []
+        try:
+            clauses = parse_filter(text)
+            for c in clauses:
+                self.schema.clause_mask(c)  # unknown attribute or value
+        except ValueError as e:
+            msg = str(e)
+            raise RequestError(msg if msg.startswith("filter") else f"filter: {msg}") from None
+        return clauses
+
+    # ---- execute ----------------------------------------------------------------------------
+    def run(self, reqs: list[RecRequest]) -> list[Outcome]:
+        """One outcome per request, in order; the good requests run as ONE forward."""
+        outcomes: list[Outcome | None] = [None] * len(reqs)
+        good: list[int] = []
+        clauses: list[list[Clause]] = []
+        for i, req in enumerate(reqs):
+            try:
+                done = req.checked
+                clauses.append(done[1] if done is not None and done[0] is self else self.check(req))
+                good.append(i)
+            except (RequestError, ModelNotFoundError) as e:
+                outcomes[i] = e
+        if good:
+            batch = self._batch([reqs[i] for i in good], clauses)
+            k_max = max(reqs[i].k for i in good)
+            deadlines = [d for i in good if (d := reqs[i].deadline) is not None]
+            try:
+                with torch.inference_mode():
+                    ids, scores, missing = self.forward(batch, k_max, min(deadlines, default=None))
+            except RemoteLookupError as e:  # an embedding server is down or too slow: retryable
+                if e.code not in SERVER_TROUBLE:
+                    raise
+                raise UnavailableError(f"tables: {e}") from e
+            ids_np, scores_np = ids.cpu().numpy(), scores.cpu().numpy()
+            for row, i in enumerate(good):
+                k = reqs[i].k
+                outcomes[i] = RecResult(
+                    ids_np[row, :k].copy(),
+                    scores_np[row, :k].copy(),
+                    self.name,
+                    self.version,
+                    partial=bool(missing),
+                    missing=list(missing),
+                )
+        return [o for o in outcomes if o is not None]
+
+    def forward(
+        self, batch: UserBatch, k: int, deadline: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """One batch through the model -> ``(ids [B, k], scores [B, k], parts that did not
+        answer)``. ``deadline``: the batch's earliest request deadline (``time.monotonic()``);
+        the model runs in this process, so nothing can be missing. ``batch`` comes from
+        :meth:`check`-ed requests (the model's own validation would repeat it)."""
+        ids, scores = self.model(batch, k, checked=True)
+        return ids, scores, []
+
+    def _batch(self, reqs: list[RecRequest], clauses: list[list[Clause]]) -> UserBatch:
+        """Checked requests -> tensors on the model's device (trusted: :meth:`check` ran)."""
+        b, h = len(reqs), self.history_len
+        history = np.full((b, h), -1, dtype=np.int64)  # [B, H], newest first, -1 pads
+        for row, req in enumerate(reqs):
+            recent = req.history[:h]
+            history[row, : len(recent)] = recent
+        categorical = np.stack([r.categorical for r in reqs]).reshape(b, len(self.features))
+        dense = np.stack([r.dense for r in reqs]).reshape(b, self.dense_dim)
+        fb = self.schema.compile(clauses)  # masks [B, C, W], negate [B, C]
+        batch = UserBatch(
+            torch.from_numpy(history),
+            torch.from_numpy(categorical),
+            torch.from_numpy(dense),
+            fb.masks,
+            fb.negate,
+        )
+        return batch.to(self.device)
+
+    def warmup(self, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
+        """Runs dummy batches (with and without a filter) so the first real batch is not slow;
+        raises when the model cannot answer them."""
+        k = min(10, self.model.index.ntotal)
+        some_filter = None
+        for attr, values in self.schema.attribute_values.items():
+            some_filter = f"{attr} = {values[0]!r}" if values else None
+            break
+        for size in batch_sizes:
+            reqs = [
+                RecRequest(
+                    history=np.arange(min(self.history_len, self.num_items), dtype=np.int64),
+                    categorical=np.zeros(len(self.features), dtype=np.int64),
+                    dense=np.zeros(self.dense_dim, dtype=np.float32),
+                    k=k,
+                    filter=some_filter if i % 2 else None,
+                )
+                for i in range(size)
+            ]
+            for out in self.run(reqs):
+                if not isinstance(out, RecResult):
+                    raise RuntimeError(f"warm-up of {self.name} v{self.version} failed: {out}")

@@ -1,0 +1,150 @@
+"""The admin gRPC API (``recserve.admin.v1.Admin``, ``serving/protos/admin.proto``): live
+updates of the served model, through :class:`~serving.live.updates.LiveUpdates`.
+
+The API is on only with ``state_dir`` (else every call is FAILED_PRECONDITION saying so) and never
+on a router. With a token configured, a call needs it before it gets here
+(``common/security.py``: admin methods always need the token, even with ``auth_serving`` off);
+the :data:`Authorizer` hook is for finer rules on top.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from retrieval.live_updates import RemoveItems, UpdateBatch
+from retrieval.model import RetrievalModel
+from serving.engine.state import LiveUpdater, ServingState
+from serving.live.messages import (
+    id_tensor,
+    parse_embeddings,
+    parse_set_attributes,
+    parse_upsert,
+    table_widths,
+)
+from serving.protos import admin_pb2 as pb
+from serving.protos import admin_pb2_grpc as pb_grpc
+from serving.types import MalformedMessage, UnavailableError, error_status, tolerant_deserializer
+
+log = logging.getLogger(__name__)
+
+SERVICE = "recserve.admin.v1.Admin"
+Authorizer = Callable[[grpc.ServicerContext, str], None]
+"""``authorize(context, method)`` runs first in every admin call; raising ``PermissionError``
+refuses it (PERMISSION_DENIED). Tokens are checked earlier, by the server's interceptor
+(``common/security.py``); the default admits every call that got this far."""
+
+
+def allow_all(context: grpc.ServicerContext, method: str) -> None:
+    """The default :data:`Authorizer`: no rule beyond the server's token check."""
+
+
+class AdminUnavailableError(RuntimeError):
+    """The admin API is off on this server (FAILED_PRECONDITION); the message says why."""
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    """Parses each call, runs it through :meth:`~serving.live.updates.LiveUpdates.apply`, maps errors to codes."""
+
+    def __init__(self, state: ServingState, authorize: Authorizer = allow_all):
+        self.state, self.authorize = state, authorize
+
+    def UpsertItems(
+        self, request: pb.UpsertItemsRequest, context: grpc.ServicerContext
+    ) -> pb.UpdateReply:
+        return self._call(
+            context, "upsert_items", request, lambda m: parse_upsert(request, m.index.dim)
+        )
+
+    def RemoveItems(
+        self, request: pb.RemoveItemsRequest, context: grpc.ServicerContext
+    ) -> pb.UpdateReply:
+        return self._call(
+            context, "remove_items", request, lambda m: RemoveItems(id_tensor(request.ids))
+        )
+
+    def SetItemAttributes(
+        self, request: pb.SetItemAttributesRequest, context: grpc.ServicerContext
+    ) -> pb.UpdateReply:
+        return self._call(
+            context, "set_item_attributes", request, lambda m: parse_set_attributes(request)
+        )
+
+    def UpdateEmbeddings(
+        self, request: pb.UpdateEmbeddingsRequest, context: grpc.ServicerContext
+    ) -> pb.UpdateReply:
+        return self._call(
+            context,
+            "update_embeddings",
+            request,
+            lambda m: parse_embeddings(request, table_widths(m)),
+        )
+
+    def _updates(self) -> LiveUpdater:
+        if self.state.routed:
+            raise AdminUnavailableError(
+                "admin: live updates are not supported on a router (document-sharded "
+                "serving): publish a new version instead"
+            )
+        if self.state.updates is None:
+            raise AdminUnavailableError(
+                "admin: live updates are off: this server has no state folder (set state_dir "
+                "in serve.toml, or --state-dir)"
+            )
+        if self.state.draining.is_set():
+            raise UnavailableError("server is draining: not accepting updates")
+        return self.state.updates
+
+    def _call(
+        self,
+        context: grpc.ServicerContext,
+        kind: str,
+        request: Any,
+        parse: Callable[[RetrievalModel], UpdateBatch],
+    ) -> pb.UpdateReply:
+        try:
+            self.authorize(context, kind)
+            if isinstance(request, MalformedMessage):  # see add_servicer
+                raise request.error()
+            updates = self._updates()
+            return updates.apply(self.state.host, kind, (request.model, request.version), parse)
+        except Exception as e:
+            code, reason = self._status(e)
+            if code == "INTERNAL":
+                log.exception("admin %s failed", kind)
+            self.state.metrics.update_failed(kind, reason)
+            error = e
+        context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
+        raise AssertionError("unreachable: abort raises")
+
+    @staticmethod
+    def _status(e: Exception) -> tuple[str, str]:
+        if isinstance(e, AdminUnavailableError):
+            return "FAILED_PRECONDITION", "failed_precondition"
+        if isinstance(e, PermissionError):
+            return "PERMISSION_DENIED", "permission_denied"
+        code, _, reason = error_status(e)
+        return code, reason
+
+
+def add_servicer(
+    server: grpc.Server, state: ServingState, authorize: Authorizer = allow_all
+) -> None:
+    """Adds the ``Admin`` service to ``server`` (a ``serving.app.server`` gRPC plugin): the generated
+    ``add_AdminServicer_to_server``'s handlers, but with requests parsed by
+    :func:`~serving.types.tolerant_deserializer` (bytes that are no valid message get
+    INVALID_ARGUMENT; the generated deserializer makes gRPC answer INTERNAL)."""
+    servicer = AdminServicer(state, authorize)
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name),
+            request_deserializer=tolerant_deserializer(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+        for m in pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]].methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

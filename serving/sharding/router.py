@@ -1,0 +1,417 @@
+"""The router: Recommend in front of document shard servers.
+
+A batch runs the user tower once here (tables possibly on embedding servers), plans the search
+with the catalog's statistics, sends the query vectors to every shard in parallel, and merges
+their candidates exactly (``retrieval/index/search.py``)::
+
+    q = tower(features)                       [B, D]   here
+    plan = stats.plan(filters)                         here: the whole catalog's statistics
+    shard s: candidates(q, filters, plan)     [B, r]   every shard, in parallel, one deadline
+    select(concat(candidates))                [B, R]   here: equals the unsharded top-R
+    head, seen items, top-K                   [B, K]   here
+
+A shard that misses the deadline or fails (down, wrong version) leaves the answer **partial**:
+the result of the shards that answered, flagged with the missing shards, never an error reported
+as a full success and never a hang. When every shard fails the batch is UNAVAILABLE. With
+replicas, a replica that fails fast fails over to the next one, and with ``hedge_after_ms`` a
+slow one gets a twin call to the next replica (the first answer wins).
+
+Versions: the router serves only a version that every reachable shard holds
+(:class:`ShardedRepository`), so during a rollout it stays on the old version until the shards
+have the new one, and refuses shards of another model or another shard layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from common.grpc_util import ClientAuth, open_channel
+from retrieval.artifact import CONFIG_FILE
+from retrieval.config import ModelConfig
+from retrieval.features import UserBatch
+from retrieval.filters import FilterBatch
+from retrieval.index.search import Candidates, run_search
+from retrieval.model import RetrievalModel, table_specs
+from serving.engine.runner import ModelRunner
+from serving.protos import shard_pb2 as pb
+from serving.protos import shard_pb2_grpc as pb_grpc
+from serving.repository.repository import ARTIFACT_DIR, LoadedModel, ModelRepository
+from serving.sharding.config import RouterConfig
+from serving.sharding.shard_server import GRPC_OPTIONS
+from serving.sharding.wire import decode_response, encode_request
+from serving.types import UnavailableError
+from sharded_tables.export import remote_routing
+from sharded_tables.planner import PlacementPlan
+from sharded_tables.remote.client import RemoteTables
+from sharded_tables.specs import Tier
+
+log = logging.getLogger(__name__)
+
+INFO_TIMEOUT_S = 2.0
+CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    # a restarted shard is reachable again within a second, not after minutes of backoff
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
+class RouterMetrics:
+    """Per-shard latency and errors, hedges, and partial batches, in the server's registry."""
+
+    def __init__(self, model: str, registry: CollectorRegistry):
+        self.model = model
+        self.latency = Histogram(
+            "recserve_shard_latency_seconds",
+            "Search round trip to a shard, as the router sees it (answers only)",
+            ["model", "shard"],
+            registry=registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+        )
+        self.errors = Counter(
+            "recserve_shard_errors",
+            "Shard calls that gave no answer, by gRPC status",
+            ["model", "shard", "code"],
+            registry=registry,
+        )
+        self.hedges = Counter(
+            "recserve_shard_hedges",
+            "Twin calls sent to a replica",
+            ["model", "shard"],
+            registry=registry,
+        )
+        self.partial = Counter(
+            "recserve_partial_batches",
+            "Batches answered without some shard",
+            ["model"],
+            registry=registry,
+        )
+
+
+@dataclass
+class _ShardCall:
+    """One shard's call of one round: its replicas tried in turn, hedged when configured."""
+
+    shard: int
+    replicas: list[Any]  # stubs, in the order to try
+    futures: list[Any] = field(default_factory=list)
+    last_error: str = ""
+    last_code: str = ""
+
+    def launch(self, request: pb.SearchRequest, timeout: float, wake: threading.Event) -> bool:
+        """Calls the next untried replica; False when none is left."""
+        if len(self.futures) >= len(self.replicas):
+            return False
+        fut = self.replicas[len(self.futures)].Search.future(request, timeout=timeout)
+        fut.add_done_callback(lambda _f: wake.set())
+        self.futures.append(fut)
+        return True
+
+    def answer(self) -> Any | None:
+        """The first successful answer, if any call finished with one."""
+        for f in self.futures:
+            if f.done() and not f.cancelled() and f.exception() is None:
+                return f.result()
+        return None
+
+    def all_failed(self) -> bool:
+        """Every call so far finished without an answer (records the last error)."""
+        for f in self.futures:
+            if not f.done():
+                return False
+        for f in self.futures:
+            err = f.exception() if not f.cancelled() else None
+            if err is not None:
+                self.last_code = err.code().name if hasattr(err, "code") else "UNKNOWN"
+                self.last_error = err.details() if hasattr(err, "details") else str(err)
+        return True
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+class ShardClient:
+    """Channels to every replica of every shard; scatter/gather with deadlines and hedging."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        model: str,
+        registry: CollectorRegistry,
+        upstream: ClientAuth | None = None,
+    ):
+        config.validate()
+        self.config = config
+        self.shards = config.shards
+        addresses = sorted({a for replicas in self.shards for a in replicas})
+        self._channels = {a: open_channel(a, CHANNEL_OPTIONS, upstream) for a in addresses}
+        self._stubs = {a: pb_grpc.ShardStub(c) for a, c in self._channels.items()}
+        self._turn = itertools.count()  # rotates which replica goes first
+        self.metrics = RouterMetrics(model, registry)
+        self._failing: set[int] = set()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def close(self) -> None:
+        for c in self._channels.values():
+            c.close()
+
+    # ---- versions and identity --------------------------------------------------------------
+    def infos(self) -> dict[str, pb.InfoResponse]:
+        """``Info`` of every replica that answers (address -> answer)."""
+        calls = {  # wait_for_ready: a channel still connecting (a busy machine) is no answer yet
+            a: s.Info.future(pb.InfoRequest(), timeout=INFO_TIMEOUT_S, wait_for_ready=True)
+            for a, s in self._stubs.items()
+        }
+        out = {}
+        for a, f in calls.items():
+            try:
+                out[a] = f.result()
+            except grpc.RpcError:
+                continue
+        return out
+
+    def common_versions(self, model: str) -> list[int]:
+        """Versions every answering replica holds, after checking each one is the shard its
+        place in the config says (refuses another model or shard layout: ``ValueError``).
+        Empty while a shard has no answering replica: nothing is known to be whole there."""
+        infos = self.infos()
+        common: set[int] | None = None
+        for i, replicas in enumerate(self.shards):
+            if not any(a in infos for a in replicas):
+                return []
+            for a in replicas:
+                info = infos.get(a)
+                if info is None:
+                    continue
+                if info.model != model or info.shard != i or info.num_shards != self.num_shards:
+                    raise ValueError(
+                        f"router.shards[{i}]: {a} serves shard {info.shard}/{info.num_shards} of "
+                        f"{info.model!r}; expected shard {i}/{self.num_shards} of {model!r}"
+                    )
+                common = set(info.versions) if common is None else common & set(info.versions)
+        return sorted(common or ())
+
+    # ---- search -----------------------------------------------------------------------------
+    def timeout(self, deadline: float | None) -> float:
+        """Seconds a round may take: the shard deadline, cut to the batch's own deadline."""
+        t = self.config.shard_deadline_ms / 1000.0
+        if deadline is not None:
+            t = min(t, max(deadline - time.monotonic(), 0.001))
+        return t
+
+    def search(
+        self, request: pb.SearchRequest, timeout: float, skip: set[int]
+    ) -> tuple[dict[int, pb.SearchResponse], dict[int, str]]:
+        """Sends ``request`` to every shard but ``skip`` -> (answers, errors) by shard.
+
+        Returns within ``timeout`` seconds (plus scheduling): a shard still silent then is an
+        error (DEADLINE_EXCEEDED) and its calls are cancelled.
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        hedge_s = self.config.hedge_after_ms / 1000.0
+        hedge_at = start + hedge_s if hedge_s > 0 else math.inf
+        wake = threading.Event()
+        turn = next(self._turn)
+        pending: dict[int, _ShardCall] = {}
+        for s, replicas in enumerate(self.shards):
+            if s in skip:
+                continue
+            order = [
+                self._stubs[replicas[(turn + j) % len(replicas)]] for j in range(len(replicas))
+            ]
+            call = pending[s] = _ShardCall(s, order)
+            call.launch(request, timeout, wake)
+        answers: dict[int, pb.SearchResponse] = {}
+        errors: dict[int, str] = {}
+        while pending:
+            wake.clear()  # before looking, so a completion after the look wakes the wait
+            now = time.monotonic()
+            for s, call in list(pending.items()):
+                got = call.answer()
+                if got is not None:
+                    answers[s] = got
+                    self.metrics.latency.labels(self.metrics.model, str(s)).observe(now - start)
+                elif call.all_failed() and not (
+                    now < deadline and call.launch(request, deadline - now, wake)  # fail over
+                ):
+                    errors[s] = f"{call.last_code}: {call.last_error}"
+                    self._count_error(s, call.last_code)
+                else:
+                    continue
+                call.cancel()
+                del pending[s]
+            if not pending:
+                break
+            if now >= deadline:
+                for s, call in pending.items():
+                    call.cancel()
+                    errors[s] = f"DEADLINE_EXCEEDED: no answer within {timeout * 1000:.0f} ms"
+                    self._count_error(s, "DEADLINE_EXCEEDED")
+                break
+            if now >= hedge_at:
+                for s, call in pending.items():
+                    if call.launch(request, deadline - now, wake):
+                        self.metrics.hedges.labels(self.metrics.model, str(s)).inc()
+                hedge_at = math.inf
+            wake.wait(max(min(deadline, hedge_at) - now, 0.0))
+        self._note_health(answers, errors)
+        return answers, errors
+
+    def _count_error(self, shard: int, code: str) -> None:
+        self.metrics.errors.labels(self.metrics.model, str(shard), code or "UNKNOWN").inc()
+
+    def _note_health(self, answers: dict[int, Any], errors: dict[int, str]) -> None:
+        """Logs a shard once when it starts failing and once when it recovers."""
+        for s, err in errors.items():
+            if s not in self._failing:
+                self._failing.add(s)
+                log.warning("shard %d is not answering: %s", s, err)
+        for s in answers:
+            if s in self._failing:
+                self._failing.discard(s)
+                log.info("shard %d answers again", s)
+
+
+class RouterRunner(ModelRunner):
+    """A :class:`ModelRunner` whose index search runs on the shards."""
+
+    def __init__(self, model: RetrievalModel, name: str, version: int, client: ShardClient):
+        super().__init__(model, name, version)
+        self.client = client
+        # Batches overlap only while they wait on shards: the tables' hot-row caches are not
+        # safe for two forwards at once, so the tower runs one batch at a time.
+        self._tower = threading.Lock()
+
+    def forward(
+        self, batch: UserBatch, k: int, deadline: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        model = self.model
+        with self._tower:
+            q = model.user_vectors(batch)  # [B, D]
+        r, hist = model.candidate_budget(batch, k)
+        fb = FilterBatch(batch.filter_masks, batch.filter_negate)
+        icfg = model.index.config
+        plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank)
+        with_vectors = model.head is not None
+        until = time.monotonic() + self.client.timeout(deadline)  # one deadline for all rounds
+        failed: dict[int, str] = {}
+
+        def fetch(p: Any, rows: torch.Tensor | None) -> Candidates:
+            qq, f = (
+                (q, fb) if rows is None else (q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]))
+            )
+            request = encode_request(self.name, self.version, qq, f, p, with_vectors)
+            left = max(until - time.monotonic(), 0.001)
+            answers, errors = self.client.search(request, left, skip=set(failed))
+            failed.update(errors)
+            if not answers:
+                why = "; ".join(f"shard {s}: {e}" for s, e in sorted(failed.items()))
+                raise UnavailableError(f"no shard answered ({why})")
+            parts = [decode_response(answers[s], qq.shape[0], qq.shape[1]) for s in sorted(answers)]
+            return Candidates.concat(parts)
+
+        top = run_search(plan, fetch)
+        dev = q.device
+        vecs = None if top.vectors is None else top.vectors.to(dev)
+        ids, scores = model.rank(q, hist, top.keys.to(dev), top.scores.to(dev), vecs, k)
+        if failed:
+            self.client.metrics.partial.labels(self.name).inc()
+        return ids, scores, [f"shard-{s}" for s in sorted(failed)]
+
+
+class ShardedRepository:
+    """A :class:`ModelRepository` as the router sees it: only versions every shard holds; a
+    loaded version gets its remote tables' embedding servers and is checked against the shard
+    layout."""
+
+    def __init__(
+        self,
+        repo: ModelRepository,
+        client: ShardClient,
+        config: RouterConfig,
+        upstream: ClientAuth | None = None,
+    ):
+        self.repo, self.client, self.config = repo, client, config
+        self.upstream = upstream
+        self.remotes: list[RemoteTables] = []
+
+    def versions(self, name: str) -> list[int]:
+        held = set(self.client.common_versions(name))
+        return [v for v in self.repo.versions(name) if v in held]
+
+    def latest(self, name: str) -> int | None:
+        return max(self.versions(name), default=None)
+
+    def load(self, name: str, version: int | None = None) -> LoadedModel:
+        vdir = self.repo.verified_dir(name, version)
+        cfg = ModelConfig.load(vdir / ARTIFACT_DIR / CONFIG_FILE)
+        remote = self._remote_tables(cfg, int(vdir.name))
+        loaded = self.repo.load(name, int(vdir.name), remote=remote)
+        smap = loaded.shard_map
+        if smap is None:
+            raise ValueError(
+                f"{name} version {loaded.version} is not document-sharded: serve it without [router]"
+            )
+        if smap.num_shards != self.client.num_shards:
+            raise ValueError(
+                f"router.shards: {self.client.num_shards} shards configured, but {name} version "
+                f"{loaded.version} has {smap.num_shards}"
+            )
+        return loaded
+
+    def _remote_tables(self, cfg: ModelConfig, version: int) -> RemoteTables | None:
+        if cfg.table_plan is None:
+            return None
+        plan = PlacementPlan.from_dict(cfg.table_plan)
+        if not any(p.tier is Tier.REMOTE for p in plan.tables):
+            return None
+        try:
+            routing = remote_routing(plan, table_specs(cfg), self.config.embedding_servers)
+        except ValueError as e:
+            raise ValueError(
+                f"router.embedding_servers: version {version} has remote tables ({e}); "
+                f"{len(self.config.embedding_servers)} addresses given"
+            ) from None
+        timeout = self.config.embedding_timeout_ms / 1000.0
+        remote = RemoteTables(routing, timeout=timeout, auth=self.upstream)
+        self.remotes.append(remote)
+        return remote
+
+    def close(self) -> None:
+        for r in self.remotes:
+            r.close()
+        self.client.close()
+
+
+def make_router(
+    repo: ModelRepository,
+    model: str,
+    config: RouterConfig,
+    registry: CollectorRegistry,
+    upstream: ClientAuth | None = None,
+) -> tuple[ShardedRepository, Any]:
+    """-> (the repository the model host reads, its ``make_runner``). ``upstream``: TLS and the
+    token for the calls to shard and embedding servers (``Security.upstream``)."""
+    client = ShardClient(config, model, registry, upstream)
+    sharded = ShardedRepository(repo, client, config, upstream)
+
+    def make_runner(loaded: LoadedModel) -> RouterRunner:
+        return RouterRunner(loaded.model, model, int(loaded.version), client)
+
+    return sharded, make_runner

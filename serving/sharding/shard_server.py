@@ -1,0 +1,321 @@
+"""A document shard server: one shard's part of a model's index, searched over gRPC.
+
+``recserve shard-server --model-repo DIR --model NAME --shard S`` loads shard ``S`` of the newest
+document-sharded version of ``NAME``, answers ``Shard.Search`` (``serving/protos/shard.proto``) and
+grpc.health.v1 (SERVING once loaded), and watches the repository: a newer version is loaded
+beside the one serving, and the newest ``keep`` versions stay loaded, so a router still on the
+previous version keeps getting answers during a rollout (it moves once every shard holds the
+new one; see ``serving/sharding/router.py``)::
+
+    server = ShardServer(ModelRepository("model_repo"), "demo", shard=0)
+    address = server.start()      # "127.0.0.1:PORT"
+    ...
+    server.stop()
+
+With ``security`` (``common/security.py``) the searches need the router's bearer token and the
+port serves TLS; health checks stay open.
+
+The shard runs exactly the router's plan (``retrieval/index/search.py``): it never plans itself,
+since planning needs the whole catalog's statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from common.grpc_util import bind_port, format_address, serve_until_signal
+from common.security import NO_SECURITY, Security
+from retrieval.index.ivf import IVFIndex
+from serving.protos import shard_pb2 as pb
+from serving.protos import shard_pb2_grpc as pb_grpc
+from serving.repository.repository import ModelRepository
+from serving.sharding.wire import decode_request, encode_response
+
+log = logging.getLogger(__name__)
+
+SERVICE = "recserve.shard.v1.Shard"
+MAX_MESSAGE_BYTES = 256 << 20
+"""A K=10,000 answer for a batch of 32 is ~5 MB; vectors for a head multiply that by D."""
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def warm_up(index: IVFIndex, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
+    """Searches ``index`` as a router would (unfiltered; filtered and exact, with vectors) once
+    per batch size, so the first routed search does not pay the first-call costs (~70 ms on
+    CPU: the kernels' first dispatch, the pages of the codes) inside the router's shard
+    deadline. Raises when the index cannot answer."""
+    if index.ntotal == 0:
+        return
+    k = min(10, index.ntotal)
+    attr, values = next(iter(index.schema.to_dict().items()), ("", []))
+    some_filter = f"{attr} = {values[0]!r}" if values else None
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for size in batch_sizes:
+            q = torch.randn(size, index.dim, generator=gen).to(index.centroids.device)
+            for text, exact in ((None, False), (some_filter, True)):
+                fb = index.compile_filter(text, size)
+                plan = index.plan(fb, k, index.config.nprobe, index.config.rerank, exact)
+                index.item_candidates(q, fb, plan, with_vectors=exact)
+
+
+class ShardMetrics:
+    """Per-shard Prometheus series (own registry: one per server, also in tests)."""
+
+    def __init__(self, model: str, shard: int, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        labels = {"model": model, "shard": str(shard)}
+        self.latency = Histogram(
+            "recserve_shard_search_seconds",
+            "Search time inside the shard",
+            list(labels),
+            registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+        ).labels(**labels)
+        self._requests = Counter(
+            "recserve_shard_search_requests",
+            "Search calls by gRPC status",
+            [*labels, "code"],
+            registry=r,
+        )
+        self._labels = labels
+        self.version = Gauge(
+            "recserve_shard_version", "Newest version loaded", list(labels), registry=r
+        ).labels(**labels)
+        self._http: Any = None
+
+    def request(self, code: str) -> None:
+        self._requests.labels(**self._labels, code=code).inc()
+
+    def serve_http(self, port: int, host: str) -> int:
+        self._http = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http[0].server_port)
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http[0].shutdown()
+            self._http = None
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class ShardServicer(pb_grpc.ShardServicer):
+    def __init__(self, server: ShardServer):
+        self.server = server
+
+    def Search(self, request: pb.SearchRequest, context: grpc.ServicerContext) -> pb.SearchResponse:
+        s = self.server
+        start = time.monotonic()
+        code = grpc.StatusCode.OK
+        try:
+            version, index = self._index(request)
+            q, fb, plan = self._decode(request, index)
+            dev = index.centroids.device
+            with torch.inference_mode():
+                cand = index.item_candidates(
+                    q.to(dev), fb.to(dev), plan, with_vectors=request.with_vectors
+                )
+            return encode_response(s.shard, version, cand)
+        except _Refused as e:
+            code = e.code
+            context.abort(e.code, e.message)
+            raise  # not reached: abort raises
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            s.metrics.request(code.name)
+            s.metrics.latency.observe(time.monotonic() - start)
+
+    def _index(self, request: pb.SearchRequest) -> tuple[int, IVFIndex]:
+        """The version asked for (0: newest) -> its index; refused unless this shard holds it."""
+        s = self.server
+        held = s.held  # one snapshot: a version swap mid-call cannot change it
+        if request.model and request.model != s.model:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"shard {s.shard} serves model {s.model!r}, not {request.model!r}",
+            )
+        version = int(request.version) or max(held, default=0)
+        index = held.get(version)
+        if index is None:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"shard {s.shard} of {s.model!r} holds versions {sorted(held)}, not {version}",
+            )
+        return version, index
+
+    @staticmethod
+    def _decode(request: pb.SearchRequest, index: IVFIndex) -> tuple[torch.Tensor, Any, Any]:
+        try:
+            q, fb, plan = decode_request(request)
+        except ValueError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if q.shape[1] != index.dim or fb.masks.shape[2] != index.schema.num_words:
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"dim, words: this shard's index has dim={index.dim}, "
+                f"words={index.schema.num_words}; got {q.shape[1]}, {fb.masks.shape[2]}",
+            )
+        return q, fb, plan
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        s = self.server
+        return pb.InfoResponse(
+            model=s.model, shard=s.shard, num_shards=s.num_shards, versions=sorted(s.held)
+        )
+
+
+class ShardServer:
+    """Loads, serves and hot-swaps one document shard of a model."""
+
+    def __init__(
+        self,
+        repo: ModelRepository,
+        model: str,
+        shard: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = None,
+        poll_s: float = 1.0,
+        keep: int = 2,
+        workers: int = 8,
+        device: str = "cpu",
+        registry: CollectorRegistry | None = None,
+        security: Security = NO_SECURITY,
+    ):
+        if shard < 0:
+            raise ValueError(f"--shard: must be >= 0, got {shard}")
+        if keep < 1:
+            raise ValueError(f"keep: must be >= 1, got {keep}")
+        self.repo, self.model, self.shard = repo, model, shard
+        self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.poll_s, self.keep, self.device = poll_s, keep, device
+        self.held: dict[int, IVFIndex] = {}
+        """Loaded versions -> this shard's index; replaced (never mutated) on a swap."""
+        self.num_shards = 0
+        self.failed: set[int] = set()
+        self.metrics = ShardMetrics(model, shard, registry)
+        self.health = health.HealthServicer()
+        self.security = security
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers),
+            interceptors=security.interceptors(),
+            options=GRPC_OPTIONS,
+        )
+        pb_grpc.add_ShardServicer_to_server(ShardServicer(self), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.metrics_address: str | None = None
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+    # ---- versions -----------------------------------------------------------------------------
+    def _load(self, version: int) -> bool:
+        try:
+            index, smap = self.repo.load_shard(self.model, version, self.shard, self.device)
+            warm_up(index)
+        # corrupt, not sharded, no such shard, or it cannot search: keep what serves
+        except Exception as e:
+            self.failed.add(version)
+            log.error("shard %d: version %d of %s refused: %s", self.shard, version, self.model, e)
+            return False
+        held = dict(self.held)
+        held[version] = index
+        self.held = {v: held[v] for v in sorted(held)[-self.keep :]}  # the swap
+        self.num_shards = smap.num_shards
+        self.metrics.version.set(max(self.held))
+        log.info("shard %d/%d: loaded %s v%d", self.shard, smap.num_shards, self.model, version)
+        return True
+
+    def poll_once(self) -> int | None:
+        """Loads the newest version above the newest held one; returns it, or None."""
+        newest = max(self.held, default=0)
+        for v in sorted(self.repo.versions(self.model), reverse=True):
+            if v <= newest:
+                break
+            if v not in self.failed and self._load(v):
+                return v
+        return None
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll_once()
+            except Exception:
+                log.exception("shard %d: polling the repository failed", self.shard)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> str:
+        """Loads and warms up the newest loadable version, binds, reports SERVING; returns
+        ``host:port``."""
+        for v in sorted(self.repo.versions(self.model), reverse=True):
+            if self._load(v):
+                break
+        if not self.held:
+            raise FileNotFoundError(
+                f"model {self.model!r}: no version with a loadable shard {self.shard} in "
+                f"{self.repo.root} (publish it with shards=...; see the log)"
+            )
+        self.security.warn_if_exposed(self.host, f"shard-server {self.shard}")
+        creds = self.security.grpc_credentials
+        self.port = bind_port(self._server, self.host, self.port, "--grpc-port", creds)
+        self._server.start()
+        if self.metrics_port is not None:
+            try:
+                port = self.metrics.serve_http(self.metrics_port, self.host)
+            except OSError as e:
+                raise OSError(f"--metrics-port: cannot bind {self.metrics_port}: {e}") from None
+            self.metrics_address = format_address(self.host, port)
+        for service in ("", SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.poll_s > 0:
+            self._thread = threading.Thread(target=self._poll_loop, name="shard-poll", daemon=True)
+            self._thread.start()
+        return self.address
+
+    def announce_line(self) -> str:
+        secured = self.security.describe()
+        return (
+            f"shard-server {self.model} v{max(self.held)} shard {self.shard}/{self.num_shards} "
+            f"listening on {self.address} metrics={self.metrics_address or 'off'}"
+            + (f" security={secured}" if secured else "")
+        )
+
+    def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING, in-flight searches finish (up to ``grace`` s), then close."""
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        self.metrics.stop_http()
+
+
+def serve_shard(server: ShardServer, grace: float = 5.0) -> None:
+    """Serves until SIGTERM or SIGINT (prints the announce line once ready), then stops."""
+
+    def start() -> str:
+        server.start()
+        return server.announce_line()
+
+    serve_until_signal(start, None)
+    server.stop(grace)

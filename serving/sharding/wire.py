@@ -1,0 +1,101 @@
+"""The document shard's wire format (``serving/protos/shard.proto``): tensors <-> raw bytes.
+
+The router encodes a request once per round and sends the same bytes to every shard; a shard
+decodes it, checking that every size adds up (a bad message is a :class:`ValueError` naming the
+field, answered INVALID_ARGUMENT), and encodes its :class:`Candidates`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from retrieval.filters import FilterBatch
+from retrieval.index.search import Candidates, SearchPlan
+from serving.protos import shard_pb2 as pb
+
+
+def _bytes(t: torch.Tensor, dtype: type) -> bytes:
+    return t.detach().cpu().contiguous().numpy().astype(dtype, copy=False).tobytes()
+
+
+def _array(data: bytes, dtype: type, shape: tuple[int, ...], field: str) -> torch.Tensor:
+    want = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if len(data) != want:
+        raise ValueError(f"{field}: expected {want} bytes for {list(shape)}, got {len(data)}")
+    return torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(shape).copy())
+
+
+def encode_request(
+    model: str,
+    version: int,
+    q: torch.Tensor,
+    fb: FilterBatch,
+    plan: SearchPlan,
+    with_vectors: bool,
+) -> pb.SearchRequest:
+    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` and the plan."""
+    b, d = q.shape
+    _, c, w = fb.masks.shape
+    return pb.SearchRequest(
+        model=model,
+        version=version,
+        batch=b,
+        dim=d,
+        queries=_bytes(q.float(), np.float32),
+        k=plan.k,
+        r=plan.r,
+        nprobe=_bytes(plan.nprobe, np.int64),
+        exact=_bytes(plan.exact, np.uint8),
+        clauses=c,
+        words=w,
+        filter_masks=_bytes(fb.masks, np.int64),
+        filter_negate=_bytes(fb.negate, np.uint8),
+        with_vectors=with_vectors,
+    )
+
+
+def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, SearchPlan]:
+    """-> ``(q [B, D], filters, plan)``; ``ValueError`` naming the field when sizes disagree."""
+    b, d, c, w = msg.batch, msg.dim, msg.clauses, msg.words
+    for name, v in (("batch", b), ("dim", d), ("k", msg.k)):
+        if v < 1:
+            raise ValueError(f"{name}: must be >= 1, got {v}")
+    if msg.r < msg.k:
+        raise ValueError(f"r: must be >= k={msg.k}, got {msg.r}")
+    if c < 0 or w < 0:
+        raise ValueError(f"clauses, words: must be >= 0, got {c}, {w}")
+    q = _array(msg.queries, np.float32, (b, d), "queries")
+    nprobe = _array(msg.nprobe, np.int64, (b,), "nprobe")
+    if bool((nprobe < 1).any()):
+        raise ValueError("nprobe: every row must probe >= 1 list")
+    exact = _array(msg.exact, np.uint8, (b,), "exact").bool()
+    masks = _array(msg.filter_masks, np.int64, (b, c, w), "filter_masks")
+    negate = _array(msg.filter_negate, np.uint8, (b, c), "filter_negate").bool()
+    return q, FilterBatch(masks, negate), SearchPlan(msg.k, msg.r, nprobe, exact)
+
+
+def encode_response(shard: int, version: int, c: Candidates) -> pb.SearchResponse:
+    return pb.SearchResponse(
+        shard=shard,
+        version=version,
+        width=c.width,
+        ids=_bytes(c.keys, np.int64),
+        approx=_bytes(c.approx, np.float32),
+        scores=_bytes(c.scores, np.float32),
+        vectors=b"" if c.vectors is None else _bytes(c.vectors, np.float32),
+    )
+
+
+def decode_response(msg: pb.SearchResponse, batch: int, dim: int) -> Candidates:
+    """-> :class:`Candidates` ``[B, R]`` (with vectors when the shard sent them)."""
+    shape = (batch, msg.width)
+    vectors = None
+    if msg.vectors:
+        vectors = _array(msg.vectors, np.float32, (*shape, dim), "vectors")
+    return Candidates(
+        _array(msg.ids, np.int64, shape, "ids"),
+        _array(msg.approx, np.float32, shape, "approx"),
+        _array(msg.scores, np.float32, shape, "scores"),
+        vectors,
+    )

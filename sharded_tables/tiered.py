@@ -1,0 +1,418 @@
+"""TieredEmbeddingCollection: the towers' table call over tiered, quantized tables.
+
+Same call shape as :class:`~sharded_tables.collection.EmbeddingCollection`:
+``{feature: ids [B, L] int64, -1 = none} -> {feature: pooled [B, D] float32}``, so the model
+switches from plain tables to tiered ones by configuration. A :class:`PlacementPlan` says where
+each table lives; this module executes it:
+
+* device / host tables: packed rows in :class:`LocalTables` (one fbgemm TBE call per tier);
+* remote tables: the ids of the whole batch are de-duplicated per table, looked up in the table's
+  hot-row cache, and the misses fetched from the embedding servers in one request per server
+  (:class:`~sharded_tables.remote.client.RemoteTables`); rows are unpacked once per unique id
+  and pooled with ``embedding_bag``.
+
+State (``state_dict``) holds the plan and the packed rows of local tables; remote rows live in
+the embedding servers' shard folders (:meth:`export_remote`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from sharded_tables.cache import HotRowCache
+from sharded_tables.collection import check_id_features
+from sharded_tables.dynamic_table import TransformedTable
+from sharded_tables.planner import PlacementPlan
+from sharded_tables.quantize import pack_rows, unpack_rows
+from sharded_tables.specs import DType, TableSpec, Tier
+from sharded_tables.store import MemoryRowStore, RowStore
+from sharded_tables.tbe import LocalTable, LocalTables
+
+
+class RemoteFetcher(Protocol):
+    """What the collection needs from the remote tier (``RemoteTables`` implements it)."""
+
+    def fetch(
+        self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``{table: ids int64 [n]}`` -> ``{table: packed rows uint8 [n, row_bytes]}``."""
+        ...
+
+
+@dataclass
+class RemoteStats:
+    """Counters of lookups that leave the local tiers: ids read (remote and hashed tables),
+    distinct ids of hashed tables, rows fetched from the servers. Cache hits and misses are
+    the caches' own (:meth:`TieredEmbeddingCollection.cache_stats`)."""
+
+    ids: int = 0
+    unique: int = 0
+    fetched: int = 0
+
+
+class TieredEmbeddingCollection(nn.Module):
+    """Pooled lookups over tables placed by a plan: ``{feature: [B, L]} -> {feature: [B, D]}``."""
+
+    def __init__(
+        self,
+        specs: Sequence[TableSpec],
+        plan: PlacementPlan,
+        device: torch.device | str = "cpu",
+        remote: RemoteFetcher | None = None,
+        timeout: float | None = 1.0,
+        cache_policy: str = "hybrid",
+        cache_admit_after: int = 2,
+    ):
+        """``cache_policy`` / ``cache_admit_after``: the hot-row caches' eviction policy and
+        admission threshold (:class:`HotRowCache`); decayed LFU with admission on a second
+        sighting keeps a skewed stream's head cached while its long tail passes through."""
+        super().__init__()
+        self.cache_policy, self.cache_admit_after = cache_policy, cache_admit_after
+        self.specs = {s.name: s for s in specs}
+        self.plan = plan
+        self.device = torch.device(device)
+        self.remote = remote
+        self.timeout = timeout
+        missing = sorted(set(self.specs) - {p.table for p in plan.tables})
+        if missing:
+            raise ValueError(f"the plan does not place tables {missing}")
+        self.table_of: dict[str, str] = {}
+        for s in specs:
+            for f in s.feature_names():
+                if f in self.table_of:
+                    raise ValueError(f"feature {f!r} is assigned to two tables")
+                self.table_of[f] = s.name
+        # Not registered as submodules: rows stay where the plan put them when the model moves
+        # (``model.to("cuda")`` must not copy a host tier into HBM); they save via extra state.
+        self.tiers: dict[str, LocalTables] = {}
+        self._module_of: dict[str, LocalTables] = {}
+        for tier in self._local_tiers():
+            for backend in ("fbgemm", "torch"):
+                tables = [
+                    LocalTable(s.name, s.rows, s.dim, p.dtype, s.feature_names(), s.pooling)
+                    for s, p in self._placed()
+                    if self._local_tier_of(p.tier) == tier
+                    and not s.hashed
+                    and self._backend(p.dtype) == backend
+                ]
+                if tables:
+                    module = LocalTables(
+                        tables,
+                        tier=tier,
+                        device=self.device,
+                        backend="torch" if backend == "torch" else None,
+                    )
+                    self.tiers[tier if backend == "fbgemm" else f"{tier}/{backend}"] = module
+                    self._module_of.update({t.name: module for t in tables})
+        self.caches: dict[str, HotRowCache] = {}
+        self._cache_tables = self._make_cache_tables()
+        # Hashed tables in a local tier: an id transformer over `rows` local rows whose evicted
+        # rows go to the remote tier (or an in-process store when there are no servers).
+        self.dynamic: dict[str, TransformedTable] = {}
+        for s, p in self._placed():
+            if s.hashed and p.tier is not Tier.REMOTE:
+                store = (
+                    remote
+                    if isinstance(remote, RowStore)
+                    else MemoryRowStore({s.name: s.row_bytes(p.dtype)})
+                )
+                self.dynamic[s.name] = TransformedTable(
+                    s.name, s.rows, s.dim, store, dtype=p.dtype, device=self.device
+                )
+        self.stats = RemoteStats()
+
+    # ---- placement ----------------------------------------------------------------------------
+    def _placed(self) -> list[tuple[TableSpec, Any]]:
+        return [(self.specs[name], self.plan.placement(name)) for name in self.specs]
+
+    def _make_cache_tables(self) -> LocalTables | None:
+        """Hot-row caches of remote tables, their rows held in one TBE (sum pooling) so the
+        kernel pools cached rows by slot; a cache of 0 rows is no cache."""
+        cached = [(s, p) for s, p in self._placed() if p.tier is Tier.REMOTE and p.cache_rows > 0]
+        module = None
+        if cached:
+            module = LocalTables(
+                [
+                    LocalTable(s.name, p.cache_rows, s.dim, p.dtype, s.feature_names(), "sum")
+                    for s, p in cached
+                ],
+                tier="device" if self.device.type == "cuda" else "host",
+                device=self.device,
+                # CUDA: the torch path (slot views of fbgemm's UVM storage are not exposed)
+                backend=(
+                    "torch"
+                    if self.device.type == "cuda"
+                    or any(self._backend(p.dtype) == "torch" for _, p in cached)
+                    else None
+                ),
+            )
+        for s, p in self._placed():
+            if p.tier is Tier.REMOTE:
+                storage = module.rows_view(s.name) if module and p.cache_rows > 0 else None
+                self.caches[s.name] = HotRowCache(
+                    p.cache_rows,
+                    s.row_bytes(p.dtype),
+                    device=self.device,
+                    name=s.name,
+                    storage=storage,
+                    policy=self.cache_policy,
+                    admit_after=self.cache_admit_after,
+                )
+        return module
+
+    def _backend(self, dtype: DType) -> str:
+        # fbgemm's CPU kernel for FP8 rows is a generic scalar loop (~50x slower than INT8 in
+        # bench/tables.py); unpacking the unique rows with torch is faster there.
+        return "torch" if dtype is DType.FP8 and self.device.type == "cpu" else "fbgemm"
+
+    def _local_tiers(self) -> list[str]:
+        # Without a GPU, "device" is the fastest in-process copy: host DRAM, one TBE call.
+        return ["device", "host"] if self.device.type == "cuda" else ["host"]
+
+    def _local_tier_of(self, tier: Tier) -> str | None:
+        if tier is Tier.REMOTE:
+            return None
+        return tier.value if self.device.type == "cuda" else "host"
+
+    def _is_remote(self, table: str) -> bool:
+        return self.plan.placement(table).tier is Tier.REMOTE
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Quantizes float tables ``{name: [rows, D]}`` per the plan into the local tiers.
+
+        Returns the packed rows of remote tables (``{name: uint8 [rows, row_bytes]}``), which
+        belong in the embedding servers' shard folders (see :meth:`export_remote`).
+        """
+        remote: dict[str, torch.Tensor] = {}
+        for s, p in self._placed():
+            if s.hashed:
+                continue  # rows of raw ids arrive through the id transformer
+            if s.name not in weights:
+                raise ValueError(f"no weights for table {s.name!r}")
+            w = weights[s.name]
+            if tuple(w.shape) != (s.rows, s.dim):
+                raise ValueError(
+                    f"table {s.name!r}: expected weights [{s.rows}, {s.dim}], got {list(w.shape)}"
+                )
+            packed = pack_rows(w.detach().float().cpu(), p.dtype)
+            if p.tier is Tier.REMOTE:
+                remote[s.name] = packed
+            else:
+                self._local_module(s.name).set_packed(s.name, packed)
+        return remote
+
+    def _local_module(self, table: str) -> LocalTables:
+        return self._module_of[table]
+
+    def local_float(self, name: str) -> torch.Tensor:
+        """Dequantized rows ``[rows, D]`` of a local table (what lookups read)."""
+        p = self.plan.placement(name)
+        s = self.specs[name]
+        return unpack_rows(self._local_module(name).packed(name), p.dtype, s.dim)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        packed = {}
+        for s, p in self._placed():
+            if p.tier is not Tier.REMOTE and not s.hashed:
+                packed[s.name] = self._local_module(s.name).packed(s.name)
+        dynamic = {
+            name: {"weight": t.weight.cpu(), **t.transformer.state_dict()}
+            for name, t in self.dynamic.items()
+        }
+        return {"plan": self.plan.to_json(), "packed": packed, "dynamic": dynamic}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        saved = PlacementPlan.from_json(state["plan"])
+        if saved.to_dict() != self.plan.to_dict():
+            raise ValueError("saved table plan differs from this collection's plan")
+        for name, packed in state["packed"].items():
+            self._local_module(name).set_packed(name, packed)
+        for name, saved_table in state.get("dynamic", {}).items():
+            table = self.dynamic[name]
+            table.weight.copy_(saved_table["weight"])
+            table.transformer.load_state_dict(
+                {k: v for k, v in saved_table.items() if k != "weight"}
+            )
+
+    # ---- lookups ----------------------------------------------------------------------------
+    def table_rows(self) -> dict[str, int | None]:
+        """Rows of each table; None for a hashed table (it takes any raw id)."""
+        return {n: (None if s.hashed else s.rows) for n, s in self.specs.items()}
+
+    def validate(self, features: Mapping[str, torch.Tensor]) -> None:
+        """Edge check (:func:`check_id_features`; hashed tables take any raw id)."""
+        check_id_features(features, self.table_of, self.table_rows())
+
+    def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""
+        first = next(iter(features.values()))
+        b, out_device = first.shape[0], first.device  # pooled rows go where the ids came from
+        out: dict[str, torch.Tensor] = {}
+        for module in self.tiers.values():
+            wanted = [f for f in module.feature_names if f in features]
+            if not wanted:
+                continue
+            empty = torch.empty(b, 0, dtype=torch.int64, device=module.device)
+            padded = [features.get(f, empty).to(module.device) for f in module.feature_names]
+            pooled = module.forward_padded(padded).to(out_device).split(module.feature_dims, dim=1)
+            out.update({f: pooled[i] for i, f in enumerate(module.feature_names) if f in features})
+        remote = [f for f in features if self._is_remote(self.table_of[f])]
+        if remote:
+            out.update(self._remote_lookup({f: features[f] for f in remote}))
+        hashed = [f for f in features if self.table_of[f] in self.dynamic]
+        if hashed:
+            out.update(self._hashed_lookup({f: features[f] for f in hashed}))
+        return {f: out[f].to(out_device) for f in features}
+
+    def forward_jagged(
+        self, keys: Sequence[str], values: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """KeyedJaggedTensor-style input -> ``[B, sum of D]`` (features in ``keys`` order).
+
+        ``values``: the ids of all features end to end; ``offsets [len(keys) * B + 1]``: where
+        each (feature, sample) bag starts, feature-major (``kjt.values()``, ``kjt.offsets()``
+        of a TorchRec ``KeyedJaggedTensor``). When the keys are exactly one local tier's
+        features this is a single kernel call on the caller's tensors.
+        """
+        keys = list(keys)
+        for module in self.tiers.values():
+            if keys == module.feature_names:
+                return module(values.to(module.device), offsets.to(module.device)).to(values.device)
+        b = (offsets.numel() - 1) // len(keys)
+        lengths = (offsets[1:] - offsets[:-1]).view(len(keys), b)
+        padded = {}
+        for j, name in enumerate(keys):
+            seg = values[offsets[j * b] : offsets[(j + 1) * b]]
+            width = int(lengths[j].max()) if b else 0
+            mat = torch.full((b, width), -1, dtype=torch.int64, device=values.device)
+            mask = torch.arange(width, device=values.device)[None, :] < lengths[j][:, None]
+            mat[mask] = seg
+            padded[name] = mat
+        out = self(padded)
+        return torch.cat([out[k] for k in keys], dim=1)
+
+    @torch.compiler.disable
+    def _remote_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Remote features: ids -> cache slots; the distinct misses of the whole batch -> one
+        fetch per server. Cached rows are pooled by the kernel over the cache storage, missed
+        rows from what the servers sent; then the misses are admitted for later batches."""
+        by_table = self._group(features)
+        slots = {f: self._cache_slots(self.table_of[f], ids) for f, ids in features.items()}
+        misses: dict[str, torch.Tensor] = {}
+        for table, feats in by_table.items():
+            missed = [
+                features[f].cpu()[(slots[f] < 0) & self._present(table, features[f]).cpu()]
+                for f in feats
+            ]
+            u = torch.unique(torch.cat(missed))
+            self.stats.ids += sum(int(self._present(table, features[f]).sum()) for f in feats)
+            if u.numel():
+                misses[table] = u
+        fetched: dict[str, torch.Tensor] = {}
+        if misses:
+            if self.remote is None:
+                raise RuntimeError(f"remote tables {sorted(misses)} need embedding servers")
+            fetched = self.remote.fetch(misses, timeout=self.timeout)
+            self.stats.fetched += sum(len(u) for u in misses.values())
+        out: dict[str, torch.Tensor] = {}
+        # cached rows: one kernel call over the cache storage, by slot (misses are -1: skipped).
+        # This runs before any miss is admitted: admitting may evict rows this batch just hit.
+        if self._cache_tables is not None:
+            names = self._cache_tables.feature_names
+            b = next(iter(features.values())).shape[0]
+            empty = torch.empty(b, 0, dtype=torch.int64)
+            pooled = self._cache_tables.forward_padded(
+                [slots.get(f, empty).to(self._cache_tables.device) for f in names]
+            ).split(self._cache_tables.feature_dims, dim=1)
+            out.update({f: pooled[i] for i, f in enumerate(names) if f in features})
+        # missed rows: pooled from what the servers sent, then admitted for later batches
+        for table, u in misses.items():
+            spec = self.specs[table]
+            feats = by_table[table]
+            dense = unpack_rows(fetched[table], self.plan.placement(table).dtype, spec.dim)
+            uncached = {f: torch.where(slots[f] < 0, features[f].cpu(), -1) for f in feats}
+            extra = self._pool(table, uncached, u, dense.to(self.device), mean=False)
+            for f in feats:
+                out[f] = out[f] + extra[f] if f in out else extra[f]
+            if self.caches[table].capacity:
+                self.caches[table].put(u, fetched[table])
+        for table, feats in by_table.items():
+            spec = self.specs[table]
+            for f in feats:  # no cache and nothing fetched: every bag is empty
+                if f not in out:
+                    out[f] = torch.zeros(features[f].shape[0], spec.dim, device=self.device)
+            if spec.pooling == "mean":
+                for f in feats:
+                    n = self._present(table, features[f]).sum(dim=1, keepdim=True).clamp(min=1)
+                    out[f] = out[f] / n.to(out[f].device)
+        return out
+
+    def _cache_slots(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Cache slots of ``ids [B, L]`` (``-1``: not cached or padding), on CPU."""
+        cache = self.caches[table]
+        if cache.capacity == 0:
+            return torch.full(ids.shape, -1, dtype=torch.int64)
+        return cache.lookup_slots(ids.reshape(-1).cpu()).view(ids.shape)
+
+    @torch.compiler.disable
+    def _hashed_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Local hashed tables: unique raw ids -> id transformer rows (evictions to the store)."""
+        out = {}
+        for table, feats in self._group(features).items():
+            u = self._unique_ids(table, [features[f] for f in feats])
+            dense = self.dynamic[table].lookup(u).to(self.device)  # [U, D]
+            out.update(self._pool(table, {f: features[f] for f in feats}, u, dense))
+        return out
+
+    def _group(self, features: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+        by_table: dict[str, list[str]] = {}
+        for f in features:
+            by_table.setdefault(self.table_of[f], []).append(f)
+        return by_table
+
+    def _present(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        # Raw ids of hashed tables may be any int64 but -1; row ids are >= 0.
+        return ids != -1 if self.specs[table].hashed else ids >= 0
+
+    def _unique_ids(self, table: str, id_mats: list[torch.Tensor]) -> torch.Tensor:
+        """The sorted distinct ids of a whole batch for one table ``[U]`` (CPU)."""
+        ids = torch.cat([m[self._present(table, m)] for m in id_mats]).cpu()
+        u = torch.unique(ids)
+        self.stats.ids += ids.numel()
+        self.stats.unique += u.numel()
+        return u
+
+    def _pool(
+        self,
+        table: str,
+        features: Mapping[str, torch.Tensor],
+        u: torch.Tensor,
+        dense: torch.Tensor,
+        mean: bool | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Pools each feature ``[B, L]`` over ``dense [U, D]``, the rows of sorted ids ``u``."""
+        spec = self.specs[table]
+        u = u.to(self.device)
+        out = {}
+        for f, ids in features.items():
+            ids = ids.to(self.device)
+            present = self._present(table, ids)
+            if dense.shape[0] == 0:
+                out[f] = torch.zeros(ids.shape[0], spec.dim, device=self.device)
+                continue
+            pos = torch.where(present, torch.searchsorted(u, ids), 0).clamp(max=len(u) - 1)
+            weights = present.float()
+            if spec.pooling == "mean" if mean is None else mean:
+                weights = weights / present.sum(dim=1, keepdim=True).clamp(min=1)
+            out[f] = F.embedding_bag(pos, dense, mode="sum", per_sample_weights=weights)
+        return out
+
+    def cache_stats(self) -> dict[str, dict[str, float]]:
+        return {t: c.stats() for t, c in self.caches.items()}

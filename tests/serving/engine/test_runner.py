@@ -1,0 +1,134 @@
+"""ModelRunner: one forward per batch, per-request errors, K slicing, history window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retrieval.features import make_user_batch
+from serving.engine.runner import ModelRunner
+from serving.types import ModelNotFoundError, RecResult, RequestError
+
+
+def forward(tiny, reqs, k, filters=None):
+    """The reference: the model called directly on the requests' windowed tensors."""
+    h = tiny.prep.config.history_len
+    hist = np.full((len(reqs), h), -1, np.int64)
+    for row, r in enumerate(reqs):
+        hist[row, : len(r.history[:h])] = r.history[:h]
+    batch = make_user_batch(
+        hist,
+        np.stack([r.categorical for r in reqs]),
+        np.stack([r.dense for r in reqs]),
+        tiny.model.index.schema,
+        filters,
+    )
+    with torch.inference_mode():
+        ids, scores = tiny.model(batch, k)
+    return ids.numpy(), scores.numpy()
+
+
+def test_results_equal_one_forward_and_are_sliced_to_each_k(tiny):
+    runner = ModelRunner(tiny.model, "demo", 3)
+    reqs = [tiny.request(0, k=3), tiny.request(1, k=7), tiny.request(2, k=5)]
+    out = runner.run(reqs)
+    ids, scores = forward(tiny, reqs, 7)
+    for row, (req, res) in enumerate(zip(reqs, out, strict=True)):
+        assert isinstance(res, RecResult)
+        assert (res.model, res.version) == ("demo", 3)
+        assert res.item_ids.shape == (req.k,) and res.item_ids.dtype == np.int64
+        np.testing.assert_array_equal(res.item_ids, ids[row, : req.k])
+        np.testing.assert_allclose(res.scores, scores[row, : req.k])
+
+
+def test_a_bad_filter_fails_only_its_own_request(tiny):
+    runner = ModelRunner(tiny.model, "demo", 1)
+    good_filter = "language in {en, fr} and available"
+    reqs = [
+        tiny.request(0, filter=good_filter),
+        tiny.request(1, filter="language in {en"),  # syntax
+        tiny.request(2, filter="colour = red"),  # unknown attribute
+        tiny.request(3, filter="language = klingon"),  # unknown value
+        tiny.request(4),
+    ]
+    out = runner.run(reqs)
+    for bad in out[1:4]:
+        assert isinstance(bad, RequestError) and str(bad).startswith("filter")
+    assert "colour" in str(out[2]) and "klingon" in str(out[3])
+    ids, _ = forward(tiny, [reqs[0], reqs[4]], 10, [good_filter, None])
+    np.testing.assert_array_equal(out[0].item_ids, ids[0])
+    np.testing.assert_array_equal(out[4].item_ids, ids[1])
+
+
+def test_history_is_trimmed_to_the_newest_and_padded(tiny):
+    runner = ModelRunner(tiny.model, "demo", 1)
+    h = tiny.prep.config.history_len
+    long = tiny.request(5)
+    long.history = np.arange(40, 40 + 3 * h, dtype=np.int64)  # newest first: keep 40..40+h
+    short = tiny.request(6)
+    short.history = np.array([7, 9], np.int64)
+    empty = tiny.request(7)
+    empty.history = np.zeros(0, np.int64)
+    out = runner.run([long, short, empty])
+    ids, _ = forward(tiny, [long, short, empty], 10)
+    for row in range(3):
+        np.testing.assert_array_equal(out[row].item_ids, ids[row])
+    # the window is what counts: the trimmed history gives the same answer
+    trimmed = tiny.request(5)
+    trimmed.history = long.history[:h].copy()
+    np.testing.assert_array_equal(runner.run([trimmed])[0].item_ids, out[0].item_ids)
+    # already-seen items of the window never come back
+    assert not set(out[0].item_ids.tolist()) & set(long.history[:h].tolist())
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"k": 0}, "k"),
+        ({"k": 301}, "k"),
+        ({"categorical": np.zeros(2, np.int64)}, "categorical"),
+        ({"categorical": np.array([0, 0, 99], np.int64)}, "categorical"),
+        ({"dense": np.zeros(5, np.float32)}, "dense"),
+        ({"dense": np.array([np.nan, 0, 0], np.float32)}, "dense"),
+        ({"history": np.array([1, 300], np.int64)}, "history"),
+        ({"history": np.array([1.0, 2.0])}, "history"),
+    ],
+)
+def test_bad_inputs_name_the_field_and_spare_the_batch(tiny, change, field):
+    runner = ModelRunner(tiny.model, "demo", 1)
+    bad = tiny.request(0)
+    for name, value in change.items():
+        setattr(bad, name, value)
+    with pytest.raises(RequestError, match=f"^{field}"):
+        runner.check(bad)
+    out = runner.run([bad, tiny.request(1)])
+    assert isinstance(out[0], RequestError) and isinstance(out[1], RecResult)
+
+
+def test_unknown_model_or_version_is_not_found(tiny):
+    runner = ModelRunner(tiny.model, "demo", 2)
+    with pytest.raises(ModelNotFoundError, match=r"^model"):
+        runner.check(tiny.request(0, model="other"))
+    with pytest.raises(ModelNotFoundError, match=r"^version"):
+        runner.check(tiny.request(0, version=1))
+    runner.check(tiny.request(0, model="demo", version=2))
+
+
+def test_warmup_runs(tiny):
+    ModelRunner(tiny.model, "demo", 1).warmup((1, 3))
+
+
+def test_a_request_checked_by_this_runner_is_not_checked_again_but_another_runner_checks(
+    tiny, monkeypatch
+):
+    runner, other = ModelRunner(tiny.model, "demo", 1), ModelRunner(tiny.model, "demo", 2)
+    req = tiny.request(3, 5, filter="available")
+    req.checked = (runner, runner.check(req))
+    calls = []
+    for r in (runner, other):
+        monkeypatch.setattr(r, "check", lambda q, r=r: calls.append(r) or ModelRunner.check(r, q))
+    (first,) = runner.run([req])
+    (second,) = other.run([req])  # a hot swap between the edge and the batch: checked again
+    assert calls == [other]
+    assert np.array_equal(first.item_ids, second.item_ids)

@@ -1,0 +1,97 @@
+"""``recserve serve`` with a state folder as a real process: add an item and flip its attribute
+over the admin API, see both in the next Recommend, ``kill -9`` the server (and tear the log's
+tail as a crash mid-write would), start it again: the updates are replayed from the log."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from test_serve_e2e import first_line, stop
+
+from serving.live.update_log import HEADER, MAGIC, log_path
+from serving.protos import admin_pb2 as pb
+from serving.protos.admin_pb2_grpc import AdminStub
+from serving.protos.recommend_pb2_grpc import RecommenderStub
+from serving.repository import repository
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+WAIT = 10.0
+NEW_ID = 7777
+
+
+def start_server(tmp_path: Path, toml: Path, run: int) -> tuple[subprocess.Popen[str], str, Path]:
+    err = tmp_path / f"serve{run}.stderr"
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "recserve", "serve", "--model-repo", str(tmp_path / "repo"),
+             "--grpc-port", "0", "--config", str(toml)],
+            stdout=subprocess.PIPE, stderr=f, text=True,
+        )  # fmt: skip
+    line = first_line(proc, err)
+    m = re.fullmatch(r"serving demo v1 grpc=(\S+) http=off metrics=off", line)
+    assert m, line
+    return proc, m.group(1), err
+
+
+def test_updates_survive_kill_9(tmp_path: Path, tiny):
+    repository.ModelRepository(tmp_path / "repo").publish("demo", tiny.model)
+    state = tmp_path / "state"
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'state_dir = "{state}"\npoll_s = 0.0\n')
+    with torch.inference_mode():
+        q = tiny.model.user_vectors(tiny.prep.user_batch(np.array([0])))[0]
+    item = pb.Item(
+        id=NEW_ID,
+        vector=(q * 50).tolist(),  # user 0's query direction, long: first for user 0
+        attributes=[pb.Attribute(name="available", values=["false"])],
+    )
+    flip = pb.SetItemAttributesRequest(
+        items=[
+            pb.ItemAttributes(
+                id=NEW_ID, attributes=[pb.Attribute(name="available", values=["true"])]
+            )
+        ]
+    )
+    available = tiny.message(0, filter="available")
+
+    proc, address, _ = start_server(tmp_path, toml, 1)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            admin, rec = AdminStub(channel), RecommenderStub(channel)
+            reply = admin.UpsertItems(pb.UpsertItemsRequest(items=[item]), timeout=WAIT)
+            assert (reply.version, reply.sequence, reply.items) == (1, 1, 301)
+            assert rec.Recommend(tiny.message(0), timeout=WAIT).item_ids[0] == NEW_ID
+            assert NEW_ID not in rec.Recommend(available, timeout=WAIT).item_ids
+            assert admin.SetItemAttributes(flip, timeout=WAIT).sequence == 2
+            want = list(rec.Recommend(available, timeout=WAIT).item_ids)
+            assert want[0] == NEW_ID
+        proc.kill()  # SIGKILL: no drain, no flush; acknowledged means fsync'd
+        proc.wait(WAIT)
+    finally:
+        stop(proc)
+
+    # a crash in the middle of a third append: half a frame at the end of the log
+    path = log_path(state, "demo", 1)
+    with open(path, "ab") as f:
+        f.write(HEADER.pack(MAGIC, 500, 0)[: HEADER.size] + b"\x01" * 40)
+
+    proc, address, err = start_server(tmp_path, toml, 2)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            admin, rec = AdminStub(channel), RecommenderStub(channel)
+            assert list(rec.Recommend(available, timeout=WAIT).item_ids) == want
+            reply = admin.RemoveItems(pb.RemoveItemsRequest(ids=[NEW_ID]), timeout=WAIT)
+            assert reply.sequence == 3  # the torn record was dropped, not counted
+            assert NEW_ID not in rec.Recommend(tiny.message(0), timeout=WAIT).item_ids
+    finally:
+        stop(proc)
+    assert "dropping a torn last record" in err.read_text()
+    assert "replayed 2 updates" in err.read_text()
