@@ -1,7 +1,7 @@
 """Authentication and TLS for every server of ours: bearer tokens, TLS, who may call what.
 
 One :class:`SecurityConfig` per process (``[security]`` in ``serve.toml``, or the ``--auth-*`` /
-``--tls-*`` flags of ``serve``, ``shard-server`` and ``embed-server``); :meth:`SecurityConfig.load`
+``--tls-*`` flags of every ``recserve serve`` command); :meth:`SecurityConfig.load`
 reads its files once, at start-up, into a :class:`Security` that the servers use::
 
     security = SecurityConfig(token_file=Path("token"), tls_cert=cert, tls_key=key).load()
@@ -40,16 +40,17 @@ import logging
 import os
 import re
 import ssl
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import grpc
+from pydantic import Field
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from common.config import ConfigError
+from common.config import Config, ConfigError, PathValue
 from common.grpc_util import ClientAuth
 
 log = logging.getLogger(__name__)
@@ -192,23 +193,21 @@ class BearerAuthMiddleware:
 
 
 # ---- configuration ------------------------------------------------------------------------------
-FLAGS = {
-    "token_file": "--auth-token-file",
-    "token_env": "--auth-token-env",
-    "tls_cert": "--tls-cert",
-    "tls_key": "--tls-key",
-    "tls_client_ca": "--tls-client-ca",
-    "upstream_ca": "--upstream-ca",
-}
-"""Each field's command-line flag, named in errors beside the ``serve.toml`` key."""
-
-
-@dataclass
-class SecurityConfig:
+class SecurityConfig(Config):
     """Tokens and TLS of one process; all off by default (then the servers must listen on
     127.0.0.1, their default, or on a network you trust)."""
 
-    token_file: Path | None = None
+    flags: ClassVar[Mapping[str, str]] = {
+        "token_file": "--auth-token-file",
+        "token_env": "--auth-token-env",
+        "auth_serving": "--auth-serving/--no-auth-serving",
+        "tls_cert": "--tls-cert",
+        "tls_key": "--tls-key",
+        "tls_client_ca": "--tls-client-ca",
+        "upstream_ca": "--upstream-ca",
+    }
+
+    token_file: PathValue | None = None
     """File holding the bearer token (surrounding whitespace ignored). Set (or ``token_env``):
     admin methods need the token, and serving ones too with ``auth_serving``. A file or an
     environment variable, never a flag's value: a command line is visible to ``ps``."""
@@ -217,26 +216,26 @@ class SecurityConfig:
     auth_serving: bool = True
     """With a token: serving methods (Recommend, inference, metadata, shard and embedding
     lookups) need it too. False: only admin methods do. Health checks never do."""
-    tls_cert: Path | None = None
+    tls_cert: PathValue | None = None
     """PEM certificate chain: gRPC and HTTP serve TLS only (with ``tls_key``)."""
-    tls_key: Path | None = None
+    tls_key: PathValue | None = None
     """PEM private key of ``tls_cert``."""
-    tls_client_ca: Path | None = None
+    tls_client_ca: PathValue | None = None
     """PEM CA certificates: set, clients must present a certificate they sign (mutual TLS)."""
-    upstream_ca: Path | None = None
+    upstream_ca: PathValue | None = None
     """Router only: PEM CA certificates that verify the shard and embedding servers it calls;
     set, those calls use TLS (presenting ``tls_cert`` when set). They always carry the token."""
-    token: str | None = field(default=None, repr=False)
+    token: str | None = Field(default=None, repr=False)
     """The token itself, for in-process use (tests); never read from a file or flag."""
 
     def has_token(self) -> bool:
         return bool(self.token_file or self.token_env or self.token is not None)
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # type: ignore[override]  # see Config.validate
         """Raises ``ConfigError`` naming the first bad field (``security.<key> (--flag)``)."""
 
         def bad(name: str, why: str) -> ConfigError:
-            flag = f" ({FLAGS[name]})" if name in FLAGS else ""
+            flag = f" ({self.flags[name]})" if name in self.flags else ""
             return ConfigError(f"security.{name}{flag}: {why}")
 
         sources = [f for f in ("token_file", "token_env") if getattr(self, f)]
@@ -270,7 +269,7 @@ class SecurityConfig:
         else:
             return None
         token = text.strip()
-        where = f"security.{name}{f' ({FLAGS[name]})' if name in FLAGS else ''}"
+        where = f"security.{name}{f' ({self.flags[name]})' if name in self.flags else ''}"
         if not TOKEN_CHARS.fullmatch(token):  # the message never quotes the token
             raise ConfigError(f"{where}: the token must be printable ASCII without spaces")
         if len(token) < MIN_TOKEN_CHARS:
@@ -319,18 +318,15 @@ class SecurityConfig:
 
     @classmethod
     def from_flags(cls, base: SecurityConfig | None = None, **flags: Any) -> SecurityConfig:
-        """``base`` (default: all off) with every flag that is not None applied."""
+        """``base`` (default: all off) with every flag that is not None applied (unknown names
+        ignored: a command passes all of its flags); errors name the field and flag."""
         base = base or cls()
-        known = {f.name for f in fields(cls)}
-        given = {k: v for k, v in flags.items() if v is not None and k in known}
-        for k in ("token_file", "tls_cert", "tls_key", "tls_client_ca", "upstream_ca"):
-            if k in given:
-                given[k] = Path(given[k])
-        if given.get("token_file") is not None:
-            base = replace(base, token_env="")  # a flag replaces the file's source of the token
+        given = {k: v for k, v in flags.items() if v is not None and k in cls.model_fields}
+        if given.get("token_file") is not None:  # a flag replaces the file's source of the token
+            base = base.model_copy(update={"token_env": ""})
         elif given.get("token_env"):
-            base = replace(base, token_file=None)
-        return replace(base, **given)
+            base = base.model_copy(update={"token_file": None})
+        return base.updated(**given)
 
 
 @dataclass(frozen=True)

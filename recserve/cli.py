@@ -377,7 +377,6 @@ def serve_cmd(
     """Serve a model of a repository over gRPC (and HTTP) until SIGTERM; prints one line when
     ready, hot-reloads new versions, drains on SIGTERM."""
     import logging
-    from dataclasses import replace
 
     from serving.app.config import ConfigError, ServeConfig
     from serving.app.main import serve
@@ -411,7 +410,7 @@ def serve_cmd(
             tls_client_ca,
             upstream_ca=upstream_ca,
         )
-        serve(replace(cfg, security=security))
+        serve(cfg.model_copy(update={"security": security}))
     except (ConfigError, NoLoadableVersionError, OSError, GroupStartError) as e:
         typer.echo(f"serve: {e}", err=True)
         raise typer.Exit(2) from None
@@ -505,8 +504,6 @@ def _with_router_flags(
     embedding: str | None,
 ) -> Any:
     """The config with ``serve``'s router flags applied (any of them makes a router)."""
-    from dataclasses import replace
-
     from serving.sharding.config import RouterConfig, parse_shards
 
     flags = {
@@ -520,7 +517,7 @@ def _with_router_flags(
     given = {k: v for k, v in flags.items() if v is not None}
     if not given:
         return cfg
-    return replace(cfg, router=replace(cfg.router or RouterConfig(), **given))
+    return cfg.model_copy(update={"router": (cfg.router or RouterConfig()).updated(**given)})
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""``recserve serve`` configuration: one typed object, from TOML plus flags, validated at start.
+"""``recserve serve model`` / ``serve router`` configuration: one typed object, from TOML plus flags, validated at start.
 
 Example ``serve.toml`` (every key optional; flags override the file)::
 
@@ -29,19 +29,17 @@ Example ``serve.toml`` (every key optional; flags override the file)::
     tls_cert = "server.crt"   # with tls_key: gRPC and HTTP serve TLS only
     tls_key = "server.key"
 
-Every error names the field (``serve config: batching.max_batch_size: must be >= 1, got 0``).
+Every error names the field (``serve.toml: batching.max_batch_size: must be >= 1, got 0``).
 """
 
 from __future__ import annotations
 
-import tomllib
-import types
-import typing
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Self
 
-from common.config import MAX_WAIT_S, ConfigError, check_wait
+from pydantic import Field
+
+from common.config import MAX_WAIT_S, Config, ConfigError, PathValue, Port, WaitMs, WaitS
 from common.security import SecurityConfig
 from serving.engine.batching import BatchPolicy
 from serving.sharding.config import RouterConfig
@@ -57,37 +55,25 @@ MAX_C_INT = 2**31 - 1
 MAX_PROCESSES = 256
 
 
-@dataclass
-class BatchingConfig:
+class BatchingConfig(Config):
     """Dynamic batching; a key left unset comes from the model's ``config.pbtxt``
     (``max_batch_size``, ``dynamic_batching``), else from the defaults above."""
 
-    max_batch_size: int | None = None
+    max_batch_size: int | None = Field(default=None, ge=1)
     """Most requests in one forward."""
-    max_queue_delay_ms: float | None = None
+    max_queue_delay_ms: WaitMs | None = None
     """Longest the oldest queued request waits for the batch to grow."""
-    max_queue_size: int | None = None
+    max_queue_size: int | None = Field(default=None, ge=0)
     """Most queued requests; one more gets RESOURCE_EXHAUSTED (HTTP 503). 0: no limit."""
-    preferred_batch_sizes: list[int] | None = None
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] | None = None
     """Batch sizes sent as soon as the queue can fill them."""
 
-    def validate(self) -> None:
-        """Checks the keys that are set (raises :class:`ConfigError` naming the field)."""
-        if self.max_batch_size is not None and self.max_batch_size < 1:
-            raise ConfigError(f"batching.max_batch_size: must be >= 1, got {self.max_batch_size}")
-        if self.max_queue_delay_ms is not None:
-            check_wait("batching.max_queue_delay_ms", self.max_queue_delay_ms / 1000.0, ms=True)
-            if not self.max_queue_delay_ms >= 0:
-                raise ConfigError(
-                    f"batching.max_queue_delay_ms: must be >= 0, got {self.max_queue_delay_ms}"
-                )
-        if self.max_queue_size is not None and self.max_queue_size < 0:
-            raise ConfigError(
-                f"batching.max_queue_size: must be >= 0 (0: no limit), got {self.max_queue_size}"
-            )
+    def validate(self) -> None:  # type: ignore[override]  # see Config.validate
+        """What the fields cannot say alone: preferred sizes fit ``max_batch_size``
+        (:class:`ConfigError` naming the field)."""
         top = self.max_batch_size
         for p in self.preferred_batch_sizes or ():
-            if p < 1 or (top is not None and p > top):
+            if top is not None and p > top:
                 raise ConfigError(
                     f"batching.preferred_batch_sizes: {p} is not in [1, max_batch_size={top}]"
                 )
@@ -132,122 +118,91 @@ class BatchingConfig:
             raise ConfigError(f"{CONFIG_FILE} dynamic batching: {e}") from None
 
 
-@dataclass
-class ServeConfig:
-    """One ``recserve serve`` process."""
+class ServeConfig(Config):
+    """One ``recserve serve model`` (or ``serve router``) process."""
 
-    model_repo: Path | None = None
+    flags: ClassVar[Mapping[str, str]] = {
+        "model_repo": "--model-repo",
+        "model": "--model",
+        "host": "--host",
+        "grpc_port": "--grpc-port",
+        "http_port": "--http-port",
+        "metrics_port": "--metrics-port",
+        "poll_s": "--poll-s",
+        "torch_threads": "--torch-threads",
+        "processes": "--processes",
+        "state_dir": "--state-dir",
+    }
+
+    model_repo: PathValue | None = None
     """Model repository root (``<model>/config.pbtxt`` + numbered versions). Required."""
     model: str = ""
     """Model to serve; empty: the repository's only model."""
-    host: str = "127.0.0.1"
+    host: str = Field(default="127.0.0.1", min_length=1)
     """Address every listener binds (gRPC, HTTP, metrics). The default is this machine only:
     listening elsewhere is an explicit ``--host``, best with ``[security]`` on."""
-    grpc_port: int = 8001
+    grpc_port: Port = 8001
     """gRPC (Recommend, KServe v2, health); 0: any free port."""
-    http_port: int | None = None
+    http_port: Port | None = None
     """HTTP (KServe v2 over HTTP, health); None: off."""
-    metrics_port: int | None = None
+    metrics_port: Port | None = None
     """Prometheus ``/metrics``; None: off."""
-    poll_s: float = 1.0
+    poll_s: WaitS = 1.0
     """How often the repository is checked for a new version (0: never)."""
-    drain_timeout_s: float = 10.0
+    drain_timeout_s: Annotated[WaitS, Field(gt=0)] = 10.0
     """On SIGTERM: most seconds to finish in-flight requests before exiting."""
-    close_linger_s: float = 0.5
+    close_linger_s: WaitS = 0.5
     """After the drain, how long the ports stay open answering UNAVAILABLE before they close
     (a call that races the close itself would get CANCELLED, which clients do not retry).
     Counted inside ``drain_timeout_s``."""
-    grpc_workers: int = 64
+    grpc_workers: int = Field(default=64, gt=0)
     """gRPC handler threads. Each blocks on one request while it is batched, so this caps the
     requests in flight, and with it the batch size; keep it above ``max_batch_size``."""
-    max_receive_message_bytes: int = 4 << 20
+    max_receive_message_bytes: int = Field(default=4 << 20, gt=0, le=MAX_C_INT)
     """Largest gRPC request; a larger one is refused (RESOURCE_EXHAUSTED, by gRPC)."""
-    torch_threads: int = 0
+    torch_threads: int = Field(default=0, ge=0, le=MAX_C_INT)
     """Intra-op threads of the forward (0: torch's default; in a group of ``processes``, the
     cores divided among them)."""
-    processes: int = 1
+    processes: int = Field(default=1, ge=1, le=MAX_PROCESSES)
     """Serving processes sharing the gRPC and HTTP ports (``serving/app/processes.py``), each with
     its own model copy, batcher and Python interpreter lock: more of them use more cores for
     the Python parts of serving (gRPC handlers, parsing, each batch's many small ops). 1: this
     process serves. Not with ``state_dir`` (an update log has one writer)."""
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    """``[batching]``: dynamic batching (unset keys from the model's ``config.pbtxt``)."""
     router: RouterConfig | None = None
     """Set: this process is the router of a document-sharded model."""
-    state_dir: Path | None = None
+    state_dir: PathValue | None = None
     """Serving state folder: set, the admin gRPC API (live updates: ``serving/protos/admin.proto``) is
     on and its update logs live here (``<model>/<version>/updates.log``, replayed on load).
     None: the admin API refuses every call. Not with ``[router]``."""
-    security: SecurityConfig = field(default_factory=SecurityConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     """Bearer tokens and TLS (``[security]``, ``common/security.py``); off by default."""
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "serve config") -> ServeConfig:
-        """Builds from TOML-like data, checking every key's type (errors name the key)."""
-        data = dict(data)
-        batching = data.pop("batching", {})
-        router = data.pop("router", None)
-        security = data.pop("security", {})
-        tables = (("batching", batching), ("router", router or {}), ("security", security))
-        for key, table in tables:
-            if not isinstance(table, dict):
-                raise ConfigError(f"{where}: {key}: expected a table, got {table!r}")
-        out = cls(**_typed(cls, data, where, ""))
-        out.batching = BatchingConfig(**_typed(BatchingConfig, batching, where, "batching."))
-        if router is not None:
-            out.router = RouterConfig(**_typed(RouterConfig, router, where, "router."))
-        if "token" in security:  # a config file gets committed and copied; a secret must not be
+    def from_dict(
+        cls, data: Mapping[str, Any], where: str = "serve config", prefix: str = ""
+    ) -> Self:
+        """Builds from TOML-like data (errors name the key: ``<where>: batching.x: ...``)."""
+        security = data.get("security")
+        if isinstance(security, Mapping) and "token" in security:
+            # a config file gets committed and copied; a secret must not be
             raise ConfigError(f"{where}: security.token: use token_file or token_env")
-        out.security = SecurityConfig(**_typed(SecurityConfig, security, where, "security."))
-        return out
-
-    @classmethod
-    def from_toml(cls, path: Path) -> ServeConfig:
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8
-        except OSError as e:
-            raise ConfigError(f"--config: cannot read {path}: {e}") from None
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
-        except RecursionError:  # tomllib recurses once per level of nested arrays and tables
-            raise ConfigError(f"--config: {path} is not valid TOML: nested too deep") from None
-        return cls.from_dict(data, where=str(path))
+        return super().from_dict(data, where, prefix)
 
     def with_overrides(self, **flags: Any) -> ServeConfig:
         """A copy with every flag that is not None applied (flags win over the file)."""
-        given = {k: v for k, v in flags.items() if v is not None}
-        for key in ("model_repo", "state_dir"):
-            if key in given:
-                given[key] = Path(given[key])
-        return replace(self, **given)
+        return self.updated(**flags)
 
     # ---- checks -------------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Raises :class:`ConfigError` naming the first bad field."""
+    def validate(self) -> None:  # type: ignore[override]  # see Config.validate
+        """What the fields cannot say alone (the repository exists, one model, no live updates
+        on a router or a group); :class:`ConfigError` naming the first bad field."""
         if self.model_repo is None:
             raise ConfigError("model_repo: required (--model-repo or model_repo in the config)")
         if not self.model_repo.is_dir():
             raise ConfigError(f"model_repo: {self.model_repo} is not a folder")
-        if not self.host:
-            raise ConfigError("host: must not be empty")
-        for name in ("grpc_port", "http_port", "metrics_port"):
-            port = getattr(self, name)
-            if port is not None and not 0 <= port <= 65535:
-                raise ConfigError(f"{name}: must be in [0, 65535], got {port}")
-        for name in ("poll_s", "drain_timeout_s", "close_linger_s"):
-            check_wait(name, getattr(self, name))
-        positive = ("drain_timeout_s", "grpc_workers", "max_receive_message_bytes")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("max_receive_message_bytes", "torch_threads"):
-            if getattr(self, name) > MAX_C_INT:
-                raise ConfigError(f"{name}: must be <= {MAX_C_INT}, got {getattr(self, name)}")
-        for name in ("poll_s", "torch_threads", "close_linger_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not 1 <= self.processes <= MAX_PROCESSES:
-            raise ConfigError(f"processes: must be in [1, {MAX_PROCESSES}], got {self.processes}")
         if self.processes > 1 and self.state_dir is not None:
             raise ConfigError(
                 "processes: live updates (state_dir) need one serving process: each process "
@@ -284,49 +239,3 @@ class ServeConfig:
                 f"({', '.join(found) or 'none'}); name one with --model"
             )
         return found[0]
-
-
-def _typed(cls: type, data: dict[str, Any], where: str, prefix: str) -> dict[str, Any]:
-    """Checks ``data`` against ``cls``'s field types; returns the values to construct it."""
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)} - {"batching", "router", "security"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{where}: {prefix}{unknown[0]}: unknown key (known: {sorted(known)})")
-    out = {}
-    for key, value in data.items():
-        expected = _allowed(hints[key])
-        if not _matches(value, expected):
-            names = " or ".join(getattr(t, "__name__", str(t)) for t in expected)
-            raise ConfigError(f"{where}: {prefix}{key}: expected {names}, got {value!r}")
-        if Path in expected and isinstance(value, str):
-            value = Path(value)
-        elif float in expected and isinstance(value, int):
-            value = float(value)
-        out[key] = value
-    return out
-
-
-def _allowed(hint: Any) -> tuple[Any, ...]:
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    return tuple(a for a in args if a is not type(None))
-
-
-def _matches(value: Any, expected: tuple[Any, ...]) -> bool:
-    for t in expected:
-        if typing.get_origin(t) is list:
-            (item,) = typing.get_args(t)
-            if isinstance(value, list) and all(_matches(v, (item,)) for v in value):
-                return True
-        elif t is Path:
-            if isinstance(value, str):
-                return True
-        elif t is float:
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                return True
-        elif t is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return True
-        elif isinstance(value, t):
-            return True
-    return False

@@ -41,7 +41,7 @@ import time
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -160,13 +160,14 @@ class ProcessGroup:
         http_port = None
         if cfg.http_port is not None:
             http_port = self._reserve(cfg.host, cfg.http_port, "http_port")
-        self._child_config = replace(
-            cfg,
-            processes=1,
-            grpc_port=grpc_port,
-            http_port=http_port,
-            metrics_port=None if cfg.metrics_port is None else 0,
-            torch_threads=threads_per_process(cfg.processes, cfg.torch_threads),
+        self._child_config = cfg.model_copy(
+            update={
+                "processes": 1,
+                "grpc_port": grpc_port,
+                "http_port": http_port,
+                "metrics_port": None if cfg.metrics_port is None else 0,
+                "torch_threads": threads_per_process(cfg.processes, cfg.torch_threads),
+            }
         )
         try:
             self._members = [self._spawn(i) for i in range(cfg.processes)]

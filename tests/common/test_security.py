@@ -305,7 +305,7 @@ def test_serve_toml_security_table(tmp_path, token_file):
         ServeConfig.from_toml(toml)
     assert TOKEN not in str(e.value)
     toml.write_text("[security]\ntls_cert = 3\n")
-    with pytest.raises(ConfigError, match=r"security\.tls_cert: expected"):
+    with pytest.raises(ConfigError, match=r"security\.tls_cert \(--tls-cert\): expected"):
         ServeConfig.from_toml(toml)
 
 

@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import tomllib
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -274,7 +273,7 @@ def test_serve_toml_loads_and_validates_with_serve_config(tmp_path: Path) -> Non
     cfg = ServeConfig.from_toml(BASE / "serve.toml")
     (tmp_path / cfg.model).mkdir()
     (tmp_path / cfg.model / "config.pbtxt").touch()
-    replace(cfg, model_repo=tmp_path).validate()
+    cfg.model_copy(update={"model_repo": tmp_path}).validate()
     assert cfg.router is not None and cfg.router.shards == serve_toml()["router"]["shards"]
     assert cfg.grpc_workers > (cfg.batching.max_batch_size or 0)
 

@@ -102,7 +102,7 @@ def test_cli_refuses_a_bad_config_naming_the_field(repo_dir: Path, monkeypatch):
 
     runner = CliRunner()
     out = runner.invoke(app, ["serve", "--model-repo", str(repo_dir), "--grpc-port", "70000"])
-    assert out.exit_code == 2 and "serve: grpc_port: must be in [0, 65535]" in out.output
+    assert out.exit_code == 2 and "grpc_port (--grpc-port): must be in [0, 65535]" in out.output
     monkeypatch.setitem(sys.modules, "serving.frontends.kserve_http", None)
     out = runner.invoke(app, ["serve", "--model-repo", str(repo_dir), "--http-port", "0"])
     assert out.exit_code == 2 and "serve: http_port:" in out.output

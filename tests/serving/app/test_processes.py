@@ -199,5 +199,5 @@ def test_live_updates_need_one_process(tmp_path: Path):
     cfg = ServeConfig(model_repo=tmp_path, processes=2, state_dir=tmp_path / "state")
     with pytest.raises(ConfigError, match="processes: live updates"):
         cfg.validate()
-    with pytest.raises(ConfigError, match=r"processes: must be in \[1, 256\]"):
+    with pytest.raises(ConfigError, match=r"processes \(--processes\): must be in \[1, 256\]"):
         ServeConfig(model_repo=tmp_path, processes=0).validate()

@@ -209,12 +209,14 @@ values = st.recursive(
 
 
 def keys_of(cls: type) -> list[str]:
-    return [f.name for f in fields(cls)]
+    """Field names of a config: a pydantic model (``model_fields``) or a dataclass."""
+    model_fields = getattr(cls, "model_fields", None)
+    return list(model_fields) if model_fields is not None else [f.name for f in fields(cls)]
 
 
 SERVE_KEYS = [k for k in keys_of(ServeConfig) if k not in ("batching", "router")]
-FIELD = re.compile(r"(--config|[A-Za-z_][\w.]*)(\[\d+\])?(, [\w.]+)*: ")
-"""An error message's start: the field (or fields) it is about."""
+FIELD = re.compile(r"(--config|[A-Za-z_][\w.]*)(\[\d+\])*(, [\w.]+)*( \(--[\w/-]+\))?: ")
+"""An error message's start: the field (or fields) it is about, and the flag that sets it."""
 
 
 EDGE_INTS = st.sampled_from([2**31, 2**63 - 1, -(2**63), 2**31 - 1, 65_536, 65_535, -1, 0, 1])
@@ -375,7 +377,8 @@ def test_values_that_broke_the_server_are_refused_naming_the_field(tmp_path, tex
     (tmp_path / "demo" / "config.pbtxt").write_text('name: "demo"\n')
     path = tmp_path / "serve.toml"
     path.write_bytes(f'model_repo = "{tmp_path}"\n{text}\n'.encode("utf-8", "surrogateescape"))
-    with pytest.raises(ConfigError, match=rf"^({re.escape(str(path))}: )?{re.escape(field)}: "):
+    flag = r"( \(--[\w-]+\))?"
+    with pytest.raises(ConfigError, match=rf"^({re.escape(str(path))}: )?{re.escape(field)}{flag}: "):
         cfg = ServeConfig.from_toml(path)
         cfg.validate()
     if field == "--config":  # the training config's loader reads TOML alike
