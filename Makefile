@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 data: $(ML100K)
 $(ML100K): | $(STAMP)
-	$(BIN)/recserve fetch-movielens --out data/ml-100k
+	$(BIN)/recserve data movielens --out data/ml-100k
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy && $(BIN)/lint-imports

@@ -1,4 +1,4 @@
-"""Serving benchmark: ``recserve serve`` against a no-op grpcio server, a naive unbatched server
+"""Serving benchmark: ``recserve serve model`` against a no-op grpcio server, a naive unbatched server
 and the real Triton Inference Server -- one run, one model, one load generator.
 
 One synthetic catalog (``--items``, default 100k; ``--small``: 20k) and one model, trained
@@ -15,7 +15,7 @@ repository. Every system serves it on 127.0.0.1 as its own process:
     Python backend (``model.py`` of the version, dynamic batching from its ``config.pbtxt``,
     ``--processes`` model instances), called with KServe v2 ``ModelInfer`` (raw gRPC stubs of
     tritonclient); skipped, with the reason recorded, when it cannot start;
-(d) ``ours``: ``recserve serve --processes N`` (default: one per core, the torch threads shared
+(d) ``ours``: ``recserve serve model --processes N`` (default: one per core, the torch threads shared
     out) with its default batching (from ``config.pbtxt``), called with ``Recommend``;
     ``ours-1proc``: one serving process (what each of the N adds); and ``ours-kserve``: the
     group called with KServe v2 ``ModelInfer`` (the same protocol as Triton).

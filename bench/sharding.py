@@ -18,7 +18,7 @@ weights, real IVF index). Measured, in this order, on the same requests:
     answers and errors (both must be 0); once per S, the routed answers of a few users are
     checked against the in-process forward (ids equal, scores within 1e-4);
   - ``recserve cluster down`` in a ``finally``; at the end no shard server of this run is left
-    (``pgrep -f "recserve shard-server"``).
+    (``pgrep -f "recserve serve shard"``).
 
 Each case runs unfiltered and with ``--filter``. The router, the S shard processes and the load
 generator share this machine's cores: on a small machine the numbers show sharding's overhead,
@@ -83,7 +83,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bench"
 NO_FILTER = "none"
 SCORE_ATOL = 1e-4
-SHARD_SERVER_PATTERN = "recserve shard-server"
+SHARD_SERVER_PATTERN = "recserve serve shard"
 
 
 # ---- arguments ----------------------------------------------------------------------------------
@@ -514,7 +514,7 @@ def shard_count_cases(
 
 
 def leftover_shard_servers(marker: str) -> dict[str, list[int]]:
-    """``pgrep -f "recserve shard-server"``: this run's (must be none) and others' pids."""
+    """``pgrep -f "recserve serve shard"``: this run's (must be none) and others' pids."""
     found = subprocess.run(["pgrep", "-f", SHARD_SERVER_PATTERN], capture_output=True, text=True)
     pids = [int(p) for p in found.stdout.split()]
     ours = set(processes_mentioning(marker))

@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.grpc_util import ClientAuth, open_channel
 from retrieval.artifact import ShardMap
 from serving.repository.repository import ARTIFACT_DIR, EMBEDDINGS_DIR, ModelRepository
+from serving.sharding.config import RouterConfig
 
 CLUSTER_FILE = "cluster.json"
 READY = {
@@ -58,12 +59,13 @@ class ClusterSpec:
     shards: int = 2
     replicas: int = 1
     embedding_servers: int = 1
-    shard_deadline_ms: float = 200.0
-    hedge_after_ms: float = 0.0
+    shard_deadline_ms: float = RouterConfig.model_fields["shard_deadline_ms"].default
+    """The router's deadline per shard call; default: ``RouterConfig``'s (one default)."""
+    hedge_after_ms: float = RouterConfig.model_fields["hedge_after_ms"].default
     router_grpc_port: int = 0
     router_http_port: int = 0
     router_processes: int = 1
-    """Serving processes of the router (``recserve serve --processes``)."""
+    """Serving processes of the router (``recserve serve router --processes``)."""
     startup_timeout_s: float = 120.0
     auth_token_file: Path | None = None
     """Every process needs this bearer token (``common/security.py``); None: no token."""
@@ -200,14 +202,15 @@ def up(
                 f"embed-{i}",
                 "embedding-server",
                 _recserve(
-                    "embed-server",
+                    "serve",
+                    "embeddings",
                     "--model-repo",
                     repo,
                     "--model",
                     model,
                     "--index",
                     str(i),
-                    "--port",
+                    "--grpc-port",
                     "0",
                     *secure,
                 ),
@@ -220,7 +223,8 @@ def up(
                 f"shard-{s}-{r}",
                 "shard",
                 _recserve(
-                    "shard-server",
+                    "serve",
+                    "shard",
                     "--model-repo",
                     repo,
                     "--model",
@@ -249,7 +253,7 @@ def up(
             for s in range(spec.shards)
         )
         args = [
-            "serve", "--model-repo", repo, "--model", model,
+            "serve", "router", "--model-repo", repo, "--model", model,
             "--grpc-port", str(spec.router_grpc_port), "--http-port", str(spec.router_http_port),
             "--metrics-port", "0", "--shards", shards,
             "--shard-deadline-ms", str(spec.shard_deadline_ms),
@@ -314,9 +318,9 @@ def _wait_ready(p: Proc, timeout: float) -> None:
 def _fix_port(p: Proc) -> None:
     """Records the bound port in the command line, so a restart comes back on the same one."""
     port = p.address.rsplit(":", 1)[1]
-    for flag in ("--port", "--grpc-port"):
-        if flag in p.cmd:
-            p.cmd[p.cmd.index(flag) + 1] = port
+    flag = "--grpc-port"  # every server's
+    if flag in p.cmd:
+        p.cmd[p.cmd.index(flag) + 1] = port
 
 
 def _tail(log: str, lines: int = 20) -> str:

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import typer
 
-REPO = Path(__file__).resolve().parents[1]
+from recserve.options import field_option
+from serving.sharding.config import RouterConfig
 
 cluster_app = typer.Typer(
     no_args_is_help=True,
     help="A local cluster on 127.0.0.1: router, document shards, embedding servers.",
 )
-CLUSTER_DIR = REPO / "runs" / "cluster"
+CLUSTER_DIR = Path("runs/cluster")
+"""Relative to the current directory, like every default path of the CLI."""
 
 
 @cluster_app.command("up")
@@ -25,10 +27,10 @@ def cluster_up(
     embedding_servers: int = typer.Option(1, min=0, help="embedding servers (the version's)"),
     grpc_port: int = typer.Option(0, min=0, max=65535, help="router gRPC port (0: any free)"),
     http_port: int = typer.Option(0, min=0, max=65535, help="router HTTP port (0: any free)"),
-    shard_deadline_ms: float = typer.Option(200.0, min=1, help="router: deadline per shard call"),
-    hedge_after_ms: float = typer.Option(0.0, min=0, help="router: twin call to a replica after"),
+    shard_deadline_ms: float = field_option(RouterConfig, "shard_deadline_ms"),
+    hedge_after_ms: float = field_option(RouterConfig, "hedge_after_ms"),
     router_processes: int = typer.Option(
-        1, min=1, help="router: serving processes sharing its ports (serve --processes)"
+        1, min=1, help="router: serving processes sharing its ports (serve router --processes)"
     ),
     directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
     auth_token_file: Path = typer.Option(

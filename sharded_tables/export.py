@@ -4,7 +4,7 @@ routing table.
 A plan names remote servers by index (``TablePlacement.servers``); deployment gives them
 addresses. ``write_remote_shards`` writes folder ``<out>/server-<i>`` for every server ``i`` the
 plan uses (each ranged table's slice of packed rows ``[bounds[j], bounds[j+1])``, keyed tables
-empty), ready for ``recserve embed-server --shard <out>/server-<i>``.
+empty), ready for ``recserve serve embeddings --folder <out>/server-<i>``.
 """
 
 from __future__ import annotations

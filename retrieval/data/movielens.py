@@ -138,7 +138,7 @@ def _read_atomic(path: Path) -> dict[str, pa.ChunkedArray]:
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} is missing: fetch MovieLens 100k first with `make data` "
-            f"(or `recserve fetch-movielens --out {path.parent}`)"
+            f"(or `recserve data movielens --out {path.parent}`)"
         )
     with path.open(encoding="utf-8") as f:
         header = f.readline().rstrip("\r\n").split("\t")

@@ -1,4 +1,4 @@
-"""``recserve serve``: one serving process, or a group of them (``processes > 1``), until SIGTERM."""
+"""``recserve serve model`` (and ``serve router``): one serving process, or a group of them (``processes > 1``), until SIGTERM."""
 
 from __future__ import annotations
 

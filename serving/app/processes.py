@@ -1,4 +1,4 @@
-"""``recserve serve --processes N``: N serving processes behind one gRPC port and one HTTP port.
+"""``recserve serve model --processes N``: N serving processes behind one gRPC port and one HTTP port.
 
 One Python process runs one thread of Python at a time (the interpreter lock): its gRPC
 handlers, request parsing and rendering, and each batch's many small ops take turns, so one

@@ -1,4 +1,4 @@
-"""Process wiring of ``recserve serve``: model host + batcher + gRPC/HTTP/metrics listeners.
+"""Process wiring of ``recserve serve model`` (and ``serve router``): model host + batcher + gRPC/HTTP/metrics listeners.
 
 :class:`Server` runs in-process too (tests, notebooks)::
 

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from common.config import Config, ConfigError, WaitMs
+from common.config import Config, ConfigError, PathValue, Port, WaitMs, WaitS
 
 Address = Annotated[str, Field(min_length=1, pattern=r"\S")]
 """``host:port`` of a server (not blank)."""
@@ -50,3 +50,42 @@ def parse_shards(text: str) -> list[list[str]]:
     """``--shards`` text: shards separated by ``,``, replicas of one shard by ``|``
     (``"h:1|h:2,h:3"`` -> ``[["h:1", "h:2"], ["h:3"]]``)."""
     return [[a.strip() for a in s.split("|") if a.strip()] for s in text.split(",") if s.strip()]
+
+
+class ShardServerConfig(Config):
+    """One ``recserve serve shard`` process: a document shard of a model's index over gRPC
+    (``serving/sharding/shard_server.py``)."""
+
+    flags: ClassVar[Mapping[str, str]] = {
+        "model_repo": "--model-repo",
+        "shard": "--shard",
+        "model": "--model",
+        "host": "--host",
+        "grpc_port": "--grpc-port",
+        "metrics_port": "--metrics-port",
+        "poll_s": "--poll-s",
+        "keep": "--keep",
+        "device": "--device",
+        "torch_threads": "--torch-threads",
+    }
+
+    model_repo: PathValue
+    """Model repository holding a document-sharded version."""
+    shard: int = Field(ge=0)
+    """Which document shard of the catalog to serve (0, 1, ...)."""
+    model: str = ""
+    """Model to serve; empty: the repository's only model."""
+    host: str = Field(default="127.0.0.1", min_length=1)
+    """Address to bind (this machine only by default)."""
+    grpc_port: Port = 8101
+    """gRPC port: Search, health; 0: any free port."""
+    metrics_port: Port | None = None
+    """Prometheus ``/metrics`` port; None: off."""
+    poll_s: WaitS = 1.0
+    """Seconds between repository checks for a new version (0: never)."""
+    keep: int = Field(default=2, ge=1)
+    """Versions kept loaded (a rollout needs 2: the old one answers until the new is ready)."""
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    """Where the index lives: cpu or cuda."""
+    torch_threads: int = Field(default=0, ge=0, le=2**31 - 1)
+    """Intra-op threads (0: torch's default)."""

@@ -1,6 +1,6 @@
 """A document shard server: one shard's part of a model's index, searched over gRPC.
 
-``recserve shard-server --model-repo DIR --model NAME --shard S`` loads shard ``S`` of the newest
+``recserve serve shard --model-repo DIR --model NAME --shard S`` loads shard ``S`` of the newest
 document-sharded version of ``NAME``, answers ``Shard.Search`` (``serving/protos/shard.proto``) and
 grpc.health.v1 (SERVING once loaded), and watches the repository: a newer version is loaded
 beside the one serving, and the newest ``keep`` versions stay loaded, so a router still on the

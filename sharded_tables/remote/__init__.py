@@ -2,7 +2,7 @@
 
 * :mod:`~sharded_tables.remote.server_files`: one server's shard on disk (manifest + packed rows,
   keyed tables' put logs), written atomically.
-* :mod:`~sharded_tables.remote.server`: ``EmbeddingServer`` / ``serve`` (``recserve embed-server``).
+* :mod:`~sharded_tables.remote.server`: ``EmbeddingServer`` / ``serve`` (``recserve serve embeddings``).
 * :mod:`~sharded_tables.remote.client`: ``RemoteTables``, the batched, de-duplicated client.
 * ``embedding.proto``: the wire schema (``make proto`` regenerates ``embedding_pb2*.py``).
 """

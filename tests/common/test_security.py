@@ -320,7 +320,7 @@ def test_serve_flags_reach_the_config(tmp_path, token_file, certs, monkeypatch):
     toml = tmp_path / "serve.toml"
     toml.write_text('[security]\ntoken_env = "SOME_VAR"\n')
     cert, key = certs["server"]
-    args = ["serve", "--model-repo", str(tmp_path), "--config", str(toml),
+    args = ["serve", "model", "--model-repo", str(tmp_path), "--config", str(toml),
             "--auth-token-file", str(token_file), "--no-auth-serving",
             "--tls-cert", str(cert), "--tls-key", str(key)]  # fmt: skip
     result = CliRunner().invoke(app, args)

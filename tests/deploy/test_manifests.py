@@ -31,8 +31,6 @@ ADAPTER = K8S / "prometheus-adapter-rules.yaml"
 WORKLOADS = ("Deployment", "StatefulSet")
 COMPONENTS = {"router", "shard", "embedding-server"}
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
-# The flag naming the port where each subcommand serves grpc.health.v1 (serve: serve.toml).
-HEALTH_PORT_FLAG = {"shard-server": "--grpc-port", "embed-server": "--port"}
 _UNITS = {"": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2.0**10, "Mi": 2.0**20}
 _UNITS |= {"Gi": 2.0**30, "Ti": 2.0**40}
 
@@ -112,9 +110,15 @@ def port_number(c: Doc, port: int | str) -> int:
 
 
 def flags(args: list[str]) -> dict[str, str]:
-    """``--flag value`` pairs after the subcommand (every flag we pass takes a value)."""
-    assert len(args) % 2 == 1 and all(a.startswith("--") for a in args[1::2]), args
-    return dict(zip(args[1::2], args[2::2], strict=True))
+    """``--flag value`` pairs after the command (``serve router``: every flag we pass takes a
+    value)."""
+    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[2::2]), args
+    return dict(zip(args[2::2], args[3::2], strict=True))
+
+
+def is_router(c: Doc) -> bool:
+    """``recserve serve router``: configured by serve.toml, not by flags."""
+    return c["args"][:2] == ["serve", "router"]
 
 
 def quantity(q: str | int) -> float:
@@ -125,9 +129,9 @@ def quantity(q: str | int) -> float:
 
 def health_port(c: Doc) -> int:
     """The port where the container's process serves grpc.health.v1."""
-    if c["args"][0] == "serve":
+    if is_router(c):
         return serve_toml()["grpc_port"]
-    return int(flags(c["args"])[HEALTH_PORT_FLAG[c["args"][0]]])
+    return int(flags(c["args"])["--grpc-port"])  # every server's gRPC port flag
 
 
 def mount_of(c: Doc, volume: Doc) -> Doc:
@@ -197,7 +201,7 @@ def test_probes_hit_ports_and_paths_the_servers_serve() -> None:
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c[kind]
             if "httpGet" in probe:
-                assert c["args"][0] == "serve", f"{c['name']}: only the router serves HTTP"
+                assert is_router(c), f"{c['name']}: only the router serves HTTP"
                 assert port_number(c, probe["httpGet"]["port"]) == serve_toml()["http_port"]
                 assert probe["httpGet"]["path"] in routes, probe
             else:
@@ -237,7 +241,7 @@ def test_every_server_reads_the_model_repo_volume_read_only() -> None:
         assert vol["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}
         mount = mount_of(c, vol)
         assert mount["readOnly"] is True
-        if c["args"][0] == "serve":
+        if is_router(c):
             repo, model = serve_toml()["model_repo"], serve_toml()["model"]
         else:
             repo, model = flags(c["args"])["--model-repo"], flags(c["args"])["--model"]
@@ -292,13 +296,14 @@ def test_container_args_parse_with_the_recserve_cli(name: str) -> None:
     for var in re.findall(r"\$\((\w+)\)", " ".join(c["args"])):
         assert var in env, f"{name}: $({var}) is not in env"
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in c["args"]]
-    if args[0] != "serve":
+    if not is_router(c):
         assert flags(args)["--host"] == "0.0.0.0"
-    cmd = cast(Any, typer.main.get_command(app)).commands.get(args[0])
-    assert cmd is not None, f"no subcommand `recserve {args[0]}`"
-    unknown = set(args[1::2]) - {o for p in cmd.params for o in p.opts}
-    assert not unknown, f"recserve {args[0]}: no {sorted(unknown)}"
-    cmd.make_context(args[0], args[1:])
+    group = cast(Any, typer.main.get_command(app)).commands.get(args[0])
+    cmd = group.commands.get(args[1]) if group is not None else None
+    assert cmd is not None, f"no command `recserve {' '.join(args[:2])}`"
+    unknown = set(args[2::2]) - {o for p in cmd.params for o in p.opts}
+    assert not unknown, f"recserve {' '.join(args[:2])}: no {sorted(unknown)}"
+    cmd.make_context(args[1], args[2:])
 
 
 # ---- scaling, disruption, resources --------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``recserve loadtest`` against a real ``recserve serve`` process (gRPC and HTTP), a target
+"""``recserve test load`` against a real ``recserve serve model`` process (gRPC and HTTP), a target
 that is down, and the request mix of ``loadtest/workload.py`` against the model it is read from."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def served(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     err = tmp_path_factory.mktemp("serve") / "serve.stderr"
     with open(err, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "--model-repo", str(model_repo),
+            [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(model_repo),
              "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"],
             stdout=subprocess.PIPE, stderr=f, text=True,
         )  # fmt: skip
@@ -69,7 +69,7 @@ def served(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def loadtest(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "recserve", "loadtest", *args],
+        [sys.executable, "-m", "recserve", "test", "load", *args],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 

@@ -17,13 +17,78 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_help_lists_the_jobs():
+def test_help_lists_the_jobs_and_groups():
     out = run("--help")
     assert out.returncode == 0
-    for job in ("demo", "fetch-movielens", "bench-ann"):
+    for job in ("demo", "train", "score", "serve", "cluster", "test", "bench", "data"):
         assert job in out.stdout
 
 
+    groups = {
+        "serve": ("model", "router", "shard", "embeddings"),
+        "cluster": ("up", "status", "restart", "down"),
+        "test": ("load", "soak"),
+        "data": ("movielens",),
+    }
+    for group, commands in groups.items():
+        out = run(group, "--help")
+        assert out.returncode == 0, out.stderr
+        for command in commands:
+            assert command in out.stdout, (group, command)
+
+
+def test_old_command_names_are_gone():
+    for old in ("shard-server", "embed-server", "loadtest", "soak", "bench-ann", "fetch-movielens"):
+        out = run(old, "--help")
+        assert out.returncode == 2 and "No such command" in out.stderr, old
+
+
+def test_help_loads_no_torch():
+    """`recserve --help` (and a group's) stays fast: commands import their work lazily."""
+    code = (
+        "import sys; from typer.testing import CliRunner; from recserve.cli import app; "
+        "r = CliRunner(); "
+        "assert all(r.invoke(app, a).exit_code == 0 for a in (['--help'], ['serve', 'router', "
+        "'--help'], ['test', 'load', '--help'])); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("args", "choices"),
+    [
+        (("demo", "--data", "nope"), "'movielens', 'synthetic'"),
+        (("score", "--model-repo", ".", "--users", "u", "--out", "o", "--engine", "spark"),
+         "'local', 'ray'"),
+        (("test", "load", "--target", "h:1", "--model-repo", ".", "--protocol", "ftp"),
+         "'grpc', 'http'"),
+    ],
+)  # fmt: skip
+def test_choices_are_refused_naming_them(args, choices):
+    from typer.testing import CliRunner
+
+    from recserve.cli import app
+
+    out = CliRunner().invoke(app, list(args))
+    text = " ".join(out.output.replace("│", " ").split())  # the error box wraps lines
+    assert out.exit_code == 2 and f"is not one of {choices}" in text, out.output
+
+
+def test_bench_runs_a_script_of_the_current_directory(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from recserve.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(app, ["bench", "ann"])
+    assert out.exit_code == 2 and "no bench/ann.py here" in out.output
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "echo.py").write_text("import sys; sys.exit(len(sys.argv) - 1)")
+    out = CliRunner().invoke(app, ["bench", "echo", "--a", "b", "c"])
+    assert out.exit_code == 3, out.output
 @pytest.mark.slow
 def test_demo_on_synthetic_data_trains_serves_and_saves(tmp_path: Path):
     out = run("demo", "--data", "synthetic", "--epochs", "2", "--quiet", "--out", str(tmp_path))
@@ -37,3 +102,40 @@ def test_demo_on_synthetic_data_trains_serves_and_saves(tmp_path: Path):
 def test_demo_rejects_unknown_data():
     out = run("demo", "--data", "nope", "--quiet")
     assert out.returncode != 0 and "synthetic" in (out.stdout + out.stderr)
+
+
+def test_server_flags_are_their_config_fields():
+    """Each flag of `serve model | router | shard` sets the config field of its name, with the
+    field's help and default: the CLI and the config cannot disagree."""
+    import click
+    import typer
+
+    from common.security import SecurityConfig
+    from recserve.cli import app
+    from recserve.options import field_default, field_help
+    from serving.app.config import ServeConfig
+    from serving.sharding.config import RouterConfig, ShardServerConfig
+
+    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    configs = {
+        "model": (ServeConfig, SecurityConfig),
+        "router": (RouterConfig, ServeConfig, SecurityConfig),
+        "shard": (ShardServerConfig, SecurityConfig),
+    }
+    free = {"config", "help", "shards", "embedding_servers"}  # a file, or text parsed to a list
+    for command, classes in configs.items():
+        for param in serve.commands[command].params:
+            if param.name in free or not isinstance(param, click.Option):
+                continue
+            cls = next((c for c in classes if param.name in c.model_fields), None)
+            assert cls is not None, f"serve {command} {param.opts}: no config field"
+            assert param.opts[0] == cls.flags[param.name].split("/")[0], (command, param.name)
+            assert param.help == field_help(cls, param.name), (command, param.name)
+            if command == "shard" and cls is ShardServerConfig:  # no file: the flag's default
+                expected = field_default(cls, param.name)
+                assert param.default == (None if expected is ... else expected), param.name
+            else:  # flags override serve.toml: unset unless given; help shows the default
+                assert param.default is None, (command, param.name)
+    up = typer.main.get_command(app).commands["cluster"].commands["up"]  # type: ignore[attr-defined]
+    deadline = next(p for p in up.params if p.name == "shard_deadline_ms")
+    assert deadline.default == RouterConfig().shard_deadline_ms

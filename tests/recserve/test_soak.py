@@ -19,7 +19,7 @@ def test_a_short_soak_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak"
     run = subprocess.run(
         [
-            sys.executable, "-m", "recserve", "soak", "--seconds", "12", "--qps", "25",
+            sys.executable, "-m", "recserve", "test", "soak", "--seconds", "12", "--qps", "25",
             "--items", "5000", "--max-p99-ms", "2000", "--out", str(out),
         ],
         capture_output=True, text=True, timeout=280,

@@ -87,7 +87,7 @@ def test_a_published_training_run_is_swapped_in_under_load(tmp_path):
     (tmp_path / "serve.toml").write_text("poll_s = 0.2\n")
     err = tmp_path / "serve.err"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "recserve", "serve", "--model-repo", str(tmp_path / "repo"),
+        [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(tmp_path / "repo"),
          "--grpc-port", "0", "--config", str(tmp_path / "serve.toml")],
         stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
     )  # fmt: skip

@@ -64,7 +64,7 @@ def test_parquet_round_trip(ds, tmp_path):
 
 
 def test_missing_files_say_how_to_fetch(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"make data.*fetch-movielens"):
+    with pytest.raises(FileNotFoundError, match=r"make data.*recserve data movielens"):
         load_movielens(tmp_path)
 
 

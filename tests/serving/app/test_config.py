@@ -101,8 +101,10 @@ def test_cli_refuses_a_bad_config_naming_the_field(repo_dir: Path, monkeypatch):
     from recserve.cli import app
 
     runner = CliRunner()
-    out = runner.invoke(app, ["serve", "--model-repo", str(repo_dir), "--grpc-port", "70000"])
+    out = runner.invoke(
+        app, ["serve", "model", "--model-repo", str(repo_dir), "--grpc-port", "70000"]
+    )
     assert out.exit_code == 2 and "grpc_port (--grpc-port): must be in [0, 65535]" in out.output
     monkeypatch.setitem(sys.modules, "serving.frontends.kserve_http", None)
-    out = runner.invoke(app, ["serve", "--model-repo", str(repo_dir), "--http-port", "0"])
+    out = runner.invoke(app, ["serve", "model", "--model-repo", str(repo_dir), "--http-port", "0"])
     assert out.exit_code == 2 and "serve: http_port:" in out.output

@@ -42,7 +42,7 @@ def start_group(tmp_path: Path, tiny, *extra: str) -> tuple[subprocess.Popen[str
     err = tmp_path / "serve.stderr"
     with open(err, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "--model-repo", str(tmp_path / "repo"),
+            [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(tmp_path / "repo"),
              "--model", "demo", "--processes", "2", "--grpc-port", "0", *extra],
             stdout=subprocess.PIPE, stderr=f, text=True,
         )  # fmt: skip

@@ -66,7 +66,7 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
     err = tmp_path / "serve.stderr"
     with open(err, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "--model-repo", str(tmp_path / "repo"),
+            [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(tmp_path / "repo"),
              "--model", "demo", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
              "--config", str(toml)],
             stdout=subprocess.PIPE, stderr=f, text=True,

@@ -31,7 +31,7 @@ def start_server(tmp_path: Path, toml: Path, run: int) -> tuple[subprocess.Popen
     err = tmp_path / f"serve{run}.stderr"
     with open(err, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "--model-repo", str(tmp_path / "repo"),
+            [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(tmp_path / "repo"),
              "--grpc-port", "0", "--config", str(toml)],
             stdout=subprocess.PIPE, stderr=f, text=True,
         )  # fmt: skip

@@ -20,7 +20,7 @@ STARTUP_S = 30.0
 
 @dataclass
 class ServerProc:
-    """One ``recserve embed-server`` process and the address it printed."""
+    """One ``recserve serve embeddings`` process and the address it printed."""
 
     proc: subprocess.Popen[str]
     address: str
@@ -46,7 +46,7 @@ def _first_line(proc: subprocess.Popen[str], stderr: Path, timeout: float) -> st
 
 
 def embed_server_cmd(shard: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "recserve", "embed-server", "--shard", str(shard), *args]
+    return [sys.executable, "-m", "recserve", "serve", "embeddings", "--folder", str(shard), *args]
 
 
 def stop(proc: subprocess.Popen[str]) -> None:
@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen[str]) -> None:
 
 
 class ServerLauncher:
-    """Starts ``recserve embed-server`` processes and stops every one of them in :meth:`close`."""
+    """Starts ``recserve serve embeddings`` processes and stops every one of them in :meth:`close`."""
 
     def __init__(self, logs: Path):
         self.logs = logs
@@ -77,7 +77,7 @@ class ServerLauncher:
             err = self.logs / f"server-{len(self.procs)}.stderr"
             with open(err, "w") as f:
                 proc = subprocess.Popen(
-                    embed_server_cmd(shard, "--port", str(port)),
+                    embed_server_cmd(shard, "--grpc-port", str(port)),
                     stdout=subprocess.PIPE,
                     stderr=f,
                     text=True,

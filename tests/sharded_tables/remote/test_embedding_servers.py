@@ -254,12 +254,32 @@ def test_cli_refuses_a_shard_over_the_memory_budget(tmp_path: Path):
     need = 1700 * 20 + 1000 * 16
     runner = CliRunner()
     out = runner.invoke(
-        app, ["embed-server", "--shard", str(folders[0]), "--port", "0", "--memory-budget", "1000"]
+        app,
+        [
+            "serve",
+            "embeddings",
+            "--folder",
+            str(folders[0]),
+            "--grpc-port",
+            "0",
+            "--memory-budget",
+            "1000",
+        ],
     )
     assert out.exit_code == 2
     assert f"{need - 1000} bytes over the memory budget of 1000 bytes" in out.output
     out = runner.invoke(
-        app, ["embed-server", "--shard", str(folders[0]), "--port", "0", "--memory-budget", "4XB"]
+        app,
+        [
+            "serve",
+            "embeddings",
+            "--folder",
+            str(folders[0]),
+            "--grpc-port",
+            "0",
+            "--memory-budget",
+            "4XB",
+        ],
     )
     assert out.exit_code == 2 and "--memory-budget: cannot read '4XB'" in out.output
 

@@ -1,6 +1,6 @@
 """The foundation model with its item table on 2 real embedding servers: same results as local.
 
-Also: the plan's shard folders feed ``recserve embed-server`` as written, a hashed table evicts
+Also: the plan's shard folders feed ``recserve serve embeddings`` as written, a hashed table evicts
 rows to the servers' keyed store and gets them back, and a dead server fails the request fast.
 """
 

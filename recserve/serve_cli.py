@@ -1,0 +1,265 @@
+"""``recserve serve model | router | shard | embeddings``: the server processes.
+
+The flags of ``model``, ``router`` and ``shard`` are generated from the fields of their configs
+(``ServeConfig``, ``RouterConfig``, ``ShardServerConfig``, ``SecurityConfig``: name, help,
+default), and every value goes through the config's validation, so an error names the field and
+its flag. Every server binds 127.0.0.1 unless ``--host`` says otherwise and serves gRPC on
+``--grpc-port``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from common.security import SecurityConfig
+from recserve.options import field_option
+from serving.app.config import ServeConfig
+from serving.sharding.config import RouterConfig, ShardServerConfig
+
+serve_app = typer.Typer(
+    no_args_is_help=True,
+    help="Server processes: a model, a router of document shards, a shard, embedding rows.",
+)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _security_flags(
+    base: SecurityConfig | None, auth_token_file: Path | None, auth_token_env: str | None,
+    auth_serving: bool | None, tls_cert: Path | None, tls_key: Path | None,
+    tls_client_ca: Path | None, upstream_ca: Path | None = None,
+) -> SecurityConfig:  # fmt: skip
+    """``base`` (serve.toml's, or all off) with the security flags applied."""
+    return SecurityConfig.from_flags(
+        base, token_file=auth_token_file, token_env=auth_token_env, auth_serving=auth_serving,
+        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, upstream_ca=upstream_ca,
+    )  # fmt: skip
+
+
+def _sec(name: str) -> Any:
+    """A security flag (every server command takes them), from ``SecurityConfig``'s field."""
+    return field_option(SecurityConfig, name, override=True)
+
+
+def _serve(flags: dict[str, Any], config: Path | None, router: dict[str, Any] | None) -> None:
+    """Builds the ServeConfig (file, then flags), and serves until SIGTERM."""
+    import logging
+
+    from common.config import ConfigError
+    from serving.app.main import serve
+    from serving.app.processes import GroupStartError
+    from serving.engine.host import NoLoadableVersionError
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    security = {k: flags.pop(k) for k in list(flags) if k in SecurityConfig.model_fields}
+    try:
+        cfg = ServeConfig.from_toml(config) if config is not None else ServeConfig()
+        cfg = cfg.with_overrides(**flags)
+        if router is None and cfg.router is not None:
+            raise ConfigError(f"router: {config} has a [router] table: run `recserve serve router`")
+        if router is not None:
+            routed = (cfg.router or RouterConfig()).updated(**router)
+            cfg = cfg.model_copy(update={"router": routed})
+        sec = SecurityConfig.from_flags(cfg.security, **security)
+        serve(cfg.model_copy(update={"security": sec}))
+    except (ConfigError, NoLoadableVersionError, OSError, GroupStartError) as e:
+        typer.echo(f"serve: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _opt(name: str) -> Any:
+    return field_option(ServeConfig, name, override=True)
+
+
+CONFIG_HELP = "serve.toml; flags override its values"
+
+
+@serve_app.command("model")
+def serve_model(
+    model_repo: Path = _opt("model_repo"),
+    model: str = _opt("model"),
+    config: Path = typer.Option(None, "--config", help=CONFIG_HELP),
+    host: str = _opt("host"),
+    grpc_port: int = _opt("grpc_port"),
+    http_port: int = _opt("http_port"),
+    metrics_port: int = _opt("metrics_port"),
+    poll_s: float = _opt("poll_s"),
+    torch_threads: int = _opt("torch_threads"),
+    processes: int = _opt("processes"),
+    state_dir: Path = _opt("state_dir"),
+    token_file: Path = _sec("token_file"),
+    token_env: str = _sec("token_env"),
+    auth_serving: bool = _sec("auth_serving"),
+    tls_cert: Path = _sec("tls_cert"),
+    tls_key: Path = _sec("tls_key"),
+    tls_client_ca: Path = _sec("tls_client_ca"),
+) -> None:
+    """Serve a model of a repository over gRPC (and HTTP) until SIGTERM; prints one line when
+    ready, hot-reloads new versions, drains on SIGTERM."""
+    flags = dict(locals())
+    _serve(flags, flags.pop("config"), router=None)
+
+
+def _route(name: str) -> Any:
+    return field_option(RouterConfig, name, override=True)
+
+
+@serve_app.command("router")
+def serve_router(
+    shards: str = typer.Option(
+        None,
+        "--shards",
+        help=f"{RouterConfig.model_fields['shards'].description} "
+        "Shards separated by ',', replicas by '|' (a:1|a:2,b:1); required unless the config's "
+        "[router] table has them",
+    ),
+    shard_deadline_ms: float = _route("shard_deadline_ms"),
+    hedge_after_ms: float = _route("hedge_after_ms"),
+    embedding_servers: str = typer.Option(
+        None,
+        "--embedding-servers",
+        help=f"{RouterConfig.model_fields['embedding_servers'].description} Comma-separated.",
+    ),
+    model_repo: Path = _opt("model_repo"),
+    model: str = _opt("model"),
+    config: Path = typer.Option(None, "--config", help=CONFIG_HELP),
+    host: str = _opt("host"),
+    grpc_port: int = _opt("grpc_port"),
+    http_port: int = _opt("http_port"),
+    metrics_port: int = _opt("metrics_port"),
+    poll_s: float = _opt("poll_s"),
+    torch_threads: int = _opt("torch_threads"),
+    processes: int = _opt("processes"),
+    token_file: Path = _sec("token_file"),
+    token_env: str = _sec("token_env"),
+    auth_serving: bool = _sec("auth_serving"),
+    tls_cert: Path = _sec("tls_cert"),
+    tls_key: Path = _sec("tls_key"),
+    tls_client_ca: Path = _sec("tls_client_ca"),
+    upstream_ca: Path = _sec("upstream_ca"),
+) -> None:
+    """Serve the router of a document-sharded version: the towers here, the index search on
+    the shard servers (``serve shard``), their answers merged exactly."""
+    from serving.sharding.config import parse_shards
+
+    flags = dict(locals())
+    router = {
+        "shards": parse_shards(shards) if shards is not None else None,
+        "shard_deadline_ms": flags.pop("shard_deadline_ms"),
+        "hedge_after_ms": flags.pop("hedge_after_ms"),
+        "embedding_servers": [a.strip() for a in embedding_servers.split(",") if a.strip()]
+        if embedding_servers is not None
+        else None,
+    }
+    del flags["shards"], flags["embedding_servers"]
+    _serve(flags, flags.pop("config"), router=router)
+
+
+def _shard(name: str) -> Any:
+    return field_option(ShardServerConfig, name)
+
+
+@serve_app.command("shard")
+def serve_shard_cmd(
+    model_repo: Path = _shard("model_repo"),
+    shard: int = _shard("shard"),
+    model: str = _shard("model"),
+    host: str = _shard("host"),
+    grpc_port: int = _shard("grpc_port"),
+    metrics_port: int = _shard("metrics_port"),
+    poll_s: float = _shard("poll_s"),
+    keep: int = _shard("keep"),
+    device: str = _shard("device"),
+    torch_threads: int = _shard("torch_threads"),
+    token_file: Path = _sec("token_file"),
+    token_env: str = _sec("token_env"),
+    auth_serving: bool = _sec("auth_serving"),
+    tls_cert: Path = _sec("tls_cert"),
+    tls_key: Path = _sec("tls_key"),
+    tls_client_ca: Path = _sec("tls_client_ca"),
+) -> None:
+    """Serve one document shard of a model's index until SIGTERM (prints its address)."""
+    import logging
+
+    from common.config import ConfigError
+
+    flags = dict(locals())
+    security = {k: flags.pop(k) for k in list(flags) if k in SecurityConfig.model_fields}
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        cfg = ShardServerConfig.from_dict(flags)
+        sec = SecurityConfig.from_flags(None, **security).load()
+        _run_shard(cfg, sec)
+    except (ConfigError, ValueError, OSError) as e:
+        typer.echo(f"serve shard: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _run_shard(cfg: ShardServerConfig, security: Any) -> None:
+    import torch
+
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+
+    from recserve.cli import only_model
+    from serving.repository.repository import ModelRepository
+    from serving.sharding.shard_server import ShardServer, serve_shard
+
+    server = ShardServer(
+        ModelRepository(cfg.model_repo), only_model(cfg.model_repo, cfg.model or None),
+        cfg.shard, host=cfg.host, port=cfg.grpc_port, metrics_port=cfg.metrics_port,
+        poll_s=cfg.poll_s, keep=cfg.keep, device=cfg.device, security=security,
+    )  # fmt: skip
+    serve_shard(server)
+
+
+@serve_app.command("embeddings")
+def serve_embeddings(
+    grpc_port: int = typer.Option(
+        ..., "--grpc-port", min=0, max=65535, help="gRPC port: Lookup, Put, health (0: any free)"
+    ),
+    folder: Path = typer.Option(
+        None, "--folder", help="rows folder of one embedding server (manifest.json + packed rows)"
+    ),
+    model_repo: Path = typer.Option(
+        None, help="instead of --folder: a model repository; serves the latest version's rows"
+    ),
+    model: str = typer.Option(None, help="with --model-repo: the model (default: the only one)"),
+    index: int = typer.Option(None, min=0, help="with --model-repo: which embedding server"),
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+    memory_budget: str = typer.Option(
+        "4GiB", help="refuse rows larger than this (512MiB, 4GiB, bytes)"
+    ),
+    tables: str = typer.Option("", help="comma-separated tables to serve (default: all)"),
+    token_file: Path = _sec("token_file"),
+    token_env: str = _sec("token_env"),
+    auth_serving: bool = _sec("auth_serving"),
+    tls_cert: Path = _sec("tls_cert"),
+    tls_key: Path = _sec("tls_key"),
+    tls_client_ca: Path = _sec("tls_client_ca"),
+) -> None:
+    """Serve one embedding server's rows (the remote tier) over gRPC until SIGTERM or SIGINT
+    (prints its address)."""
+    from recserve.cli import embedding_folder
+    from sharded_tables.remote.server import MemoryBudgetError, parse_size, serve
+
+    names = [t.strip() for t in tables.split(",") if t.strip()] or None
+    try:
+        if (folder is None) == (model_repo is None):
+            raise ValueError("give --folder DIR, or --model-repo DIR with --index N")
+        if model_repo is not None:
+            folder = embedding_folder(model_repo, model, index)
+        budget = parse_size(memory_budget, "--memory-budget")
+        security = _security_flags(
+            None, token_file, token_env, auth_serving, tls_cert, tls_key, tls_client_ca
+        ).load()
+        security.warn_if_exposed(host, "serve embeddings")
+        serve(
+            folder, port=grpc_port, host=host, memory_budget=budget, tables=names,
+            interceptors=security.interceptors(), credentials=security.grpc_credentials,
+        )  # fmt: skip
+    except (MemoryBudgetError, ValueError, OSError) as e:
+        typer.echo(f"serve embeddings: {e}", err=True)
+        raise typer.Exit(2) from None
