@@ -1,6 +1,6 @@
 """Training-step benchmark: our ``Trainer`` step against TorchRec ``EmbeddingBagCollection`` loops.
 
-Every loop trains the SAME model shape (``retrieval/model.py``: tables from ``_table_configs``,
+Every loop trains the SAME model shape (``retrieval/model.py``: tables from ``table_configs``,
 both towers) on the SAME batches of (user, item) pairs, in one process, with one thread count,
 starting from the SAME initial weights (one seeded model, deep-copied; its float table rows are
 loaded into every TorchRec table), with the same loss (in-batch sampled softmax with log-Q
@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import OtherLoad
 
 from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
-from retrieval.model import RetrievalModel, _table_configs
+from retrieval.model import RetrievalModel, table_configs
 from retrieval.tiering import float_tables
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
 from retrieval.training.prepare import Prepared, prepare
@@ -154,7 +154,7 @@ def make_ebc(model: RetrievalModel) -> nn.Module:
             feature_names=list(t.feature_names()),
             pooling=pooling[t.pooling],
         )
-        for t in _table_configs(model.config)
+        for t in table_configs(model.config)
     ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
     rows = float_tables(model)
@@ -402,7 +402,7 @@ def bench_dataset(name: str, args: argparse.Namespace) -> dict[str, Any]:
     rows = [
         summarize(loop, base, chunk_steps, len(timed[0]), args.warmup, args.quiet) for loop in loops
     ]
-    tables = {t.name: [t.num_embeddings, t.dim, t.pooling] for t in _table_configs(prep.config)}
+    tables = {t.name: [t.num_embeddings, t.dim, t.pooling] for t in table_configs(prep.config)}
     return {
         "dataset": ds.name,
         "users": ds.num_users,

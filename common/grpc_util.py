@@ -138,13 +138,30 @@ def open_channel(
     return grpc.intercept_channel(channel, _BearerToken(auth.token))
 
 
+def _exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # the shell's status for "ended by signal N"
+
+
+def exit_on_signals(*signals: signal.Signals) -> None:
+    """Until the caller installs other handlers, each of ``signals`` ends the process: the main
+    thread raises ``SystemExit(128 + signal)`` wherever it is, a kernel build or a wait for
+    another process's build lock included (``common/cpp_extension.py``). For start-up, when
+    there is nothing to drain yet: a handler that only sets an event would leave a starting
+    process deaf until it is ready, forever when it waits on a build that never ends."""
+    for sig in signals:
+        signal.signal(sig, _exit)
+
+
 def serve_until_signal(start: Callable[[], str], announce: Callable[[str], None] | None) -> None:
     """Runs ``start()`` (which returns the ready line), announces it, and blocks until SIGTERM
-    or SIGINT. The line goes to stdout by default: a parent process waits for it."""
+    or SIGINT. The line goes to stdout by default: a parent process waits for it. A signal
+    during ``start()`` ends the start-up at once (:func:`exit_on_signals`); once started, it
+    makes this function return (the caller drains)."""
     done = threading.Event()
+    exit_on_signals(signal.SIGTERM, signal.SIGINT)
+    line = start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    line = start()
     if announce is None:
         print(line, flush=True)
     else:

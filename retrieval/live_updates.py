@@ -41,10 +41,7 @@ from retrieval.filters import WORD_BITS, FilterSchema, pack_bits
 from retrieval.index import update as index_update
 from retrieval.index.ivf import IVFIndex
 from retrieval.model import RetrievalModel
-from sharded_tables import EmbeddingCollection
-from sharded_tables.quantize import pack_rows
-from sharded_tables.specs import Tier
-from sharded_tables.tiered import TieredEmbeddingCollection
+from sharded_tables.interface import RowUpdateRefusedError
 
 Attributes = Mapping[str, Sequence[str]]
 """One item's attributes: attribute -> its values (names from ``config.item_attributes``)."""
@@ -323,10 +320,7 @@ def _with_index(model: RetrievalModel, index: IVFIndex) -> RetrievalModel:
 # ---- embedding rows ---------------------------------------------------------------------------
 def table_shapes(model: RetrievalModel) -> dict[str, tuple[int, int]]:
     """``{table: (rows, E)}`` of every table of ``model.tables``."""
-    tables = model.tables
-    if isinstance(tables, EmbeddingCollection):
-        return {n: (c.num_embeddings, c.dim) for n, c in tables.configs.items()}
-    return {n: (s.rows, s.dim) for n, s in tables.specs.items()}
+    return model.tables.table_shapes()
 
 
 def _prepare_rows(model: RetrievalModel, batch: UpdateEmbeddings) -> Callable[[], None]:
@@ -340,17 +334,13 @@ def _prepare_rows(model: RetrievalModel, batch: UpdateEmbeddings) -> Callable[[]
     if bad.numel():
         i = int(bad[0])
         raise UpdateError("rows", f"{int(rows[i])} is not in [0, {n_rows})", i)
-    tables = model.tables
-    if isinstance(tables, EmbeddingCollection):
-        weight = tables.bags()[batch.table].weight
-        values = _check_values(batch.values, rows.numel(), weight.shape[1])
-
-        def write() -> None:
-            with torch.no_grad():
-                weight[rows.to(weight.device)] = values.to(weight.device, weight.dtype)
-
-        return write
-    return _prepare_tiered_rows(tables, batch.table, rows, batch.values)
+    values = _check_values(batch.values, rows.numel(), known[batch.table][1])
+    try:
+        return model.tables.row_writer(batch.table, rows, values)
+    except RowUpdateRefusedError as e:
+        raise UpdateError("table", str(e)) from None
+    except ValueError as e:  # the values do not fit the table's storage (dtype range)
+        raise UpdateError("values", str(e)) from None
 
 
 def _check_values(values: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -361,39 +351,3 @@ def _check_values(values: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     if bad.numel():
         raise UpdateError("values", "contains NaN or infinity", int(bad[0]))
     return values
-
-
-def _prepare_tiered_rows(
-    tables: TieredEmbeddingCollection, name: str, rows: torch.Tensor, values: torch.Tensor
-) -> Callable[[], None]:
-    """Re-packs rows in the table's dtype; the write puts them where the kernel reads them."""
-    spec, placement = tables.specs[name], tables.plan.placement(name)
-    if placement.tier is Tier.REMOTE:
-        raise UpdateError(
-            "table",
-            f"table {name!r} lives on the remote tier (embedding servers, with hot-row caches "
-            "here): its rows are not updated in place; publish a new version",
-        )
-    if spec.hashed:
-        raise UpdateError(
-            "table", f"table {name!r} is hashed (rows follow raw ids): not updated in place"
-        )
-    try:
-        packed = pack_rows(_check_values(values, rows.numel(), spec.dim), placement.dtype)
-    except ValueError as e:
-        if isinstance(e, UpdateError):
-            raise
-        raise UpdateError("values", f"{e} (table {name!r} is {placement.dtype.value})") from None
-    module = next(m for m in tables.tiers.values() if name in {t.name for t in m.tables})
-
-    def write() -> None:
-        try:
-            view = module.rows_view(name)
-        except NotImplementedError:  # fbgemm's CUDA storage: rewrite the whole table
-            whole = module.packed(name)
-            whole[rows] = packed
-            module.set_packed(name, whole)
-            return
-        view[rows.to(view.device)] = packed.to(view.device)
-
-    return write

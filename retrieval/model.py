@@ -22,13 +22,16 @@ from retrieval.index.build import build_ivf
 from retrieval.index.ivf import IVFIndex
 from retrieval.scoring import PairHead, score_candidates
 from retrieval.towers import Tower
-from sharded_tables import EmbeddingCollection, TableConfig
+from sharded_tables.collection import EmbeddingCollection, TableConfig
+from sharded_tables.interface import TableCollection
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.specs import DType, TableSpec
 from sharded_tables.tiered import RemoteFetcher, TieredEmbeddingCollection
 
 
-def _table_configs(cfg: ModelConfig) -> list[TableConfig]:
+def table_configs(cfg: ModelConfig) -> list[TableConfig]:
+    """The model's tables: items (read by the history and the item ids), one per user feature,
+    one per item attribute."""
     e = cfg.embedding_dim
     tables = [TableConfig("item", cfg.num_items, e, features=("history", "item_id"))]
     tables += [TableConfig(f"user_{n}", size, e) for n, size in cfg.user_features.items()]
@@ -54,16 +57,16 @@ def table_specs(
             allowed_dtypes=allowed,
             features=t.feature_names(),
         )
-        for t in _table_configs(cfg)
+        for t in table_configs(cfg)
     ]
 
 
 def _make_tables(
     cfg: ModelConfig, remote: RemoteFetcher | None, device: torch.device | str
-) -> EmbeddingCollection | TieredEmbeddingCollection:
+) -> TableCollection:
     """Plain float tables, or the tiered ones the config's plan places."""
     if cfg.table_plan is None:
-        return EmbeddingCollection(_table_configs(cfg))
+        return EmbeddingCollection(table_configs(cfg))
     plan = PlacementPlan.from_dict(cfg.table_plan)
     specs = [
         TableSpec(
@@ -99,7 +102,9 @@ class RetrievalModel(nn.Module):
         config.validate()
         self.config = config
         self.user_feature_names = list(config.user_features)
-        self.tables = _make_tables(config, remote, table_device)
+        self.tables: TableCollection = _make_tables(config, remote, table_device)
+        """Swappable (training puts its fused-optimizer tables here): callers use the
+        :class:`~sharded_tables.interface.TableCollection` methods only."""
         e = config.embedding_dim
         user_in = e * (1 + len(config.user_features)) + config.dense_dim
         item_in = e * (1 + len(config.item_attributes))

@@ -15,17 +15,15 @@ import copy
 import torch
 
 from retrieval.model import RetrievalModel, table_specs
-from sharded_tables import EmbeddingCollection
 from sharded_tables.planner import Budgets, PlacementPlan, plan
 from sharded_tables.specs import DType
-from sharded_tables.tiered import RemoteFetcher, TieredEmbeddingCollection
+from sharded_tables.tiered import RemoteFetcher
 
 
 def float_tables(model: RetrievalModel) -> dict[str, torch.Tensor]:
-    """``{table: float rows [rows, D]}`` of a model with plain tables."""
-    if not isinstance(model.tables, EmbeddingCollection):
-        raise ValueError("the model's tables are already tiered")
-    return {name: bag.weight.detach() for name, bag in model.tables.bags().items()}
+    """``{table: float rows [rows, D]}`` of a model with plain tables (``ValueError`` when
+    they are already tiered)."""
+    return model.tables.float_weights()
 
 
 def tier_model(
@@ -52,6 +50,5 @@ def tier_model(
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(("tables.", "index."))}
     tiered.load_state_dict(own, strict=False)
     tiered.index = copy.deepcopy(model.index)
-    assert isinstance(tiered.tables, TieredEmbeddingCollection)
     remote_rows = tiered.tables.load_float(float_tables(model))
     return tiered.eval(), remote_rows

@@ -13,12 +13,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from sharded_tables.interface import TableHooks
 from sharded_tables.pooled_lookup import pooled_lookup
 
 
@@ -66,8 +67,9 @@ def check_id_features(
             )
 
 
-class EmbeddingCollection(nn.Module):
-    """Pooled lookups for many features: ``{feature: ids [B, L]} -> {feature: [B, D]}``."""
+class EmbeddingCollection(TableHooks, nn.Module):
+    """Pooled lookups for many features: ``{feature: ids [B, L]} -> {feature: [B, D]}``
+    (a :class:`~sharded_tables.interface.TableCollection`)."""
 
     def __init__(self, tables: list[TableConfig], init_std: float = 0.05):
         super().__init__()
@@ -94,6 +96,43 @@ class EmbeddingCollection(nn.Module):
     def table_rows(self) -> dict[str, int | None]:
         """Rows of each table (ids must be in ``[0, rows)``)."""
         return {name: cfg.num_embeddings for name, cfg in self.configs.items()}
+
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{table: (rows, D)}``."""
+        return {name: (cfg.num_embeddings, cfg.dim) for name, cfg in self.configs.items()}
+
+    def float_weights(self) -> dict[str, torch.Tensor]:
+        """``{table: rows [rows, D]}``: the live weights, detached (writing writes the table)."""
+        return {name: bag.weight.detach() for name, bag in self.bags().items()}
+
+    @torch.no_grad()
+    def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies float rows ``{table: [rows, D]}`` into the named tables (others unchanged);
+        -> ``{}`` (no table lives on embedding servers)."""
+        bags = self.bags()
+        for name, w in weights.items():
+            if name not in bags:
+                raise ValueError(f"unknown table {name!r} (known: {sorted(bags)})")
+            if tuple(w.shape) != tuple(bags[name].weight.shape):
+                raise ValueError(
+                    f"table {name!r}: expected rows {list(bags[name].weight.shape)}, "
+                    f"got {list(w.shape)}"
+                )
+        for name, w in weights.items():
+            bags[name].weight.copy_(w)
+        return {}
+
+    def row_writer(
+        self, table: str, rows: torch.Tensor, values: torch.Tensor
+    ) -> Callable[[], None]:
+        """The write of ``values [n, D]`` into ``rows [n]`` of ``table`` (checked by the caller)."""
+        weight = self.bags()[table].weight
+
+        def write() -> None:
+            with torch.no_grad():
+                weight[rows.to(weight.device)] = values.to(weight.device, weight.dtype)
+
+        return write
 
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check (:func:`check_id_features`); raises ``ValueError``."""

@@ -17,8 +17,7 @@ the embedding servers' shard folders (:meth:`export_remote`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +27,7 @@ from torch.nn import functional as F
 from sharded_tables.cache import HotRowCache
 from sharded_tables.collection import check_id_features
 from sharded_tables.dynamic_table import TransformedTable
+from sharded_tables.interface import RemoteStats, RowUpdateRefusedError
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.specs import DType, TableSpec, Tier
@@ -45,19 +45,9 @@ class RemoteFetcher(Protocol):
         ...
 
 
-@dataclass
-class RemoteStats:
-    """Counters of lookups that leave the local tiers: ids read (remote and hashed tables),
-    distinct ids of hashed tables, rows fetched from the servers. Cache hits and misses are
-    the caches' own (:meth:`TieredEmbeddingCollection.cache_stats`)."""
-
-    ids: int = 0
-    unique: int = 0
-    fetched: int = 0
-
-
 class TieredEmbeddingCollection(nn.Module):
-    """Pooled lookups over tables placed by a plan: ``{feature: [B, L]} -> {feature: [B, D]}``."""
+    """Pooled lookups over tables placed by a plan: ``{feature: [B, L]} -> {feature: [B, D]}``
+    (a :class:`~sharded_tables.interface.TableCollection`)."""
 
     def __init__(
         self,
@@ -217,6 +207,44 @@ class TieredEmbeddingCollection(nn.Module):
         s = self.specs[name]
         return unpack_rows(self._local_module(name).packed(name), p.dtype, s.dim)
 
+    def float_weights(self) -> dict[str, torch.Tensor]:
+        """Refused: the float rows were quantized (:meth:`local_float` dequantizes one local
+        table) or live on embedding servers."""
+        raise ValueError("the model's tables are already tiered (quantized rows, by a plan)")
+
+    def row_writer(
+        self, table: str, rows: torch.Tensor, values: torch.Tensor
+    ) -> Callable[[], None]:
+        """Re-packs ``values [n, D]`` in the table's dtype; the write puts them into ``rows [n]``
+        where the kernel reads them. Remote and hashed tables are refused."""
+        spec, placement = self.specs[table], self.plan.placement(table)
+        if placement.tier is Tier.REMOTE:
+            raise RowUpdateRefusedError(
+                f"table {table!r} lives on the remote tier (embedding servers, with hot-row "
+                "caches here): its rows are not updated in place; publish a new version"
+            )
+        if spec.hashed:
+            raise RowUpdateRefusedError(
+                f"table {table!r} is hashed (rows follow raw ids): not updated in place"
+            )
+        try:
+            packed = pack_rows(values, placement.dtype)
+        except ValueError as e:
+            raise ValueError(f"{e} (table {table!r} is {placement.dtype.value})") from None
+        module = self._local_module(table)
+
+        def write() -> None:
+            try:
+                view = module.rows_view(table)
+            except NotImplementedError:  # fbgemm's CUDA storage: rewrite the whole table
+                whole = module.packed(table)
+                whole[rows] = packed
+                module.set_packed(table, whole)
+                return
+            view[rows.to(view.device)] = packed.to(view.device)
+
+        return write
+
     def get_extra_state(self) -> dict[str, Any]:
         packed = {}
         for s, p in self._placed():
@@ -245,6 +273,10 @@ class TieredEmbeddingCollection(nn.Module):
     def table_rows(self) -> dict[str, int | None]:
         """Rows of each table; None for a hashed table (it takes any raw id)."""
         return {n: (None if s.hashed else s.rows) for n, s in self.specs.items()}
+
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{table: (rows, D)}`` (a hashed table's rows: its local working rows)."""
+        return {n: (s.rows, s.dim) for n, s in self.specs.items()}
 
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check (:func:`check_id_features`; hashed tables take any raw id)."""
@@ -415,4 +447,9 @@ class TieredEmbeddingCollection(nn.Module):
         return out
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
+        """``{table: counters}`` of each remote table's hot-row cache."""
         return {t: c.stats() for t, c in self.caches.items()}
+
+    def remote_stats(self) -> RemoteStats:
+        """The counters of lookups that left the local tiers (the live object)."""
+        return self.stats

@@ -44,13 +44,14 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from sharded_tables.collection import TableConfig, check_id_features
+from sharded_tables.interface import TableHooks
 
 OPTIMIZERS: dict[str, str] = {
     "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
@@ -66,8 +67,9 @@ _STATE_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-class TrainableTables(nn.Module):
-    """Pooled lookups with fused row-sparse training: ``{feature: [B, L]} -> {feature: [B, D]}``.
+class TrainableTables(TableHooks, nn.Module):
+    """Pooled lookups with fused row-sparse training: ``{feature: [B, L]} -> {feature: [B, D]}``
+    (a :class:`~sharded_tables.interface.TableCollection`).
 
     Args:
         tables: the tables (``dim`` a multiple of 4, a kernel requirement).
@@ -175,6 +177,28 @@ class TrainableTables(nn.Module):
         for name, w in weights.items():
             live[name].copy_(w)
 
+    def float_weights(self) -> dict[str, torch.Tensor]:
+        """``{table: rows [rows, D]}``: :meth:`weights` (live views)."""
+        return self.weights()
+
+    def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """:meth:`load_weights`; -> ``{}`` (no table lives on embedding servers)."""
+        self.load_weights(weights)
+        return {}
+
+    def row_writer(
+        self, table: str, rows: torch.Tensor, values: torch.Tensor
+    ) -> Callable[[], None]:
+        """The write of ``values [n, D]`` into ``rows [n]`` of ``table`` (checked by the caller);
+        the rows' optimizer state is left as is."""
+        weight = self.weights()[table]
+
+        def write() -> None:
+            with torch.no_grad():
+                weight[rows.to(weight.device)] = values.to(weight.device, weight.dtype)
+
+        return write
+
     @property
     def learning_rate(self) -> float:
         return float(self._tbe.get_learning_rate())
@@ -222,6 +246,10 @@ class TrainableTables(nn.Module):
     def table_rows(self) -> dict[str, int | None]:
         """Rows of each table (ids must be in ``[0, rows)``)."""
         return {name: cfg.num_embeddings for name, cfg in self.configs.items()}
+
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{table: (rows, D)}``."""
+        return {name: (cfg.num_embeddings, cfg.dim) for name, cfg in self.configs.items()}
 
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         """Edge check: known features, ``[B, L]`` int64 with one B, ids in range

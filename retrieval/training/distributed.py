@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sharded_tables.collection import TableConfig
+from sharded_tables.interface import TableHooks
 from sharded_tables.trainable import TrainableTables
 
 
@@ -100,8 +101,9 @@ class _Exchange(torch.autograd.Function):
         return grad_owned, None, None, None
 
 
-class ShardedTrainableTables(nn.Module):
-    """The call shape of :class:`TrainableTables` over tables owned by different ranks."""
+class ShardedTrainableTables(TableHooks, nn.Module):
+    """The call shape of :class:`TrainableTables` over tables owned by different ranks (a
+    :class:`~sharded_tables.interface.TableCollection`; rows are not written in place)."""
 
     def __init__(
         self,
@@ -124,6 +126,22 @@ class ShardedTrainableTables(nn.Module):
         )
         if self.local is not None:
             self.local.load_weights({t.name: weights[t.name] for t in mine})
+
+    def table_rows(self) -> dict[str, int | None]:
+        return {name: cfg.num_embeddings for name, cfg in self.configs.items()}
+
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        return {name: (cfg.num_embeddings, cfg.dim) for name, cfg in self.configs.items()}
+
+    def float_weights(self) -> dict[str, torch.Tensor]:
+        """:meth:`all_weights`: a collective, every rank must call it."""
+        return self.all_weights()
+
+    def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies the rows of this rank's tables from ``weights`` (others are ignored); -> ``{}``."""
+        if self.local is not None:
+            self.local.load_weights({n: w for n, w in weights.items() if n in self.local.configs})
+        return {}
 
     def validate(self, features: Mapping[str, torch.Tensor]) -> None:
         for f in features:

@@ -34,18 +34,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from retrieval.features import UserBatch
-from retrieval.model import RetrievalModel
+from retrieval.model import RetrievalModel, table_configs
 from retrieval.training.distributed import (
     DistContext,
     ShardedTrainableTables,
     average_gradients,
 )
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
-from sharded_tables import EmbeddingCollection
+from sharded_tables.interface import TableCollection
 from sharded_tables.trainable import OPTIMIZERS, TrainableTables
 
 log = logging.getLogger(__name__)
@@ -187,7 +186,8 @@ class Trainer:
         if self.dist is not None:
             _check_distributed(cfg, self.dist.world)
         self.model, self.data, self.cfg, self.evaluate = model, data, cfg, evaluate
-        self.float_tables: EmbeddingCollection | None = None
+        self.float_tables: TableCollection | None = None
+        """The model's own tables while fused-optimizer ones train in their place."""
         if cfg.table_optimizer != "adam":
             self._swap_in_trainable()
         self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -200,10 +200,9 @@ class Trainer:
     # ---- tables ---------------------------------------------------------------------------
     def _swap_in_trainable(self) -> None:
         tables = self.model.tables
-        assert isinstance(tables, EmbeddingCollection)
-        configs = [tables.configs[name] for name in tables.bags()]
-        rows = {n: b.weight.detach() for n, b in tables.bags().items()}
-        trainable: nn.Module
+        configs = table_configs(self.model.config)
+        rows = tables.float_weights()
+        trainable: TableCollection
         if self.dist is not None:
             trainable = ShardedTrainableTables(
                 configs, self.dist, self.cfg.table_optimizer, self.cfg.table_lr, rows
@@ -212,23 +211,17 @@ class Trainer:
             trainable = TrainableTables(
                 configs, optimizer=self.cfg.table_optimizer, learning_rate=self.cfg.table_lr
             )
-            trainable.load_weights(rows)
+            trainable.load_float(rows)
         self.float_tables = tables
-        self.model.tables = trainable  # type: ignore[assignment]
+        self.model.tables = trainable
 
     def _swap_back(self) -> None:
         """The float tables take the trained rows and return to the model (export format)."""
         tables = self.model.tables
         if self.float_tables is None or tables is self.float_tables:
             return
-        if isinstance(tables, ShardedTrainableTables):
-            trained = tables.all_weights()  # every rank gets every table's rows
-        else:
-            assert isinstance(tables, TrainableTables)
-            trained = tables.weights()
-        with torch.no_grad():
-            for name, rows in trained.items():
-                self.float_tables.bags()[name].weight.copy_(rows)
+        # sharded over ranks: a collective, every rank gets every table's rows
+        self.float_tables.load_float(tables.float_weights())
         self.model.tables = self.float_tables
 
     # ---- one step -------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.grpc_util import bind_tcp, format_address, serve_until_signal
+from common.grpc_util import bind_tcp, exit_on_signals, format_address, serve_until_signal
 from serving.app.announce import Addresses, announce_line
 from serving.app.config import ServeConfig
 from serving.app.server import Server
@@ -318,7 +318,7 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
         format=f"%(asctime)s %(levelname)s [process {index}] %(name)s: %(message)s",
     )
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    exit_on_signals(signal.SIGTERM)  # while starting (a kernel build: a minute) nothing to drain
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the parent decides
 
     try:
@@ -327,6 +327,7 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(2)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # serving: SIGTERM drains
     conn.send(
         (
             "ready",
