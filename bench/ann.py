@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -46,6 +45,8 @@ from ann_report import UNFILTERED, Point, render
 from ann_sweep import Case, sweep
 from timing import set_threads, stopwatch
 from tqdm import tqdm
+
+from common.atomic import atomic_write_json
 
 NPROBES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 UNFILTERED_TARGETS = [0.95, 0.98]
@@ -295,9 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         "markdown": report,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(args.out)
+    atomic_write_json(args.out, out, indent=1)
     print(f"\nwrote {len(points)} points to {args.out} in {wall():.0f} s", file=sys.stderr)
 
 

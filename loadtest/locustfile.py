@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import itertools
-import os
 import random
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from locust.env import Environment
 from locust.exception import LocustError
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
 
+from common.atomic import atomic_writer
 from loadtest.shape import read_model_shape
 from loadtest.workload import OWN_CONNECTION, RequestMix, kserve_body, recommend_request
 from serving.protos.recommend_pb2 import RecommendResponse
@@ -102,11 +102,10 @@ def final_csv(environment: Environment, **_kwargs: Any) -> None:
         ("exceptions", stats_csv.exceptions_csv),
     ):
         path = Path(f"{opts.csv_prefix}_{suffix}.csv")
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
+        # atomic: locust's writer keeps its handle on the old file, so its next write cannot
+        # mix with ours
+        with atomic_writer(path, "w", newline="") as f:
             write(csv.writer(f))
-        # locust's writer keeps its handle on the old file: its next write cannot mix with ours
-        os.replace(tmp, path)
 
 
 def mix() -> RequestMix:

@@ -35,6 +35,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.atomic import atomic_write_json
 from common.grpc_util import ClientAuth, open_channel
 from retrieval.artifact import ShardMap
 from serving.repository.repository import ARTIFACT_DIR, EMBEDDINGS_DIR, ModelRepository
@@ -123,9 +124,7 @@ class Cluster:
 
     def save(self, directory: Path) -> Path:
         path = directory / CLUSTER_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
+        atomic_write_json(path, asdict(self))
         return path
 
     @classmethod

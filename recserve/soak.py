@@ -27,7 +27,6 @@ Checks (each one a line of the report; any that fails makes the exit status 1):
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.atomic import atomic_write_json
 from loadtest.shape import read_model_shape
 from loadtest.workload import RequestMix, recommend_request
 from recserve import cluster as local_cluster
@@ -244,7 +244,7 @@ def run(spec: SoakSpec, say: Any = print) -> dict[str, Any]:
         local_cluster.down(cluster_dir)
     report = summarize(spec, calls, events, sent_s, successes, t0)
     report["work_dir"] = str(work)
-    (spec.out / "soak.json").write_text(json.dumps(report, indent=2))
+    atomic_write_json(spec.out / "soak.json", report)
     return report
 
 

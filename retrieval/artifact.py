@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pickle
 import re
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from common.atomic import atomic_writer
 from retrieval.config import ModelConfig
 from retrieval.index.ivf import IVFConfig, IVFIndex
 from retrieval.index.split import shard_of, split_index
@@ -41,11 +41,9 @@ class UnsafeArtifactError(ValueError):
 
 
 def save_model(model: RetrievalModel, directory: Path) -> Path:
-    """Writes the model folder (files are written then renamed, so a crash leaves no half file)."""
+    """Writes the model folder (the weights atomically, so a crash leaves no half file)."""
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / (WEIGHTS_FILE + ".tmp")
-    save_tensors(model.state_dict(), tmp)
-    os.replace(tmp, directory / WEIGHTS_FILE)
+    save_tensors(model.state_dict(), directory / WEIGHTS_FILE)
     model.config.save(directory / CONFIG_FILE)
     return directory
 
@@ -66,10 +64,11 @@ def load_model(
 
 
 def save_tensors(state: dict[str, Any], path: Path) -> None:
-    """``torch.save`` through a Python file: a failed write (disk full, read-only) raises the
-    ``OSError`` naming ``path``, where torch's own file writer raises a bare RuntimeError."""
+    """``torch.save`` to ``path`` atomically and durably (``common.atomic``), through a Python
+    file: a failed write (disk full, read-only) raises the ``OSError`` naming ``path``, where
+    torch's own file writer raises a bare RuntimeError."""
     try:
-        with open(path, "wb") as fh:
+        with atomic_writer(path) as fh:
             torch.save(state, fh)
     except RuntimeError as e:
         cause = e.__context__  # torch's zip writer fails again in its __exit__, over the OSError
@@ -190,9 +189,7 @@ def save_shard(index: IVFIndex, directory: Path) -> None:
         "dim": index.dim,
         "attribute_values": index.schema.to_dict(),
     }
-    tmp = directory / (SHARD_INDEX_FILE + ".tmp")
-    save_tensors(index.state_dict(), tmp)
-    os.replace(tmp, directory / SHARD_INDEX_FILE)
+    save_tensors(index.state_dict(), directory / SHARD_INDEX_FILE)
     (directory / SHARD_META_FILE).write_text(json.dumps(meta, indent=2))
 
 

@@ -15,7 +15,7 @@ column         type                meaning
 Output: a folder of ``part-NNNNN.parquet`` files (``user_id, item_ids list<int64>,
 scores list<float>, model_version``) and ``_manifest.json``, which lists the parts that are
 complete. Input chunks of ``chunk_rows`` users are scored by worker processes (each loads the
-model once) and each part is written to a temporary name and renamed, then recorded; a killed
+model once) and each part is written atomically (``common.atomic``), then recorded; a killed
 run started again skips the recorded chunks and redoes the rest, so no user is missing or
 written twice. Example::
 
@@ -45,6 +45,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+
+from common.atomic import atomic_write_json, atomic_writer, temp_target
 
 MANIFEST = "_manifest.json"
 COLUMNS: dict[str, Callable[[pa.DataType], bool]] = {
@@ -227,6 +229,7 @@ def check_output(job: ScoreJob) -> dict[str, Any]:
             p.unlink()
         manifest_path.unlink(missing_ok=True)
     job.out.mkdir(parents=True, exist_ok=True)
+    _remove_unfinished_parts(job.out)
     signature = _signature(job)
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
@@ -252,10 +255,17 @@ def _signature(job: ScoreJob) -> dict[str, Any]:
     }
 
 
+def _remove_unfinished_parts(out: Path) -> None:
+    """Removes the temp files of parts whose writer was killed (no run writes here now: a run
+    calls this before it starts its workers)."""
+    for p in out.iterdir():
+        target = temp_target(p.name)
+        if target is not None and (target.startswith("part-") or target == MANIFEST):
+            p.unlink(missing_ok=True)
+
+
 def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST)
+    atomic_write_json(out / MANIFEST, manifest, indent=1)
 
 
 # ---- the work ----------------------------------------------------------------------------------
@@ -332,12 +342,11 @@ def _filters(table: pa.Table, common: str | None) -> list[str | None]:
 
 
 def _score_chunk(index: int, table: pa.Table, job: ScoreJob) -> tuple[int, str, int]:
-    """Worker: scores one chunk and writes its part (temp name + rename)."""
+    """Worker: scores one chunk and writes its part (atomically)."""
     out = score_table(_MODEL, table, job)
     name = f"part-{index:05d}.parquet"
-    tmp = job.out / (name + ".tmp")
-    pq.write_table(out, tmp)
-    os.replace(tmp, job.out / name)
+    with atomic_writer(job.out / name) as fh:
+        pq.write_table(out, fh)
     return index, name, out.num_rows
 
 

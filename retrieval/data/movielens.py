@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
+from common.atomic import atomic_write_bytes
 from retrieval.data.schema import Interactions, RecDataset
 
 WHEEL = "recbole==1.2.1"
@@ -60,9 +61,7 @@ def fetch_movielens(out_dir: Path) -> Path:
                     data = wheel.read(MEMBER_DIR + name)
                 except KeyError:
                     raise RuntimeError(f"{wheels[0].name} has no {MEMBER_DIR + name}") from None
-                part = out_dir / (name + ".part")
-                part.write_bytes(data)
-                part.replace(out_dir / name)  # never leaves a half-written file behind
+                atomic_write_bytes(out_dir / name, data)  # never leaves a half-written file
     return out_dir
 
 

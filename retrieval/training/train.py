@@ -25,7 +25,6 @@ them as plain ``nn.EmbeddingBag`` parameters in the dense optimizer.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.atomic import atomic_writer
 from retrieval.features import UserBatch
 from retrieval.model import RetrievalModel, table_configs
 from retrieval.training.distributed import (
@@ -362,14 +362,14 @@ class Trainer:
         }
 
     def checkpoint(self) -> Path | None:
-        """Writes ``checkpoint_dir/checkpoint.pt`` (temp file + rename: a crash keeps the old)."""
+        """Writes ``checkpoint_dir/checkpoint.pt`` atomically (``common.atomic``: a crash keeps
+        the old one)."""
         if self.cfg.checkpoint_dir is None:
             return None
         self.cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         path = self.cfg.checkpoint_dir / CHECKPOINT_FILE
-        tmp = path.with_suffix(".tmp")
-        torch.save(self.state(), tmp)
-        os.replace(tmp, path)
+        with atomic_writer(path) as fh:
+            torch.save(self.state(), fh)
         return path
 
     def resume(self, path: Path) -> None:

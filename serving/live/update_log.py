@@ -26,6 +26,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.atomic import fsync_dir
+
 log = logging.getLogger(__name__)
 
 LOG_FILE = "updates.log"
@@ -110,14 +112,6 @@ def read_log(path: Path) -> LogContents:
     return parse_log(data, str(path))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _make_dirs(path: Path) -> None:
     """``mkdir -p`` that fsyncs the parent of every folder it creates."""
     missing = []
@@ -127,7 +121,7 @@ def _make_dirs(path: Path) -> None:
         p = p.parent
     for d in reversed(missing):
         d.mkdir(exist_ok=True)
-        _fsync_dir(d.parent)
+        fsync_dir(d.parent)
 
 
 class UpdateLog:
@@ -149,7 +143,7 @@ class UpdateLog:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if created:
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
             contents = parse_log(os.pread(fd, os.fstat(fd).st_size, 0), str(path))
             if contents.torn:
                 log.warning(

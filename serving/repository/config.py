@@ -21,8 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from common.atomic import atomic_write_text
 from retrieval.config import ModelConfig as RetrievalConfig
 
 CONFIG_FILE = "config.pbtxt"
@@ -112,17 +111,9 @@ def parse_config(text: str, source: str = CONFIG_FILE) -> TritonConfig:
 
 
 def write_config(path: Path, cfg: TritonConfig) -> Path:
-    """Writes ``path`` atomically (temp file in the same folder, fsync, rename, fsync folder)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(format_config(cfg))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    """Writes ``path`` atomically and durably (temp file ``.config.pbtxt.<uuid>.tmp`` beside it,
+    see :mod:`common.atomic`)."""
+    atomic_write_text(path, format_config(cfg))
     return path
 
 
@@ -135,12 +126,3 @@ def read_config(path: Path) -> TritonConfig:
     except UnicodeDecodeError as e:  # a ValueError that would not name the file
         raise ValueError(f"{path}: not UTF-8 text: {e}") from None
     return parse_config(text, str(path))
-
-
-def fsync_dir(path: Path) -> None:
-    """Makes a folder's entries (creations, renames) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import common
+from common.atomic import write_synced
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1
@@ -131,10 +132,9 @@ def write_manifest(
     ]
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     m = Manifest(model, version, entries, created=created, extra=dict(extra or {}))
-    with open(directory / MANIFEST_FILE, "w", encoding="utf-8") as fh:
-        fh.write(m.to_json())
-        fh.flush()
-        os.fsync(fh.fileno())
+    # in place, not atomic: the manifest is the last file of a staging folder that is published
+    # whole by one rename (and a version without it is not complete)
+    write_synced(directory / MANIFEST_FILE, m.to_json().encode("utf-8"))
     return m
 
 

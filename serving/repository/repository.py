@@ -42,13 +42,13 @@ from typing import Any
 
 import torch
 
+from common.atomic import fsync_dir, fsync_tree, temp_target
 from retrieval.artifact import ShardMap, load_model, load_shard, save_model, save_sharded
 from retrieval.index.ivf import IVFIndex
 from retrieval.model import RetrievalModel, table_specs
 from serving.repository.config import (
     CONFIG_FILE,
     TritonConfig,
-    fsync_dir,
     make_config,
     read_config,
     write_config,
@@ -73,8 +73,6 @@ TRASH_PREFIX = ".deleted-"
 STALE_STAGING_S = 3600.0
 """A staging folder older than this is a crashed publish; the next publish removes it (one
 staged by a process of this host that no longer runs is removed at once)."""
-CONFIG_TMP_PREFIX = f".{CONFIG_FILE}."
-"""``write_config``'s temp files (``.config.pbtxt.<uuid>.tmp``)."""
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _VERSION = re.compile(r"[1-9][0-9]*")
@@ -270,7 +268,7 @@ class ModelRepository:
                         _write_embeddings(model, remote_rows, stage / EMBEDDINGS_DIR)
                     shutil.copyfile(BACKEND_SOURCE, stage / BACKEND_FILE)
                     write_manifest(stage, model=name, version=version)
-                    _fsync_tree(stage)
+                    fsync_tree(stage)
                     # config before the version: a version never shows without its config, and a
                     # failed config write (disk full) leaves nothing published
                     write_config(mdir / CONFIG_FILE, cfg)
@@ -337,18 +335,6 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def _fsync_tree(directory: Path) -> None:
-    """fsyncs every file and folder under ``directory`` (children before parents)."""
-    for root, _dirs, files in os.walk(directory, topdown=False):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(root))
-
-
 def _stage_name() -> str:
     """Names its publisher, so that the next publish can tell when that one is gone."""
     return f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
@@ -377,7 +363,7 @@ def _remove_leftovers(mdir: Path) -> None:
             p.name.startswith(STAGING_PREFIX) and _abandoned(p, now)
         ):
             shutil.rmtree(p, ignore_errors=True)
-        elif p.name.startswith(CONFIG_TMP_PREFIX) and p.name.endswith(".tmp"):
+        elif temp_target(p.name) == CONFIG_FILE:  # ``write_config``'s, killed midway
             p.unlink(missing_ok=True)
 
 

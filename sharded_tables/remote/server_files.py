@@ -44,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from common.atomic import fsync_dir, write_synced
 from sharded_tables.specs import DType, row_bytes
 
 FORMAT = "recserve-embedding-shard/1"
@@ -112,20 +113,10 @@ def check_table(name: str, dtype: DType, dim: int, partition: str, lo: int, hi: 
     return rb
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: Path, data: bytes | memoryview) -> str:
-    """Writes and fsyncs ``data``; returns its sha256 hex digest."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes and fsyncs ``data`` (in the temp folder that :func:`write_shard` renames into
+    place); returns its sha256 hex digest."""
+    write_synced(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -240,9 +231,9 @@ def write_shard(folder: Path | str, tables: list[ShardTable]) -> dict[str, Any]:
             entries.append(entry)
         manifest = {"format": FORMAT, "tables": entries}
         _write_file(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, folder)
-        _fsync_dir(folder.parent)
+        fsync_dir(folder.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

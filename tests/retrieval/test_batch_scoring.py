@@ -16,11 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from common.atomic import temp_path
 from retrieval.artifact import save_model
 from retrieval.batch_scoring import (
     MANIFEST,
     ScoreInputError,
     ScoreJob,
+    check_output,
     read_output,
     score,
     users_table,
@@ -133,6 +135,19 @@ def test_an_existing_folder_without_a_manifest_needs_overwrite(setup, tmp_path):
     assert (tmp_path / "recs" / "mine.txt").exists()
     score(ScoreJob(**{**j.__dict__, "overwrite": True}), progress=False)
     assert read_output(tmp_path / "recs").num_rows == 200
+
+
+def test_temp_files_of_killed_writers_are_removed_when_a_job_continues(setup, tmp_path):
+    root, _, _, _ = setup
+    j = ScoreJob(root / "model", 1, root / "users.parquet", tmp_path / "recs", k=K, workers=1)
+    score(j, progress=False)
+    parts = sorted(p.name for p in j.out.iterdir())
+    killed = [temp_path(j.out / "part-00002.parquet"), temp_path(j.out / MANIFEST)]
+    for t in killed:
+        t.write_bytes(b"half")
+    check_output(j)
+    assert sorted(p.name for p in j.out.iterdir()) == parts
+    assert read_output(j.out).num_rows == 200
 
 
 @pytest.mark.slow

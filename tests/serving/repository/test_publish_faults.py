@@ -277,7 +277,8 @@ def fault_points(files: list[list[Any]]) -> list[int]:
 
 RANDOM_PARTS = (  # temporary names -> the same name in every publish
     (re.compile(r"^demo/\.staging-[^/]+/"), ""),
-    (re.compile(r"\.config\.pbtxt\.[0-9a-f]+\.tmp$"), ".config.pbtxt.<uuid>.tmp"),
+    # common.atomic's temp files (``.config.pbtxt.<uuid>.tmp``, ``model/.model.pt.<uuid>.tmp``)
+    (re.compile(r"\.([^/]+)\.[0-9a-f]{32}\.tmp$"), r".\1.<uuid>.tmp"),
     (re.compile(r"\.server-(\d+)\.tmp-[^/]+"), r".server-\1.tmp-<random>"),
 )
 
