@@ -1,6 +1,6 @@
 """Embedding tables behind one call: ``{feature: ids [B, L]} -> {feature: pooled [B, D]}``.
 
-Two implementations of that call:
+Three implementations of that call (typed by :class:`TableCollection`, ``interface``):
 
 * :class:`EmbeddingCollection` -- plain float ``nn.EmbeddingBag`` tables in the process (what
   training uses by default); :class:`TrainableTables` -- the same tables in fbgemm's training
@@ -17,12 +17,37 @@ Files, in the order data flows: ``specs`` (dtypes, tiers, TableSpec) -> ``placem
 (shard folders and routing for the servers).
 """
 
-from sharded_tables.collection import EmbeddingCollection, TableConfig
-from sharded_tables.placement import Budgets, PlacementPlan, PlanError, TablePlacement
-from sharded_tables.planner import plan
-from sharded_tables.specs import DType, TableSpec, Tier
-from sharded_tables.tiered import TieredEmbeddingCollection
-from sharded_tables.trainable import TrainableTables
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sharded_tables.collection import EmbeddingCollection, TableConfig
+    from sharded_tables.interface import TableCollection
+    from sharded_tables.placement import Budgets, PlacementPlan, PlanError, TablePlacement
+    from sharded_tables.planner import plan
+    from sharded_tables.specs import DType, TableSpec, Tier
+    from sharded_tables.tiered import TieredEmbeddingCollection
+    from sharded_tables.trainable import TrainableTables
+
+# Re-exports resolve on first use (PEP 562), so `import sharded_tables.planner` (pure data, no
+# torch) does not load torch and fbgemm through the table modules.
+_HOME = {
+    "Budgets": "placement",
+    "DType": "specs",
+    "EmbeddingCollection": "collection",
+    "PlacementPlan": "placement",
+    "PlanError": "placement",
+    "TableCollection": "interface",
+    "TableConfig": "collection",
+    "TablePlacement": "placement",
+    "TableSpec": "specs",
+    "Tier": "specs",
+    "TieredEmbeddingCollection": "tiered",
+    "TrainableTables": "trainable",
+    "plan": "planner",
+}
 
 __all__ = [
     "Budgets",
@@ -30,6 +55,7 @@ __all__ = [
     "EmbeddingCollection",
     "PlacementPlan",
     "PlanError",
+    "TableCollection",
     "TableConfig",
     "TablePlacement",
     "TableSpec",
@@ -38,3 +64,16 @@ __all__ = [
     "TrainableTables",
     "plan",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
