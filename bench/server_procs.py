@@ -1,5 +1,6 @@
 """The benchmarks' server processes: start one in its own process group with its output in a
-log, wait for its ready line, stop it (SIGTERM, then SIGKILL for the group) -- and the real Triton
+log, wait for its ready line, stop it (SIGTERM, then SIGKILL for the group), all through the one
+launcher (``common/process.py``) -- and the real Triton
 Inference Server (nvidia-pytriton's bundled ``tritonserver`` with our Python backend), started
 as ``tests/serving/repository/test_tritonserver.py`` does."""
 
@@ -7,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from common import process
+from common.process import Proc
+from common.ready import ReadyLine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,47 +23,36 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---- any server process ---------------------------------------------------------------------------
 @dataclass
 class Running:
-    """A started server process (the leader of its own process group)."""
+    """A started server process (``common/process.py``, the leader of its own process group)."""
 
-    proc: subprocess.Popen[bytes]
-    log: Path
+    proc: Proc
     address: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def log(self) -> Path:
+        return self.proc.log_path
+
     def log_tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        return self.proc.tail(n)
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Running:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    return Running(proc, log)
+    """Starts ``cmd`` in its own process group, its output in ``log``."""
+    return Running(process.start(cmd, log_path=log, env=env, cwd=ROOT, new_session=True))
 
 
-def wait_for_line(run: Running, pattern: str, timeout_s: float) -> str:
-    """The first group of ``pattern`` once it appears in the server's log."""
-    until = time.monotonic() + timeout_s
-    while time.monotonic() < until:
-        if m := re.search(pattern, run.log.read_text(errors="replace")):
-            return m.group(1)
-        if run.proc.poll() is not None:
-            raise RuntimeError(f"exited with {run.proc.returncode}:\n{run.log_tail()}")
-        time.sleep(0.1)
-    raise RuntimeError(f"not ready after {timeout_s:.0f} s:\n{run.log_tail()}")
+def wait_ready(run: Running, timeout_s: float) -> ReadyLine:
+    """The server's ready line (``common/ready.py``); records its gRPC address. ``RuntimeError``
+    with the log's tail when it exits first or is not ready in time."""
+    ready = run.proc.wait_ready(timeout_s)
+    run.address = ready.grpc or ""
+    return ready
 
 
 def stop(run: Running, grace_s: float = 20.0) -> None:
     """SIGTERM the process group, SIGKILL it if still alive after ``grace_s``."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(run.proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        run.proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):  # the leader or children that outlived it
-        os.killpg(run.proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        run.proc.wait(timeout=10)
+    run.proc.stop(grace_s)
 
 
 # ---- Triton ------------------------------
@@ -91,7 +82,7 @@ def wait_triton(run: Running, model: str, timeout_s: float) -> None:
     client = grpcclient.InferenceServerClient(run.address)
     until = time.monotonic() + timeout_s
     while True:
-        if run.proc.poll() is not None:
+        if not run.proc.alive():
             raise Unavailable(f"tritonserver exited with {run.proc.returncode}:\n{run.log_tail()}")
         with contextlib.suppress(InferenceServerException):
             if client.is_server_ready() and client.is_model_ready(model):

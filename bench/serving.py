@@ -80,11 +80,12 @@ from server_procs import (  # noqa: E402
     start_triton,
     stop,
     triton_stats,
-    wait_for_line,
+    wait_ready,
     wait_triton,
 )
 from timing import OtherLoad, cell, int_list, percentiles  # noqa: E402
 
+from common.ready import announce  # noqa: E402
 from retrieval.data import SyntheticConfig, generate  # noqa: E402
 from retrieval.model import RetrievalModel  # noqa: E402
 from retrieval.training.prepare import Prepared, prepare  # noqa: E402
@@ -318,7 +319,8 @@ class NaiveServicer(recommend_pb2_grpc.RecommenderServicer):
 
 
 def serve_baseline(args: argparse.Namespace) -> None:
-    """Runs (a) or (b) on a free port: prints ``listening HOST:PORT``, serves until SIGTERM."""
+    """Runs (a) or (b) on a free port: prints the ready line (``common/ready.py``, role
+    ``baseline``), serves until SIGTERM."""
     torch.set_num_threads(args.threads)
     servicer = NoopServicer() if args.serve == "noop" else NaiveServicer(args.repo)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.grpc_workers))
@@ -328,7 +330,7 @@ def serve_baseline(args: argparse.Namespace) -> None:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    print(f"listening 127.0.0.1:{port}", flush=True)
+    announce("baseline", grpc=f"127.0.0.1:{port}", system=args.serve)
     while not done.wait(0.5):
         pass
     server.stop(1).wait()
@@ -348,7 +350,7 @@ def server(system: str, repo: Path, tmp: Path, args: argparse.Namespace) -> Iter
             str(repo),
         ]
         cmd += ["--threads", str(args.threads), "--grpc-workers", str(args.grpc_workers)]
-        run, pattern = start(cmd, log), r"listening (\S+)"
+        run = start(cmd, log)
     elif system in ("ours", "ours-kserve", "ours-1proc"):
         cmd = [sys.executable, "-m", "recserve", "serve", "--model-repo", str(repo)]
         cmd += ["--model", MODEL, "--grpc-port", "0"]
@@ -356,14 +358,14 @@ def server(system: str, repo: Path, tmp: Path, args: argparse.Namespace) -> Iter
             cmd += ["--torch-threads", str(args.threads)]
         else:
             cmd += ["--processes", str(args.processes), "--torch-threads", str(threads_each(args))]
-        run, pattern = start(cmd, log), r"serving \S+ v\d+ grpc=(\S+)"
+        run = start(cmd, log)
     else:
-        run, pattern = start_triton(repo, tmp, log), ""
+        run = start_triton(repo, tmp, log)
     try:
-        if pattern:
-            run.address = wait_for_line(run, pattern, args.startup_timeout_s)
-        else:
+        if system == "triton":
             wait_triton(run, MODEL, args.startup_timeout_s)
+        else:
+            wait_ready(run, args.startup_timeout_s)
         yield run
     finally:
         stop(run)

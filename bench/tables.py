@@ -24,7 +24,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import process
 from sharded_tables.planner import Budgets, PlacementPlan, TablePlacement
 from sharded_tables.quantize import pack_rows
 from sharded_tables.specs import DType, TableSpec, Tier, row_bytes
@@ -307,7 +307,7 @@ def remote_cases(args, names, weights, rows, record) -> None:
         procs, addrs = [], []
         try:
             for i in sorted(folders):
-                proc = subprocess.Popen(
+                proc = process.start(
                     [
                         sys.executable,
                         "-m",
@@ -321,11 +321,10 @@ def remote_cases(args, names, weights, rows, record) -> None:
                         "--memory-budget",
                         "64GiB",
                     ],
-                    stdout=subprocess.PIPE,
-                    text=True,
+                    log_path=Path(tmp) / f"embed-{i}.log",
                 )
                 procs.append(proc)
-                addrs.append(_read_address(proc))
+                addrs.append(proc.wait_ready(60.0).grpc)
             local = TieredEmbeddingCollection(specs, plan_for(specs, Tier.HOST))
             local.load_float(dict(zip(names, weights, strict=True)))
             count = args.repeats + 1
@@ -372,28 +371,13 @@ def remote_cases(args, names, weights, rows, record) -> None:
                         )
                         client.close()
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(timeout=10)
+            process.stop_all(procs, timeout_s=10.0)
 
 
 def _hits_misses(coll: TieredEmbeddingCollection) -> tuple[int, int]:
     """Cache hits and misses so far, summed over tables (per id looked up)."""
     stats = coll.cache_stats().values()
     return int(sum(s["hits"] for s in stats)), int(sum(s["misses"] for s in stats))
-
-
-def _read_address(proc: subprocess.Popen) -> str:
-    assert proc.stdout is not None
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if "listening on" in line:
-            return line.split("listening on", 1)[1].split()[0]
-    raise RuntimeError("embedding server did not report its address")
 
 
 def render(results: dict) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from common.ready import ReadyLine, print_ready
+
 
 def format_address(host: str, port: int) -> str:
     """``host:port``, with IPv6 hosts in brackets."""
@@ -152,9 +154,9 @@ def exit_on_signals(*signals: signal.Signals) -> None:
         signal.signal(sig, _exit)
 
 
-def serve_until_signal(start: Callable[[], str], announce: Callable[[str], None] | None) -> None:
-    """Runs ``start()`` (which returns the ready line), announces it, and blocks until SIGTERM
-    or SIGINT. The line goes to stdout by default: a parent process waits for it. A signal
+def serve_until_signal(start: Callable[[], ReadyLine]) -> None:
+    """Runs ``start()`` (which returns the ready line), prints it on stdout (a parent process
+    waits for it: ``common/ready.py``), and blocks until SIGTERM or SIGINT. A signal
     during ``start()`` ends the start-up at once (:func:`exit_on_signals`); once started, it
     makes this function return (the caller drains)."""
     done = threading.Event()
@@ -162,9 +164,6 @@ def serve_until_signal(start: Callable[[], str], announce: Callable[[str], None]
     line = start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    if announce is None:
-        print(line, flush=True)
-    else:
-        announce(line)
+    print_ready(line)
     while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
         pass

@@ -89,9 +89,13 @@ def ready_line(role: str, pid: int | None = None, **values: Any) -> ReadyLine:
 
 
 def announce(role: str, **values: Any) -> ReadyLine:
-    """Prints the ready line on stdout (one write, then flush: it never mixes with a log line
-    on a shared file) and logs it on stderr for people; returns what it printed."""
-    line = ready_line(role, **values)
+    """Prints the ready line of :func:`ready_line` ``(role, **values)``; returns it."""
+    return print_ready(ready_line(role, **values))
+
+
+def print_ready(line: ReadyLine) -> ReadyLine:
+    """Prints ``line`` on stdout (one write, then flush: it never mixes with a log line on a
+    shared file) and logs it on stderr for people; returns it."""
     sys.stdout.write(line.to_json() + "\n")
     sys.stdout.flush()
     log.info("ready: %s", line.to_json())

@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import process
 from common.atomic import atomic_write_json
 from common.grpc_util import ClientAuth, open_channel
 from retrieval.artifact import ShardMap
@@ -42,11 +39,9 @@ from serving.repository.repository import ARTIFACT_DIR, EMBEDDINGS_DIR, ModelRep
 from serving.sharding.config import RouterConfig
 
 CLUSTER_FILE = "cluster.json"
-READY = {
-    "embedding-server": re.compile(r"embed-server listening on (\S+)"),
-    "shard": re.compile(r"shard-server .* listening on (\S+) metrics=(\S+)"),
-    "router": re.compile(r"serving \S+ v\d+ grpc=(\S+) http=(\S+) metrics=(\S+)"),
-}
+MARKER = "recserve"
+"""In the command line of every process of a cluster: a recorded pid whose command line lacks
+it was given to another program since, and is never signalled."""
 
 
 class ClusterError(RuntimeError):
@@ -178,7 +173,7 @@ def up(
     say = progress or (lambda _m: None)
     if (directory / CLUSTER_FILE).exists():
         cluster = Cluster.load(directory)
-        if any(_alive(p.pid) for p in cluster.processes):
+        if any(_alive(p) for p in cluster.processes):
             raise ClusterError(f"a cluster is already up ({directory}); `recserve cluster down`")
     if spec.shards < 1 or spec.replicas < 1 or spec.embedding_servers < 0:
         raise ClusterError("--shards and --replicas must be >= 1, --embedding-servers >= 0")
@@ -277,41 +272,28 @@ def up(
 
 
 def _start(name: str, role: str, cmd: list[str], logs: Path) -> Proc:
-    log = logs / f"{name}.log"
-    offset = log.stat().st_size if log.exists() else 0  # a restart appends to the log
-    with open(log, "ab") as out:
-        child = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # outlives `cluster up`; a Ctrl-C there does not reach it
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    return Proc(name, role, cmd, child.pid, str(log), log_offset=offset)
+    """Starts one process (``common/process.py``), its output appended to its log (a restart
+    appends); in its own session: it outlives ``cluster up``, a Ctrl-C there does not reach it."""
+    started = process.start(cmd, log_path=logs / f"{name}.log", new_session=True, name=name)
+    return Proc(name, role, cmd, started.pid, str(started.log_path), log_offset=started.log_offset)
+
+
+def _handle(p: Proc) -> process.Proc:
+    """The launcher's handle on a recorded process (this run may not be the one that started
+    it: ``down`` is another command)."""
+    return process.Proc.adopt(
+        p.pid, p.cmd, Path(p.log), marker=MARKER, log_offset=p.log_offset, name=p.name
+    )
 
 
 def _wait_ready(p: Proc, timeout: float) -> None:
-    """Waits for the process's ready line in its log; fills in its addresses."""
-    until = time.monotonic() + timeout
-    pattern = READY[p.role]
-    while time.monotonic() < until:
-        with open(p.log, "rb") as f:
-            f.seek(p.log_offset)
-            text = f.read().decode(errors="replace")
-        m = pattern.search(text)
-        if m:
-            p.address = m.group(1)
-            if p.role == "shard":
-                p.metrics = m.group(2)
-            if p.role == "router":
-                p.http, p.metrics = m.group(2), m.group(3)
-            _fix_port(p)
-            return
-        if not _alive(p.pid):
-            raise ClusterError(f"{p.name} exited before it was ready:\n{_tail(p.log)}")
-        time.sleep(0.1)
-    raise ClusterError(f"{p.name} not ready after {timeout:.0f} s:\n{_tail(p.log)}")
+    """Waits for the process's ready line (``common/ready.py``); fills in its addresses."""
+    try:
+        ready = _handle(p).wait_ready(timeout)
+    except process.ProcessError as e:
+        raise ClusterError(str(e)) from None
+    p.address, p.http, p.metrics = ready.grpc or "", ready.http or "", ready.metrics or ""
+    _fix_port(p)
 
 
 def _fix_port(p: Proc) -> None:
@@ -322,22 +304,10 @@ def _fix_port(p: Proc) -> None:
         p.cmd[p.cmd.index(flag) + 1] = port
 
 
-def _tail(log: str, lines: int = 20) -> str:
-    return "\n".join(Path(log).read_text(errors="replace").splitlines()[-lines:])
-
-
 # ---- status, restart, down ------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    """The process exists, is not a zombie, and is ours (a recserve command line: a pid the
-    system gave to another program since is not signalled)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"recserve" in f.read()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+def _alive(p: Proc) -> bool:
+    """The process exists, is not a zombie, and is ours (see :data:`MARKER`)."""
+    return _handle(p).alive()
 
 
 def healthy(address: str, timeout: float = 2.0, tls_ca: str = "") -> bool:
@@ -359,7 +329,7 @@ def status(directory: Path) -> list[tuple[Proc, bool, bool]]:
     cluster = Cluster.load(directory)
     out = []
     for p in cluster.processes:
-        alive = _alive(p.pid)
+        alive = _alive(p)
         ok = alive and bool(p.address) and healthy(p.address, tls_ca=cluster.tls_ca)
         out.append((p, alive, ok))
     return out
@@ -372,7 +342,7 @@ def restart(directory: Path, name: str, timeout: float = 60.0) -> Proc:
     if not found:
         raise ClusterError(f"no process {name!r} (have: {[p.name for p in cluster.processes]})")
     old = found[0]
-    if _alive(old.pid):
+    if _alive(old):
         return old
     fresh = _start(old.name, old.role, old.cmd, Path(old.log).parent)
     _wait_ready(fresh, timeout)
@@ -400,42 +370,6 @@ def down(directory: Path, timeout: float = 15.0) -> list[str]:
 
 
 def _stop_all(procs: list[Proc], timeout: float) -> list[str]:
-    """SIGTERM each process group, wait up to ``timeout`` s, SIGKILL the rest."""
-    for p in procs:
-        _signal(p.pid, signal.SIGTERM)
-    until = time.monotonic() + timeout
-    while time.monotonic() < until and any(_alive(p.pid) for p in procs):
-        _reap()
-        time.sleep(0.05)
-    killed = [p.name for p in procs if _alive(p.pid)]
-    for p in procs:
-        if _alive(p.pid):
-            _signal(p.pid, signal.SIGKILL)
-    until = time.monotonic() + 5.0
-    while time.monotonic() < until and any(_alive(p.pid) for p in procs):
-        _reap()
-        time.sleep(0.05)
-    return killed
-
-
-def _signal(pid: int, sig: int) -> None:
-    """Signals the process's group (its session: our children started one each)."""
-    if not _alive(pid):
-        return
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        os.kill(pid, sig)
-
-
-def _reap() -> None:
-    """Collects exited children of this process (when `up` and `down` run in one process)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    """SIGTERM each process group, wait up to ``timeout`` s, SIGKILL the rest (together, via
+    ``common/process.py``); the names of those that needed SIGKILL."""
+    return [h.name for h in process.stop_all([_handle(p) for p in procs], timeout)]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from common.grpc_util import serve_until_signal
+from common.ready import ReadyLine
 from serving.app.config import ServeConfig
 from serving.app.processes import serve_processes
 from serving.app.server import ExtraServicer, Server
@@ -18,25 +19,26 @@ log = logging.getLogger(__name__)
 def serve(
     config: ServeConfig,
     *,
-    announce: Callable[[str], None] | None = None,
     extra_servicers: Sequence[ExtraServicer] | None = None,
 ) -> None:
-    """Serves until SIGTERM or SIGINT, then drains and returns; a drain that overruns
+    """Prints the ready line once serving (``common/ready.py``; the sentence of
+    :meth:`Server.announce_line` goes to the log), serves until SIGTERM or SIGINT, then drains and returns; a drain that overruns
     ``drain_timeout_s`` (a stuck batch) ends the process at once with status 1. With
     ``processes > 1`` a group of serving processes serves (``serving/app/processes.py``; each
     finds its gRPC plugins itself)."""
     if config.processes > 1:
         if extra_servicers is not None:
             raise ValueError("extra_servicers: not with processes > 1 (each finds its plugins)")
-        serve_processes(config, announce)
+        serve_processes(config)
         return
     server = Server(config, extra_servicers=extra_servicers)
 
-    def start() -> str:
+    def start() -> ReadyLine:
         server.start()
-        return server.announce_line()
+        log.info("%s", server.announce_line())
+        return server.ready()
 
-    serve_until_signal(start, announce)
+    serve_until_signal(start)
     log.info("draining (up to %.1f s)", config.drain_timeout_s)
     if not server.drain_and_stop():
         log.error("drain did not finish within %.1f s; exiting anyway", config.drain_timeout_s)

@@ -51,7 +51,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.grpc_util import bind_tcp, exit_on_signals, format_address, serve_until_signal
-from serving.app.announce import Addresses, announce_line
+from common.ready import ReadyLine
+from serving.app.announce import Addresses, announce_line, serving_ready
 from serving.app.config import ServeConfig
 from serving.app.server import Server
 
@@ -152,7 +153,7 @@ class ProcessGroup:
         self._supervisor: threading.Thread | None = None
 
     # ---- start --------------------------------------------------------------------------------
-    def start(self) -> str:
+    def start(self) -> ReadyLine:
         """Reserves the ports, starts every process, waits until each is ready; returns the
         ready line. Raises ``OSError`` (a port) or :class:`GroupStartError` (a process)."""
         cfg = self.config
@@ -239,14 +240,15 @@ class ProcessGroup:
             if m.ready is not None and m.ready.get("metrics") and m.process.is_alive()
         }
 
-    def _announce(self, metrics: str | None) -> str:
-
+    def _announce(self, metrics: str | None) -> ReadyLine:
+        """The group's ready line (its members' role and addresses, ``processes`` N); the same
+        facts go to the log as a sentence."""
         first = self._members[0].ready
         assert first is not None
         addresses = Addresses(first["grpc"], first["http"], metrics)
-        return announce_line(
-            first["model"], first["version"], addresses, first["secured"], len(self._members)
-        )
+        facts = (first["model"], first["version"], addresses, first["secured"], len(self._members))
+        log.info("%s", announce_line(*facts))
+        return serving_ready(first["router"], *facts)
 
     # ---- supervise ----------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -338,6 +340,7 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
                 "http": a.http,
                 "metrics": a.metrics,
                 "secured": server.security.describe(),
+                "router": config.router is not None,
             },
         )
     )
@@ -357,11 +360,11 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
     os._exit(0 if clean else 1)
 
 
-def serve_processes(config: ServeConfig, announce: Callable[[str], None] | None = None) -> None:
+def serve_processes(config: ServeConfig) -> None:
     """:func:`serving.app.main.serve` for ``processes > 1``: the group until SIGTERM or SIGINT,
     then every process drains; status 1 when one did not drain or the group gave up."""
     group = ProcessGroup(config)
-    serve_until_signal(group.start, announce)
+    serve_until_signal(group.start)
     log.info("draining %d processes (up to %.1f s)", config.processes, config.drain_timeout_s)
     if not group.stop():
         sys.stderr.flush()

@@ -7,9 +7,9 @@
     ...
     server.drain_and_stop()      # NOT_SERVING -> finish queued and in-flight -> close
 
-:func:`serve` adds what a process needs: the announce line once ready
-(``serving MODEL vVERSION grpc=HOST:PORT http=... metrics=...``, ports 0 replaced by the bound
-ones) and SIGTERM/SIGINT -> drain -> exit within ``drain_timeout_s``.
+:func:`serve` adds what a process needs: the ready line once ready (``common/ready.py``: JSON
+with ``grpc``, ``http``, ``metrics``, ports 0 replaced by the bound ones) and SIGTERM/SIGINT ->
+drain -> exit within ``drain_timeout_s``.
 
 Optional front ends join when their module exists: ``serving/frontends/kserve_http.py`` (``make_app(state)
 -> ASGI app``, run by uvicorn on ``http_port``) and the gRPC modules in :data:`GRPC_PLUGINS`
@@ -45,7 +45,8 @@ from serving.frontends.recommend_grpc import ExtraServicer, GrpcServer
 if TYPE_CHECKING:
     from serving.live.updates import LiveUpdates
 from common.grpc_util import bind_tcp, format_address
-from serving.app.announce import Addresses, announce_line
+from common.ready import ReadyLine
+from serving.app.announce import Addresses, announce_line, serving_ready
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +214,21 @@ class Server:
         return format_address(host, bound)
 
     def announce_line(self) -> str:
+        """The sentence for people (the log); :meth:`ready` is the line for programs."""
         assert self.addresses is not None
         return announce_line(
             self.host.name, self.host.version, self.addresses, self.security.describe()
+        )
+
+    def ready(self) -> ReadyLine:
+        """The ready line (``common/ready.py``), once :meth:`start` returned."""
+        assert self.addresses is not None
+        return serving_ready(
+            self.config.router is not None,
+            self.host.name,
+            self.host.version,
+            self.addresses,
+            self.security.describe(),
         )
 
     def drain_and_stop(self, timeout: float | None = None) -> bool:

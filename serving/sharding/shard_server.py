@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from common.grpc_util import bind_port, format_address, serve_until_signal
+from common.ready import ReadyLine, ready_line
 from common.security import NO_SECURITY, Security
 from retrieval.index.ivf import IVFIndex
 from serving.protos import shard_pb2 as pb
@@ -294,7 +295,21 @@ class ShardServer:
             self._thread.start()
         return self.address
 
+    def ready(self) -> ReadyLine:
+        """The ready line (``common/ready.py``): role ``shard``, its slot as extras."""
+        return ready_line(
+            "shard",
+            grpc=self.address,
+            metrics=self.metrics_address,
+            model=self.model,
+            version=max(self.held),
+            security=self.security.describe(),
+            shard=self.shard,
+            num_shards=self.num_shards,
+        )
+
     def announce_line(self) -> str:
+        """The same facts as a sentence for people (the log)."""
         secured = self.security.describe()
         return (
             f"shard-server {self.model} v{max(self.held)} shard {self.shard}/{self.num_shards} "
@@ -311,11 +326,12 @@ class ShardServer:
 
 
 def serve_shard(server: ShardServer, grace: float = 5.0) -> None:
-    """Serves until SIGTERM or SIGINT (prints the announce line once ready), then stops."""
+    """Serves until SIGTERM or SIGINT (prints the ready line once ready), then stops."""
 
-    def start() -> str:
+    def start() -> ReadyLine:
         server.start()
-        return server.announce_line()
+        log.info("%s", server.announce_line())
+        return server.ready()
 
-    serve_until_signal(start, None)
+    serve_until_signal(start)
     server.stop(grace)

@@ -25,9 +25,10 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.grpc_util import bind_port, format_address, serve_until_signal
+from common.ready import ReadyLine, ready_line
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.server_files import (
@@ -49,6 +51,8 @@ from sharded_tables.remote.server_files import (
     select_tables,
 )
 from sharded_tables.specs import DType, row_bytes
+
+log = logging.getLogger(__name__)
 
 SERVICE = "recserve.embedding.v1.EmbeddingService"
 MAX_MESSAGE_BYTES = 256 << 20
@@ -362,20 +366,23 @@ def serve(
     *,
     name: str | None = None,
     grace: float = 5.0,
-    announce: Callable[[str], None] | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
 ) -> None:
-    """Serves ``folder`` until SIGTERM or SIGINT, then drains (NOT_SERVING) and stops."""
+    """Serves ``folder`` until SIGTERM or SIGINT, then drains (NOT_SERVING) and stops; prints
+    the ready line (``common/ready.py``, role ``embeddings``) once serving."""
     server = EmbeddingServer(
         folder, host=host, port=port, memory_budget=memory_budget, tables=tables, name=name,
         interceptors=interceptors, credentials=credentials,
     )  # fmt: skip
 
-    def start() -> str:
+    def start() -> ReadyLine:
         address = server.start()
-        held = ", ".join(sorted(server.tables))
-        return f"embed-server listening on {address} (shard {folder}: {held})"
+        log.info("embed-server listening on %s (shard %s: %s)", address, folder,
+                 ", ".join(sorted(server.tables)))  # fmt: skip
+        return ready_line(
+            "embeddings", grpc=address, folder=str(folder), tables=sorted(server.tables)
+        )
 
-    serve_until_signal(start, announce)
+    serve_until_signal(start)
     server.stop(grace)

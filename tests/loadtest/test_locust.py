@@ -7,7 +7,6 @@ import collections
 import importlib
 import json
 import random
-import re
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from retrieval.training.prepare import prepare
 from serving.protos.recommend_pb2 import RecommendResponse
 from serving.protos.recommend_pb2_grpc import RecommenderServicer, add_RecommenderServicer_to_server
 from serving.repository import repository
-from support.process_util import first_line, stop
+from support.process_util import STARTUP_S, serve_cmd, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -51,20 +50,13 @@ def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def served(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """``recserve serve`` on free ports -> {"grpc": HOST:PORT, "http": HOST:PORT}."""
-    err = tmp_path_factory.mktemp("serve") / "serve.stderr"
-    with open(err, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(model_repo),
-             "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"],
-            stdout=subprocess.PIPE, stderr=f, text=True,
-        )  # fmt: skip
-    try:
-        line = first_line(proc, err)
-        m = re.fullmatch(r"serving demo v1 grpc=(\S+) http=(\S+) metrics=(\S+)", line)
-        assert m, line
-        yield {"grpc": m.group(1), "http": m.group(2).removeprefix("http://")}
-    finally:
-        stop(proc)
+    cmd = serve_cmd("--model-repo", model_repo, "--grpc-port", "0", "--http-port", "0",
+                    "--metrics-port", "0")  # fmt: skip
+    with start_server(cmd, tmp_path_factory.mktemp("serve"), "serve") as proc:
+        ready = proc.wait_ready(STARTUP_S)
+        assert (ready.model, ready.version) == ("demo", 1)
+        assert ready.grpc and ready.http and ready.metrics
+        yield {"grpc": ready.grpc, "http": ready.http}
 
 
 def loadtest(*args: str) -> subprocess.CompletedProcess[str]:

@@ -3,7 +3,6 @@ load: the server swaps to it between batches, and no request fails."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ import pytest
 from retrieval.training.run import RunConfig, load_data, prepare_run
 from serving.protos.recommend_pb2 import RecommendRequest
 from serving.protos.recommend_pb2_grpc import RecommenderStub
-from support.process_util import first_line, stop
+from support.process_util import STARTUP_S, serve_cmd, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -85,14 +84,11 @@ def requests(tmp: Path) -> list[RecommendRequest]:
 def test_a_published_training_run_is_swapped_in_under_load(tmp_path):
     train(tmp_path, seed=1)
     (tmp_path / "serve.toml").write_text("poll_s = 0.2\n")
-    err = tmp_path / "serve.err"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(tmp_path / "repo"),
-         "--grpc-port", "0", "--config", str(tmp_path / "serve.toml")],
-        stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
-    )  # fmt: skip
+    cmd = serve_cmd("--model-repo", tmp_path / "repo", "--grpc-port", "0",
+                    "--config", tmp_path / "serve.toml")  # fmt: skip
+    proc = start_server(cmd, tmp_path, "serve")
     try:
-        address = re.search(r"grpc=(\S+)", first_line(proc, err)).group(1)
+        address = proc.wait_ready(STARTUP_S).grpc
         reqs = requests(tmp_path)
         versions, failures, stop_load = [], [], threading.Event()
 
@@ -122,4 +118,4 @@ def test_a_published_training_run_is_swapped_in_under_load(tmp_path):
         assert versions[0] == 1 and versions[-1] == 2
         assert versions.index(2) > 0 and set(versions) == {1, 2}
     finally:
-        stop(proc)
+        proc.stop()

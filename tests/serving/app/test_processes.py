@@ -9,8 +9,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,12 +19,13 @@ import pytest
 import torch
 import tritonclient.http
 
+from common.process import Proc
 from loadtest.workload import OWN_CONNECTION
 from serving.app.config import ConfigError, ServeConfig
 from serving.app.processes import RESTARTS_PER_MINUTE, reserve_port
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository import repository
-from support.process_util import first_line, stop
+from support.process_util import STARTUP_S, serve_cmd, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -36,17 +35,14 @@ READY = re.compile(r"process (\d+) \(pid (\d+)\) ready")
 STARTED = re.compile(r"process 0 \(pid (\d+)\) started")
 
 
-def start_group(tmp_path: Path, tiny, *extra: str) -> tuple[subprocess.Popen[str], Path]:
+def start_group(tmp_path: Path, tiny, *extra: str) -> tuple[Proc, Path]:
+    """The group, its stdout and stderr (its processes' logs too) in one log."""
     repo = repository.ModelRepository(tmp_path / "repo")
     repo.publish("demo", tiny.model)
-    err = tmp_path / "serve.stderr"
-    with open(err, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(tmp_path / "repo"),
-             "--model", "demo", "--processes", "2", "--grpc-port", "0", *extra],
-            stdout=subprocess.PIPE, stderr=f, text=True,
-        )  # fmt: skip
-    return proc, err
+    cmd = serve_cmd("--model-repo", tmp_path / "repo", "--model", "demo", "--processes", "2",
+                    "--grpc-port", "0", *extra)  # fmt: skip
+    proc = start_server(cmd, tmp_path, "serve")
+    return proc, proc.log_path
 
 
 def pids(err: Path) -> dict[int, int]:
@@ -90,10 +86,11 @@ def metric_by_process(metrics: str, name: str) -> dict[str, float]:
 def test_a_group_serves_one_port_restarts_a_dead_process_and_drains(tmp_path: Path, tiny):
     proc, err = start_group(tmp_path, tiny, "--http-port", "0", "--metrics-port", "0")
     try:
-        line = first_line(proc, err)
-        m = re.fullmatch(r"serving demo v1 grpc=(\S+) http=(\S+) metrics=(\S+) processes=2", line)
-        assert m, line
-        address, http_address, metrics = m.groups()
+        ready = proc.wait_ready(STARTUP_S)
+        assert (ready.role, ready.model, ready.version, ready.processes) == ("serve", "demo", 1, 2)
+        assert ready.pid == proc.pid  # the group's parent announces
+        address, http_address, metrics = ready.grpc, ready.http, ready.metrics
+        assert address and http_address and metrics
         with torch.inference_mode():
             ids, _ = tiny.model(tiny.prep.user_batch(np.array(USERS)), 10)
         want = dict(zip(USERS, ids.tolist(), strict=True))
@@ -120,21 +117,21 @@ def test_a_group_serves_one_port_restarts_a_dead_process_and_drains(tmp_path: Pa
         assert "recserve_process_restarts_total 1.0" in text
 
         # SIGTERM: every process drains and exits, then the parent, status 0
-        proc.send_signal(signal.SIGTERM)
+        proc.signal(signal.SIGTERM)
         assert proc.wait(30) == 0, err.read_text()[-2000:]
         assert not any(alive(p) for p in after.values())
     finally:
-        stop(proc)
+        proc.stop()
 
 
 def test_a_crash_loop_ends_the_group_with_status_1(tmp_path: Path, tiny):
     proc, err = start_group(tmp_path, tiny)
     try:
-        first_line(proc, err)
+        proc.wait_ready(STARTUP_S)
         killed: set[int] = set()
         until = time.monotonic() + 120
         # kill each new process 0 as soon as it has started (a model that crashes at load)
-        while proc.poll() is None and time.monotonic() < until:
+        while proc.alive() and time.monotonic() < until:
             pid = int(STARTED.findall(err.read_text())[-1 if killed else 0])
             if pid not in killed:
                 with contextlib.suppress(ProcessLookupError):
@@ -146,16 +143,16 @@ def test_a_crash_loop_ends_the_group_with_status_1(tmp_path: Path, tiny):
         assert "deaths within a minute: giving up" in err.read_text()
         assert not any(alive(int(p)) for p in re.findall(r"\(pid (\d+)\) started", err.read_text()))
     finally:
-        stop(proc)
+        proc.stop()
 
 
 def test_processes_leave_when_their_parent_is_killed(tmp_path: Path, tiny):
     proc, err = start_group(tmp_path, tiny)
     try:
-        first_line(proc, err)
+        proc.wait_ready(STARTUP_S)
         children = list(pids(err).values())
         assert len(children) == 2 and all(alive(p) for p in children)
-        proc.kill()
+        proc.signal(signal.SIGKILL)
         proc.wait(WAIT)
         until = time.monotonic() + 30
         while any(alive(p) for p in children) and time.monotonic() < until:
@@ -163,7 +160,7 @@ def test_processes_leave_when_their_parent_is_killed(tmp_path: Path, tiny):
         assert not any(alive(p) for p in children)
         assert err.read_text().count("the parent process is gone: draining") == 2
     finally:
-        stop(proc)
+        proc.stop()
 
 
 def test_a_taken_port_fails_the_group_at_once(tmp_path: Path, tiny):
@@ -176,7 +173,7 @@ def test_a_taken_port_fails_the_group_at_once(tmp_path: Path, tiny):
             assert proc.wait(60) == 2
             assert f"grpc_port: cannot bind 127.0.0.1:{port}" in err.read_text()
         finally:
-            stop(proc)
+            proc.stop()
 
 
 def test_a_reserved_port_keeps_strangers_out_and_lets_the_group_in():

@@ -4,10 +4,7 @@ health, hot reload under concurrent load with zero failures, SIGTERM drain."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,11 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository import repository
-from support.process_util import first_line, stop
+from support.process_util import STARTUP_S, serve_cmd, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
-STARTUP_S = 90.0
 WAIT = 10.0
 USERS = list(range(0, 100, 7))
 
@@ -63,19 +59,16 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
         "poll_s = 0.2\ndrain_timeout_s = 10.0\nclose_linger_s = 1.0\n"
         "[batching]\nmax_queue_delay_ms = 2.0\n"
     )
-    err = tmp_path / "serve.stderr"
-    with open(err, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(tmp_path / "repo"),
-             "--model", "demo", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
-             "--config", str(toml)],
-            stdout=subprocess.PIPE, stderr=f, text=True,
-        )  # fmt: skip
+    cmd = serve_cmd("--model-repo", tmp_path / "repo", "--model", "demo", "--grpc-port", "0",
+                    "--http-port", "0", "--metrics-port", "0", "--config", toml)  # fmt: skip
+    proc = start_server(cmd, tmp_path, "serve")
+    err = proc.log_path
     try:
-        line = first_line(proc, err)
-        m = re.fullmatch(rf"serving demo v{v1} grpc=(\S+) http=(\S+) metrics=(\S+)", line)
-        assert m, line
-        address, http_address = m.group(1), m.group(2)
+        ready = proc.wait_ready(STARTUP_S)
+        assert (ready.role, ready.model, ready.version, ready.processes) == ("serve", "demo", v1, 1)
+        assert ready.metrics is not None
+        address, http_address = ready.grpc, ready.http
+        assert address and http_address
         channel = grpc.insecure_channel(address)
         stub = RecommenderStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
@@ -163,8 +156,8 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
             t.start()
         time.sleep(0.3)
         start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        while proc.poll() is None and time.monotonic() - start < 5.0:  # the linger window
+        proc.signal(signal.SIGTERM)
+        while proc.alive() and time.monotonic() - start < 5.0:  # the linger window
             try:
                 check = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 health_seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(check.status))
@@ -181,6 +174,6 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
         assert "OK" in outcomes and set(outcomes) <= {"OK", "UNAVAILABLE"}, details
         assert "drained" in err.read_text()
     finally:
-        stop(proc)
+        proc.stop()
         if os.environ.get("SERVE_E2E_LOG"):
             print(err.read_text())

@@ -4,22 +4,22 @@ tail as a crash mid-write would), start it again: the updates are replayed from 
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import torch
-from test_serve_e2e import first_line, stop
 
+from common.process import Proc
 from serving.live.update_log import HEADER, MAGIC, log_path
 from serving.protos import admin_pb2 as pb
 from serving.protos.admin_pb2_grpc import AdminStub
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository import repository
+from support.process_util import STARTUP_S, serve_cmd
+from support.process_util import start_server as start_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -27,18 +27,17 @@ WAIT = 10.0
 NEW_ID = 7777
 
 
-def start_server(tmp_path: Path, toml: Path, run: int) -> tuple[subprocess.Popen[str], str, Path]:
-    err = tmp_path / f"serve{run}.stderr"
-    with open(err, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(tmp_path / "repo"),
-             "--grpc-port", "0", "--config", str(toml)],
-            stdout=subprocess.PIPE, stderr=f, text=True,
-        )  # fmt: skip
-    line = first_line(proc, err)
-    m = re.fullmatch(r"serving demo v1 grpc=(\S+) http=off metrics=off", line)
-    assert m, line
-    return proc, m.group(1), err
+def start_server(tmp_path: Path, toml: Path, run: int) -> tuple[Proc, str, Path]:
+    cmd = serve_cmd("--model-repo", tmp_path / "repo", "--grpc-port", "0", "--config", toml)
+    proc = start_process(cmd, tmp_path, f"serve{run}")
+    try:
+        ready = proc.wait_ready(STARTUP_S)
+    except BaseException:
+        proc.stop()
+        raise
+    assert (ready.model, ready.version, ready.http, ready.metrics) == ("demo", 1, None, None)
+    assert ready.grpc is not None
+    return proc, ready.grpc, proc.log_path
 
 
 def test_updates_survive_kill_9(tmp_path: Path, tiny):
@@ -73,10 +72,10 @@ def test_updates_survive_kill_9(tmp_path: Path, tiny):
             assert admin.SetItemAttributes(flip, timeout=WAIT).sequence == 2
             want = list(rec.Recommend(available, timeout=WAIT).item_ids)
             assert want[0] == NEW_ID
-        proc.kill()  # SIGKILL: no drain, no flush; acknowledged means fsync'd
+        proc.signal(signal.SIGKILL)  # no drain, no flush; acknowledged means fsync'd
         proc.wait(WAIT)
     finally:
-        stop(proc)
+        proc.stop()
 
     # a crash in the middle of a third append: half a frame at the end of the log
     path = log_path(state, "demo", 1)
@@ -92,6 +91,6 @@ def test_updates_survive_kill_9(tmp_path: Path, tiny):
             assert reply.sequence == 3  # the torn record was dropped, not counted
             assert NEW_ID not in rec.Recommend(tiny.message(0), timeout=WAIT).item_ids
     finally:
-        stop(proc)
+        proc.stop()
     assert "dropping a torn last record" in err.read_text()
     assert "replayed 2 updates" in err.read_text()

@@ -2,65 +2,32 @@
 
 from __future__ import annotations
 
-import os
-import re
-import selectors
-import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from common.process import Proc, stop_all
+from support.process_util import embed_server_cmd, start_server
+
 STARTUP_S = 30.0
 
 
 @dataclass
 class ServerProc:
-    """One ``recserve serve embeddings`` process and the address it printed."""
+    """One ``recserve serve embeddings`` process and the address its ready line named."""
 
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[bytes]
     address: str
     stderr: Path
+    """Its log (stdout and stderr)."""
 
     @property
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
-
-
-def _first_line(proc: subprocess.Popen[str], stderr: Path, timeout: float) -> str:
-    """The server's first stdout line, or a failure with its stderr (never blocks forever)."""
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise TimeoutError(f"embed-server printed nothing in {timeout} s: {stderr.read_text()}")
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(5)
-        raise RuntimeError(f"embed-server exited ({proc.returncode}): {stderr.read_text()}")
-    return line
-
-
-def embed_server_cmd(shard: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "recserve", "serve", "embeddings", "--folder", str(shard), *args]
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    """SIGCONT (it may be stopped), SIGTERM, then SIGKILL after 5 s."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 class ServerLauncher:
@@ -68,33 +35,26 @@ class ServerLauncher:
 
     def __init__(self, logs: Path):
         self.logs = logs
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[Proc] = []
 
     def start(self, *shards: tuple[Path, int]) -> list[ServerProc]:
         """Starts one server per ``(shard folder, port)`` in parallel; waits until each serves."""
         pending = []
         for shard, port in shards:
-            err = self.logs / f"server-{len(self.procs)}.stderr"
-            with open(err, "w") as f:
-                proc = subprocess.Popen(
-                    embed_server_cmd(shard, "--grpc-port", str(port)),
-                    stdout=subprocess.PIPE,
-                    stderr=f,
-                    text=True,
-                )
+            cmd = embed_server_cmd(shard, port)
+            proc = start_server(cmd, self.logs, f"server-{len(self.procs)}")
             self.procs.append(proc)
-            pending.append((proc, err))
+            pending.append(proc)
         out = []
-        for proc, err in pending:
-            line = _first_line(proc, err, STARTUP_S)
-            match = re.search(r"listening on (\S+)", line)
-            assert match, line
-            out.append(ServerProc(proc, match.group(1), err))
+        for proc in pending:
+            ready = proc.wait_ready(STARTUP_S)
+            assert ready.role == "embeddings" and ready.grpc, ready
+            assert proc.popen is not None
+            out.append(ServerProc(proc.popen, ready.grpc, proc.log_path))
         return out
 
     def close(self) -> None:
-        for proc in self.procs:
-            stop(proc)
+        stop_all(self.procs, timeout_s=5.0)
 
 
 @pytest.fixture
