@@ -156,7 +156,8 @@ class Server:
 
             torch.set_num_threads(cfg.torch_threads)
         self.host.start()
-        policy = cfg.batching.policy(getattr(self.host.loaded, "config", None))
+        loaded = self.host.loaded  # set: start() returned
+        policy = cfg.batching.policy(None if loaded is None else loaded.config)
         workers = cfg.router.batches_in_flight if cfg.router is not None else 1
         batcher = make_batcher(self.host, policy, self.metrics, workers)
         self.state = ServingState(

@@ -30,10 +30,11 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from serving.engine.metrics import ServingMetrics
 from serving.engine.runner import ModelRunner
+from serving.repository.repository import LoadedModel
 from serving.types import ModelNotFoundError, UnavailableError
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,8 @@ class Repository(Protocol):
 
     def versions(self, name: str) -> list[int]: ...
 
-    def load(self, name: str, version: int | None = None) -> Any:
-        """-> a loaded model with ``.model`` (RetrievalModel), ``.version`` and ``.config``."""
+    def load(self, name: str, version: int | None = None) -> LoadedModel:
+        """-> the verified, loaded version (``.model`` in eval mode, ``.version``, ``.config``)."""
         ...
 
 
@@ -60,7 +61,7 @@ class Served:
     """One loaded version: its runner and what the repository returned (``config``, ``path``)."""
 
     runner: ModelRunner
-    loaded: Any
+    loaded: LoadedModel
 
 
 class BatchGate:
@@ -116,8 +117,8 @@ class ModelHost:
         *,
         metrics: ServingMetrics | None = None,
         warmup_sizes: tuple[int, ...] = (1, 8),
-        make_runner: Callable[[Any], ModelRunner] | None = None,
-        on_load: Callable[[Any], Any] | None = None,
+        make_runner: Callable[[LoadedModel], ModelRunner] | None = None,
+        on_load: Callable[[LoadedModel], LoadedModel] | None = None,
     ):
         """``make_runner(loaded) -> runner``: how a loaded version is run (default: a
         :class:`ModelRunner` over ``loaded.model``; the router runs shards instead).
@@ -125,7 +126,7 @@ class ModelHost:
         (the live updates replay the version's log there); raising refuses the version."""
         self.repo, self.name, self.poll_s = repo, name, poll_s
         self.make_runner = make_runner or (
-            lambda loaded: ModelRunner(loaded.model, self.name, int(loaded.version))
+            lambda loaded: ModelRunner(loaded.model, self.name, loaded.version)
         )
         self.metrics, self.warmup_sizes = metrics, warmup_sizes
         self.on_load = on_load
@@ -168,8 +169,9 @@ class ModelHost:
         return None if served is None else served.runner.version
 
     @property
-    def loaded(self) -> Any:
-        """What ``repo.load`` returned for the version being served (``config``, ``path``)."""
+    def loaded(self) -> LoadedModel | None:
+        """What ``repo.load`` returned for the version being served (``config``, ``path``);
+        None before the first version loads."""
         served = self._served
         return None if served is None else served.loaded
 
@@ -233,7 +235,9 @@ class ModelHost:
                 raise UnavailableError(f"model {self.name} is not loaded yet")
             yield served
 
-    def swap_updated(self, loaded: Any, commit: Callable[[], object] | None = None) -> ModelRunner:
+    def swap_updated(
+        self, loaded: LoadedModel, commit: Callable[[], object] | None = None
+    ) -> ModelRunner:
         """Serves ``loaded`` (the served version, updated) from the next batch on: waits for
         running batches, runs ``commit`` (in-place writes; must not fail), swaps the runner.
         Call inside :meth:`updating`. No warm-up: same version, same shapes of work."""

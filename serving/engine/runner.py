@@ -36,14 +36,10 @@ from sharded_tables.remote.client import SERVER_TROUBLE, RemoteLookupError
 Outcome = RecResult | RequestError | ModelNotFoundError
 
 
-def _id_limits(model: RetrievalModel, features: list[str]) -> np.ndarray | None:
+def _id_limits(model: RetrievalModel, features: list[str]) -> np.ndarray:
     """``int64 [F]``: one past the largest valid id of each categorical feature (hashed tables
-    take any id), so the edge check is one vectorized compare; None when the tables cannot say
-    (then every request takes the tables' own check)."""
-    rows_of = getattr(model.tables, "table_rows", None)
-    if rows_of is None:
-        return None
-    rows, table_of = rows_of(), model.tables.table_of
+    take any id), so the edge check is one vectorized compare."""
+    rows, table_of = model.tables.table_rows(), model.tables.table_of
     top = np.iinfo(np.int64).max
     return np.array(
         [r if (r := rows[table_of[f"user_{n}"]]) is not None else top for n in features],
@@ -86,7 +82,7 @@ class ModelRunner:
         if req.k > ntotal:
             raise RequestError(f"k: must be in [1, {ntotal}] (items in the index), got {req.k}")
         cat = req.categorical
-        if self.id_limits is None or ((cat < -1) | (cat >= self.id_limits)).any():
+        if ((cat < -1) | (cat >= self.id_limits)).any():
             self._check_categorical(cat)  # the tables' own check names the feature and table
         return self._clauses(req.filter)
 

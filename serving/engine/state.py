@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from retrieval.live_updates import UpdateBatch
+from retrieval.model import RetrievalModel
 from serving.engine.batching import BatchPolicy, DynamicBatcher
 from serving.engine.host import ModelHost
 from serving.engine.metrics import ServingMetrics
@@ -38,9 +40,14 @@ class LiveUpdater(Protocol):
     LiveUpdates``; declared here so the engine needs nothing from the layer above it)."""
 
     def apply(
-        self, host: ModelHost, kind: str, target: tuple[str, int], parse: Callable[[Any], Any]
+        self,
+        host: ModelHost,
+        kind: str,
+        target: tuple[str, int],
+        parse: Callable[[RetrievalModel], UpdateBatch],
     ) -> Any:
-        """Parses, logs and applies one update to ``host``'s model; -> the reply message."""
+        """Parses, logs and applies one update to ``host``'s model; -> the reply message (a
+        protobuf ``UpdateReply``: the engine leaves wire types to the layer above)."""
         ...
 
 

@@ -163,7 +163,9 @@ def model_spec(state: ServingState) -> ModelSpec:
 
 
 def loaded_config(state: ServingState) -> mc.ModelConfig | None:
-    config = getattr(state.host.loaded, "config", None)
+    """The served version's ``config.pbtxt``; None before a version loads or without one."""
+    loaded = state.host.loaded
+    config = None if loaded is None else loaded.config
     return config if isinstance(config, mc.ModelConfig) else None
 
 

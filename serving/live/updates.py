@@ -23,7 +23,6 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from retrieval.index.update import REBUILD_IMBALANCE, list_imbalance
 from retrieval.live_updates import UpdateBatch, UpdateError, apply_update, prepare_update
@@ -33,6 +32,7 @@ from serving.engine.metrics import ServingMetrics
 from serving.live.messages import from_record, to_record, wire_error
 from serving.live.update_log import UpdateLog, log_path
 from serving.protos import admin_pb2 as pb
+from serving.repository.repository import LoadedModel
 from serving.types import RequestError
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,10 @@ class LiveUpdates:
         self._rebuild = False
         self._lock = threading.Lock()
 
-    def replay(self, loaded: Any) -> Any:
+    def replay(self, loaded: LoadedModel) -> LoadedModel:
         """``ModelHost`` ``on_load``: applies ``loaded``'s log to its model (a torn last record
         is dropped); -> ``loaded`` with the updated model. Raises if a record does not apply."""
-        version = int(loaded.version)
+        version = loaded.version
         path = log_path(self.state_dir, self.model, version)
         self._close(version)
         update_log, records = UpdateLog.open(path)
@@ -102,7 +102,7 @@ class LiveUpdates:
                 raise wire_error(kind, e) from None
             except ValueError as e:  # checks below the model level (the index's own)
                 raise RequestError(str(e)) from None
-            version = int(loaded.version)
+            version = loaded.version
             update_log = self._log(version)
             seq = update_log.count + 1
             update_log.append(to_record(prepared.resolved, seq).SerializeToString())

@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -405,13 +406,13 @@ def make_router(
     config: RouterConfig,
     registry: CollectorRegistry,
     upstream: ClientAuth | None = None,
-) -> tuple[ShardedRepository, Any]:
+) -> tuple[ShardedRepository, Callable[[LoadedModel], RouterRunner]]:
     """-> (the repository the model host reads, its ``make_runner``). ``upstream``: TLS and the
     token for the calls to shard and embedding servers (``Security.upstream``)."""
     client = ShardClient(config, model, registry, upstream)
     sharded = ShardedRepository(repo, client, config, upstream)
 
     def make_runner(loaded: LoadedModel) -> RouterRunner:
-        return RouterRunner(loaded.model, model, int(loaded.version), client)
+        return RouterRunner(loaded.model, model, loaded.version, client)
 
     return sharded, make_runner
