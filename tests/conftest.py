@@ -11,7 +11,8 @@ from hypothesis import settings
 
 torch.set_num_threads(2)
 
-pytest_plugins = ["support.serving_fixtures"]
+# child_guard: a test that starts a child process must be marked multiproc (it fails otherwise).
+pytest_plugins = ["support.serving_fixtures", "support.child_guard", "pytester"]
 
 # Property tests draw the same examples on every run (CI must not turn red by chance); set
 # HYPOTHESIS_PROFILE=explore to draw new ones, and keep any failure it finds as a regular test.
