@@ -1,18 +1,23 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, fetches MovieLens 100k, trains, builds the index, prints recommendations
 #   make test   creates .venv if missing, fetches the data, runs the test suite
+#   (make test-fast: the same without the slow and multi-process tests)
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ML100K := data/ml-100k/ml-100k.inter
 
-.PHONY: demo test venv data lint bench clean
+.PHONY: demo test test-fast venv data lint bench clean
 demo: $(STAMP) $(ML100K)
 	$(BIN)/recserve demo
 
 test: $(STAMP) $(ML100K)
 	$(BIN)/python -m pytest -q
+
+# The fast tier (a few minutes on 2 cores): no test that starts a process or takes over ~3 s.
+test-fast: $(STAMP) $(ML100K)
+	$(BIN)/python -m pytest -q -m "not slow and not multiproc"
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt

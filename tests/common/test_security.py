@@ -106,6 +106,7 @@ def https(server: Server, method: str, path: str, ca: Path, token: str | None = 
 
 
 # ---- gRPC ---------------------------------------------------------------------------------------
+@pytest.mark.multiproc  # openssl makes the certificate
 def test_recommend_over_tls_with_the_ca_and_no_plaintext(start, certs, tiny):
     cert, key = certs["server"]
     server = start(SecurityConfig(tls_cert=cert, tls_key=key))

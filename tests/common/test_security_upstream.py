@@ -52,6 +52,7 @@ def shards(tiny, tls, tmp_path_factory) -> Iterator[tuple[Path, list[str]]]:
         s.stop(0)
 
 
+@pytest.mark.multiproc  # openssl makes the certificate
 def test_shards_answer_only_a_caller_with_the_token_over_tls(shards, tls):
     _, addresses = shards
     ca = tls[0].read_bytes()

@@ -427,6 +427,7 @@ def kustomize_cmd() -> list[str] | None:
     return None
 
 
+@pytest.mark.multiproc  # runs kubectl
 @pytest.mark.parametrize("folder", [BASE, GPU], ids=["cpu-base", "gpu-overlay"])
 def test_kustomize_renders_config_and_gpus(folder: Path) -> None:
     """The real renderer: the router mounts the generated (hash-named) ConfigMap holding

@@ -15,6 +15,8 @@ from recserve.soak import SoakSpec, check
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_a_short_soak_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak"
     run = subprocess.run(

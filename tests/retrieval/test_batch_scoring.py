@@ -55,6 +55,8 @@ def job(root: Path, out: str, **kw) -> ScoreJob:
     return ScoreJob(root / "model", 1, root / "users.parquet", root / out, **args)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc  # worker processes
 def test_batch_scores_equal_per_user_answers(setup):
     root, prep, model, _ = setup
     score(job(root, "recs", filter="available"), progress=False)
@@ -72,6 +74,8 @@ def test_batch_scores_equal_per_user_answers(setup):
         )
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_a_killed_run_continues_to_the_same_output(setup, tmp_path):
     root, _, _, _ = setup
     from retrieval.artifact import load_model
@@ -125,6 +129,8 @@ def test_a_bad_users_file_is_refused_naming_the_column(setup, tmp_path, change, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_an_existing_folder_without_a_manifest_needs_overwrite(setup, tmp_path):
     root, _, _, _ = setup
     (tmp_path / "recs").mkdir()

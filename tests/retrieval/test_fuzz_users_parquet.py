@@ -188,6 +188,7 @@ def expected_bad(setup: Setup, table: pa.Table) -> set[str]:
     return bad
 
 
+@pytest.mark.slow
 @FUZZ
 @given(mutations)
 def test_bad_users_files_are_refused_naming_the_column(setup, tmp_path, plan):

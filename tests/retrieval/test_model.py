@@ -31,6 +31,7 @@ def trained():
     return prep, model, losses
 
 
+@pytest.mark.slow  # the trained fixture
 def test_training_lowers_the_loss_and_beats_popularity(trained):
     prep, model, losses = trained
     assert losses[-1] < losses[0]
@@ -45,6 +46,7 @@ def test_training_lowers_the_loss_and_beats_popularity(trained):
     )
 
 
+@pytest.mark.slow  # the trained fixture
 def test_forward_excludes_history_and_respects_filters(trained):
     prep, model, _ = trained
     users = np.arange(32)
@@ -61,6 +63,7 @@ def test_forward_excludes_history_and_respects_filters(trained):
     assert torch.all(scores[:, :-1] >= scores[:, 1:])
 
 
+@pytest.mark.slow  # the trained fixture
 def test_index_recall_against_exact_search(trained):
     prep, model, _ = trained
     batch = prep.user_batch(np.arange(200))
@@ -71,6 +74,8 @@ def test_index_recall_against_exact_search(trained):
     assert hits / exact.numel() >= 0.95
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc  # inductor compile workers
 def test_torch_compile_equals_eager(trained):
     prep, model, _ = trained
     batch = prep.user_batch(np.arange(16), [None] * 8 + ["region in {eu, na}"] * 8)
@@ -82,6 +87,7 @@ def test_torch_compile_equals_eager(trained):
     assert_same_topk(eager[0], eager[1], compiled[0], compiled[1], atol=1e-5)
 
 
+@pytest.mark.slow  # the trained fixture
 def test_state_dict_round_trip_weights_only(trained, tmp_path):
     prep, model, _ = trained
     buf = io.BytesIO()
@@ -97,6 +103,7 @@ def test_state_dict_round_trip_weights_only(trained, tmp_path):
         assert torch.equal(model(batch, 100)[0], again(batch, 100)[0])
 
 
+@pytest.mark.slow  # the trained fixture
 def test_loading_another_config_says_which_tensor(trained):
     prep, model, _ = trained
     other = copy.deepcopy(prep.config)
@@ -105,6 +112,7 @@ def test_loading_another_config_says_which_tensor(trained):
         load_state(RetrievalModel(other), model.state_dict())
 
 
+@pytest.mark.slow  # the trained fixture
 def test_k_larger_than_history_and_10000(trained):
     prep, model, _ = trained
     with torch.inference_mode():
@@ -134,6 +142,7 @@ def _bad(batch, **changes):
         (lambda b: _bad(b, filter_masks=b.filter_masks[:, :, :0]), "filter_masks"),
     ],
 )
+@pytest.mark.slow  # the trained fixture
 def test_bad_batches_raise_value_error_naming_the_field(trained, change, match):
     prep, model, _ = trained
     batch = prep.user_batch(np.arange(4), ["available"] * 4)
@@ -142,18 +151,22 @@ def test_bad_batches_raise_value_error_naming_the_field(trained, change, match):
 
 
 @pytest.mark.parametrize("k", [0, -3, 10**7])
+@pytest.mark.slow  # the trained fixture
 def test_bad_k(trained, k):
     prep, model, _ = trained
     with pytest.raises(ValueError, match="k"):
         model(prep.user_batch(np.arange(2)), k)
 
 
+@pytest.mark.slow  # the trained fixture
 def test_unknown_filter_attribute(trained):
     prep, _, _ = trained
     with pytest.raises(ValueError, match="colour"):
         prep.user_batch(np.arange(2), ["colour = red"] * 2)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc  # inductor compile workers
 def test_scoring_head_trains_and_serves():
     ds = generate(SyntheticConfig(num_users=300, num_items=800, seed=5))
     prep = prepare(

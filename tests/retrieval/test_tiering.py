@@ -19,6 +19,8 @@ from sharded_tables.tiered import TieredEmbeddingCollection
 
 HOST_ONLY = Budgets(device=0, host=1 << 30)
 
+pytestmark = pytest.mark.slow  # the trained fixture
+
 
 @pytest.fixture(scope="module")
 def trained():
@@ -60,6 +62,7 @@ def test_planner_quantizes_only_when_the_budget_demands_it(trained):
     assert DType.INT8 in {p.dtype for p in tight.tables.plan.tables}
 
 
+@pytest.mark.multiproc  # inductor compile workers
 def test_tiered_model_compiles_saves_and_loads(trained, tmp_path):
     prep, model = trained
     tiered, _ = tier_model(model, HOST_ONLY, dtype=DType.INT8)

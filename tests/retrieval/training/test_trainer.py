@@ -43,6 +43,7 @@ def same_state(a: RetrievalModel, b: RetrievalModel) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_fused_tables_train_and_come_back_as_float_tables(prep):
     model, trainer = run(prep, random_negatives=64)
     assert isinstance(model.tables, EmbeddingCollection)
@@ -51,6 +52,7 @@ def test_fused_tables_train_and_come_back_as_float_tables(prep):
     assert not torch.equal(model.tables.bags()["item"].weight, before)  # rows were trained
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(prep, tmp_path):
     whole, t_whole = run(prep, random_negatives=32)
     steps_per_epoch = len(prep.train.user_ids) // 128

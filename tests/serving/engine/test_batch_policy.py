@@ -35,6 +35,7 @@ def queues(draw) -> tuple[list[tuple[float, float | None]], float]:
     return queue, now
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None)
 @given(policies(), queues())
 def test_one_decision_follows_the_rules(policy, queue_now):
@@ -119,6 +120,7 @@ def arrivals(draw) -> list[tuple[float, float | None]]:
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(policies(), arrivals(), st.sampled_from([0.0, 0.001, 0.05]))
 def test_every_request_is_served_in_order_or_expires_or_is_refused(policy, arr, compute):

@@ -79,6 +79,7 @@ def canary(server: Server, stub, tiny) -> Iterator[Canary]:
 
 
 # ---- gRPC -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_grpc_model_infer_mutations(stub, canary, tiny, data):
@@ -145,6 +146,7 @@ def http_judge(
     judge(call, "200", shape=next(iter(out.values()))["shape"], loose=loose)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_http_infer_mutations(server, canary, tiny, data):

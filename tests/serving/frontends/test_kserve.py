@@ -272,6 +272,7 @@ def assert_named(e: RequestError) -> None:
     assert str(e).startswith(PREFIXES), str(e)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(wire(), max_size=6))
 def test_random_tensors_never_crash(tensors):
@@ -283,6 +284,7 @@ def test_random_tensors_never_crash(tensors):
         assert 1 <= len(reqs) <= SPEC.max_batch_size
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_mutating_one_field_of_a_good_call_never_crashes(data):

@@ -198,6 +198,7 @@ def where(lines: list[list[str]], grew: bool, staged: bool) -> str:
     return "mid-publish: while staging" if staged else "mid-publish: before staging"
 
 
+@pytest.mark.multiproc  # the publish worker process
 def test_kill_9_during_publish_never_exposes_a_partial_version(tiny, tmp_path, worker) -> None:
     root = tmp_path / "repo"
     mdir = root / NAME
@@ -320,6 +321,7 @@ def test_disk_full_during_publish_fails_cleanly(
     assert repo.publish(NAME, model, **kw) == 2  # and the number was not used up
 
 
+@pytest.mark.multiproc  # the publish worker process
 def test_real_write_failures_fail_cleanly(tiny, repo, serving, worker) -> None:
     """RLIMIT_FSIZE makes the kernel refuse writes past a size (EFBIG), torch's writer too."""
     size = (repo.root / NAME / "1" / "model" / "model.pt").stat().st_size
@@ -338,7 +340,10 @@ def test_real_write_failures_fail_cleanly(tiny, repo, serving, worker) -> None:
 
 
 # ---- read-only ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["chmod", "read-only file system", "immutable"])
+@pytest.mark.parametrize(
+    "mode",
+    ["chmod", "read-only file system", pytest.param("immutable", marks=pytest.mark.multiproc)],
+)  # immutable: runs chattr
 def test_read_only_repository_fails_cleanly(tiny, repo, serving, monkeypatch, mode) -> None:
     mdir = repo.root / NAME
     undo: list[Callable[[], object]] = []

@@ -25,6 +25,8 @@ from sharded_tables.remote.server_files import ShardTable, write_shard
 from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.tiered import TieredEmbeddingCollection
 
+pytestmark = pytest.mark.multiproc  # real embedding-server processes
+
 
 @pytest.fixture(scope="module")
 def trained():
