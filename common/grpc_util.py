@@ -1,7 +1,8 @@
 """Small gRPC helpers shared by this project's servers (embedding servers, the serving process)
-and their clients: binding a port (TLS when given credentials) and opening a channel that may
-use TLS and send a bearer token (:class:`ClientAuth`). What to check and which token to accept
-is ``common/security.py``'s business; this module only speaks gRPC."""
+and their clients: binding a port (TLS when given credentials), adding a service whose requests
+that do not parse are refused with INVALID_ARGUMENT (:func:`add_service`), and opening a channel
+that may use TLS and send a bearer token (:class:`ClientAuth`). What to check and which token to
+accept is ``common/security.py``'s business; this module only speaks gRPC."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 
 from common.ready import ReadyLine, print_ready
 
@@ -152,6 +155,98 @@ def exit_on_signals(*signals: signal.Signals) -> None:
     process deaf until it is ready, forever when it waits on a build that never ends."""
     for sig in signals:
         signal.signal(sig, _exit)
+
+
+@dataclass(frozen=True)
+class MalformedMessage:
+    """What a gRPC handler gets, in place of its request message, when the bytes on the wire are
+    no valid protobuf of that type (see :func:`tolerant_deserializer`)."""
+
+    type_name: str
+    """Full protobuf name of the message the method takes."""
+
+    @property
+    def message(self) -> str:
+        """Why the request is refused (INVALID_ARGUMENT), for the status details."""
+        return (
+            f"request: not a valid {self.type_name} message (bad wire format, cut short, or a "
+            "string that is not UTF-8)"
+        )
+
+
+def tolerant_deserializer(message_type: Any) -> Callable[[bytes], Any]:
+    """A gRPC ``request_deserializer`` for ``message_type`` that never fails: bytes that do not
+    parse become a :class:`MalformedMessage`, which the handler refuses with INVALID_ARGUMENT
+    (gRPC itself answers a deserializer's failure with INTERNAL)."""
+    name = message_type.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError:  # its text says no more than the type's name
+            return MalformedMessage(name)
+
+    return parse
+
+
+def _refusing_malformed(behaviour: Callable[[Any, grpc.ServicerContext], Any]) -> Any:
+    """A method that answers a request whose bytes did not parse with INVALID_ARGUMENT."""
+
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, MalformedMessage):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return behaviour(request, context)
+
+    return handle
+
+
+_HANDLER_KINDS = {  # (client streaming, server streaming) -> handler factory
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_service(
+    server: grpc.Server,
+    pb_module: Any,
+    service_name: str,
+    servicer: Any,
+    *,
+    refuse_malformed: bool = True,
+) -> dict[str, grpc.RpcMethodHandler]:
+    """Adds the service ``service_name`` (full name, e.g. ``recserve.admin.v1.Admin``) declared
+    in the generated module ``pb_module`` (``*_pb2``) to ``server`` (before it starts), as the
+    generated ``add_<Service>Servicer_to_server`` does (one handler per method of the
+    descriptor, calling ``servicer.<Method>``), except that requests are parsed by
+    :func:`tolerant_deserializer`: bytes that are no valid message get INVALID_ARGUMENT, where
+    the generated deserializer makes gRPC answer INTERNAL. Returns the handlers by method name.
+
+    ``refuse_malformed``: True: such a request is refused here, before the servicer runs;
+    False: the servicer's method gets the :class:`MalformedMessage` in place of the request and
+    must refuse it itself (a servicer that counts refusals, or checks authorization first).
+    Methods that take a stream of requests keep the strict deserializer (a stream has no single
+    request to refuse).
+    """
+    service = pb_module.DESCRIPTOR.services_by_name.get(service_name.rsplit(".", 1)[-1])
+    if service is None or service.full_name != service_name:
+        raise ValueError(f"service {service_name!r} is not declared in {pb_module.__name__}")
+    handlers = {}
+    for method in service.methods:
+        request = GetMessageClass(method.input_type)
+        behaviour = getattr(servicer, method.name)
+        streamed = method.client_streaming
+        if not streamed and refuse_malformed:
+            behaviour = _refusing_malformed(behaviour)
+        handlers[method.name] = _HANDLER_KINDS[streamed, method.server_streaming](
+            behaviour,
+            request_deserializer=request.FromString if streamed else tolerant_deserializer(request),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+    server.add_registered_method_handlers(service_name, handlers)
+    return handlers
 
 
 def serve_until_signal(start: Callable[[], ReadyLine]) -> None:

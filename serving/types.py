@@ -24,13 +24,11 @@ tensor             dtype     dims        meaning
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 INPUTS = ("history", "categorical", "dense", "k", "filter")
 OUTPUTS = ("item_ids", "scores")
@@ -87,36 +85,6 @@ def error_status(exc: BaseException) -> tuple[str, int, str]:
         if isinstance(exc, cls):
             return code, http, reason
     return "INTERNAL", 500, "internal"
-
-
-@dataclass(frozen=True)
-class MalformedMessage:
-    """What a gRPC handler gets, in place of its request message, when the bytes on the wire are
-    no valid protobuf of that type (see :func:`tolerant_deserializer`)."""
-
-    type_name: str
-    """Full protobuf name of the message the method takes."""
-
-    def error(self) -> RequestError:
-        return RequestError(
-            f"request: not a valid {self.type_name} message (bad wire format, cut short, or a "
-            "string that is not UTF-8)"
-        )
-
-
-def tolerant_deserializer(message_type: Any) -> Callable[[bytes], Any]:
-    """A gRPC ``request_deserializer`` for ``message_type`` that never fails: bytes that do not
-    parse become a :class:`MalformedMessage`, which the handler refuses with INVALID_ARGUMENT
-    (gRPC itself answers a deserializer's failure with INTERNAL)."""
-    name = message_type.DESCRIPTOR.full_name
-
-    def parse(data: bytes) -> Any:
-        try:
-            return message_type.FromString(data)
-        except DecodeError:  # its text says no more than the type's name
-            return MalformedMessage(name)
-
-    return parse
 
 
 @dataclass

@@ -25,24 +25,17 @@ status                   when
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from common.grpc_util import add_service
 from serving.engine.state import ServingState
 from serving.frontends import kserve
 from serving.frontends.kserve import WireTensor
-from serving.types import (
-    MalformedMessage,
-    ModelNotFoundError,
-    RecResult,
-    RequestError,
-    error_status,
-    tolerant_deserializer,
-)
+from serving.types import ModelNotFoundError, RecResult, RequestError, error_status
 
 log = logging.getLogger(__name__)
 
@@ -196,46 +189,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         raise AssertionError("unreachable: abort raises")
 
 
-def _refusing_malformed(behaviour: Callable[[Any, grpc.ServicerContext], Any]) -> Any:
-    """A unary method that answers a request whose bytes did not parse with INVALID_ARGUMENT."""
-
-    def handle(request: Any, context: grpc.ServicerContext) -> Any:
-        if isinstance(request, MalformedMessage):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error()))
-        return behaviour(request, context)
-
-    return handle
-
-
-def method_handlers(servicer: KServeServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """Every method of the service (those not served answer UNIMPLEMENTED), as the generated
-    ``add_GRPCInferenceServiceServicer_to_server`` builds them but with requests parsed by
-    :func:`~serving.types.tolerant_deserializer`: bytes that are no valid message get
-    INVALID_ARGUMENT, where the generated deserializer makes gRPC answer INTERNAL."""
-    handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]].methods:
-        request, response = (getattr(pb, t.name) for t in (method.input_type, method.output_type))
-        behaviour = getattr(servicer, method.name)
-        if method.client_streaming or method.server_streaming:  # ModelStreamInfer: UNIMPLEMENTED
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                behaviour,
-                request_deserializer=request.FromString,
-                response_serializer=response.SerializeToString,
-            )
-            continue
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _refusing_malformed(behaviour),
-            request_deserializer=tolerant_deserializer(request),
-            response_serializer=response.SerializeToString,
-        )
-    return handlers
-
-
 def add_kserve_servicer(server: grpc.Server, state: ServingState) -> None:
-    """Adds ``inference.GRPCInferenceService`` to ``server`` (before it starts)."""
-    handlers = method_handlers(KServeServicer(state))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    """Adds ``inference.GRPCInferenceService`` to ``server`` (before it starts), every method of
+    it (those not served answer UNIMPLEMENTED), with :func:`common.grpc_util.add_service`: bytes
+    that are no valid message get INVALID_ARGUMENT, where the generated deserializer makes gRPC
+    answer INTERNAL."""
+    add_service(server, pb, SERVICE, KServeServicer(state))
 
 
 add_servicer = add_kserve_servicer

@@ -23,19 +23,12 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.grpc_util import bind_port, format_address
+from common.grpc_util import MalformedMessage, add_service, bind_port, format_address
 from common.security import NO_SECURITY, Security
 from serving.engine.state import ServingState
 from serving.protos import recommend_pb2 as pb
 from serving.protos import recommend_pb2_grpc as pb_grpc
-from serving.types import (
-    MalformedMessage,
-    RecRequest,
-    RecResult,
-    RequestError,
-    error_status,
-    tolerant_deserializer,
-)
+from serving.types import RecRequest, RecResult, RequestError, error_status
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +43,10 @@ def parse_recommend(
 ) -> RecRequest:
     """Wire message -> :class:`RecRequest` (shapes and ranges are checked by the runner).
 
-    ``msg`` is a :class:`MalformedMessage` when the service is registered with
-    ``tolerant_deserializer(pb.RecommendRequest)`` and the bytes did not parse."""
+    ``msg`` is a :class:`MalformedMessage` when the bytes did not parse (see
+    :func:`add_recommender`): refused like any other bad request."""
     if isinstance(msg, MalformedMessage):
-        raise msg.error()
+        raise RequestError(msg.message)
     if msg.version < 0:
         raise RequestError(f"version: must be >= 0 (0: the one being served), got {msg.version}")
     return RecRequest(
@@ -81,18 +74,11 @@ def render_recommend(result: RecResult) -> pb.RecommendResponse:
 
 
 def add_recommender(server: grpc.Server, servicer: RecommendServicer) -> None:
-    """Adds ``Recommender`` as the generated ``add_RecommenderServicer_to_server`` does, but with
-    requests parsed by ``tolerant_deserializer``: bytes that are no ``RecommendRequest`` get
-    INVALID_ARGUMENT (the generated deserializer makes gRPC answer INTERNAL)."""
-    handlers = {
-        "Recommend": grpc.unary_unary_rpc_method_handler(
-            servicer.Recommend,
-            request_deserializer=tolerant_deserializer(pb.RecommendRequest),
-            response_serializer=pb.RecommendResponse.SerializeToString,
-        )
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    """Adds ``Recommender`` with :func:`common.grpc_util.add_service`: bytes that are no
+    ``RecommendRequest`` get INVALID_ARGUMENT (the generated deserializer makes gRPC answer
+    INTERNAL). The servicer refuses them itself (:func:`parse_recommend`), so that they are
+    counted with the other bad requests."""
+    add_service(server, pb, SERVICE, servicer, refuse_malformed=False)
 
 
 NO_DEADLINE_S = 1e7

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from common.grpc_util import MalformedMessage, add_service
 from retrieval.live_updates import RemoveItems, UpdateBatch
 from retrieval.model import RetrievalModel
 from serving.engine.state import LiveUpdater, ServingState
@@ -27,7 +28,7 @@ from serving.live.messages import (
 )
 from serving.protos import admin_pb2 as pb
 from serving.protos import admin_pb2_grpc as pb_grpc
-from serving.types import MalformedMessage, UnavailableError, error_status, tolerant_deserializer
+from serving.types import RequestError, UnavailableError, error_status
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         try:
             self.authorize(context, kind)
             if isinstance(request, MalformedMessage):  # see add_servicer
-                raise request.error()
+                raise RequestError(request.message)
             updates = self._updates()
             return updates.apply(self.state.host, kind, (request.model, request.version), parse)
         except Exception as e:
@@ -133,18 +134,8 @@ class AdminServicer(pb_grpc.AdminServicer):
 def add_servicer(
     server: grpc.Server, state: ServingState, authorize: Authorizer = allow_all
 ) -> None:
-    """Adds the ``Admin`` service to ``server`` (a ``serving.app.server`` gRPC plugin): the generated
-    ``add_AdminServicer_to_server``'s handlers, but with requests parsed by
-    :func:`~serving.types.tolerant_deserializer` (bytes that are no valid message get
-    INVALID_ARGUMENT; the generated deserializer makes gRPC answer INTERNAL)."""
-    servicer = AdminServicer(state, authorize)
-    handlers = {
-        m.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name),
-            request_deserializer=tolerant_deserializer(getattr(pb, m.input_type.name)),
-            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
-        )
-        for m in pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]].methods
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    """Adds the ``Admin`` service to ``server`` (a ``serving.app.server`` gRPC plugin) with
+    :func:`common.grpc_util.add_service`: bytes that are no valid message get INVALID_ARGUMENT
+    (where the generated deserializer makes gRPC answer INTERNAL). The servicer refuses them
+    itself, after ``authorize`` and counted with the other failed updates."""
+    add_service(server, pb, SERVICE, AdminServicer(state, authorize), refuse_malformed=False)

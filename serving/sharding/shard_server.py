@@ -32,7 +32,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from common.grpc_util import bind_port, format_address, serve_until_signal
+from common.grpc_util import add_service, bind_port, format_address, serve_until_signal
 from common.ready import ReadyLine, ready_line
 from common.security import NO_SECURITY, Security
 from retrieval.index.ivf import IVFIndex
@@ -221,7 +221,7 @@ class ShardServer:
             interceptors=security.interceptors(),
             options=GRPC_OPTIONS,
         )
-        pb_grpc.add_ShardServicer_to_server(ShardServicer(self), self._server)
+        add_service(self._server, pb, SERVICE, ShardServicer(self))  # garbage: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.grpc_util import bind_port, format_address, serve_until_signal
+from common.grpc_util import add_service, bind_port, format_address, serve_until_signal
 from common.ready import ReadyLine, ready_line
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
@@ -333,7 +333,7 @@ class EmbeddingServer:
             interceptors=list(interceptors),
             options=GRPC_OPTIONS,
         )
-        pb_grpc.add_EmbeddingServiceServicer_to_server(self.servicer, self._server)
+        add_service(self._server, pb, SERVICE, self.servicer)  # garbage: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
 
     @property

@@ -8,7 +8,7 @@ A canary thread sends valid requests during the whole run and every one is answe
 run the server still answers with the model's own top-K. A message over the receive limit is
 RESOURCE_EXHAUSTED.
 Bytes that are no ``RecommendRequest`` at all get INVALID_ARGUMENT (the service is registered
-with ``serving.types.tolerant_deserializer``; gRPC's generated one answers INTERNAL).
+with ``common.grpc_util.add_service``; gRPC's generated one answers INTERNAL).
 """
 
 from __future__ import annotations
@@ -202,7 +202,6 @@ def message(tiny, change: dict[str, object]) -> pb.RecommendRequest:
 
 
 # ---- the tests -----------------------------------------------------------------------------------
-@pytest.mark.slow
 @FUZZ
 @given(changes())
 def test_random_field_values_get_ok_or_a_refusal_naming_the_field(channel, canary, tiny, change):
@@ -229,7 +228,6 @@ def appended(draw: st.DrawFn) -> pb.RecommendRequest:
     return extra
 
 
-@pytest.mark.slow
 @FUZZ
 @given(changes(), appended())
 def test_raw_bytes_that_parse_are_judged_like_the_message(channel, canary, tiny, change, extra):

@@ -166,6 +166,19 @@ def test_a_shard_refuses_a_version_it_does_not_hold(cluster, wide):
     assert f"holds versions [{cluster.version}], not 99" in err.value.details()
 
 
+def test_a_shard_refuses_bytes_that_are_no_request_with_invalid_argument(cluster):
+    import grpc
+
+    with (
+        grpc.insecure_channel(cluster.shards[0].address) as channel,
+        pytest.raises(grpc.RpcError) as err,
+    ):
+        search = channel.unary_unary("/recserve.shard.v1.Shard/Search")
+        search(b"\xff\xff\xff\xff", timeout=5)  # a field key whose varint never ends
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # gRPC alone says INTERNAL
+    assert err.value.details().startswith("request: not a valid recserve.shard.v1.SearchRequest")
+
+
 def test_a_shard_searches_every_batch_size_before_it_reports_serving(wide, tmp_path, monkeypatch):
     repo = ModelRepository(tmp_path)
     repo.publish("demo", wide.model, shards=2)

@@ -181,6 +181,17 @@ def test_put_to_a_ranged_table_is_refused(cluster: Cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ranged" in err.value.details()
 
 
+@pytest.mark.parametrize("method", ["Lookup", "Put", "Info"])
+def test_bytes_that_are_no_request_get_invalid_argument_not_internal(cluster: Cluster, method):
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        call = channel.unary_unary(f"/recserve.embedding.v1.EmbeddingService/{method}")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\xff\xff\xff\xff", timeout=5)  # a field key whose varint never ends
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    want = f"request: not a valid recserve.embedding.v1.{method}Request message"
+    assert err.value.details().startswith(want), err.value.details()
+
+
 def test_fallback_zero_fills_a_dead_servers_rows_and_counts_them(
     cluster: Cluster, dead_address: str
 ):
