@@ -202,6 +202,7 @@ def message(tiny, change: dict[str, object]) -> pb.RecommendRequest:
 
 
 # ---- the tests -----------------------------------------------------------------------------------
+@pytest.mark.slow
 @FUZZ
 @given(changes())
 def test_random_field_values_get_ok_or_a_refusal_naming_the_field(channel, canary, tiny, change):
@@ -228,6 +229,7 @@ def appended(draw: st.DrawFn) -> pb.RecommendRequest:
     return extra
 
 
+@pytest.mark.slow
 @FUZZ
 @given(changes(), appended())
 def test_raw_bytes_that_parse_are_judged_like_the_message(channel, canary, tiny, change, extra):
