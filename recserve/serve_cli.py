@@ -142,9 +142,9 @@ def serve_router(
 ) -> None:
     """Serve the router of a document-sharded version: the towers here, the index search on
     the shard servers (``serve shard``), their answers merged exactly."""
+    flags = dict(locals())  # the parameters only: taken before any local import
     from serving.sharding.config import parse_shards
 
-    flags = dict(locals())
     router = {
         "shards": parse_shards(shards) if shards is not None else None,
         "shard_deadline_ms": flags.pop("shard_deadline_ms"),
@@ -181,11 +181,11 @@ def serve_shard_cmd(
     tls_client_ca: Path = _sec("tls_client_ca"),
 ) -> None:
     """Serve one document shard of a model's index until SIGTERM (prints its address)."""
+    flags = dict(locals())  # the parameters only: taken before any local import
     import logging
 
     from common.config import ConfigError
 
-    flags = dict(locals())
     security = {k: flags.pop(k) for k in list(flags) if k in SecurityConfig.model_fields}
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:

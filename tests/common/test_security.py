@@ -333,7 +333,7 @@ def test_serve_flags_reach_the_config(tmp_path, token_file, certs, monkeypatch):
 
 # ---- where servers listen -----------------------------------------------------------------------
 def test_every_server_binds_loopback_unless_told_otherwise(start):
-    from recserve import cli
+    from recserve import serve_cli
     from serving.frontends.recommend_grpc import GrpcServer
     from serving.sharding.shard_server import ShardServer
     from sharded_tables.remote.server import EmbeddingServer, serve
@@ -342,8 +342,9 @@ def test_every_server_binds_loopback_unless_told_otherwise(start):
     for fn in (GrpcServer.__init__, ShardServer.__init__, EmbeddingServer.__init__, serve):
         assert inspect.signature(fn).parameters["host"].default == "127.0.0.1", fn
     # the CLI: serve's --host defaults to the config's; the others' to 127.0.0.1
-    for command, default in ((cli.serve_cmd, None), (cli.shard_server_cmd, "127.0.0.1"),
-                             (cli.embed_server, "127.0.0.1")):  # fmt: skip
+    for command, default in ((serve_cli.serve_model, None), (serve_cli.serve_router, None),
+                             (serve_cli.serve_shard_cmd, "127.0.0.1"),
+                             (serve_cli.serve_embeddings, "127.0.0.1")):  # fmt: skip
         assert inspect.signature(command).parameters["host"].default.default == default
     server = start(SecurityConfig(), http_port=0, metrics_port=0)
     a = server.addresses
