@@ -305,8 +305,8 @@ def torchrec_loop(model: RetrievalModel, prep: Prepared, cfg: TrainConfig, mode:
 
 def build_loops(model: RetrievalModel, prep: Prepared, cfg: TrainConfig, dmp: bool) -> list[Loop]:
     """Every loop, from the same initial model."""
-    fused = dataclasses.replace(cfg, table_optimizer="rowwise_adagrad")
-    adam = dataclasses.replace(cfg, table_optimizer="adam")
+    fused = cfg.updated(table_optimizer="rowwise_adagrad")
+    adam = cfg.updated(table_optimizer="adam")
     loops = [
         torchrec_loop(model, prep, cfg, "adam"),
         ours(model, prep, fused, OURS_FUSED),

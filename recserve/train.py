@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from retrieval.artifact import save_model
 from retrieval.model import RetrievalModel
+from retrieval.training.config import PublishConfig
 from retrieval.training.distributed import DistContext
 from retrieval.training.run import RunConfig, RunResult, run_training
-
-PUBLISH_KEYS = {"model_repo", "name", "shards", "table_dtype", "keep"}
 
 
 def run(config: Path, out: Path, resume: bool, ctx: DistContext | None) -> RunResult | None:
     """Trains; on rank 0 saves and publishes. Returns the result on rank 0, else None."""
-    cfg = RunConfig.from_toml(config)
-    bad = sorted(set(cfg.publish) - PUBLISH_KEYS)
-    if bad:
-        raise ValueError(f"publish.{bad[0]}: unknown key (known: {sorted(PUBLISH_KEYS)})")
+    cfg = RunConfig.from_toml(config)  # every table checked before any work
     if cfg.train.checkpoint_dir is None and ctx is None:
         cfg.train.checkpoint_dir = out / "checkpoints"
     checkpoint = None
@@ -48,7 +43,7 @@ def run(config: Path, out: Path, resume: bool, ctx: DistContext | None) -> RunRe
         json.dumps({"epoch_losses": result.epoch_losses, "evals": result.evals}, indent=2)
     )
     _print(console, result, path)
-    if cfg.publish:
+    if cfg.publish is not None:
         _publish(console, result.model, cfg.publish)
     return result
 
@@ -67,22 +62,20 @@ def _print(console: Console, result: RunResult, path: Path) -> None:
     console.print(f"model folder: {path}")
 
 
-def _publish(console: Console, model: RetrievalModel, spec: dict[str, Any]) -> None:
+def _publish(console: Console, model: RetrievalModel, spec: PublishConfig) -> None:
     from retrieval.tiering import tier_model
     from serving.repository import ModelRepository
     from sharded_tables.placement import Budgets
     from sharded_tables.specs import DType
 
-    if "model_repo" not in spec or "name" not in spec:
-        raise ValueError("publish: needs model_repo and name")
-    dtype = DType(spec.get("table_dtype", "int8"))
+    dtype = DType(spec.table_dtype)
     served = model
     if dtype is not DType.FP32:
         served, _ = tier_model(model, Budgets(device=0, host=1 << 40), dtype=dtype)
-    shards = int(spec.get("shards", 0)) or None
-    repo = ModelRepository(Path(spec["model_repo"]))
-    version = repo.publish(spec["name"], served, shards=shards, keep=int(spec.get("keep", 3)))
+    shards = spec.shards or None
+    repo = ModelRepository(spec.model_repo)
+    version = repo.publish(spec.name, served, shards=shards, keep=spec.keep)
     console.print(
-        f"published {spec['name']} v{version} ({dtype.value} tables"
-        f"{f', {shards} document shards' if shards else ''}) to {repo.version_dir(spec['name'], version)}"
+        f"published {spec.name} v{version} ({dtype.value} tables"
+        f"{f', {shards} document shards' if shards else ''}) to {repo.version_dir(spec.name, version)}"
     )

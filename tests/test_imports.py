@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LIGHT_MODULES = [
     "serving.app.config",
+    "retrieval.training.config",
     "sharded_tables.planner",
     "sharded_tables.placement",
     "sharded_tables.interface",

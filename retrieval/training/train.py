@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from tqdm import tqdm
 from common.atomic import atomic_writer
 from retrieval.features import UserBatch
 from retrieval.model import RetrievalModel, table_configs
+from retrieval.training.config import TrainConfig
 from retrieval.training.distributed import (
     DistContext,
     ShardedTrainableTables,
@@ -45,73 +46,10 @@ from retrieval.training.distributed import (
 )
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
 from sharded_tables.interface import TableCollection
-from sharded_tables.trainable import OPTIMIZERS, TrainableTables
+from sharded_tables.trainable import TrainableTables
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FILE = "checkpoint.pt"
-
-
-@dataclass
-class TrainConfig:
-    """Optimization settings (``recserve train``'s ``[train]`` table)."""
-
-    epochs: int = 5
-    batch_size: int = 512
-    lr: float = 3e-3
-    """Adam's learning rate for the dense parts (towers, head)."""
-    weight_decay: float = 0.0
-    table_optimizer: str = "rowwise_adagrad"
-    """Fused fbgemm optimizer of the tables ("rowwise_adagrad", "adagrad", "sgd"), or "adam"
-    (tables as dense parameters)."""
-    table_lr: float = 0.05
-    """Learning rate of the fused table optimizer."""
-    random_negatives: int = 0
-    """Items drawn uniformly per batch as extra negatives (0: in-batch negatives only)."""
-    micro_batches: int = 1
-    """Each batch's softmax runs over this many equal slices (what each of that many
-    data-parallel ranks sees), so one process reproduces a multi-process run."""
-    seed: int = 0
-    progress: bool = True
-    """Show a progress bar with loss and examples/s."""
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0
-    """Steps between checkpoints (0: at the end of each epoch only); needs checkpoint_dir."""
-    max_steps: int | None = None
-    """Stop after this many steps in all (a later run resumes from the checkpoint)."""
-
-    def validate(self) -> None:
-        """Raises ``ValueError`` naming the first bad field."""
-        for name in ("epochs", "batch_size", "micro_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "table_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"train.{name}: must be > 0, got {getattr(self, name)}")
-        if self.table_optimizer not in (*OPTIMIZERS, "adam"):
-            raise ValueError(
-                f"train.table_optimizer: one of {[*OPTIMIZERS, 'adam']}, got {self.table_optimizer!r}"
-            )
-        if self.random_negatives < 0 or self.checkpoint_every < 0 or self.weight_decay < 0:
-            raise ValueError("train.random_negatives, checkpoint_every, weight_decay: must be >= 0")
-        if self.batch_size % self.micro_batches:
-            raise ValueError(
-                f"train.micro_batches: {self.micro_batches} must divide batch_size {self.batch_size}"
-            )
-        if self.checkpoint_every and self.checkpoint_dir is None:
-            raise ValueError("train.checkpoint_every: needs train.checkpoint_dir")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"train.{unknown[0]}: unknown key (known: {sorted(known)})")
-        d = dict(d)
-        if d.get("checkpoint_dir") is not None:
-            d["checkpoint_dir"] = Path(d["checkpoint_dir"])
-        cfg = cls(**d)
-        cfg.validate()
-        return cfg
 
 
 class TrainingDivergedError(RuntimeError):
@@ -347,7 +285,7 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Everything a resume needs (plain tensors and numbers: loads with weights_only)."""
-        cfg = asdict(self.cfg)
+        cfg = self.cfg.model_dump()
         cfg["checkpoint_dir"] = str(cfg["checkpoint_dir"]) if cfg["checkpoint_dir"] else None
         return {
             "model": self.model.state_dict(),

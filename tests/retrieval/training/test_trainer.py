@@ -1,4 +1,5 @@
-"""The trainer: fused fbgemm tables, resume == uninterrupted, NaN stops cleanly, config errors."""
+"""The trainer: fused fbgemm tables, resume == uninterrupted, NaN stops cleanly (its config's
+errors: test_config.py)."""
 
 from __future__ import annotations
 
@@ -92,21 +93,6 @@ def test_a_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(prep, tmp_
         trainer.fit()
     saved = torch.load(tmp_path / CHECKPOINT_FILE, weights_only=True)
     assert saved["global_step"] == 3  # the last good step, not the poisoned one
-
-
-@pytest.mark.parametrize(
-    ("change", "field"),
-    [
-        ({"batch_size": 0}, "train.batch_size"),
-        ({"table_optimizer": "lamb"}, "train.table_optimizer"),
-        ({"micro_batches": 3}, "train.micro_batches"),
-        ({"checkpoint_every": 5}, "train.checkpoint_every"),
-        ({"learning_rate": 0.1}, "train.learning_rate: unknown key"),
-    ],
-)
-def test_a_bad_train_config_names_the_field(change, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        TrainConfig.from_dict({"batch_size": 128, **change})
 
 
 def test_micro_batches_split_the_softmax_not_the_step(prep):

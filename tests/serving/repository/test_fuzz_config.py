@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 
 from retrieval.data import SyntheticConfig
 from retrieval.index.ivf import IVFConfig
-from retrieval.training.run import TABLES, RunConfig
-from retrieval.training.train import TrainConfig
+from retrieval.training.config import RunConfig, TrainConfig
 from serving.app.config import (
     MAX_C_INT,
     MAX_WAIT_S,
@@ -304,13 +303,14 @@ def test_serve_toml_loads_or_names_the_field(tmp_path, data):
             assert 0 <= getattr(cfg.router, name) <= MAX_WAIT_S * 1000, name
 
 
+TABLES = list(RunConfig.model_fields)
 TRAIN_KEYS = {
     "data": ["source", "data_dir", *keys_of(SyntheticConfig)],
     "model": ["user_features", "history_len", "hidden", "embedding_dim", "index", "out_dim",
               "temperature", "head_tasks", "num_items", "table_plan"],
     "train": keys_of(TrainConfig),
     "evaluate": ["k", "users"],
-    "publish": ["model_repo", "name", "shards"],
+    "publish": ["model_repo", "name", "shards", "table_dtype"],
 }  # fmt: skip
 
 
@@ -337,15 +337,16 @@ def test_train_toml_loads_or_names_the_field(tmp_path_factory, text):
     path.write_bytes(text.encode("utf-8", "surrogateescape"))  # "\udcff": the byte 0xff
     try:
         cfg = RunConfig.from_toml(path)
-    except ValueError as e:
-        named = FIELD.match(str(e))
-        event(f"refused: {named.group(1) if named else str(e)[:30]}")
+    except ConfigError as e:
+        message = str(e).removeprefix(f"{path}: ")
+        named = FIELD.match(message)
+        event(f"refused: {named.group(1) if named else message[:30]}")
         assert named and named.group(1).split(".")[0] in ("--config", *TABLES, "nope"), e
         return
     event("loaded")
     assert isinstance(cfg.train, TrainConfig)
-    cfg.train.validate()  # ranges hold, and every value has its field's type (no TypeError)
-    k, users = cfg.evaluate.get("k", 100), cfg.evaluate.get("users", 0)
+    assert type(cfg.train.batch_size) is int and cfg.train.batch_size >= 1  # typed and in range
+    k, users = cfg.evaluate.k, cfg.evaluate.users
     assert type(k) is int and k >= 1 and type(users) is int and users >= 0
 
 
@@ -378,9 +379,11 @@ def test_values_that_broke_the_server_are_refused_naming_the_field(tmp_path, tex
     path = tmp_path / "serve.toml"
     path.write_bytes(f'model_repo = "{tmp_path}"\n{text}\n'.encode("utf-8", "surrogateescape"))
     flag = r"( \(--[\w-]+\))?"
-    with pytest.raises(ConfigError, match=rf"^({re.escape(str(path))}: )?{re.escape(field)}{flag}: "):
+    with pytest.raises(
+        ConfigError, match=rf"^({re.escape(str(path))}: )?{re.escape(field)}{flag}: "
+    ):
         cfg = ServeConfig.from_toml(path)
         cfg.validate()
     if field == "--config":  # the training config's loader reads TOML alike
-        with pytest.raises(ValueError, match=r"^--config: cannot read"):
+        with pytest.raises(ConfigError, match=rf"^--config: {re.escape(str(path))} is not valid"):
             RunConfig.from_toml(path)

@@ -1,0 +1,317 @@
+"""``recserve train``'s configuration: ``train.toml`` as one typed :class:`RunConfig`, one model
+per table, every constraint declared once on its field (``common/config.py``).
+
+Example ``train.toml`` (every table optional, every key but ``[publish]``'s first two)::
+
+    [data]
+    source = "synthetic"        # or "movielens" (data_dir = "data/ml-100k")
+    num_users = 2000            # synthetic only
+    num_items = 5000
+
+    [model]
+    embedding_dim = 32
+    out_dim = 64
+    user_features = ["age_bucket", "country"]   # a subset of the data's user features
+
+    [model.index]               # the in-model IVF index
+    codes = "int8"
+
+    [train]
+    epochs = 5
+    batch_size = 512
+    table_optimizer = "rowwise_adagrad"
+
+    [evaluate]
+    k = 100
+    users = 2000                # held-out users evaluated after each epoch (0: all)
+
+    [publish]                   # publish into a model repository
+    model_repo = "runs/train/model_repo"
+    name = "demo"
+    shards = 0                  # > 0: document shards
+    table_dtype = "int8"        # the served tables' dtype
+
+A bad value is refused before any work, naming the file and the field
+(``train.toml: train.batch_size: must be >= 1, got 0``).
+
+``[model]`` and ``[data]`` mirror the fields of the dataclasses the model code holds
+(:class:`retrieval.config.ModelConfig`, :class:`retrieval.index.ivf.IVFConfig`,
+:class:`retrieval.data.SyntheticConfig`): they are saved beside the weights and built by code,
+so they stay dataclasses, and these sections build them (``tests/retrieval/training/
+test_config.py`` holds names and defaults equal). :class:`TrainConfig` is the trainer's own.
+Importing this module loads no torch (those modules are imported inside the builders).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from common.config import Config, PathValue
+
+if TYPE_CHECKING:
+    from retrieval.data import SyntheticConfig
+    from retrieval.index.ivf import IVFConfig
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Share = Annotated[float, Field(ge=0, le=1)]
+"""A probability or a fraction: 0 to 1."""
+Seed = Annotated[int, Field(ge=0)]
+"""A random seed (numpy's seed sequences take no negative number)."""
+
+
+# ---- [data] ------------------------------------------------------------------------------------
+class DataConfig(Config):
+    """``[data]``: where the interactions come from. ``synthetic`` takes the generator's keys
+    (:class:`retrieval.data.SyntheticConfig`), ``movielens`` only ``data_dir``."""
+
+    source: Literal["synthetic", "movielens"] = "synthetic"
+    """The generated data set, or MovieLens 100k from ``data_dir``."""
+    data_dir: PathValue = Path("data/ml-100k")
+    """movielens: the MovieLens 100k folder (``recserve data movielens`` fetches it)."""
+    num_users: PositiveInt = 2000
+    """synthetic: users."""
+    num_items: PositiveInt = 5000
+    """synthetic: items of the catalog."""
+    num_topics: PositiveInt = 20
+    """synthetic: latent interest topics."""
+    topics_per_user: list[PositiveInt] = Field(default=[1, 3], min_length=2, max_length=2)
+    """synthetic: ``[lo, hi]``, the inclusive range of each user's number of interest topics
+    (``1 <= lo <= hi <= num_topics``)."""
+    interactions_per_user: float = Field(default=40.0, gt=0)
+    """synthetic: mean interactions per user (lognormal, at least ``min_interactions``)."""
+    interactions_spread: float = Field(default=0.6, ge=0)
+    """synthetic: sigma of the lognormal number of interactions per user."""
+    min_interactions: PositiveInt = 5
+    """synthetic: fewest interactions of a user."""
+    zipf_exponent: float = Field(default=1.1, ge=0)
+    """synthetic: item popularity is ``1 / rank ** zipf_exponent``."""
+    explore: Share = 0.1
+    """synthetic: share of draws from the whole catalog instead of the user's topics."""
+    num_categories: PositiveInt = 12
+    """synthetic: values of the ``category`` attribute."""
+    category_follows_topic: Share = 0.8
+    """synthetic: probability that an item's category is its topic's."""
+    available_fraction: Share = 0.9
+    """synthetic: share of items ``available``."""
+    seed: Seed = 0
+    """synthetic: seed of the generator (the same seed, the same data)."""
+
+    @field_validator("data_dir")
+    @classmethod
+    def _only_movielens(cls, value: Path, info: ValidationInfo) -> Path:
+        if info.data.get("source") == "synthetic":
+            raise ValueError("only with source = 'movielens'")
+        return value
+
+    @field_validator(
+        "num_users", "num_items", "num_topics", "topics_per_user", "interactions_per_user",
+        "interactions_spread", "min_interactions", "zipf_exponent", "explore",
+        "num_categories", "category_follows_topic", "available_fraction", "seed",
+    )  # fmt: skip
+    @classmethod
+    def _only_synthetic(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.data.get("source") == "movielens":
+            raise ValueError("unknown key for source = 'movielens' (known: data_dir)")
+        if info.field_name == "topics_per_user":
+            lo, hi = value
+            top = info.data.get("num_topics", 1)
+            if not lo <= hi <= top:
+                raise ValueError(f"need 1 <= lo <= hi <= num_topics ({top}), got {value}")
+        return value
+
+    def synthetic(self) -> SyntheticConfig:
+        """The generator's config (``source = "synthetic"``)."""
+        from retrieval.data import SyntheticConfig
+
+        values = self.model_dump(exclude={"source", "data_dir"})
+        return SyntheticConfig(**{**values, "topics_per_user": tuple(self.topics_per_user)})
+
+
+# ---- [model] -----------------------------------------------------------------------------------
+class IndexSection(Config):
+    """``[model.index]``: the in-model IVF index (:class:`retrieval.index.ivf.IVFConfig`); the
+    number of lists and the lists probed follow the catalog's size unless given."""
+
+    nlist: PositiveInt | None = None
+    """Inverted lists (k-means centroids); None: about sqrt(items)."""
+    nprobe: PositiveInt | None = None
+    """Lists scanned per unfiltered query; None: nlist / 8 (then tuned: ``target_recall``)."""
+    codes: Literal["int8", "fp8"] = "int8"
+    """Residual code format (row-wise scale)."""
+    rerank: int = Field(default=0, ge=0)
+    """Candidates re-scored with the exact copy before the final top-K (0: approximate scores
+    are final)."""
+    exact_copy: Literal["float16", "float32", "none"] = "float16"
+    """Dtype of the exact copy used for re-ranking and exact scans ("none": codes decoded)."""
+    kmeans_iters: PositiveInt = 20
+    """k-means iterations of the build."""
+    kmeans_max_points_per_centroid: PositiveInt = 256
+    """Sample size of k-means, per centroid."""
+    seed: Seed = 0
+    """Seed of the k-means sample and start."""
+    exact_cost: float = Field(default=2.0, gt=0)
+    """Cost of scoring one eligible item exactly, relative to one code in a list (a filtered
+    request is scanned exactly when eligible items x exact_cost <= codes in its lists)."""
+    filter_nprobe_exponent: float = Field(default=0.5, ge=0)
+    """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
+    target_recall: Share = 0.97
+    """If > 0, the build picks the smallest power-of-two nprobe whose recall@``tune_k``
+    against exact search reaches this on sample queries."""
+    tune_k: PositiveInt = 100
+    """K of the recall that ``target_recall`` asks for."""
+
+    def build(self, num_items: int) -> IVFConfig:
+        """The index config for a catalog of ``num_items``."""
+        from retrieval.index.ivf import IVFConfig
+
+        nlist = self.nlist or max(1, math.isqrt(num_items))
+        nprobe = self.nprobe or max(1, nlist // 8)
+        return IVFConfig(**{**self.model_dump(), "nlist": nlist, "nprobe": nprobe})
+
+
+DERIVED = frozenset({"num_items", "item_attributes", "dense_dim"})
+"""ModelConfig fields that come from the data, never from ``[model]``."""
+
+
+class ModelSection(Config):
+    """``[model]``: :class:`retrieval.config.ModelConfig`'s settable fields (the catalog's size,
+    item attributes and dense width come from the data; training takes float tables, so no
+    ``table_plan``: ``[publish] table_dtype`` quantizes the served copy)."""
+
+    user_features: list[str] | None = None
+    """Categorical user features the tower reads: a subset of the data's (None: all)."""
+    embedding_dim: PositiveInt = 32
+    """Width of every embedding table."""
+    hidden: list[PositiveInt] = Field(default_factory=lambda: [128])
+    """Hidden layer widths of both towers."""
+    out_dim: PositiveInt = 64
+    """Width D of query and item vectors (L2-normalized)."""
+    history_len: PositiveInt = 50
+    """Most recent items of a user's history that the user tower reads."""
+    exclude_history: bool = True
+    """Never recommend an item already in the request's history."""
+    temperature: float = Field(default=0.05, gt=0)
+    """Softmax temperature of training logits (q · v / temperature)."""
+    scoring_head: bool = False
+    """Add a learned head over (query, item) pairs to the dot product of re-ranked candidates."""
+    head_hidden: PositiveInt = 64
+    """Hidden width of the scoring head."""
+    head_tasks: list[str] = Field(default_factory=lambda: ["engagement"], min_length=1)
+    """Task outputs of the head; combined into one value with ``head_task_weights``."""
+    head_task_weights: list[float] = Field(default_factory=lambda: [1.0])
+    """One weight per task of ``head_tasks``."""
+    head_candidates: PositiveInt = 200
+    """Candidates the head re-scores (at least K + history length)."""
+    index: IndexSection = Field(default_factory=IndexSection)
+    """``[model.index]``: the in-model IVF index."""
+
+    @field_validator("head_task_weights")
+    @classmethod
+    def _one_weight_per_task(cls, value: list[float], info: ValidationInfo) -> list[float]:
+        tasks = info.data.get("head_tasks")
+        if tasks is not None and len(value) != len(tasks):
+            raise ValueError(f"one per task of head_tasks ({len(tasks)}), got {len(value)}")
+        return value
+
+    def overrides(self) -> dict[str, Any]:
+        """The ModelConfig fields this section sets (tuples where ModelConfig holds them),
+        without ``user_features``, ``history_len`` and ``index`` (built against the data)."""
+        values = self.model_dump(exclude={"user_features", "history_len", "index"})
+        for key in ("hidden", "head_tasks", "head_task_weights"):
+            values[key] = tuple(values[key])
+        return values
+
+
+# ---- [train] -----------------------------------------------------------------------------------
+class TrainConfig(Config):
+    """Optimization settings (``[train]``; :class:`retrieval.training.train.Trainer`'s config)."""
+
+    epochs: PositiveInt = 5
+    """Passes over the training pairs."""
+    batch_size: PositiveInt = 512
+    """Positive (user, item) pairs per step (over all ranks under torchrun)."""
+    lr: float = Field(default=3e-3, gt=0)
+    """Adam's learning rate for the dense parts (towers, head)."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Adam's weight decay."""
+    table_optimizer: Literal["rowwise_adagrad", "adagrad", "sgd", "adam"] = "rowwise_adagrad"
+    """Fused fbgemm optimizer of the tables, or "adam" (tables as dense parameters)."""
+    table_lr: float = Field(default=0.05, gt=0)
+    """Learning rate of the fused table optimizer."""
+    random_negatives: int = Field(default=0, ge=0)
+    """Items drawn uniformly per batch as extra negatives (0: in-batch negatives only)."""
+    micro_batches: PositiveInt = 1
+    """Each batch's softmax runs over this many equal slices (what each of that many
+    data-parallel ranks sees), so one process reproduces a multi-process run; divides
+    ``batch_size``."""
+    seed: Seed = 0
+    """Seed of the initial weights, batch order and negatives."""
+    progress: bool = True
+    """Show a progress bar with loss and examples/s."""
+    checkpoint_dir: PathValue | None = None
+    """Where ``checkpoint.pt`` is written (``recserve train``: ``OUT/checkpoints`` when unset)."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Steps between checkpoints (0: at the end of each epoch only); needs checkpoint_dir."""
+    max_steps: PositiveInt | None = None
+    """Stop after this many steps in all (a later run resumes from the checkpoint)."""
+
+    @field_validator("micro_batches")
+    @classmethod
+    def _divides_the_batch(cls, value: int, info: ValidationInfo) -> int:
+        batch = info.data.get("batch_size")
+        if batch is not None and batch % value:
+            raise ValueError(f"must divide batch_size ({batch}), got {value}")
+        return value
+
+    @field_validator("checkpoint_every")
+    @classmethod
+    def _needs_a_folder(cls, value: int, info: ValidationInfo) -> int:
+        if value and info.data.get("checkpoint_dir") is None:
+            raise ValueError("needs train.checkpoint_dir")
+        return value
+
+
+# ---- [evaluate] [publish] ----------------------------------------------------------------------
+class EvaluateConfig(Config):
+    """``[evaluate]``: recall@K and NDCG@K on held-out interactions after each epoch."""
+
+    k: PositiveInt = 100
+    """K of recall@K and NDCG@K."""
+    users: int = Field(default=2000, ge=0)
+    """Held-out users evaluated (the first ones with test interactions; 0: all)."""
+
+
+class PublishConfig(Config):
+    """``[publish]``: the trained model as a new version in a model repository
+    (``serving/repository``), written atomically: a running server swaps to it."""
+
+    model_repo: PathValue
+    """Model repository root."""
+    name: str = Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+    """Model name: one path component (``[A-Za-z0-9_.-]``, not starting with a dot)."""
+    shards: int = Field(default=0, ge=0)
+    """> 0: split the catalog into this many document shards (for ``serve router``)."""
+    table_dtype: Literal["fp32", "fp16", "fp8", "int8", "int4"] = "int8"
+    """The served tables' dtype (``sharded_tables.specs.DType``)."""
+    keep: PositiveInt = 3
+    """Versions of the model kept in the repository (older ones are removed)."""
+
+
+# ---- the file ----------------------------------------------------------------------------------
+class RunConfig(Config):
+    """``train.toml``: ``recserve train``'s whole run."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    """``[data]``: the interactions."""
+    model: ModelSection = Field(default_factory=ModelSection)
+    """``[model]``: the towers, tables and index."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """``[train]``: the optimization."""
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    """``[evaluate]``: held-out metrics."""
+    publish: PublishConfig | None = None
+    """``[publish]``: publish the trained model; None: only the model folder is written."""
