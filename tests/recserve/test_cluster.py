@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -32,8 +33,9 @@ from sharded_tables.placement import Budgets
 from sharded_tables.specs import DType, Tier
 from support.tiny_model import Tiny
 from support.topk_check import assert_same_topk
+from support.waiting import wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(300)]
 DEADLINE_MS = 400.0
 FILTERS = [None, "category in {news, music}"]
 
@@ -134,10 +136,11 @@ def test_a_killed_shard_gives_partial_answers_then_recovers(cluster):
 
     thread = threading.Thread(target=load)
     thread.start()
-    time.sleep(1.0)
+    wait_until(lambda: len(seen) >= 3, 30, "answers before the kill")
     shard = next(p for p in Cluster.load(d).processes if p.name == "shard-1-0")
     os.kill(shard.pid, signal.SIGKILL)
-    time.sleep(2.0)
+    killed_at = len(seen)
+    wait_until(lambda: sum(x[1] for x in seen[killed_at:]) >= 3, 30, "partial answers")
     restarted = recserve("cluster", "restart", "shard-1-0", "--directory", str(d))
     assert restarted.returncode == 0, restarted.stderr
     restarted_at, recovered_at = time.monotonic(), None
@@ -199,12 +202,13 @@ class Load:
     def since(self, n: int) -> list[tuple[float, str, bool, list[str], bool]]:
         return self.seen[n:]
 
-    def while_paused(self, pid: int, seconds: float = 2.0) -> list[tuple]:
-        """The answers that ended while ``pid`` was stopped (SIGSTOP ... SIGCONT)."""
+    def while_paused(self, pid: int, enough: Callable[[list[tuple]], bool]) -> list[tuple]:
+        """The answers that ended while ``pid`` was stopped (SIGSTOP ... SIGCONT); it stays
+        stopped until those answers are ``enough`` (at most 30 s)."""
         mark = len(self.seen)
         os.kill(pid, signal.SIGSTOP)
         try:
-            time.sleep(seconds)
+            wait_until(lambda: enough(self.since(mark)), 30, "answers while paused")
         finally:
             os.kill(pid, signal.SIGCONT)
         return self.since(mark)
@@ -226,7 +230,7 @@ def test_a_paused_shard_makes_answers_partial_within_the_deadline(cluster):
     shard = next(p for p in Cluster.load(d).processes if p.name == "shard-0-0")
     with Load(cluster) as load:
         assert load.wait_whole(20)
-        paused = load.while_paused(shard.pid)
+        paused = load.while_paused(shard.pid, lambda seen: sum(x[2] for x in seen) >= 3)
         assert load.wait_whole(20), "answers are whole again once the shard runs"
     assert paused and all(c == "OK" for _, c, *_ in paused), {c for _, c, *_ in paused}
     partial = [x for x in paused if x[2]]
@@ -246,7 +250,7 @@ def test_a_paused_embedding_server_fails_fast_and_recovers(cluster):
     with Load(cluster) as load:
         assert load.wait_whole(20)
         load.fresh.set()  # histories of rows the router's hot-row cache does not hold
-        paused = load.while_paused(embed.pid)
+        paused = load.while_paused(embed.pid, lambda seen: sum(x[1] != "OK" for x in seen) >= 3)
         load.fresh.clear()
         assert load.wait_whole(20), "answers are whole again once the embedding server runs"
     codes = {c for _, c, *_ in paused}

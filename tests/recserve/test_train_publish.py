@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ from retrieval.training.run import RunConfig, load_data, prepare_run
 from serving.protos.recommend_pb2 import RecommendRequest
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from support.process_util import STARTUP_S, serve_cmd, start_server
+from support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -107,10 +107,9 @@ def test_a_published_training_run_is_swapped_in_under_load(tmp_path):
         for t in threads:
             t.start()
         train(tmp_path, seed=2)  # publishes v2 while the load runs
-        until = time.monotonic() + 60
-        while time.monotonic() < until and (not versions or versions[-1] != 2):
-            time.sleep(0.1)
-        time.sleep(0.5)
+        wait_until(lambda: versions and versions[-1] == 2, 60, "answers by v2")
+        n = len(versions)  # a few more answers: none goes back to v1
+        wait_until(lambda: len(versions) >= n + 8, 60, "answers after v2")
         stop_load.set()
         for t in threads:
             t.join(30)

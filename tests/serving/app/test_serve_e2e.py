@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository import repository
 from support.process_util import STARTUP_S, serve_cmd, start_server
+from support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -118,12 +119,15 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
         threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        wait_until(lambda: all(seen), 60, "every client answered by v1")
         v2 = repo.publish("demo", v2_model)
-        until = time.monotonic() + 60
-        while not all(v and v[-1] == v2 for v in seen) and time.monotonic() < until:
-            time.sleep(0.05)
-        time.sleep(0.3)
+        wait_until(lambda: all(v and v[-1] == v2 for v in seen), 60, "every client on v2")
+        counts = [len(v) for v in seen]  # a few more answers each: none goes back to v1
+        wait_until(
+            lambda: all(len(v) >= n + 5 for v, n in zip(seen, counts, strict=True)),
+            60,
+            "answers after v2",
+        )
         stop_load.set()
         for t in threads:
             t.join(WAIT)
@@ -154,7 +158,7 @@ def test_serve_round_trip_hot_reload_and_drain(tmp_path: Path, tiny):
         drainers = [threading.Thread(target=drain_client) for _ in range(3)]
         for t in drainers:
             t.start()
-        time.sleep(0.3)
+        wait_until(lambda: len(outcomes) >= 3, 60, "requests in flight before SIGTERM")
         start = time.monotonic()
         proc.signal(signal.SIGTERM)
         while proc.alive() and time.monotonic() - start < 5.0:  # the linger window

@@ -27,6 +27,7 @@ from serving.protos import admin_pb2 as pb
 from serving.protos.admin_pb2_grpc import AdminStub
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from support.tiny_model import StandInRepo
+from support.waiting import wait_until
 
 WAIT = 10.0
 NEW_ID = 5000
@@ -278,9 +279,9 @@ def test_concurrent_requests_see_the_update_between_batches(start, tiny, pristin
     threads = [threading.Thread(target=client) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    wait_until(lambda: len(seen) >= 3, 30, "answers before the update")
     upsert_new(stub, tiny)
-    time.sleep(0.2)
+    wait_until(lambda: seen[-1][0] == NEW_ID, 30, "an answer with the new item")
     stop.set()
     for t in threads:
         t.join(WAIT)
