@@ -17,13 +17,12 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.multiproc  # runs the CLI as a process
 def test_help_lists_the_jobs_and_groups():
     out = run("--help")
     assert out.returncode == 0
     for job in ("demo", "train", "score", "serve", "cluster", "test", "bench", "data"):
         assert job in out.stdout
-
-
     groups = {
         "serve": ("model", "router", "shard", "embeddings"),
         "cluster": ("up", "status", "restart", "down"),
@@ -37,12 +36,14 @@ def test_help_lists_the_jobs_and_groups():
             assert command in out.stdout, (group, command)
 
 
+@pytest.mark.multiproc
 def test_old_command_names_are_gone():
     for old in ("shard-server", "embed-server", "loadtest", "soak", "bench-ann", "fetch-movielens"):
         out = run(old, "--help")
         assert out.returncode == 2 and "No such command" in out.stderr, old
 
 
+@pytest.mark.multiproc
 def test_help_loads_no_torch():
     """`recserve --help` (and a group's) stays fast: commands import their work lazily."""
     code = (
@@ -89,7 +90,10 @@ def test_bench_runs_a_script_of_the_current_directory(tmp_path, monkeypatch):
     (tmp_path / "bench" / "echo.py").write_text("import sys; sys.exit(len(sys.argv) - 1)")
     out = CliRunner().invoke(app, ["bench", "echo", "--a", "b", "c"])
     assert out.exit_code == 3, out.output
+
+
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_demo_on_synthetic_data_trains_serves_and_saves(tmp_path: Path):
     out = run("demo", "--data", "synthetic", "--epochs", "2", "--quiet", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -99,6 +103,7 @@ def test_demo_on_synthetic_data_trains_serves_and_saves(tmp_path: Path):
     assert model.index.ntotal == 5000
 
 
+@pytest.mark.multiproc
 def test_demo_rejects_unknown_data():
     out = run("demo", "--data", "nope", "--quiet")
     assert out.returncode != 0 and "synthetic" in (out.stdout + out.stderr)
