@@ -78,6 +78,7 @@ def test_choices_are_refused_naming_them(args, choices):
     assert out.exit_code == 2 and f"is not one of {choices}" in text, out.output
 
 
+@pytest.mark.multiproc  # recserve bench runs the script as a process
 def test_bench_runs_a_script_of_the_current_directory(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
