@@ -25,8 +25,10 @@ class RouterConfig(Config):
 
     shards: list[Annotated[list[Address], Field(min_length=1)]] = Field(default_factory=list)
     """Per shard (in shard order): the addresses of its replicas."""
-    shard_deadline_ms: Annotated[WaitMs, Field(gt=0)] = 100.0
-    """Longest a batch waits for a shard; a shard that misses it makes the answer partial."""
+    shard_deadline_ms: Annotated[WaitMs, Field(gt=0)] = 200.0
+    """Longest a batch waits for a shard; a shard that misses it makes the answer partial. The
+    default leaves room for a busy host (a cold or CPU-starved shard on 2 shared cores answers in
+    ~70-120 ms); a fleet with spare cores sets it lower."""
     hedge_after_ms: WaitMs = 0.0
     """> 0: a shard replica that has not answered after this long gets a twin call to the next
     replica, and the first answer wins. 0: no hedging (a replica that fails fast still fails
