@@ -352,7 +352,7 @@ def server(system: str, repo: Path, tmp: Path, args: argparse.Namespace) -> Iter
         cmd += ["--threads", str(args.threads), "--grpc-workers", str(args.grpc_workers)]
         run = start(cmd, log)
     elif system in ("ours", "ours-kserve", "ours-1proc"):
-        cmd = [sys.executable, "-m", "recserve", "serve", "--model-repo", str(repo)]
+        cmd = [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(repo)]
         cmd += ["--model", MODEL, "--grpc-port", "0"]
         if system == "ours-1proc":
             cmd += ["--torch-threads", str(args.threads)]

@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def remote_cases(args, names, weights, rows, record) -> None:
     """INT8 tables on 2 embedding servers: no cache vs warm cache, vs the local host tier."""
-    from sharded_tables.export import remote_routing, write_remote_shards
+    from sharded_tables.export import remote_routing, write_server_folders
     from sharded_tables.remote.client import RemoteTables
 
     dtype, d, b, per, t = DType.INT8, args.dim, args.batch, args.pooling, args.tables
@@ -302,7 +302,7 @@ def remote_cases(args, names, weights, rows, record) -> None:
         base = plan_for(specs, Tier.REMOTE, servers)
         scratch = TieredEmbeddingCollection(specs, base)
         packed = scratch.load_float(dict(zip(names, weights, strict=True)))
-        folders = write_remote_shards(base, specs, packed, Path(tmp))
+        folders = write_server_folders(base, specs, packed, Path(tmp))
         del scratch, packed
         procs, addrs = [], []
         try:
@@ -316,7 +316,7 @@ def remote_cases(args, names, weights, rows, record) -> None:
                         "embeddings",
                         "--folder",
                         str(folders[i]),
-                        "--port",
+                        "--grpc-port",
                         "0",
                         "--memory-budget",
                         "64GiB",

@@ -169,13 +169,13 @@ def only_model(model_repo: Path, model: str | None) -> str:
 def embedding_folder(model_repo: Path, model: str | None, index: int | None) -> Path:
     """The latest version's rows for embedding server ``index``."""
     from serving.repository.repository import EMBEDDINGS_DIR, ModelRepository
-    from sharded_tables.export import shard_folder
+    from sharded_tables.export import server_folder
 
     if index is None:
         raise ValueError("--index: required with --model-repo (which embedding server)")
     name = only_model(model_repo, model)
     vdir = ModelRepository(model_repo).verified_dir(name)
-    folder = shard_folder(vdir / EMBEDDINGS_DIR, index)
+    folder = server_folder(vdir / EMBEDDINGS_DIR, index)
     if not folder.is_dir():
         raise ValueError(f"--index: {name} version {vdir.name} has no rows for server {index}")
     return folder

@@ -14,7 +14,7 @@ Files, in the order data flows: ``specs`` (dtypes, tiers, TableSpec) -> ``placem
 ``planner`` (plan as data, the pure planning function) -> ``quantize`` (packed rows) -> ``tbe``
 (local tiers) / ``remote`` (embedding servers) / ``cache`` + ``idmap`` (hot rows) /
 ``id_transformer`` + ``dynamic_table`` (hashed ids) -> ``sharded`` (the collection) -> ``export``
-(shard folders and routing for the servers).
+(embedding-server folders and routing).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Apply the remote part of a plan: shard folders for the embedding servers, and the client's
+"""Apply the remote part of a plan: one folder per embedding server, and the client's
 routing table.
 
 A plan names remote servers by index (``TablePlacement.servers``); deployment gives them
-addresses. ``write_remote_shards`` writes folder ``<out>/server-<i>`` for every server ``i`` the
+addresses. ``write_server_folders`` writes folder ``<out>/server-<i>`` for every server ``i`` the
 plan uses (each ranged table's slice of packed rows ``[bounds[j], bounds[j+1])``, keyed tables
 empty), ready for ``recserve serve embeddings --folder <out>/server-<i>``.
 """
@@ -16,7 +16,7 @@ import torch
 
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.remote.client import RemoteTable
-from sharded_tables.remote.server_files import ShardTable, write_shard
+from sharded_tables.remote.server_files import ServerTable, write_server_folder
 from sharded_tables.specs import TableSpec, Tier
 
 
@@ -25,30 +25,30 @@ def remote_servers(plan: PlacementPlan) -> list[int]:
     return sorted({s for p in plan.tables if p.tier is Tier.REMOTE for s in p.servers})
 
 
-def shard_folder(out: Path, server: int) -> Path:
+def server_folder(out: Path, server: int) -> Path:
     return Path(out) / f"server-{server}"
 
 
-def write_remote_shards(
+def write_server_folders(
     plan: PlacementPlan,
     specs: Sequence[TableSpec],
     packed: Mapping[str, torch.Tensor],
     out: Path,
 ) -> dict[int, Path]:
-    """Writes one shard folder per server -> ``{server index: folder}``.
+    """Writes one folder per embedding server -> ``{server index: folder}``.
 
     ``packed``: ``{table: uint8 [rows, row_bytes]}`` for every ranged remote table (what
     :meth:`TieredEmbeddingCollection.load_float` returns).
     """
     by_name = {s.name: s for s in specs}
-    per_server: dict[int, list[ShardTable]] = {i: [] for i in remote_servers(plan)}
+    per_server: dict[int, list[ServerTable]] = {i: [] for i in remote_servers(plan)}
     for p in plan.tables:
         if p.tier is not Tier.REMOTE:
             continue
         spec = by_name[p.table]
         if p.partition == "keyed":
             for server in p.servers:
-                per_server[server].append(ShardTable(p.table, p.dtype, spec.dim, "keyed"))
+                per_server[server].append(ServerTable(p.table, p.dtype, spec.dim, "keyed"))
             continue
         rows = packed.get(p.table)
         if rows is None:
@@ -56,12 +56,12 @@ def write_remote_shards(
         for j, server in enumerate(p.servers):
             lo, hi = p.row_bounds[j], p.row_bounds[j + 1]
             per_server[server].append(
-                ShardTable(p.table, p.dtype, spec.dim, "range", lo, hi, rows[lo:hi].contiguous())
+                ServerTable(p.table, p.dtype, spec.dim, "range", lo, hi, rows[lo:hi].contiguous())
             )
     folders = {}
     for server, tables in per_server.items():
-        folders[server] = shard_folder(out, server)
-        write_shard(folders[server], tables)
+        folders[server] = server_folder(out, server)
+        write_server_folder(folders[server], tables)
     return folders
 
 

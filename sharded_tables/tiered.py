@@ -12,7 +12,7 @@ each table lives; this module executes it:
   and pooled with ``embedding_bag``.
 
 State (``state_dict``) holds the plan and the packed rows of local tables; remote rows live in
-the embedding servers' shard folders (:meth:`export_remote`).
+the embedding servers' folders (:meth:`export_remote`).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class TieredEmbeddingCollection(nn.Module):
         """Quantizes float tables ``{name: [rows, D]}`` per the plan into the local tiers.
 
         Returns the packed rows of remote tables (``{name: uint8 [rows, row_bytes]}``), which
-        belong in the embedding servers' shard folders (see :meth:`export_remote`).
+        belong in the embedding servers' folders (see :meth:`export_remote`).
         """
         remote: dict[str, torch.Tensor] = {}
         for s, p in self._placed():

@@ -54,7 +54,7 @@ from serving.repository.config import (
     write_config,
 )
 from serving.repository.manifest import MANIFEST_FILE, CorruptVersionError, verify, write_manifest
-from sharded_tables.export import write_remote_shards
+from sharded_tables.export import write_server_folders
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.tiered import RemoteFetcher
 
@@ -301,7 +301,7 @@ def _write_embeddings(
     if model.config.table_plan is None:
         raise ValueError("remote_rows: the model has no table plan (its tables are not tiered)")
     plan = PlacementPlan.from_dict(model.config.table_plan)
-    write_remote_shards(plan, table_specs(model.config), remote_rows, out)
+    write_server_folders(plan, table_specs(model.config), remote_rows, out)
 
 
 def _numbered(mdir: Path) -> list[int]:

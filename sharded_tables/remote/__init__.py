@@ -1,6 +1,6 @@
 """The remote tier: embedding servers holding packed rows in DRAM, read over gRPC.
 
-* :mod:`~sharded_tables.remote.server_files`: one server's shard on disk (manifest + packed rows,
+* :mod:`~sharded_tables.remote.server_files`: one server's folder on disk (manifest + packed rows,
   keyed tables' put logs), written atomically.
 * :mod:`~sharded_tables.remote.server`: ``EmbeddingServer`` / ``serve`` (``recserve serve embeddings``).
 * :mod:`~sharded_tables.remote.client`: ``RemoteTables``, the batched, de-duplicated client.
@@ -9,7 +9,7 @@
 
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables, route
 from sharded_tables.remote.server import EmbeddingServer, MemoryBudgetError, parse_size, serve
-from sharded_tables.remote.server_files import ShardTable, read_shard, write_shard
+from sharded_tables.remote.server_files import ServerTable, read_server_folder, write_server_folder
 
 __all__ = [
     "EmbeddingServer",
@@ -17,10 +17,10 @@ __all__ = [
     "RemoteLookupError",
     "RemoteTable",
     "RemoteTables",
-    "ShardTable",
+    "ServerTable",
     "parse_size",
-    "read_shard",
+    "read_server_folder",
     "route",
     "serve",
-    "write_shard",
+    "write_server_folder",
 ]

@@ -1,7 +1,7 @@
-"""An embedding server: one shard of packed rows in DRAM, served over gRPC.
+"""An embedding server: one folder of packed rows (its part of the remote tables) in DRAM, over gRPC.
 
 ``EmbeddingService`` (``embedding.proto``) plus standard gRPC health checking
-(``grpc.health.v1.Health``: SERVING once the shard is loaded, NOT_SERVING while draining).
+(``grpc.health.v1.Health``: SERVING once the folder is loaded, NOT_SERVING while draining).
 
 * Ranged tables answer GLOBAL row ids in ``[lo, hi)`` with one ``index_select`` over the packed
   rows ``uint8 [hi - lo, row_bytes]``; an id outside the range is INVALID_ARGUMENT.
@@ -12,12 +12,12 @@
 ``interceptors`` and ``credentials`` secure the port (``common/security.py`` builds them: a
 bearer-token check and TLS); the server itself knows nothing of tokens.
 
-The shard must fit ``memory_budget`` bytes: the server refuses to start (and refuses puts) with a
+The folder's rows must fit ``memory_budget`` bytes: the server refuses to start (and refuses puts) with a
 message saying by how many bytes it is over.
 
 Example::
 
-    server = EmbeddingServer("shards/0", port=0, memory_budget=parse_size("4GiB"))
+    server = EmbeddingServer("embeddings/server-0", port=0, memory_budget=parse_size("4GiB"))
     address = server.start()  # "127.0.0.1:43121"
     ...
     server.stop(grace=5.0)
@@ -76,7 +76,7 @@ def parse_size(text: str, field: str = "--memory-budget") -> int:
 
 
 class MemoryBudgetError(ValueError):
-    """The shard (or a put) does not fit the server's memory budget."""
+    """The folder's rows (or a put) do not fit the server's memory budget."""
 
 
 class RequestError(Exception):
@@ -181,10 +181,10 @@ Table = RangedTable | KeyedTable
 def load_tables(
     folder: Path, memory_budget: int | None, names: list[str] | None, verify: bool
 ) -> dict[str, Table]:
-    """Loads the shard's tables, refusing (``MemoryBudgetError``) a shard over the budget."""
+    """Loads the folder's tables, refusing (``MemoryBudgetError``) a folder over the budget."""
     entries = select_tables(read_manifest(folder), names)
     ranged = sum(e["bytes"] for e in entries if e["partition"] == "range")
-    _check_budget(ranged, memory_budget, f"shard {folder} (ranged tables)")
+    _check_budget(ranged, memory_budget, f"folder {folder} (ranged tables)")
     tables: dict[str, Table] = {}
     for e in entries:
         if e["partition"] == "range":
@@ -196,7 +196,7 @@ def load_tables(
             keys, rows, valid = replay_log(path, e["row_bytes"])
             log = KeyLog(path, valid)
             tables[e["name"]] = KeyedTable(e["name"], e["dtype"], e["dim"], log, keys, rows)
-    _check_budget(sum(t.nbytes() for t in tables.values()), memory_budget, f"shard {folder}")
+    _check_budget(sum(t.nbytes() for t in tables.values()), memory_budget, f"folder {folder}")
     return tables
 
 
@@ -307,11 +307,11 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
 
 
 class EmbeddingServer:
-    """Loads a shard folder (at construction) and serves it over gRPC (:meth:`start`)."""
+    """Loads a server folder (at construction) and serves it over gRPC (:meth:`start`)."""
 
     def __init__(
         self,
-        shard: Path | str,
+        folder: Path | str,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -323,10 +323,10 @@ class EmbeddingServer:
         interceptors: Sequence[grpc.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
     ):
-        self.shard, self.host, self.port = Path(shard), host, port
+        self.folder, self.host, self.port = Path(folder), host, port
         self.credentials = credentials
-        self.tables = load_tables(self.shard, memory_budget, tables, verify)
-        self.servicer = EmbeddingServicer(name or str(self.shard), self.tables, memory_budget)
+        self.tables = load_tables(self.folder, memory_budget, tables, verify)
+        self.servicer = EmbeddingServicer(name or str(self.folder), self.tables, memory_budget)
         self.health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
@@ -378,7 +378,7 @@ def serve(
 
     def start() -> ReadyLine:
         address = server.start()
-        log.info("embed-server listening on %s (shard %s: %s)", address, folder,
+        log.info("embed-server listening on %s (folder %s: %s)", address, folder,
                  ", ".join(sorted(server.tables)))  # fmt: skip
         return ready_line(
             "embeddings", grpc=address, folder=str(folder), tables=sorted(server.tables)

@@ -1,8 +1,8 @@
-"""One embedding server's shard on disk: a folder of packed rows and a manifest.
+"""One embedding server's folder on disk: packed rows and a manifest.
 
 Layout::
 
-    shard/
+    server-0/
       manifest.json          format, and per table: name, dtype, dim, partition, files
       item.bin               ranged table: (hi - lo) packed rows, raw bytes, row-major
       user_hash.keys.log     keyed table: append-only log of puts (see below)
@@ -15,15 +15,15 @@ Layout::
   write wins) gives the table. Each append is fsynced before the server acknowledges the put. A
   torn last record (a crash mid-append) is ignored and cut off before the next append.
 
-:func:`write_shard` is atomic: files go to a temporary sibling folder, are fsynced, and the folder
-is renamed into place, so a crash never leaves half a shard under the final name.
+:func:`write_server_folder` is atomic: files go to a temporary sibling folder, are fsynced, and the folder
+is renamed into place, so a crash never leaves half a folder under the final name.
 
 Example::
 
     rows = pack_rows(torch.randn(1000, 16), DType.INT8)  # [1000, 20] uint8
-    write_shard(path, [ShardTable("item", DType.INT8, 16, "range", lo=0, hi=1000, rows=rows),
-                       ShardTable("user", DType.FP16, 16, "keyed")])
-    manifest, tables = read_shard(path)
+    write_server_folder(path, [ServerTable("item", DType.INT8, 16, "range", lo=0, hi=1000, rows=rows),
+                       ServerTable("user", DType.FP16, 16, "keyed")])
+    manifest, tables = read_server_folder(path)
     tables[0].rows.shape  # (1000, 20)
 """
 
@@ -56,8 +56,8 @@ _COUNT = struct.Struct("<I")
 
 
 @dataclass
-class ShardTable:
-    """One table of a shard.
+class ServerTable:
+    """One table of an embedding server's folder.
 
     ``rows`` is ``uint8 [hi - lo, row_bytes(dim, dtype)]`` for a ranged table; for a keyed table
     it is ``uint8 [k, row_bytes]`` stored under ``ids int64 [k]``. ``rows`` may be left ``None``
@@ -114,7 +114,7 @@ def check_table(name: str, dtype: DType, dim: int, partition: str, lo: int, hi: 
 
 
 def _write_file(path: Path, data: bytes | memoryview) -> str:
-    """Writes and fsyncs ``data`` (in the temp folder that :func:`write_shard` renames into
+    """Writes and fsyncs ``data`` (in the temp folder that :func:`write_server_folder` renames into
     place); returns its sha256 hex digest."""
     write_synced(path, data)
     return hashlib.sha256(data).hexdigest()
@@ -195,14 +195,14 @@ class KeyLog:
         self._f.close()
 
 
-def write_shard(folder: Path | str, tables: list[ShardTable]) -> dict[str, Any]:
-    """Writes ``tables`` as the shard ``folder`` (which must not exist) atomically.
+def write_server_folder(folder: Path | str, tables: list[ServerTable]) -> dict[str, Any]:
+    """Writes ``tables`` as the server folder ``folder`` (which must not exist) atomically.
 
     Returns the manifest written.
     """
     folder = Path(folder)
     if folder.exists():
-        raise FileExistsError(f"shard folder {folder} already exists")
+        raise FileExistsError(f"server folder {folder} already exists")
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise ValueError(f"tables: duplicate names in {names}")
@@ -244,7 +244,7 @@ def read_manifest(folder: Path | str) -> dict[str, Any]:
     """Loads and validates ``folder/manifest.json`` (no row data is read)."""
     path = Path(folder) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no shard manifest")
+        raise FileNotFoundError(f"{path}: no embedding-server manifest")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: format must be {FORMAT!r}, got {manifest.get('format')!r}")
@@ -264,14 +264,14 @@ def read_manifest(folder: Path | str) -> dict[str, Any]:
     return manifest
 
 
-def read_table(folder: Path | str, entry: dict[str, Any], verify: bool = True) -> ShardTable:
+def read_table(folder: Path | str, entry: dict[str, Any], verify: bool = True) -> ServerTable:
     """Loads one manifest entry, checking the file's size (and sha256 when ``verify``)."""
     folder = Path(folder)
     path = folder / entry["file"]
     name, rb = entry["name"], entry["row_bytes"]
     if entry["partition"] == "keyed":
         keys, rows, _ = replay_log(path, rb)
-        return ShardTable(
+        return ServerTable(
             name, entry["dtype"], entry["dim"], "keyed",
             rows=torch.from_numpy(rows.copy()), ids=torch.from_numpy(keys),
         )  # fmt: skip
@@ -283,7 +283,7 @@ def read_table(folder: Path | str, entry: dict[str, Any], verify: bool = True) -
     if verify and _sha256(path) != entry["sha256"]:
         raise ValueError(f"{path}: table {name!r} sha256 does not match the manifest")
     rows = np.fromfile(path, dtype=np.uint8).reshape(entry["hi"] - entry["lo"], rb)
-    return ShardTable(
+    return ServerTable(
         name,
         entry["dtype"],
         entry["dim"],
@@ -294,10 +294,10 @@ def read_table(folder: Path | str, entry: dict[str, Any], verify: bool = True) -
     )
 
 
-def read_shard(
+def read_server_folder(
     folder: Path | str, verify: bool = True, tables: list[str] | None = None
-) -> list[ShardTable]:
-    """Loads the shard (``tables``: only these names); see :func:`read_table`."""
+) -> list[ServerTable]:
+    """Loads the server folder (``tables``: only these names); see :func:`read_table`."""
     manifest = read_manifest(folder)
     entries = select_tables(manifest, tables)
     return [read_table(folder, e, verify) for e in entries]
@@ -311,5 +311,5 @@ def select_tables(manifest: dict[str, Any], tables: list[str] | None) -> list[di
     known = {e["name"]: e for e in entries}
     missing = [t for t in tables if t not in known]
     if missing:
-        raise ValueError(f"tables: {missing} not in the shard (it holds {sorted(known)})")
+        raise ValueError(f"tables: {missing} not in the server folder (it holds {sorted(known)})")
     return [known[t] for t in tables]

@@ -24,7 +24,7 @@ from serving.sharding.shard_server import ShardServer
 from sharded_tables.quantize import pack_rows
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables
 from sharded_tables.remote.server import EmbeddingServer
-from sharded_tables.remote.server_files import ShardTable, write_shard
+from sharded_tables.remote.server_files import ServerTable, write_server_folder
 from sharded_tables.specs import DType
 from support.self_signed import make_cert
 
@@ -101,11 +101,11 @@ def test_a_router_with_the_token_gets_whole_answers(shards, tls, tiny):
 def test_embedding_servers_check_the_token(tmp_path):
     rows = pack_rows(torch.randn(100, 8, generator=torch.Generator().manual_seed(0)), DType.FP16)
     folder = tmp_path / "shard"
-    write_shard(
+    write_server_folder(
         folder,
         [
-            ShardTable("emb", DType.FP16, 8, "range", 0, 100, rows),
-            ShardTable("sessions", DType.FP16, 8, "keyed"),
+            ServerTable("emb", DType.FP16, 8, "range", 0, 100, rows),
+            ServerTable("sessions", DType.FP16, 8, "keyed"),
         ],
     )
     security = SecurityConfig(token=TOKEN, auth_serving=False).load()

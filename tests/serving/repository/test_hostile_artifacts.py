@@ -34,7 +34,7 @@ from serving.frontends import kserve
 from serving.repository.manifest import CorruptVersionError, verify, write_manifest
 from serving.types import ModelNotFoundError, RecResult, RequestError
 from sharded_tables.placement import Budgets
-from sharded_tables.remote.server_files import read_shard
+from sharded_tables.remote.server_files import read_server_folder
 from sharded_tables.specs import DType
 
 NAME = "demo"
@@ -124,7 +124,7 @@ OTHER_FILES = {  # files that hold no tensors: JSON, protobuf text, raw rows
     "config.pbtxt": ("../config.pbtxt", lambda r, v: r.load(NAME)),
     "embedding rows": (
         "embeddings/server-0/item.bin",
-        lambda r, v: read_shard(v / "embeddings/server-0"),
+        lambda r, v: read_server_folder(v / "embeddings/server-0"),
     ),
 }
 

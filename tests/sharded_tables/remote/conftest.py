@@ -38,7 +38,7 @@ class ServerLauncher:
         self.procs: list[Proc] = []
 
     def start(self, *shards: tuple[Path, int]) -> list[ServerProc]:
-        """Starts one server per ``(shard folder, port)`` in parallel; waits until each serves."""
+        """Starts one server per ``(server folder, port)`` in parallel; waits until each serves."""
         pending = []
         for shard, port in shards:
             cmd = embed_server_cmd(shard, port)

@@ -25,7 +25,7 @@ from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables
 from sharded_tables.remote.embedding_pb2_grpc import EmbeddingServiceStub
 from sharded_tables.remote.server import EmbeddingServer
-from sharded_tables.remote.server_files import ShardTable, write_shard
+from sharded_tables.remote.server_files import ServerTable, write_server_folder
 from sharded_tables.specs import DType
 
 pytestmark = pytest.mark.multiproc
@@ -55,12 +55,12 @@ def build_shards(root: Path) -> tuple[list[Path], torch.Tensor, torch.Tensor]:
     for s in range(2):
         (a_lo, a_hi), (b_lo, b_hi) = A_BOUNDS[s : s + 2], B_BOUNDS[s : s + 2]
         folders.append(root / f"shard{s}")
-        write_shard(
+        write_server_folder(
             folders[-1],
             [
-                ShardTable("emb_a", DType.INT8, 16, "range", a_lo, a_hi, emb_a[a_lo:a_hi]),
-                ShardTable("emb_b", DType.FP16, 8, "range", b_lo, b_hi, emb_b[b_lo:b_hi]),
-                ShardTable("sessions", DType.FP16, 8, "keyed"),
+                ServerTable("emb_a", DType.INT8, 16, "range", a_lo, a_hi, emb_a[a_lo:a_hi]),
+                ServerTable("emb_b", DType.FP16, 8, "range", b_lo, b_hi, emb_b[b_lo:b_hi]),
+                ServerTable("sessions", DType.FP16, 8, "keyed"),
             ],
         )
     return folders, emb_a, emb_b
@@ -75,7 +75,7 @@ def cluster(module_servers, tmp_path_factory: pytest.TempPathFactory) -> Cluster
 
 def one_keyed_server(servers, folder: Path, port: int = 0):
     if not folder.exists():
-        write_shard(folder, [ShardTable("sessions", DType.FP16, 8, "keyed")])
+        write_server_folder(folder, [ServerTable("sessions", DType.FP16, 8, "keyed")])
     (proc,) = servers.start((folder, port))
     table = RemoteTable("sessions", DType.FP16, 8, (proc.address,), "keyed")
     return proc, table
@@ -299,12 +299,12 @@ def test_server_can_hold_a_subset_of_the_shards_tables(tmp_path: Path):
     folders, _, _ = build_shards(tmp_path)
     server = EmbeddingServer(folders[1], tables=["emb_b"])
     assert list(server.tables) == ["emb_b"] and server.tables["emb_b"].lo == 1000
-    with pytest.raises(ValueError, match=r"tables: \['nope'\] not in the shard"):
+    with pytest.raises(ValueError, match=r"tables: \['nope'\] not in the server folder"):
         EmbeddingServer(folders[1], tables=["nope"])
 
 
 def test_put_over_the_budget_is_refused_and_nothing_is_stored(tmp_path: Path):
-    write_shard(tmp_path / "keyed", [ShardTable("sessions", DType.FP16, 8, "keyed")])
+    write_server_folder(tmp_path / "keyed", [ServerTable("sessions", DType.FP16, 8, "keyed")])
     server = EmbeddingServer(tmp_path / "keyed", memory_budget=3 * 16)  # three fp16 rows of dim 8
     address = server.start()
     table = RemoteTable("sessions", DType.FP16, 8, (address,), "keyed")

@@ -1,6 +1,6 @@
 """The foundation model with its item table on 2 real embedding servers: same results as local.
 
-Also: the plan's shard folders feed ``recserve serve embeddings`` as written, a hashed table evicts
+Also: the plan's server folders feed ``recserve serve embeddings`` as written, a hashed table evicts
 rows to the servers' keyed store and gets them back, and a dead server fails the request fast.
 """
 
@@ -18,10 +18,10 @@ from retrieval.model import RetrievalModel, table_specs
 from retrieval.tiering import tier_model
 from retrieval.training.prepare import prepare
 from retrieval.training.train import TrainConfig, train
-from sharded_tables.export import remote_routing, write_remote_shards
+from sharded_tables.export import remote_routing, write_server_folders
 from sharded_tables.planner import Budgets, plan
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables
-from sharded_tables.remote.server_files import ShardTable, write_shard
+from sharded_tables.remote.server_files import ServerTable, write_server_folder
 from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.tiered import TieredEmbeddingCollection
 
@@ -55,7 +55,7 @@ def test_remote_item_table_serves_the_same_recommendations(trained, servers, tmp
     assert item.tier is Tier.REMOTE and len(item.servers) == 2
     local, _ = tier_model(model, Budgets(device=0, host=1 << 30), dtype=DType.INT8)
     tiered, remote_rows = tier_model(model, placement=placement)
-    folders = write_remote_shards(placement, specs, remote_rows, tmp_path / "shards")
+    folders = write_server_folders(placement, specs, remote_rows, tmp_path / "shards")
     procs = servers.start(*[(folders[i], 0) for i in sorted(folders)])
     client = RemoteTables(remote_routing(placement, specs, [p.address for p in procs]))
     tiered.tables.remote = client
@@ -87,7 +87,7 @@ def test_hashed_table_evicts_to_the_servers_and_reads_back(servers, tmp_path):
     placement = plan(specs, budgets)
     assert placement.placement("query").tier is Tier.HOST
     # the keyed store for evicted rows: one server
-    write_shard(tmp_path / "kv", [ShardTable("query", DType.FP32, 8, "keyed")])
+    write_server_folder(tmp_path / "kv", [ServerTable("query", DType.FP32, 8, "keyed")])
     (proc,) = servers.start((tmp_path / "kv", 0))
     client = RemoteTables([RemoteTable("query", DType.FP32, 8, (proc.address,), "keyed")])
     coll = TieredEmbeddingCollection(specs, placement, remote=client)

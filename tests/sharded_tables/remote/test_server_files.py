@@ -15,27 +15,27 @@ from hypothesis import strategies as st
 from sharded_tables.quantize import pack_rows
 from sharded_tables.remote.server_files import (
     KeyLog,
-    ShardTable,
+    ServerTable,
     encode_record,
-    read_shard,
+    read_server_folder,
     replay_log,
-    write_shard,
+    write_server_folder,
 )
 from sharded_tables.specs import DType, row_bytes
 
 
-def ranged(name: str, dtype: DType, dim: int, lo: int, hi: int, seed: int = 0) -> ShardTable:
+def ranged(name: str, dtype: DType, dim: int, lo: int, hi: int, seed: int = 0) -> ServerTable:
     w = torch.randn(hi - lo, dim, generator=torch.Generator().manual_seed(seed))
-    return ShardTable(name, dtype, dim, "range", lo, hi, pack_rows(w, dtype))
+    return ServerTable(name, dtype, dim, "range", lo, hi, pack_rows(w, dtype))
 
 
 def test_round_trip_and_manifest(tmp_path: Path):
     keys = torch.tensor([9, -4, 1 << 62])
-    keyed = ShardTable(
+    keyed = ServerTable(
         "users", DType.FP16, 8, "keyed", rows=pack_rows(torch.randn(3, 8), "fp16"), ids=keys
     )
     tables = [ranged("items", DType.INT8, 16, 100, 400), keyed]
-    write_shard(tmp_path / "shard", tables)
+    write_server_folder(tmp_path / "shard", tables)
 
     manifest = json.loads((tmp_path / "shard" / "manifest.json").read_text())
     entry = manifest["tables"][0]
@@ -48,7 +48,7 @@ def test_round_trip_and_manifest(tmp_path: Path):
     assert len(entry["sha256"]) == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard"]  # no temporary folder left
 
-    items, users = read_shard(tmp_path / "shard")
+    items, users = read_server_folder(tmp_path / "shard")
     assert torch.equal(items.rows, tables[0].rows) and (items.lo, items.hi) == (100, 400)
     order = torch.argsort(users.ids)
     assert torch.equal(users.ids[order], keys.sort().values)
@@ -58,37 +58,37 @@ def test_round_trip_and_manifest(tmp_path: Path):
 def test_existing_folder_is_refused(tmp_path: Path):
     (tmp_path / "shard").mkdir()
     with pytest.raises(FileExistsError, match="already exists"):
-        write_shard(tmp_path / "shard", [ranged("items", DType.FP32, 4, 0, 10)])
+        write_server_folder(tmp_path / "shard", [ranged("items", DType.FP32, 4, 0, 10)])
 
 
 def test_failed_write_leaves_no_folder(tmp_path: Path):
     dup = [ranged("items", DType.FP32, 4, 0, 10), ranged("items", DType.FP32, 4, 10, 20)]
     with pytest.raises(ValueError, match="duplicate"):
-        write_shard(tmp_path / "shard", dup)
+        write_server_folder(tmp_path / "shard", dup)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_size_and_checksum_are_verified(tmp_path: Path):
-    write_shard(tmp_path / "shard", [ranged("items", DType.INT8, 16, 0, 50)])
+    write_server_folder(tmp_path / "shard", [ranged("items", DType.INT8, 16, 0, 50)])
     data = tmp_path / "shard" / "items.bin"
     raw = bytearray(data.read_bytes())
     raw[7] ^= 0xFF
     data.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"items.*sha256"):
-        read_shard(tmp_path / "shard")
-    assert len(read_shard(tmp_path / "shard", verify=False)) == 1  # sizes still checked
+        read_server_folder(tmp_path / "shard")
+    assert len(read_server_folder(tmp_path / "shard", verify=False)) == 1  # sizes still checked
     data.write_bytes(bytes(raw[:-1]))
     with pytest.raises(ValueError, match=r"items.*999 bytes, manifest says 1000"):
-        read_shard(tmp_path / "shard", verify=False)
+        read_server_folder(tmp_path / "shard", verify=False)
 
 
 def test_bad_table_fields_are_named():
     with pytest.raises(ValueError, match="table 'items': rows must be uint8 \\[10, 20\\]"):
-        ShardTable("items", DType.INT8, 16, "range", 0, 10, torch.zeros(9, 20, dtype=torch.uint8))
+        ServerTable("items", DType.INT8, 16, "range", 0, 10, torch.zeros(9, 20, dtype=torch.uint8))
     with pytest.raises(ValueError, match="table name 'a/b'"):
-        ShardTable("a/b", DType.INT8, 16, "keyed")
+        ServerTable("a/b", DType.INT8, 16, "keyed")
     with pytest.raises(ValueError, match="partition"):
-        ShardTable("items", DType.INT8, 16, "hashed")  # type: ignore[arg-type]
+        ServerTable("items", DType.INT8, 16, "hashed")  # type: ignore[arg-type]
 
 
 def test_torn_last_record_is_ignored_and_cut_before_appending(tmp_path: Path):
@@ -134,8 +134,8 @@ def test_shard_round_trip_property(specs, seed):
         ranged(f"t{i}", dt, dim, lo, lo + n, seed + i) for i, (dt, dim, lo, n) in enumerate(specs)
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        write_shard(Path(tmp) / "s", tables)
-        back = read_shard(Path(tmp) / "s")
+        write_server_folder(Path(tmp) / "s", tables)
+        back = read_server_folder(Path(tmp) / "s")
     for a, b in zip(tables, back, strict=True):
         assert (a.name, a.dtype, a.dim, a.lo, a.hi) == (b.name, b.dtype, b.dim, b.lo, b.hi)
         assert torch.equal(a.rows, b.rows)
