@@ -127,6 +127,7 @@ def test_recommend_over_tls_with_the_ca_and_no_plaintext(start, certs, tiny):
         )
 
 
+@pytest.mark.multiproc  # the certs fixture runs openssl
 def test_mutual_tls_needs_a_client_certificate(start, certs, tiny):
     cert, key = certs["server"]
     client_ca = certs["client"][0]  # self-signed: the client certificate is its own CA
@@ -187,6 +188,7 @@ def test_admin_needs_the_token_even_when_serving_is_open(start, token_file, tiny
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------
+@pytest.mark.multiproc  # the certs fixture runs openssl
 def test_https_with_a_token(start, certs, token_file, tiny):
     cert, key = certs["server"]
     server = start(SecurityConfig(token_file=token_file, tls_cert=cert, tls_key=key), http_port=0)
@@ -213,6 +215,7 @@ def test_https_with_a_token(start, certs, token_file, tiny):
     plain.close()
 
 
+@pytest.mark.multiproc  # the certs fixture runs openssl
 def test_http_admin_paths_need_the_token_when_serving_is_open(start, certs, token_file):
     cert, key = certs["server"]
     sec = SecurityConfig(token_file=token_file, auth_serving=False, tls_cert=cert, tls_key=key)
@@ -271,6 +274,7 @@ def test_no_token_in_logs_answers_or_reprs(start, token_file, tiny, caplog, capf
         assert TOKEN not in text and WRONG not in text
 
 
+@pytest.mark.multiproc  # the certs fixture runs openssl
 def test_a_bad_security_config_names_the_field_and_not_the_token(tmp_path, certs, monkeypatch):
     cert = certs["server"][0]
     short = tmp_path / "short"
@@ -310,6 +314,7 @@ def test_serve_toml_security_table(tmp_path, token_file):
         ServeConfig.from_toml(toml)
 
 
+@pytest.mark.multiproc  # the certs fixture runs openssl
 def test_serve_flags_reach_the_config(tmp_path, token_file, certs, monkeypatch):
     from typer.testing import CliRunner
 

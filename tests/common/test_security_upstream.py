@@ -72,6 +72,7 @@ def test_shards_answer_only_a_caller_with_the_token_over_tls(shards, tls):
     assert answered == {name: [] for name in callers} | {"tls, token": sorted(addresses)}
 
 
+@pytest.mark.multiproc  # the tls fixture runs openssl
 def test_a_router_with_the_token_gets_whole_answers(shards, tls, tiny):
     root, addresses = shards
     cert, key = tls
@@ -130,6 +131,7 @@ def test_embedding_servers_check_the_token(tmp_path):
         server.stop(0)
 
 
+@pytest.mark.multiproc  # the tls fixture runs openssl
 def test_cluster_up_gives_every_process_the_flags_and_no_host(tmp_path, tls, monkeypatch):
     token = tmp_path / "token"
     token.write_text(TOKEN)

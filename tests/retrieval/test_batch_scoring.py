@@ -143,6 +143,8 @@ def test_an_existing_folder_without_a_manifest_needs_overwrite(setup, tmp_path):
     assert read_output(tmp_path / "recs").num_rows == 200
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc  # a worker process
 def test_temp_files_of_killed_writers_are_removed_when_a_job_continues(setup, tmp_path):
     root, _, _, _ = setup
     j = ScoreJob(root / "model", 1, root / "users.parquet", tmp_path / "recs", k=K, workers=1)
