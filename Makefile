@@ -15,7 +15,7 @@ demo: $(STAMP) $(ML100K)
 test: $(STAMP) $(ML100K)
 	$(BIN)/python -m pytest -q
 
-# The fast tier (a few minutes on 2 cores): no test that starts a process or takes over ~3 s.
+# The fast tier (~2 min on 2 busy cores): no test that starts a process or takes over ~3 s.
 test-fast: $(STAMP) $(ML100K)
 	$(BIN)/python -m pytest -q -m "not slow and not multiproc"
 
