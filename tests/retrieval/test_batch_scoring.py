@@ -159,6 +159,7 @@ def test_temp_files_of_killed_writers_are_removed_when_a_job_continues(setup, tm
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc  # Ray starts its own processes
 def test_the_ray_engine_gives_the_local_engine_answers(setup, tmp_path):
     ray = pytest.importorskip("ray")
     from retrieval.batch_scoring import score_ray

@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 from serving.repository.repository import ModelRepository
 from serving.repository.tritonserver import TritonUnavailable, triton_launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]  # a real tritonserver process
 
 MODEL = "demo"
 USERS = np.arange(6)
