@@ -28,7 +28,7 @@ import typer
 
 from recserve.cluster_cli import cluster_app
 from recserve.loadtest_cli import test_app
-from recserve.serve_cli import serve_app
+from recserve.serve_cli import only_model, serve_app
 
 app = typer.Typer(
     add_completion=False,
@@ -150,35 +150,6 @@ def score_cmd(
         raise typer.Exit(2) from None
     rows = sum(v["rows"] for v in manifest["done"].values())
     typer.echo(f"scored {rows} users with {name} v{vdir.name} into {out}")
-
-
-def only_model(model_repo: Path, model: str | None) -> str:
-    """``model``, or the repository's only model (``ValueError`` naming --model otherwise)."""
-    from serving.repository.repository import ModelRepository
-
-    found = ModelRepository(model_repo).models()
-    if model:
-        if model not in found:
-            raise ValueError(f"--model: no model {model!r} in {model_repo} (found: {found})")
-        return model
-    if len(found) != 1:
-        raise ValueError(f"--model: {model_repo} holds models {found}; name one")
-    return found[0]
-
-
-def embedding_folder(model_repo: Path, model: str | None, index: int | None) -> Path:
-    """The latest version's rows for embedding server ``index``."""
-    from serving.repository.repository import EMBEDDINGS_DIR, ModelRepository
-    from sharded_tables.export import server_folder
-
-    if index is None:
-        raise ValueError("--index: required with --model-repo (which embedding server)")
-    name = only_model(model_repo, model)
-    vdir = ModelRepository(model_repo).verified_dir(name)
-    folder = server_folder(vdir / EMBEDDINGS_DIR, index)
-    if not folder.is_dir():
-        raise ValueError(f"--index: {name} version {vdir.name} has no rows for server {index}")
-    return folder
 
 
 app.add_typer(serve_app, name="serve")

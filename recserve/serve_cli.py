@@ -203,7 +203,6 @@ def _run_shard(cfg: ShardServerConfig, security: Any) -> None:
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
 
-    from recserve.cli import only_model
     from serving.repository.repository import ModelRepository
     from serving.sharding.shard_server import ShardServer, serve_shard
 
@@ -242,7 +241,6 @@ def serve_embeddings(
 ) -> None:
     """Serve one embedding server's rows (the remote tier) over gRPC until SIGTERM or SIGINT
     (prints its address)."""
-    from recserve.cli import embedding_folder
     from sharded_tables.remote.server import MemoryBudgetError, parse_size, serve
 
     names = [t.strip() for t in tables.split(",") if t.strip()] or None
@@ -263,3 +261,32 @@ def serve_embeddings(
     except (MemoryBudgetError, ValueError, OSError) as e:
         typer.echo(f"serve embeddings: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def only_model(model_repo: Path, model: str | None) -> str:
+    """``model``, or the repository's only model (``ValueError`` naming --model otherwise)."""
+    from serving.repository.repository import ModelRepository
+
+    found = ModelRepository(model_repo).models()
+    if model:
+        if model not in found:
+            raise ValueError(f"--model: no model {model!r} in {model_repo} (found: {found})")
+        return model
+    if len(found) != 1:
+        raise ValueError(f"--model: {model_repo} holds models {found}; name one")
+    return found[0]
+
+
+def embedding_folder(model_repo: Path, model: str | None, index: int | None) -> Path:
+    """The latest version's rows for embedding server ``index``."""
+    from serving.repository.repository import EMBEDDINGS_DIR, ModelRepository
+    from sharded_tables.export import server_folder
+
+    if index is None:
+        raise ValueError("--index: required with --model-repo (which embedding server)")
+    name = only_model(model_repo, model)
+    vdir = ModelRepository(model_repo).verified_dir(name)
+    folder = server_folder(vdir / EMBEDDINGS_DIR, index)
+    if not folder.is_dir():
+        raise ValueError(f"--index: {name} version {vdir.name} has no rows for server {index}")
+    return folder

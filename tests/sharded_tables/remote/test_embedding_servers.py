@@ -263,35 +263,15 @@ def test_stopped_server_misses_the_deadline_then_stops_on_sigterm(servers, tmp_p
 def test_cli_refuses_a_shard_over_the_memory_budget(tmp_path: Path):
     folders, _, _ = build_shards(tmp_path)
     need = 1700 * 20 + 1000 * 16
-    runner = CliRunner()
-    out = runner.invoke(
-        app,
-        [
-            "serve",
-            "embeddings",
-            "--folder",
-            str(folders[0]),
-            "--grpc-port",
-            "0",
-            "--memory-budget",
-            "1000",
-        ],
-    )
+
+    def serve(budget: str):
+        args = ["serve", "embeddings", "--folder", str(folders[0]), "--grpc-port", "0"]
+        return CliRunner().invoke(app, [*args, "--memory-budget", budget])
+
+    out = serve("1000")
     assert out.exit_code == 2
     assert f"{need - 1000} bytes over the memory budget of 1000 bytes" in out.output
-    out = runner.invoke(
-        app,
-        [
-            "serve",
-            "embeddings",
-            "--folder",
-            str(folders[0]),
-            "--grpc-port",
-            "0",
-            "--memory-budget",
-            "4XB",
-        ],
-    )
+    out = serve("4XB")
     assert out.exit_code == 2 and "--memory-budget: cannot read '4XB'" in out.output
 
 
