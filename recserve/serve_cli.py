@@ -18,24 +18,13 @@ from common.security import SecurityConfig
 from recserve.options import field_option
 from serving.app.config import ServeConfig
 from serving.sharding.config import RouterConfig, ShardServerConfig
+from sharded_tables.remote.config import EmbeddingServerConfig
 
 serve_app = typer.Typer(
     no_args_is_help=True,
     help="Server processes: a model, a router of document shards, a shard, embedding rows.",
 )
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def _security_flags(
-    base: SecurityConfig | None, auth_token_file: Path | None, auth_token_env: str | None,
-    auth_serving: bool | None, tls_cert: Path | None, tls_key: Path | None,
-    tls_client_ca: Path | None, upstream_ca: Path | None = None,
-) -> SecurityConfig:  # fmt: skip
-    """``base`` (serve.toml's, or all off) with the security flags applied."""
-    return SecurityConfig.from_flags(
-        base, token_file=auth_token_file, token_env=auth_token_env, auth_serving=auth_serving,
-        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, upstream_ca=upstream_ca,
-    )  # fmt: skip
 
 
 def _sec(name: str) -> Any:
@@ -214,24 +203,20 @@ def _run_shard(cfg: ShardServerConfig, security: Any) -> None:
     serve_shard(server)
 
 
+def _emb(name: str) -> Any:
+    return field_option(EmbeddingServerConfig, name)
+
+
 @serve_app.command("embeddings")
 def serve_embeddings(
-    grpc_port: int = typer.Option(
-        ..., "--grpc-port", min=0, max=65535, help="gRPC port: Lookup, Put, health (0: any free)"
-    ),
-    folder: Path = typer.Option(
-        None, "--folder", help="rows folder of one embedding server (manifest.json + packed rows)"
-    ),
-    model_repo: Path = typer.Option(
-        None, help="instead of --folder: a model repository; serves the latest version's rows"
-    ),
-    model: str = typer.Option(None, help="with --model-repo: the model (default: the only one)"),
-    index: int = typer.Option(None, min=0, help="with --model-repo: which embedding server"),
-    host: str = typer.Option("127.0.0.1", help="address to bind"),
-    memory_budget: str = typer.Option(
-        "4GiB", help="refuse rows larger than this (512MiB, 4GiB, bytes)"
-    ),
-    tables: str = typer.Option("", help="comma-separated tables to serve (default: all)"),
+    folder: Path = _emb("folder"),
+    model_repo: Path = _emb("model_repo"),
+    model: str = _emb("model"),
+    index: int = _emb("index"),
+    host: str = _emb("host"),
+    grpc_port: int = _emb("grpc_port"),
+    memory_budget: str = _emb("memory_budget"),
+    tables: str = _emb("tables"),
     token_file: Path = _sec("token_file"),
     token_env: str = _sec("token_env"),
     auth_serving: bool = _sec("auth_serving"),
@@ -241,24 +226,28 @@ def serve_embeddings(
 ) -> None:
     """Serve one embedding server's rows (the remote tier) over gRPC until SIGTERM or SIGINT
     (prints its address)."""
-    from sharded_tables.remote.server import MemoryBudgetError, parse_size, serve
+    flags = dict(locals())  # the parameters only: taken before any local import
+    from common.config import ConfigError
+    from sharded_tables.remote.server import MemoryBudgetError, serve
 
-    names = [t.strip() for t in tables.split(",") if t.strip()] or None
+    security = {k: flags.pop(k) for k in list(flags) if k in SecurityConfig.model_fields}
     try:
-        if (folder is None) == (model_repo is None):
-            raise ValueError("give --folder DIR, or --model-repo DIR with --index N")
-        if model_repo is not None:
-            folder = embedding_folder(model_repo, model, index)
-        budget = parse_size(memory_budget, "--memory-budget")
-        security = _security_flags(
-            None, token_file, token_env, auth_serving, tls_cert, tls_key, tls_client_ca
-        ).load()
-        security.warn_if_exposed(host, "serve embeddings")
+        cfg = EmbeddingServerConfig.from_dict(flags)
+        cfg.validate()
+        if cfg.model_repo is not None:
+            assert cfg.index is not None  # validate(): a repository needs the index
+            rows = embedding_folder(cfg.model_repo, cfg.model or None, cfg.index)
+        else:
+            assert cfg.folder is not None  # validate(): a folder or a repository
+            rows = cfg.folder
+        sec = SecurityConfig.from_flags(None, **security).load()
+        sec.warn_if_exposed(cfg.host, "serve embeddings")
         serve(
-            folder, port=grpc_port, host=host, memory_budget=budget, tables=names,
-            interceptors=security.interceptors(), credentials=security.grpc_credentials,
+            rows, port=cfg.grpc_port, host=cfg.host, memory_budget=cfg.budget_bytes(),
+            tables=cfg.table_names(), interceptors=sec.interceptors(),
+            credentials=sec.grpc_credentials,
         )  # fmt: skip
-    except (MemoryBudgetError, ValueError, OSError) as e:
+    except (ConfigError, MemoryBudgetError, ValueError, OSError) as e:
         typer.echo(f"serve embeddings: {e}", err=True)
         raise typer.Exit(2) from None
 
@@ -277,13 +266,11 @@ def only_model(model_repo: Path, model: str | None) -> str:
     return found[0]
 
 
-def embedding_folder(model_repo: Path, model: str | None, index: int | None) -> Path:
+def embedding_folder(model_repo: Path, model: str | None, index: int) -> Path:
     """The latest version's rows for embedding server ``index``."""
     from serving.repository.repository import EMBEDDINGS_DIR, ModelRepository
     from sharded_tables.export import server_folder
 
-    if index is None:
-        raise ValueError("--index: required with --model-repo (which embedding server)")
     name = only_model(model_repo, model)
     vdir = ModelRepository(model_repo).verified_dir(name)
     folder = server_folder(vdir / EMBEDDINGS_DIR, index)

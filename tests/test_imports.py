@@ -20,6 +20,7 @@ LIGHT_MODULES = [
     "sharded_tables.planner",
     "sharded_tables.placement",
     "sharded_tables.interface",
+    "sharded_tables.remote.config",
     "common.config",
     "common.security",
     "loadtest.shape",

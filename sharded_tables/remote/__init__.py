@@ -4,23 +4,9 @@
   keyed tables' put logs), written atomically.
 * :mod:`~sharded_tables.remote.server`: ``EmbeddingServer`` / ``serve`` (``recserve serve embeddings``).
 * :mod:`~sharded_tables.remote.client`: ``RemoteTables``, the batched, de-duplicated client.
+* :mod:`~sharded_tables.remote.config`: ``EmbeddingServerConfig`` (no torch: the CLI reads it).
 * ``embedding.proto``: the wire schema (``make proto`` regenerates ``embedding_pb2*.py``).
+
+Import the modules themselves: the package re-exports nothing, so reading the config loads no
+torch.
 """
-
-from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables, route
-from sharded_tables.remote.server import EmbeddingServer, MemoryBudgetError, parse_size, serve
-from sharded_tables.remote.server_files import ServerTable, read_server_folder, write_server_folder
-
-__all__ = [
-    "EmbeddingServer",
-    "MemoryBudgetError",
-    "RemoteLookupError",
-    "RemoteTable",
-    "RemoteTables",
-    "ServerTable",
-    "parse_size",
-    "read_server_folder",
-    "route",
-    "serve",
-    "write_server_folder",
-]

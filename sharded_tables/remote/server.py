@@ -17,7 +17,7 @@ message saying by how many bytes it is over.
 
 Example::
 
-    server = EmbeddingServer("embeddings/server-0", port=0, memory_budget=parse_size("4GiB"))
+    server = EmbeddingServer("embeddings/server-0", port=0, memory_budget=4 << 30)
     address = server.start()  # "127.0.0.1:43121"
     ...
     server.stop(grace=5.0)
@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Sequence
 from concurrent import futures
@@ -61,18 +60,6 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
 ]
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str, field: str = "--memory-budget") -> int:
-    """``"512MiB"``, ``"4GiB"``, ``"1.5GB"`` or ``"1048576"`` -> bytes."""
-    m = _SIZE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"{field}: cannot read {text!r}; use bytes or a size like 512MiB, 4GiB")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 class MemoryBudgetError(ValueError):

@@ -375,10 +375,10 @@ def test_router_grace_period_covers_the_drain() -> None:
 def test_embedding_server_memory_budget_fits_its_memory() -> None:
     """The rows it may hold (--memory-budget) plus 1 GiB for the process fit the limit, and the
     request equals the limit (no overcommit of the tier's DRAM)."""
-    from sharded_tables.remote.server import parse_size
+    from sharded_tables.remote.config import EmbeddingServerConfig
 
     c = container("embedding-server")
-    budget = parse_size(flags(c["args"])["--memory-budget"], "--memory-budget")
+    budget = EmbeddingServerConfig(memory_budget=flags(c["args"])["--memory-budget"]).budget_bytes()
     mem = {k: quantity(c["resources"][k]["memory"]) for k in ("requests", "limits")}
     assert mem["requests"] == mem["limits"] >= budget + 2**30
 

@@ -121,12 +121,14 @@ def test_server_flags_are_their_config_fields():
     from recserve.options import field_default, field_help
     from serving.app.config import ServeConfig
     from serving.sharding.config import RouterConfig, ShardServerConfig
+    from sharded_tables.remote.config import EmbeddingServerConfig
 
     serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
     configs = {
         "model": (ServeConfig, SecurityConfig),
         "router": (RouterConfig, ServeConfig, SecurityConfig),
         "shard": (ShardServerConfig, SecurityConfig),
+        "embeddings": (EmbeddingServerConfig, SecurityConfig),
     }
     free = {"config", "help", "shards", "embedding_servers"}  # a file, or text parsed to a list
     for command, classes in configs.items():
@@ -137,7 +139,7 @@ def test_server_flags_are_their_config_fields():
             assert cls is not None, f"serve {command} {param.opts}: no config field"
             assert param.opts[0] == cls.flags[param.name].split("/")[0], (command, param.name)
             assert param.help == field_help(cls, param.name), (command, param.name)
-            if command == "shard" and cls is ShardServerConfig:  # no file: the flag's default
+            if cls in (ShardServerConfig, EmbeddingServerConfig):  # no file: the flag's default
                 expected = field_default(cls, param.name)
                 assert param.default == (None if expected is ... else expected), param.name
             else:  # flags override serve.toml: unset unless given; help shows the default

@@ -7,8 +7,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from common.config import ConfigError
 from sharded_tables.remote.client import RemoteTable, RemoteTables, route, splitmix64
-from sharded_tables.remote.server import parse_size
+from sharded_tables.remote.config import EmbeddingServerConfig
 from sharded_tables.specs import DType
 
 
@@ -78,11 +79,11 @@ def test_bad_routing_is_refused():
         ("7b", 7),
     ],
 )
-def test_parse_size(text: str, n: int):
-    assert parse_size(text) == n
+def test_memory_budget_reads_sizes(text: str, n: int):
+    assert EmbeddingServerConfig(memory_budget=text).budget_bytes() == n
 
 
 @pytest.mark.parametrize("text", ["", "4XB", "-1", "GiB"])
-def test_parse_size_errors_name_the_field(text: str):
-    with pytest.raises(ValueError, match="--memory-budget: cannot read"):
-        parse_size(text)
+def test_a_bad_memory_budget_is_refused_naming_the_field(text: str):
+    with pytest.raises(ConfigError, match=r"^memory_budget \(--memory-budget\): cannot read"):
+        EmbeddingServerConfig(memory_budget=text)

@@ -272,7 +272,7 @@ def test_cli_refuses_a_shard_over_the_memory_budget(tmp_path: Path):
     assert out.exit_code == 2
     assert f"{need - 1000} bytes over the memory budget of 1000 bytes" in out.output
     out = serve("4XB")
-    assert out.exit_code == 2 and "--memory-budget: cannot read '4XB'" in out.output
+    assert out.exit_code == 2 and "(--memory-budget): cannot read '4XB'" in out.output
 
 
 def test_server_can_hold_a_subset_of_the_shards_tables(tmp_path: Path):
