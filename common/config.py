@@ -114,11 +114,19 @@ def read_toml(path: Path) -> dict[str, Any]:
 def describe(cls: type[BaseModel], error: ErrorDetails, prefix: str = "") -> str:
     """One pydantic error -> ``"section.key (--flag): why"``."""
     loc = error["loc"]
-    name = prefix + "".join(
-        f"[{p}]" if isinstance(p, int) else f".{p}" if i else str(p) for i, p in enumerate(loc)
-    )
+    name = prefix + "".join(_part(p, first=i == 0) for i, p in enumerate(loc))
     flag = _flag(cls, loc)
     return f"{name}{f' ({flag})' if flag else ''}: {_why(cls, error)}"
+
+
+def _part(p: int | str, first: bool) -> str:
+    """One step of an error's location: ``[3]`` (a list item), ``.key``, or ``['a key']`` for a
+    key that is no identifier (a file may hold any TOML key: the message must still parse)."""
+    if isinstance(p, int):
+        return f"[{p}]"
+    if not p.isidentifier():
+        return f"[{p!r}]"
+    return p if first else f".{p}"
 
 
 def _why(cls: type[BaseModel], error: ErrorDetails) -> str:

@@ -214,7 +214,9 @@ def keys_of(cls: type) -> list[str]:
 
 
 SERVE_KEYS = [k for k in keys_of(ServeConfig) if k not in ("batching", "router")]
-FIELD = re.compile(r"(--config|[A-Za-z_][\w.]*)(\[\d+\])*(, [\w.]+)*( \(--[\w/-]+\))?: ")
+FIELD = re.compile(
+    r"(--config|[A-Za-z_][\w.]*)(\[(?:\d+|'.*?'|\".*?\")\])*(, [\w.]+)*( \(--[\w/-]+\))?: "
+)
 """An error message's start: the field (or fields) it is about, and the flag that sets it."""
 
 
@@ -368,6 +370,7 @@ def test_the_shipped_serve_toml_still_loads():
         ("[router]\nshards = [['h:1']]\nshard_deadline_ms = inf", "router.shard_deadline_ms"),
         ("a = " + "[" * 3000 + "]" * 3000, "--config"),
         ("\udcff = 1", "--config"),
+        ("[batching]\n':' = 1", "batching[':']"),  # a key that is no identifier: quoted
     ],
 )
 def test_values_that_broke_the_server_are_refused_naming_the_field(tmp_path, text, field):
