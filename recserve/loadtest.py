@@ -119,14 +119,15 @@ class LoadTestSpec:
 
 
 def locust_command(spec: LoadTestSpec) -> list[str]:
-    """The ``python -m locust`` command line of ``spec`` (headless, CSV with full history)."""
+    """The ``python -m locust`` command line of ``spec`` (headless, CSV with full history);
+    paths absolute, since locust runs in ``spec.out``."""
     host = spec.target if spec.protocol == "grpc" else http_url(spec.target)
     return [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
         "-u", str(spec.users), "-r", str(spec.spawn_rate), "-t", f"{math.ceil(spec.duration_s)}s",
-        "--host", host, "--csv", str(spec.out / CSV_PREFIX), "--csv-full-history",
+        "--host", host, "--csv", str(spec.out.resolve() / CSV_PREFIX), "--csv-full-history",
         "--only-summary", "--exit-code-on-error", "0", "--loglevel", "WARNING",
-        "--model-repo", str(spec.model_repo), "--model", spec.model,
+        "--model-repo", str(spec.model_repo.resolve()), "--model", spec.model,
         USER_CLASSES[spec.protocol],
     ]  # fmt: skip
 

@@ -215,3 +215,15 @@ def test_request_mix_is_valid_and_skewed(workload: ModuleType, model_repo: Path)
     assert again.user(5) == mix.user(5)  # a user always sends the same features
     body = workload.kserve_body(reqs[0])
     assert [t["name"] for t in body["inputs"]][:4] == ["history", "categorical", "dense", "k"]
+
+
+def test_locust_gets_absolute_paths_since_it_runs_in_the_output_folder(tmp_path, monkeypatch):
+    """The CLI's defaults are relative (runs/loadtest, runs/demo/model_repo); locust runs with
+    its output folder as working directory, so a relative path given on would point elsewhere."""
+    from recserve.loadtest import LoadTestSpec, locust_command
+
+    monkeypatch.chdir(tmp_path)
+    spec = LoadTestSpec("127.0.0.1:1", "grpc", Path("repo"), "demo", 1, 1.0, 1.0, Path("out"))
+    cmd = locust_command(spec)
+    assert cmd[cmd.index("--model-repo") + 1] == str(tmp_path / "repo")
+    assert cmd[cmd.index("--csv") + 1] == str(tmp_path / "out" / "locust")
