@@ -9,9 +9,18 @@ the shards equals the unsharded one.
 
     assignment = shard_of(index.item_ids, 4)          # stable: the same id, the same shard
     stats, shards = split_index(index, assignment, 4)
+    rows = shard_rows(assignment, 4)                  # where each shard's rows were
+    whole = merge_shards(shards, stats, rows)         # equals index, buffer for buffer
+
+:func:`merge_shards` is the inverse, for a process that wants the whole catalog in one index
+(offline batch scoring): the lists are rebuilt in their original order from the shards' rows,
+so the merged index equals the unsharded one bit for bit and answers exactly as it does,
+tie-breaking included.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -116,4 +125,107 @@ def _stats_only(index: IVFIndex) -> IVFIndex:
     out.offsets = index.offsets.clone()
     out.bit_counts = index.bit_counts.clone()
     out._refresh()
+    return out
+
+
+def shard_rows(assignment: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
+    """Each shard's rows in the unsharded index: ``assignment [N] int64`` (as given to
+    :func:`split_index`) -> ``num_shards`` ascending ``[n_s] int64`` (what :func:`merge_shards`
+    needs to restore the original order)."""
+    return [(assignment == s).nonzero().flatten().cpu() for s in range(num_shards)]
+
+
+def merge_shards(
+    parts: Sequence[IVFIndex], router: IVFIndex, rows: Sequence[torch.Tensor] | None = None
+) -> IVFIndex:
+    """The shards' parts -> the unsharded index (the inverse of :func:`split_index`).
+
+    ``parts``: the ``S`` shard indexes; ``router``: the statistics-only index (centroids, global
+    list offsets, bit counts, config); ``rows``: each shard's rows in the unsharded index
+    (:func:`shard_rows`). With them the merged index equals the original bit for bit. Without
+    (versions published before the rows were saved), each list is ordered by item id, which is
+    the original order of an index built in item-id order (``build_ivf``) but not after
+    ``add_items``; then only items with equal scores may come back in another order.
+
+    Raises ``ValueError`` naming the shard whose part does not fit the router.
+    """
+    if not parts:
+        raise ValueError("merge_shards: no shard parts")
+    if rows is not None and len(rows) != len(parts):
+        raise ValueError(f"merge_shards: {len(rows)} row lists for {len(parts)} shards")
+    counts = router.offsets.diff()  # [nlist] global list sizes
+    held = torch.zeros_like(counts)
+    for s, part in enumerate(parts):
+        if part.nlist != router.nlist or not torch.equal(part.centroids, router.centroids):
+            raise ValueError(f"shard {s}: its centroids differ from the router's")
+        if part.dim != router.dim or part.config.codes != router.config.codes:
+            raise ValueError(
+                f"shard {s}: dim={part.dim} codes={part.config.codes!r}, the router has "
+                f"dim={router.dim} codes={router.config.codes!r}"
+            )
+        held += part.offsets.diff()
+    if not torch.equal(held, counts):
+        lst = int((held != counts).nonzero()[0])
+        raise ValueError(
+            f"merge_shards: the shards hold {int(held[lst])} items of list {lst}, the router "
+            f"counts {int(counts[lst])} (shards of another version or split?)"
+        )
+    n = router.ntotal
+    part_lists = [_row_lists(p) for p in parts]
+    if rows is None:
+        ids = torch.cat([p.item_ids for p in parts])
+        lists = torch.cat(part_lists)
+        by_id = torch.argsort(ids, stable=True)
+        order = by_id[torch.argsort(lists[by_id], stable=True)]  # by list, then by item id
+        src = torch.empty(n, dtype=torch.int64)
+        src[order] = torch.arange(n)
+        dest = list(src.split([p.ntotal for p in parts]))  # merged row of each part's rows
+    else:
+        dest = [r.to(torch.int64).cpu() for r in rows]
+        _check_rows(dest, parts, part_lists, _row_lists(router))
+    out = _new_like(router)
+    out.centroids = router.centroids.clone()
+    out.offsets = router.offsets.clone()
+    out.item_ids = _scatter([p.item_ids for p in parts], dest, n)
+    out.codes = _scatter([p.codes for p in parts], dest, n)
+    out.scales = _scatter([p.scales for p in parts], dest, n)
+    has_exact = any(p.exact.shape[0] for p in parts)  # else no exact copy: [0, D] everywhere
+    out.exact = _scatter([p.exact for p in parts], dest, n) if has_exact else parts[0].exact.clone()
+    out.sig = _scatter([p.sig for p in parts], dest, n)
+    out.bit_counts = bit_counts(out.sig) if out.sig.shape[1] else router.bit_counts.clone()
+    out.postings = postings(out.sig.cpu()).to(out.sig.device)
+    out._refresh()
+    return out
+
+
+def _row_lists(index: IVFIndex) -> torch.Tensor:
+    """The list of every row of ``index`` (list-sorted) -> ``[ntotal] int64`` (CPU)."""
+    sizes = index.offsets.diff().cpu()
+    return torch.repeat_interleave(torch.arange(index.nlist), sizes)
+
+
+def _check_rows(
+    dest: list[torch.Tensor],
+    parts: Sequence[IVFIndex],
+    part_lists: list[torch.Tensor],
+    lists: torch.Tensor,
+) -> None:
+    """The shards' rows cover ``[0, N)`` once each and put every row in its own list."""
+    for s, (d, part) in enumerate(zip(dest, parts, strict=True)):
+        if d.shape != (part.ntotal,):
+            raise ValueError(f"shard {s}: {tuple(d.shape)} rows for {part.ntotal} items")
+    every = torch.cat(dest)
+    if not torch.equal(every.sort().values, torch.arange(lists.numel())):
+        raise ValueError("merge_shards: the shards' rows do not cover the index once each")
+    for s, (d, pl) in enumerate(zip(dest, part_lists, strict=True)):
+        if not torch.equal(lists[d], pl):
+            raise ValueError(f"shard {s}: its rows put items in other lists than the router's")
+
+
+def _scatter(values: list[torch.Tensor], dest: list[torch.Tensor], n: int) -> torch.Tensor:
+    """``values[s][j]`` -> row ``dest[s][j]`` of one ``[n, ...]`` tensor."""
+    first = values[0]
+    out = first.new_empty((n, *first.shape[1:]))
+    for v, d in zip(values, dest, strict=True):
+        out[d.to(out.device)] = v
     return out

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.search import Candidates, SearchPlan, run_search
-from retrieval.index.split import check_cover, shard_of, split_index
+from retrieval.index.split import check_cover, merge_shards, shard_of, shard_rows, split_index
+from retrieval.index.update import add_items
 from support.topk_check import assert_same_topk
 
 FILTERS = [
@@ -21,10 +22,14 @@ FILTERS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[("int8", 200), ("fp8", 0)], ids=["int8-rerank", "fp8"])
+@pytest.fixture(
+    scope="module",
+    params=[("int8", 200, "float16"), ("fp8", 0, "none")],
+    ids=["int8-rerank", "fp8-no-exact-copy"],
+)
 def index(request, catalog) -> IVFIndex:
-    codes, rerank = request.param
-    cfg = IVFConfig(nlist=64, nprobe=8, codes=codes, rerank=rerank)
+    codes, rerank, exact_copy = request.param
+    cfg = IVFConfig(nlist=64, nprobe=8, codes=codes, rerank=rerank, exact_copy=exact_copy)
     return build_ivf(
         catalog["x"], cfg, item_attributes=catalog["attrs"], attribute_values=catalog["values"]
     )
@@ -110,3 +115,61 @@ def test_shard_of_is_stable_and_in_range(ids, n):
 def test_shard_of_spreads_ids_evenly():
     counts = torch.bincount(shard_of(torch.arange(100_000), 4), minlength=4)
     assert counts.min() > 0.95 * 25_000
+
+
+def assert_same_index(got: IVFIndex, want: IVFIndex) -> None:
+    """Every buffer equal, bit for bit, and the same search settings and filter schema."""
+    a, b = got.state_dict(), want.state_dict()
+    assert a.keys() == b.keys()
+    for name, t in b.items():
+        if isinstance(t, torch.Tensor):
+            assert a[name].dtype == t.dtype and torch.equal(a[name], t), name
+        else:
+            assert a[name] == t, name
+    assert got.ntotal == want.ntotal and got.max_list == want.max_list
+    assert got.posting_offsets == want.posting_offsets
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.integers(1, 6), st.integers(0, 2**31), st.booleans())
+def test_split_then_merge_is_the_original(index, num_shards, seed, hashed):
+    g = torch.Generator().manual_seed(seed)
+    assignment = (
+        shard_of(index.item_ids, num_shards)
+        if hashed
+        else torch.randint(0, num_shards, (index.ntotal,), generator=g)  # shards may be empty
+    )
+    stats, parts = split_index(index, assignment, num_shards)
+    assert_same_index(merge_shards(parts, stats, shard_rows(assignment, num_shards)), index)
+    # without the rows, lists come back in item-id order: the order of a fresh build
+    assert_same_index(merge_shards(parts, stats), index)
+
+
+def test_merge_restores_the_order_of_an_updated_index(index, catalog):
+    """Items replaced after the build move to the end of their lists, out of item-id order: only
+    the shards' rows restore that order."""
+    new_ids = torch.tensor([5, 3, 1])
+    vecs = catalog["x"][:3] + 0.01
+    updated = add_items(index, new_ids, vecs, index.sig[:3].clone())
+    assignment = shard_of(updated.item_ids, 3)
+    stats, parts = split_index(updated, assignment, 3)
+    assert_same_index(merge_shards(parts, stats, shard_rows(assignment, 3)), updated)
+    by_id = merge_shards(parts, stats)
+    assert not torch.equal(by_id.item_ids, updated.item_ids)
+    q = catalog["q"][:8]
+    assert_same_topk(*by_id.search(q, 50, FILTERS[1]), *updated.search(q, 50, FILTERS[1]))
+
+
+def test_shards_that_do_not_fit_the_router_are_refused(index):
+    assignment = shard_of(index.item_ids, 2)
+    stats, parts = split_index(index, assignment, 2)
+    rows = shard_rows(assignment, 2)
+    with pytest.raises(ValueError, match="the router counts"):
+        merge_shards(parts[:1], stats)
+    with pytest.raises(ValueError, match="do not cover the index once"):
+        merge_shards(parts, stats, [rows[0], rows[0][: parts[1].ntotal]])
+    with pytest.raises(ValueError, match="shard 0: its rows put items in other lists"):
+        merge_shards(parts, stats, rows[::-1] if parts[0].ntotal == parts[1].ntotal else
+                     [rows[0].flip(0), rows[1]])  # fmt: skip
