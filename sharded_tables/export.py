@@ -5,18 +5,25 @@ A plan names remote servers by index (``TablePlacement.servers``); deployment gi
 addresses. ``write_server_folders`` writes folder ``<out>/server-<i>`` for every server ``i`` the
 plan uses (each ranged table's slice of packed rows ``[bounds[j], bounds[j+1])``, keyed tables
 empty), ready for ``recserve serve embeddings --folder <out>/server-<i>``.
+
+:func:`read_server_folders` is the way back for a process that wants no servers (offline batch
+scoring): every folder's rows in memory, behind the same ``fetch`` the servers' client has.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.remote.client import RemoteTable
-from sharded_tables.remote.server_files import ServerTable, write_server_folder
+from sharded_tables.remote.server_files import (
+    ServerTable,
+    read_server_folder,
+    write_server_folder,
+)
 from sharded_tables.specs import TableSpec, Tier
 
 
@@ -63,6 +70,70 @@ def write_server_folders(
         folders[server] = server_folder(out, server)
         write_server_folder(folders[server], tables)
     return folders
+
+
+class ServerFolderRows:
+    """The rows of embedding-server folders, held in this process: a
+    :class:`~sharded_tables.tiered.RemoteFetcher` with no server behind it.
+
+    ``fetch`` answers what the servers would: the same packed bytes (so a model's lookups and
+    numbers are the served ones), zero rows for keys a keyed table never stored. Ranged tables
+    must be covered from row 0 without a gap by the folders' ranges.
+    """
+
+    def __init__(self, tables: Iterable[ServerTable]):
+        ranged: dict[str, list[ServerTable]] = {}
+        keyed: dict[str, list[ServerTable]] = {}
+        for t in tables:
+            (ranged if t.partition == "range" else keyed).setdefault(t.name, []).append(t)
+        self.rows: dict[str, torch.Tensor] = {}
+        """Ranged table -> its packed rows ``uint8 [rows, row_bytes]``."""
+        for name, parts in ranged.items():
+            parts.sort(key=lambda t: t.lo)
+            at = 0
+            for t in parts:
+                if t.lo != at:
+                    raise ValueError(f"table {name!r}: the server folders miss rows [{at}, {t.lo})")
+                at = t.hi
+            self.rows[name] = torch.cat([t.rows for t in parts if t.rows is not None])
+        self.keyed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Keyed table -> (keys ``int64 [k]`` ascending, packed rows ``uint8 [k, row_bytes]``)."""
+        for name, parts in keyed.items():
+            keys = torch.cat([t.ids if t.ids is not None else torch.zeros(0, dtype=torch.int64)
+                              for t in parts])  # fmt: skip
+            rows = torch.cat([t.rows for t in parts if t.rows is not None])
+            order = keys.argsort()
+            self.keyed[name] = keys[order], rows[order]
+
+    def tables(self) -> set[str]:
+        return set(self.rows) | set(self.keyed)
+
+    def fetch(
+        self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``{table: ids int64 [n]}`` -> ``{table: packed rows uint8 [n, row_bytes]}``. The ids of
+        ranged tables are trusted to be in range (the model validated its batch)."""
+        out = {}
+        for table, ids in ids_by_table.items():
+            if table in self.rows:
+                out[table] = self.rows[table][ids.cpu()]
+                continue
+            keys, rows = self.keyed[table]
+            ids = ids.cpu()
+            at = torch.searchsorted(keys, ids).clamp(max=max(len(keys) - 1, 0))
+            found = keys[at] == ids if len(keys) else torch.zeros_like(ids, dtype=torch.bool)
+            got = rows[at] if len(keys) else rows.new_zeros((len(ids), rows.shape[1]))
+            out[table] = got * found.unsqueeze(1).to(torch.uint8)
+        return out
+
+
+def read_server_folders(out: Path) -> ServerFolderRows:
+    """Every ``<out>/server-<i>`` folder (as :func:`write_server_folders` wrote them, checksums
+    verified) -> their rows in memory. ``FileNotFoundError`` when ``out`` holds none."""
+    folders = sorted(Path(out).glob("server-*"))
+    if not folders:
+        raise FileNotFoundError(f"{out}: no embedding-server folders (server-<i>)")
+    return ServerFolderRows(t for f in folders for t in read_server_folder(f))
 
 
 def remote_routing(
