@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -31,8 +31,26 @@ class RouterConfig(Config):
     ~70-120 ms); a fleet with spare cores sets it lower."""
     hedge_after_ms: WaitMs = 0.0
     """> 0: a shard replica that has not answered after this long gets a twin call to the next
-    replica, and the first answer wins. 0: no hedging (a replica that fails fast still fails
-    over to the next one)."""
+    replica, and the first answer wins. 0: the delay follows ``hedge`` (a replica that fails
+    fast always fails over to the next one)."""
+    hedge: Literal["adaptive", "off"] = "adaptive"
+    """With ``hedge_after_ms`` 0: ``adaptive`` hedges a shard of 2 or more replicas after the
+    p95 of that shard's recent answers, bounded to [``hedge_min_ms``, ``hedge_max_ms``]
+    (``hedge_max_ms`` until 20 answers came); ``off``: no twin calls."""
+    hedge_min_ms: WaitMs = 5.0
+    """Adaptive hedging: the shortest hedge delay (twin calls stay rare on a fast shard)."""
+    hedge_max_ms: WaitMs = 100.0
+    """Adaptive hedging: the longest hedge delay (a twin still has time before the deadline)."""
+    eject_after_failures: int = Field(default=2, ge=0)
+    """A replica that fails this many calls in a row (no answer in time, unreachable, internal
+    error) leaves the rotation for a back-off, then gets one probe (a copy of a request another
+    replica also answers) and returns when it answers; 0: never eject. A deadline miss counts
+    only for a call that had at least half of ``shard_deadline_ms`` (a client's short deadline
+    says nothing about the replica)."""
+    eject_base_ms: Annotated[WaitMs, Field(gt=0)] = 500.0
+    """First back-off of an ejected replica; it doubles with each failed probe."""
+    eject_max_ms: Annotated[WaitMs, Field(gt=0)] = 10_000.0
+    """Longest back-off of an ejected replica (it is probed at least this often)."""
     embedding_servers: list[Address] = Field(default_factory=list)
     """Addresses of embedding servers 0, 1, ... for the version's remote tables."""
     embedding_timeout_ms: Annotated[WaitMs, Field(gt=0)] = 500.0
@@ -41,10 +59,21 @@ class RouterConfig(Config):
     """Batches routed at once: while one waits on the shards the next runs its tower."""
 
     def validate(self) -> None:  # type: ignore[override]  # see Config.validate
-        """What the fields cannot say alone: a router needs shards (``ConfigError``)."""
+        """What the fields cannot say alone: a router needs shards, lower bounds are not above
+        upper ones (``ConfigError``)."""
         if not self.shards:
             raise ConfigError(
                 "router.shards (--shards): at least one shard (a list of replica addresses)"
+            )
+        if self.hedge_min_ms > self.hedge_max_ms:
+            raise ConfigError(
+                f"router.hedge_min_ms: must be <= hedge_max_ms ({self.hedge_max_ms:g}), "
+                f"got {self.hedge_min_ms:g}"
+            )
+        if self.eject_base_ms > self.eject_max_ms:
+            raise ConfigError(
+                f"router.eject_base_ms: must be <= eject_max_ms ({self.eject_max_ms:g}), "
+                f"got {self.eject_base_ms:g}"
             )
 
 

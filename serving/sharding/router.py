@@ -13,8 +13,11 @@ their candidates exactly (``retrieval/index/search.py``)::
 A shard that misses the deadline or fails (down, wrong version) leaves the answer **partial**:
 the result of the shards that answered, flagged with the missing shards, never an error reported
 as a full success and never a hang. When every shard fails the batch is UNAVAILABLE. With
-replicas, a replica that fails fast fails over to the next one, and with ``hedge_after_ms`` a
-slow one gets a twin call to the next replica (the first answer wins).
+replicas, a replica that fails fast fails over to the next one, and a slow one gets a twin call
+to the next replica (hedging: after ``hedge_after_ms``, or adaptively after the p95 of the
+shard's recent answers; the first answer wins). A replica that fails calls in a row is ejected
+from the rotation and probed back (``serving/sharding/health.py``); the losing calls of a round
+are left to finish within the deadline, so that each replica's outcome is known.
 
 Versions: the router serves only a version that every reachable shard holds
 (:class:`ShardedRepository`), so during a rollout it stays on the old version until the shards
@@ -34,7 +37,7 @@ from typing import Any
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.grpc_util import ClientAuth, open_channel
 from retrieval.artifact import CONFIG_FILE
@@ -48,6 +51,7 @@ from serving.protos import shard_pb2 as pb
 from serving.protos import shard_pb2_grpc as pb_grpc
 from serving.repository.repository import ARTIFACT_DIR, LoadedModel, ModelRepository
 from serving.sharding.config import RouterConfig
+from serving.sharding.health import FAILURE_CODES, Change, Ejection, LatencyWindow
 from serving.sharding.shard_server import GRPC_OPTIONS
 from serving.sharding.wire import decode_response, encode_request
 from serving.types import UnavailableError
@@ -69,7 +73,8 @@ CHANNEL_OPTIONS = [
 
 
 class RouterMetrics:
-    """Per-shard latency and errors, hedges, and partial batches, in the server's registry."""
+    """Per-shard latency and errors, hedges, partial batches, and per-replica answers,
+    ejections and the replicas in rotation, in the server's registry."""
 
     def __init__(self, model: str, registry: CollectorRegistry):
         self.model = model
@@ -98,25 +103,52 @@ class RouterMetrics:
             ["model"],
             registry=registry,
         )
+        self.answers = Counter(
+            "recserve_replica_answers",
+            "Search calls a shard replica answered (twins and probes included)",
+            ["model", "shard", "replica"],
+            registry=registry,
+        )
+        self.ejections = Counter(
+            "recserve_replica_ejections",
+            "Times a shard replica was taken out of rotation after failures in a row",
+            ["model", "shard", "replica"],
+            registry=registry,
+        )
+        self.in_rotation = Gauge(
+            "recserve_replicas_in_rotation",
+            "Replicas of a shard in rotation (not ejected)",
+            ["model", "shard"],
+            registry=registry,
+        )
 
 
 @dataclass
 class _ShardCall:
-    """One shard's call of one round: its replicas tried in turn, hedged when configured."""
+    """One shard's call of one round: its replicas tried in turn, hedged at ``hedge_at``."""
 
     shard: int
-    replicas: list[Any]  # stubs, in the order to try
+    order: list[str]  # replica addresses, in the order to try
+    healthy: int  # the first ``healthy`` of them are in rotation: only those get twins
+    hedge_at: float  # monotonic time of the twin call; inf: none (or sent)
     futures: list[Any] = field(default_factory=list)
     last_error: str = ""
     last_code: str = ""
 
-    def launch(self, request: pb.SearchRequest, timeout: float, wake: threading.Event) -> bool:
-        """Calls the next untried replica; False when none is left."""
-        if len(self.futures) >= len(self.replicas):
+    def launch(
+        self,
+        client: ShardClient,
+        request: pb.SearchRequest,
+        timeout: float,
+        wake: threading.Event,
+        twin: bool = False,
+    ) -> bool:
+        """Calls the next untried replica (for a ``twin``: one in rotation); False when none
+        is left."""
+        if len(self.futures) >= (self.healthy if twin else len(self.order)):
             return False
-        fut = self.replicas[len(self.futures)].Search.future(request, timeout=timeout)
-        fut.add_done_callback(lambda _f: wake.set())
-        self.futures.append(fut)
+        address = self.order[len(self.futures)]
+        self.futures.append(client.call(self.shard, address, request, timeout, wake))
         return True
 
     def answer(self) -> Any | None:
@@ -138,13 +170,10 @@ class _ShardCall:
                 self.last_error = err.details() if hasattr(err, "details") else str(err)
         return True
 
-    def cancel(self) -> None:
-        for f in self.futures:
-            f.cancel()
-
 
 class ShardClient:
-    """Channels to every replica of every shard; scatter/gather with deadlines and hedging."""
+    """Channels to every replica of every shard; scatter/gather with deadlines, hedging and
+    replica ejection."""
 
     def __init__(
         self,
@@ -162,6 +191,16 @@ class ShardClient:
         self._turn = itertools.count()  # rotates which replica goes first
         self.metrics = RouterMetrics(model, registry)
         self._failing: set[int] = set()
+        c = config
+        self._lock = threading.Lock()  # the health state: rounds and gRPC callbacks share it
+        self._health = Ejection(
+            self.shards, c.eject_after_failures, c.eject_base_ms / 1e3, c.eject_max_ms / 1e3
+        )
+        self._latency = [
+            LatencyWindow(c.hedge_min_ms / 1e3, c.hedge_max_ms / 1e3) for _ in self.shards
+        ]
+        for s, replicas in enumerate(self.shards):
+            self.metrics.in_rotation.labels(model, str(s)).set(len(replicas))
 
     @property
     def num_shards(self) -> int:
@@ -215,29 +254,101 @@ class ShardClient:
             t = min(t, max(deadline - time.monotonic(), 0.001))
         return t
 
+    def hedge_after(self, shard: int) -> float:
+        """Seconds after which a call to ``shard`` gets a twin (inf: never)."""
+        if self.config.hedge_after_ms > 0:
+            return self.config.hedge_after_ms / 1000.0
+        if self.config.hedge == "off" or len(self.shards[shard]) < 2:
+            return math.inf
+        return self._latency[shard].hedge_after()
+
+    def in_rotation(self, shard: int) -> int:
+        with self._lock:
+            return self._health.in_rotation(shard)
+
+    def call(
+        self,
+        shard: int,
+        address: str,
+        request: pb.SearchRequest,
+        timeout: float,
+        wake: threading.Event | None,
+    ) -> Any:
+        """One Search call to one replica -> its future; its outcome feeds the replica's health
+        and the shard's latencies, then sets ``wake``."""
+        start = time.monotonic()
+        fut = self._stubs[address].Search.future(request, timeout=timeout)
+        # a deadline miss says something about the replica only if it had time to answer
+        judged = timeout >= self.config.shard_deadline_ms / 2000.0
+
+        def done(f: Any) -> None:
+            try:
+                self._outcome(shard, address, f, time.monotonic() - start, judged)
+            finally:
+                if wake is not None:
+                    wake.set()
+
+        fut.add_done_callback(done)
+        return fut
+
+    def _outcome(self, shard: int, address: str, f: Any, latency: float, judged: bool) -> None:
+        err = f.exception() if not f.cancelled() else None
+        code = "CANCELLED" if f.cancelled() else ""
+        if err is not None:
+            code = err.code().name if hasattr(err, "code") else "UNKNOWN"
+        now = time.monotonic()
+        with self._lock:
+            if not code:
+                self._latency[shard].add(latency)
+                change = self._health.succeeded(shard, address)
+            elif code in FAILURE_CODES and (judged or code != "DEADLINE_EXCEEDED"):
+                change = self._health.failed(shard, address, now)
+            else:
+                self._health.abandoned(shard, address)
+                change = None
+            in_rotation = self._health.in_rotation(shard)
+        m, label = self.metrics, str(shard)
+        if not code:
+            m.answers.labels(m.model, label, address).inc()
+        if change is None:
+            return
+        m.in_rotation.labels(m.model, label).set(in_rotation)
+        if change is Change.EJECTED:
+            m.ejections.labels(m.model, label, address).inc()
+            log.warning(
+                "shard %d replica %s is out of rotation after %d failed calls in a row "
+                "(last: %s); %d of %d replicas left",
+                shard, address, self.config.eject_after_failures, code, in_rotation,
+                len(self.shards[shard]),
+            )  # fmt: skip
+        else:
+            log.info("shard %d replica %s answers again: back in rotation", shard, address)
+
     def search(
         self, request: pb.SearchRequest, timeout: float, skip: set[int]
     ) -> tuple[dict[int, pb.SearchResponse], dict[int, str]]:
         """Sends ``request`` to every shard but ``skip`` -> (answers, errors) by shard.
 
         Returns within ``timeout`` seconds (plus scheduling): a shard still silent then is an
-        error (DEADLINE_EXCEEDED) and its calls are cancelled.
+        error (DEADLINE_EXCEEDED). Calls still running are not cancelled: they end by the same
+        deadline and report their replica's health.
         """
         start = time.monotonic()
         deadline = start + timeout
-        hedge_s = self.config.hedge_after_ms / 1000.0
-        hedge_at = start + hedge_s if hedge_s > 0 else math.inf
         wake = threading.Event()
         turn = next(self._turn)
         pending: dict[int, _ShardCall] = {}
-        for s, replicas in enumerate(self.shards):
+        for s in range(len(self.shards)):
             if s in skip:
                 continue
-            order = [
-                self._stubs[replicas[(turn + j) % len(replicas)]] for j in range(len(replicas))
-            ]
-            call = pending[s] = _ShardCall(s, order)
-            call.launch(request, timeout, wake)
+            with self._lock:
+                order, probe = self._health.order(s, turn, start)
+                hedge_at = start + self.hedge_after(s)
+                call = _ShardCall(s, order, self._health.in_rotation(s), hedge_at)
+            pending[s] = call
+            call.launch(self, request, timeout, wake)
+            if probe is not None:  # a copy: the replicas in rotation answer this round
+                self.call(s, probe, request, timeout, None)
         answers: dict[int, pb.SearchResponse] = {}
         errors: dict[int, str] = {}
         while pending:
@@ -249,28 +360,27 @@ class ShardClient:
                     answers[s] = got
                     self.metrics.latency.labels(self.metrics.model, str(s)).observe(now - start)
                 elif call.all_failed() and not (
-                    now < deadline and call.launch(request, deadline - now, wake)  # fail over
+                    now < deadline and call.launch(self, request, deadline - now, wake)  # fail over
                 ):
                     errors[s] = f"{call.last_code}: {call.last_error}"
                     self._count_error(s, call.last_code)
                 else:
                     continue
-                call.cancel()
                 del pending[s]
             if not pending:
                 break
             if now >= deadline:
-                for s, call in pending.items():
-                    call.cancel()
+                for s in pending:
                     errors[s] = f"DEADLINE_EXCEEDED: no answer within {timeout * 1000:.0f} ms"
                     self._count_error(s, "DEADLINE_EXCEEDED")
                 break
-            if now >= hedge_at:
-                for s, call in pending.items():
-                    if call.launch(request, deadline - now, wake):
+            for s, call in pending.items():
+                if now >= call.hedge_at:
+                    call.hedge_at = math.inf
+                    if call.launch(self, request, deadline - now, wake, twin=True):
                         self.metrics.hedges.labels(self.metrics.model, str(s)).inc()
-                hedge_at = math.inf
-            wake.wait(max(min(deadline, hedge_at) - now, 0.0))
+            next_hedge = min(call.hedge_at for call in pending.values())
+            wake.wait(max(min(deadline, next_hedge) - now, 0.0))
         self._note_health(answers, errors)
         return answers, errors
 
