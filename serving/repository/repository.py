@@ -2,8 +2,10 @@
 
 Layout (``root`` is what ``tritonserver --model-repository`` reads)::
 
-    root/<model>/config.pbtxt          Triton ModelConfig (protobuf text), rewritten per publish
+    root/<model>/config.pbtxt          Triton ModelConfig (protobuf text): a copy of the latest
+                                       version's own config.pbtxt, for Triton (see below)
     root/<model>/.publish.lock         flock'ed by publishers (Triton ignores files here)
+    root/<model>/<N>/config.pbtxt      the version's own config, covered by its manifest: the truth
     root/<model>/<N>/model.py          the Triton Python backend (triton_python_model.py)
     root/<model>/<N>/model/            our artifact: config.json + model.pt (retrieval.artifact)
     root/<model>/<N>/shards/<s>/       document-sharded versions: shard s's part of the index
@@ -17,7 +19,26 @@ A version is *complete* when its folder name is a number and it holds ``manifest
 folder appears in one ``rename`` after every file was written and fsynced, so a reader never sees
 half a version. A publish that fails (disk full, read-only folder) raises :class:`PublishError`
 and leaves nothing; one killed midway leaves a staging folder (or a config temp file), which the
-next publish removes. Example::
+next publish removes.
+
+Config and version together (issue 18). Two files cannot change in one rename, so the version
+carries its config and the model-level ``config.pbtxt`` is only a derived copy:
+
+1. the staging folder gets the version's ``config.pbtxt`` (listed in its manifest), and the
+   model-level file's new content is written, fsynced, to a temp file beside it;
+2. ``rename(staging, N)``: the publish (a full disk or a read-only folder failed before this);
+3. ``replace(temp, config.pbtxt)``, then the folder is fsynced.
+
+A crash before 2 leaves the old (config, latest version) pair; after 3 the new pair; between 2
+and 3 the new version beside the old model-level config, which the next reader repairs:
+:meth:`ModelRepository.load` serves the version's own config (so ``ModelHost`` and the batching
+policy never see another version's), and :meth:`ModelRepository.repair_config`, which ``load``
+calls, rewrites a model-level ``config.pbtxt`` that disagrees with the latest complete version's
+own (atomically, under the publish lock; skipped while a publisher holds it, as that one writes
+it last). :func:`serving.repository.tritonserver.triton_launch` repairs before Triton starts. A
+version published before versions carried a config serves the model-level file.
+
+Example::
 
     repo = ModelRepository(Path("repo"))
     v = repo.publish("demo", model, keep=3, max_batch_size=32)
@@ -28,6 +49,8 @@ next publish removes. Example::
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import logging
 import os
 import re
 import shutil
@@ -42,21 +65,37 @@ from typing import Any
 
 import torch
 
-from common.atomic import fsync_dir, fsync_tree, temp_target
+from common.atomic import (
+    atomic_write_bytes,
+    fsync_dir,
+    fsync_tree,
+    temp_path,
+    temp_target,
+    write_synced,
+)
 from retrieval.artifact import ShardMap, load_model, load_shard, save_model, save_sharded
 from retrieval.index.ivf import IVFIndex
 from retrieval.model import RetrievalModel, table_specs
 from serving.repository.config import (
     CONFIG_FILE,
     TritonConfig,
+    format_config,
     make_config,
+    parse_config,
     read_config,
-    write_config,
 )
-from serving.repository.manifest import MANIFEST_FILE, CorruptVersionError, verify, write_manifest
+from serving.repository.manifest import (
+    MANIFEST_FILE,
+    CorruptVersionError,
+    read_manifest,
+    verify,
+    write_manifest,
+)
 from sharded_tables.export import write_server_folders
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.tiered import RemoteFetcher
+
+log = logging.getLogger(__name__)
 
 ARTIFACT_DIR = "model"
 """Where a version keeps :func:`retrieval.artifact.save_model`'s folder."""
@@ -107,7 +146,8 @@ class LoadedModel:
     model: RetrievalModel
     """In eval mode."""
     config: TritonConfig
-    """The model's ``config.pbtxt`` (Triton ``ModelConfig``)."""
+    """The version's own ``config.pbtxt`` (Triton ``ModelConfig``); the model-level one for a
+    version published without its own."""
     path: Path
     """The version folder."""
     shard_map: ShardMap | None = None
@@ -153,9 +193,57 @@ class ModelRepository:
     def latest(self, name: str) -> int | None:
         return max(self.versions(name), default=None)
 
-    def config(self, name: str) -> TritonConfig:
-        """The model's ``config.pbtxt``; errors name the file (and line / field when malformed)."""
-        return _read_config(self.model_dir(name) / CONFIG_FILE)
+    def config(self, name: str, version: int | None = None) -> TritonConfig:
+        """The config ``version`` (default: the latest complete one) serves with: its own
+        ``config.pbtxt``, checked against its manifest, else (a version published without one,
+        or no version) the model-level file. Errors name the file (and line / field)."""
+        v = self.latest(name) if version is None else check_version(version)
+        mdir = self.model_dir(name)
+        own = None if v is None else _own_config(mdir / str(v))
+        if own is None:
+            return _read_config(mdir / CONFIG_FILE)
+        return _parse_own(own, mdir / str(v) / CONFIG_FILE)
+
+    def repair_config(self, name: str) -> bool:
+        """Makes the model-level ``config.pbtxt`` a copy of the latest complete version's own
+        (a publish killed between its version's rename and its config write leaves the old
+        one); True when it rewrote it. Atomic, under the publish lock; does nothing while a
+        publisher holds the lock (it writes the config last), for a version without its own
+        config, or where the file system refuses (logged: readers serve the version's own
+        config anyway)."""
+        mdir = self.model_dir(name)
+        try:
+            if self._config_agrees(mdir):
+                return False
+            with _locked(mdir / LOCK_FILE, wait=False) as held:
+                if not held or self._config_agrees(mdir):
+                    return False
+                own = _own_config(mdir / str(self.latest(name)))
+                assert own is not None  # _config_agrees said so
+                atomic_write_bytes(mdir / CONFIG_FILE, own)
+        except (OSError, CorruptVersionError) as e:
+            log.warning("model %s: cannot repair %s: %s", name, mdir / CONFIG_FILE, e)
+            return False
+        log.warning(
+            "model %s: %s disagreed with version %s's own config (a publish was killed "
+            "midway); rewrote it",
+            name,
+            mdir / CONFIG_FILE,
+            self.latest(name),
+        )
+        return True
+
+    def _config_agrees(self, mdir: Path) -> bool:
+        """The model-level config holds the latest version's own (or there is nothing to
+        compare with: no version, or one without its own config)."""
+        latest = max(_complete_versions(mdir), default=None)
+        own = None if latest is None else _own_config(mdir / str(latest))
+        if own is None:
+            return True
+        try:
+            return (mdir / CONFIG_FILE).read_bytes() == own
+        except FileNotFoundError:
+            return False
 
     def load(
         self,
@@ -171,7 +259,13 @@ class ModelRepository:
         (checksums, or a manifest naming another model / version) before reading any weights.
         """
         vdir = self.verified_dir(name, version)
-        cfg = _read_config(self.model_dir(name) / CONFIG_FILE)
+        own = _own_config(vdir)  # verified above
+        cfg = (
+            _read_config(self.model_dir(name) / CONFIG_FILE)
+            if own is None
+            else _parse_own(own, vdir / CONFIG_FILE)
+        )
+        self.repair_config(name)  # a killed publish's model-level config heals here
         model = load_model(vdir / ARTIFACT_DIR, map_location=map_location, remote=remote)
         model.eval()
         return LoadedModel(
@@ -237,8 +331,9 @@ class ModelRepository:
         complete versions are removed, oldest first.
 
         A write the file system refuses (disk full, read-only folder) raises
-        :class:`PublishError` and leaves no new version and no staging folder. The model's
-        ``config.pbtxt`` is replaced (atomically) just before the version's rename.
+        :class:`PublishError` and leaves no new version and no staging folder. The version
+        carries its own ``config.pbtxt``; the model's is replaced (atomically) just after the
+        version's rename, from a temp file written before it (see the module docstring).
         """
         check_name(name)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -249,13 +344,13 @@ class ModelRepository:
         if assignment is not None and shards is None:
             raise ValueError("assignment: give shards (the number of shards) with it")
         mdir = self.model_dir(name)
-        version, published = 0, False
+        version, published, text = 0, False, format_config(cfg).encode("utf-8")
         try:
             mdir.mkdir(parents=True, exist_ok=True)
             with _locked(mdir / LOCK_FILE):
                 _remove_leftovers(mdir)
                 version = max(_numbered(mdir), default=0) + 1  # incomplete numbers are skipped too
-                stage = mdir / _stage_name()
+                stage, pending = mdir / _stage_name(), temp_path(mdir / CONFIG_FILE)
                 stage.mkdir()
                 try:
                     if shards is None:
@@ -267,16 +362,20 @@ class ModelRepository:
                     if remote_rows is not None:
                         _write_embeddings(model, remote_rows, stage / EMBEDDINGS_DIR)
                     shutil.copyfile(BACKEND_SOURCE, stage / BACKEND_FILE)
+                    write_synced(stage / CONFIG_FILE, text)  # the version's own: the truth
                     write_manifest(stage, model=name, version=version)
                     fsync_tree(stage)
-                    # config before the version: a version never shows without its config, and a
-                    # failed config write (disk full) leaves nothing published
-                    write_config(mdir / CONFIG_FILE, cfg)
+                    # the model-level copy's bytes, written before the rename so that a full
+                    # disk fails here, with nothing published
+                    write_synced(pending, text)
                     os.rename(stage, mdir / str(version))  # the publish: one atomic rename
                 except BaseException:
                     shutil.rmtree(stage, ignore_errors=True)
+                    pending.unlink(missing_ok=True)
                     raise
                 published = True
+                # killed here, the new version sits beside the old config: readers repair it
+                os.replace(pending, mdir / CONFIG_FILE)
                 fsync_dir(mdir)
                 _retain(mdir, keep)
         except OSError as e:
@@ -315,6 +414,32 @@ def _complete_versions(mdir: Path) -> list[int]:
     return sorted(v for v in _numbered(mdir) if (mdir / str(v) / MANIFEST_FILE).is_file())
 
 
+def _own_config(vdir: Path) -> bytes | None:
+    """The bytes of a complete version's own ``config.pbtxt``, checked against its manifest
+    entry (not the whole version: cheap enough for every load); None for a version published
+    without one. :class:`CorruptVersionError` when they do not match."""
+    path = vdir / CONFIG_FILE
+    entry = next((f for f in read_manifest(vdir).files if f.path == CONFIG_FILE), None)
+    if entry is None:
+        if path.exists():
+            raise CorruptVersionError(f"{vdir}: {CONFIG_FILE}: not in the manifest")
+        return None
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptVersionError(f"{vdir}: {CONFIG_FILE}: missing") from None
+    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise CorruptVersionError(f"{vdir}: {CONFIG_FILE}: does not match the manifest")
+    return data
+
+
+def _parse_own(data: bytes, path: Path) -> TritonConfig:
+    try:
+        return parse_config(data.decode("utf-8"), str(path))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+
+
 def _read_config(path: Path) -> TritonConfig:
     """:func:`read_config`, with a file that is no text refused naming it too."""
     try:
@@ -324,13 +449,17 @@ def _read_config(path: Path) -> TritonConfig:
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path, wait: bool = True) -> Iterator[bool]:
     """An exclusive ``flock`` on ``path`` (per open file, so threads of one process exclude
-    each other too)."""
+    each other too); yields whether it is held (``wait=False``: False when another holds it)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)  # closing releases the lock
 
@@ -363,7 +492,7 @@ def _remove_leftovers(mdir: Path) -> None:
             p.name.startswith(STAGING_PREFIX) and _abandoned(p, now)
         ):
             shutil.rmtree(p, ignore_errors=True)
-        elif temp_target(p.name) == CONFIG_FILE:  # ``write_config``'s, killed midway
+        elif temp_target(p.name) == CONFIG_FILE:  # a publish's or a repair's, killed midway
             p.unlink(missing_ok=True)
 
 

@@ -1,7 +1,9 @@
 """The real Triton Inference Server (bundled by nvidia-pytriton) on one of our repositories.
 
 Every version carries a Triton Python backend ``model.py``, so Triton serves a repository
-unchanged. :func:`triton_launch` builds what runs it::
+unchanged. :func:`triton_launch` first repairs each model-level ``config.pbtxt`` that a killed
+publish left behind its latest version (``ModelRepository.repair_config``), then builds what
+runs it::
 
     LD_LIBRARY_PATH=<libpython dir>:<site-packages>/nvidia_pytriton.libs \\
     PATH=<venv>/bin:$PATH PYTHONPATH=<recserve checkout> \\
@@ -60,6 +62,11 @@ def triton_launch(repo: Path, tmp: Path, prefix: str = "recserve") -> TritonLaun
     stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not binary.is_file() or not stub.is_file():
         raise TritonUnavailable(f"no tritonserver binary or Python {version} stub under {dist}")
+    from serving.repository.repository import ModelRepository
+
+    models = ModelRepository(repo)
+    for name in models.models():  # Triton reads the model-level config: heal a killed publish's
+        models.repair_config(name)
     backends = tmp / f"backends-{uuid.uuid4().hex[:6]}"
     shutil.copytree(dist / "backends", backends)
     shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")

@@ -9,9 +9,13 @@ Run as ``python publish_worker.py <model folder>`` (a folder written by
     fsize <repo root> <name> <bytes>     fork; the child publishes with RLIMIT_FSIZE = <bytes>:
                                          a write past it fails in the kernel (EFBIG), the same
                                          path a full disk takes, torch's writer included
+    halt <repo root> <name> <point> <mbs>  fork; the child publishes with max_batch_size <mbs>
+                                         and stops at <point> (:data:`HALT_POINTS`) for good,
+                                         saying ``at <pid> <point>`` first: the test kills it
 
 Replies on stdout, one line each (children write with one ``os.write``, so lines never mix):
-``forked <pid>``; from the child ``start <pid>`` just before ``publish`` and then
+``forked <pid>``; from the child ``start <pid>`` just before ``publish``, ``at <pid> <point>``
+(halt), and then
 ``done <pid> <version>`` or ``error <pid> <exception type> <message on one line>``; and
 ``exit <pid> <how>`` once the child is reaped (``how``: ``signal <n>`` or ``code <n>``), which
 waits for a ``reap`` line: until then the child's pid cannot be reused, so the test may kill it.
@@ -32,6 +36,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 WAIT = 60.0
+HALT_POINTS = ("before-rename", "after-rename", "before-config", "after-config")
+"""Where ``halt`` stops a publish: just before / after its version's rename, just before / after
+the ``os.replace`` that puts the model-level ``config.pbtxt`` in place."""
 
 
 class Worker:
@@ -62,9 +69,12 @@ class Worker:
         except queue.Empty:
             raise TimeoutError(f"publish worker silent: {self.log.read_text()}") from None
 
-    def run(self, *words: object, kill_at: float | None = None) -> list[list[str]]:
+    def run(
+        self, *words: object, kill_at: float | None = None, kill_on: str | None = None
+    ) -> list[list[str]]:
         """One command -> its replies; ``kill_at``: SIGKILL the child that many seconds after
-        sending the command (at once if the fork took longer)."""
+        sending the command (at once if the fork took longer); ``kill_on``: SIGKILL it once it
+        says a line starting with that word (unless it finished first)."""
         assert self.proc.stdin is not None
         sent = time.monotonic()
         self.proc.stdin.write(" ".join(map(str, words)) + "\n")
@@ -73,6 +83,10 @@ class Worker:
         while lines[-1][0] != "forked":
             lines.append(self.next())
         pid = int(lines[-1][1])
+        while kill_on is not None and lines[-1][0] not in (kill_on, "done", "error"):
+            lines.append(self.next())
+        if kill_on is not None and lines[-1][0] == kill_on:
+            os.kill(pid, signal.SIGKILL)  # it waits there for good
         if kill_at is not None:
             time.sleep(max(0.0, sent + kill_at - time.monotonic()))
             os.kill(pid, signal.SIGKILL)  # our child, not yet reaped: the pid is still its
@@ -96,19 +110,55 @@ def say(line: str) -> None:
     os.write(1, (line.replace("\n", " | ") + "\n").encode())
 
 
-def child(model: Any, command: str, root: str, name: str, arg: int) -> None:
+def halt_at(point: str, mdir: Path) -> None:
+    """Makes this process stop for good at ``point`` of a publish into ``mdir``."""
+    from serving.repository.config import CONFIG_FILE
+
+    assert point in HALT_POINTS, point
+    real_rename, real_replace = os.rename, os.replace
+
+    def stop_at(here: str) -> None:
+        if here == point:
+            say(f"at {os.getpid()} {point}")
+            while True:
+                signal.pause()
+
+    def rename(src: Any, dst: Any, *args: Any, **kw: Any) -> None:
+        publishing = Path(dst).parent == mdir and Path(dst).name.isdigit()
+        if publishing:
+            stop_at("before-rename")
+        real_rename(src, dst, *args, **kw)
+        if publishing:
+            stop_at("after-rename")
+
+    def replace(src: Any, dst: Any, *args: Any, **kw: Any) -> None:
+        configuring = Path(dst) == mdir / CONFIG_FILE
+        if configuring:
+            stop_at("before-config")
+        real_replace(src, dst, *args, **kw)
+        if configuring:
+            stop_at("after-config")
+
+    os.rename, os.replace = rename, replace  # this child only: it never returns
+
+
+def child(model: Any, command: str, root: str, name: str, arg: str, rest: list[str]) -> None:
     """Runs in the forked child; never returns (``os._exit`` skips the parent's atexit/flush)."""
     from serving.repository.repository import ModelRepository
 
     pid = os.getpid()
     code = 0
     try:
-        keep = arg if command == "publish" else 100
+        keep = int(arg) if command == "publish" else 100
+        overrides: dict[str, Any] = {}
         if command == "fsize":
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
-            resource.setrlimit(resource.RLIMIT_FSIZE, (arg, resource.RLIM_INFINITY))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (int(arg), resource.RLIM_INFINITY))
+        if command == "halt":
+            halt_at(arg, Path(root) / name)
+            overrides["max_batch_size"] = int(rest[0])
         say(f"start {pid}")
-        version = ModelRepository(Path(root)).publish(name, model, keep=keep)
+        version = ModelRepository(Path(root)).publish(name, model, keep=keep, **overrides)
         say(f"done {pid} {version}")
     except BaseException as e:
         say(f"error {pid} {type(e).__name__} {e}")
@@ -126,10 +176,10 @@ def main() -> None:
     model = load_model(Path(sys.argv[1])).eval()
     say("ready")
     while line := sys.stdin.readline():
-        command, root, name, arg = line.split()
+        command, root, name, arg, *rest = line.split()
         pid = os.fork()
         if pid == 0:
-            child(model, command, root, name, int(arg))
+            child(model, command, root, name, arg, rest)
         say(f"forked {pid}")
         assert sys.stdin.readline() == "reap\n"  # until then the child's pid stays taken
         _, status = os.waitpid(pid, 0)

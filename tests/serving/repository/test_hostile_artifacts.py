@@ -121,7 +121,8 @@ OTHER_FILES = {  # files that hold no tensors: JSON, protobuf text, raw rows
     "model config": ("model/config.json", lambda r, v: r.load(NAME)),
     "shard map": ("model/shard_map.json", lambda r, v: r.load(NAME)),
     "shard index config": ("shards/0/index.json", lambda r, v: r.load_shard(NAME, 1, 0)),
-    "config.pbtxt": ("../config.pbtxt", lambda r, v: r.load(NAME)),
+    # the version's own (the model-level copy is never parsed: test_config_repair.py)
+    "config.pbtxt": ("config.pbtxt", lambda r, v: r.load(NAME)),
     "embedding rows": (
         "embeddings/server-0/item.bin",
         lambda r, v: read_server_folder(v / "embeddings/server-0"),

@@ -29,7 +29,9 @@ def test_publish_then_load_answers_like_the_model(tiny, repo: ModelRepository) -
     v = repo.publish("demo", tiny.model, max_batch_size=16)
     assert v == 1 and repo.versions("demo") == [1] and repo.models() == ["demo"]
     vdir = repo.root / "demo" / "1"
-    assert sorted(p.name for p in vdir.iterdir()) == [MANIFEST_FILE, ARTIFACT_DIR, BACKEND_FILE]
+    assert sorted(p.name for p in vdir.iterdir()) == sorted(
+        [CONFIG_FILE, MANIFEST_FILE, ARTIFACT_DIR, BACKEND_FILE]
+    )
     assert (vdir / BACKEND_FILE).read_bytes() == BACKEND_SOURCE.read_bytes()
     assert sorted(p.name for p in (repo.root / "demo").iterdir()) == [LOCK_FILE, "1", CONFIG_FILE]
     loaded = repo.load("demo")
@@ -38,6 +40,7 @@ def test_publish_then_load_answers_like_the_model(tiny, repo: ModelRepository) -
     assert loaded.config.max_batch_size == 16 and loaded.config_pb is loaded.config
     assert list(loaded.config.dynamic_batching.preferred_batch_size) == []  # work-conserving
     assert loaded.config == read_config(repo.root / "demo" / CONFIG_FILE)
+    assert loaded.config == read_config(vdir / CONFIG_FILE)  # the version's own, in its manifest
     want = tiny.expected(tiny.model, USERS, 10)
     got = tiny.expected(loaded.model, USERS, 10)
     np.testing.assert_array_equal(got[0], want[0])
