@@ -128,21 +128,25 @@ def score_cmd(
     ),
 ) -> None:
     """Score a parquet file of users offline with a published model (continues a killed run)."""
-    from retrieval.artifact import ShardMap
     from retrieval.batch_scoring import ScoreInputError, ScoreJob, score, score_ray
-    from serving.repository.repository import ARTIFACT_DIR, ModelRepository
+    from serving.repository.repository import (
+        ARTIFACT_DIR,
+        EMBEDDINGS_DIR,
+        SHARDS_DIR,
+        ModelRepository,
+    )
 
     try:
         name = only_model(model_repo, model)
         vdir = ModelRepository(model_repo).verified_dir(name, version)
-        if ShardMap.read(vdir / ARTIFACT_DIR) is not None:
-            raise ValueError(
-                f"--version: {name} v{vdir.name} is document-sharded; batch scoring needs an "
-                "unsharded version (not built for sharded ones yet)"
-            )
+        # a sharded / tiered version is scored whole: each worker merges its shards and reads
+        # its remote tables' rows from the version folder (retrieval.artifact.load_whole_model)
+        shards, embeddings = vdir / SHARDS_DIR, vdir / EMBEDDINGS_DIR
         job = ScoreJob(
             vdir / ARTIFACT_DIR, int(vdir.name), users, out, k, filter, chunk_rows,
             workers=workers, overwrite=overwrite,
+            shards_dir=shards if shards.is_dir() else None,
+            embeddings_dir=embeddings if embeddings.is_dir() else None,
         )  # fmt: skip
         manifest = score_ray(job) if engine is ScoreEngine.ray else score(job, progress=not quiet)
     except (ScoreInputError, ValueError, FileNotFoundError) as e:

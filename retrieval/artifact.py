@@ -2,7 +2,11 @@
 
 A document-sharded model is saved as a router folder (the model with a statistics-only index,
 plus ``shard_map.json``) and one folder per shard (``index.json`` + ``index.pt``: its part of
-the index), with :func:`save_sharded`; see ``retrieval/index/split.py``.
+the index; ``rows.pt``: where its rows were in the unsharded index), with :func:`save_sharded`;
+see ``retrieval/index/split.py``. :func:`load_whole_model` puts the parts back together into one
+all-local model (offline batch scoring): the shards' parts merged into the unsharded index
+(:func:`~retrieval.index.split.merge_shards`), remote tables read from the embedding servers'
+folders into this process.
 
 Loading never executes code: ``torch.load(weights_only=True)``; a weights file that is a pickle
 of anything but tensors and plain containers is refused (:class:`UnsafeArtifactError`, naming the
@@ -25,8 +29,10 @@ import torch
 from common.atomic import atomic_writer
 from retrieval.config import ModelConfig
 from retrieval.index.ivf import IVFConfig, IVFIndex
-from retrieval.index.split import shard_of, split_index
+from retrieval.index.split import merge_shards, shard_of, shard_rows, split_index
 from retrieval.model import RetrievalModel
+from sharded_tables.planner import PlacementPlan
+from sharded_tables.specs import Tier
 from sharded_tables.tiered import RemoteFetcher
 
 CONFIG_FILE = "config.json"
@@ -34,6 +40,7 @@ WEIGHTS_FILE = "model.pt"
 SHARD_MAP_FILE = "shard_map.json"
 SHARD_INDEX_FILE = "index.pt"
 SHARD_META_FILE = "index.json"
+SHARD_ROWS_FILE = "rows.pt"
 
 
 class UnsafeArtifactError(ValueError):
@@ -174,8 +181,9 @@ def save_sharded(
     router._modules = dict(model._modules)
     router._modules["index"] = stats
     save_model(router, router_dir)
-    for s, part in enumerate(parts):
+    for s, (part, rows) in enumerate(zip(parts, shard_rows(rows_shard, num_shards), strict=True)):
         save_shard(part, shards_dir / str(s))
+        save_tensors({"rows": rows}, shards_dir / str(s) / SHARD_ROWS_FILE)
     smap = ShardMap(num_shards, split, tuple(p.ntotal for p in parts), index.ntotal)
     (router_dir / SHARD_MAP_FILE).write_text(json.dumps(asdict(smap), indent=2))
     return smap
@@ -203,3 +211,71 @@ def load_shard(directory: Path, map_location: str | torch.device = "cpu") -> IVF
     index = IVFIndex(IVFConfig(**meta["config"]), meta["dim"], meta["attribute_values"])
     index.load_state_dict(load_tensors(weights, map_location))
     return index.to(map_location).eval()
+
+
+def load_whole_model(
+    directory: Path,
+    shards_dir: Path | None = None,
+    embeddings_dir: Path | None = None,
+    map_location: str | torch.device = "cpu",
+) -> RetrievalModel:
+    """One all-local model from a published version's parts, answering as the served version.
+
+    ``directory``: the model folder (:func:`save_model`, or the router part of
+    :func:`save_sharded`); ``shards_dir``: for a document-sharded model, the folder of its shards
+    (``<shards_dir>/<s>/``): their parts are merged into the unsharded index, in its original
+    order (see :func:`~retrieval.index.split.merge_shards`); ``embeddings_dir``: for a plan with
+    remote tables, the folder of the embedding servers' folders (``server-<i>/``): their rows are
+    read into this process and looked up as the servers would (same bytes, same numbers).
+
+    Errors name the folder that is missing or does not fit.
+    """
+    remote = None
+    if embeddings_dir is not None:
+        from sharded_tables.export import read_server_folders
+
+        remote = read_server_folders(embeddings_dir)
+    model = load_model(directory, map_location, remote=remote)
+    needed = remote_tables(model.config)
+    missing = sorted(needed - (remote.tables() if remote is not None else set()))
+    if missing:
+        where = embeddings_dir or "no embeddings folder given"
+        raise FileNotFoundError(
+            f"model folder {directory}: remote tables {missing} have no rows ({where}); pass "
+            "the version's embedding-server folders"
+        )
+    smap = ShardMap.read(directory)
+    if smap is not None:
+        if shards_dir is None:
+            raise FileNotFoundError(
+                f"model folder {directory} is the router part of {smap.num_shards} document "
+                "shards; pass the version's shards folder"
+            )
+        folders = [shards_dir / str(s) for s in range(smap.num_shards)]
+        parts = [load_shard(f) for f in folders]
+        saved = [f / SHARD_ROWS_FILE for f in folders]
+        rows = (  # versions published before rows.pt: lists in item-id order
+            [_rows_of(p) for p in saved] if all(p.is_file() for p in saved) else None
+        )
+        try:
+            model.index = merge_shards(parts, model.index.cpu(), rows).to(map_location)
+        except ValueError as e:
+            raise ValueError(f"{shards_dir}: {e}") from None
+    return model.eval()
+
+
+def _rows_of(path: Path) -> torch.Tensor:
+    """A shard's ``rows.pt``: its rows in the unsharded index, ``int64 [n_s]``."""
+    saved = load_tensors(path)
+    rows = saved.get("rows") if isinstance(saved, dict) else None
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
+        raise ValueError(f"{path}: expected {{'rows': int64 [n]}}")
+    return rows
+
+
+def remote_tables(cfg: ModelConfig) -> set[str]:
+    """The tables the config's plan puts on embedding servers."""
+    if cfg.table_plan is None:
+        return set()
+    plan = PlacementPlan.from_dict(cfg.table_plan)
+    return {p.table for p in plan.tables if p.tier is Tier.REMOTE}

@@ -27,6 +27,13 @@ with an actor class that loads the model once -> ``write_parquet``) for a user w
 cluster (``RAY_ADDRESS``; otherwise a local instance). Its answers equal the local engine's; it
 is not resumable (a rerun with ``--overwrite`` redoes the job), and rows come back in Ray's
 order.
+
+A published version whose catalog is split into document shards, or whose coldest tables live on
+embedding servers, is scored by one all-local model per worker
+(:func:`retrieval.artifact.load_whole_model`): ``shards_dir`` / ``embeddings_dir`` name the
+version's folders, the shards' parts are merged into the unsharded index in its original order
+and the remote tables' rows are read from the servers' folders, so the answers are those of the
+unsharded version (and of the router over the shards), with no server running.
 """
 
 from __future__ import annotations
@@ -68,7 +75,8 @@ EXPECTED = {
 @dataclass(frozen=True)
 class ScoreJob:
     model_dir: Path
-    """The version's model folder (``retrieval.artifact.save_model`` layout)."""
+    """The version's model folder (``retrieval.artifact.save_model`` layout; for a
+    document-sharded version, the router part)."""
     version: int
     users: Path
     out: Path
@@ -78,6 +86,11 @@ class ScoreJob:
     batch_size: int = 256
     workers: int = 2
     overwrite: bool = False
+    shards_dir: Path | None = None
+    """A document-sharded version's shards folder (``<shards_dir>/<s>/``): merged in each worker."""
+    embeddings_dir: Path | None = None
+    """The version's embedding-server folders (``server-<i>/``) when its plan has remote tables:
+    read into each worker (no server needed)."""
 
 
 class ScoreInputError(ValueError):
@@ -142,6 +155,7 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
         cfg = ModelConfig.load(path)
     except (OSError, ValueError, TypeError) as e:
         raise ScoreInputError(f"model_dir: cannot read {path}: {e}") from None
+    check_parts(job, cfg)
     schema = FilterSchema(cfg.item_attributes)
     if job.filter:
         _check_filter(job.filter, schema, "--filter")
@@ -150,6 +164,31 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
     for batch in f.iter_batches(batch_size=65_536, columns=columns):
         _check_batch(batch, start, cfg, schema)
         start += batch.num_rows
+
+
+def check_parts(job: ScoreJob, cfg: Any) -> None:
+    """The folders a sharded or tiered version needs are given and there (a worker that cannot
+    load its model would only say that its process pool broke)."""
+    from retrieval.artifact import SHARD_INDEX_FILE, ShardMap, remote_tables
+
+    smap = ShardMap.read(job.model_dir)
+    if smap is not None:
+        if job.shards_dir is None:
+            raise ScoreInputError(
+                f"model_dir: {job.model_dir} is the router part of {smap.num_shards} document "
+                "shards; give shards_dir, the version's shards folder"
+            )
+        for s in range(smap.num_shards):
+            if not (job.shards_dir / str(s) / SHARD_INDEX_FILE).is_file():
+                raise ScoreInputError(
+                    f"shards_dir: shard {s} is missing ({job.shards_dir / str(s)})"
+                )
+    remote = sorted(remote_tables(cfg))
+    if remote and job.embeddings_dir is None:
+        raise ScoreInputError(
+            f"embeddings_dir: tables {remote} live on embedding servers; give the version's "
+            "embedding-server folders"
+        )
 
 
 def _check_batch(batch: pa.RecordBatch, start: int, cfg: Any, schema: Any) -> None:
@@ -278,12 +317,17 @@ def chunks(f: pq.ParquetFile, chunk_rows: int) -> Iterator[tuple[int, pa.Table]]
 _MODEL: Any = None  # the worker's model, loaded once per process
 
 
-def _load_worker(model_dir: str, threads: int) -> None:
-    global _MODEL
-    from retrieval.artifact import load_model
+def load_job_model(job: ScoreJob) -> Any:
+    """The job's model, all-local (shards merged, remote rows read from their folders)."""
+    from retrieval.artifact import load_whole_model
 
+    return load_whole_model(job.model_dir, job.shards_dir, job.embeddings_dir)
+
+
+def _load_worker(job: ScoreJob, threads: int) -> None:
+    global _MODEL
     torch.set_num_threads(threads)
-    _MODEL = load_model(Path(model_dir)).eval()
+    _MODEL = load_job_model(job)
 
 
 def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
@@ -367,7 +411,7 @@ def score(job: ScoreJob, progress: bool = True) -> dict[str, Any]:
         job.workers,
         mp_context=ctx,
         initializer=_load_worker,
-        initargs=(str(job.model_dir), threads),
+        initargs=(job, threads),
     ) as pool:
         pending = set()
         for i, table in todo:
@@ -404,11 +448,9 @@ def read_output(out: Path) -> pa.Table:
 class _RayScorer:
     """A Ray Data actor: loads the model once, scores batches of rows."""
 
-    def __init__(self, model_dir: str, job: ScoreJob, threads: int):
-        from retrieval.artifact import load_model
-
+    def __init__(self, job: ScoreJob, threads: int):
         torch.set_num_threads(threads)
-        self.model = load_model(Path(model_dir)).eval()
+        self.model = load_job_model(job)
         self.job = job
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -438,7 +480,7 @@ def score_ray(job: ScoreJob) -> dict[str, Any]:
     threads = max(1, (os.cpu_count() or 1) // max(job.workers, 1))
     ds = ray.data.read_parquet(str(job.users)).map_batches(
         _RayScorer,
-        fn_constructor_args=(str(job.model_dir), job, threads),
+        fn_constructor_args=(job, threads),
         batch_format="pyarrow",
         batch_size=job.chunk_rows,
         concurrency=job.workers,

@@ -1,4 +1,5 @@
-"""Offline batch scoring: equals per-user answers, survives a kill -9, refuses bad input."""
+"""Offline batch scoring: equals per-user answers, survives a kill -9, refuses bad input; a
+document-sharded version with remote tables answers as the unsharded one."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from common.atomic import temp_path
-from retrieval.artifact import save_model
+from retrieval.artifact import SHARD_ROWS_FILE, load_whole_model, save_model, save_sharded
 from retrieval.batch_scoring import (
     MANIFEST,
     ScoreInputError,
@@ -25,11 +26,16 @@ from retrieval.batch_scoring import (
     check_output,
     read_output,
     score,
+    score_table,
     users_table,
 )
 from retrieval.data import SyntheticConfig, generate
-from retrieval.model import RetrievalModel
+from retrieval.model import RetrievalModel, table_specs
+from retrieval.tiering import tier_model
 from retrieval.training.prepare import prepare
+from sharded_tables.export import write_server_folders
+from sharded_tables.placement import Budgets, PlacementPlan
+from sharded_tables.specs import DType
 from support.topk_check import assert_same_topk
 
 K = 20
@@ -48,6 +54,47 @@ def setup(tmp_path_factory):
     table = users_table(users, prep.user_batch(users))
     pq.write_table(table, root / "users.parquet")
     return root, prep, model, table
+
+
+class PackedRows:
+    """The embedding servers' rows, in this process (the reference's remote tier)."""
+
+    def __init__(self, packed: dict[str, torch.Tensor]):
+        self.packed = packed
+
+    def fetch(self, ids_by_table, timeout=None):
+        return {t: self.packed[t][ids] for t, ids in ids_by_table.items()}
+
+
+@pytest.fixture(scope="module")
+def tiered(setup):
+    """The demo's production shape: INT8 tables, the item table on the host, the colder ones on
+    one embedding server -> (reference model with its remote rows in memory, rows, plan)."""
+    _, _, model, _ = setup
+    item = next(s for s in table_specs(model.config, DType.INT8) if s.name == "item")
+    budgets = Budgets(device=0, host=int(item.bytes(DType.INT8) * 1.01),
+                      remote_per_server=64 << 20, remote_servers=1)  # fmt: skip
+    ref, remote_rows = tier_model(model, budgets, dtype=DType.INT8)
+    assert remote_rows, "the plan puts no table on the embedding server"
+    ref.tables.remote = PackedRows(remote_rows)
+    return ref, remote_rows, PlacementPlan.from_dict(ref.config.table_plan)
+
+
+@pytest.fixture(scope="module")
+def sharded(setup, tiered):
+    """``<root>/sharded``: the tiered model split into 2 document shards, its remote rows in
+    server folders (a published version's model/, shards/, embeddings/)."""
+    root, _, _, _ = setup
+    ref, remote_rows, plan = tiered
+    vdir = root / "sharded"
+    save_sharded(ref, vdir / "model", vdir / "shards", 2)
+    write_server_folders(plan, table_specs(ref.config), remote_rows, vdir / "embeddings")
+    return vdir
+
+
+def reference(model, table: pa.Table, j: ScoreJob) -> pa.Table:
+    """What one process answers with ``model`` (the same 16-user batches as the workers)."""
+    return score_table(model, table, j)
 
 
 def job(root: Path, out: str, **kw) -> ScoreJob:
@@ -160,21 +207,94 @@ def test_temp_files_of_killed_writers_are_removed_when_a_job_continues(setup, tm
 
 @pytest.mark.slow
 @pytest.mark.multiproc  # Ray starts its own processes
-def test_the_ray_engine_gives_the_local_engine_answers(setup, tmp_path):
+def test_the_ray_engine_gives_the_local_engine_answers(setup, tiered, sharded, tmp_path):
     ray = pytest.importorskip("ray")
     from retrieval.batch_scoring import score_ray
 
-    root, _, _, _ = setup
+    root, _, _, table = setup
     local = ScoreJob(root / "model", 1, root / "users.parquet", tmp_path / "local", k=K, workers=1)
     score(local, progress=False)
     remote = ScoreJob(root / "model", 1, root / "users.parquet", tmp_path / "ray", k=K,
                       chunk_rows=64, workers=1)  # fmt: skip
+    # the sharded version with remote tables: each actor merges the shards, reads the rows
+    whole = sharded_job(sharded, tmp_path / "ray-sharded", chunk_rows=64, workers=1)
     try:
         manifest = score_ray(remote)
+        assert score_ray(whole)["complete"]
     finally:
         ray.shutdown()
     assert manifest["complete"]
+    assert_same_answers(read_output(whole.out), reference(tiered[0], table, whole))
     a = read_output(local.out).sort_by("user_id")
     b = read_output(remote.out).sort_by("user_id")
     assert a.column("user_id").to_pylist() == b.column("user_id").to_pylist()
     assert a.column("item_ids").to_pylist() == b.column("item_ids").to_pylist()
+
+
+def sharded_job(vdir: Path, out: Path, **kw) -> ScoreJob:
+    args = {"chunk_rows": 32, "batch_size": 16, "workers": 2, "k": K,
+            "shards_dir": vdir / "shards", "embeddings_dir": vdir / "embeddings", **kw}  # fmt: skip
+    return ScoreJob(vdir / "model", 2, vdir.parent / "users.parquet", out, **args)
+
+
+def assert_same_answers(got: pa.Table, want: pa.Table) -> None:
+    got, want = got.sort_by("user_id"), want.sort_by("user_id")
+    for column in ("user_id", "item_ids", "scores"):
+        assert got.column(column).to_pylist() == want.column(column).to_pylist(), column
+
+
+def test_the_whole_model_of_a_sharded_tiered_version_is_the_unsharded_one(setup, tiered, sharded):
+    root, _, _, table = setup
+    ref, _, _ = tiered
+    whole = load_whole_model(sharded / "model", sharded / "shards", sharded / "embeddings")
+    want, got = ref.index.state_dict(), whole.index.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items() if isinstance(v, torch.Tensor))
+    j = sharded_job(sharded, root / "unused", filter="available")
+    assert_same_answers(reference(whole, table, j), reference(ref, table, j))
+    # versions published before rows.pt: lists in item-id order, the build's order
+    for s in (0, 1):
+        (sharded / "shards" / str(s) / SHARD_ROWS_FILE).rename(root / f"rows-{s}.pt")
+    try:
+        again = load_whole_model(sharded / "model", sharded / "shards", sharded / "embeddings")
+        assert torch.equal(again.index.item_ids, ref.index.item_ids)
+    finally:
+        for s in (0, 1):
+            (root / f"rows-{s}.pt").rename(sharded / "shards" / str(s) / SHARD_ROWS_FILE)
+
+
+def test_a_sharded_or_tiered_version_needs_its_folders(setup, sharded, tmp_path):
+    with pytest.raises(ScoreInputError, match="router part of 2 document shards"):
+        score(sharded_job(sharded, tmp_path / "a", shards_dir=None), progress=False)
+    with pytest.raises(ScoreInputError, match="live on embedding servers"):
+        score(sharded_job(sharded, tmp_path / "b", embeddings_dir=None), progress=False)
+    with pytest.raises(ScoreInputError, match="shard 0 is missing"):
+        score(sharded_job(sharded, tmp_path / "c", shards_dir=tmp_path), progress=False)
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc  # worker processes
+def test_a_published_sharded_version_with_remote_tables_scores_as_the_unsharded_one(
+    setup, tiered, tmp_path
+):
+    """The demo's version shape, through ``recserve score``: 2 document shards, remote tables."""
+    from typer.testing import CliRunner
+
+    from recserve.cli import app
+    from serving.repository import ModelRepository
+
+    root, _, _, table = setup
+    ref, remote_rows, _ = tiered
+    repo = ModelRepository(tmp_path / "repo")
+    repo.publish("demo", ref, shards=2, remote_rows=remote_rows)
+    out = tmp_path / "recs"
+    args = ["score", "--model-repo", str(tmp_path / "repo"), "--users", str(root / "users.parquet"),
+            "--out", str(out), "--k", str(K), "--chunk-rows", "32", "--workers", "2", "--quiet"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    got = read_output(out)
+    assert set(got.column("model_version").to_pylist()) == {1}
+    # the CLI scores each chunk of 32 users as one batch: the reference batches them alike
+    assert_same_answers(
+        got, reference(ref, table, sharded_job(root / "sharded", out, batch_size=32))
+    )
