@@ -3,6 +3,7 @@
 - :mod:`serving.repository.config`: ``config.pbtxt`` as Triton's ``ModelConfig`` protobuf.
 - :mod:`serving.repository.manifest`: a version's ``manifest.json`` (sizes, SHA-256) and its check.
 - :mod:`serving.repository.repository`: :class:`ModelRepository` (publish atomically, retain, load).
+- :mod:`serving.repository.model_folder`: version numbers, a version's own config, lock, leftovers.
 - :mod:`serving.repository.triton_python_model`: the Triton Python backend copied into each version.
 
 This package is the code; the repository it writes is any folder you give it (see README.md).

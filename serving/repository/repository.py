@@ -48,48 +48,33 @@ Example::
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
 import re
 import shutil
-import socket
-import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from common.atomic import (
-    atomic_write_bytes,
-    fsync_dir,
-    fsync_tree,
-    temp_path,
-    temp_target,
-    write_synced,
-)
+from common.atomic import atomic_write_bytes, fsync_dir, fsync_tree, temp_path, write_synced
 from retrieval.artifact import ShardMap, load_model, load_shard, save_model, save_sharded
 from retrieval.index.ivf import IVFIndex
 from retrieval.model import RetrievalModel, table_specs
-from serving.repository.config import (
-    CONFIG_FILE,
-    TritonConfig,
-    format_config,
-    make_config,
-    parse_config,
-    read_config,
-)
-from serving.repository.manifest import (
-    MANIFEST_FILE,
-    CorruptVersionError,
-    read_manifest,
-    verify,
-    write_manifest,
+from serving.repository.config import CONFIG_FILE, TritonConfig, format_config, make_config
+from serving.repository.manifest import MANIFEST_FILE, CorruptVersionError, verify, write_manifest
+from serving.repository.model_folder import (
+    LOCK_FILE,
+    complete_versions,
+    locked,
+    numbered,
+    own_config,
+    parse_own_config,
+    read_config_file,
+    remove_leftovers,
+    retain,
+    stage_name,
 )
 from sharded_tables.export import write_server_folders
 from sharded_tables.planner import PlacementPlan
@@ -106,15 +91,7 @@ EMBEDDINGS_DIR = "embeddings"
 BACKEND_FILE = "model.py"
 """Triton's default file name for a Python backend model."""
 BACKEND_SOURCE = Path(__file__).with_name("triton_python_model.py")
-LOCK_FILE = ".publish.lock"
-STAGING_PREFIX = ".staging-"
-TRASH_PREFIX = ".deleted-"
-STALE_STAGING_S = 3600.0
-"""A staging folder older than this is a crashed publish; the next publish removes it (one
-staged by a process of this host that no longer runs is removed at once)."""
-
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
-_VERSION = re.compile(r"[1-9][0-9]*")
 
 
 class PublishError(OSError):
@@ -183,12 +160,12 @@ class ModelRepository:
             if p.is_dir()
             and _NAME.fullmatch(p.name)
             and not p.name.startswith(".")
-            and ((p / CONFIG_FILE).is_file() or _complete_versions(p))
+            and ((p / CONFIG_FILE).is_file() or complete_versions(p))
         )
 
     def versions(self, name: str) -> list[int]:
         """Complete versions (numbered folder with a manifest), ascending; [] for no model."""
-        return _complete_versions(self.model_dir(name))
+        return complete_versions(self.model_dir(name))
 
     def latest(self, name: str) -> int | None:
         return max(self.versions(name), default=None)
@@ -199,10 +176,10 @@ class ModelRepository:
         or no version) the model-level file. Errors name the file (and line / field)."""
         v = self.latest(name) if version is None else check_version(version)
         mdir = self.model_dir(name)
-        own = None if v is None else _own_config(mdir / str(v))
+        own = None if v is None else own_config(mdir / str(v))
         if own is None:
-            return _read_config(mdir / CONFIG_FILE)
-        return _parse_own(own, mdir / str(v) / CONFIG_FILE)
+            return read_config_file(mdir / CONFIG_FILE)
+        return parse_own_config(own, mdir / str(v) / CONFIG_FILE)
 
     def repair_config(self, name: str) -> bool:
         """Makes the model-level ``config.pbtxt`` a copy of the latest complete version's own
@@ -215,10 +192,10 @@ class ModelRepository:
         try:
             if self._config_agrees(mdir):
                 return False
-            with _locked(mdir / LOCK_FILE, wait=False) as held:
+            with locked(mdir / LOCK_FILE, wait=False) as held:
                 if not held or self._config_agrees(mdir):
                     return False
-                own = _own_config(mdir / str(self.latest(name)))
+                own = own_config(mdir / str(self.latest(name)))
                 assert own is not None  # _config_agrees said so
                 atomic_write_bytes(mdir / CONFIG_FILE, own)
         except (OSError, CorruptVersionError) as e:
@@ -236,8 +213,8 @@ class ModelRepository:
     def _config_agrees(self, mdir: Path) -> bool:
         """The model-level config holds the latest version's own (or there is nothing to
         compare with: no version, or one without its own config)."""
-        latest = max(_complete_versions(mdir), default=None)
-        own = None if latest is None else _own_config(mdir / str(latest))
+        latest = max(complete_versions(mdir), default=None)
+        own = None if latest is None else own_config(mdir / str(latest))
         if own is None:
             return True
         try:
@@ -259,11 +236,11 @@ class ModelRepository:
         (checksums, or a manifest naming another model / version) before reading any weights.
         """
         vdir = self.verified_dir(name, version)
-        own = _own_config(vdir)  # verified above
+        own = own_config(vdir)  # verified above
         cfg = (
-            _read_config(self.model_dir(name) / CONFIG_FILE)
+            read_config_file(self.model_dir(name) / CONFIG_FILE)
             if own is None
-            else _parse_own(own, vdir / CONFIG_FILE)
+            else parse_own_config(own, vdir / CONFIG_FILE)
         )
         self.repair_config(name)  # a killed publish's model-level config heals here
         model = load_model(vdir / ARTIFACT_DIR, map_location=map_location, remote=remote)
@@ -347,10 +324,10 @@ class ModelRepository:
         version, published, text = 0, False, format_config(cfg).encode("utf-8")
         try:
             mdir.mkdir(parents=True, exist_ok=True)
-            with _locked(mdir / LOCK_FILE):
-                _remove_leftovers(mdir)
-                version = max(_numbered(mdir), default=0) + 1  # incomplete numbers are skipped too
-                stage, pending = mdir / _stage_name(), temp_path(mdir / CONFIG_FILE)
+            with locked(mdir / LOCK_FILE):
+                remove_leftovers(mdir)
+                version = max(numbered(mdir), default=0) + 1  # incomplete numbers are skipped too
+                stage, pending = mdir / stage_name(), temp_path(mdir / CONFIG_FILE)
                 stage.mkdir()
                 try:
                     if shards is None:
@@ -377,7 +354,7 @@ class ModelRepository:
                 # killed here, the new version sits beside the old config: readers repair it
                 os.replace(pending, mdir / CONFIG_FILE)
                 fsync_dir(mdir)
-                _retain(mdir, keep)
+                retain(mdir, keep)
         except OSError as e:
             what = f"version {version}" if version else "a new version"
             why = (e.strerror or str(e)) + (f": {e.filename!s}" if e.filename else "")
@@ -392,7 +369,7 @@ class ModelRepository:
         return version
 
 
-# ---- helpers (the caller holds the model's lock where it writes) --------------------------------
+# ---- helpers ----------------------------------------------------------------------------------
 def _write_embeddings(
     model: RetrievalModel, remote_rows: dict[str, torch.Tensor], out: Path
 ) -> None:
@@ -401,105 +378,3 @@ def _write_embeddings(
         raise ValueError("remote_rows: the model has no table plan (its tables are not tiered)")
     plan = PlacementPlan.from_dict(model.config.table_plan)
     write_server_folders(plan, table_specs(model.config), remote_rows, out)
-
-
-def _numbered(mdir: Path) -> list[int]:
-    """Every numbered folder, complete or not."""
-    if not mdir.is_dir():
-        return []
-    return [int(p.name) for p in mdir.iterdir() if _VERSION.fullmatch(p.name) and p.is_dir()]
-
-
-def _complete_versions(mdir: Path) -> list[int]:
-    return sorted(v for v in _numbered(mdir) if (mdir / str(v) / MANIFEST_FILE).is_file())
-
-
-def _own_config(vdir: Path) -> bytes | None:
-    """The bytes of a complete version's own ``config.pbtxt``, checked against its manifest
-    entry (not the whole version: cheap enough for every load); None for a version published
-    without one. :class:`CorruptVersionError` when they do not match."""
-    path = vdir / CONFIG_FILE
-    entry = next((f for f in read_manifest(vdir).files if f.path == CONFIG_FILE), None)
-    if entry is None:
-        if path.exists():
-            raise CorruptVersionError(f"{vdir}: {CONFIG_FILE}: not in the manifest")
-        return None
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CorruptVersionError(f"{vdir}: {CONFIG_FILE}: missing") from None
-    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise CorruptVersionError(f"{vdir}: {CONFIG_FILE}: does not match the manifest")
-    return data
-
-
-def _parse_own(data: bytes, path: Path) -> TritonConfig:
-    try:
-        return parse_config(data.decode("utf-8"), str(path))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
-
-
-def _read_config(path: Path) -> TritonConfig:
-    """:func:`read_config`, with a file that is no text refused naming it too."""
-    try:
-        return read_config(path)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
-
-
-@contextmanager
-def _locked(path: Path, wait: bool = True) -> Iterator[bool]:
-    """An exclusive ``flock`` on ``path`` (per open file, so threads of one process exclude
-    each other too); yields whether it is held (``wait=False``: False when another holds it)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def _stage_name() -> str:
-    """Names its publisher, so that the next publish can tell when that one is gone."""
-    return f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
-
-
-def _abandoned(stage: Path, now: float) -> bool:
-    """A staging folder whose publisher is gone: staged by a process of this host that no longer
-    runs, or older than :data:`STALE_STAGING_S` (another host's, or an unknown name)."""
-    host_pid = stage.name[len(STAGING_PREFIX) :].rsplit("-", 2)[:-1]
-    if len(host_pid) == 2 and host_pid[0] == socket.gethostname() and host_pid[1].isdigit():
-        try:
-            os.kill(int(host_pid[1]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass  # it runs, as another user
-    return now - stage.stat().st_mtime > STALE_STAGING_S
-
-
-def _remove_leftovers(mdir: Path) -> None:
-    """Removes deleted versions not yet gone, staging folders of crashed publishes and the temp
-    files of interrupted config writes (only publish writes the config, under the lock held)."""
-    now = time.time()
-    for p in mdir.iterdir():
-        if p.name.startswith(TRASH_PREFIX) or (
-            p.name.startswith(STAGING_PREFIX) and _abandoned(p, now)
-        ):
-            shutil.rmtree(p, ignore_errors=True)
-        elif temp_target(p.name) == CONFIG_FILE:  # a publish's or a repair's, killed midway
-            p.unlink(missing_ok=True)
-
-
-def _retain(mdir: Path, keep: int) -> None:
-    """Removes all but the newest ``keep`` complete versions; each disappears in one rename."""
-    for v in _complete_versions(mdir)[:-keep]:
-        trash = mdir / f"{TRASH_PREFIX}{v}-{uuid.uuid4().hex}"
-        os.rename(mdir / str(v), trash)
-        fsync_dir(mdir)
-        shutil.rmtree(trash, ignore_errors=True)

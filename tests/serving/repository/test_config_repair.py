@@ -23,7 +23,9 @@ from serving.app.config import ServeConfig
 from serving.app.server import Server
 from serving.repository.config import CONFIG_FILE, read_config
 from serving.repository.manifest import CorruptVersionError, write_manifest
-from serving.repository.repository import LOCK_FILE, ModelRepository, _locked
+from serving.repository.model_folder import LOCK_FILE, locked
+from serving.repository.repository import ModelRepository
+from serving.repository.tritonserver import TritonUnavailable, triton_launch
 
 NAME = "demo"
 OLD_MBS, NEW_MBS = 8, 16
@@ -76,7 +78,7 @@ def test_repair_writes_a_missing_or_hostile_model_level_config_without_parsing_i
 
 
 def test_repair_leaves_the_config_to_a_publisher_holding_the_lock(two) -> None:
-    with _locked(two.model_dir(NAME) / LOCK_FILE) as held:  # as a publish in progress does
+    with locked(two.model_dir(NAME) / LOCK_FILE) as held:  # as a publish in progress does
         assert held
         assert not two.repair_config(NAME)  # that publish writes the config last
         assert two.load(NAME).config.max_batch_size == NEW_MBS  # served right all the same
@@ -112,6 +114,14 @@ def test_a_versions_config_that_is_not_its_manifests_is_refused(two) -> None:
         two.load(NAME)
     assert not two.repair_config(NAME)  # never copies unverified bytes
     assert model_level(two).read_bytes() == own(two, 1)
+
+
+def test_triton_launch_repairs_the_config_triton_reads(two, tmp_path) -> None:
+    try:
+        triton_launch(two.root, tmp_path)  # builds the command; starts nothing
+    except TritonUnavailable as e:
+        pytest.skip(str(e))
+    assert model_level(two).read_bytes() == own(two, 2)
 
 
 # ---- kill -9 around the config write -----------------------------------------------------------

@@ -12,12 +12,12 @@ import torch
 
 from serving.repository.config import CONFIG_FILE, read_config
 from serving.repository.manifest import MANIFEST_FILE, CorruptVersionError
+from serving.repository.model_folder import STAGING_PREFIX
 from serving.repository.repository import (
     ARTIFACT_DIR,
     BACKEND_FILE,
     BACKEND_SOURCE,
     LOCK_FILE,
-    STAGING_PREFIX,
     ModelRepository,
 )
 
