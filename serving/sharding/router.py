@@ -115,6 +115,12 @@ class RouterMetrics:
             ["model", "shard", "replica"],
             registry=registry,
         )
+        self.probes = Counter(
+            "recserve_replica_probes",
+            "Copies of a request sent to an ejected replica whose back-off is over",
+            ["model", "shard", "replica"],
+            registry=registry,
+        )
         self.in_rotation = Gauge(
             "recserve_replicas_in_rotation",
             "Replicas of a shard in rotation (not ejected)",
@@ -348,6 +354,7 @@ class ShardClient:
             pending[s] = call
             call.launch(self, request, timeout, wake)
             if probe is not None:  # a copy: the replicas in rotation answer this round
+                self.metrics.probes.labels(self.metrics.model, str(s), probe).inc()
                 self.call(s, probe, request, timeout, None)
         answers: dict[int, pb.SearchResponse] = {}
         errors: dict[int, str] = {}
