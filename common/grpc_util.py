@@ -10,7 +10,7 @@ import json
 import signal
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,6 +215,7 @@ def add_service(
     servicer: Any,
     *,
     refuse_malformed: bool = True,
+    refuses_itself: Collection[str] = (),
 ) -> dict[str, grpc.RpcMethodHandler]:
     """Adds the service ``service_name`` (full name, e.g. ``recserve.admin.v1.Admin``) declared
     in the generated module ``pb_module`` (``*_pb2``) to ``server`` (before it starts), as the
@@ -226,6 +227,7 @@ def add_service(
     ``refuse_malformed``: True: such a request is refused here, before the servicer runs;
     False: the servicer's method gets the :class:`MalformedMessage` in place of the request and
     must refuse it itself (a servicer that counts refusals, or checks authorization first).
+    ``refuses_itself``: the methods that do so when ``refuse_malformed`` is True for the others.
     Methods that take a stream of requests keep the strict deserializer (a stream has no single
     request to refuse).
     """
@@ -237,7 +239,7 @@ def add_service(
         request = GetMessageClass(method.input_type)
         behaviour = getattr(servicer, method.name)
         streamed = method.client_streaming
-        if not streamed and refuse_malformed:
+        if not streamed and refuse_malformed and method.name not in refuses_itself:
             behaviour = _refusing_malformed(behaviour)
         handlers[method.name] = _HANDLER_KINDS[streamed, method.server_streaming](
             behaviour,

@@ -8,13 +8,14 @@ as untyped samples by a small collector; recserve's own metrics use ``prometheus
 ===========================================  ==========================  ========================
 metric                                       labels                      meaning
 ===========================================  ==========================  ========================
-``nv_inference_request_success``             model, version               requests answered
-``nv_inference_request_failure``             model, version, reason      requests refused/failed
+``nv_inference_request_success``             model, version              calls answered
+``nv_inference_request_failure``             model, version, reason      calls refused/failed
 ``nv_inference_count``                       model, version              inferences (batch rows)
 ``nv_inference_exec_count``                  model, version              forwards (batches)
-``nv_inference_request_duration_us``         model, version              submit -> answer, summed
+``nv_inference_request_duration_us``         model, version              arrival -> answer, summed
 ``nv_inference_queue_duration_us``           model, version              time queued, summed
 ``nv_inference_compute_infer_duration_us``   model, version              forward time, summed
+``recserve_request_failures_total``          model, reason               calls refused/failed
 ``recserve_batch_size``                      model                       histogram of B
 ``recserve_request_duration_seconds``        model                       histogram (percentiles)
 ``recserve_model_version``                   model                       version being served
@@ -28,9 +29,21 @@ metric                                       labels                      meaning
 ``recserve_index_rebuild_recommended``       model                       1: lists unbalanced, rebuild
 ===========================================  ==========================  ========================
 
-``reason`` is the failure's ``serving.types.error_status`` reason (``invalid_argument``,
-``not_found``, ``queue_full``, ``deadline_exceeded``, ``unavailable``, ``cancelled``,
-``internal``).
+Counted as Triton counts (``docs/user_guide/metrics.md`` of triton-inference-server/server): a
+*request* is one client call — a ``Recommend``, or a KServe ``infer`` of B rows — counted once in
+``nv_inference_request_success`` or ``nv_inference_request_failure`` however many rows it holds;
+``nv_inference_count`` counts its rows (inferences) when they run, ``nv_inference_exec_count``
+the forwards that ran them (so count / exec_count is the mean batch size). Every refusal is a
+failure, the ones before the engine too (a body that is no JSON, a bad tensor, an unknown
+model): the front ends open a :class:`~serving.engine.state.Call` when a call arrives and close
+it once, with its result or its error.
+
+``recserve_request_failures_total``'s ``reason`` is the error's ``serving.types.error_status``
+reason (``invalid_argument``, ``not_found``, ``queue_full``, ``deadline_exceeded``,
+``unavailable``, ``cancelled``, ``internal``; ``too_large`` for an HTTP body over the limit);
+``nv_inference_request_failure``'s is Triton's coarser one (:data:`TRITON_REASON`:
+``REJECTED``, ``CANCELED``, ``BACKEND``, ``OTHER``), so each of Triton's reasons sums some of
+ours and both counters hold the same total.
 """
 
 from __future__ import annotations
@@ -44,14 +57,28 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 _TRITON: dict[str, tuple[str, tuple[str, ...]]] = {
-    "nv_inference_request_success": ("Number of successful inference requests", ()),
-    "nv_inference_request_failure": ("Number of failed inference requests", ("reason",)),
+    "nv_inference_request_success": (
+        "Number of successful inference requests, all batch sizes",
+        (),
+    ),
+    "nv_inference_request_failure": (
+        "Number of failed inference requests, all batch sizes",
+        ("reason",),
+    ),
     "nv_inference_count": ("Number of inferences performed (batch rows)", ()),
-    "nv_inference_exec_count": ("Number of model executions (batches)", ()),
+    "nv_inference_exec_count": ("Number of model executions performed (batches)", ()),
     "nv_inference_request_duration_us": ("Cumulative request duration in microseconds", ()),
     "nv_inference_queue_duration_us": ("Cumulative time requests spent queued, us", ()),
     "nv_inference_compute_infer_duration_us": ("Cumulative model execution time, us", ()),
 }
+TRITON_REASON = {
+    "queue_full": "REJECTED",
+    "deadline_exceeded": "REJECTED",
+    "cancelled": "CANCELED",
+    "internal": "BACKEND",
+}
+"""Our failure reason -> Triton's (``REJECTED``: the scheduler refused it, queue full or timed
+out; ``CANCELED``; ``BACKEND``: the model failed); any other reason is ``OTHER``."""
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -100,6 +127,12 @@ class ServingMetrics:
             ["model"],
             registry=r,
             buckets=_BATCH_BUCKETS,
+        )
+        self.failures = Counter(
+            "recserve_request_failures",
+            "Calls refused or failed, by serving.types.error_status reason",
+            ["model", "reason"],
+            registry=r,
         )
         self.latency = Histogram(
             "recserve_request_duration_seconds",
@@ -155,12 +188,15 @@ class ServingMetrics:
 
     # ---- recording ----------------------------------------------------------------------------
     def request_done(self, version: int | None, seconds: float, reason: str | None) -> None:
-        """One request finished: ``reason`` None on success, else the failure reason."""
+        """One call (however many rows) finished: ``reason`` None on success, else the
+        ``error_status`` reason of its failure."""
         labels = self._labels(version)
         if reason is None:
             self.triton.inc("nv_inference_request_success", 1, labels)
         else:
-            self.triton.inc("nv_inference_request_failure", 1, {**labels, "reason": reason})
+            triton_reason = TRITON_REASON.get(reason, "OTHER")
+            self.triton.inc("nv_inference_request_failure", 1, {**labels, "reason": triton_reason})
+            self.failures.labels(self.model, reason).inc()
         self.triton.inc("nv_inference_request_duration_us", seconds * 1e6, labels)
         self.latency.labels(self.model).observe(seconds)
 
@@ -171,6 +207,7 @@ class ServingMetrics:
         self.batch_size.labels(self.model).observe(len(waits))
 
     def batch_computed(self, version: int, size: int, seconds: float) -> None:
+        """One forward ran ``size`` rows (of one call or several) in ``seconds``."""
         labels = self._labels(version)
         self.triton.inc("nv_inference_exec_count", 1, labels)
         self.triton.inc("nv_inference_count", size, labels)

@@ -99,8 +99,9 @@ def test_queue_full_is_resource_exhausted_and_deadline_is_deadline_exceeded(serv
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     batcher.gate.set()
     text = scrape(server)
-    assert 'nv_inference_request_failure{model="demo",reason="queue_full",version="1"} 1.0' in text
-    assert 'reason="deadline_exceeded"' in text
+    assert 'nv_inference_request_failure{model="demo",reason="REJECTED",version="1"} 2.0' in text
+    assert 'recserve_request_failures_total{model="demo",reason="queue_full"} 1.0' in text
+    assert 'recserve_request_failures_total{model="demo",reason="deadline_exceeded"} 1.0' in text
 
 
 def test_an_oversized_message_is_refused_and_the_server_stays_up(server, stub, tiny):
@@ -140,10 +141,8 @@ def test_metrics_count_requests_batches_and_the_version(server, stub, tiny):
         stub.Recommend(tiny.message(0, k=0), timeout=WAIT)
     text = scrape(server)
     assert 'nv_inference_request_success{model="demo",version="1"} 5.0' in text
-    assert (
-        'nv_inference_request_failure{model="demo",reason="invalid_argument",version="1"} 1.0'
-        in text
-    )
+    assert 'nv_inference_request_failure{model="demo",reason="OTHER",version="1"} 1.0' in text
+    assert 'recserve_request_failures_total{model="demo",reason="invalid_argument"} 1.0' in text
     assert 'recserve_model_version{model="demo"} 1.0' in text
     for name in (
         "nv_inference_request_duration_us",
