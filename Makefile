@@ -31,7 +31,7 @@ $(ML100K): | $(STAMP)
 	$(BIN)/recserve data movielens --out data/ml-100k
 
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy && $(BIN)/lint-imports
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy && $(BIN)/lint-imports --no-logo
 
 bench: $(STAMP)
 	$(BIN)/python bench/ann.py
