@@ -28,6 +28,8 @@ serving   everything else: Recommend, ModelInfer, metadata, shard Search,   with
 Tokens are compared with :func:`hmac.compare_digest` (constant time); a refusal is
 UNAUTHENTICATED (gRPC) or 401 with ``WWW-Authenticate: Bearer`` (HTTP), and neither the answer
 nor the log ever holds a token (the given one included: it may be another system's secret).
+A refusal logs one warning line, the method or path escaped (``common.logs.safe``: a ``%0A``
+in a path cannot start a forged line) and rate-limited (a flood of refusals is a few lines).
 The Prometheus ``/metrics`` port is neither authenticated nor encrypted: it binds the same host
 (127.0.0.1 by default) and holds no request data.
 """
@@ -52,8 +54,9 @@ from starlette.responses import JSONResponse
 
 from common.config import Config, ConfigError, PathValue
 from common.grpc_util import ClientAuth
+from common.logs import limit_rate, safe
 
-log = logging.getLogger(__name__)
+log = limit_rate(logging.getLogger(__name__))
 
 Access = Literal["open", "serving", "admin"]
 OPEN_GRPC = frozenset(
@@ -127,7 +130,7 @@ class Authenticator:
 
 
 def _refused(where: str, what: str, why: str) -> None:
-    log.warning("%s: refused %s: %s", where, what, why)
+    log.warning("%s: refused %s: %s", where, safe(what), why)
 
 
 def _deny_handler(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMethodHandler:

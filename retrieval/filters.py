@@ -35,6 +35,14 @@ class Clause:
     negate: bool = False
 
 
+class FilterTooLargeError(ValueError):
+    """A filter past a limit given to :func:`parse_filter` (``limit``: the argument's name)."""
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
+
+
 _TOKEN = re.compile(
     r"""\s*(?:(?P<str>"[^"]*"|'[^']*')|(?P<op>!=|=|\{|\}|,)|(?P<word>[A-Za-z0-9_.+\-:/]+))"""
 )
@@ -54,14 +62,18 @@ def _tokens(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def parse_filter(text: str) -> list[Clause]:
+def parse_filter(
+    text: str, *, max_clauses: int | None = None, max_values: int | None = None
+) -> list[Clause]:
     """Parses ``clause (and clause)*`` where a clause is one of::
 
         [not] NAME                    boolean attribute is "true" (NAME = true)
         [not] NAME = VALUE | NAME != VALUE
         [not] NAME [not] in {V1, V2, ...}
 
-    Values may be quoted ("..." or '...'). Raises ``ValueError`` naming the offending token.
+    Values may be quoted ("..." or '...'). Raises ``ValueError`` naming the offending token,
+    or :class:`FilterTooLargeError` at the first clause past ``max_clauses`` or value past
+    ``max_values`` in one set (so the work done is bounded by the limits, not the text).
     """
     toks = _tokens(text)
     clauses: list[Clause] = []
@@ -104,6 +116,11 @@ def parse_filter(text: str) -> list[Clause]:
                 if t is None or t[0] != "word":
                     raise ValueError(f"filter: expected a value in the set of {attr}")
                 vals.append(t[1])
+                if max_values is not None and len(vals) > max_values:
+                    raise FilterTooLargeError(
+                        f"filter: the set of {attr} holds more than {max_values} values",
+                        "max_values",
+                    )
                 i += 1
                 sep = peek()
                 if sep == ("op", "}"):
@@ -116,6 +133,8 @@ def parse_filter(text: str) -> list[Clause]:
         else:
             raise ValueError(f"filter: unexpected {nxt[1]!r} after attribute {attr!r}")
         clauses.append(Clause(attr, values, negate))
+        if max_clauses is not None and len(clauses) > max_clauses:
+            raise FilterTooLargeError(f"filter: more than {max_clauses} clauses", "max_clauses")
         if i < len(toks):
             if not is_word(peek(), "and"):
                 raise ValueError(f"filter: expected 'and', got {toks[i][1]!r}")

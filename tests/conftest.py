@@ -9,6 +9,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from common.logs import reset_rate_limits
+
 torch.set_num_threads(2)
 
 # child_guard: a test that starts a child process must be marked multiproc (it fails otherwise).
@@ -19,6 +21,13 @@ pytest_plugins = ["support.serving_fixtures", "support.child_guard", "pytester"]
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_rate_limits() -> None:
+    """Log rate limits (``common/logs.py``) start empty: one test's refusals must not silence
+    the lines another test looks for."""
+    reset_rate_limits()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

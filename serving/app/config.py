@@ -29,6 +29,13 @@ Example ``serve.toml`` (every key optional; flags override the file)::
     tls_cert = "server.crt"   # with tls_key: gRPC and HTTP serve TLS only
     tls_key = "server.key"
 
+    [limits]              # serving/limits.py: the most one request may ask
+    max_filter_bytes = 16384
+    max_filter_clauses = 64
+    max_filter_set_values = 1024
+    max_http_body_bytes = 8388608
+    http_body_timeout_s = 10.0
+
 Every error names the field (``serve.toml: batching.max_batch_size: must be >= 1, got 0``).
 """
 
@@ -42,6 +49,7 @@ from pydantic import Field
 from common.config import MAX_WAIT_S, Config, ConfigError, PathValue, Port, WaitMs, WaitS
 from common.security import SecurityConfig
 from serving.engine.batching import BatchPolicy
+from serving.limits import LimitsConfig
 from serving.sharding.config import RouterConfig
 
 CONFIG_FILE = "config.pbtxt"
@@ -178,6 +186,9 @@ class ServeConfig(Config):
     None: the admin API refuses every call. Not with ``[router]``."""
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     """Bearer tokens and TLS (``[security]``, ``common/security.py``); off by default."""
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    """``[limits]``: request size limits (filters, HTTP bodies), checked before parsing
+    (``serving/limits.py``)."""
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod

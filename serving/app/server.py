@@ -161,7 +161,12 @@ class Server:
         workers = cfg.router.batches_in_flight if cfg.router is not None else 1
         batcher = make_batcher(self.host, policy, self.metrics, workers)
         self.state = ServingState(
-            self.host, batcher, self.metrics, routed=cfg.router is not None, updates=self.updates
+            self.host,
+            batcher,
+            self.metrics,
+            routed=cfg.router is not None,
+            updates=self.updates,
+            limits=cfg.limits,
         )
         self.grpc = GrpcServer(
             self.state,

@@ -30,7 +30,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from serving.types import DeadlineExceededError, QueueFullError, RecRequest, UnavailableError
+from common.logs import limit_rate, safe
+from serving.types import (
+    DeadlineExceededError,
+    QueueFullError,
+    RecRequest,
+    UnavailableError,
+    error_status,
+)
 
 __all__ = [
     "BatchPolicy",
@@ -41,7 +48,7 @@ __all__ = [
     "UnavailableError",
 ]
 
-log = logging.getLogger(__name__)
+log = limit_rate(logging.getLogger(__name__))
 
 QueueState = Sequence[tuple[float, float | None]]
 """``(enqueue_time, deadline or None)`` per waiting request, oldest first (monotonic seconds)."""
@@ -261,7 +268,10 @@ class DynamicBatcher:
                     f"run_batch returned {len(outcomes)} outcomes for {len(entries)}"
                 )
         except Exception as e:  # the model failed the whole batch: every request hears why
-            log.exception("batch of %d failed", len(entries))
+            if error_status(e)[0] == "INTERNAL":  # our bug: the traceback helps
+                log.exception("batch of %d failed", len(entries))
+            else:  # expected (a router whose shards are all down: UNAVAILABLE): one line
+                log.warning("batch of %d failed: %s", len(entries), safe(e))
             for entry in entries:
                 entry.future.set_exception(e)
             return

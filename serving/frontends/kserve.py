@@ -31,15 +31,15 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from retrieval.filters import parse_filter
 from serving.engine.state import ServingState
+from serving.limits import LimitsConfig
 from serving.types import (
     DATATYPES,
     INPUTS,
@@ -94,6 +94,8 @@ class ModelSpec:
     max_batch_size: int
     """Most rows (B) in one call, as Triton enforces ``max_batch_size``."""
     platform: str = "pytorch"
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    """Request size limits (``[limits]``): a filter is checked against them before parsing."""
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -159,6 +161,7 @@ def model_spec(state: ServingState) -> ModelSpec:
         max_k=min(MAX_K, runner.num_items, runner.model.index.ntotal),
         max_batch_size=state.batcher.policy.max_batch_size,
         platform=platform or "pytorch",
+        limits=state.limits,
     )
 
 
@@ -248,7 +251,7 @@ def parse(
         arrays[ts.name] = decode(given, shape)
     assert batch is not None  # history is required
     ks = arrays["k"].reshape(batch)
-    filters = _filters(arrays.get("filter"), batch)
+    filters = _filters(arrays.get("filter"), batch, spec.limits)
     reqs = []
     for b in range(batch):
         k = int(ks[b])
@@ -396,21 +399,19 @@ def _strings(t: WireTensor, count: int) -> list[bytes]:
     return out
 
 
-def _filters(values: np.ndarray | None, batch: int) -> list[str | None]:
+def _filters(values: np.ndarray | None, batch: int, limits: LimitsConfig) -> list[str | None]:
+    """Each row's filter text, checked: its size against ``limits`` before it is decoded or
+    parsed, then its syntax (the model's attributes are the runner's check)."""
     if values is None:
         return [None] * batch
     out: list[str | None] = []
     for b, raw in enumerate(values.reshape(batch)):
+        limits.check_filter_bytes(len(raw), _row(b, batch))
         try:
             text = raw.decode("utf-8").strip()
         except UnicodeDecodeError:
             raise RequestError(f"filter: not UTF-8 text{_row(b, batch)}") from None
-        if text:
-            try:
-                parse_filter(text)
-            except ValueError as e:
-                msg = str(e) if str(e).startswith("filter") else f"filter: {e}"
-                raise RequestError(msg + _row(b, batch)) from None
+        limits.parse_filter(text, _row(b, batch))
         out.append(text or None)
     return out
 

@@ -3,7 +3,8 @@
 Reuses tritonclient's generated ``service_pb2`` / ``service_pb2_grpc``, so field numbers are
 the ones ``tritonclient.grpc`` speaks. Served: ServerLive, ServerReady, ModelReady,
 ServerMetadata, ModelMetadata, ModelConfig (the loaded version's ``config.pbtxt``), ModelInfer;
-the other methods answer UNIMPLEMENTED.
+the other methods answer UNIMPLEMENTED without logging (the generated base class raises, and
+gRPC logs a traceback per call: a flood anyone can cause).
 
 ModelInfer: inputs in ``raw_input_contents`` (what tritonclient sends) or typed ``contents``
 -> :func:`serving.frontends.kserve.parse` -> one batcher request per row (rows of different calls share
@@ -25,19 +26,21 @@ status                   when
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from common.grpc_util import MalformedMessage, add_service
+from common.grpc_util import add_service
+from common.logs import limit_rate
 from serving.engine.state import ServingState
 from serving.frontends import kserve
 from serving.frontends.kserve import WireTensor
 from serving.types import ModelNotFoundError, RecResult, RequestError, error_status
 
-log = logging.getLogger(__name__)
+log = limit_rate(logging.getLogger(__name__))
 
 SERVICE = "inference.GRPCInferenceService"
 
@@ -158,10 +161,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.ServicerContext
     ) -> pb.ModelInferResponse:
         futures: list[Any] = []
-        call = self.state.call()  # counted once, however many rows: answered or refused
         try:
-            if isinstance(request, MalformedMessage):
-                raise RequestError(request.message)
             spec = kserve.resolve(self.state, request.model_name, request.model_version)
             names = kserve.requested_outputs([o.name for o in request.outputs])
             deadline = kserve.deadline_from(
@@ -173,13 +173,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             results = [self.state.wait(f, deadline) for f in futures]
         except Exception as e:
             kserve.cancel(futures)
-            call.failed(e)
             code, _, _ = error_status(e)
             if code == "INTERNAL":
                 log.exception("ModelInfer failed")
             error: Exception = e
         else:
-            call.succeeded(results[0].version)
             return render_response(request, results, names)
         context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
         raise AssertionError("unreachable: abort raises")
@@ -194,12 +192,24 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         raise AssertionError("unreachable: abort raises")
 
 
+def _unimplemented(name: str) -> Callable[[Any, Any, grpc.ServicerContext], Any]:
+    def method(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name}: not implemented by recserve")
+
+    return method
+
+
+for _method in pb.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[-1]].methods:
+    if _method.name not in vars(KServeServicer):
+        setattr(KServeServicer, _method.name, _unimplemented(_method.name))
+
+
 def add_kserve_servicer(server: grpc.Server, state: ServingState) -> None:
     """Adds ``inference.GRPCInferenceService`` to ``server`` (before it starts), every method of
     it (those not served answer UNIMPLEMENTED), with :func:`common.grpc_util.add_service`: bytes
     that are no valid message get INVALID_ARGUMENT, where the generated deserializer makes gRPC
-    answer INTERNAL (``ModelInfer`` refuses them itself, so that the metrics count them)."""
-    add_service(server, pb, SERVICE, KServeServicer(state), refuses_itself={"ModelInfer"})
+    answer INTERNAL."""
+    add_service(server, pb, SERVICE, KServeServicer(state))
 
 
 add_servicer = add_kserve_servicer

@@ -25,7 +25,13 @@ the compressed and the decompressed size.
 Errors are ``{"error": "<message>"}``: 400 bad input (the message names the input or field),
 404 unknown model or version (or route), 413 body over ``max_body_bytes``, 503 queue full or
 draining (Triton answers a full queue with 503 too; it is the server's capacity, not the
-caller's rate, so not 429), 504 deadline (Triton's ``timeout`` parameter, µs) passed.
+caller's rate, so not 429), 504 deadline (Triton's ``timeout`` parameter, µs) passed, 408 a
+body that did not arrive within ``limits.http_body_timeout_s`` (and its connection is closed:
+the rest of that body may never come).
+
+Request size limits come from ``state.limits`` (``[limits]``, ``serving/limits.py``), read at
+each call. Log lines quote client text through ``common.logs.safe`` and are rate-limited; only
+an unexpected error (our bug) logs a traceback.
 """
 
 from __future__ import annotations
@@ -42,13 +48,15 @@ from typing import Any
 from google.protobuf import json_format
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from common.logs import limit_rate, safe
 from serving.engine.state import ServingState
 from serving.frontends import kserve
 from serving.frontends.kserve import WireTensor
+from serving.limits import DEFAULT_MAX_HTTP_BODY_BYTES
 from serving.types import (
     DeadlineExceededError,
     RecResult,
@@ -56,10 +64,10 @@ from serving.types import (
     error_status,
 )
 
-log = logging.getLogger(__name__)
+log = limit_rate(logging.getLogger(__name__))
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_BODY_BYTES = DEFAULT_MAX_HTTP_BODY_BYTES
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
@@ -67,26 +75,51 @@ class BodyTooLargeError(ValueError):
     """The request body (or what it decompresses to) is over the limit: HTTP 413."""
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+class BodyTimeoutError(RequestError):
+    """The request body did not arrive within ``limits.http_body_timeout_s``: HTTP 408."""
+
+
+CLOSE = {"Connection": "close"}
+
+
+def error_response(exc: BaseException, where: str = "") -> JSONResponse:
+    """The JSON error answer of ``exc``; logs one line for a body that timed out or a client
+    that went away, a traceback only for an unexpected error."""
     code, status, _ = error_status(exc)
-    if isinstance(exc, BodyTooLargeError):
-        status = 413
+    headers = None
+    if isinstance(exc, BodyTooLargeError):  # the connection stays: the client may still be
+        status = 413  # sending, and a reset would hide the 413 from it
+    elif isinstance(exc, BodyTimeoutError):
+        status, headers = 408, CLOSE
+        log.warning("http: %s: %s", safe(where), exc)
+    elif isinstance(exc, ClientDisconnect):  # nobody reads the answer: one line, no traceback
+        status = 499
+        log.info("http: %s: the client went away before its body was read", safe(where))
     elif code == "INTERNAL":
-        log.error("HTTP request failed", exc_info=exc)
-    return JSONResponse({"error": str(exc) or type(exc).__name__}, status_code=status)
+        log.error("HTTP request %s failed", safe(where), exc_info=exc)
+    body = {"error": str(exc) or type(exc).__name__}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, decompressed (gzip / deflate), refused past ``limit`` bytes either way."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The body, decompressed (gzip / deflate), refused past ``limit`` bytes either way, or
+    when it takes more than ``timeout_s`` seconds to arrive (:class:`BodyTimeoutError`)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise BodyTooLargeError(f"body: {length} bytes is over the limit of {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLargeError(f"body: over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLargeError(f"body: over the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeoutError(
+            f"body: not received within {timeout_s:g} s ({size} bytes arrived; "
+            "limits.http_body_timeout_s)"
+        ) from None
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding == "identity":
@@ -236,8 +269,9 @@ async def gather(futures: list[Future[RecResult]], deadline: float | None) -> li
     return [f.result() for f in futures]
 
 
-def make_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The ASGI app over ``state`` (see the module docstring for routes and codes)."""
+def make_app(state: ServingState, *, max_body_bytes: int | None = None) -> Starlette:
+    """The ASGI app over ``state`` (see the module docstring for routes and codes);
+    ``max_body_bytes`` overrides ``state.limits.max_http_body_bytes``."""
 
     def guarded(
         handler: Callable[[Request], Awaitable[Response]],
@@ -246,7 +280,7 @@ def make_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             try:
                 return await handler(request)
             except Exception as e:
-                return error_response(e)
+                return error_response(e, f"{request.method} {request.url.path}")
 
         return endpoint
 
@@ -294,20 +328,9 @@ def make_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
         return JSONResponse(json_format.MessageToDict(config, preserving_proto_field_name=True))
 
     async def infer(request: Request) -> Response:
-        call = state.call()  # counted once, however many rows: answered or refused
-        try:
-            response, version = await answer(request)
-        except asyncio.CancelledError as e:  # the connection went away
-            call.failed(e, "cancelled")
-            raise
-        except Exception as e:
-            call.failed(e, "too_large" if isinstance(e, BodyTooLargeError) else None)
-            raise
-        call.succeeded(version)
-        return response
-
-    async def answer(request: Request) -> tuple[Response, int]:
-        body = await read_body(request, max_body_bytes)
+        limits = state.limits
+        body_limit = max_body_bytes or limits.max_http_body_bytes
+        body = await read_body(request, body_limit, limits.http_body_timeout_s)
         spec = spec_of(request)
         header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
         params = _params(header, "parameters")
@@ -315,7 +338,7 @@ def make_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
         deadline = kserve.deadline_from(params)
         reqs = kserve.parse(json_tensors(header, binary), spec, deadline=deadline)
         results = await gather(kserve.submit_rows(state, reqs), deadline)
-        return render_json(header, results, names, binary_out), results[0].version
+        return render_json(header, results, names, binary_out)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

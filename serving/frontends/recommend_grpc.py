@@ -24,13 +24,14 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.grpc_util import MalformedMessage, add_service, bind_port, format_address
+from common.logs import limit_rate
 from common.security import NO_SECURITY, Security
 from serving.engine.state import ServingState
 from serving.protos import recommend_pb2 as pb
 from serving.protos import recommend_pb2_grpc as pb_grpc
 from serving.types import RecRequest, RecResult, RequestError, error_status
 
-log = logging.getLogger(__name__)
+log = limit_rate(logging.getLogger(__name__))
 
 SERVICE = "recserve.serving.v1.Recommender"
 MAX_SEND_MESSAGE_BYTES = 16 << 20
@@ -98,19 +99,16 @@ class RecommendServicer(pb_grpc.RecommenderServicer):
         remaining = context.time_remaining()
         no_deadline = remaining is None or remaining > NO_DEADLINE_S
         deadline = None if no_deadline else time.monotonic() + remaining
-        call = self.state.call()  # counted once: answered, or refused (while parsing too)
         try:
             fut = self.state.submit(parse_recommend(request, deadline))
             context.add_callback(fut.cancel)  # a caller that goes away leaves the queue
             result = self.state.wait(fut, deadline)
         except Exception as e:
-            call.failed(e)
             code, _, _ = error_status(e)
             if code == "INTERNAL":
                 log.exception("Recommend failed")
             error = e
         else:
-            call.succeeded(result.version)
             return render_recommend(result)
         context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
         raise AssertionError("unreachable: abort raises")

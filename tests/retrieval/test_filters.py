@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from retrieval.filters import (
     Clause,
     FilterSchema,
+    FilterTooLargeError,
     bit_counts,
     eligible,
     estimate_selectivity,
@@ -134,3 +135,14 @@ def test_more_than_64_values_span_several_words():
     fb = schema.compile(["city in {c0, c70, c149}"])
     got = eligible(sig, fb.masks[0], fb.negate[0]).numpy()
     assert np.array_equal(got, np.isin(codes, [0, 70, 149]))
+
+
+def test_parse_stops_at_the_first_clause_or_value_past_its_limit():
+    assert len(parse_filter("a and b", max_clauses=2, max_values=1)) == 2
+    with pytest.raises(FilterTooLargeError, match="more than 2 clauses") as e:
+        parse_filter("a and b and c and " + "d and " * 1000 + "e", max_clauses=2)
+    assert e.value.limit == "max_clauses"
+    with pytest.raises(FilterTooLargeError, match="the set of x holds more than 2") as e:
+        parse_filter("x in {1, 2, 3}", max_values=2)
+    assert e.value.limit == "max_values"
+    assert isinstance(e.value, ValueError)  # callers that catch ValueError still do

@@ -1,0 +1,81 @@
+"""Request size limits (``[limits]`` in serve.toml), checked at the edge before any parsing.
+
+A filter is parsed and compiled in Python (``retrieval/filters.py``), at about 50 µs per clause:
+unbounded, one 10,000-clause filter (200 KB) took ~3 s of the interpreter and stalled every
+other caller's requests for as long. The limits keep the work per request small and refuse the
+rest in microseconds, with INVALID_ARGUMENT / HTTP 400 naming the field and the limit::
+
+    filter: 200000 bytes is over the limit of 16384 (limits.max_filter_bytes)
+    filter: more than 64 clauses (limits.max_filter_clauses)
+    filter: the set of category holds more than 1024 values (limits.max_filter_set_values)
+
+The byte count comes first (O(1) on the wire bytes), so the parser never sees more than
+``max_filter_bytes``; it stops at the first clause or value past its limit. Every front end
+(Recommend gRPC, KServe v2 gRPC and HTTP) and a router (the same front ends; its shard servers
+receive compiled masks, not text) go through :meth:`LimitsConfig.parse_filter`:
+``ServingState.submit`` calls it for every row, and the KServe parser for each row's filter.
+
+The HTTP body limits live here too (``serving/frontends/kserve_http.py`` applies them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field
+
+from common.config import Config, WaitS
+from serving.types import RequestError
+
+if TYPE_CHECKING:
+    from retrieval.filters import Clause
+
+DEFAULT_MAX_FILTER_BYTES = 16 << 10
+DEFAULT_MAX_HTTP_BODY_BYTES = 8 << 20
+
+
+class LimitsConfig(Config):
+    """``[limits]``: the most one request may ask of the server."""
+
+    max_filter_bytes: int = Field(default=DEFAULT_MAX_FILTER_BYTES, ge=1, le=1 << 30)
+    """Longest filter expression, in UTF-8 bytes (checked before it is parsed)."""
+    max_filter_clauses: int = Field(default=64, ge=1, le=1 << 20)
+    """Most clauses (``... and ...``) in one filter."""
+    max_filter_set_values: int = Field(default=1024, ge=1, le=1 << 20)
+    """Most values in one set (``attr in {v1, v2, ...}``)."""
+    max_http_body_bytes: int = Field(default=DEFAULT_MAX_HTTP_BODY_BYTES, ge=1, le=1 << 31)
+    """Largest HTTP request body, compressed or decompressed (HTTP 413 past it)."""
+    http_body_timeout_s: Annotated[WaitS, Field(gt=0)] = 10.0
+    """Longest an HTTP request body may take to arrive, from its first byte read; a slower one
+    is refused with HTTP 408 and its connection closed (a body that never finishes would hold
+    the connection forever)."""
+
+    def check_filter_bytes(self, size: int, row: str = "") -> None:
+        """Refuses a filter of ``size`` bytes over ``max_filter_bytes`` (``row``: where it is,
+        e.g. `` (batch row 3)``)."""
+        if size > self.max_filter_bytes:
+            raise RequestError(
+                f"filter: {size} bytes is over the limit of {self.max_filter_bytes} "
+                f"(limits.max_filter_bytes){row}"
+            )
+
+    def parse_filter(self, text: str | None, row: str = "") -> list[Clause]:
+        """``text`` parsed within the limits (empty or None: no clauses); :class:`RequestError`
+        naming the limit, or the parser's complaint, starting with ``filter:``."""
+        if not text:
+            return []
+        # here, not at the top: the config (serve.toml, the CLI) must load without torch
+        from retrieval.filters import FilterTooLargeError, parse_filter
+
+        if len(text) * 4 > self.max_filter_bytes:  # maybe over (<= 4 bytes a character)
+            self.check_filter_bytes(len(text.encode("utf-8", "surrogatepass")), row)
+        try:
+            return parse_filter(
+                text, max_clauses=self.max_filter_clauses, max_values=self.max_filter_set_values
+            )
+        except FilterTooLargeError as e:
+            key = "max_filter_clauses" if e.limit == "max_clauses" else "max_filter_set_values"
+            raise RequestError(f"{e} (limits.{key}){row}") from None
+        except ValueError as e:
+            msg = str(e) if str(e).startswith("filter") else f"filter: {e}"
+            raise RequestError(msg + row) from None

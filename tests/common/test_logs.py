@@ -1,0 +1,90 @@
+"""``common/logs.py``: client text as one safe log line; a rate limit per message template."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from common.logs import RateLimit, limit_rate, reset_rate_limits, safe
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("GET /v2/models/demo", "GET /v2/models/demo"),
+        ("/v2/x\nINFO forged line", "/v2/x\\nINFO forged line"),
+        ("a\r\x1b[31mred\x00", "a\\r\\x1b[31mred\\x00"),
+        ("line\u2028sep\x85", "line\\u2028sep\\x85"),
+        ("back\\slash", "back\\\\slash"),  # escaped too: "\\n" in the text stays unambiguous
+        ("naïve ü", "naïve ü"),  # printable non-ASCII is kept
+    ],
+)
+def test_safe_escapes_what_could_break_a_line(text, shown):
+    assert safe(text) == shown
+    assert "\n" not in safe(text) and "\r" not in safe(text)
+
+
+def test_safe_cuts_long_text_and_names_its_length():
+    assert safe("x" * 10_000, limit=20) == "x" * 20 + "... (10000 characters)"
+    assert safe(ValueError("bad\nvalue")) == "bad\\nvalue"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def limited(caplog):
+    logger = logging.getLogger("test_logs.limited")
+    clock = Clock()
+    limit = RateLimit(logger, burst=3, interval_s=10.0, clock=clock)
+    logger.addFilter(limit)
+    caplog.set_level(logging.INFO, logger=logger.name)
+    yield logger, clock, caplog
+    logger.removeFilter(limit)
+
+
+def test_a_burst_per_template_passes_then_one_summary_line(limited):
+    logger, clock, caplog = limited
+    for i in range(1000):
+        logger.warning("refused %s", f"/path/{i}")  # different text, one template
+    logger.info("other %s", 1)  # another template has its own window
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused /path/0",
+        "refused /path/1",
+        "refused /path/2",
+        "other 1",
+    ]
+    caplog.clear()
+    clock.now = 10.0  # next window: the count of what was left out, then the line itself
+    logger.warning("refused %s", "/again")
+    assert [r.getMessage() for r in caplog.records] == [
+        "... 'refused %s' repeated 997 times in 10 s (not logged)",
+        "refused /again",
+    ]
+    assert caplog.records[0].levelno == logging.WARNING
+
+
+def test_a_quiet_template_gets_no_summary_and_reset_forgets(limited):
+    logger, clock, caplog = limited
+    for _ in range(3):
+        logger.warning("ok")
+    clock.now = 20.0
+    logger.warning("ok")
+    assert [r.getMessage() for r in caplog.records] == ["ok"] * 4
+
+
+def test_limit_rate_adds_one_filter_and_reset_rate_limits_clears_it(caplog):
+    logger = limit_rate(limit_rate(logging.getLogger("test_logs.once"), burst=2))
+    assert sum(isinstance(f, RateLimit) for f in logger.filters) == 1
+    caplog.set_level(logging.WARNING, logger=logger.name)
+    for _ in range(5):
+        logger.warning("flood")
+    reset_rate_limits()
+    logger.warning("flood")
+    assert len(caplog.records) == 3
