@@ -56,6 +56,7 @@ class Proc:
         marker: str | None = None,
         name: str | None = None,
         temp_log: bool = False,
+        started_at: int | None = None,
     ):
         self.pid = pid
         self.cmd = list(cmd)
@@ -70,6 +71,8 @@ class Proc:
         """The ready line, once :meth:`wait_ready` has seen it."""
         self._read_at = log_offset
         self._temp_log = temp_log
+        self.started_at = started_at
+        """Its :func:`start_time` (adopted: the recorded one, checked by :meth:`alive`)."""
 
     @classmethod
     def adopt(
@@ -82,12 +85,21 @@ class Proc:
         log_offset: int = 0,
         session: bool = True,
         name: str | None = None,
+        started_at: int | None = None,
     ) -> Proc:
         """A process another run started (its pid recorded in a file). It counts as alive only
-        while its command line contains ``marker``: a pid the system gave to another program
-        since is never signalled."""
+        while its command line contains ``marker`` and, when ``started_at`` is given, while the
+        pid's :func:`start_time` equals it: a pid the system gave to another program since (even
+        another of ours, with the marker) is never signalled."""
         return cls(
-            pid, cmd, log_path, log_offset=log_offset, session=session, marker=marker, name=name
+            pid,
+            cmd,
+            log_path,
+            log_offset=log_offset,
+            session=session,
+            marker=marker,
+            name=name,
+            started_at=started_at,
         )
 
     # ---- state --------------------------------------------------------------------------------
@@ -97,11 +109,14 @@ class Proc:
             return self.popen.poll() is None
         try:
             with open(f"/proc/{self.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return False
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                return False
+            if self.started_at is not None and int(fields[19]) != self.started_at:
+                return False  # the pid was reused
             with open(f"/proc/{self.pid}/cmdline", "rb") as f:
                 return self.marker is None or self.marker.encode() in f.read()
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             return False
 
     @property
@@ -235,7 +250,19 @@ def start(
         popen=popen,
         name=name,
         temp_log=temp_log,
+        started_at=start_time(popen.pid),
     )
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22); None when
+    there is no such process. Pid and start time name one process: a pid the system reuses
+    comes with a later start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def stop_all(procs: Sequence[Proc], timeout_s: float) -> list[Proc]:

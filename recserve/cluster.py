@@ -6,7 +6,8 @@ its output in a log file, on free ports; it waits until each prints its ready li
 once the process serves and reports SERVING), then writes the cluster file. ``status`` checks
 every process (alive, gRPC health), ``down`` stops them: SIGTERM (each drains), then SIGKILL
 for any still alive after the timeout, so nothing is left behind. A failed ``up`` stops what it
-started.
+started. Commands that change the cluster file hold its lock and record a process before waiting
+for it (``recserve/cluster_state.py``; ``docs/sharding.md``).
 
     spec = ClusterSpec(model_repo=Path("runs/demo/model_repo"), shards=2, embedding_servers=1)
     cluster = up(spec, Path("runs/cluster"))
@@ -21,31 +22,51 @@ them needs the token (the router sends it to the shards and embedding servers); 
 
 from __future__ import annotations
 
-import json
 import os
+import socket
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import process
-from common.atomic import atomic_write_json
 from common.grpc_util import ClientAuth, open_channel
+from recserve.cluster_state import (
+    CLUSTER_FILE,
+    LOCK_TIMEOUT_S,
+    Cluster,
+    ClusterError,
+    Proc,
+    locked,
+)
 from retrieval.artifact import ShardMap
 from serving.repository.repository import ARTIFACT_DIR, EMBEDDINGS_DIR, ModelRepository
 from serving.sharding.config import RouterConfig
 
-CLUSTER_FILE = "cluster.json"
-MARKER = "recserve"
-"""In the command line of every process of a cluster: a recorded pid whose command line lacks
-it was given to another program since, and is never signalled."""
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot start (the message says which process and why, with its log tail)."""
+__all__ = [  # the cluster file's types live in recserve/cluster_state.py
+    "CLUSTER_FILE",
+    "Cluster",
+    "ClusterError",
+    "ClusterSpec",
+    "DownReport",
+    "Proc",
+    "ProcState",
+    "check_version",
+    "down",
+    "healthy",
+    "restart",
+    "status",
+    "stop",
+    "up",
+]
+PORT_FREE_S = 5.0
+"""How long ``down`` waits for the ports of stopped processes to close (a router's serving
+processes exit just after their leader)."""
 
 
 @dataclass
@@ -88,52 +109,6 @@ class ClusterSpec:
         return (self.tls_ca or self.tls_cert).resolve()
 
 
-@dataclass
-class Proc:
-    """One process of the cluster, as the cluster file records it."""
-
-    name: str
-    role: str
-    cmd: list[str]
-    pid: int
-    log: str
-    address: str = ""
-    """gRPC ``host:port``."""
-    http: str = ""
-    metrics: str = ""
-    log_offset: int = 0
-    """Where this run of the process starts in its log (earlier runs' lines come before)."""
-
-
-@dataclass
-class Cluster:
-    model: str
-    version: int
-    processes: list[Proc] = field(default_factory=list)
-    tls_ca: str = ""
-    """CA of the processes' TLS certificate ("": they serve plaintext)."""
-
-    @property
-    def router(self) -> Proc:
-        return next(p for p in self.processes if p.role == "router")
-
-    def save(self, directory: Path) -> Path:
-        path = directory / CLUSTER_FILE
-        atomic_write_json(path, asdict(self))
-        return path
-
-    @classmethod
-    def load(cls, directory: Path) -> Cluster:
-        path = directory / CLUSTER_FILE
-        if not path.is_file():
-            raise ClusterError(
-                f"no cluster file at {path} (is a cluster up? `recserve cluster up`)"
-            )
-        d = json.loads(path.read_text())
-        procs = [Proc(**p) for p in d["processes"]]
-        return cls(d["model"], d["version"], procs, d.get("tls_ca", ""))
-
-
 # ---- up -------------------------------------------------------------------------------------
 def _recserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "recserve", *args]
@@ -167,21 +142,31 @@ def check_version(spec: ClusterSpec) -> tuple[str, int]:
 
 
 def up(
-    spec: ClusterSpec, directory: Path, progress: Callable[[str], None] | None = None
+    spec: ClusterSpec,
+    directory: Path,
+    progress: Callable[[str], None] | None = None,
+    lock_timeout: float = LOCK_TIMEOUT_S,
 ) -> Cluster:
-    """Starts the cluster (see the module docstring); raises :class:`ClusterError`."""
-    say = progress or (lambda _m: None)
-    if (directory / CLUSTER_FILE).exists():
-        cluster = Cluster.load(directory)
-        if any(_alive(p) for p in cluster.processes):
-            raise ClusterError(f"a cluster is already up ({directory}); `recserve cluster down`")
+    """Starts the cluster (see the module docstring); raises :class:`ClusterError`. Holds the
+    cluster's lock throughout, and records each process in the cluster file as soon as it is
+    started: ``down`` stops those of an ``up`` that was killed."""
     if spec.shards < 1 or spec.replicas < 1 or spec.embedding_servers < 0:
         raise ClusterError("--shards and --replicas must be >= 1, --embedding-servers >= 0")
     if (spec.tls_cert is None) != (spec.tls_key is None):
         raise ClusterError("--tls-cert and --tls-key: give both, or neither")
-    secure = spec.security_args()
-    ca = spec.ca()
     model, version = check_version(spec)
+    with locked(directory, "up", lock_timeout):
+        return _up(spec, directory, model, version, progress or (lambda _m: None))
+
+
+def _up(
+    spec: ClusterSpec, directory: Path, model: str, version: int, say: Callable[[str], None]
+) -> Cluster:
+    if (directory / CLUSTER_FILE).exists():
+        previous = Cluster.load(directory)
+        if any(p.alive() for p in previous.tracked()):
+            raise ClusterError(f"a cluster is already up ({directory}); `recserve cluster down`")
+    secure, ca = spec.security_args(), spec.ca()
     logs = directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("*.log"):  # a new cluster starts with new logs
@@ -239,6 +224,7 @@ def up(
             for r in range(spec.replicas)
         ]
         cluster.processes = started
+        cluster.save(directory)
         for p in started:
             _wait_ready(p, spec.startup_timeout_s)
             say(f"{p.name} ready at {p.address}")
@@ -262,10 +248,12 @@ def up(
             args += ["--embedding-servers", ",".join(embed)]
         router = _start("router", "router", _recserve(*args), logs)
         cluster.processes.append(router)
+        cluster.save(directory)
         _wait_ready(router, spec.startup_timeout_s)
         say(f"router ready at grpc={router.address} http={router.http}")
     except BaseException:
         _stop_all(cluster.processes, timeout=10.0)
+        (directory / CLUSTER_FILE).unlink(missing_ok=True)
         raise
     cluster.save(directory)
     return cluster
@@ -275,21 +263,21 @@ def _start(name: str, role: str, cmd: list[str], logs: Path) -> Proc:
     """Starts one process (``common/process.py``), its output appended to its log (a restart
     appends); in its own session: it outlives ``cluster up``, a Ctrl-C there does not reach it."""
     started = process.start(cmd, log_path=logs / f"{name}.log", new_session=True, name=name)
-    return Proc(name, role, cmd, started.pid, str(started.log_path), log_offset=started.log_offset)
-
-
-def _handle(p: Proc) -> process.Proc:
-    """The launcher's handle on a recorded process (this run may not be the one that started
-    it: ``down`` is another command)."""
-    return process.Proc.adopt(
-        p.pid, p.cmd, Path(p.log), marker=MARKER, log_offset=p.log_offset, name=p.name
+    return Proc(
+        name,
+        role,
+        cmd,
+        started.pid,
+        str(started.log_path),
+        log_offset=started.log_offset,
+        started_at=started.started_at,
     )
 
 
 def _wait_ready(p: Proc, timeout: float) -> None:
     """Waits for the process's ready line (``common/ready.py``); fills in its addresses."""
     try:
-        ready = _handle(p).wait_ready(timeout)
+        ready = p.handle().wait_ready(timeout)
     except process.ProcessError as e:
         raise ClusterError(str(e)) from None
     p.address, p.http, p.metrics = ready.grpc or "", ready.http or "", ready.metrics or ""
@@ -305,11 +293,6 @@ def _fix_port(p: Proc) -> None:
 
 
 # ---- status, restart, down ------------------------------------------------------------------
-def _alive(p: Proc) -> bool:
-    """The process exists, is not a zombie, and is ours (see :data:`MARKER`)."""
-    return _handle(p).alive()
-
-
 def healthy(address: str, timeout: float = 2.0, tls_ca: str = "") -> bool:
     """grpc.health.v1 says SERVING at ``address`` (over TLS verified by ``tls_ca`` when set;
     health checks need no token)."""
@@ -324,52 +307,147 @@ def healthy(address: str, timeout: float = 2.0, tls_ca: str = "") -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def status(directory: Path) -> list[tuple[Proc, bool, bool]]:
-    """``(process, alive, healthy)`` of every process of the cluster."""
+class ProcState(NamedTuple):
+    """One row of :func:`status`."""
+
+    proc: Proc
+    alive: bool
+    healthy: bool
+    """Alive and gRPC health says SERVING at its address."""
+    note: str
+    """``serving``, ``not serving``, ``down``, or ``down, port answered by another process``."""
+
+
+def status(directory: Path) -> list[ProcState]:
+    """Every process of the cluster; a dead pid is reported down (no lock: reads change
+    nothing, and the file is replaced atomically)."""
     cluster = Cluster.load(directory)
     out = []
     for p in cluster.processes:
-        alive = _alive(p)
-        ok = alive and bool(p.address) and healthy(p.address, tls_ca=cluster.tls_ca)
-        out.append((p, alive, ok))
+        alive = p.alive()
+        answers = bool(p.address) and healthy(p.address, tls_ca=cluster.tls_ca)
+        if alive:
+            note = "serving" if answers else "not serving"
+        else:
+            note = "down, port answered by another process" if answers else "down"
+        out.append(ProcState(p, alive, alive and answers, note))
     return out
 
 
-def restart(directory: Path, name: str, timeout: float = 60.0) -> Proc:
-    """Starts process ``name`` again with its recorded command (same port) if it is not alive."""
-    cluster = Cluster.load(directory)
-    found = [p for p in cluster.processes if p.name == name]
-    if not found:
-        raise ClusterError(f"no process {name!r} (have: {[p.name for p in cluster.processes]})")
-    old = found[0]
-    if _alive(old):
-        return old
-    fresh = _start(old.name, old.role, old.cmd, Path(old.log).parent)
-    _wait_ready(fresh, timeout)
-    cluster.processes[cluster.processes.index(old)] = fresh
-    cluster.save(directory)
+def restart(
+    directory: Path, name: str, timeout: float = 60.0, lock_timeout: float = LOCK_TIMEOUT_S
+) -> Proc:
+    """Starts process ``name`` again with its recorded command (same port) if it is not alive,
+    and waits until it is ready.
+
+    The new process is recorded (under the lock) before the wait, which runs without the lock:
+    a ``down`` meanwhile stops it, and a concurrent restart of the same name finds it alive and
+    waits for it instead of starting a second one. If it is not ready within ``timeout`` s (or
+    exits, or this call is interrupted), it is stopped, so a failed restart leaves nothing
+    running; its entry stays (``status``: down) for the next restart."""
+    with locked(directory, f"restart {name}", lock_timeout):
+        cluster = Cluster.load(directory)
+        old = cluster.find(name)
+        ours = not old.alive()
+        if ours:
+            fresh = _start(old.name, old.role, old.cmd, Path(old.log).parent)
+            fresh.address, fresh.http, fresh.metrics = old.address, old.http, old.metrics
+            cluster.replace(old, fresh)
+            try:
+                cluster.save(directory)
+            except BaseException:
+                _stop_all([fresh], timeout=10.0)
+                raise
+        else:
+            fresh = old  # alive: running, or being started by another restart
+    try:
+        _wait_ready(fresh, timeout)
+    except BaseException:
+        if ours:
+            _stop_all([fresh], timeout=10.0)
+        raise
+    if ours:  # the ready line's ports (the router's HTTP and metrics ports are new ones)
+        with locked(directory, f"restart {name}", lock_timeout):
+            try:
+                cluster = Cluster.load(directory)
+                current = cluster.find(name)
+            except ClusterError:
+                current = None
+            if current is None or current.pid != fresh.pid:
+                _stop_all([fresh], timeout=10.0)
+                raise ClusterError(f"{name}: the cluster went down while it restarted")
+            current.address, current.http, current.metrics = (
+                fresh.address,
+                fresh.http,
+                fresh.metrics,
+            )
+            cluster.save(directory)
     return fresh
 
 
-def stop(directory: Path, name: str, timeout: float = 15.0) -> bool:
+def stop(
+    directory: Path, name: str, timeout: float = 15.0, lock_timeout: float = LOCK_TIMEOUT_S
+) -> bool:
     """Stops process ``name`` (SIGTERM: it drains; SIGKILL after ``timeout`` s); returns True
     when it needed SIGKILL. :func:`restart` starts it again."""
-    found = [p for p in Cluster.load(directory).processes if p.name == name]
-    if not found:
-        raise ClusterError(f"no process {name!r}")
-    return bool(_stop_all(found, timeout))
+    with locked(directory, f"stop {name}", lock_timeout):
+        return bool(_stop_all([Cluster.load(directory).find(name)], timeout))
 
 
-def down(directory: Path, timeout: float = 15.0) -> list[str]:
-    """Stops every process (router first); returns the names that needed SIGKILL."""
-    cluster = Cluster.load(directory)
-    order = sorted(cluster.processes, key=lambda p: p.role != "router")
-    killed = _stop_all(order, timeout)
-    (directory / CLUSTER_FILE).unlink(missing_ok=True)
-    return killed
+@dataclass
+class DownReport:
+    """What :func:`down` did; ``(name, pid)`` pairs."""
+
+    stopped: list[tuple[str, int]] = field(default_factory=list)
+    gone: list[tuple[str, int]] = field(default_factory=list)
+    """Recorded, but found already gone (or the pid is now another program's: not signalled)."""
+    killed: list[str] = field(default_factory=list)
+    """Names that needed SIGKILL."""
+    busy: list[str] = field(default_factory=list)
+    """Addresses of the cluster that still accept connections after the stop: a process the
+    cluster file does not track holds them."""
+
+
+def down(
+    directory: Path, timeout: float = 15.0, lock_timeout: float = LOCK_TIMEOUT_S
+) -> DownReport:
+    """Stops every process the cluster file tracks, current and retired (router first), under
+    the lock; removes the file (kept when a port stays busy, to look at)."""
+    with locked(directory, "down", lock_timeout):
+        cluster = Cluster.load(directory)
+        tracked = cluster.tracked()
+        live = [p for p in tracked if p.alive()]
+        report = DownReport(gone=[(p.name, p.pid) for p in tracked if p not in live])
+        order = sorted(live, key=lambda p: p.role != "router")
+        report.killed = _stop_all(order, timeout)
+        report.stopped = [(p.name, p.pid) for p in order]
+        addresses = {a for p in tracked for a in (p.address, p.http, p.metrics) if a}
+        report.busy = _still_answering(sorted(addresses), PORT_FREE_S)
+        if not report.busy:
+            (directory / CLUSTER_FILE).unlink(missing_ok=True)
+    return report
+
+
+def _still_answering(addresses: list[str], timeout: float) -> list[str]:
+    """Those of ``addresses`` that still accept a TCP connection after ``timeout`` s."""
+    until = time.monotonic() + timeout
+    while True:
+        busy = [a for a in addresses if _accepts(a)]
+        if not busy or time.monotonic() >= until:
+            return busy
+        time.sleep(0.1)
+
+
+def _accepts(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _stop_all(procs: list[Proc], timeout: float) -> list[str]:
     """SIGTERM each process group, wait up to ``timeout`` s, SIGKILL the rest (together, via
     ``common/process.py``); the names of those that needed SIGKILL."""
-    return [h.name for h in process.stop_all([_handle(p) for p in procs], timeout)]
+    return [h.name for h in process.stop_all([p.handle() for p in procs], timeout)]

@@ -16,6 +16,7 @@ cluster_app = typer.Typer(
 )
 CLUSTER_DIR = Path("runs/cluster")
 """Relative to the current directory, like every default path of the CLI."""
+LOCK_HELP = "seconds to wait for another cluster command's lock on the cluster file"
 
 
 @cluster_app.command("up")
@@ -39,6 +40,7 @@ def cluster_up(
     tls_cert: Path = typer.Option(None, help="every process serves TLS with this certificate"),
     tls_key: Path = typer.Option(None, help="PEM private key of --tls-cert"),
     tls_ca: Path = typer.Option(None, help="CA verifying --tls-cert (default: --tls-cert)"),
+    lock_timeout: float = typer.Option(30.0, min=0, help=LOCK_HELP),
 ) -> None:
     """Start embedding servers, shard servers and the router; wait until all are healthy."""
     from recserve.cluster import ClusterError, ClusterSpec, up
@@ -60,7 +62,7 @@ def cluster_up(
         tls_ca=tls_ca,
     )
     try:
-        cluster = up(spec, directory, progress=typer.echo)
+        cluster = up(spec, directory, progress=typer.echo, lock_timeout=lock_timeout)
     except (ClusterError, OSError, ValueError) as e:
         typer.echo(f"cluster up: {e}", err=True)
         raise typer.Exit(2) from None
@@ -76,7 +78,8 @@ def cluster_up(
 def cluster_status(
     directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
 ) -> None:
-    """Every process: pid, address, alive, healthy (exit 1 when any is not)."""
+    """Every process: pid, address, alive, healthy (exit 1 when any is not; a dead pid is
+    reported down)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -87,11 +90,11 @@ def cluster_status(
     except ClusterError as e:
         typer.echo(f"cluster status: {e}", err=True)
         raise typer.Exit(2) from None
-    table = Table("process", "role", "pid", "address", "alive", "healthy")
-    for p, alive, ok in rows:
-        table.add_row(p.name, p.role, str(p.pid), p.address, str(alive), str(ok))
+    table = Table("process", "role", "pid", "address", "alive", "healthy", "state")
+    for p, alive, ok, note in rows:
+        table.add_row(p.name, p.role, str(p.pid), p.address, str(alive), str(ok), note)
     Console().print(table)
-    if not all(ok for _, _, ok in rows):
+    if not all(row.healthy for row in rows):
         raise typer.Exit(1)
 
 
@@ -99,12 +102,17 @@ def cluster_status(
 def cluster_restart(
     name: str = typer.Argument(..., help="process name, e.g. shard-1-0"),
     directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
+    timeout: float = typer.Option(
+        60.0, min=0, help="seconds to wait for it to be ready; then it is stopped again"
+    ),
+    lock_timeout: float = typer.Option(30.0, min=0, help=LOCK_HELP),
 ) -> None:
-    """Start a stopped process again, on its old port."""
+    """Start a stopped process again, on its old port, and wait until it is ready (a running
+    one, or one another restart is starting, is waited for, not started twice)."""
     from recserve.cluster import ClusterError, restart
 
     try:
-        p = restart(directory, name)
+        p = restart(directory, name, timeout, lock_timeout)
     except ClusterError as e:
         typer.echo(f"cluster restart: {e}", err=True)
         raise typer.Exit(2) from None
@@ -115,14 +123,27 @@ def cluster_restart(
 def cluster_down(
     directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
     timeout: float = typer.Option(15.0, min=0, help="seconds to drain before SIGKILL"),
+    lock_timeout: float = typer.Option(30.0, min=0, help=LOCK_HELP),
 ) -> None:
-    """Stop every process: SIGTERM (drain), SIGKILL after --timeout."""
+    """Stop every process the cluster file ever tracked: SIGTERM (drain), SIGKILL after
+    --timeout; exit 1 if a port of the cluster still answers afterwards."""
     from recserve.cluster import ClusterError, down
 
     try:
-        killed = down(directory, timeout)
+        report = down(directory, timeout, lock_timeout)
     except ClusterError as e:
         typer.echo(f"cluster down: {e}", err=True)
         raise typer.Exit(2) from None
-    extra = f" (SIGKILL: {', '.join(killed)})" if killed else ""
-    typer.echo(f"cluster down{extra}")
+    for name, pid in report.stopped:
+        how = " (SIGKILL)" if name in report.killed else ""
+        typer.echo(f"stopped {name} (pid {pid}){how}")
+    for name, pid in report.gone:
+        typer.echo(f"already gone: {name} (pid {pid})")
+    if report.busy:
+        typer.echo(
+            f"cluster down: still answering at {', '.join(report.busy)}: a process the cluster "
+            f"file does not track; {directory / 'cluster.json'} kept",
+            err=True,
+        )
+        raise typer.Exit(1)
+    typer.echo("cluster down")
