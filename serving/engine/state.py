@@ -1,8 +1,11 @@
 """ServingState: what every front end (gRPC Recommend, KServe v2 gRPC, HTTP) shares.
 
-A front end parses its wire format into a :class:`~serving.types.RecRequest` and calls
-:meth:`ServingState.submit` (a future, for async servers) or :meth:`ServingState.recommend`
-(blocking). Both run the same path and record the same metrics:
+A front end opens a :class:`Call` when a call arrives (:meth:`ServingState.call`), parses its
+wire format into :class:`~serving.types.RecRequest` s (one per row) and calls
+:meth:`ServingState.submit` (a future per row, for async servers), then closes the call once
+with its result or its error: Triton's ``nv_inference_request_success`` / ``_failure`` count
+calls, refusals while parsing included, not rows. :meth:`ServingState.recommend` (blocking,
+one row) is a whole call. The path of a row:
 
     draining? -> UNAVAILABLE
     host.check_target / runner.check (the edge: INVALID_ARGUMENT / NOT_FOUND in microseconds)
@@ -16,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,6 +55,31 @@ class LiveUpdater(Protocol):
         ...
 
 
+class Call:
+    """One client call — a ``Recommend``, a KServe ``infer`` of B rows — from its arrival to its
+    answer or refusal, counted once in the metrics whichever of :meth:`succeeded` /
+    :meth:`failed` comes first (a second close is ignored)."""
+
+    def __init__(self, metrics: ServingMetrics, host: ModelHost):
+        self.metrics, self.host = metrics, host
+        self.start = time.monotonic()
+        self.closed = False
+
+    def succeeded(self, version: int) -> None:
+        """Answered by model ``version`` (a call whose rows straddle a hot swap: the first's)."""
+        self._close(version, None)
+
+    def failed(self, exc: BaseException, reason: str | None = None) -> None:
+        """Refused or failed with ``exc``; ``reason`` overrides its ``error_status`` reason (a
+        front end's own refusal that has no serving error type)."""
+        self._close(self.host.version, reason or error_status(exc)[2])
+
+    def _close(self, version: int | None, reason: str | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.metrics.request_done(version, time.monotonic() - self.start, reason)
+
+
 @dataclass
 class ServingState:
     """The model host, the batcher and the metrics of one serving process."""
@@ -77,30 +105,34 @@ class ServingState:
         """Ready to take requests: a version is loaded and the server is not draining."""
         return self.host.ready and not self.draining.is_set()
 
+    def call(self) -> Call:
+        """A call arrived: close the :class:`Call` once it is answered or refused."""
+        return Call(self.metrics, self.host)
+
     def submit(self, req: RecRequest) -> Future[RecResult]:
-        """Checks ``req`` at the edge and queues it; raises the serving errors of
-        ``serving.types`` at once (bad input, unknown model, queue full, draining)."""
-        start = time.monotonic()
-        try:
-            if self.draining.is_set():
-                raise UnavailableError("server is draining: not accepting new requests")
-            self.limits.parse_filter(req.filter)  # bounded before the runner parses it
-            self.host.check_target(req.model, req.version)
-            runner = self.host.current()
-            req.checked = (runner, runner.check(req))
-            fut = self.batcher.submit(req)
-        except Exception as e:
-            self.metrics.request_done(
-                self.host.version, time.monotonic() - start, error_status(e)[2]
-            )
-            raise
-        fut.add_done_callback(lambda f: self._record(f, start, req.deadline))
-        return fut
+        """Checks one row at the edge and queues it; raises the serving errors of
+        ``serving.types`` at once (bad input, unknown model, queue full, draining). Records no
+        request metric: the caller's :class:`Call` does, once for all its rows."""
+        if self.draining.is_set():
+            raise UnavailableError("server is draining: not accepting new requests")
+        self.limits.parse_filter(req.filter)  # bounded before the runner parses it
+        self.host.check_target(req.model, req.version)
+        runner = self.host.current()
+        req.checked = (runner, runner.check(req))
+        return self.batcher.submit(req)
 
     def recommend(self, req: RecRequest, timeout: float | None = None) -> RecResult:
-        """Blocking :meth:`submit`: waits until the result, ``timeout`` seconds, or the request's
-        deadline, whichever is first (then :class:`DeadlineExceededError`)."""
-        return self.wait(self.submit(req), req.deadline, timeout)
+        """One row as a whole call (counted in the metrics): :meth:`submit`, then waits until
+        the result, ``timeout`` seconds, or the request's deadline, whichever is first (then
+        :class:`DeadlineExceededError`)."""
+        call = self.call()
+        try:
+            result = self.wait(self.submit(req), req.deadline, timeout)
+        except BaseException as e:
+            call.failed(e)
+            raise
+        call.succeeded(result.version)
+        return result
 
     def wait(
         self, fut: Future[RecResult], deadline: float | None, timeout: float | None = None
@@ -112,25 +144,17 @@ class ServingState:
             timeout = left if timeout is None else min(timeout, left)
         try:
             return fut.result(timeout)
+        except CancelledError:
+            if deadline is not None and time.monotonic() >= deadline:  # gRPC cancels at it
+                raise DeadlineExceededError(
+                    "deadline: passed before the answer was ready"
+                ) from None
+            raise
         except TimeoutError:
             if fut.done():  # it completed (maybe with DeadlineExceededError) just now
                 return fut.result()
             fut.cancel()  # still queued: leaves the queue without running
             raise DeadlineExceededError("deadline: passed before the answer was ready") from None
-
-    def _record(self, fut: Future[Any], start: float, deadline: float | None) -> None:
-        now = time.monotonic()
-        seconds = now - start
-        if fut.cancelled():  # by the caller: it gave up, or its deadline passed
-            late = deadline is not None and now >= deadline
-            reason = "deadline_exceeded" if late else "cancelled"
-            self.metrics.request_done(self.host.version, seconds, reason)
-            return
-        exc = fut.exception()
-        if exc is None:
-            self.metrics.request_done(fut.result().version, seconds, None)
-        else:
-            self.metrics.request_done(self.host.version, seconds, error_status(exc)[2])
 
 
 def make_batcher(

@@ -33,7 +33,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from common.grpc_util import add_service
+from common.grpc_util import MalformedMessage, add_service
 from common.logs import limit_rate
 from serving.engine.state import ServingState
 from serving.frontends import kserve
@@ -161,7 +161,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.ServicerContext
     ) -> pb.ModelInferResponse:
         futures: list[Any] = []
+        call = self.state.call()  # counted once, however many rows: answered or refused
         try:
+            if isinstance(request, MalformedMessage):
+                raise RequestError(request.message)
             spec = kserve.resolve(self.state, request.model_name, request.model_version)
             names = kserve.requested_outputs([o.name for o in request.outputs])
             deadline = kserve.deadline_from(
@@ -173,11 +176,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             results = [self.state.wait(f, deadline) for f in futures]
         except Exception as e:
             kserve.cancel(futures)
+            call.failed(e)
             code, _, _ = error_status(e)
             if code == "INTERNAL":
                 log.exception("ModelInfer failed")
             error: Exception = e
         else:
+            call.succeeded(results[0].version)
             return render_response(request, results, names)
         context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
         raise AssertionError("unreachable: abort raises")
@@ -208,8 +213,8 @@ def add_kserve_servicer(server: grpc.Server, state: ServingState) -> None:
     """Adds ``inference.GRPCInferenceService`` to ``server`` (before it starts), every method of
     it (those not served answer UNIMPLEMENTED), with :func:`common.grpc_util.add_service`: bytes
     that are no valid message get INVALID_ARGUMENT, where the generated deserializer makes gRPC
-    answer INTERNAL."""
-    add_service(server, pb, SERVICE, KServeServicer(state))
+    answer INTERNAL (``ModelInfer`` refuses them itself, so that the metrics count them)."""
+    add_service(server, pb, SERVICE, KServeServicer(state), refuses_itself={"ModelInfer"})
 
 
 add_servicer = add_kserve_servicer

@@ -328,6 +328,19 @@ def make_app(state: ServingState, *, max_body_bytes: int | None = None) -> Starl
         return JSONResponse(json_format.MessageToDict(config, preserving_proto_field_name=True))
 
     async def infer(request: Request) -> Response:
+        call = state.call()  # counted once, however many rows: answered or refused
+        try:
+            response, version = await answer(request)
+        except asyncio.CancelledError as e:  # the connection went away
+            call.failed(e, "cancelled")
+            raise
+        except Exception as e:
+            call.failed(e, "too_large" if isinstance(e, BodyTooLargeError) else None)
+            raise
+        call.succeeded(version)
+        return response
+
+    async def answer(request: Request) -> tuple[Response, int]:
         limits = state.limits
         body_limit = max_body_bytes or limits.max_http_body_bytes
         body = await read_body(request, body_limit, limits.http_body_timeout_s)
@@ -338,7 +351,7 @@ def make_app(state: ServingState, *, max_body_bytes: int | None = None) -> Starl
         deadline = kserve.deadline_from(params)
         reqs = kserve.parse(json_tensors(header, binary), spec, deadline=deadline)
         results = await gather(kserve.submit_rows(state, reqs), deadline)
-        return render_json(header, results, names, binary_out)
+        return render_json(header, results, names, binary_out), results[0].version
 
     async def not_found(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -99,16 +99,19 @@ class RecommendServicer(pb_grpc.RecommenderServicer):
         remaining = context.time_remaining()
         no_deadline = remaining is None or remaining > NO_DEADLINE_S
         deadline = None if no_deadline else time.monotonic() + remaining
+        call = self.state.call()  # counted once: answered, or refused (while parsing too)
         try:
             fut = self.state.submit(parse_recommend(request, deadline))
             context.add_callback(fut.cancel)  # a caller that goes away leaves the queue
             result = self.state.wait(fut, deadline)
         except Exception as e:
+            call.failed(e)
             code, _, _ = error_status(e)
             if code == "INTERNAL":
                 log.exception("Recommend failed")
             error = e
         else:
+            call.succeeded(result.version)
             return render_recommend(result)
         context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
         raise AssertionError("unreachable: abort raises")
