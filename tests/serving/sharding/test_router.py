@@ -3,6 +3,7 @@ equals the unsharded model's; a missing shard makes it partial, never a hang or 
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from serving.app.config import RouterConfig, ServeConfig
 from serving.app.server import Server
 from serving.repository.repository import ModelRepository
 from serving.sharding.shard_server import ShardServer
-from serving.types import RecResult, UnavailableError
+from serving.types import RecResult, RequestError, UnavailableError
 from support.topk_check import assert_same_topk
 
 FILTERS = [None, "category in {news, music}", "language = fr and region = eu and available"]
@@ -76,7 +77,8 @@ def test_the_router_holds_no_items(cluster, wide):
             model(wide.prep.user_batch(np.arange(2)), 5, checked=checked)
 
 
-def test_a_dead_shard_makes_answers_partial_within_the_deadline(wide, tmp_path):
+def test_a_dead_shard_makes_answers_partial_within_the_deadline(wide, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="serving.engine.batching")
     c = Cluster(tmp_path, wide, shards=2, shard_deadline_ms=300.0)
     try:
         c.shards[1].stop(0)
@@ -89,8 +91,22 @@ def test_a_dead_shard_makes_answers_partial_within_the_deadline(wide, tmp_path):
         c.shards[0].stop(0)
         with pytest.raises(UnavailableError, match="no shard answered"):
             c.state.recommend(wide.request(0, 50))
+        # an expected failure of a routed batch: one line, no traceback
+        (line,) = [r for r in caplog.records if r.name == "serving.engine.batching"]
+        assert line.exc_info is None and "no shard answered" in line.getMessage()
     finally:
         c.close()
+
+
+def test_the_router_refuses_a_huge_filter_before_parsing_it(cluster, wide):
+    huge = " and ".join(["category in {news, music}"] * 10_000)
+    start = time.monotonic()
+    with pytest.raises(RequestError, match=r"\(limits\.max_filter_bytes\)$"):
+        cluster.state.submit(wide.request(0, 10, filter=huge))
+    assert time.monotonic() - start < 0.05
+    many = " and ".join(["available"] * 65)
+    with pytest.raises(RequestError, match=r"more than 64 clauses \(limits\.max_filter_clauses\)"):
+        cluster.state.submit(wide.request(0, 10, filter=many))
 
 
 def test_a_replica_takes_over_from_a_dead_one(wide, tmp_path):
