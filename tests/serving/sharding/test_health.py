@@ -4,9 +4,12 @@ hedge delay. The router's use of them over real processes is in test_replica_eje
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+from common.config import ConfigError
+from serving.sharding.config import RouterConfig
 from serving.sharding.health import Change, Ejection, LatencyWindow
 
 SHARDS = [["a", "b"], ["c"]]
@@ -97,3 +100,22 @@ def test_the_hedge_delay_is_the_bounded_p95_of_recent_answers():
         w.add(1.0)
     assert w.hedge_after() == 0.1  # the ceiling: a twin still has time
     assert not math.isinf(w.hedge_after())
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"hedge_min_ms": 200.0}, "router.hedge_min_ms: must be <= hedge_max_ms (100)"),
+        ({"eject_base_ms": 20_000.0}, "router.eject_base_ms: must be <= eject_max_ms (10000)"),
+    ],
+)
+def test_router_config_refuses_a_lower_bound_above_its_upper(fields, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        RouterConfig(shards=[["h:1", "h:2"]], **fields).validate()
+
+
+def test_router_config_defaults_eject_after_two_failures_and_hedge_adaptively():
+    cfg = RouterConfig(shards=[["h:1", "h:2"]])
+    assert (cfg.eject_after_failures, cfg.hedge, cfg.hedge_after_ms) == (2, "adaptive", 0.0)
+    with pytest.raises(ConfigError, match="eject_after_failures"):
+        RouterConfig(shards=[["h:1"]], eject_after_failures=-1)
