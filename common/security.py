@@ -29,7 +29,10 @@ Tokens are compared with :func:`hmac.compare_digest` (constant time); a refusal 
 UNAUTHENTICATED (gRPC) or 401 with ``WWW-Authenticate: Bearer`` (HTTP), and neither the answer
 nor the log ever holds a token (the given one included: it may be another system's secret).
 A refusal logs one warning line, the method or path escaped (``common.logs.safe``: a ``%0A``
-in a path cannot start a forged line) and rate-limited (a flood of refusals is a few lines).
+in a path cannot start a forged line) and rate-limited (a flood of refusals is a few lines),
+and calls the server's :data:`OnRefused` hook, if it passed one, with the gRPC method or HTTP
+path and the reason ``"unauthenticated"`` (the serving process counts refused inference calls
+in its failure metrics; this module knows nothing of them).
 The Prometheus ``/metrics`` port is neither authenticated nor encrypted: it binds the same host
 (127.0.0.1 by default) and holds no request data.
 """
@@ -78,6 +81,9 @@ ADMIN_GRPC = (
 )
 """Prefixes of methods that change the server: they need the token even without
 ``auth_serving``. Literal names, not the services' constants: importing those pulls in torch."""
+OnRefused = Callable[[str, str], None]
+"""``on_refused(method_or_path, reason)``: called once per refused call, before it is answered;
+the method is ``/package.Service/Method``, the path an HTTP one without its query."""
 MIN_TOKEN_CHARS = 16
 TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")
 """Printable ASCII without spaces: what an HTTP header and gRPC metadata carry unchanged."""
@@ -154,8 +160,8 @@ def _deny_handler(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMe
 class AuthInterceptor(grpc.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) a call whose method needs the token and lacks it."""
 
-    def __init__(self, auth: Authenticator):
-        self.auth = auth
+    def __init__(self, auth: Authenticator, on_refused: OnRefused | None = None):
+        self.auth, self.on_refused = auth, on_refused
 
     def intercept_service(
         self,
@@ -170,20 +176,24 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if why is None:
             return continuation(details)
         _refused("grpc", method, why)
+        if self.on_refused is not None:
+            self.on_refused(method, "unauthenticated")
         return _deny_handler(continuation(details), why)
 
 
 class BearerAuthMiddleware:
     """ASGI middleware: the HTTP side of :class:`AuthInterceptor` (401, ``WWW-Authenticate``)."""
 
-    def __init__(self, app: Any, auth: Authenticator):
-        self.app, self.auth = app, auth
+    def __init__(self, app: Any, auth: Authenticator, on_refused: OnRefused | None = None):
+        self.app, self.auth, self.on_refused = app, auth, on_refused
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.auth.required(http_access(scope["path"])):
             why = self.auth.check(Headers(scope=scope).get("authorization"))
             if why is not None:
                 _refused("http", f"{scope['method']} {scope['path']}", why)
+                if self.on_refused is not None:
+                    self.on_refused(scope["path"], "unauthenticated")
                 error = "invalid_request" if why == "no bearer token" else "invalid_token"
                 response = JSONResponse(
                     {"error": f"{why}: send the header 'Authorization: Bearer <token>'"},
@@ -345,12 +355,17 @@ class Security:
     upstream: ClientAuth | None = None
     """How a router calls its shard and embedding servers (None: plaintext, no token)."""
 
-    def interceptors(self) -> list[grpc.ServerInterceptor]:
-        return [AuthInterceptor(self.auth)] if self.auth is not None else []
+    def interceptors(self, on_refused: OnRefused | None = None) -> list[grpc.ServerInterceptor]:
+        """The token check (none when no token is configured); ``on_refused`` hears each
+        refusal."""
+        return [AuthInterceptor(self.auth, on_refused)] if self.auth is not None else []
 
-    def wrap_http(self, app: Any) -> Any:
-        """The ASGI ``app`` behind the token check (itself when no token is configured)."""
-        return BearerAuthMiddleware(app, self.auth) if self.auth is not None else app
+    def wrap_http(self, app: Any, on_refused: OnRefused | None = None) -> Any:
+        """The ASGI ``app`` behind the token check (itself when no token is configured);
+        ``on_refused`` hears each refusal."""
+        if self.auth is None:
+            return app
+        return BearerAuthMiddleware(app, self.auth, on_refused)
 
     def describe(self) -> str:
         """``"tls+token"``, ``"tls"``, ``"token"``, or ``""`` when both are off."""

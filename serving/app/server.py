@@ -21,13 +21,17 @@ version's update log as it loads it, and the admin service applies new updates.
 ``[security]`` (``common/security.py``) is loaded once here: the token check and TLS go to the
 gRPC and HTTP listeners, and a router calls its shards and embedding servers with the token
 (and TLS with ``upstream_ca``). The metrics listener stays plaintext and open. Every listener
-binds ``host``, 127.0.0.1 unless ``--host`` says otherwise.
+binds ``host``, 127.0.0.1 unless ``--host`` says otherwise. An inference call the token check
+refuses (:func:`is_inference`: Recommend, KServe ``ModelInfer``, HTTP ``.../infer``; not health
+or metadata) never reaches a front end, so the check's hook counts it: one failure, reason
+``unauthenticated`` (Triton's ``OTHER``).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +57,19 @@ log = logging.getLogger(__name__)
 HTTP_APP_MODULE = "serving.frontends.kserve_http"
 GRPC_PLUGINS = ("serving.frontends.kserve_grpc", "serving.live.admin")
 """Modules that add a gRPC service to the server, each with ``add_servicer(server, state)``."""
+INFERENCE_GRPC = frozenset(
+    {
+        "/recserve.serving.v1.Recommender/Recommend",
+        "/inference.GRPCInferenceService/ModelInfer",
+    }
+)
+INFERENCE_HTTP = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer")
+
+
+def is_inference(method_or_path: str) -> bool:
+    """A gRPC method or HTTP path that asks for recommendations (counted as a request when the
+    token check refuses it); health, metadata and admin calls are not."""
+    return method_or_path in INFERENCE_GRPC or bool(INFERENCE_HTTP.fullmatch(method_or_path))
 
 
 def _optional_module(name: str) -> ModuleType | None:
@@ -176,6 +193,7 @@ class Server:
             max_receive_message_bytes=cfg.max_receive_message_bytes,
             extra_servicers=self.extra_servicers,
             security=self.security,
+            on_refused=self._count_refusal,
             reuse_port=self.reuse_port,
         )
         self.security.warn_if_exposed(cfg.host, "serve")
@@ -203,8 +221,8 @@ class Server:
         sock = bind_tcp(host, port, "http_port", reuse_addr=True, reuse_port=self.reuse_port)
         bound = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.security.wrap_http(app), log_level="warning", lifespan="off",
-            **self.security.http_ssl,
+            self.security.wrap_http(app, self._count_refusal),
+            log_level="warning", lifespan="off", **self.security.http_ssl,
         )  # fmt: skip
         server = uvicorn.Server(config)
         self._uvicorn = server
@@ -218,6 +236,11 @@ class Server:
                 raise OSError(f"http_port: uvicorn did not start on {host}:{bound}")
             time.sleep(0.01)
         return format_address(host, bound)
+
+    def _count_refusal(self, method_or_path: str, reason: str) -> None:
+        """The token check refused a call: an inference one is one failed request."""
+        if is_inference(method_or_path):
+            self.metrics.request_done(self.host.version, 0.0, reason)
 
     def announce_line(self) -> str:
         """The sentence for people (the log); :meth:`ready` is the line for programs."""

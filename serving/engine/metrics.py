@@ -40,7 +40,9 @@ it once, with its result or its error.
 
 ``recserve_request_failures_total``'s ``reason`` is the error's ``serving.types.error_status``
 reason (``invalid_argument``, ``not_found``, ``queue_full``, ``deadline_exceeded``,
-``unavailable``, ``cancelled``, ``internal``; ``too_large`` for an HTTP body over the limit);
+``unavailable``, ``cancelled``, ``internal``; ``too_large`` for an HTTP body over the limit;
+``unauthenticated`` for an inference call the token check refused, before any front end ran:
+``serving/app/server.py`` hears it from ``common.security``'s ``on_refused`` hook);
 ``nv_inference_request_failure``'s is Triton's coarser one (:data:`TRITON_REASON`:
 ``REJECTED``, ``CANCELED``, ``BACKEND``, ``OTHER``), so each of Triton's reasons sums some of
 ours and both counters hold the same total.
@@ -78,7 +80,8 @@ TRITON_REASON = {
     "internal": "BACKEND",
 }
 """Our failure reason -> Triton's (``REJECTED``: the scheduler refused it, queue full or timed
-out; ``CANCELED``; ``BACKEND``: the model failed); any other reason is ``OTHER``."""
+out; ``CANCELED``; ``BACKEND``: the model failed); any other reason is ``OTHER``, as for
+``unauthenticated``: like a bad argument, the caller's fault, not the scheduler's."""
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.grpc_util import MalformedMessage, add_service, bind_port, format_address
 from common.logs import limit_rate
-from common.security import NO_SECURITY, Security
+from common.security import NO_SECURITY, OnRefused, Security
 from serving.engine.state import ServingState
 from serving.protos import recommend_pb2 as pb
 from serving.protos import recommend_pb2_grpc as pb_grpc
@@ -130,14 +130,16 @@ class GrpcServer:
         max_receive_message_bytes: int = 4 << 20,
         extra_servicers: Sequence[ExtraServicer] = (),
         security: Security = NO_SECURITY,
+        on_refused: OnRefused | None = None,
         reuse_port: bool = False,
     ):
+        """``on_refused``: hears each call the token check refuses (``common.security``)."""
         self.state, self.host, self.port = state, host, port
         self.security = security
         self.health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-            interceptors=security.interceptors(),
+            interceptors=security.interceptors(on_refused),
             options=[
                 ("grpc.max_receive_message_length", max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
