@@ -265,9 +265,9 @@ def inprocess_cases(work: Workload, args: argparse.Namespace) -> list[dict[str, 
 
 # ---- 2a. local merge: RouterRunner.forward with the shards in this thread -----------------------
 class LocalShards:
-    """Stands in for :class:`serving.sharding.router.ShardClient`: the same ``search`` contract, each shard
-    searched in turn in this thread, request and answers serialized and parsed as on the wire
-    (no gRPC, no threads)."""
+    """Stands in for :class:`serving.sharding.shard_client.ShardClient`: the same ``search``
+    contract, each shard searched in turn in this thread, request and answers serialized and
+    parsed as on the wire (no gRPC, no threads)."""
 
     def __init__(self, shards: list[IVFIndex], version: int):
         self.shards, self.version = shards, version

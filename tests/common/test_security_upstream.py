@@ -19,7 +19,7 @@ from serving.app.config import RouterConfig, ServeConfig
 from serving.app.server import Server
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository.repository import ModelRepository
-from serving.sharding.router import ShardClient
+from serving.sharding.shard_client import ShardClient
 from serving.sharding.shard_server import ShardServer
 from sharded_tables.quantize import pack_rows
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables

@@ -101,7 +101,7 @@ def test_a_frozen_replica_is_ejected_then_probed_back(wide, tmp_path, caplog):
             value = registry.get_sample_value(name, {"model": "demo", "shard": "0", **labels})
             return value or 0.0
 
-        caplog.set_level(logging.INFO, logger="serving.sharding.router")
+        caplog.set_level(logging.INFO, logger="serving.sharding.shard_client")
         with Load(server, wide) as load:
             before = load.wait(40, "answers before the freeze")
             os.kill(procs[0].pid, signal.SIGSTOP)
