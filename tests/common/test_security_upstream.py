@@ -145,8 +145,8 @@ def test_cluster_up_gives_every_process_the_flags_and_no_host(tmp_path, tls, mon
         p.address = f"127.0.0.1:{9000 + len(p.name)}"
 
     monkeypatch.setattr(cluster, "check_version", lambda spec: ("demo", 1))
-    monkeypatch.setattr(cluster, "_start", fake_start)
-    monkeypatch.setattr(cluster, "_wait_ready", fake_ready)
+    monkeypatch.setattr(cluster, "start_proc", fake_start)
+    monkeypatch.setattr(cluster, "wait_ready", fake_ready)
     spec = cluster.ClusterSpec(
         model_repo=tmp_path, shards=2, embedding_servers=1, auth_token_file=token,
         tls_cert=tls[0], tls_key=tls[1],
