@@ -9,6 +9,7 @@ its flag. Every server binds 127.0.0.1 unless ``--host`` says otherwise and serv
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,7 @@ def serve_embeddings(
     grpc_port: int = _emb("grpc_port"),
     memory_budget: str = _emb("memory_budget"),
     tables: str = _emb("tables"),
+    poll_s: float = _emb("poll_s"),
     token_file: Path = _sec("token_file"),
     token_env: str = _sec("token_env"),
     auth_serving: bool = _sec("auth_serving"),
@@ -234,9 +236,12 @@ def serve_embeddings(
     try:
         cfg = EmbeddingServerConfig.from_dict(flags)
         cfg.validate()
+        version, source = 0, None  # a folder: unversioned, not followed
         if cfg.model_repo is not None:
             assert cfg.index is not None  # validate(): a repository needs the index
             rows = embedding_folder(cfg.model_repo, cfg.model or None, cfg.index)
+            version = int(rows.parent.parent.name)  # <model>/<version>/embeddings/server-<i>
+            source = embedding_folders(cfg.model_repo, cfg.model or None, cfg.index)
         else:
             assert cfg.folder is not None  # validate(): a folder or a repository
             rows = cfg.folder
@@ -245,7 +250,7 @@ def serve_embeddings(
         serve(
             rows, port=cfg.grpc_port, host=cfg.host, memory_budget=cfg.budget_bytes(),
             tables=cfg.table_names(), interceptors=sec.interceptors(),
-            credentials=sec.grpc_credentials,
+            credentials=sec.grpc_credentials, version=version, source=source, poll_s=cfg.poll_s,
         )  # fmt: skip
     except (ConfigError, MemoryBudgetError, ValueError, OSError) as e:
         typer.echo(f"serve embeddings: {e}", err=True)
@@ -277,3 +282,23 @@ def embedding_folder(model_repo: Path, model: str | None, index: int) -> Path:
     if not folder.is_dir():
         raise ValueError(f"--index: {name} version {vdir.name} has no rows for server {index}")
     return folder
+
+
+def embedding_folders(
+    model_repo: Path, model: str | None, index: int
+) -> Callable[[], dict[int, Path]]:
+    """-> ``source()`` for a following embedding server: ``{version: rows folder of server
+    index}`` over the complete versions (a folder may be missing: no rows there for it)."""
+    from serving.repository.repository import EMBEDDINGS_DIR, ModelRepository
+    from sharded_tables.export import server_folder
+
+    repo = ModelRepository(model_repo)
+    name = only_model(model_repo, model)
+
+    def source() -> dict[int, Path]:
+        return {
+            v: server_folder(repo.model_dir(name) / str(v) / EMBEDDINGS_DIR, index)
+            for v in repo.versions(name)
+        }
+
+    return source

@@ -18,7 +18,9 @@ its metrics are in ``serving/sharding/router_metrics.py``.
 
 Versions: the router serves only a version that every reachable shard holds
 (:class:`ShardedRepository`), so during a rollout it stays on the old version until the shards
-have the new one, and refuses shards of another model or another shard layout.
+have the new one, and refuses shards of another model or another shard layout. Likewise it
+waits for the embedding servers (``router.embedding_servers``) to hold the new version's rows,
+and its lookups name the version it serves, so each batch reads the rows of its own version.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from retrieval.model import RetrievalModel, table_specs
 from serving.engine.runner import ModelRunner
 from serving.repository.repository import ARTIFACT_DIR, LoadedModel, ModelRepository
 from serving.sharding.config import RouterConfig
-from serving.sharding.shard_client import ShardClient
+from serving.sharding.shard_client import INFO_TIMEOUT_S, ShardClient
 from serving.sharding.wire import decode_response, encode_request
 from serving.types import UnavailableError
 from sharded_tables.export import remote_routing
 from sharded_tables.planner import PlacementPlan
-from sharded_tables.remote.client import RemoteTables
+from sharded_tables.remote.client import EmbeddingVersions, RemoteTables
 from sharded_tables.specs import Tier
 
 
@@ -112,10 +114,12 @@ class ShardedRepository:
         self.repo, self.client, self.config = repo, client, config
         self.upstream = upstream
         self.remotes: list[RemoteTables] = []
+        self.embedding = EmbeddingVersions(config.embedding_servers, upstream)
 
     def versions(self, name: str) -> list[int]:
         held = set(self.client.common_versions(name))
-        return [v for v in self.repo.versions(name) if v in held]
+        rows = self.embedding.held(INFO_TIMEOUT_S)  # None: unversioned embedding servers, or none
+        return [v for v in self.repo.versions(name) if v in held and (rows is None or v in rows)]
 
     def latest(self, name: str) -> int | None:
         return max(self.versions(name), default=None)
@@ -151,13 +155,14 @@ class ShardedRepository:
                 f"{len(self.config.embedding_servers)} addresses given"
             ) from None
         timeout = self.config.embedding_timeout_ms / 1000.0
-        remote = RemoteTables(routing, timeout=timeout, auth=self.upstream)
+        remote = RemoteTables(routing, timeout=timeout, auth=self.upstream, version=version)
         self.remotes.append(remote)
         return remote
 
     def close(self) -> None:
         for r in self.remotes:
             r.close()
+        self.embedding.close()
         self.client.close()
 
 

@@ -158,7 +158,9 @@ class RemoteTables(RowStore):
 
     One channel and stub per server, kept open until :meth:`close`. ``timeout`` (seconds) is the
     default deadline of every call; ``fallback`` is ``"raise"`` or ``"zero"`` (see module doc);
-    ``auth``: TLS and a bearer token for the calls (None: plaintext, no token).
+    ``auth``: TLS and a bearer token for the calls (None: plaintext, no token); ``version``: the
+    model version whose rows every call reads and writes (0: the servers' newest), so a router
+    mid-rollout reads the rows of the version it serves.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class RemoteTables(RowStore):
         timeout: float = 1.0,
         fallback: Literal["raise", "zero"] = "raise",
         auth: ClientAuth | None = None,
+        version: int = 0,
     ):
         if fallback not in ("raise", "zero"):
             raise ValueError(f"fallback must be 'raise' or 'zero', got {fallback!r}")
@@ -176,7 +179,7 @@ class RemoteTables(RowStore):
         self.tables = {t.name: t for t in tables}
         if len(self.tables) != len(tables):
             raise ValueError(f"tables: duplicate names in {[t.name for t in tables]}")
-        self.timeout, self.fallback = timeout, fallback
+        self.timeout, self.fallback, self.version = timeout, fallback, version
         addresses = sorted({a for t in tables for a in t.servers})
         self._channels = {a: open_channel(a, CHANNEL_OPTIONS, auth) for a in addresses}
         self._stubs = {a: pb_grpc.EmbeddingServiceStub(c) for a, c in self._channels.items()}
@@ -224,7 +227,7 @@ class RemoteTables(RowStore):
             for s, pos in enumerate(np.split(order, np.cumsum(counts)[:-1])):
                 if len(pos):
                     address = spec.servers[s]
-                    req = requests.setdefault(address, pb.LookupRequest())
+                    req = requests.setdefault(address, pb.LookupRequest(version=self.version))
                     req.tables.append(
                         pb.TableIds(table=name, ids=uniq_np[pos].astype("<i8").tobytes())
                     )
@@ -334,6 +337,7 @@ class RemoteTables(RowStore):
                     table=table,
                     ids=ids_np[sel].astype("<i8").tobytes(),
                     rows=np.ascontiguousarray(rows_np[sel]).tobytes(),
+                    version=self.version,
                 )
                 deadline = self.timeout if timeout is None else timeout
                 calls[address] = self._stubs[address].Put.future(req, timeout=deadline)
@@ -372,3 +376,31 @@ class RemoteTables(RowStore):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EmbeddingVersions:
+    """Which model versions the embedding servers at ``addresses`` hold (their ``Info``); one
+    channel per server, open until :meth:`close`. A router serves only a version they all hold."""
+
+    def __init__(self, addresses: Sequence[str], auth: ClientAuth | None = None):
+        self._channels = [open_channel(a, CHANNEL_OPTIONS, auth) for a in addresses]
+        self._stubs = [pb_grpc.EmbeddingServiceStub(c) for c in self._channels]
+
+    def held(self, timeout: float = 1.0) -> set[int] | None:
+        """Versions every answering server holds; None: no constraint (no server answered, or all
+        serve unversioned folders, which answer any version). A server that does not answer is
+        left out: its lookups fail whatever the version."""
+        calls = [s.Info.future(pb.InfoRequest(), timeout=timeout) for s in self._stubs]
+        common: set[int] | None = None
+        for call in calls:
+            try:
+                versions = set(call.result().versions)
+            except grpc.RpcError:
+                continue
+            if versions:  # empty: an unversioned folder
+                common = versions if common is None else common & versions
+        return common
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
-from common.config import Config, ConfigError, PathValue, Port
+from common.config import Config, ConfigError, PathValue, Port, WaitS
 from sharded_tables.placement import parse_bytes
 
 
@@ -24,6 +24,7 @@ class EmbeddingServerConfig(Config):
         "grpc_port": "--grpc-port",
         "memory_budget": "--memory-budget",
         "tables": "--tables",
+        "poll_s": "--poll-s",
     }
 
     folder: PathValue | None = None
@@ -42,6 +43,8 @@ class EmbeddingServerConfig(Config):
     """Refuse rows (at start, and puts later) larger than this: bytes, or 512MiB, 4GiB, 1.5GB."""
     tables: str = ""
     """Comma-separated tables to serve (empty: all of the folder's)."""
+    poll_s: WaitS = 2.0
+    """With --model-repo: seconds between looks for a new version, loaded beside the held one."""
 
     @field_validator("memory_budget")
     @classmethod

@@ -17,10 +17,12 @@ class TableIds(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("tables",)
+    __slots__ = ("tables", "version")
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableIds]
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ...) -> None: ...
+    version: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class TableRows(_message.Message):
     __slots__ = ("table", "dtype", "dim", "rows", "found")
@@ -43,14 +45,16 @@ class LookupResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("table", "ids", "rows")
+    __slots__ = ("table", "ids", "rows", "version")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     rows: bytes
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ...) -> None: ...
+    version: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored",)
@@ -63,7 +67,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "dtype", "dim", "partition", "row_lo", "row_hi", "keys", "bytes", "ids_served")
+    __slots__ = ("name", "dtype", "dim", "partition", "row_lo", "row_hi", "keys", "bytes", "ids_served", "version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +77,7 @@ class TableInfo(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     IDS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     dim: int
@@ -82,10 +87,11 @@ class TableInfo(_message.Message):
     keys: int
     bytes: int
     ids_served: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., partition: _Optional[str] = ..., row_lo: _Optional[int] = ..., row_hi: _Optional[int] = ..., keys: _Optional[int] = ..., bytes: _Optional[int] = ..., ids_served: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., partition: _Optional[str] = ..., row_lo: _Optional[int] = ..., row_hi: _Optional[int] = ..., keys: _Optional[int] = ..., bytes: _Optional[int] = ..., ids_served: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("server", "tables", "memory_budget", "bytes_used", "requests", "ids_served", "puts")
+    __slots__ = ("server", "tables", "memory_budget", "bytes_used", "requests", "ids_served", "puts", "versions", "versions_refused")
     SERVER_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +99,8 @@ class InfoResponse(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IDS_SERVED_FIELD_NUMBER: _ClassVar[int]
     PUTS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     server: str
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
     memory_budget: int
@@ -100,4 +108,6 @@ class InfoResponse(_message.Message):
     requests: int
     ids_served: int
     puts: int
-    def __init__(self, server: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., memory_budget: _Optional[int] = ..., bytes_used: _Optional[int] = ..., requests: _Optional[int] = ..., ids_served: _Optional[int] = ..., puts: _Optional[int] = ...) -> None: ...
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    versions_refused: int
+    def __init__(self, server: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., memory_budget: _Optional[int] = ..., bytes_used: _Optional[int] = ..., requests: _Optional[int] = ..., ids_served: _Optional[int] = ..., puts: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., versions_refused: _Optional[int] = ...) -> None: ...

@@ -15,6 +15,13 @@ bearer-token check and TLS); the server itself knows nothing of tokens.
 The folder's rows must fit ``memory_budget`` bytes: the server refuses to start (and refuses puts) with a
 message saying by how many bytes it is over.
 
+Following publishes (``--model-repo``): the server polls for newer complete versions and loads
+their rows **beside** the held ones (at most 2 versions; ``versions.py``). ``Lookup`` and ``Put``
+name the version (``version``; 0: the newest), so a router mid-rollout reads the rows of the
+version it serves; ``Info.versions`` lists the versions held. A new version whose rows do not fit
+the budget beside the kept version is refused (log line, ``versions_refused`` in ``Info``, the
+``recserve_embedding_versions_refused_total`` counter) and the held versions keep serving.
+
 Example::
 
     server = EmbeddingServer("embeddings/server-0", port=0, memory_budget=4 << 30)
@@ -27,29 +34,36 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Counter
 
 from common.grpc_util import add_service, bind_port, format_address, serve_until_signal
 from common.ready import ReadyLine, ready_line
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
-from sharded_tables.remote.server_files import (
-    KeyLog,
-    latest_positions,
-    read_manifest,
-    read_table,
-    replay_log,
-    select_tables,
+from sharded_tables.remote.server_tables import (
+    KeyedTable,
+    MemoryBudgetError,
+    RangedTable,
+    RequestError,
+    Table,
+    check_budget,
+    close_tables,
+    load_tables,
+    wire_ids,
 )
-from sharded_tables.specs import DType, row_bytes
+from sharded_tables.remote.versions import (
+    UNVERSIONED,
+    HeldVersions,
+    VersionNotHeldError,
+    next_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,154 +76,41 @@ GRPC_OPTIONS = [
 ]
 
 
-class MemoryBudgetError(ValueError):
-    """The folder's rows (or a put) do not fit the server's memory budget."""
-
-
-class RequestError(Exception):
-    """A bad request: becomes the gRPC status ``code`` with ``message``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def _ids(raw: bytes, table: str) -> np.ndarray:
-    """Wire ids (little-endian int64 bytes) -> ``int64 [n]`` (read-only view)."""
-    if len(raw) % 8:
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"table {table!r}: ids has {len(raw)} bytes, not a multiple of 8 (int64 ids)",
-        )
-    return np.frombuffer(raw, "<i8")
-
-
-@dataclass
-class RangedTable:
-    """Global rows ``[lo, hi)`` of a table: ``rows uint8 [hi - lo, row_bytes]``, read-only."""
-
-    name: str
-    dtype: DType
-    dim: int
-    lo: int
-    hi: int
-    rows: torch.Tensor
-    served: int = 0
-
-    def lookup(self, ids: np.ndarray) -> tuple[bytes, bytes]:
-        """``ids int64 [n]`` (global) -> (n packed rows, b"": all found)."""
-        local = ids - self.lo  # [n], a fresh writable array
-        if len(ids) and (local.min() < 0 or local.max() >= self.hi - self.lo):
-            bad = ids[(local < 0) | (local >= self.hi - self.lo)][0]
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"table {self.name!r}: id {bad} is outside this server's rows "
-                f"[{self.lo}, {self.hi})",
-            )
-        # numpy, not torch.index_select: torch's OpenMP workers spin between calls and take the
-        # cores from the gRPC threads of this and other servers on the host
-        return np.take(self.rows.numpy(), local, axis=0).tobytes(), b""  # [n, row_bytes]
-
-    def nbytes(self) -> int:
-        return self.rows.numel()
-
-
-class KeyedTable:
-    """Rows under raw 64-bit keys: ``key -> slot`` dict over a growable ``uint8 [cap, rb]``."""
-
-    def __init__(
-        self, name: str, dtype: DType, dim: int, log: KeyLog, keys: np.ndarray, rows: np.ndarray
-    ) -> None:
-        self.name, self.dtype, self.dim = name, DType(dtype), dim
-        self.rb = row_bytes(dim, self.dtype)
-        self.log = log
-        self.served = 0
-        self._lock = threading.Lock()
-        self._slot: dict[int, int] = dict(zip(keys.tolist(), range(len(keys)), strict=True))
-        self._rows = np.zeros((max(1024, len(keys)), self.rb), np.uint8)
-        self._rows[: len(keys)] = rows
-
-    def lookup(self, ids: np.ndarray) -> tuple[bytes, bytes]:
-        """``ids int64 [n]`` -> (n packed rows, zeros where missing; n found bytes)."""
-        with self._lock:
-            get = self._slot.get
-            slots = np.fromiter((get(k, -1) for k in ids.tolist()), np.int64, len(ids))
-            found = slots >= 0
-            rows = self._rows[np.where(found, slots, 0)]  # [n, rb], a copy
-        rows[~found] = 0
-        return rows.tobytes(), found.astype(np.uint8).tobytes()
-
-    def new_keys(self, ids: np.ndarray) -> int:
-        """How many distinct keys of ``ids`` are not stored yet."""
-        return sum(1 for k in set(ids.tolist()) if k not in self._slot)
-
-    def put(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Logs (durably) and stores ``rows uint8 [n, rb]`` under ``ids int64 [n]``."""
-        last = latest_positions(ids)  # a key repeated in one put keeps its last row
-        ids, rows = ids[last], rows[last]
-        with self._lock:  # log order == apply order, so a replay rebuilds exactly this table
-            self.log.append(ids, rows)
-            slots = np.empty(len(ids), np.int64)
-            for i, k in enumerate(ids.tolist()):
-                slots[i] = self._slot.setdefault(k, len(self._slot))
-            if len(self._slot) > len(self._rows):
-                grown = np.zeros((max(len(self._slot), 2 * len(self._rows)), self.rb), np.uint8)
-                grown[: len(self._rows)] = self._rows
-                self._rows = grown
-            self._rows[slots] = rows
-
-    def nbytes(self) -> int:
-        return len(self._slot) * self.rb
-
-
-Table = RangedTable | KeyedTable
-
-
-def load_tables(
-    folder: Path, memory_budget: int | None, names: list[str] | None, verify: bool
-) -> dict[str, Table]:
-    """Loads the folder's tables, refusing (``MemoryBudgetError``) a folder over the budget."""
-    entries = select_tables(read_manifest(folder), names)
-    ranged = sum(e["bytes"] for e in entries if e["partition"] == "range")
-    _check_budget(ranged, memory_budget, f"folder {folder} (ranged tables)")
-    tables: dict[str, Table] = {}
-    for e in entries:
-        if e["partition"] == "range":
-            t = read_table(folder, e, verify)
-            assert t.rows is not None
-            tables[t.name] = RangedTable(t.name, t.dtype, t.dim, t.lo, t.hi, t.rows)
-        else:
-            path = folder / e["file"]
-            keys, rows, valid = replay_log(path, e["row_bytes"])
-            log = KeyLog(path, valid)
-            tables[e["name"]] = KeyedTable(e["name"], e["dtype"], e["dim"], log, keys, rows)
-    _check_budget(sum(t.nbytes() for t in tables.values()), memory_budget, f"folder {folder}")
-    return tables
-
-
-def _check_budget(need: int, budget: int | None, what: str) -> None:
-    if budget is not None and need > budget:
-        raise MemoryBudgetError(
-            f"{what} needs {need} bytes, {need - budget} bytes over the memory budget of "
-            f"{budget} bytes"
-        )
+VERSIONS_REFUSED = Counter(
+    "recserve_embedding_versions_refused",
+    "New model versions an embedding server did not load (rows over the budget, or unreadable)",
+)
 
 
 class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
-    """The RPC handlers over loaded tables (thread-safe; the handlers trust loaded tables)."""
+    """The RPC handlers over the loaded versions' tables (thread-safe; the handlers trust loaded
+    tables). ``tables``: the first version's, held as ``version`` (0: an unversioned folder)."""
 
-    def __init__(self, name: str, tables: dict[str, Table], memory_budget: int | None):
-        self.name, self.tables, self.memory_budget = name, tables, memory_budget
-        self.requests = self.ids_served = self.puts = 0
+    def __init__(
+        self, name: str, tables: dict[str, Table], memory_budget: int | None, version: int = 0
+    ):
+        self.name, self.memory_budget = name, memory_budget
+        self.held: HeldVersions[dict[str, Table]] = HeldVersions(keep=2)
+        self.held.add(version, tables)
+        self.requests = self.ids_served = self.puts = self.versions_refused = 0
         self._count_lock = threading.Lock()
         self._put_lock = threading.Lock()
 
-    def _table(self, name: str) -> Table:
-        table = self.tables.get(name)
+    @property
+    def tables(self) -> dict[str, Table]:
+        """The newest version's tables."""
+        return self.held.get(UNVERSIONED)
+
+    def _table(self, name: str, version: int) -> Table:
+        try:
+            tables = self.held.get(version)
+        except VersionNotHeldError as e:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"server {self.name}: {e}") from None
+        table = tables.get(name)
         if table is None:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
-                f"table {name!r} is not on server {self.name} (it holds {sorted(self.tables)})",
+                f"table {name!r} is not on server {self.name} (it holds {sorted(tables)})",
             )
         return table
 
@@ -218,8 +119,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         try:
             served = []
             for req in request.tables:
-                table = self._table(req.table)
-                ids = _ids(req.ids, req.table)
+                table = self._table(req.table, request.version)
+                ids = wire_ids(req.ids, req.table)
                 rows, found = table.lookup(ids)
                 out.tables.append(
                     pb.TableRows(
@@ -242,13 +143,13 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
 
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         try:
-            table = self._table(request.table)
+            table = self._table(request.table, request.version)
             if not isinstance(table, KeyedTable):
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"table {request.table!r} is ranged; Put takes keyed tables only",
                 )
-            ids = _ids(request.ids, request.table)
+            ids = wire_ids(request.ids, request.table)
             if len(request.rows) != len(ids) * table.rb:
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -259,7 +160,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             with self._put_lock:
                 need = self.bytes_used() + table.new_keys(ids) * table.rb
                 try:
-                    _check_budget(need, self.memory_budget, f"put to table {request.table!r}")
+                    check_budget(need, self.memory_budget, f"put to table {request.table!r}")
                 except MemoryBudgetError as e:
                     raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
                 table.put(ids, rows)
@@ -277,24 +178,57 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             requests=self.requests,
             ids_served=self.ids_served,
             puts=self.puts,
+            versions_refused=self.versions_refused,
         )
-        for t in self.tables.values():
-            info = pb.TableInfo(
-                name=t.name, dtype=t.dtype.value, dim=t.dim, bytes=t.nbytes(), ids_served=t.served
-            )
-            if isinstance(t, RangedTable):
-                info.partition, info.row_lo, info.row_hi = "range", t.lo, t.hi
-            else:
-                info.partition, info.keys = "keyed", t.nbytes() // t.rb
-            out.tables.append(info)
+        for version, tables in self.held.items():
+            if version != UNVERSIONED:
+                out.versions.append(version)
+            for t in tables.values():
+                info = pb.TableInfo(
+                    name=t.name, dtype=t.dtype.value, dim=t.dim, bytes=t.nbytes(),
+                    ids_served=t.served, version=version,
+                )  # fmt: skip
+                if isinstance(t, RangedTable):
+                    info.partition, info.row_lo, info.row_hi = "range", t.lo, t.hi
+                else:
+                    info.partition, info.keys = "keyed", t.nbytes() // t.rb
+                out.tables.append(info)
         return out
 
     def bytes_used(self) -> int:
-        return sum(t.nbytes() for t in self.tables.values())
+        """Bytes of rows of every held version."""
+        return sum(t.nbytes() for _, tables in self.held.items() for t in tables.values())
+
+    def follow(self, version: int, load: Callable[[int | None], dict[str, Table]]) -> bool:
+        """Loads ``version`` beside the newest held one (dropping an older one first) with
+        ``load(bytes left in the budget)``; a version that does not fit (or fails to load) is
+        refused: counted, logged, and the held versions keep serving. -> whether it loaded."""
+        for tables in self.held.make_room():
+            close_tables(tables)
+        budget = None if self.memory_budget is None else self.memory_budget - self.bytes_used()
+        try:
+            tables = load(budget)
+        except (MemoryBudgetError, ValueError, OSError) as e:
+            self.versions_refused += 1
+            VERSIONS_REFUSED.inc()
+            log.warning("embed-server %s: version %d refused, keeps serving %s: %s",
+                        self.name, version, self.held.versions(), e)  # fmt: skip
+            return False
+        self.held.add(version, tables)
+        log.info("embed-server %s: loaded version %d (%s), holds %s", self.name, version,
+                 ", ".join(sorted(tables)), self.held.versions())  # fmt: skip
+        return True
 
 
 class EmbeddingServer:
-    """Loads a server folder (at construction) and serves it over gRPC (:meth:`start`)."""
+    """Loads a server folder (at construction) and serves it over gRPC (:meth:`start`).
+
+    Following a repository: ``version`` names the folder's model version and ``source()``
+    returns ``{version: this server's rows folder}`` of the complete versions (the CLI builds it
+    from the repository layout, which this layer does not know). Every ``poll_s`` seconds a newer
+    version is loaded beside the held one (see ``versions.py``); a folder that does not exist
+    means the version has no rows here (held with no tables).
+    """
 
     def __init__(
         self,
@@ -309,11 +243,18 @@ class EmbeddingServer:
         verify: bool = True,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
+        version: int = UNVERSIONED,
+        source: Callable[[], Mapping[int, Path]] | None = None,
+        poll_s: float = 2.0,
     ):
         self.folder, self.host, self.port = Path(folder), host, port
         self.credentials = credentials
-        self.tables = load_tables(self.folder, memory_budget, tables, verify)
-        self.servicer = EmbeddingServicer(name or str(self.folder), self.tables, memory_budget)
+        self.source, self.poll_s, self._names, self._verify = source, poll_s, tables, verify
+        self.refused: set[int] = set()
+        self._stopping = threading.Event()
+        self._poller: threading.Thread | None = None
+        loaded = load_tables(self.folder, memory_budget, tables, verify)
+        self.servicer = EmbeddingServicer(name or str(self.folder), loaded, memory_budget, version)
         self.health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
@@ -324,8 +265,45 @@ class EmbeddingServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
 
     @property
+    def tables(self) -> dict[str, Table]:
+        """The newest held version's tables."""
+        return self.servicer.tables
+
+    def versions(self) -> list[int]:
+        """Model versions held, ascending ([0]: an unversioned folder)."""
+        return self.servicer.held.versions()
+
+    @property
     def address(self) -> str:
         return format_address(self.host, self.port)
+
+    def poll(self) -> int | None:
+        """One look at ``source``: loads the next version if there is one; -> it, if loaded."""
+        if self.source is None:
+            return None
+        try:
+            available = self.source()
+        except (ValueError, OSError) as e:  # a repository mid-publish or unreadable: next time
+            log.warning("embed-server %s: cannot list versions: %s", self.servicer.name, e)
+            return None
+        version = next_version(available, self.versions(), self.refused)
+        if version is None:
+            return None
+        folder = Path(available[version])
+
+        def load(budget: int | None) -> dict[str, Table]:
+            if not folder.is_dir():
+                return {}
+            return load_tables(folder, budget, self._names, self._verify)
+
+        if not self.servicer.follow(version, load):
+            self.refused.add(version)
+            return None
+        return version
+
+    def _poll_loop(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            self.poll()
 
     def start(self) -> str:
         """Binds, starts and reports SERVING; returns ``host:port`` (the bound port)."""
@@ -333,15 +311,20 @@ class EmbeddingServer:
         self._server.start()
         for service in ("", SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.source is not None:
+            self._poller = threading.Thread(target=self._poll_loop, name="embed-poll", daemon=True)
+            self._poller.start()
         return self.address
 
     def stop(self, grace: float = 5.0) -> None:
         """Reports NOT_SERVING, lets in-flight calls finish (up to ``grace`` s), closes logs."""
+        self._stopping.set()
+        if self._poller is not None:
+            self._poller.join()
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
-        for t in self.tables.values():
-            if isinstance(t, KeyedTable):
-                t.log.close()
+        for _, tables in self.servicer.held.items():
+            close_tables(tables)
 
 
 def serve(
@@ -355,12 +338,17 @@ def serve(
     grace: float = 5.0,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    version: int = UNVERSIONED,
+    source: Callable[[], Mapping[int, Path]] | None = None,
+    poll_s: float = 2.0,
 ) -> None:
     """Serves ``folder`` until SIGTERM or SIGINT, then drains (NOT_SERVING) and stops; prints
-    the ready line (``common/ready.py``, role ``embeddings``) once serving."""
+    the ready line (``common/ready.py``, role ``embeddings``) once serving. ``version``,
+    ``source``, ``poll_s``: follow a repository's publishes (:class:`EmbeddingServer`)."""
     server = EmbeddingServer(
         folder, host=host, port=port, memory_budget=memory_budget, tables=tables, name=name,
-        interceptors=interceptors, credentials=credentials,
+        interceptors=interceptors, credentials=credentials, version=version, source=source,
+        poll_s=poll_s,
     )  # fmt: skip
 
     def start() -> ReadyLine:
