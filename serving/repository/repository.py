@@ -326,6 +326,9 @@ class ModelRepository:
             mdir.mkdir(parents=True, exist_ok=True)
             with locked(mdir / LOCK_FILE):
                 remove_leftovers(mdir)
+                # a publish killed after its rename never ran retention: trim first, so at most
+                # keep + 1 complete versions exist at any moment, whatever was killed before
+                retain(mdir, keep)
                 version = max(numbered(mdir), default=0) + 1  # incomplete numbers are skipped too
                 stage, pending = mdir / stage_name(), temp_path(mdir / CONFIG_FILE)
                 stage.mkdir()
