@@ -83,7 +83,8 @@ from server_procs import (  # noqa: E402
     wait_ready,
     wait_triton,
 )
-from timing import OtherLoad, cell, int_list, percentiles  # noqa: E402
+from serving_report import PROTOCOL, render, summarize  # noqa: E402
+from timing import OtherLoad, int_list, percentiles  # noqa: E402
 
 from common.ready import announce  # noqa: E402
 from retrieval.data import SyntheticConfig, generate  # noqa: E402
@@ -95,8 +96,6 @@ from serving.protos import recommend_pb2, recommend_pb2_grpc  # noqa: E402
 MODEL = "bench"
 RUN_MARKER = "recserve-serving-bench-"
 """Prefix of this run's temp folder; every server's command line names it."""
-TARGETS = {"noop": 0.5, "naive": 3.0, "triton": 1.0}
-"""ours / system: the issue's targets for max q/s at p99 <= budget."""
 SYSTEMS = ("noop", "naive", "ours", "ours-1proc", "ours-kserve", "triton")
 """Run in this order: Triton last, since its backend stubs linger after it stops and would
 load the machine while the next system is measured (seen as 16-33 % other load)."""
@@ -418,8 +417,6 @@ def top_other_processes(n: int = 5) -> list[str]:
 
 
 # ---- the runs -----------------------------------------------------------------------------------
-PROTOCOL = {"noop": "recommend", "naive": "recommend", "triton": "kserve", "ours": "recommend",
-            "ours-1proc": "recommend", "ours-kserve": "kserve"}  # fmt: skip
 
 
 def check_ids(system: str, address: str, work: Workload, users: np.ndarray) -> bool:
@@ -530,86 +527,6 @@ def size_row(
         "c8_p99_ms": eight.get("p99_ms"),
         "other_load": max(one.get("other_load", 0.0), eight.get("other_load", 0.0)),
     }  # fmt: skip
-
-
-# ---- summary and tables -------------------------------------------------------------------------
-def best_under_budget(rows: list[dict[str, Any]], budget_ms: float) -> dict[str, Any] | None:
-    """The error-free row with the highest q/s among those with p99 <= ``budget_ms``."""
-    fit = [r for r in rows if not r["errors"] and r["p99_ms"] <= budget_ms]
-    return max(fit, key=lambda r: r["qps"], default=None)
-
-
-def summarize(results: dict[str, Any], budget_ms: float) -> dict[str, Any]:
-    """Per system: its best row under the budget; ratios of ours to each baseline vs targets."""
-    best = {s: best_under_budget(v["rows"], budget_ms) for s, v in results["systems"].items()}
-    ours = best.get("ours")
-    ratios = {}
-    for base, target in TARGETS.items():
-        b = best.get(base)
-        ratio = ours["qps"] / b["qps"] if ours and b else None
-        ratios[base] = {"ratio": ratio, "target": target,
-                        "met": None if ratio is None else ratio >= target}  # fmt: skip
-    if best.get("ours-kserve") and best.get("triton"):
-        r = best["ours-kserve"]["qps"] / best["triton"]["qps"]
-        ratios["triton (both KServe)"] = {"ratio": r, "target": 1.0, "met": r >= 1.0}
-    return {"best": best, "ratios": ratios}
-
-
-def render(results: dict[str, Any]) -> str:
-    """Markdown: headline (best under budget + ratios), every load case, catalog sizes."""
-    budget = results["config"]["p99_ms"]
-    summary = results["summary"]
-    lines = [
-        f"| system | protocol | max q/s at p99 ≤ {budget:g} ms | at concurrency | p50 ms | p99 ms "
-        "| ours / system | target | met |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s, v in results["systems"].items():
-        b = summary["best"].get(s)
-        r = summary["ratios"].get(s, {})
-        met = {True: "yes", False: "**no**", None: "—"}[r.get("met")]
-        why = f"skipped: {v['skipped'].splitlines()[0][:80]}" if v.get("skipped") else "none fits"
-        lines.append(
-            f"| {s} | {PROTOCOL[s]} | {cell(b and b['qps'], '.0f') if b else why} | "
-            f"{b['concurrency'] if b else '—'} | {cell(b and b['p50_ms'], '.2f')} | "
-            f"{cell(b and b['p99_ms'], '.2f')} | {cell(r.get('ratio'), '.2f')} | "
-            f"{'≥ ' + format(r['target'], 'g') + '×' if r else '—'} | {met if r else '—'} |"
-        )
-    if (r := summary["ratios"].get("triton (both KServe)")) is not None:
-        lines.append(f"\nours-kserve / triton (same protocol): {r['ratio']:.2f}")
-    lines += ["", *render_cases(results), "", *render_sizes(results)]
-    return "\n".join(lines)
-
-
-def render_cases(results: dict[str, Any]) -> list[str]:
-    """One row per (system, concurrency)."""
-    lines = [
-        "| system | concurrency | q/s | p50 ms | p99 ms | errors | CPU used by others |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for s, v in results["systems"].items():
-        for r in v["rows"]:
-            lines.append(
-                f"| {s} | {r['concurrency']} | {r['qps']:.0f} | {r['p50_ms']:.2f} | "
-                f"{r['p99_ms']:.2f} | {sum(r['errors'].values())} | {r['other_load']:.0%} |"
-            )
-    return lines
-
-
-def render_sizes(results: dict[str, Any]) -> list[str]:
-    """Ours: latency vs catalog size."""
-    lines = [
-        "| items | nlist / nprobe | in-process p50 ms | ours C=1 p50 ms | C=1 p99 ms | "
-        "C=8 q/s | C=8 p99 ms | CPU used by others |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results["sizes"]:
-        lines.append(
-            f"| {r['items']:,} | {r['nlist']} / {r['nprobe']} | {r['inprocess_p50_ms']:.2f} | "
-            f"{cell(r['c1_p50_ms'], '.2f')} | {cell(r['c1_p99_ms'], '.2f')} | "
-            f"{cell(r['c8_qps'], '.0f')} | {cell(r['c8_p99_ms'], '.2f')} | {r['other_load']:.0%} |"
-        )
-    return lines
 
 
 # ---- main ---------------------------------------------------------------------------------------
