@@ -1,4 +1,4 @@
-"""deploy/: the image and the Kubernetes manifests agree with the code they run.
+"""deploy/k8s: the Kubernetes manifests agree with the code they run (the image: test_image.py).
 
 There is no cluster here, so these checks read the files: every YAML parses and the kustomization
 lists every file; Services, PodDisruptionBudgets and the HorizontalPodAutoscaler select or target
@@ -10,7 +10,6 @@ the base and the gpu overlay where a binary is installed.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import shutil
@@ -21,122 +20,35 @@ from typing import Any, cast
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
-BASE = K8S / "base"
-GPU = K8S / "overlays" / "gpu"
-ADAPTER = K8S / "prometheus-adapter-rules.yaml"
-WORKLOADS = ("Deployment", "StatefulSet")
-COMPONENTS = {"router", "shard", "embedding-server"}
-POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
-_UNITS = {"": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2.0**10, "Mi": 2.0**20}
-_UNITS |= {"Gi": 2.0**30, "Ti": 2.0**40}
-
-Doc = dict[str, Any]
-
-
-# ---- reading the files ---------------------------------------------------------------------------
-def load(path: Path) -> list[Doc]:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    assert docs, f"{path}: no YAML documents"
-    assert all(isinstance(d, dict) for d in docs), f"{path}: a document is not a mapping"
-    return docs
-
-
-@functools.cache
-def kustomization(folder: Path) -> Doc:
-    (doc,) = load(folder / "kustomization.yaml")
-    return doc
-
-
-@functools.cache
-def resources() -> tuple[Doc, ...]:
-    return tuple(d for name in kustomization(BASE)["resources"] for d in load(BASE / name))
-
-
-@functools.cache
-def serve_toml() -> dict[str, Any]:
-    return tomllib.loads((BASE / "serve.toml").read_text())
-
-
-def of_kind(*kinds: str) -> list[Doc]:
-    return [d for d in resources() if d["kind"] in kinds]
-
-
-def named(kind: str, name: str) -> Doc:
-    (doc,) = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
-    return doc
-
-
-def pod_labels(w: Doc) -> dict[str, str]:
-    return w["spec"]["template"]["metadata"]["labels"]
-
-
-def pod_spec(w: Doc) -> Doc:
-    return w["spec"]["template"]["spec"]
-
-
-def component(w: Doc) -> str:
-    return pod_labels(w)["app.kubernetes.io/component"]
-
-
-def selected(selector: dict[str, str]) -> list[Doc]:
-    """The workloads whose pods carry every label of ``selector``."""
-    return [w for w in of_kind(*WORKLOADS) if selector.items() <= pod_labels(w).items()]
-
-
-def workload(name: str) -> Doc:
-    (w,) = [w for w in of_kind(*WORKLOADS) if component(w) == name]
-    return w
-
-
-def container(name: str) -> Doc:
-    (c,) = pod_spec(workload(name))["containers"]
-    return c
-
-
-def containers() -> list[tuple[Doc, Doc]]:
-    return [(w, c) for w in of_kind(*WORKLOADS) for c in pod_spec(w)["containers"]]
-
-
-def port_number(c: Doc, port: int | str) -> int:
-    """A probe's or Service's port, by name or number, as one of ``c``'s container ports."""
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    number = ports.get(port) if isinstance(port, str) else port
-    assert number in ports.values(), f"{c['name']}: port {port!r} is not a container port"
-    return cast(int, number)
-
-
-def flags(args: list[str]) -> dict[str, str]:
-    """``--flag value`` pairs after the command (``serve router``: every flag we pass takes a
-    value)."""
-    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[2::2]), args
-    return dict(zip(args[2::2], args[3::2], strict=True))
-
-
-def is_router(c: Doc) -> bool:
-    """``recserve serve router``: configured by serve.toml, not by flags."""
-    return c["args"][:2] == ["serve", "router"]
-
-
-def quantity(q: str | int) -> float:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(q))
-    assert m and m[2] in _UNITS, f"not a Kubernetes quantity: {q!r}"
-    return float(m[1]) * _UNITS[m[2]]
-
-
-def health_port(c: Doc) -> int:
-    """The port where the container's process serves grpc.health.v1."""
-    if is_router(c):
-        return serve_toml()["grpc_port"]
-    return int(flags(c["args"])["--grpc-port"])  # every server's gRPC port flag
-
-
-def mount_of(c: Doc, volume: Doc) -> Doc:
-    (m,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
-    return m
+from deploy_files import (
+    ADAPTER,
+    BASE,
+    COMPONENTS,
+    GPU,
+    K8S,
+    POD_INDEX,
+    ROOT,
+    WORKLOADS,
+    Doc,
+    component,
+    container,
+    containers,
+    flags,
+    health_port,
+    is_router,
+    kustomization,
+    load,
+    mount_of,
+    named,
+    of_kind,
+    pod_labels,
+    pod_spec,
+    port_number,
+    quantity,
+    selected,
+    serve_toml,
+    workload,
+)
 
 
 # ---- kustomize layout ----------------------------------------------------------------------------
@@ -449,93 +361,9 @@ def test_kustomize_renders_config_and_gpus(folder: Path) -> None:
         assert device(c) in (None, "cuda" if gpus(c) else "cpu"), c["name"]
 
 
-# ---- the image -----------------------------------------------------------------------------------
-def dockerfile() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments), continuation lines joined, comments dropped."""
-    lines = [
-        ln
-        for ln in (DEPLOY / "Dockerfile").read_text().splitlines()
-        if not ln.lstrip().startswith("#")
-    ]
-    joined = re.sub(r"\\\n", " ", "\n".join(lines))
-    return [
-        (ln.split(None, 1)[0].upper(), ln.split(None, 1)[1])
-        for ln in joined.splitlines()
-        if ln.strip()
-    ]
-
-
-def test_dockerfile_installs_the_pinned_cpu_project_as_a_non_root_recserve() -> None:
-    """python:3.11-slim; every pip call under constraints.txt (torch==2.13.0) with the CPU wheel
-    index for the project; all packages and the lock copied in; the ports the manifests use
-    exposed; `recserve` as entrypoint; the uid the pods run as."""
-    steps = dockerfile()
-    assert steps[0] == ("FROM", "python:3.11-slim")
-    assert ("ENTRYPOINT", '["recserve"]') in steps
-    exposed = {int(p) for op, a in steps if op == "EXPOSE" for p in a.split()}
-    used = {p["containerPort"] for _, c in containers() for p in c["ports"]}
-    assert used <= exposed
-    assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().splitlines()
-    copied = {src for op, a in steps if op == "COPY" for src in a.split()[:-1]}
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    packages = {p.rstrip("*") for p in include["packages"]["find"]["include"]}
-    assert packages | {"pyproject.toml", "constraints.txt", "README.md"} <= copied
-    pips = [s for op, a in steps if op == "RUN" for s in a.split("&&") if "pip install" in s]
-    assert pips and all("-c constraints.txt" in s for s in pips), pips
-    assert any(
-        "--extra-index-url https://download.pytorch.org/whl/cpu" in s and s.split()[-1] == "."
-        for s in pips
-    )
-    (user,) = [a for op, a in steps if op == "USER"]
-    uids = {pod_spec(w)["securityContext"]["runAsUser"] for w in of_kind(*WORKLOADS)}
-    assert uids == {int(user.split(":")[0])}
-
-
-def dockerignored(path: str, patterns: list[str]) -> bool:
-    """Docker's rule: the last pattern matching the path or one of its parents wins."""
-    parts = path.split("/")
-    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    out = False
-    for pat in patterns:
-        negate, pat = pat.startswith("!"), pat.lstrip("!").strip("/")
-        rx = (
-            re.escape(pat)
-            .replace(r"\*\*/", "(.*/)?")
-            .replace(r"\*", "[^/]*")
-            .replace(r"\?", "[^/]")
-        )
-        if any(re.fullmatch(rx, c) for c in candidates):
-            out = not negate
-    return out
-
-
-def test_dockerignore_sends_sources_but_never_data() -> None:
-    """The build context (repo root) carries the C++ kernel sources the pods compile, and never
-    the venv, runs or MovieLens data (GroupLens forbids redistribution)."""
-    text = (ROOT / ".dockerignore").read_text().splitlines()
-    patterns = [ln.strip() for ln in text if ln.strip() and not ln.startswith("#")]
-    for kept in (
-        "pyproject.toml",
-        "constraints.txt",
-        "retrieval/index/csrc/ivf_scan.cpp",
-        "sharded_tables/csrc/idmap.cpp",
-        "serving/app/config.py",
-    ):
-        assert not dockerignored(kept, patterns), kept
-    for dropped in (
-        ".venv/bin/python",
-        "data/ml-100k/ml-100k.inter",
-        "runs/demo/model/model.pt",
-        "serving/__pycache__/config.cpython-311.pyc",
-        ".git/HEAD",
-    ):
-        assert dockerignored(dropped, patterns), dropped
-
-
 def test_the_batch_scoring_rayjob_runs_a_real_score_command_on_the_pinned_ray() -> None:
     """The RayJob's entrypoint parses with the `recserve score` CLI; its Ray version is ours."""
     import shlex
-    import tomllib
 
     import typer
 
