@@ -59,6 +59,11 @@ class LimitsConfig(Config):
                 f"(limits.max_filter_bytes){row}"
             )
 
+    def check_filter_text(self, text: str | None, row: str = "") -> None:
+        """Refuses filter text over ``max_filter_bytes`` without encoding it unless it may be."""
+        if text and len(text) * 4 > self.max_filter_bytes:  # maybe over (<= 4 bytes a char)
+            self.check_filter_bytes(len(text.encode("utf-8", "surrogatepass")), row)
+
     def parse_filter(self, text: str | None, row: str = "") -> list[Clause]:
         """``text`` parsed within the limits (empty or None: no clauses); :class:`RequestError`
         naming the limit, or the parser's complaint, starting with ``filter:``."""
@@ -67,8 +72,7 @@ class LimitsConfig(Config):
         # here, not at the top: the config (serve.toml, the CLI) must load without torch
         from retrieval.filters import FilterTooLargeError, parse_filter
 
-        if len(text) * 4 > self.max_filter_bytes:  # maybe over (<= 4 bytes a character)
-            self.check_filter_bytes(len(text.encode("utf-8", "surrogatepass")), row)
+        self.check_filter_text(text, row)
         try:
             return parse_filter(
                 text, max_clauses=self.max_filter_clauses, max_values=self.max_filter_set_values

@@ -23,6 +23,7 @@ import torch
 from retrieval.features import UserBatch
 from retrieval.filters import Clause, parse_filter
 from retrieval.model import RetrievalModel
+from serving.limits import LimitsConfig
 from serving.types import (
     ModelNotFoundError,
     RecRequest,
@@ -63,8 +64,9 @@ class ModelRunner:
         self.id_limits = _id_limits(model, self.features)
 
     # ---- edge -------------------------------------------------------------------------------
-    def check(self, req: RecRequest) -> list[Clause]:
-        """Validates ``req`` for this model; returns its parsed filter clauses.
+    def check(self, req: RecRequest, limits: LimitsConfig | None = None) -> list[Clause]:
+        """Validates ``req`` for this model; returns its parsed filter clauses (parsed within
+        ``limits``' clause and set-size bounds when given: the edge's one parse).
 
         Raises :class:`ModelNotFoundError` (``model`` / ``version``) or :class:`RequestError`
         naming the field.
@@ -84,7 +86,7 @@ class ModelRunner:
         cat = req.categorical
         if ((cat < -1) | (cat >= self.id_limits)).any():
             self._check_categorical(cat)  # the tables' own check names the feature and table
-        return self._clauses(req.filter)
+        return self._clauses(req.filter, limits)
 
     def _check_categorical(self, cat: np.ndarray) -> None:
         codes = torch.from_numpy(cat).view(1, -1)  # [1, F]
@@ -95,11 +97,11 @@ class ModelRunner:
         except ValueError as e:
             raise RequestError(f"categorical: {e}") from None
 
-    def _clauses(self, text: str | None) -> list[Clause]:
+    def _clauses(self, text: str | None, limits: LimitsConfig | None) -> list[Clause]:
         if not text:
             return []
         try:
-            clauses = parse_filter(text)
+            clauses = parse_filter(text) if limits is None else limits.parse_filter(text)
             for c in clauses:
                 self.schema.clause_mask(c)  # unknown attribute or value
         except ValueError as e:

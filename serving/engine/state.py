@@ -115,10 +115,10 @@ class ServingState:
         request metric: the caller's :class:`Call` does, once for all its rows."""
         if self.draining.is_set():
             raise UnavailableError("server is draining: not accepting new requests")
-        self.limits.parse_filter(req.filter)  # bounded before the runner parses it
+        self.limits.check_filter_text(req.filter)  # O(1) mostly: before any parsing
         self.host.check_target(req.model, req.version)
         runner = self.host.current()
-        req.checked = (runner, runner.check(req))
+        req.checked = (runner, runner.check(req, self.limits))  # parses within the limits
         return self.batcher.submit(req)
 
     def recommend(self, req: RecRequest, timeout: float | None = None) -> RecResult:

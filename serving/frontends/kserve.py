@@ -401,7 +401,8 @@ def _strings(t: WireTensor, count: int) -> list[bytes]:
 
 def _filters(values: np.ndarray | None, batch: int, limits: LimitsConfig) -> list[str | None]:
     """Each row's filter text, checked: its size against ``limits`` before it is decoded or
-    parsed, then its syntax (the model's attributes are the runner's check)."""
+    parsed, then its syntax, so a bad row refuses the call before any row is queued (the
+    model's attributes are the runner's check)."""
     if values is None:
         return [None] * batch
     out: list[str | None] = []
