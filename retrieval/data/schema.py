@@ -22,7 +22,9 @@ On disk (:func:`write_parquet`, :func:`read_parquet`), one folder:
   (int64 codes, or ``list<int64>`` of value codes for a multi-valued attribute);
 * ``users.parquet``: ``user_id``, one int64 column per categorical feature, ``dense_0..F-1``;
 * ``interactions.parquet``: ``user_id``, ``item_id``, ``timestamp`` (int64);
-* ``meta.json``: name, sizes, vocabularies, key orders.
+* ``meta.json``: name, sizes, vocabularies, key orders;
+* ``user_ids.parquet``, ``item_ids.parquet`` (when the data has raw ids, ``ids``): the raw id of
+  each dense id (``retrieval/data/id_map.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from retrieval.data.id_map import IdMaps
 
 FORMAT_VERSION = 1
 
@@ -92,6 +96,8 @@ class RecDataset:
     user_dense: ``[U, F] float32``, roughly standardized.
     interactions: the event log (see :class:`Interactions`).
     item_names: ``N`` display names, or None.
+    ids: the raw (the user's own) id of every dense user and item id, or None (dense ids are
+        the only ids: generated and MovieLens data).
     """
 
     name: str
@@ -104,6 +110,7 @@ class RecDataset:
     user_dense: np.ndarray
     interactions: Interactions
     item_names: list[str] | None = None
+    ids: IdMaps | None = None
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first field with a wrong shape, dtype or range."""
@@ -147,6 +154,8 @@ class RecDataset:
                 )
             if not all(isinstance(s, str) for s in self.item_names):
                 raise ValueError("item_names: every name must be a str")
+        if self.ids is not None:
+            self.ids.check_sizes(self.num_users, self.num_items, "ids")
 
 
 def is_multi_valued(arr: np.ndarray) -> bool:
@@ -242,6 +251,8 @@ def write_parquet(ds: RecDataset, directory: Path) -> Path:
         "dense_dim": int(ds.user_dense.shape[1]),
         "has_item_names": ds.item_names is not None,
     }
+    if ds.ids is not None:
+        ds.ids.write(directory)
     (directory / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     return directory
 
@@ -307,6 +318,7 @@ def read_parquet(directory: Path) -> RecDataset:
             )
         ),
         item_names=names,
+        ids=IdMaps.read(directory),
     )
     ds.validate()
     return ds
