@@ -162,15 +162,46 @@ def apply_update(model: RetrievalModel, batch: UpdateBatch) -> RetrievalModel:
     return prepare_update(model, batch).commit()
 
 
+def resolve_update(
+    model: RetrievalModel, batch: UpdateBatch, hold: Hold | None = None
+) -> PreparedUpdate:
+    """:func:`prepare_update` for a model whose index holds no items (a router's statistics:
+    the document shards hold them, ``retrieval/live_shards.py``): validates ``batch`` against
+    the config, the filter schema and the tables, and fills in every upserted vector; the
+    checks against the items (known ids) are the shards'. -> the model unchanged, the resolved
+    batch, and the table row writes to commit."""
+    if isinstance(batch, UpsertItems):
+        return PreparedUpdate(model, resolve_upsert(model, batch, hold or nullcontext)[0])
+    if isinstance(batch, RemoveItems):
+        _check_ids(batch.ids)
+        return PreparedUpdate(model, batch)
+    if isinstance(batch, SetItemAttributes):
+        _check_count(batch.attributes, _check_ids(batch.ids).numel())
+        signatures(model.index.schema, batch.attributes)
+        return PreparedUpdate(model, batch)
+    if isinstance(batch, UpdateEmbeddings):
+        return PreparedUpdate(model, batch, [_prepare_rows(model, batch)])
+    raise TypeError(f"not an update batch: {type(batch).__name__}")
+
+
 # ---- items ------------------------------------------------------------------------------------
 def _prepare_upsert(model: RetrievalModel, batch: UpsertItems, hold: Hold) -> PreparedUpdate:
+    resolved, sig = resolve_upsert(model, batch, hold)
+    assert resolved.vectors is not None
+    index = index_update.add_items(model.index, resolved.ids, resolved.vectors, sig)
+    return PreparedUpdate(_with_index(model, index), resolved)
+
+
+def resolve_upsert(
+    model: RetrievalModel, batch: UpsertItems, hold: Hold = nullcontext
+) -> tuple[UpsertItems, torch.Tensor]:
+    """Validates an upsert against ``model``'s config, filter schema and tables (not its
+    index's items) and runs the item tower for the vectors not given; -> (the batch with every
+    vector, the items' signatures ``[n, W] int64``)."""
     ids = _check_ids(batch.ids)
     n, d = ids.numel(), model.index.dim
-    schema = model.index.schema
     _check_count(batch.attributes, n)
-    sig = torch.cat([signature(schema, a, i) for i, a in enumerate(batch.attributes)]).view(
-        n, schema.num_words
-    )
+    sig = signatures(model.index.schema, batch.attributes)
     given = batch.given()
     if tuple(given.shape) != (n,) or given.dtype != torch.bool:
         raise UpdateError(
@@ -203,25 +234,43 @@ def _prepare_upsert(model: RetrievalModel, batch: UpsertItems, hold: Hold) -> Pr
             vectors[tower] = item_tower_vectors(
                 model, ids[tower], [batch.attributes[int(i)] for i in tower]
             )
-    index = index_update.add_items(model.index, ids, vectors, sig)
     resolved = UpsertItems(ids, tuple(batch.attributes), vectors, torch.ones(n, dtype=torch.bool))
-    return PreparedUpdate(_with_index(model, index), resolved)
+    return resolved, sig
+
+
+def signatures(schema: FilterSchema, attributes: Sequence[Attributes]) -> torch.Tensor:
+    """Items' attributes -> their signatures ``[n, W] int64`` (:class:`UpdateError` naming
+    the item for an unknown attribute or value)."""
+    n = len(attributes)
+    return torch.cat([signature(schema, a, i) for i, a in enumerate(attributes)]).view(
+        n, schema.num_words
+    )
 
 
 def _prepare_attributes(model: RetrievalModel, batch: SetItemAttributes) -> PreparedUpdate:
     ids = _check_ids(batch.ids)
     _check_count(batch.attributes, ids.numel())
-    schema = model.index.schema
     _known_positions(model, ids)
-    sig = index_update.signatures_of(model.index, ids)  # [n, W]
-    for i, attrs in enumerate(batch.attributes):
+    sig = rewrite_attributes(
+        model.index.schema, index_update.signatures_of(model.index, ids), batch.attributes
+    )
+    return PreparedUpdate(
+        _with_index(model, index_update.set_signatures(model.index, ids, sig)), batch
+    )
+
+
+def rewrite_attributes(
+    schema: FilterSchema, sig: torch.Tensor, attributes: Sequence[Attributes]
+) -> torch.Tensor:
+    """Items' signatures ``sig [n, W]`` with the attributes named in ``attributes`` (one
+    mapping per item) replaced -> new ``[n, W] int64`` (``sig`` is not changed)."""
+    sig = sig.clone()
+    for i, attrs in enumerate(attributes):
         signature(schema, attrs, i)  # every name and value is known
         for name, values in attrs.items():
             new_bits = signature(schema, {name: values}, i)[0]
             sig[i] = (sig[i] & ~_attribute_mask(schema, name)) | new_bits
-    return PreparedUpdate(
-        _with_index(model, index_update.set_signatures(model.index, ids, sig)), batch
-    )
+    return sig
 
 
 def signature(schema: FilterSchema, attrs: Attributes, item: int = 0) -> torch.Tensor:

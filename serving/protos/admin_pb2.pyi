@@ -95,15 +95,19 @@ class UpdateReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., items: _Optional[int] = ..., list_imbalance: _Optional[float] = ..., rebuild_recommended: _Optional[bool] = ...) -> None: ...
 
 class LogRecord(_message.Message):
-    __slots__ = ("sequence", "upsert_items", "remove_items", "set_item_attributes", "update_embeddings")
+    __slots__ = ("sequence", "upsert_items", "remove_items", "set_item_attributes", "update_embeddings", "list_sizes", "bit_counts")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPSERT_ITEMS_FIELD_NUMBER: _ClassVar[int]
     REMOVE_ITEMS_FIELD_NUMBER: _ClassVar[int]
     SET_ITEM_ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     UPDATE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    LIST_SIZES_FIELD_NUMBER: _ClassVar[int]
+    BIT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     upsert_items: UpsertItemsRequest
     remove_items: RemoveItemsRequest
     set_item_attributes: SetItemAttributesRequest
     update_embeddings: UpdateEmbeddingsRequest
-    def __init__(self, sequence: _Optional[int] = ..., upsert_items: _Optional[_Union[UpsertItemsRequest, _Mapping]] = ..., remove_items: _Optional[_Union[RemoveItemsRequest, _Mapping]] = ..., set_item_attributes: _Optional[_Union[SetItemAttributesRequest, _Mapping]] = ..., update_embeddings: _Optional[_Union[UpdateEmbeddingsRequest, _Mapping]] = ...) -> None: ...
+    list_sizes: bytes
+    bit_counts: bytes
+    def __init__(self, sequence: _Optional[int] = ..., upsert_items: _Optional[_Union[UpsertItemsRequest, _Mapping]] = ..., remove_items: _Optional[_Union[RemoveItemsRequest, _Mapping]] = ..., set_item_attributes: _Optional[_Union[SetItemAttributesRequest, _Mapping]] = ..., update_embeddings: _Optional[_Union[UpdateEmbeddingsRequest, _Mapping]] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ...) -> None: ...

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SearchRequest(_message.Message):
-    __slots__ = ("model", "version", "batch", "dim", "queries", "k", "r", "nprobe", "exact", "clauses", "words", "filter_masks", "filter_negate", "with_vectors")
+    __slots__ = ("model", "version", "batch", "dim", "queries", "k", "r", "nprobe", "exact", "clauses", "words", "filter_masks", "filter_negate", "with_vectors", "sequence")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class SearchRequest(_message.Message):
     FILTER_MASKS_FIELD_NUMBER: _ClassVar[int]
     FILTER_NEGATE_FIELD_NUMBER: _ClassVar[int]
     WITH_VECTORS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     batch: int
@@ -38,7 +39,8 @@ class SearchRequest(_message.Message):
     filter_masks: bytes
     filter_negate: bytes
     with_vectors: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., batch: _Optional[int] = ..., dim: _Optional[int] = ..., queries: _Optional[bytes] = ..., k: _Optional[int] = ..., r: _Optional[int] = ..., nprobe: _Optional[bytes] = ..., exact: _Optional[bytes] = ..., clauses: _Optional[int] = ..., words: _Optional[int] = ..., filter_masks: _Optional[bytes] = ..., filter_negate: _Optional[bytes] = ..., with_vectors: _Optional[bool] = ...) -> None: ...
+    sequence: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., batch: _Optional[int] = ..., dim: _Optional[int] = ..., queries: _Optional[bytes] = ..., k: _Optional[int] = ..., r: _Optional[int] = ..., nprobe: _Optional[bytes] = ..., exact: _Optional[bytes] = ..., clauses: _Optional[int] = ..., words: _Optional[int] = ..., filter_masks: _Optional[bytes] = ..., filter_negate: _Optional[bytes] = ..., with_vectors: _Optional[bool] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
     __slots__ = ("shard", "version", "width", "ids", "approx", "scores", "vectors")
@@ -63,13 +65,53 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "shard", "num_shards", "versions")
+    __slots__ = ("model", "shard", "num_shards", "versions", "sequences")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard: int
     num_shards: int
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    sequences: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrepareRequest(_message.Message):
+    __slots__ = ("model", "version", "sequence", "record")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    sequence: int
+    record: bytes
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., record: _Optional[bytes] = ...) -> None: ...
+
+class PrepareResponse(_message.Message):
+    __slots__ = ("shard", "held", "list_sizes", "bit_counts")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    LIST_SIZES_FIELD_NUMBER: _ClassVar[int]
+    BIT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    held: bytes
+    list_sizes: bytes
+    bit_counts: bytes
+    def __init__(self, shard: _Optional[int] = ..., held: _Optional[bytes] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("model", "version", "sequence")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    sequence: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -46,6 +46,21 @@ class ShardStub:
                 request_serializer=serving_dot_protos_dot_shard__pb2.InfoRequest.SerializeToString,
                 response_deserializer=serving_dot_protos_dot_shard__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Prepare = channel.unary_unary(
+                '/recserve.shard.v1.Shard/Prepare',
+                request_serializer=serving_dot_protos_dot_shard__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=serving_dot_protos_dot_shard__pb2.PrepareResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/recserve.shard.v1.Shard/Commit',
+                request_serializer=serving_dot_protos_dot_shard__pb2.CommitRequest.SerializeToString,
+                response_deserializer=serving_dot_protos_dot_shard__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/recserve.shard.v1.Shard/Abort',
+                request_serializer=serving_dot_protos_dot_shard__pb2.CommitRequest.SerializeToString,
+                response_deserializer=serving_dot_protos_dot_shard__pb2.CommitResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -65,6 +80,27 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prepare(self, request, context):
+        """Live updates through the router, in two phases (serving/sharding/shard_updates.py): Prepare
+        validates update `sequence` of a version and builds this shard's part of its result aside;
+        Commit makes it searchable (beside the part before it); Abort drops it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +113,21 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=serving_dot_protos_dot_shard__pb2.InfoRequest.FromString,
                     response_serializer=serving_dot_protos_dot_shard__pb2.InfoResponse.SerializeToString,
+            ),
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=serving_dot_protos_dot_shard__pb2.PrepareRequest.FromString,
+                    response_serializer=serving_dot_protos_dot_shard__pb2.PrepareResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=serving_dot_protos_dot_shard__pb2.CommitRequest.FromString,
+                    response_serializer=serving_dot_protos_dot_shard__pb2.CommitResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=serving_dot_protos_dot_shard__pb2.CommitRequest.FromString,
+                    response_serializer=serving_dot_protos_dot_shard__pb2.CommitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +184,87 @@ class Shard:
             '/recserve.shard.v1.Shard/Info',
             serving_dot_protos_dot_shard__pb2.InfoRequest.SerializeToString,
             serving_dot_protos_dot_shard__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recserve.shard.v1.Shard/Prepare',
+            serving_dot_protos_dot_shard__pb2.PrepareRequest.SerializeToString,
+            serving_dot_protos_dot_shard__pb2.PrepareResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recserve.shard.v1.Shard/Commit',
+            serving_dot_protos_dot_shard__pb2.CommitRequest.SerializeToString,
+            serving_dot_protos_dot_shard__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recserve.shard.v1.Shard/Abort',
+            serving_dot_protos_dot_shard__pb2.CommitRequest.SerializeToString,
+            serving_dot_protos_dot_shard__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
