@@ -12,10 +12,15 @@ Filter text (parsed by :func:`parse_filter`)::
     language in {en, fr} and available and not category = adult and region != "south america"
 
 Single- and multi-valued attributes work alike (a multi-valued item simply has several bits set).
+
+Values are text. A vocabulary may list integers (``{"label": [0, 1, 2]}``) or booleans: they are
+stored as their text (``"3"``, ``"true"``/``"false"``), so ``label = 3`` and ``available`` name
+them; other types (floats, ...) are refused at build, since ``1.0`` and ``1`` would read alike.
 """
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +29,25 @@ import numpy as np
 import torch
 
 WORD_BITS = 64
+
+AttributeValue = str | int | bool | np.integer | np.bool_
+"""A vocabulary entry: text, or an integer / boolean that stands for its text."""
+
+
+def value_text(attribute: str, value: AttributeValue) -> str:
+    """The text by which filters name ``value`` of ``attribute``: a string as it is, a boolean
+    as ``"true"``/``"false"``, an integer in decimal (``3`` -> ``"3"``); anything else is refused
+    (``ValueError`` naming the attribute)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool | np.bool_):
+        return "true" if value else "false"
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    raise ValueError(
+        f"attribute_values[{attribute!r}]: {value!r} is a {type(value).__name__}; give strings "
+        f"or integers (e.g. str(v), and name that text in filters)"
+    )
 
 
 @dataclass(frozen=True)
@@ -44,8 +68,17 @@ class FilterTooLargeError(ValueError):
 
 
 _TOKEN = re.compile(
-    r"""\s*(?:(?P<str>"[^"]*"|'[^']*')|(?P<op>!=|=|\{|\}|,)|(?P<word>[A-Za-z0-9_.+\-:/]+))"""
+    r"""\s*(?:(?P<str>"[^"]*"|'[^']*')|(?P<op>==|!=|=|\{|\}|,)|(?P<word>[A-Za-z0-9_.+\-:/]+))"""
 )
+_CHAR_HINTS = {
+    "&": "clauses join with 'and'",
+    "|": "'or' is not supported: for one attribute write NAME in {A, B}",
+    "[": "write a set in braces: NAME in {A, B}",
+    "(": "parentheses are not supported: a filter is clauses joined with 'and'",
+    "!": "write NAME != VALUE, or not NAME",
+    "<": "comparisons are not supported: list the values, NAME in {A, B}",
+    ">": "comparisons are not supported: list the values, NAME in {A, B}",
+}
 
 
 def _tokens(text: str) -> list[tuple[str, str]]:
@@ -54,7 +87,9 @@ def _tokens(text: str) -> list[tuple[str, str]]:
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
-            raise ValueError(f"filter: unexpected character {text[pos:].strip()[:1]!r} at {pos}")
+            char = text[pos:].strip()[:1]
+            hint = f" ({_CHAR_HINTS[char]})" if char in _CHAR_HINTS else ""
+            raise ValueError(f"filter: unexpected character {char!r} at {pos}{hint}")
         kind = m.lastgroup or ""
         value = m.group(kind)
         out.append(("word", value[1:-1]) if kind == "str" else (kind, value))
@@ -98,6 +133,10 @@ def parse_filter(
         nxt = peek()
         if nxt is None or is_word(nxt, "and"):
             values: tuple[str, ...] = ("true",)
+        elif nxt == ("op", "=="):
+            val = peek(1)
+            shown = val[1] if val is not None and val[0] == "word" else "VALUE"
+            raise ValueError(f"filter: write '{attr} = {shown}' (one '='), not '{attr} == {shown}'")
         elif nxt[0] == "op" and nxt[1] in ("=", "!="):
             val = peek(1)
             if val is None or val[0] != "word":
@@ -137,7 +176,12 @@ def parse_filter(
             raise FilterTooLargeError(f"filter: more than {max_clauses} clauses", "max_clauses")
         if i < len(toks):
             if not is_word(peek(), "and"):
-                raise ValueError(f"filter: expected 'and', got {toks[i][1]!r}")
+                hint = (
+                    " ('or' is not supported: for one attribute write NAME in {A, B})"
+                    if is_word(peek(), "or")
+                    else ""
+                )
+                raise ValueError(f"filter: expected 'and', got {toks[i][1]!r}{hint}")
             i += 1
             if i == len(toks):
                 raise ValueError("filter: dangling 'and' at the end")
@@ -186,14 +230,19 @@ def eligible(sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor) -> to
 class FilterSchema:
     """Assigns one signature bit to every (attribute, value) of the catalog."""
 
-    def __init__(self, attribute_values: Mapping[str, Sequence[str]]):
+    def __init__(self, attribute_values: Mapping[str, Sequence[AttributeValue]]):
+        # values as text (see value_text): filters name them, and the schema saves as JSON
         self.attribute_values: dict[str, list[str]] = {
-            a: list(v) for a, v in attribute_values.items()
+            a: [value_text(a, v) for v in vals] for a, vals in attribute_values.items()
         }
         self.bit_of: dict[tuple[str, str], int] = {}
         for attr, values in self.attribute_values.items():
             if len(set(values)) != len(values):
-                raise ValueError(f"attribute_values[{attr!r}] has duplicate values")
+                dup = next(v for v in values if values.count(v) > 1)
+                raise ValueError(
+                    f"attribute_values[{attr!r}] has duplicate values ({dup!r} twice, "
+                    "as text: 1 and '1' are one value)"
+                )
             for v in values:
                 self.bit_of[(attr, v)] = len(self.bit_of)
         self.num_bits = len(self.bit_of)
@@ -245,16 +294,23 @@ class FilterSchema:
         return pack_bits(bits[None, :])[0].numpy()
 
     def compile(self, filters: Sequence[str | Sequence[Clause] | None]) -> FilterBatch:
-        """One filter per request (text, parsed clauses, or None) -> :class:`FilterBatch`."""
-        parsed = [parse_filter(f) if isinstance(f, str) else list(f or []) for f in filters]
+        """One filter per request (text, parsed clauses, or None) -> :class:`FilterBatch`.
+
+        Each distinct filter is parsed and compiled once (a batch of B rows sharing one text
+        parses it once; parsing costs tens of microseconds a filter), then copied to its rows.
+        """
+        row_of: dict[str | tuple[Clause, ...], int] = {}
+        rows = [row_of.setdefault(_filter_key(f), len(row_of)) for f in filters]  # [B]
+        parsed = [parse_filter(f) if isinstance(f, str) else list(f) for f in row_of]
         c_max = max((len(p) for p in parsed), default=0)
         masks = np.zeros((len(parsed), c_max, self.num_words), dtype=np.int64)
         negate = np.ones((len(parsed), c_max), dtype=bool)  # padding: "not (nothing)" is true
-        for b, clauses in enumerate(parsed):
+        for u, clauses in enumerate(parsed):
             for c, clause in enumerate(clauses):
-                masks[b, c] = self.clause_mask(clause)
-                negate[b, c] = clause.negate
-        return FilterBatch(torch.from_numpy(masks), torch.from_numpy(negate))
+                masks[u, c] = self.clause_mask(clause)
+                negate[u, c] = clause.negate
+        take = np.asarray(rows, dtype=np.int64)
+        return FilterBatch(torch.from_numpy(masks[take]), torch.from_numpy(negate[take]))
 
     def empty(self, batch: int) -> FilterBatch:
         """A batch with no clauses (everything eligible)."""
@@ -262,6 +318,11 @@ class FilterSchema:
             torch.zeros(batch, 0, self.num_words, dtype=torch.int64),
             torch.zeros(batch, 0, dtype=torch.bool),
         )
+
+
+def _filter_key(f: str | Sequence[Clause] | None) -> str | tuple[Clause, ...]:
+    """A hashable key for one request's filter: its text, or its clauses (None: no clauses)."""
+    return f if isinstance(f, str) else tuple(f or ())
 
 
 def pack_bits(bits: np.ndarray) -> torch.Tensor:

@@ -9,38 +9,45 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from retrieval.filters import bit_counts
+from retrieval.filters import AttributeValue, bit_counts
 from retrieval.index.codes import quantize
 from retrieval.index.exact import recall_at_k
+from retrieval.index.inputs import as_tensor
 from retrieval.index.ivf import EXACT_DTYPES, IVFConfig, IVFIndex
 from retrieval.index.kmeans import assign, train_centroids
+from retrieval.index.probe import unit_norm
 
 
 def build_ivf(
-    vectors: torch.Tensor,
+    vectors: torch.Tensor | np.ndarray,
     config: IVFConfig | None = None,
     *,
-    item_ids: torch.Tensor | None = None,
+    item_ids: torch.Tensor | np.ndarray | None = None,
     item_attributes: Mapping[str, np.ndarray] | None = None,
-    attribute_values: Mapping[str, Sequence[str]] | None = None,
-    tune_queries: torch.Tensor | None = None,
+    attribute_values: Mapping[str, Sequence[AttributeValue]] | None = None,
+    tune_queries: torch.Tensor | np.ndarray | None = None,
 ) -> IVFIndex:
-    """Builds an :class:`IVFIndex` over ``vectors [N, D] float32``.
+    """Builds an :class:`IVFIndex` over ``vectors [N, D]`` floats (tensor or NumPy array).
 
-    ``item_ids [N] int64`` defaults to ``0..N-1``; ``item_attributes`` (codes ``[N]`` or bool
-    ``[N, V]`` per attribute, vocabularies in ``attribute_values``) become filter signatures.
+    ``item_ids [N]`` integers default to ``0..N-1``; ``item_attributes`` (codes ``[N]`` or bool
+    ``[N, V]`` per attribute, vocabularies in ``attribute_values``: strings, or integers that
+    filters then name by their decimal text, ``label = 3``) become filter signatures.
     With ``config.target_recall`` set, nprobe is tuned on ``tune_queries [Q, D]`` (default: a
-    sample of the vectors themselves).
+    sample of the vectors themselves). With ``config.metric = "cosine"`` the vectors are
+    L2-normalised first.
     """
     config = config or IVFConfig()
     config.validate()
-    if vectors.dim() != 2 or vectors.shape[0] < 1:
-        raise ValueError(f"vectors must be [N >= 1, D], got {tuple(vectors.shape)}")
+    vectors = as_tensor(vectors, "vectors")
+    if vectors.dim() != 2 or vectors.shape[0] < 1 or not vectors.is_floating_point():
+        raise ValueError(
+            f"vectors must be floats [N >= 1, D], got {tuple(vectors.shape)} {vectors.dtype}"
+        )
     n, d = vectors.shape
     x = vectors.detach().cpu().float().contiguous()
-    ids = torch.arange(n) if item_ids is None else item_ids.detach().cpu().long()
-    if ids.shape != (n,):
-        raise ValueError(f"item_ids must be [N={n}], got {tuple(ids.shape)}")
+    if config.metric == "cosine":
+        x = torch.nn.functional.normalize(x, dim=1)
+    ids = _item_ids(item_ids, n)
     if item_attributes and not attribute_values:
         raise ValueError("attribute_values is required with item_attributes")
     index = IVFIndex(config, d, attribute_values)
@@ -62,7 +69,9 @@ def build_ivf(
     index.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     index.item_ids = ids[order].contiguous()
     index.codes, index.scales = codes.contiguous(), scales.contiguous()
-    exact_dtype = EXACT_DTYPES[config.exact_copy]
+    exact_dtype = EXACT_DTYPES[index.config.exact_copy]  # "auto" resolved by the index
+    if config.probe == "auto":  # recorded, so a saved index probes as it was built
+        index.config = replace(index.config, probe="l2" if unit_norm(x) else "ip")
     index.exact = xs.to(exact_dtype) if exact_dtype is not None else torch.zeros(0, d)
     index.sig = sig.contiguous()
     index.bit_counts = bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64)
@@ -73,9 +82,21 @@ def build_ivf(
             index,
             x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
             if tune_queries is None
-            else tune_queries.float().cpu(),
+            else as_tensor(tune_queries, "tune_queries").float().cpu(),
         )
     return index
+
+
+def _item_ids(item_ids: torch.Tensor | np.ndarray | None, n: int) -> torch.Tensor:
+    """``item_ids`` (None: ``0..N-1``) -> ``[N] int64`` on the CPU; integers only."""
+    if item_ids is None:
+        return torch.arange(n)
+    ids = as_tensor(item_ids, "item_ids")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"item_ids must be integers, got {ids.dtype}")
+    if ids.shape != (n,):
+        raise ValueError(f"item_ids must be [N={n}], got {tuple(ids.shape)}")
+    return ids.detach().cpu().long()
 
 
 def postings(sig: torch.Tensor) -> torch.Tensor:

@@ -22,21 +22,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from retrieval.filters import FilterBatch, FilterSchema, eligible, estimate_selectivity
+from retrieval.filters import (
+    AttributeValue,
+    FilterBatch,
+    FilterSchema,
+    eligible,
+    estimate_selectivity,
+)
 from retrieval.index.codes import CODE_KINDS, dequantize
 from retrieval.index.exact import exact_topk
-from retrieval.index.scan import filter_mask, scan, topk_rows
+from retrieval.index.inputs import as_count, as_optional_count, as_tensor
+from retrieval.index.probe import half_sq_norms, probe_lists, rescore
+from retrieval.index.scan import filter_mask, scan
 from retrieval.index.search import Candidates, SearchPlan, run_search
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 EXACT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "none": None}
+METRICS = ("ip", "cosine")
+PROBES = ("auto", "l2", "ip")
 
 
 @dataclass
@@ -46,14 +57,28 @@ class IVFConfig:
     nlist: int = 1024
     """Inverted lists (k-means centroids); capped at the catalog size."""
     nprobe: int = 32
-    """Lists scanned per unfiltered query."""
+    """Lists probed per query, at least: the plan probes more lists for a filtered request (as
+    its selectivity falls) or when these lists hold too few items for ``2 x`` the candidates
+    (large K), and may scan a filtered request's eligible items exactly instead;
+    :meth:`IVFIndex.search_plan` shows what a search will do."""
     codes: str = "int8"
     """Residual code format: "int8" (row-wise scale) or "fp8" (e4m3, row-wise scale)."""
     rerank: int = 0
     """Candidates re-scored with the exact copy before the final top-K (0: approximate scores are final)."""
-    exact_copy: str = "float16"
-    """Dtype of the exact copy used for re-ranking and exact scans: "float16", "float32" or "none"
-    (then codes are decoded instead)."""
+    exact_copy: str = "auto"
+    """Dtype of the exact copy of every vector, used for re-ranking and exact scans: "float16",
+    "float32", "none" (exact scans decode the codes; no re-rank), or "auto": "float16" when
+    ``rerank > 0``, else "none" (the copy costs 2 bytes x D per item, ~3x the INT8 codes, and only
+    a re-rank needs it). The index records the resolved choice."""
+    metric: str = "ip"
+    """Score that ranks results: "ip" (inner product q·x) or "cosine" (vectors and queries
+    L2-normalised, then inner product)."""
+    probe: str = "auto"
+    """How a query ranks the lists it probes: "l2" (nearest centroid: the rule the build
+    assigns items by), "ip" (largest q·c), or "auto": "l2" when the build's vectors are unit-norm
+    (metric "cosine", normalised embeddings), else "ip" (see ``retrieval/index/probe.py`` for
+    why and the recall of each). The index records the choice; indexes saved before this option
+    probe by "ip", as they did."""
     kmeans_iters: int = 20
     kmeans_max_points_per_centroid: int = 256
     seed: int = 0
@@ -72,12 +97,28 @@ class IVFConfig:
             raise ValueError(f"nlist and nprobe must be >= 1, got {self.nlist}, {self.nprobe}")
         if self.codes not in CODE_KINDS:
             raise ValueError(f"codes must be one of {CODE_KINDS}, got {self.codes!r}")
-        if self.exact_copy not in EXACT_DTYPES:
+        if self.exact_copy not in (*EXACT_DTYPES, "auto"):
             raise ValueError(
-                f"exact_copy must be one of {tuple(EXACT_DTYPES)}, got {self.exact_copy!r}"
+                f"exact_copy must be one of {(*EXACT_DTYPES, 'auto')}, got {self.exact_copy!r}"
             )
         if self.rerank < 0:
             raise ValueError(f"rerank must be >= 0, got {self.rerank}")
+        if self.metric == "l2":
+            raise ValueError(
+                'metric "l2" is not offered: ranking by distance needs a per-item norm term the '
+                'scan kernel does not have; for L2-normalised vectors write metric = "cosine" '
+                '(the same order), else "ip"'
+            )
+        if self.metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
+        if self.probe not in PROBES:
+            raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
+
+    def resolved(self) -> IVFConfig:
+        """This config with ``exact_copy = "auto"`` replaced by what it means here."""
+        if self.exact_copy != "auto":
+            return self
+        return replace(self, exact_copy="float16" if self.rerank > 0 else "none")
 
 
 class IVFIndex(nn.Module):
@@ -103,16 +144,19 @@ class IVFIndex(nn.Module):
         self,
         config: IVFConfig,
         dim: int,
-        attribute_values: Mapping[str, Sequence[str]] | None = None,
+        attribute_values: Mapping[str, Sequence[AttributeValue]] | None = None,
     ):
         super().__init__()
         config.validate()
+        config = config.resolved()
         self.config = config
         self.dim = dim
         self.schema = FilterSchema(attribute_values or {})
         w = self.schema.num_words
         exact_dtype = EXACT_DTYPES[config.exact_copy] or torch.float32
         self.register_buffer("centroids", torch.zeros(0, dim))
+        # ||c||^2 / 2 per list, for probing by L2 (derived from centroids at _refresh: not saved)
+        self.register_buffer("half_norms", torch.zeros(0), persistent=False)
         self.register_buffer("offsets", torch.zeros(1, dtype=torch.int64))
         self.register_buffer("item_ids", torch.zeros(0, dtype=torch.int64))
         self.register_buffer("codes", torch.zeros(0, dim, dtype=_CODE_DTYPES[config.codes]))
@@ -150,18 +194,24 @@ class IVFIndex(nn.Module):
                 f"index state has dim={state['dim']} codes={state['config']['codes']!r}, "
                 f"this index has dim={self.dim} codes={self.config.codes!r}"
             )
-        self.config = IVFConfig(**state["config"])  # search settings as built (e.g. tuned nprobe)
+        # search settings as built (e.g. tuned nprobe); a config saved before ``metric`` and
+        # ``probe`` existed scored by "ip" and probed by "ip": keep its answers
+        saved = {"probe": "ip", **state["config"]}
+        self.config = IVFConfig(**saved).resolved()
         self.schema = FilterSchema(state["attribute_values"])
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
         # Buffers are sized by the catalog: adopt the saved sizes, but insist on matching dims/dtypes.
+        # The exact copy may differ in dtype (an index saved before "auto" kept an FP16 copy by
+        # default): the saved config (extra state, loaded after the buffers) says which it is.
         for name, buf in self._buffers.items():
             saved = state_dict.get(prefix + name)
             if saved is None or buf is None:
                 continue
-            if saved.dtype != buf.dtype or (
+            adoptable = name == "exact" and saved.dtype in (torch.float16, torch.float32)
+            if (saved.dtype != buf.dtype and not adoptable) or (
                 saved.shape[1:] != buf.shape[1:] and name not in ("sig", "bit_counts", "postings")
             ):
                 error_msgs.append(
@@ -176,6 +226,7 @@ class IVFIndex(nn.Module):
         self._refresh()
 
     def _refresh(self) -> None:
+        self.half_norms = half_sq_norms(self.centroids)
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
         self._ntotal = int(self.offsets[-1])
@@ -210,33 +261,84 @@ class IVFIndex(nn.Module):
 
     def search(
         self,
-        q: torch.Tensor,
+        q: torch.Tensor | np.ndarray,
         k: int,
         filters: FilterArg = None,
         *,
         nprobe: int | None = None,
         rerank: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-``k`` items for ``q [B, D] float32`` -> ``(item_ids [B, k] int64, scores [B, k] float32)``.
+        """Top-``k`` items for ``q [B, D]`` floats (tensor or NumPy array) -> ``(item_ids [B, k]
+        int64, scores [B, k] float32)``; ``-1`` / ``-inf`` pad rows whose filter admits fewer
+        than ``k`` items.
 
-        ``-1`` / ``-inf`` pad rows whose filter admits fewer than ``k`` items.
+        ``k``, ``nprobe``, ``rerank``: integers (``int`` or NumPy's). ``nprobe`` is the fewest
+        lists a row probes (None: the config's); ``rerank`` the candidates re-scored with the
+        exact copy (None: the config's; > 0 needs an index that keeps the copy).
+        :meth:`search_plan` tells, per row, how many lists the search will probe.
         """
-        if q.dim() != 2 or q.shape[1] != self.dim or not q.is_floating_point():
-            raise ValueError(f"q: expected float [B, {self.dim}], got {tuple(q.shape)} {q.dtype}")
-        if not isinstance(k, int) or k < 1 or k > self.ntotal:
-            raise ValueError(
-                f"k must be an int in [1, {self.ntotal}] (the catalog size), got {k!r}"
-            )
+        q = self._check_queries(q)
+        k = self._check_k(k)
         fb = self.compile_filter(filters, q.shape[0])
-        pos, scores = self._search_positions(
-            q.float(),
-            k,
-            fb,
-            nprobe or self.config.nprobe,
-            self.config.rerank if rerank is None else rerank,
-        )
+        pos, scores = self._search_positions(q, k, fb, *self._settings(nprobe, rerank))
         ids = torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
         return ids, scores
+
+    def search_plan(
+        self,
+        k: int,
+        filters: FilterArg = None,
+        *,
+        batch: int | None = None,
+        nprobe: int | None = None,
+        rerank: int | None = None,
+    ) -> SearchPlan:
+        """What :meth:`search` with these arguments does to each of its B rows (``batch``, or the
+        length of a list of filters, else 1): ``plan.nprobe [B]`` lists probed (the count
+        scanned: ``nprobe`` or more for a selective filter or a large ``k``), or ``plan.exact
+        [B]`` an exact scan of the row's eligible items; ``plan.r`` candidates kept before
+        re-ranking. A row whose probed lists turn out to hold fewer than ``k`` eligible items is
+        then re-asked as an exact scan (that depends on the query, so no plan can show it)."""
+        if batch is None:
+            listed = filters is not None and not isinstance(filters, str | FilterBatch)
+            batch = len(list(filters)) if listed else 1  # type: ignore[arg-type]
+        fb = self.compile_filter(filters, as_count(batch, "batch", 1))
+        return self.plan(fb, self._check_k(k), *self._settings(nprobe, rerank))
+
+    def _check_queries(self, q: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The public edge for queries: ``[B, D]`` floats -> float32 on this index's device."""
+        q = as_tensor(q, "q")
+        if q.dim() != 2 or q.shape[1] != self.dim or not q.is_floating_point():
+            raise ValueError(
+                f"q: expected floats [B, {self.dim}], got {tuple(q.shape)} {q.dtype}"
+                + (" (cast with .float() / .astype(np.float32))" if q.dim() == 2 else "")
+            )
+        return q.to(self.centroids.device, torch.float32)
+
+    def _check_k(self, k: int) -> int:
+        k = as_count(k, "k", 1)
+        if k > self.ntotal:
+            raise ValueError(f"k: at most {self.ntotal} (the catalog size), got {k}")
+        return k
+
+    def _settings(self, nprobe: int | None, rerank: int | None) -> tuple[int, int]:
+        """``(nprobe, rerank)`` for a search: None takes the config's value."""
+        hint = f"; leave it out (None) to probe the index's nprobe ({self.config.nprobe})"
+        nprobe_ = as_optional_count(nprobe, "nprobe", 1, self.config.nprobe, hint)
+        rerank_ = as_optional_count(rerank, "rerank", 0, self.config.rerank)
+        if rerank is not None and rerank_ > 0 and not self.keeps_exact_copy:
+            raise ValueError(
+                f"rerank={rerank_}: this index keeps no exact copy to re-rank with "
+                f'(exact_copy="none"); build it with rerank > 0 or exact_copy="float16", '
+                "or search with rerank=0"
+            )
+        return nprobe_, rerank_
+
+    @property
+    def keeps_exact_copy(self) -> bool:
+        """The index (or, for a router's statistics-only index, its shards) keeps an exact
+        copy of every vector to re-rank with."""
+        return self.config.exact_copy != "none"
 
     def _search_positions(
         self,
@@ -266,7 +368,7 @@ class IVFIndex(nn.Module):
         """Per row: lists to probe, or an exact scan. Reads only the index's statistics
         (``ntotal``, ``nlist``, ``bit_counts``), so a router holding them plans for its shards."""
         b = fb.masks.shape[0]
-        r = max(k, rerank) if rerank and self.config.exact_copy != "none" else k
+        r = max(k, rerank) if rerank and self.keeps_exact_copy else k
         if not fb.active and not exact:  # the common case, kept lean
             p = self._nprobe_for(1.0, nprobe, r)
             return SearchPlan(
@@ -302,6 +404,8 @@ class IVFIndex(nn.Module):
         positions). List rows: the best ``r`` approximate scores of the probed lists, re-scored
         with the exact copy when the plan re-ranks. Exact rows: the best ``k`` eligible items."""
         b, dev = q.shape[0], q.device
+        if self.config.metric == "cosine":  # items were normalised at build
+            q = torch.nn.functional.normalize(q, dim=1)
         exact_rows = plan.exact.to(dev)
         if not bool(exact_rows.any()):  # every row probes lists: no scatter
             return self._list_candidates(q, plan, fb.masks, fb.negate)
@@ -337,7 +441,12 @@ class IVFIndex(nn.Module):
     ) -> Candidates:
         """Probe, scan (filter inside the scan), and re-score the survivors exactly."""
         p_max = int(plan.nprobe.max()) if plan.nprobe.numel() else 1
-        coarse, probes = topk_rows(q @ self.centroids.T, min(p_max, max(self.nlist, 1)))  # [b, P]
+        coarse, probes = probe_lists(
+            q,
+            self.centroids,
+            self.half_norms if self.config.probe == "l2" else None,
+            min(p_max, max(self.nlist, 1)),
+        )  # [b, P], best lists first
         if bool((plan.nprobe != p_max).any()):  # per-row probe counts: skip (-1) unneeded slots
             slot = torch.arange(probes.shape[1], device=q.device)
             probes = torch.where(
@@ -358,8 +467,7 @@ class IVFIndex(nn.Module):
         )
         if not plan.reranks:
             return Candidates(cand, approx, approx)
-        exact = torch.einsum("bd,brd->br", q, self.exact[cand.clamp(min=0)].float())  # [b, r]
-        return Candidates(cand, approx, exact.masked_fill(cand < 0, float("-inf")))
+        return Candidates(cand, approx, rescore(q, cand, self.exact))  # exact scores [b, r]
 
     def vectors_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""

@@ -24,11 +24,13 @@ Example::
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from retrieval.filters import bit_counts
 from retrieval.index.build import postings
 from retrieval.index.codes import quantize
+from retrieval.index.inputs import as_tensor
 from retrieval.index.ivf import EXACT_DTYPES, IVFIndex
 from retrieval.index.kmeans import assign
 
@@ -40,11 +42,13 @@ recall of items in the thin lists does not improve. Fresh k-means lists sit well
 (about 2-2.5x on our catalogs)."""
 
 
-def _check_ids(ids: torch.Tensor, field: str = "ids") -> torch.Tensor:
-    """``ids [n] int64``, each >= 0 and distinct -> ``ids`` on the CPU."""
-    if ids.dim() != 1 or ids.dtype != torch.int64:
-        raise ValueError(f"{field}: expected int64 [n], got {ids.dtype} {tuple(ids.shape)}")
-    ids = ids.cpu()
+def _check_ids(ids: torch.Tensor | np.ndarray, field: str = "ids") -> torch.Tensor:
+    """``ids [n]`` integers (tensor or NumPy), each >= 0 and distinct -> ``int64`` on the CPU."""
+    ids = as_tensor(ids, field)
+    integral = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+    if ids.dim() != 1 or not integral:
+        raise ValueError(f"{field}: expected integers [n], got {ids.dtype} {tuple(ids.shape)}")
+    ids = ids.cpu().long()
     if ids.numel() and int(ids.min()) < 0:
         raise ValueError(f"{field}: item ids must be >= 0, got {int(ids.min())}")
     uniq, counts = torch.unique(ids, return_counts=True)
@@ -84,10 +88,15 @@ def _require_known(index: IVFIndex, ids: torch.Tensor, field: str) -> torch.Tens
     return pos
 
 
-def _check_sig(index: IVFIndex, sig: torch.Tensor, n: int, field: str = "sig") -> None:
+def _check_sig(
+    index: IVFIndex, sig: torch.Tensor | np.ndarray, n: int, field: str = "sig"
+) -> torch.Tensor:
+    """``sig [n, W] int64`` (tensor or NumPy) -> the tensor."""
+    sig = as_tensor(sig, field)
     w = index.sig.shape[1]
     if sig.dtype != torch.int64 or tuple(sig.shape) != (n, w):
         raise ValueError(f"{field}: expected int64 [{n}, {w}], got {sig.dtype} {tuple(sig.shape)}")
+    return sig
 
 
 def _list_of_rows(index: IVFIndex) -> torch.Tensor:
@@ -137,25 +146,33 @@ def _set_signatures(index: IVFIndex, sig: torch.Tensor) -> None:
 
 
 def add_items(
-    index: IVFIndex, ids: torch.Tensor, vectors: torch.Tensor, sig: torch.Tensor
+    index: IVFIndex,
+    ids: torch.Tensor | np.ndarray,
+    vectors: torch.Tensor | np.ndarray,
+    sig: torch.Tensor | np.ndarray,
 ) -> IVFIndex:
-    """A new index with items ``ids [n] int64`` (vectors ``[n, D] float32``, signatures
-    ``[n, W] int64``) added; an id already in the index is replaced (its old row removed).
+    """A new index with items ``ids [n]`` integers (vectors ``[n, D]`` floats, signatures
+    ``[n, W] int64``; tensors or NumPy arrays) added; an id already in the index is replaced
+    (its old row removed).
 
     Each item joins the list of its nearest centroid (L2, as the build assigns), after that
-    list's existing items; its residual to the centroid is quantized like the build's codes.
+    list's existing items; its residual to the centroid is quantized like the build's codes
+    (an index of metric "cosine" normalises the vectors first, as its build did).
     """
     _check_editable(index)
     ids = _check_ids(ids)
     n = ids.numel()
+    vectors = as_tensor(vectors, "vectors")
     if vectors.dim() != 2 or tuple(vectors.shape) != (n, index.dim):
         raise ValueError(f"vectors: expected [{n}, {index.dim}], got {tuple(vectors.shape)}")
     if not vectors.is_floating_point() or not bool(torch.isfinite(vectors).all()):
         raise ValueError("vectors: expected finite floats")
-    _check_sig(index, sig, n)
+    sig = _check_sig(index, sig, n)
     if index.nlist == 0:
         raise ValueError("the index has no centroids: build it before adding items")
     x = vectors.detach().cpu().float()
+    if index.config.metric == "cosine":
+        x = torch.nn.functional.normalize(x, dim=1)
     centroids = index.centroids.cpu()
     lists_new = assign(x, centroids)  # [n]
     codes_new, scales_new = quantize(x - centroids[lists_new], index.config.codes)
@@ -175,7 +192,7 @@ def add_items(
     )
 
 
-def remove_items(index: IVFIndex, ids: torch.Tensor) -> IVFIndex:
+def remove_items(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> IVFIndex:
     """A new index without items ``ids [n] int64``; ``ValueError`` naming any id that is not in
     the index (then nothing is removed)."""
     _check_editable(index)
@@ -195,12 +212,14 @@ def remove_items(index: IVFIndex, ids: torch.Tensor) -> IVFIndex:
     )
 
 
-def set_signatures(index: IVFIndex, ids: torch.Tensor, sig: torch.Tensor) -> IVFIndex:
+def set_signatures(
+    index: IVFIndex, ids: torch.Tensor | np.ndarray, sig: torch.Tensor | np.ndarray
+) -> IVFIndex:
     """A new index where items ``ids [n]`` have signatures ``sig [n, W] int64`` (codes, lists and
     vectors shared with ``index``); ``ValueError`` naming any id not in the index."""
     _check_editable(index)
     ids = _check_ids(ids)
-    _check_sig(index, sig, ids.numel())
+    sig = _check_sig(index, sig, ids.numel())
     pos = _require_known(index, ids, "ids").to(index.sig.device)
     new = IVFIndex(index.config, index.dim, index.schema.attribute_values)
     for name in ("centroids", "offsets", "item_ids", "codes", "scales", "exact"):
@@ -211,7 +230,7 @@ def set_signatures(index: IVFIndex, ids: torch.Tensor, sig: torch.Tensor) -> IVF
     return new
 
 
-def signatures_of(index: IVFIndex, ids: torch.Tensor) -> torch.Tensor:
+def signatures_of(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> torch.Tensor:
     """Current signatures of items ``ids [n]`` -> ``[n, W] int64`` (``ValueError`` if unknown)."""
     pos = _require_known(index, _check_ids(ids), "ids")
     return index.sig.cpu()[pos]
