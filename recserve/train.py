@@ -1,15 +1,18 @@
 """``recserve train``: run a training config, save the model folder, optionally publish it.
 
-Rank 0 of a torchrun job (or the only process) writes ``OUT/model`` (the trained model with its
-index), ``OUT/metrics.json`` (per-epoch losses and evaluations) and, with a ``[publish]`` table,
-a new version in the model repository: tables quantized to ``table_dtype``, the catalog split
-into ``shards`` document shards when > 0, written atomically (``ModelRepository.publish``), so
-a running server hot-swaps to it.
+Rank 0 of a torchrun job (or the only process) writes, in this order: ``OUT/model`` (the kept
+weights with their index) and ``OUT/metrics.json`` (per-epoch losses and validation metrics, the
+kept epoch, batch size and steps per epoch, who each split holds and who it leaves out); then it
+evaluates the test split and rewrites ``metrics.json`` with it (a failing evaluation leaves the
+model folder as written); then, with a ``[publish]`` table, a new version in the model
+repository: tables quantized to ``table_dtype``, the catalog split into ``shards`` document shards
+when > 0, written atomically (``ModelRepository.publish``), so a running server hot-swaps to it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from rich.console import Console
@@ -19,7 +22,9 @@ from retrieval.artifact import save_model
 from retrieval.model import RetrievalModel
 from retrieval.training.config import PublishConfig
 from retrieval.training.distributed import DistContext
-from retrieval.training.run import RunConfig, RunResult, run_training
+from retrieval.training.run import RunConfig, RunResult, evaluate_test, run_training
+
+log = logging.getLogger(__name__)
 
 
 def run(config: Path, out: Path, resume: bool, ctx: DistContext | None) -> RunResult | None:
@@ -38,28 +43,57 @@ def run(config: Path, out: Path, resume: bool, ctx: DistContext | None) -> RunRe
     if ctx is not None and not ctx.is_main:
         return None
     console = Console()
-    path = save_model(result.model, out / "model")
-    (out / "metrics.json").write_text(
-        json.dumps({"epoch_losses": result.epoch_losses, "evals": result.evals}, indent=2)
-    )
+    path = save_model(result.model, out / "model")  # before evaluating: it may fail
+    _write_metrics(out, result)
+    try:
+        evaluate_test(result, cfg.evaluate)
+    except Exception:
+        log.error("the test evaluation failed; the trained model is saved in %s", path)
+        raise
+    _write_metrics(out, result)
     _print(console, result, path)
     if cfg.publish is not None:
         _publish(console, result.model, cfg.publish)
     return result
 
 
+def _write_metrics(out: Path, result: RunResult) -> None:
+    (out / "metrics.json").write_text(json.dumps(result.report(), indent=2))
+
+
 def _print(console: Console, result: RunResult, path: Path) -> None:
-    losses = result.epoch_losses
-    console.print(f"trained {len(losses)} epochs: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    plan, counts, losses = result.plan, result.prep.counts, result.epoch_losses
+    console.print(
+        f"batch_size {plan.batch_size}: {plan.steps} step{'' if plan.steps == 1 else 's'} per "
+        f"epoch over {plan.pairs} training pairs ({plan.unused_pairs} short of a batch unused "
+        f"each epoch)"
+    )
+    if losses:
+        console.print(f"trained {len(losses)} epochs: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if counts is not None:
+        console.print(
+            f"users: {counts.users}; in test {counts.users_in_test}, kept out of test "
+            f"{counts.users_kept_out_of_test} (a single interaction), without interactions "
+            f"{counts.users_without_interactions}"
+        )
     if result.evals:
-        table = Table(title="evaluation on held-out interactions")
-        keys = list(result.evals[-1])
-        for key in keys:
-            table.add_column(key)
-        for e in result.evals:
-            table.add_row(*(f"{e.get(k, float('nan')):.3f}" for k in keys))
-        console.print(table)
+        _table(console, "validation, per epoch", result.evals)
+        stop = ", stopped early" if result.stopped_early else ""
+        console.print(f"kept the weights of epoch {result.kept_epoch}{stop}")
+    if result.test is not None:
+        scored = result.evaluated.get("test_users", 0)
+        _table(console, f"test, kept weights ({scored} users)", [result.test])
     console.print(f"model folder: {path}")
+
+
+def _table(console: Console, title: str, rows: list[dict[str, float]]) -> None:
+    table = Table(title=title)
+    keys = list(rows[-1])
+    for key in keys:
+        table.add_column(key)
+    for row in rows:
+        table.add_row(*(f"{row.get(k, float('nan')):.3f}" for k in keys))
+    console.print(table)
 
 
 def _publish(console: Console, model: RetrievalModel, spec: PublishConfig) -> None:

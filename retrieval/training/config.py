@@ -22,8 +22,10 @@ Example ``train.toml`` (every table optional, every key but ``[publish]``'s firs
     table_optimizer = "rowwise_adagrad"
 
     [evaluate]
-    k = 100
-    users = 2000                # held-out users evaluated after each epoch (0: all)
+    k = 100                     # at most the catalog's size
+    users = 2000                # held-out users evaluated (0: all)
+    validation = 0.1            # share of training held out for early stopping (0: off)
+    patience = 2                # epochs without improvement before stopping
 
     [publish]                   # publish into a model repository
     model_repo = "runs/train/model_repo"
@@ -44,7 +46,6 @@ Importing this module loads no torch (those modules are imported inside the buil
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -137,7 +138,8 @@ class IndexSection(Config):
     number of lists and the lists probed follow the catalog's size unless given."""
 
     nlist: PositiveInt | None = None
-    """Inverted lists (k-means centroids); None: about sqrt(items)."""
+    """Inverted lists (k-means centroids); None: about sqrt(items), with at least 39 items a
+    list (what faiss's k-means asks for: ``retrieval.index.kmeans.default_nlist``)."""
     nprobe: PositiveInt | None = None
     """Lists scanned per unfiltered query; None: nlist / 8 (then tuned: ``target_recall``)."""
     codes: Literal["int8", "fp8"] = "int8"
@@ -167,8 +169,9 @@ class IndexSection(Config):
     def build(self, num_items: int) -> IVFConfig:
         """The index config for a catalog of ``num_items``."""
         from retrieval.index.ivf import IVFConfig
+        from retrieval.index.kmeans import default_nlist
 
-        nlist = self.nlist or max(1, math.isqrt(num_items))
+        nlist = self.nlist or default_nlist(num_items)
         nprobe = self.nprobe or max(1, nlist // 8)
         return IVFConfig(**{**self.model_dump(), "nlist": nlist, "nprobe": nprobe})
 
@@ -277,12 +280,22 @@ class TrainConfig(Config):
 
 # ---- [evaluate] [publish] ----------------------------------------------------------------------
 class EvaluateConfig(Config):
-    """``[evaluate]``: recall@K and NDCG@K on held-out interactions after each epoch."""
+    """``[evaluate]``: recall@K and NDCG@K. With ``validation > 0`` the latest share of each
+    user's training interactions is held out, evaluated after each epoch, and the best epoch's
+    weights are kept (early stopping); the test split is evaluated once, at the end, on the kept
+    weights, after the model folder is written."""
 
     k: PositiveInt = 100
-    """K of recall@K and NDCG@K."""
+    """K of recall@K and NDCG@K; at most the catalog's size (checked once the data is loaded,
+    before training)."""
     users: int = Field(default=2000, ge=0)
-    """Held-out users evaluated (the first ones with test interactions; 0: all)."""
+    """Held-out users evaluated (the first ones with held-out interactions; 0: all)."""
+    validation: float = Field(default=0.1, ge=0, lt=1)
+    """Share of each user's training interactions (the latest) held out for validation after
+    each epoch (0: no validation, no early stopping: the last epoch is kept)."""
+    patience: int = Field(default=2, ge=0)
+    """Epochs without a better validation recall@K before training stops (0: never stops
+    early; the best epoch is still kept)."""
 
 
 class PublishConfig(Config):

@@ -1,4 +1,15 @@
-"""From a :class:`RecDataset` to model inputs: time split, histories, item features, config."""
+"""From a :class:`RecDataset` to model inputs: time split, histories, item features, config.
+
+Per user, by time: the latest ``test_fraction`` of the interactions is the test split, the latest
+``validation`` share of the rest the validation split, and what is left the training pairs::
+
+    user's timeline:  [ train pairs ........ | validation | test ]
+    tower's history:    train pairs            (evaluating validation; training)
+                        train + validation     (evaluating test; serving)
+
+A user with a single interaction has nothing to hold out: it stays in training and is counted
+in :class:`SplitCounts` (likewise for validation), never dropped silently.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +19,58 @@ from typing import Any
 import numpy as np
 
 from retrieval.config import ModelConfig
-from retrieval.data import RecDataset, history_by_user, split_by_time
+from retrieval.data import Interactions, RecDataset, history_by_user, split_by_time
 from retrieval.features import UserBatch, item_feature_ids, make_user_batch
 from retrieval.filters import FilterSchema
 from retrieval.index.ivf import IVFConfig
+from retrieval.index.kmeans import default_nlist
 from retrieval.training.train import TrainingData, log_q_from_counts
+
+
+@dataclass(frozen=True)
+class SplitCounts:
+    """Users and interactions in each part of the split."""
+
+    users: int
+    """Users of the dataset."""
+    users_without_interactions: int
+    users_in_test: int
+    """Users with at least one test interaction (those the test evaluation can score)."""
+    users_kept_out_of_test: int
+    """Users with interactions but none held out: too few (a single one) to split."""
+    users_in_validation: int
+    users_kept_out_of_validation: int
+    """Users with training interactions but none held out for validation (too few)."""
+    train_pairs: int
+    validation_pairs: int
+    test_pairs: int
+
+    @classmethod
+    def of(
+        cls,
+        num_users: int,
+        fit: Interactions,
+        validation: Interactions | None,
+        test: Interactions,
+    ) -> SplitCounts:
+        """Counts of a split; ``validation`` None: no validation split."""
+        val = validation if validation is not None else fit.select(np.zeros(0, np.int64))
+
+        def users(*parts: Interactions) -> int:
+            return len(np.unique(np.concatenate([p.user_id for p in parts])))
+
+        present, before_test = users(fit, val, test), users(fit, val)
+        return cls(
+            users=num_users,
+            users_without_interactions=num_users - present,
+            users_in_test=users(test),
+            users_kept_out_of_test=present - users(test),
+            users_in_validation=users(val),
+            users_kept_out_of_validation=before_test - users(val) if validation is not None else 0,
+            train_pairs=len(fit),
+            validation_pairs=len(val),
+            test_pairs=len(test),
+        )
 
 
 @dataclass
@@ -23,9 +81,14 @@ class Prepared:
     config: ModelConfig
     train: TrainingData
     history: np.ndarray
-    """``[U, H]`` each user's most recent train items (what the user tower reads at serving)."""
+    """``[U, H]`` each user's most recent items before the test split (train and validation:
+    what the user tower reads at serving); ``train.history`` holds the train items only."""
     test_items: list[set[int]] = field(default_factory=list)
     """Held-out items per user (empty set: no test interactions)."""
+    validation_items: list[set[int]] = field(default_factory=list)
+    """Validation items per user (all empty without a validation split)."""
+    counts: SplitCounts | None = None
+    """Who is in which part of the split."""
 
     def tune_batch(self, size: int = 256, seed: int = 0) -> UserBatch:
         """A sample of users whose query vectors tune the index."""
@@ -34,27 +97,45 @@ class Prepared:
             rng.choice(self.dataset.num_users, min(size, self.dataset.num_users), replace=False)
         )
 
-    def user_batch(self, users: np.ndarray, filters: list[str | None] | None = None) -> UserBatch:
+    def user_batch(
+        self,
+        users: np.ndarray,
+        filters: list[str | None] | None = None,
+        history: np.ndarray | None = None,
+    ) -> UserBatch:
+        """Inputs of ``users [B]``; ``history [U, H]`` defaults to :attr:`history`."""
         ds = self.dataset
+        hist = self.history if history is None else history
         cat = np.stack([ds.user_features[n][users] for n in self.config.user_features], axis=1)
         schema = FilterSchema(self.config.item_attributes)
-        return make_user_batch(self.history[users], cat, ds.user_dense[users], schema, filters)
+        return make_user_batch(hist[users], cat, ds.user_dense[users], schema, filters)
 
 
 def default_index_config(num_items: int, **overrides: Any) -> IVFConfig:
-    """About sqrt(N) lists; nprobe tuned at build for recall@100 >= 0.97 against exact search."""
-    nlist = max(1, int(np.sqrt(num_items)))
+    """About sqrt(N) lists (at least 39 items a list: :func:`default_nlist`); nprobe tuned at
+    build for recall@100 >= 0.97 against exact search."""
+    nlist = default_nlist(num_items)
     return IVFConfig(
         **{"nlist": nlist, "nprobe": max(1, nlist // 8), "target_recall": 0.97, **overrides}
     )
 
 
 def prepare(
-    ds: RecDataset, *, history_len: int = 50, test_fraction: float = 0.2, **model_overrides: Any
+    ds: RecDataset,
+    *,
+    history_len: int = 50,
+    test_fraction: float = 0.2,
+    validation: float = 0.0,
+    **model_overrides: Any,
 ) -> Prepared:
-    """Splits each user's interactions by time and builds the model config for the dataset."""
+    """Splits each user's interactions by time (test, then ``validation`` of the rest: see the
+    module docstring) and builds the model config for the dataset."""
     train_i, test_i = split_by_time(ds.interactions, test_fraction=test_fraction)
     hist, _ = history_by_user(train_i, ds.num_users, history_len)
+    fit_i, fit_hist, val_i = train_i, hist, None
+    if validation > 0:
+        fit_i, val_i = split_by_time(train_i, test_fraction=validation)
+        fit_hist, _ = history_by_user(fit_i, ds.num_users, history_len)
     config = ModelConfig(
         num_items=ds.num_items,
         user_features=dict(ds.user_feature_sizes),
@@ -66,15 +147,31 @@ def prepare(
     )
     cat = np.stack([ds.user_features[n] for n in config.user_features], axis=1).astype(np.int64)
     train = TrainingData(
-        user_ids=train_i.user_id.astype(np.int64),
-        item_ids=train_i.item_id.astype(np.int64),
-        history=hist,
+        user_ids=fit_i.user_id.astype(np.int64),
+        item_ids=fit_i.item_id.astype(np.int64),
+        history=fit_hist,
         categorical=cat,
         dense=ds.user_dense.astype(np.float32),
         item_features=item_feature_ids(ds.item_attributes, ds.num_items),
-        item_log_q=log_q_from_counts(train_i.item_id, ds.num_items),
+        item_log_q=log_q_from_counts(fit_i.item_id, ds.num_items),
     )
-    test_items: list[set[int]] = [set() for _ in range(ds.num_users)]
-    for u, i in zip(test_i.user_id.tolist(), test_i.item_id.tolist(), strict=True):
-        test_items[u].add(i)
-    return Prepared(ds, config, train, hist, test_items)
+    counts = SplitCounts.of(ds.num_users, fit_i, val_i, test_i)
+    return Prepared(
+        ds,
+        config,
+        train,
+        hist,
+        items_by_user(test_i, ds.num_users),
+        items_by_user(val_i, ds.num_users),
+        counts,
+    )
+
+
+def items_by_user(interactions: Interactions | None, num_users: int) -> list[set[int]]:
+    """Each user's set of items (``num_users`` sets; empty for a user without any)."""
+    out: list[set[int]] = [set() for _ in range(num_users)]
+    if interactions is None:
+        return out
+    for u, i in zip(interactions.user_id.tolist(), interactions.item_id.tolist(), strict=True):
+        out[u].add(i)
+    return out

@@ -9,11 +9,13 @@ One step, for a batch of B positive (user, item) pairs and R random items::
                                                         row-wise Adagrad), towers by Adam
 
 :class:`Trainer` adds what a long run needs: a progress bar with loss and examples/s, an
-evaluation after each epoch, checkpoints (every ``checkpoint_every`` steps and each epoch;
-written then renamed), resume from a checkpoint with the same result as an uninterrupted run
-(batch order and negatives are functions of (seed, epoch, step), not of a running generator),
-and a stop on a NaN/inf loss that names the step and its batch and leaves the last good
-checkpoint as it was.
+evaluation after each epoch (of the validation split), checkpoints (every ``checkpoint_every``
+steps and each epoch, written then renamed, each epoch's *before* its evaluation, so a failing
+evaluation never loses the epoch), resume from a checkpoint with the same result as an
+uninterrupted run (batch order and negatives are functions of (seed, epoch, step), not of a
+running generator; an epoch whose evaluation did not finish is evaluated on resume), early
+stopping with the best epoch's weights kept (:class:`EarlyStopping`), and a stop on a NaN/inf
+loss that names the step and its batch and leaves the last good checkpoint as it was.
 
 Tables: ``table_optimizer="rowwise_adagrad"`` (or ``adagrad`` / ``sgd``) trains them through
 fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` with the optimizer fused into backward
@@ -24,6 +26,7 @@ them as plain ``nn.EmbeddingBag`` parameters in the dense optimizer.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -44,6 +47,7 @@ from retrieval.training.distributed import (
     ShardedTrainableTables,
     average_gradients,
 )
+from retrieval.training.early_stopping import EarlyStopping
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
 from sharded_tables.interface import TableCollection
 from sharded_tables.trainable import TrainableTables
@@ -114,8 +118,12 @@ class Trainer:
         cfg: TrainConfig,
         evaluate: Callable[[RetrievalModel], dict[str, float]] | None = None,
         dist_ctx: DistContext | None = None,
+        stopper: EarlyStopping | None = None,
     ):
-        """``dist_ctx``: this process's rank among several (torchrun); see
+        """``evaluate``: called after each epoch with the float tables in the model (under
+        torchrun on the ranks given one; every rank takes part in gathering the tables);
+        ``stopper``: reads its results, the best epoch's weights are kept at the end;
+        ``dist_ctx``: this process's rank among several (torchrun); see
         ``retrieval/training/distributed.py``."""
         cfg.validate()
         if model.config.table_plan is not None:
@@ -134,6 +142,12 @@ class Trainer:
         self.losses: list[float] = []
         """Losses of the current epoch's steps so far."""
         self.evals: list[dict[str, float]] = []
+        self.stopper = stopper
+        self.best_state: dict[str, Any] | None = None
+        """The model's state after the best epoch so far (float tables), when ``stopper``."""
+        self.stopped = False
+        """The stopper ended the run before ``epochs``."""
+        self._evaluates = self._any_rank(evaluate is not None)
 
     # ---- tables ---------------------------------------------------------------------------
     def _swap_in_trainable(self) -> None:
@@ -197,13 +211,16 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> list[float]:
         """Trains (or continues) until ``epochs`` or ``max_steps``; returns per-epoch mean
-        losses. Raises :class:`TrainingDivergedError` on a NaN/inf loss."""
+        losses. Raises :class:`TrainingDivergedError` on a NaN/inf loss. Once the epochs are
+        done (or the stopper stopped them), the model holds the best epoch's weights."""
         cfg, data = self.cfg, self.data
         m = len(data.user_ids)
         starts = batch_starts(m, cfg.batch_size)
         self.model.train()
         try:
-            while self.epoch < cfg.epochs:
+            if self._validation_pending():  # resumed from an epoch whose evaluation failed
+                self._validate()
+            while self.epoch < cfg.epochs and not self.stopped:
                 order = np.random.default_rng([cfg.seed, self.epoch]).permutation(m)
                 bar = tqdm(
                     total=len(starts),
@@ -235,6 +252,7 @@ class Trainer:
         finally:  # also on max_steps and errors: the model always gets its float tables back
             self.model.eval()
             self._swap_back()
+        self._keep_best()
         return self.epoch_losses
 
     def _train_step(self, idx: np.ndarray) -> None:
@@ -262,6 +280,14 @@ class Trainer:
             torch.distributed.all_reduce(bad)
         return bad.item() == 0.0
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (a collective under torchrun)."""
+        if self.dist is None:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        torch.distributed.all_reduce(t)
+        return bool(t.item() > 0)
+
     def _mean_over_ranks(self, value: float) -> float:
         if self.dist is None:
             return value
@@ -274,13 +300,55 @@ class Trainer:
         self.losses = []
         self.epoch += 1
         self.step_in_epoch = 0
-        if self.evaluate is not None:
-            self.model.eval()
-            result = {"epoch": float(self.epoch), **self.evaluate(self.model)}
-            self.evals.append(result)
-            log.info("epoch %d: %s", self.epoch, result)
+        self.checkpoint()  # before evaluating: a failing evaluation never loses this epoch
+        if self._evaluates:
+            self._validate()
+
+    # ---- evaluation and early stopping ----------------------------------------------------
+    def _validation_pending(self) -> bool:
+        """A checkpoint written at an epoch's end whose evaluation did not finish."""
+        if not self._evaluates or self.epoch == 0 or self.step_in_epoch:
+            return False
+        return not self.evals or self.evals[-1]["epoch"] < self.epoch
+
+    def _validate(self) -> None:
+        """Evaluates this epoch's weights with the float tables in the model (gathered from
+        every rank), gives them to the stopper (a copy when they are the best) and decides, on
+        every rank alike, whether to stop."""
+        training_tables = self.model.tables
+        self.model.eval()
+        self._swap_back()  # under torchrun a collective: every rank gets every table's rows
+        try:
+            stop = False
+            if self.evaluate is not None:
+                result = {"epoch": float(self.epoch), **self.evaluate(self.model)}
+                self.evals.append(result)
+                log.info("epoch %d: %s", self.epoch, result)
+                if self.stopper is not None:
+                    if self.stopper.update(self.epoch, result[self.stopper.metric]):
+                        self.best_state = _copy_state(self.model)
+                    stop = self.stopper.should_stop
+            self.stopped = self._any_rank(stop)
+        finally:
+            self.model.tables = training_tables
             self.model.train()
-        self.checkpoint()
+        if self.stopped and self.stopper is not None:
+            log.info(
+                "stopping after epoch %d: %s has not improved for %d epochs (best: epoch %d)",
+                self.epoch, self.stopper.metric, self.stopper.bad_epochs, self.stopper.best_epoch,
+            )  # fmt: skip
+
+    @property
+    def kept_epoch(self) -> int:
+        """The epoch whose weights the model holds after :meth:`fit`."""
+        if self.stopper is not None and self.best_state is not None:
+            return self.stopper.best_epoch
+        return self.epoch
+
+    def _keep_best(self) -> None:
+        """Loads the best epoch's weights when a later epoch was worse."""
+        if self.best_state is not None and self.kept_epoch != self.epoch:
+            self.model.load_state_dict(self.best_state)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -297,6 +365,8 @@ class Trainer:
             "losses": list(self.losses),
             "evals": [dict(e) for e in self.evals],
             "train_config": cfg,
+            "stopper": self.stopper.state() if self.stopper is not None else None,
+            "best_state": self.best_state,
         }
 
     def checkpoint(self) -> Path | None:
@@ -319,6 +389,17 @@ class Trainer:
         self.global_step = state["global_step"]
         self.epoch_losses, self.losses = list(state["epoch_losses"]), list(state["losses"])
         self.evals = [dict(e) for e in state["evals"]]
+        if self.stopper is not None and state.get("stopper") is not None:
+            self.stopper = EarlyStopping.from_state(state["stopper"])
+            self.best_state = state.get("best_state")
+
+
+def _copy_state(model: RetrievalModel) -> dict[str, Any]:
+    """A copy of ``model.state_dict()`` that later steps do not change."""
+    return {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        for k, v in model.state_dict().items()
+    }
 
 
 def _check_distributed(cfg: TrainConfig, world: int) -> None:
