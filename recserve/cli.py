@@ -12,6 +12,7 @@ recserve test load           locust (gRPC or HTTP users) against a server, with 
 recserve test soak           steady load on a local cluster with a hot reload and a shard restart
 recserve bench NAME          run ./bench/NAME.py (e.g. ann: the index vs faiss)
 recserve data movielens      extract MovieLens 100k from the recbole wheel into data/ml-100k
+recserve data import         your own CSV / parquet interaction log (+ items, users) -> a data set folder
 
 Paths default to folders under the current directory (runs/, data/): run it from where they
 should go (the Makefile runs from the checkout).
@@ -27,6 +28,7 @@ from pathlib import Path
 import typer
 
 from recserve.cluster_cli import cluster_app
+from recserve.data_cli import data_app
 from recserve.loadtest_cli import test_app
 from recserve.serve_cli import only_model, serve_app
 
@@ -159,19 +161,7 @@ def score_cmd(
 app.add_typer(serve_app, name="serve")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(test_app, name="test")
-data_app = typer.Typer(no_args_is_help=True, help="Data sets: fetch them for the demo and tests.")
 app.add_typer(data_app, name="data")
-
-
-@data_app.command("movielens")
-def data_movielens(
-    out: Path = typer.Option(Path("data/ml-100k"), help="target folder"),
-) -> None:
-    """Fetch MovieLens 100k (inside the recbole==1.2.1 wheel, from PyPI) into OUT."""
-    from retrieval.data.movielens import fetch_movielens
-
-    path = fetch_movielens(out)
-    typer.echo(f"MovieLens 100k is in {path}")
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

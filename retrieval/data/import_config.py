@@ -12,7 +12,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from common.config import Config, PathValue
+from common.config import Config, ConfigError, PathValue
 
 ColumnName = Annotated[str, Field(min_length=1)]
 
@@ -89,7 +89,7 @@ class ImportConfig(Config):
         for name in ("interactions", "items", "users"):
             path: Path | None = getattr(self, name)
             if path is not None and not path.is_file():
-                raise ValueError(f"{self.flags[name]}: {path} is not a file")
+                raise ConfigError(f"{self.flags[name]}: {path} is not a file")
 
     def has_explicit(self, field: str) -> bool:
         """True when ``field`` was given (not its default): a missing column it names is an

@@ -121,7 +121,10 @@ def _check_header(path: Path, names: list[str]) -> None:
 def _bar(path: Path, total: int | None, progress: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit=" rows", desc=f"reading {path.name}", disable=not progress)
+    # shown only when reading takes over a second: small files print nothing
+    return tqdm(
+        total=total, unit=" rows", desc=f"reading {path.name}", disable=not progress, delay=1.0
+    )
 
 
 # ---- columns -------------------------------------------------------------------------------
