@@ -56,16 +56,18 @@ def unit_norm(x: torch.Tensor, tol: float = 1e-3) -> bool:
     return bool(((x.float().norm(dim=1) - 1.0).abs() <= tol).all())
 
 
-def rescore(q: torch.Tensor, cand: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+def rescore(
+    q: torch.Tensor, cand: torch.Tensor, exact: torch.Tensor, max_floats: int = RESCORE_FLOATS
+) -> torch.Tensor:
     """Exact scores of candidates: ``q [B, D] float32``, ``cand [B, r] int64`` positions (``-1``
     pads), ``exact [N, D] f16|f32`` -> ``[B, r] float32`` (``-inf`` at pads).
 
-    Query rows go in chunks so that the float ``[b, r, D]`` gather stays under
-    :data:`RESCORE_FLOATS` elements.
+    Query rows go in chunks so that the float ``[b, r, D]`` gather stays under ``max_floats``
+    elements (at least one row a chunk).
     """
     b, r = cand.shape
     out = torch.empty(b, r, device=q.device)
-    step = max(1, RESCORE_FLOATS // max(1, r * q.shape[1]))
+    step = max(1, max_floats // max(1, r * q.shape[1]))
     for s in range(0, b, step):
         c = cand[s : s + step]
         vecs = exact[c.clamp(min=0)].float()  # [b', r, D], bounded by the chunk

@@ -146,3 +146,87 @@ def test_parse_stops_at_the_first_clause_or_value_past_its_limit():
         parse_filter("x in {1, 2, 3}", max_values=2)
     assert e.value.limit == "max_values"
     assert isinstance(e.value, ValueError)  # callers that catch ValueError still do
+
+
+def test_integer_and_boolean_values_are_named_by_their_text():
+    schema = FilterSchema({"label": list(range(10)), "flag": [False, True], "kind": ["a", "b"]})
+    assert schema.attribute_values["label"][3] == "3" and schema.attribute_values["flag"] == [
+        "false",
+        "true",
+    ]
+    n = 200
+    codes = np.arange(n) % 10
+    sig = schema.signatures({"label": codes, "flag": codes % 2}, n)
+    for text, want in [
+        ("label = 3", codes == 3),
+        ("label in {1, 2}", np.isin(codes, [1, 2])),
+        ("flag", codes % 2 == 1),
+        ("not flag and label != 4", (codes % 2 == 0) & (codes != 4)),
+    ]:
+        fb = schema.compile([text])
+        assert np.array_equal(eligible(sig, fb.masks[0], fb.negate[0]).numpy(), want), text
+    assert FilterSchema(schema.to_dict()).bit_of == schema.bit_of  # saved as text, reloads
+
+
+@pytest.mark.parametrize(
+    "values,match",
+    [
+        ({"label": [1, "1"]}, r"duplicate values \('1' twice"),
+        ({"price": [1.5, 2.0]}, r"attribute_values\['price'\]: 1.5 is a float; give strings"),
+    ],
+)
+def test_values_that_cannot_be_named_are_refused(values, match):
+    with pytest.raises(ValueError, match=match):
+        FilterSchema(values)
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("label == 3", r"write 'label = 3' \(one '='\), not 'label == 3'"),
+        ("label ==", r"write 'label = VALUE'"),
+        ("a = 1 or a = 2", r"'or' is not supported: for one attribute write NAME in \{A, B\}"),
+        ("a = 1 && b", r"clauses join with 'and'"),
+        ("a in [1, 2]", r"write a set in braces"),
+    ],
+)
+def test_common_mistakes_say_what_to_write(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_filter(text)
+
+
+def test_a_batch_parses_each_distinct_filter_once(schema_and_items, monkeypatch):
+    import retrieval.filters as filters_module
+
+    schema, _, _ = schema_and_items
+    calls: list[str] = []
+    real = filters_module.parse_filter
+    monkeypatch.setattr(filters_module, "parse_filter", lambda t: calls.append(t) or real(t))
+    batch = ["language = en"] * 500 + [None, "available"] * 3
+    fb = schema.compile(batch)
+    assert sorted(calls) == ["available", "language = en"]
+    assert fb.masks.shape[0] == len(batch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [None, "language = en", "available and genre in {drama, comedy}", "not language = de"]
+        ),
+        max_size=12,
+    )
+)
+def test_compiling_a_batch_equals_compiling_each_row(rows):
+    schema = FilterSchema(
+        {"language": ["en", "fr", "de"], "genre": ["drama", "comedy"], "available": ["true"]}
+    )
+    fb = schema.compile(rows)
+    assert fb.masks.shape[0] == len(rows)
+    for b, text in enumerate(rows):
+        one = schema.compile([text])
+        c = one.masks.shape[1]
+        assert torch.equal(fb.masks[b, :c], one.masks[0]) and torch.equal(
+            fb.negate[b, :c], one.negate[0]
+        )
+        assert bool(fb.negate[b, c:].all()) and not bool(fb.masks[b, c:].any())  # padding: true

@@ -1,0 +1,88 @@
+"""Memory defaults (issue 21): no exact copy unless re-rank is on, every reader of the vectors
+correct without it, old indexes with a copy still load, re-rank in bounded chunks."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search, recall_at_k
+from retrieval.index.probe import rescore
+
+
+@pytest.fixture(scope="module")
+def lean(catalog) -> IVFIndex:
+    return build_ivf(
+        catalog["x"],
+        IVFConfig(nlist=64, nprobe=8),
+        item_attributes=catalog["attrs"],
+        attribute_values=catalog["values"],
+    )
+
+
+def test_the_default_keeps_no_exact_copy(lean, catalog):
+    assert lean.config.exact_copy == "none" and lean.exact.shape == (0, lean.dim)
+    assert not lean.keeps_exact_copy
+    per_item = sum(lean.memory_bytes().values()) / lean.ntotal
+    with_copy = build_ivf(catalog["x"][:5000], IVFConfig(nlist=16, rerank=100))
+    assert with_copy.config.exact_copy == "float16" and with_copy.exact.dtype == torch.float16
+    # codes (D) + scale (4) + id (8) + signature words (8 each), + centroids and postings
+    words = lean.sig.shape[1]
+    assert per_item < lean.dim + 4 + 8 + 8 * words + 16
+    assert lean.memory_bytes()["exact"] == 0
+
+
+def test_vectors_decode_from_the_codes(lean, catalog):
+    pos = torch.arange(0, lean.ntotal, 97)
+    got = lean.vectors_at(pos)  # [M, D]
+    want = catalog["x"][lean.item_ids[pos]]
+    err = (got - want).abs().max(dim=1).values
+    assert float(err.max()) < 0.05 * float(want.abs().max())
+
+
+def test_the_filtered_exact_plan_works_without_a_copy(lean, catalog):
+    text = "shard = 3 and bucket in {1,2}"  # ~0.2 % of items: scanned exactly
+    plan = lean.search_plan(10, text, batch=len(catalog["q"]))
+    assert bool(plan.exact.all())
+    ids, _ = lean.search(catalog["q"], 10, text)
+    fb = lean.compile_filter(text, 1)
+    ok = torch.zeros(lean.ntotal, dtype=torch.bool)
+    ok[lean.item_ids[lean.eligible_positions(fb.masks[0], fb.negate[0])]] = True
+    assert ok[ids[ids >= 0]].all()
+    truth, _ = exact_search(catalog["x"], catalog["q"], 10, eligible=ok)
+    assert recall_at_k(ids, truth) >= 0.95  # decoded codes rank almost as the vectors do
+
+
+def test_an_index_saved_with_a_copy_loads_into_a_default_config(catalog):
+    old = build_ivf(catalog["x"][:5000], IVFConfig(nlist=16, exact_copy="float16"))
+    buf = io.BytesIO()
+    torch.save(old.state_dict(), buf)
+    buf.seek(0)
+    fresh = IVFIndex(IVFConfig(), old.dim)  # "auto" -> no copy, until the saved one arrives
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    assert fresh.config.exact_copy == "float16" and torch.equal(fresh.exact, old.exact)
+    q = catalog["q"][:8]
+    assert torch.equal(fresh.search(q, 20, rerank=50)[0], old.search(q, 20, rerank=50)[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(0, 9),
+    r=st.integers(1, 12),
+    floats=st.sampled_from([1, 7, 50, 1 << 22]),
+    half=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_rescore_in_chunks_equals_one_gather(b, r, floats, half, seed):
+    g = torch.Generator().manual_seed(seed)
+    exact = torch.randn(30, 5, generator=g).to(torch.float16 if half else torch.float32)
+    q = torch.randn(b, 5, generator=g)
+    cand = torch.randint(-1, 30, (b, r), generator=g)
+    got = rescore(q, cand, exact, max_floats=floats)  # chunks of 1 row up to all rows
+    want = torch.einsum("bd,brd->br", q, exact[cand.clamp(min=0)].float())
+    want = want.masked_fill(cand < 0, float("-inf"))
+    torch.testing.assert_close(got, want)
