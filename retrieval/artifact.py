@@ -1,4 +1,6 @@
-"""Save and load a model folder: ``config.json`` + ``model.pt`` (a plain state dict).
+"""Save and load a model folder: ``config.json`` + ``model.pt`` (a plain state dict), and, for a
+model trained on imported data, its id maps (``user_ids.parquet``, ``item_ids.parquet``:
+``retrieval/data/id_map.py``), so that the model answers in the user's own ids.
 
 A document-sharded model is saved as a router folder (the model with a statistics-only index,
 plus ``shard_map.json``) and one folder per shard (``index.json`` + ``index.pt``: its part of
@@ -28,6 +30,7 @@ import torch
 
 from common.atomic import atomic_writer
 from retrieval.config import ModelConfig
+from retrieval.data.id_map import IdMaps
 from retrieval.index.ivf import IVFConfig, IVFIndex
 from retrieval.index.split import merge_shards, shard_of, shard_rows, split_index
 from retrieval.model import RetrievalModel
@@ -51,6 +54,8 @@ def save_model(model: RetrievalModel, directory: Path) -> Path:
     """Writes the model folder (the weights atomically, so a crash leaves no half file)."""
     directory.mkdir(parents=True, exist_ok=True)
     save_tensors(model.state_dict(), directory / WEIGHTS_FILE)
+    if model.id_maps is not None:
+        model.id_maps.write(directory)
     model.config.save(directory / CONFIG_FILE)
     return directory
 
@@ -67,7 +72,23 @@ def load_model(
     cfg = ModelConfig.from_dict(read_json(cfg_path))
     model = RetrievalModel(cfg, remote=remote, table_device=map_location)
     load_state(model, load_tensors(weights, map_location))
+    model.id_maps = read_id_maps(directory, cfg)
     return model.to(map_location)
+
+
+def read_id_maps(directory: Path, cfg: ModelConfig) -> IdMaps | None:
+    """The model folder's id maps (None: the model knows dense ids only); ``ValueError`` naming
+    the folder when one file is missing or the item map does not fit the catalog."""
+    try:
+        maps = IdMaps.read(directory)
+    except ValueError as e:
+        raise ValueError(f"model folder {directory}: {e}") from None
+    if maps is not None and len(maps.items) != cfg.num_items:
+        raise ValueError(
+            f"model folder {directory}: the item id map has {len(maps.items)} ids, the model "
+            f"{cfg.num_items} items"
+        )
+    return maps
 
 
 def save_tensors(state: dict[str, Any], path: Path) -> None:

@@ -10,6 +10,7 @@ the whole retrieval stack. Training uses the same tables and towers (``user_vect
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from sharded_tables.interface import TableCollection
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.specs import DType, TableSpec
 from sharded_tables.tiered import RemoteFetcher, TieredEmbeddingCollection
+
+if TYPE_CHECKING:
+    from retrieval.data.id_map import IdMaps
 
 
 def table_configs(cfg: ModelConfig) -> list[TableConfig]:
@@ -116,6 +120,10 @@ class RetrievalModel(nn.Module):
             else None
         )
         self.index = IVFIndex(config.index, config.out_dim, config.item_attributes)
+        self.id_maps: IdMaps | None = None
+        """The raw (the user's own) id of every dense user and item id, when the model was
+        trained on imported data: saved in the model folder, so scoring and front ends map
+        raw ids in (``id_maps.items.to_dense``) and answers out (``to_raw_lists``)."""
 
     # ---- towers (shared by training and serving) ----------------------------------------------
     def user_vectors(self, batch: UserBatch) -> torch.Tensor:

@@ -50,5 +50,6 @@ def tier_model(
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(("tables.", "index."))}
     tiered.load_state_dict(own, strict=False)
     tiered.index = copy.deepcopy(model.index)
+    tiered.id_maps = model.id_maps
     remote_rows = tiered.tables.load_float(float_tables(model))
     return tiered.eval(), remote_rows

@@ -37,7 +37,7 @@ from retrieval.data.encode import (
 from retrieval.data.encode import buckets as bucketize
 from retrieval.data.id_map import IdMap, IdMaps
 from retrieval.data.import_config import ImportConfig
-from retrieval.data.schema import Interactions, RecDataset, write_parquet
+from retrieval.data.schema import META_FILE, Interactions, RecDataset, write_parquet
 from retrieval.data.score_users import write_score_users
 from retrieval.data.tables import (
     DataFileError,
@@ -308,7 +308,7 @@ def _write(
     ds: RecDataset, extra: dict[str, np.ndarray], report: ImportReport, cfg: ImportConfig
 ) -> None:
     out = Path(cfg.out)
-    if out.exists() and not (out / "meta.json").is_file() and any(out.iterdir()):
+    if out.exists() and not (out / META_FILE).is_file() and any(out.iterdir()):
         raise DataFileError(f"--out: {out} exists and is not a data set folder; choose another")
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -41,6 +41,8 @@ import pyarrow.parquet as pq
 from retrieval.data.id_map import IdMaps
 
 FORMAT_VERSION = 1
+META_FILE = "meta.json"
+"""The file that makes a folder a data set folder (written last by :func:`write_parquet`)."""
 
 
 @dataclass
@@ -253,14 +255,14 @@ def write_parquet(ds: RecDataset, directory: Path) -> Path:
     }
     if ds.ids is not None:
         ds.ids.write(directory)
-    (directory / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    (directory / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
     return directory
 
 
 def read_parquet(directory: Path) -> RecDataset:
     """Reads a folder written by :func:`write_parquet` and validates the result."""
     directory = Path(directory)
-    meta_path = directory / "meta.json"
+    meta_path = directory / META_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(
             f"{directory}: no meta.json (not a folder written by write_parquet)"

@@ -4,7 +4,8 @@ per table, every constraint declared once on its field (``common/config.py``).
 Example ``train.toml`` (every table optional, every key but ``[publish]``'s first two)::
 
     [data]
-    source = "synthetic"        # or "movielens" (data_dir = "data/ml-100k")
+    source = "synthetic"        # or "movielens" (data_dir = "data/ml-100k"), or "parquet"
+                                # (path = "data/shop": a `recserve data import` folder)
     num_users = 2000            # synthetic only
     num_items = 5000
 
@@ -67,12 +68,16 @@ Seed = Annotated[int, Field(ge=0)]
 # ---- [data] ------------------------------------------------------------------------------------
 class DataConfig(Config):
     """``[data]``: where the interactions come from. ``synthetic`` takes the generator's keys
-    (:class:`retrieval.data.SyntheticConfig`), ``movielens`` only ``data_dir``."""
+    (:class:`retrieval.data.SyntheticConfig`), ``movielens`` only ``data_dir``, ``parquet`` only
+    ``path``."""
 
-    source: Literal["synthetic", "movielens"] = "synthetic"
-    """The generated data set, or MovieLens 100k from ``data_dir``."""
+    source: Literal["synthetic", "movielens", "parquet"] = "synthetic"
+    """The generated data set, MovieLens 100k from ``data_dir``, or a data set folder
+    (``recserve data import``) at ``path``."""
     data_dir: PathValue = Path("data/ml-100k")
     """movielens: the MovieLens 100k folder (``recserve data movielens`` fetches it)."""
+    path: PathValue | None = Field(default=None, validate_default=True)
+    """parquet: the data set folder that ``recserve data import`` wrote (checked at start)."""
     num_users: PositiveInt = 2000
     """synthetic: users."""
     num_items: PositiveInt = 5000
@@ -104,8 +109,29 @@ class DataConfig(Config):
     @field_validator("data_dir")
     @classmethod
     def _only_movielens(cls, value: Path, info: ValidationInfo) -> Path:
-        if info.data.get("source") == "synthetic":
+        if info.data.get("source") != "movielens":
             raise ValueError("only with source = 'movielens'")
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _a_data_set_folder(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        source = info.data.get("source")
+        if source != "parquet":
+            if value is not None:
+                raise ValueError("only with source = 'parquet'")
+            return value
+        if value is None:
+            raise ValueError("required with source = 'parquet' (a `recserve data import` folder)")
+        from retrieval.data.schema import META_FILE
+
+        if not value.is_dir():
+            raise ValueError(f"{value} is not a folder (`recserve data import --out` writes one)")
+        if not (value / META_FILE).is_file():
+            raise ValueError(
+                f"{value} is not a data set folder: no {META_FILE} (`recserve data import` "
+                "writes one)"
+            )
         return value
 
     @field_validator(
@@ -115,8 +141,10 @@ class DataConfig(Config):
     )  # fmt: skip
     @classmethod
     def _only_synthetic(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.data.get("source") == "movielens":
-            raise ValueError("unknown key for source = 'movielens' (known: data_dir)")
+        source = info.data.get("source")
+        if source != "synthetic":
+            known = "data_dir" if source == "movielens" else "path"
+            raise ValueError(f"unknown key for source = {source!r} (known: {known})")
         if info.field_name == "topics_per_user":
             lo, hi = value
             top = info.data.get("num_topics", 1)
@@ -128,7 +156,7 @@ class DataConfig(Config):
         """The generator's config (``source = "synthetic"``)."""
         from retrieval.data import SyntheticConfig
 
-        values = self.model_dump(exclude={"source", "data_dir"})
+        values = self.model_dump(exclude={"source", "data_dir", "path"})
         return SyntheticConfig(**{**values, "topics_per_user": tuple(self.topics_per_user)})
 
 

@@ -106,9 +106,18 @@ class Prepared:
         """Inputs of ``users [B]``; ``history [U, H]`` defaults to :attr:`history`."""
         ds = self.dataset
         hist = self.history if history is None else history
-        cat = np.stack([ds.user_features[n][users] for n in self.config.user_features], axis=1)
+        cat = user_codes(ds, list(self.config.user_features), users)
         schema = FilterSchema(self.config.item_attributes)
         return make_user_batch(hist[users], cat, ds.user_dense[users], schema, filters)
+
+
+def user_codes(ds: RecDataset, names: list[str], users: np.ndarray | None = None) -> np.ndarray:
+    """The categorical features ``names`` of ``users [B]`` (default: all U) -> ``[B, F] int64``;
+    ``F = 0`` for data without user features (an imported log with no users file)."""
+    rows = np.arange(ds.num_users) if users is None else users
+    if not names:
+        return np.zeros((len(rows), 0), dtype=np.int64)
+    return np.stack([ds.user_features[n][rows] for n in names], axis=1).astype(np.int64)
 
 
 def default_index_config(num_items: int, **overrides: Any) -> IVFConfig:
@@ -145,7 +154,7 @@ def prepare(
         index=model_overrides.pop("index", default_index_config(ds.num_items)),
         **model_overrides,
     )
-    cat = np.stack([ds.user_features[n] for n in config.user_features], axis=1).astype(np.int64)
+    cat = user_codes(ds, list(config.user_features))
     train = TrainingData(
         user_ids=fit_i.user_id.astype(np.int64),
         item_ids=fit_i.item_id.astype(np.int64),

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrieval.data import RecDataset, generate, load_movielens
+from retrieval.data import RecDataset, generate, load_movielens, read_parquet
 from retrieval.index.exact import recall_at_k
 from retrieval.metrics import popularity_recs, ranking_metrics
 from retrieval.model import RetrievalModel
@@ -40,9 +40,15 @@ __all__ = [
 
 
 def load_data(data: DataConfig) -> RecDataset:
-    """``[data]`` -> a dataset."""
+    """``[data]`` -> a dataset (an imported one carries its raw ids: ``ds.ids``)."""
     if data.source == "movielens":
         return load_movielens(data.data_dir)
+    if data.source == "parquet":
+        assert data.path is not None  # the config requires it with source = "parquet"
+        try:
+            return read_parquet(data.path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"data.path: {e}") from None
     return generate(data.synthetic())
 
 
@@ -160,6 +166,7 @@ def run_training(
     plan = check_run(cfg, prep)  # before any step: refusals name the field
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = RetrievalModel(prep.config)
+    model.id_maps = ds.ids  # saved with the model: scoring reads and writes raw ids
     main = dist_ctx is None or dist_ctx.is_main
     validating = cfg.evaluate.validation > 0
     evaluate = evaluator(prep, cfg.evaluate, "validation") if main and validating else None
