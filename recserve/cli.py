@@ -1,6 +1,7 @@
 """``recserve`` command line: jobs, and groups of them.
 
-recserve demo                train on MovieLens 100k, build the index, print recommendations and recall
+recserve demo                train on MovieLens 100k (or --data FOLDER: your own), build the index, print
+                             recommendations and recall
 recserve train               train from a config (torchrun for several processes), evaluate, publish
 recserve score               score a parquet file of users offline with a published model
 recserve serve model         serve a model repository: gRPC Recommend, KServe v2, health, metrics, hot reload
@@ -40,13 +41,6 @@ app = typer.Typer(
 )
 
 
-class DataSource(StrEnum):
-    """Where the demo's interactions come from."""
-
-    movielens = "movielens"
-    synthetic = "synthetic"
-
-
 class ScoreEngine(StrEnum):
     """How ``score`` runs: worker processes on this machine, or Ray Data."""
 
@@ -56,8 +50,10 @@ class ScoreEngine(StrEnum):
 
 @app.command()
 def demo(
-    data: DataSource = typer.Option(
-        DataSource.movielens, help="movielens (real ratings) or synthetic"
+    data: str = typer.Option(
+        "movielens",
+        help="movielens (real ratings), synthetic, or a folder of your own data "
+        "(`recserve data import --out FOLDER`)",
     ),
     data_dir: Path = typer.Option(Path("data/ml-100k"), help="MovieLens 100k folder"),
     epochs: int = typer.Option(8, min=1, help="training epochs"),
@@ -67,17 +63,21 @@ def demo(
     quiet: bool = typer.Option(False, help="no progress bars"),
 ) -> None:
     """Train a small model, build the in-model index, print recommendations and recall."""
-    from recserve.demo import run_demo
+    from recserve.demo import DemoDataError, run_demo
 
-    run_demo(
-        data=data.value,
-        data_dir=data_dir,
-        epochs=epochs,
-        k=k,
-        out=out,
-        seed=seed,
-        progress=not quiet,
-    )
+    try:
+        run_demo(
+            data=data,
+            data_dir=data_dir,
+            epochs=epochs,
+            k=k,
+            out=out,
+            seed=seed,
+            progress=not quiet,
+        )
+    except DemoDataError as e:
+        typer.echo(f"demo: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("train")

@@ -12,7 +12,8 @@ from rich.table import Table
 
 from recserve.demo_serving import serve_on_cluster
 from retrieval.artifact import load_model, save_model
-from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
+from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens, read_parquet
+from retrieval.data.schema import META_FILE
 from retrieval.index.exact import recall_at_k
 from retrieval.metrics import popularity_recs, ranking_metrics
 from retrieval.model import RetrievalModel
@@ -47,17 +48,27 @@ def _recommend(
     return np.concatenate(out)
 
 
+class DemoDataError(ValueError):
+    """``--data`` names no data set (the message says what it accepts)."""
+
+
 def _load(data: str, data_dir: Path, seed: int) -> RecDataset:
     if data == "movielens":
         return load_movielens(data_dir)
     if data == "synthetic":
         return generate(SyntheticConfig(seed=seed))
-    raise ValueError(f"--data must be movielens or synthetic, got {data!r}")
+    folder = Path(data)
+    if not (folder / META_FILE).is_file():
+        raise DemoDataError(
+            f"--data: {data!r} is neither movielens, synthetic nor a data set folder (no "
+            f"{folder / META_FILE}; `recserve data import --out FOLDER` writes one)"
+        )
+    return read_parquet(folder)
 
 
 def _show_recs(model: RetrievalModel, prep: Prepared, user: int, k: int, flt: str | None) -> None:
     ds = prep.dataset
-    names = ds.item_names or [f"item {i}" for i in range(ds.num_items)]
+    names = ds.display_names()
     ids = _recommend(model, prep, np.array([user]), k, [flt])[0]
     table = Table(title=f"user {user}" + (f" — filter: {flt}" if flt else ""), show_lines=False)
     table.add_column("#", justify="right")
@@ -77,6 +88,11 @@ def run_demo(
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     ds = _load(data, data_dir, seed)
+    if k > ds.num_items:
+        console.print(
+            f"[yellow]k={k} is more than the catalog's {ds.num_items} items: k={ds.num_items}"
+        )
+        k = ds.num_items
     prep = prepare(ds)
     console.rule(f"[bold]recserve demo — {ds.name}")
     console.print(
@@ -85,6 +101,7 @@ def run_demo(
     )
 
     model = RetrievalModel(prep.config)
+    model.id_maps = ds.ids  # imported data: the saved model answers batch scoring in raw ids
     losses = train(model, prep.train, TrainConfig(epochs=epochs, seed=seed, progress=progress))
     console.print(f"trained {epochs} epochs: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
@@ -122,7 +139,8 @@ def run_demo(
 
     first = int(users[0])
     _show_recs(model, prep, first, k, None)
-    _show_recs(model, prep, first, k, DEMO_FILTERS.get(ds.name.split("-")[0]))
+    if (flt := DEMO_FILTERS.get(ds.name.split("-")[0])) is not None:
+        _show_recs(model, prep, first, k, flt)
 
     path = save_model(model, out / "model")
     again = load_model(path)
@@ -164,10 +182,15 @@ def _batch_score(model_dir: Path, prep: Prepared, out: Path, k: int) -> str:
     import pyarrow.parquet as pq
 
     from retrieval.batch_scoring import ScoreJob, read_output, score, users_table
+    from retrieval.data.score_users import score_users_table
 
     out.mkdir(parents=True, exist_ok=True)
     users = np.arange(prep.dataset.num_users)
-    pq.write_table(users_table(users, prep.user_batch(users)), out / "users.parquet")
+    if prep.dataset.ids is not None:  # the model reads raw item ids: its data set's own users
+        table = score_users_table(prep.dataset, prep.config.history_len)
+    else:
+        table = users_table(users, prep.user_batch(users))
+    pq.write_table(table, out / "users.parquet")
     job = ScoreJob(model_dir, 0, out / "users.parquet", out / "recs", k=k, overwrite=True)
     start = time.perf_counter()
     score(job, progress=False)

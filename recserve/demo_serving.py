@@ -153,7 +153,7 @@ def _show(
     stub: RecommenderStub, prep: Prepared, user: int, flt: str | None, console: Console
 ) -> None:
     ds = prep.dataset
-    names = ds.item_names or [f"item {i}" for i in range(ds.num_items)]
+    names = ds.display_names()
     reply = stub.Recommend(_request(prep, user, 8, flt), timeout=10.0)
     table = Table(title=f"router: user {user}" + (f" — filter: {flt}" if flt else ""))
     table.add_column("#", justify="right")

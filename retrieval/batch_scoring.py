@@ -6,14 +6,17 @@ Input columns (checked before any work; an error names the column):
 column         type                meaning
 =============  ==================  ===================================================
 ``user_id``    int64 or string     echoed to the output
-``history``    list<int64>         recent item ids, newest first (the model keeps its window)
+``history``    list<int64>         recent item ids, newest first (the model keeps its window);
+                                   raw ids (list<int64> or list<string>) for a model with
+                                   id maps (``retrieval/scoring_ids.py``)
 ``categorical`` list<int64>        one code per categorical user feature, config order
 ``dense``      list<float>         the model's dense user features
 ``filter``     string (optional)   a per-user filter; ``--filter`` applies one to all
 =============  ==================  ===================================================
 
 Output: a folder of ``part-NNNNN.parquet`` files (``user_id, item_ids list<int64>,
-scores list<float>, model_version``) and ``_manifest.json``, which lists the parts that are
+scores list<float>, model_version``; a model trained on imported data writes its raw item ids,
+null where a filter left fewer than K) and ``_manifest.json``, which lists the parts that are
 complete. Input chunks of ``chunk_rows`` users are scored by worker processes (each loads the
 model once) and each part is written atomically (``common.atomic``), then recorded; a killed
 run started again skips the recorded chunks and redoes the rest, so no user is missing or
@@ -54,6 +57,14 @@ import pyarrow.parquet as pq
 import torch
 
 from common.atomic import atomic_write_json, atomic_writer, temp_target
+from retrieval.data.id_map import IdMaps
+from retrieval.scoring_ids import (
+    dense_history,
+    first_unknown,
+    history_expected,
+    history_type_ok,
+    raw_answers,
+)
 
 MANIFEST = "_manifest.json"
 COLUMNS: dict[str, Callable[[pa.DataType], bool]] = {
@@ -119,13 +130,14 @@ def check_input(job: ScoreJob) -> pq.ParquetFile:
     except (OSError, pa.ArrowInvalid) as e:
         raise ScoreInputError(f"--users: cannot read {job.users} as parquet: {e}") from None
     schema = f.schema_arrow
+    maps = _model_maps(job)
     for name, ok in COLUMNS.items():
+        want = history_expected(maps) if name == "history" else EXPECTED[name]
         if name not in schema.names:
-            raise ScoreInputError(f"--users: column {name!r} is missing ({EXPECTED[name]})")
-        if not ok(schema.field(name).type):
-            raise ScoreInputError(
-                f"--users: column {name!r} is {schema.field(name).type}, expected {EXPECTED[name]}"
-            )
+            raise ScoreInputError(f"--users: column {name!r} is missing ({want})")
+        t = schema.field(name).type
+        if not (history_type_ok(t, maps) if name == "history" else ok(t)):
+            raise ScoreInputError(f"--users: column {name!r} is {t}, expected {want}")
     if "filter" in schema.names and not pa.types.is_string(schema.field("filter").type):
         raise ScoreInputError(
             f"--users: column 'filter' is {schema.field('filter').type}, expected string"
@@ -136,6 +148,17 @@ def check_input(job: ScoreJob) -> pq.ParquetFile:
         raise ScoreInputError(f"--users: {job.users} has no rows")
     check_values(f, job)
     return f
+
+
+def _model_maps(job: ScoreJob) -> Any:
+    """The model folder's id maps (None: dense ids); errors name the folder."""
+    from retrieval.artifact import CONFIG_FILE, read_id_maps
+    from retrieval.config import ModelConfig
+
+    try:
+        return read_id_maps(job.model_dir, ModelConfig.load(job.model_dir / CONFIG_FILE))
+    except (OSError, ValueError, TypeError) as e:
+        raise ScoreInputError(f"model_dir: {e}") from None
 
 
 def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
@@ -156,13 +179,14 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
     except (OSError, ValueError, TypeError) as e:
         raise ScoreInputError(f"model_dir: cannot read {path}: {e}") from None
     check_parts(job, cfg)
+    maps = _model_maps(job)
     schema = FilterSchema(cfg.item_attributes)
     if job.filter:
         _check_filter(job.filter, schema, "--filter")
     columns = [c for c in (*COLUMNS, "filter") if c in f.schema_arrow.names]
     start = 0
     for batch in f.iter_batches(batch_size=65_536, columns=columns):
-        _check_batch(batch, start, cfg, schema)
+        _check_batch(batch, start, cfg, schema, maps)
         start += batch.num_rows
 
 
@@ -191,14 +215,22 @@ def check_parts(job: ScoreJob, cfg: Any) -> None:
         )
 
 
-def _check_batch(batch: pa.RecordBatch, start: int, cfg: Any, schema: Any) -> None:
-    """:func:`check_values` of rows ``start ..`` of the file."""
+def _check_batch(
+    batch: pa.RecordBatch, start: int, cfg: Any, schema: Any, maps: IdMaps | None
+) -> None:
+    """:func:`check_values` of rows ``start ..`` of the file (``maps``: the history holds raw
+    item ids, each one the model's)."""
 
     def refuse(column: str, row: int, why: str) -> ScoreInputError:
         return ScoreInputError(f"--users: column {column!r}, row {start + row}: {why}")
 
     widths = {"categorical": len(cfg.user_features), "dense": cfg.dense_dim}
-    id_ranges = {"history": [(-1, cfg.num_items)]}
+    id_ranges = {"history": [(-1, cfg.num_items)]} if maps is None else {}
+    if maps is not None:
+        unknown = first_unknown(batch.column("history"), maps.items)
+        if unknown is not None:
+            row, raw = unknown
+            raise refuse("history", row, f"item {raw!r} is not in the model's catalog")
     if cfg.table_plan is None:
         id_ranges["categorical"] = [(-1, n) for n in cfg.user_features.values()]
     for name in ("user_id", "categorical", "dense"):
@@ -207,6 +239,8 @@ def _check_batch(batch: pa.RecordBatch, start: int, cfg: Any, schema: Any) -> No
             raise refuse(name, int(np.argmax(nulls)), "is null")
     for name in ("history", "categorical", "dense"):
         lists = batch.column(name)
+        if name == "history" and maps is not None:
+            lists = dense_history(lists, maps.items)  # known ids (checked above)
         rows = pc.list_parent_indices(lists).to_numpy()  # value -> its row
         values = pc.list_flatten(lists)
         if values.null_count:
@@ -338,14 +372,18 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
     cfg = model.config
     n = table.num_rows
     hist = np.full((n, cfg.history_len), -1, dtype=np.int64)
-    for r, h in enumerate(table.column("history").to_pylist()):
+    lists = table.column("history")
+    if model.id_maps is not None:  # raw item ids in, raw item ids out
+        lists = dense_history(lists, model.id_maps.items)
+    for r, h in enumerate(lists.to_pylist()):
         recent = (h or [])[: cfg.history_len]
         hist[r, : len(recent)] = recent
     cat = _matrix(table, "categorical", len(cfg.user_features), np.int64)
     dense = _matrix(table, "dense", cfg.dense_dim, np.float32)
     filters = _filters(table, job.filter)
     schema = model.index.schema
-    ids_out, scores_out = [], []
+    ids_out: list[np.ndarray] = []
+    scores_out = []
     for s in range(0, n, job.batch_size):
         sl = slice(s, s + job.batch_size)
         try:
@@ -354,12 +392,12 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
             raise ValueError(f"filter (rows {s}..): {e}") from None
         with torch.inference_mode():
             ids, scores = model(batch, job.k)
-        ids_out.extend(ids.numpy().tolist())
+        ids_out.append(ids.numpy())
         scores_out.extend(scores.numpy().tolist())
     return pa.table(
         {
             "user_id": table.column("user_id"),
-            "item_ids": pa.array(ids_out, type=pa.list_(pa.int64())),
+            "item_ids": raw_answers(np.concatenate(ids_out), model.id_maps),
             "scores": pa.array(scores_out, type=pa.list_(pa.float32())),
             "model_version": pa.array(np.full(n, job.version, dtype=np.int64)),
         }

@@ -159,6 +159,15 @@ class RecDataset:
         if self.ids is not None:
             self.ids.check_sizes(self.num_users, self.num_items, "ids")
 
+    def display_names(self) -> list[str]:
+        """``N`` names to show: the item's name, else its raw id, else ``"item <id>"``."""
+        raw = self.ids.items.raw.to_pylist() if self.ids is not None else None
+        names = self.item_names or [""] * self.num_items
+        return [
+            name or (str(raw[i]) if raw is not None else f"item {i}")
+            for i, name in enumerate(names)
+        ]
+
 
 def is_multi_valued(arr: np.ndarray) -> bool:
     """True for a multi-valued attribute (bool ``[N, V]``), False for codes ``[N]``."""
