@@ -64,6 +64,7 @@ def test_two_processes_train_the_same_model_as_one(tmp_path):
         ("model", "out_dimension = 8", "model.out_dimension"),
         ("train", "batch_size = 0", "train.batch_size"),
         ("data", 'source = "kaggle"', "data.source"),
+        ("evaluate", "k = 100", "evaluate.k"),  # more than the 60 items: known once data loads
     ],
 )
 def test_a_bad_config_is_refused_at_start_naming_the_field(tmp_path, table, line, field):
