@@ -95,6 +95,8 @@ max_steps = 100
 [evaluate]
 k = 20
 users = 0
+validation = 0.2
+patience = 3
 
 [publish]
 model_repo = "repo"
@@ -193,6 +195,9 @@ def test_an_unknown_key_is_refused_naming_it(tmp_path, text, field):
         ("[train]\nseed = -1\n", "train.seed", "must be >= 0"),
         ("[evaluate]\nk = 0\n", "evaluate.k", "must be >= 1, got 0"),
         ("[evaluate]\nusers = -1\n", "evaluate.users", "must be >= 0, got -1"),
+        ("[evaluate]\nvalidation = 1.0\n", "evaluate.validation", "must be < 1.0, got 1.0"),
+        ("[evaluate]\nvalidation = -0.1\n", "evaluate.validation", "must be >= 0"),
+        ("[evaluate]\npatience = -1\n", "evaluate.patience", "must be >= 0, got -1"),
         ("[publish]\nname = 'demo'\n", "publish.model_repo", "required"),
         ("[publish]\nmodel_repo = 'r'\nname = '../x'\n", "publish.name", "must match"),
         ("[publish]\nmodel_repo = 'r'\nname = 'n'\ntable_dtype = 'bf16'\n", "publish.table_dtype",
