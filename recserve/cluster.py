@@ -84,6 +84,9 @@ class ClusterSpec:
     router_http_port: int = 0
     router_processes: int = 1
     """Serving processes of the router (``recserve serve router --processes``)."""
+    state_dir: Path | None = None
+    """The router's update log folder (``serve router --state-dir``): live updates through the
+    router to every shard; None: off."""
     startup_timeout_s: float = 120.0
     auth_token_file: Path | None = None
     """Every process needs this bearer token (``common/security.py``); None: no token."""
@@ -242,6 +245,8 @@ def _up(
         ]  # fmt: skip
         if spec.router_processes > 1:
             args += ["--processes", str(spec.router_processes)]
+        if spec.state_dir is not None:
+            args += ["--state-dir", str(spec.state_dir.resolve())]
         if ca is not None:
             args += ["--upstream-ca", str(ca)]
         embed = [p.address for p in started if p.role == "embedding-server"]

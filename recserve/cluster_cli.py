@@ -33,6 +33,9 @@ def cluster_up(
     router_processes: int = typer.Option(
         1, min=1, help="router: serving processes sharing its ports (serve router --processes)"
     ),
+    state_dir: Path = typer.Option(
+        None, help="router: live updates on, their log in this folder (serve router --state-dir)"
+    ),
     directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
     auth_token_file: Path = typer.Option(
         None, help="every process needs this bearer token (the router sends it on)"
@@ -56,6 +59,7 @@ def cluster_up(
         router_grpc_port=grpc_port,
         router_http_port=http_port,
         router_processes=router_processes,
+        state_dir=state_dir,
         auth_token_file=auth_token_file,
         tls_cert=tls_cert,
         tls_key=tls_key,

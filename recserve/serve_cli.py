@@ -122,6 +122,7 @@ def serve_router(
     poll_s: float = _opt("poll_s"),
     torch_threads: int = _opt("torch_threads"),
     processes: int = _opt("processes"),
+    state_dir: Path = _opt("state_dir"),
     token_file: Path = _sec("token_file"),
     token_env: str = _sec("token_env"),
     auth_serving: bool = _sec("auth_serving"),
@@ -131,7 +132,8 @@ def serve_router(
     upstream_ca: Path = _sec("upstream_ca"),
 ) -> None:
     """Serve the router of a document-sharded version: the towers here, the index search on
-    the shard servers (``serve shard``), their answers merged exactly."""
+    the shard servers (``serve shard``), their answers merged exactly. With ``--state-dir``,
+    live updates (the Admin API) go through it to every shard, logged once here."""
     flags = dict(locals())  # the parameters only: taken before any local import
     from serving.sharding.config import parse_shards
 

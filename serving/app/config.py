@@ -223,14 +223,8 @@ class ServeConfig(Config):
         if self.router is not None:
             self.router.validate()
         self.security.validate()
-        if self.state_dir is not None:
-            if self.router is not None:
-                raise ConfigError(
-                    "state_dir: live updates are not supported on a router ([router] is set): "
-                    "a document-sharded version is updated by publishing a new one"
-                )
-            if self.state_dir.exists() and not self.state_dir.is_dir():
-                raise ConfigError(f"state_dir: {self.state_dir} exists and is not a folder")
+        if self.state_dir is not None and self.state_dir.exists() and not self.state_dir.is_dir():
+            raise ConfigError(f"state_dir: {self.state_dir} exists and is not a folder")
         self.model = self.resolve_model()
 
     def resolve_model(self) -> str:

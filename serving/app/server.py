@@ -140,16 +140,27 @@ class Server:
             )
             self._router = repo
         self.updates: LiveUpdates | None = None
-        if config.state_dir is not None:  # config.validate refuses it with a router
-            from serving.live.updates import LiveUpdates
-
+        if config.state_dir is not None:
             model_repo = repo
-            self.updates = LiveUpdates(
-                config.state_dir,
-                config.model,
-                self.metrics,
-                versions=lambda: model_repo.versions(config.model),
-            )
+            if self._router is not None:  # updates go through the shards, in two phases
+                from serving.sharding.routed_updates import RoutedUpdates
+
+                self.updates = RoutedUpdates(
+                    config.state_dir,
+                    config.model,
+                    self.metrics,
+                    self._router.client,
+                    versions=lambda: model_repo.versions(config.model),
+                )
+            else:
+                from serving.live.updates import LiveUpdates
+
+                self.updates = LiveUpdates(
+                    config.state_dir,
+                    config.model,
+                    self.metrics,
+                    versions=lambda: model_repo.versions(config.model),
+                )
         self.host = ModelHost(
             repo,
             config.model,

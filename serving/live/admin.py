@@ -1,10 +1,11 @@
 """The admin gRPC API (``recserve.admin.v1.Admin``, ``serving/protos/admin.proto``): live
 updates of the served model, through :class:`~serving.live.updates.LiveUpdates`.
 
-The API is on only with ``state_dir`` (else every call is FAILED_PRECONDITION saying so) and never
-on a router. With a token configured, a call needs it before it gets here
-(``common/security.py``: admin methods always need the token, even with ``auth_serving`` off);
-the :data:`Authorizer` hook is for finer rules on top.
+The API is on only with ``state_dir`` (else every call is FAILED_PRECONDITION saying so); on a
+router the updates go through its document shards (``serving/sharding/routed_updates.py``).
+With a token configured, a call needs it before it gets here (``common/security.py``: admin
+methods always need the token, even with ``auth_serving`` off); the :data:`Authorizer` hook is
+for finer rules on top.
 """
 
 from __future__ import annotations
@@ -85,11 +86,6 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
 
     def _updates(self) -> LiveUpdater:
-        if self.state.routed:
-            raise AdminUnavailableError(
-                "admin: live updates are not supported on a router (document-sharded "
-                "serving): publish a new version instead"
-            )
         if self.state.updates is None:
             raise AdminUnavailableError(
                 "admin: live updates are off: this server has no state folder (set state_dir "

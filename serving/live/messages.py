@@ -131,17 +131,23 @@ def to_record(batch: UpdateBatch, sequence: int) -> pb.LogRecord:
     )
 
 
-def from_record(record: pb.LogRecord, model: RetrievalModel) -> UpdateBatch:
-    """A log record -> the batch it logged."""
+def from_record(
+    record: pb.LogRecord, dim: int, widths: dict[str, int] | None
+) -> UpdateBatch | None:
+    """A log record -> the batch it logged; ``dim``: the index's vector width D, ``widths``:
+    ``{table: E}`` of the model's tables (None: a document shard, which has no tables: a table
+    update is then None)."""
     which = record.WhichOneof("update")
     if which == "upsert_items":
-        return parse_upsert(record.upsert_items, model.index.dim, max_norm=None)
+        return parse_upsert(record.upsert_items, dim, max_norm=None)
     if which == "remove_items":
         return RemoveItems(id_tensor(record.remove_items.ids))
     if which == "set_item_attributes":
         return parse_set_attributes(record.set_item_attributes)
     if which == "update_embeddings":
-        return parse_embeddings(record.update_embeddings, table_widths(model))
+        if widths is None:
+            return None
+        return parse_embeddings(record.update_embeddings, widths)
     raise ValueError(f"log record {record.sequence}: no update in it")
 
 

@@ -21,21 +21,39 @@ import dataclasses
 import logging
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from retrieval.index.update import REBUILD_IMBALANCE, list_imbalance
-from retrieval.live_updates import UpdateBatch, UpdateError, apply_update, prepare_update
+from retrieval.live_updates import (
+    PreparedUpdate,
+    UpdateBatch,
+    UpdateError,
+    apply_update,
+    prepare_update,
+)
 from retrieval.model import RetrievalModel
 from serving.engine.host import ModelHost
 from serving.engine.metrics import ServingMetrics
-from serving.live.messages import from_record, to_record, wire_error
+from serving.live.messages import from_record, table_widths, to_record, wire_error
 from serving.live.update_log import UpdateLog, log_path
 from serving.protos import admin_pb2 as pb
 from serving.repository.repository import LoadedModel
 from serving.types import RequestError
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def refusals(kind: str) -> Iterator[None]:
+    """Model-level refusals -> INVALID_ARGUMENT naming the wire field (``kind``: the call)."""
+    try:
+        yield
+    except UpdateError as e:
+        raise wire_error(kind, e) from None
+    except ValueError as e:  # checks below the model level (the index's own)
+        raise RequestError(str(e)) from None
 
 
 class LiveUpdates:
@@ -68,7 +86,7 @@ class LiveUpdates:
                 record = pb.LogRecord.FromString(payload)
                 if record.sequence != seq:
                     raise ValueError(f"the record says it is update {record.sequence}")
-                model = apply_update(model, from_record(record, model))
+                model = self.replay_record(model, record)
             except Exception as e:
                 update_log.close()
                 raise RuntimeError(f"{path}: update {seq} does not apply: {e}") from e
@@ -81,7 +99,13 @@ class LiveUpdates:
         self.metrics.replayed(len(records), len(records))
         self._observe(model, version)
         self._prune(version)
-        return dataclasses.replace(loaded, model=model) if records else loaded
+        return dataclasses.replace(loaded, model=model, sequence=len(records))
+
+    def replay_record(self, model: RetrievalModel, record: pb.LogRecord) -> RetrievalModel:
+        """One logged update applied to ``model`` -> the model after it."""
+        batch = from_record(record, model.index.dim, table_widths(model))
+        assert batch is not None  # with the tables' widths, every record is a batch
+        return apply_update(model, batch)
 
     def apply(
         self,
@@ -96,17 +120,13 @@ class LiveUpdates:
             host.check_target(target[0], target[1] or None)
             loaded = served.loaded
             batch = parse(loaded.model)
-            try:
-                prepared = prepare_update(loaded.model, batch, hold=host.gate.exclusive)
-            except UpdateError as e:
-                raise wire_error(kind, e) from None
-            except ValueError as e:  # checks below the model level (the index's own)
-                raise RequestError(str(e)) from None
             version = loaded.version
             update_log = self._log(version)
             seq = update_log.count + 1
-            update_log.append(to_record(prepared.resolved, seq).SerializeToString())
-            host.swap_updated(dataclasses.replace(loaded, model=prepared.model), prepared.commit)
+            with refusals(kind):
+                prepared = self.prepare_logged(host, loaded, batch, update_log, seq)
+            updated = dataclasses.replace(loaded, model=prepared.model, sequence=seq)
+            host.swap_updated(updated, prepared.commit)
             self.metrics.update_applied(kind, seq)
             imbalance, rebuild = self._observe(prepared.model, version)
         return pb.UpdateReply(
@@ -117,6 +137,20 @@ class LiveUpdates:
             list_imbalance=imbalance,
             rebuild_recommended=rebuild,
         )
+
+    def prepare_logged(
+        self,
+        host: ModelHost,
+        loaded: LoadedModel,
+        batch: UpdateBatch,
+        update_log: UpdateLog,
+        seq: int,
+    ) -> PreparedUpdate:
+        """Validates ``batch`` against the served ``loaded`` and logs it as update ``seq``
+        (durable once this returns) -> the model to serve and the row writes to commit."""
+        prepared = prepare_update(loaded.model, batch, hold=host.gate.exclusive)
+        update_log.append(to_record(prepared.resolved, seq).SerializeToString())
+        return prepared
 
     def close(self) -> None:
         for version in list(self._logs):

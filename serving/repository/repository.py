@@ -130,6 +130,8 @@ class LoadedModel:
     shard_map: ShardMap | None = None
     """For a document-sharded version: how its catalog is split (``model.index`` is then the
     router's statistics-only index; the shards hold the items)."""
+    sequence: int = 0
+    """Live updates applied to ``model`` since it was published (its update log's length)."""
 
     @property
     def config_pb(self) -> TritonConfig:

@@ -55,9 +55,17 @@ from sharded_tables.specs import Tier
 class RouterRunner(ModelRunner):
     """A :class:`ModelRunner` whose index search runs on the shards."""
 
-    def __init__(self, model: RetrievalModel, name: str, version: int, client: ShardClient):
+    def __init__(
+        self,
+        model: RetrievalModel,
+        name: str,
+        version: int,
+        client: ShardClient,
+        sequence: int = 0,
+    ):
+        """``sequence``: the live updates ``model`` has (the shards answer from that state)."""
         super().__init__(model, name, version)
-        self.client = client
+        self.client, self.sequence = client, sequence
         # Batches overlap only while they wait on shards: the tables' hot-row caches are not
         # safe for two forwards at once, so the tower runs one batch at a time.
         self._tower = threading.Lock()
@@ -80,7 +88,7 @@ class RouterRunner(ModelRunner):
             qq, f = (
                 (q, fb) if rows is None else (q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]))
             )
-            request = encode_request(self.name, self.version, qq, f, p, with_vectors)
+            request = encode_request(self.name, self.version, qq, f, p, with_vectors, self.sequence)
             left = max(until - time.monotonic(), 0.001)
             answers, errors = self.client.search(request, left, skip=set(failed))
             failed.update(errors)
@@ -179,6 +187,6 @@ def make_router(
     sharded = ShardedRepository(repo, client, config, upstream)
 
     def make_runner(loaded: LoadedModel) -> RouterRunner:
-        return RouterRunner(loaded.model, model, loaded.version, client)
+        return RouterRunner(loaded.model, model, loaded.version, client, loaded.sequence)
 
     return sharded, make_runner

@@ -127,6 +127,10 @@ class ShardClient:
     def num_shards(self) -> int:
         return len(self.shards)
 
+    def stub(self, address: str) -> pb_grpc.ShardStub:
+        """The ``Shard`` stub of one replica (live updates call every replica themselves)."""
+        return self._stubs[address]
+
     def close(self) -> None:
         for c in self._channels.values():
             c.close()

@@ -24,10 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -39,9 +41,11 @@ from retrieval.index.ivf import IVFIndex
 from serving.protos import shard_pb2 as pb
 from serving.protos import shard_pb2_grpc as pb_grpc
 from serving.repository.repository import ModelRepository
-from serving.sharding.wire import decode_request, encode_response
+from serving.sharding.shard_parts import PartRefusedError, ShardParts
+from serving.sharding.wire import decode_request, encode_response, tensor_bytes
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVICE = "recserve.shard.v1.Shard"
 MAX_MESSAGE_BYTES = 256 << 20
@@ -110,12 +114,6 @@ class ShardMetrics:
             self._http = None
 
 
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 class ShardServicer(pb_grpc.ShardServicer):
     def __init__(self, server: ShardServer):
         self.server = server
@@ -125,7 +123,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         start = time.monotonic()
         code = grpc.StatusCode.OK
         try:
-            version, index = self._index(request)
+            version, index = s.parts.search_index(request.model, request.version, request.sequence)
             q, fb, plan = self._decode(request, index)
             dev = index.centroids.device
             with torch.inference_mode():
@@ -133,9 +131,9 @@ class ShardServicer(pb_grpc.ShardServicer):
                     q.to(dev), fb.to(dev), plan, with_vectors=request.with_vectors
                 )
             return encode_response(s.shard, version, cand)
-        except _Refused as e:
-            code = e.code
-            context.abort(e.code, e.message)
+        except PartRefusedError as e:
+            code = grpc.StatusCode[e.code]
+            context.abort(code, str(e))
             raise  # not reached: abort raises
         except Exception:
             code = grpc.StatusCode.INTERNAL
@@ -144,33 +142,50 @@ class ShardServicer(pb_grpc.ShardServicer):
             s.metrics.request(code.name)
             s.metrics.latency.observe(time.monotonic() - start)
 
-    def _index(self, request: pb.SearchRequest) -> tuple[int, IVFIndex]:
-        """The version asked for (0: newest) -> its index; refused unless this shard holds it."""
-        s = self.server
-        held = s.held  # one snapshot: a version swap mid-call cannot change it
-        if request.model and request.model != s.model:
-            raise _Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"shard {s.shard} serves model {s.model!r}, not {request.model!r}",
-            )
-        version = int(request.version) or max(held, default=0)
-        index = held.get(version)
-        if index is None:
-            raise _Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"shard {s.shard} of {s.model!r} holds versions {sorted(held)}, not {version}",
-            )
-        return version, index
+    # ---- live updates through the router (serving/sharding/shard_parts.py) --------------------
+    def Prepare(
+        self, request: pb.PrepareRequest, context: grpc.ServicerContext
+    ) -> pb.PrepareResponse:
+        parts = self.server.parts
+        done = self._updating(
+            context,
+            lambda: parts.prepare(request.model, request.version, request.sequence, request.record),
+        )
+        return pb.PrepareResponse(
+            shard=parts.shard,
+            held=tensor_bytes(done.held, np.uint8),
+            list_sizes=tensor_bytes(done.list_sizes(), np.int64),
+            bit_counts=tensor_bytes(done.bit_counts(), np.int64),
+        )
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        parts = self.server.parts
+        self._updating(
+            context, lambda: parts.commit(request.model, request.version, request.sequence)
+        )
+        return pb.CommitResponse()
+
+    def Abort(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        self.server.parts.abort(request.version, request.sequence)
+        return pb.CommitResponse()
+
+    @staticmethod
+    def _updating(context: grpc.ServicerContext, step: Callable[[], T]) -> T:
+        try:
+            return step()
+        except PartRefusedError as e:
+            context.abort(grpc.StatusCode[e.code], str(e))
+            raise  # not reached: abort raises
 
     @staticmethod
     def _decode(request: pb.SearchRequest, index: IVFIndex) -> tuple[torch.Tensor, Any, Any]:
         try:
             q, fb, plan = decode_request(request)
         except ValueError as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise PartRefusedError("INVALID_ARGUMENT", str(e)) from None
         if q.shape[1] != index.dim or fb.masks.shape[2] != index.schema.num_words:
-            raise _Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise PartRefusedError(
+                "INVALID_ARGUMENT",
                 f"dim, words: this shard's index has dim={index.dim}, "
                 f"words={index.schema.num_words}; got {q.shape[1]}, {fb.masks.shape[2]}",
             )
@@ -178,8 +193,13 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         s = self.server
+        held = s.parts.sequences()
         return pb.InfoResponse(
-            model=s.model, shard=s.shard, num_shards=s.num_shards, versions=sorted(s.held)
+            model=s.model,
+            shard=s.shard,
+            num_shards=s.num_shards,
+            versions=sorted(held),
+            sequences=[held[v] for v in sorted(held)],
         )
 
 
@@ -209,9 +229,8 @@ class ShardServer:
         self.repo, self.model, self.shard = repo, model, shard
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.poll_s, self.keep, self.device = poll_s, keep, device
-        self.held: dict[int, IVFIndex] = {}
-        """Loaded versions -> this shard's index; replaced (never mutated) on a swap."""
-        self.num_shards = 0
+        self.parts = ShardParts(model, shard, keep)
+        """Loaded versions -> this shard's part, with their live updates."""
         self.failed: set[int] = set()
         self.metrics = ShardMetrics(model, shard, registry)
         self.health = health.HealthServicer()
@@ -228,6 +247,15 @@ class ShardServer:
         self.metrics_address: str | None = None
 
     @property
+    def held(self) -> list[int]:
+        """Loaded versions, ascending."""
+        return sorted(self.parts.versions)
+
+    @property
+    def num_shards(self) -> int:
+        return self.parts.num_shards
+
+    @property
     def address(self) -> str:
         return format_address(self.host, self.port)
 
@@ -241,11 +269,8 @@ class ShardServer:
             self.failed.add(version)
             log.error("shard %d: version %d of %s refused: %s", self.shard, version, self.model, e)
             return False
-        held = dict(self.held)
-        held[version] = index
-        self.held = {v: held[v] for v in sorted(held)[-self.keep :]}  # the swap
-        self.num_shards = smap.num_shards
-        self.metrics.version.set(max(self.held))
+        self.parts.add(version, index, smap.num_shards)  # the swap
+        self.metrics.version.set(max(self.parts.versions))
         log.info("shard %d/%d: loaded %s v%d", self.shard, smap.num_shards, self.model, version)
         return True
 

@@ -15,11 +15,14 @@ from retrieval.index.search import Candidates, SearchPlan
 from serving.protos import shard_pb2 as pb
 
 
-def _bytes(t: torch.Tensor, dtype: type) -> bytes:
+def tensor_bytes(t: torch.Tensor, dtype: type) -> bytes:
+    """A tensor as raw little-endian bytes of ``dtype`` (row-major)."""
     return t.detach().cpu().contiguous().numpy().astype(dtype, copy=False).tobytes()
 
 
-def _array(data: bytes, dtype: type, shape: tuple[int, ...], field: str) -> torch.Tensor:
+def bytes_tensor(data: bytes, dtype: type, shape: tuple[int, ...], field: str) -> torch.Tensor:
+    """Raw bytes -> a tensor ``shape`` of ``dtype``; ``ValueError`` naming ``field`` when the
+    size is not that."""
     want = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if len(data) != want:
         raise ValueError(f"{field}: expected {want} bytes for {list(shape)}, got {len(data)}")
@@ -33,8 +36,10 @@ def encode_request(
     fb: FilterBatch,
     plan: SearchPlan,
     with_vectors: bool,
+    sequence: int = 0,
 ) -> pb.SearchRequest:
-    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` and the plan."""
+    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` and the plan, against
+    ``version`` after ``sequence`` live updates."""
     b, d = q.shape
     _, c, w = fb.masks.shape
     return pb.SearchRequest(
@@ -42,16 +47,17 @@ def encode_request(
         version=version,
         batch=b,
         dim=d,
-        queries=_bytes(q.float(), np.float32),
+        queries=tensor_bytes(q.float(), np.float32),
         k=plan.k,
         r=plan.r,
-        nprobe=_bytes(plan.nprobe, np.int64),
-        exact=_bytes(plan.exact, np.uint8),
+        nprobe=tensor_bytes(plan.nprobe, np.int64),
+        exact=tensor_bytes(plan.exact, np.uint8),
         clauses=c,
         words=w,
-        filter_masks=_bytes(fb.masks, np.int64),
-        filter_negate=_bytes(fb.negate, np.uint8),
+        filter_masks=tensor_bytes(fb.masks, np.int64),
+        filter_negate=tensor_bytes(fb.negate, np.uint8),
         with_vectors=with_vectors,
+        sequence=sequence,
     )
 
 
@@ -65,13 +71,13 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         raise ValueError(f"r: must be >= k={msg.k}, got {msg.r}")
     if c < 0 or w < 0:
         raise ValueError(f"clauses, words: must be >= 0, got {c}, {w}")
-    q = _array(msg.queries, np.float32, (b, d), "queries")
-    nprobe = _array(msg.nprobe, np.int64, (b,), "nprobe")
+    q = bytes_tensor(msg.queries, np.float32, (b, d), "queries")
+    nprobe = bytes_tensor(msg.nprobe, np.int64, (b,), "nprobe")
     if bool((nprobe < 1).any()):
         raise ValueError("nprobe: every row must probe >= 1 list")
-    exact = _array(msg.exact, np.uint8, (b,), "exact").bool()
-    masks = _array(msg.filter_masks, np.int64, (b, c, w), "filter_masks")
-    negate = _array(msg.filter_negate, np.uint8, (b, c), "filter_negate").bool()
+    exact = bytes_tensor(msg.exact, np.uint8, (b,), "exact").bool()
+    masks = bytes_tensor(msg.filter_masks, np.int64, (b, c, w), "filter_masks")
+    negate = bytes_tensor(msg.filter_negate, np.uint8, (b, c), "filter_negate").bool()
     return q, FilterBatch(masks, negate), SearchPlan(msg.k, msg.r, nprobe, exact)
 
 
@@ -80,10 +86,10 @@ def encode_response(shard: int, version: int, c: Candidates) -> pb.SearchRespons
         shard=shard,
         version=version,
         width=c.width,
-        ids=_bytes(c.keys, np.int64),
-        approx=_bytes(c.approx, np.float32),
-        scores=_bytes(c.scores, np.float32),
-        vectors=b"" if c.vectors is None else _bytes(c.vectors, np.float32),
+        ids=tensor_bytes(c.keys, np.int64),
+        approx=tensor_bytes(c.approx, np.float32),
+        scores=tensor_bytes(c.scores, np.float32),
+        vectors=b"" if c.vectors is None else tensor_bytes(c.vectors, np.float32),
     )
 
 
@@ -92,10 +98,10 @@ def decode_response(msg: pb.SearchResponse, batch: int, dim: int) -> Candidates:
     shape = (batch, msg.width)
     vectors = None
     if msg.vectors:
-        vectors = _array(msg.vectors, np.float32, (*shape, dim), "vectors")
+        vectors = bytes_tensor(msg.vectors, np.float32, (*shape, dim), "vectors")
     return Candidates(
-        _array(msg.ids, np.int64, shape, "ids"),
-        _array(msg.approx, np.float32, shape, "approx"),
-        _array(msg.scores, np.float32, shape, "scores"),
+        bytes_tensor(msg.ids, np.int64, shape, "ids"),
+        bytes_tensor(msg.approx, np.float32, shape, "approx"),
+        bytes_tensor(msg.scores, np.float32, shape, "scores"),
         vectors,
     )

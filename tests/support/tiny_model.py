@@ -85,6 +85,8 @@ class Loaded:
     model: RetrievalModel
     config: Any = None
     path: Path | None = None
+    shard_map: Any = None
+    sequence: int = 0
 
 
 class StandInRepo:

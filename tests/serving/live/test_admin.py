@@ -18,7 +18,6 @@ import torch
 
 from retrieval.live_updates import UpdateEmbeddings, apply_update
 from retrieval.model import RetrievalModel
-from serving.app.config import ConfigError, RouterConfig
 from serving.app.server import Server
 from serving.engine.host import NoLoadableVersionError
 from serving.live import admin
@@ -341,12 +340,6 @@ def test_admin_is_off_without_a_state_folder(start, tiny, pristine):
         upsert_new(stub, tiny)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "state_dir" in err.value.details()
-
-
-def test_state_dir_with_a_router_is_refused(serve_config, tmp_path):
-    cfg = serve_config(state_dir=tmp_path / "state", router=RouterConfig(shards=[["h:1"]]))
-    with pytest.raises(ConfigError, match="state_dir: live updates are not supported on a router"):
-        cfg.validate()
 
 
 def test_the_authorizer_hook_can_refuse(serve_config, tiny, pristine, tmp_path):

@@ -1,0 +1,278 @@
+"""Live updates through the router: logged once (here), applied to every document shard in two
+phases, all or nothing, and replayed to any shard replica that is behind.
+
+One update (``Admin`` call on the router; ``serving/live/admin.py`` parses it)::
+
+    resolve_update(model, batch)          validate against config, schema, tables; item tower
+    sync: every replica at update s-1     replicas behind get the logged updates they miss
+    Prepare(v, s, record) -> every replica  each shard builds its part of update s aside and
+                                          says which items it held and its statistics after
+      a shard with no prepared replica, an item no shard holds, a record a shard refuses:
+      Abort(v, s) everywhere; the update is refused and nothing changed anywhere
+    log.append(record + statistics)       fsync'd: the commit point, acknowledged from here
+    Commit(v, s) -> the prepared replicas   each makes update s searchable (beside s-1)
+    swap the router's model               statistics summed over the shards, table rows written;
+                                          its searches now name update s
+
+Reads never straddle an update: a search names (version, sequence) and every shard answers from
+exactly that state (a shard keeps the part before its last update for the searches still on it).
+A replica that missed the commit (down, restarted: a shard server starts at update 0) is refused
+by those searches (the router fails over to another replica, or answers partial) until the sync
+loop, every ``sync_s``, replays the log to it. A router that crashed after logging an update and
+before committing it replays its log on restart and the sync completes the commit on the shards;
+one that crashed before logging leaves only prepared parts, replaced by the next Prepare.
+
+The log's records carry the catalog's statistics after each update, so a restarted router
+restores its planning statistics without asking the shards. One router owns a model's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from retrieval.live_shards import check_held, stats_index
+from retrieval.live_updates import (
+    PreparedUpdate,
+    UpdateBatch,
+    UpdateEmbeddings,
+    apply_update,
+    resolve_update,
+    with_index,
+)
+from retrieval.model import RetrievalModel
+from serving.engine.host import ModelHost
+from serving.engine.metrics import ServingMetrics
+from serving.live.messages import from_record, table_widths, to_record
+from serving.live.update_log import UpdateLog, log_path, read_log
+from serving.live.updates import LiveUpdates
+from serving.protos import admin_pb2
+from serving.protos import shard_pb2 as pb
+from serving.repository.repository import LoadedModel
+from serving.sharding.shard_client import INFO_TIMEOUT_S, ShardClient
+from serving.sharding.wire import bytes_tensor, tensor_bytes
+from serving.types import RequestError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+UPDATE_TIMEOUT_S = 30.0
+"""Seconds a shard may take to prepare or commit one update (a prepare copies the shard's part:
+O(items x dim) bytes)."""
+
+
+class RoutedUpdates(LiveUpdates):
+    """:class:`LiveUpdates` of a document-sharded model, coordinated by its router."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        model: str,
+        metrics: ServingMetrics,
+        client: ShardClient,
+        versions: Callable[[], list[int]] | None = None,
+        sync_s: float = 1.0,
+    ):
+        """``client``: the router's channels to every shard replica; ``sync_s``: how often
+        replicas that are behind the log are looked for (0: only before each update)."""
+        super().__init__(state_dir, model, metrics, versions)
+        self.client = client
+        self._shard_lock = threading.Lock()  # one update or sync talks to the shards at a time
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if sync_s > 0:
+            self._thread = threading.Thread(
+                target=self._sync_loop, args=(sync_s,), name="routed-updates-sync", daemon=True
+            )
+            self._thread.start()
+
+    # ---- replay (a version loading on the router) ---------------------------------------------
+    def replay(self, loaded: LoadedModel) -> LoadedModel:
+        loaded = super().replay(loaded)
+        with self._shard_lock:  # best effort: the sync loop retries replicas not reached now
+            self._sync(loaded.version, loaded.sequence)
+        return loaded
+
+    def replay_record(self, model: RetrievalModel, record: admin_pb2.LogRecord) -> RetrievalModel:
+        batch = from_record(record, model.index.dim, table_widths(model))
+        if isinstance(batch, UpdateEmbeddings):
+            return apply_update(model, batch)  # the router's tables
+        sizes, counts = _record_stats(record, model)
+        return with_index(model, stats_index(model.index, sizes, counts))
+
+    # ---- one update ---------------------------------------------------------------------------
+    def prepare_logged(
+        self,
+        host: ModelHost,
+        loaded: LoadedModel,
+        batch: UpdateBatch,
+        update_log: UpdateLog,
+        seq: int,
+    ) -> PreparedUpdate:
+        model, version = loaded.model, loaded.version
+        resolved = resolve_update(model, batch, hold=host.gate.exclusive)
+        record = to_record(resolved.resolved, seq)
+        with self._shard_lock:
+            self._sync(version, seq - 1)
+            prepared = self._prepare(version, seq, record.SerializeToString())
+            try:
+                replies = [prepared[s][0][1] for s in sorted(prepared)]  # replicas agree
+                held = [_tensor(r.held, np.uint8, "held").bool() for r in replies]
+                sizes = torch.stack(
+                    [_tensor(r.list_sizes, np.int64, "list_sizes") for r in replies]
+                )
+                counts = torch.stack(
+                    [_tensor(r.bit_counts, np.int64, "bit_counts") for r in replies]
+                )
+                check_held(resolved.resolved, held, int(sizes.sum()))
+                index = stats_index(model.index, sizes.sum(0), counts.sum(0))
+                record.list_sizes = tensor_bytes(sizes.sum(0), np.int64)
+                record.bit_counts = tensor_bytes(counts.sum(0), np.int64)
+                update_log.append(record.SerializeToString())  # durable: the commit point
+            except BaseException:
+                self._finish(version, seq, _addresses(prepared), commit=False)
+                raise
+            self._finish(version, seq, _addresses(prepared), commit=True)
+        return PreparedUpdate(with_index(model, index), resolved.resolved, resolved.writes)
+
+    def _prepare(self, version: int, seq: int, record: bytes) -> Prepared:
+        """Prepare on every replica -> each shard's answers (in replica order); refuses the
+        update (after aborting it everywhere) when a shard refuses it or has no replica that
+        prepared it."""
+        request = pb.PrepareRequest(model=self.model, version=version, sequence=seq, record=record)
+        calls = self._call_all("Prepare", request)
+        answers: Prepared = {}
+        errors: dict[int, list[str]] = {}
+        refused: str | None = None
+        for (shard, address), call in calls.items():
+            try:
+                reply = call.result()
+                answers.setdefault(shard, []).append((address, reply))
+            except grpc.RpcError as e:
+                why = f"{address}: {e.code().name}: {e.details()}"
+                errors.setdefault(shard, []).append(why)
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    refused = f"shard {shard} refuses update {seq}: {e.details()}"
+        missing = [s for s in range(self.client.num_shards) if s not in answers]
+        if refused is not None or missing:
+            self._finish(version, seq, _addresses(answers), commit=False)
+            if refused is not None:
+                raise RequestError(refused)
+            why = "; ".join(f"shard {s}: {', '.join(errors.get(s, []))}" for s in missing)
+            raise UnavailableError(
+                f"update {seq} not applied: every shard must take it, and no replica of shard "
+                f"{missing[0]} could ({why})"
+            )
+        return answers
+
+    def _finish(self, version: int, seq: int, addresses: list[str], commit: bool) -> None:
+        """Commit (or Abort) update ``seq`` on ``addresses``; a replica that misses a commit is
+        behind (the sync loop catches it up), a missed abort is replaced by the next prepare."""
+        request = pb.CommitRequest(model=self.model, version=version, sequence=seq)
+        method = "Commit" if commit else "Abort"
+        for address in addresses:
+            try:
+                getattr(self.client.stub(address), method)(request, timeout=UPDATE_TIMEOUT_S)
+            except grpc.RpcError as e:
+                log.warning(
+                    "model %s v%d update %d: %s on %s failed (%s: %s)%s", self.model, version,
+                    seq, method, address, e.code().name, e.details(),
+                    "; it is replayed when the replica answers" if commit else "",
+                )  # fmt: skip
+
+    def _call_all(self, method: str, request: Any) -> dict[tuple[int, str], Future[Any]]:
+        return {
+            (s, a): getattr(self.client.stub(a), method).future(request, timeout=UPDATE_TIMEOUT_S)
+            for s, replicas in enumerate(self.client.shards)
+            for a in replicas
+        }
+
+    # ---- replicas behind the log --------------------------------------------------------------
+    def _sync_loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                with self._lock:
+                    logs = {v: lg.count for v, lg in self._logs.items()}
+                with self._shard_lock:
+                    for version, count in logs.items():
+                        self._sync(version, count)
+            except Exception:
+                log.exception("model %s: replaying updates to shard replicas failed", self.model)
+
+    def _sync(self, version: int, upto: int) -> None:
+        """Brings every answering replica holding ``version`` to update ``upto`` by replaying
+        the logged updates it misses."""
+        if upto <= 0:
+            return
+        behind: dict[str, int] = {}
+        for address, info in self.client.infos().items():
+            held = dict(zip(info.versions, info.sequences, strict=False))
+            at = held.get(version)
+            if at is not None and at < upto:
+                behind[address] = at
+            elif at is not None and at > upto:
+                log.error(
+                    "model %s v%d: replica %s is at update %d, beyond this router's log (%d): "
+                    "another router updates it, or the log was lost",
+                    self.model, version, address, at, upto,
+                )  # fmt: skip
+        if not behind:
+            return
+        records = read_log(log_path(self.state_dir, self.model, version)).records
+        for address, at in behind.items():
+            self._replay_to(address, version, at, records[:upto])
+
+    def _replay_to(self, address: str, version: int, at: int, records: list[bytes]) -> None:
+        stub = self.client.stub(address)
+        try:
+            for seq in range(at + 1, len(records) + 1):
+                key: dict[str, Any] = {"model": self.model, "version": version, "sequence": seq}
+                stub.Prepare(
+                    pb.PrepareRequest(**key, record=records[seq - 1]), timeout=UPDATE_TIMEOUT_S
+                )
+                stub.Commit(pb.CommitRequest(**key), timeout=UPDATE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning(
+                "model %s v%d: replaying updates %d..%d to %s stopped (%s: %s)",
+                self.model, version, at + 1, len(records), address, e.code().name, e.details(),
+            )  # fmt: skip
+            return
+        log.info(
+            "model %s v%d: replica %s caught up from update %d to %d",
+            self.model, version, address, at, len(records),
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=INFO_TIMEOUT_S + UPDATE_TIMEOUT_S)
+        super().close()
+
+
+Prepared = dict[int, list[tuple[str, pb.PrepareResponse]]]
+"""Shard -> the replicas that prepared an update, with their answers."""
+
+
+def _addresses(prepared: Prepared) -> list[str]:
+    return [a for replies in prepared.values() for a, _ in replies]
+
+
+def _tensor(data: bytes, dtype: type, field: str) -> torch.Tensor:
+    n = len(data) // np.dtype(dtype).itemsize
+    return bytes_tensor(data, dtype, (n,), field)
+
+
+def _record_stats(
+    record: admin_pb2.LogRecord, model: RetrievalModel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    index = model.index
+    sizes = bytes_tensor(record.list_sizes, np.int64, (index.nlist,), "list_sizes")
+    counts = bytes_tensor(record.bit_counts, np.int64, tuple(index.bit_counts.shape), "bit_counts")
+    return sizes, counts

@@ -1,0 +1,177 @@
+"""The versions of one document shard's part, and the live updates the router applies to them.
+
+A shard server holds its part of the newest ``keep`` versions. Each version moves through the
+update sequence of the router's log (``serving/sharding/routed_updates.py``), two phases per
+update::
+
+    prepare(v, s, record)   the part at update s-1 -> the part at update s, built aside (pending);
+                            validates (INVALID_ARGUMENT), reports held items and statistics
+    commit(v, s)            the pending part becomes current; the part at s-1 is kept beside it,
+                            for a router still on s-1 until it switches (reads never straddle)
+    abort(v, s)             the pending part is dropped (a refused or abandoned update)
+
+A search names (version, sequence) and gets exactly that part, or FAILED_PRECONDITION when this
+shard is not there (a restarted shard is at 0 until the router replays its log to it).
+Prepare and commit are serialized; searches read an immutable snapshot of ``versions``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from retrieval.index.ivf import IVFIndex
+from retrieval.live_shards import ShardUpdate, update_shard
+from serving.live.messages import from_record
+from serving.protos import admin_pb2
+
+
+class PartRefusedError(Exception):
+    """A call this shard cannot answer; ``code`` is the gRPC status name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class PartVersion:
+    """One version of the part: ``index`` after ``sequence`` updates, and ``previous`` (after
+    ``sequence - 1``; None at 0)."""
+
+    sequence: int
+    index: IVFIndex
+    previous: IVFIndex | None = None
+
+    def at(self, sequence: int) -> IVFIndex | None:
+        """The part after ``sequence`` updates, when it is held."""
+        if sequence == self.sequence:
+            return self.index
+        if sequence == self.sequence - 1:
+            return self.previous
+        return None
+
+    def advanced(self, index: IVFIndex) -> PartVersion:
+        return PartVersion(self.sequence + 1, index, self.index)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    version: int
+    sequence: int
+    index: IVFIndex
+
+
+class ShardParts:
+    """Shard ``shard`` of ``num_shards``: its loaded versions and their live updates."""
+
+    def __init__(self, model: str, shard: int, keep: int):
+        self.model, self.shard, self.keep = model, shard, keep
+        self.num_shards = 0
+        self.versions: dict[int, PartVersion] = {}
+        """Loaded versions -> their part; replaced (never mutated) on a change."""
+        self._pending: _Pending | None = None
+        self._lock = threading.Lock()
+
+    def add(self, version: int, index: IVFIndex, num_shards: int) -> None:
+        """Holds a freshly loaded ``version`` (update 0); the oldest beyond ``keep`` goes."""
+        with self._lock:
+            held = dict(self.versions)
+            held[version] = PartVersion(0, index)
+            self.versions = {v: held[v] for v in sorted(held)[-self.keep :]}
+            self.num_shards = num_shards
+
+    def search_index(self, model: str, version: int, sequence: int) -> tuple[int, IVFIndex]:
+        """The part a search names (version 0: the newest) -> (version, part)."""
+        held = self.versions  # one snapshot
+        self._check_model(model)
+        version = version or max(held, default=0)
+        part = held.get(version)
+        if part is None:
+            raise PartRefusedError(
+                "FAILED_PRECONDITION",
+                f"shard {self.shard} of {self.model!r} holds versions {sorted(held)}, not "
+                f"{version}",
+            )
+        index = part.at(sequence)
+        if index is None:
+            raise PartRefusedError(
+                "FAILED_PRECONDITION",
+                f"shard {self.shard} of {self.model!r} v{version} is at update {part.sequence}, "
+                f"not {sequence} (the router replays its log to it)",
+            )
+        return version, index
+
+    def prepare(self, model: str, version: int, sequence: int, record: bytes) -> ShardUpdate:
+        """Builds the part after update ``sequence`` aside -> the shard's update (held items,
+        statistics). The shard must be at ``sequence - 1``; a pending update is replaced."""
+        with self._lock:
+            part = self._part(model, version)
+            if sequence != part.sequence + 1:
+                raise PartRefusedError(
+                    "FAILED_PRECONDITION",
+                    f"shard {self.shard} of {self.model!r} v{version} is at update "
+                    f"{part.sequence}: update {sequence} needs update {sequence - 1} first",
+                )
+            self._pending = None
+            try:
+                parsed = admin_pb2.LogRecord.FromString(record)
+                batch = from_record(parsed, part.index.dim, None)
+                done = (
+                    ShardUpdate(part.index, torch.zeros(0, dtype=torch.bool))
+                    if batch is None
+                    else update_shard(part.index, batch, self.shard, self.num_shards)
+                )
+            except Exception as e:  # a record that does not fit this part
+                raise PartRefusedError("INVALID_ARGUMENT", f"update {sequence}: {e}") from None
+            self._pending = _Pending(version, sequence, done.index)
+            return done
+
+    def commit(self, model: str, version: int, sequence: int) -> None:
+        """Makes the prepared update ``sequence`` current (again: a no-op)."""
+        with self._lock:
+            part = self._part(model, version)
+            pending = self._pending
+            if part.sequence == sequence and (pending is None or pending.sequence != sequence):
+                return  # committed before: a retried commit
+            if pending is None or (pending.version, pending.sequence) != (version, sequence):
+                raise PartRefusedError(
+                    "FAILED_PRECONDITION",
+                    f"shard {self.shard} of {self.model!r} v{version}: update {sequence} is not "
+                    "prepared",
+                )
+            held = dict(self.versions)
+            held[version] = part.advanced(pending.index)
+            self.versions = held
+            self._pending = None
+
+    def abort(self, version: int, sequence: int) -> None:
+        """Drops the prepared update ``sequence`` of ``version``, if it is the pending one."""
+        with self._lock:
+            p = self._pending
+            if p is not None and (p.version, p.sequence) == (version, sequence):
+                self._pending = None
+
+    def sequences(self) -> dict[int, int]:
+        """Loaded versions -> their update sequence."""
+        return {v: p.sequence for v, p in self.versions.items()}
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model:
+            raise PartRefusedError(
+                "FAILED_PRECONDITION",
+                f"shard {self.shard} serves model {self.model!r}, not {model!r}",
+            )
+
+    def _part(self, model: str, version: int) -> PartVersion:
+        self._check_model(model)
+        part = self.versions.get(version)
+        if part is None:
+            raise PartRefusedError(
+                "FAILED_PRECONDITION",
+                f"shard {self.shard} of {self.model!r} holds versions {sorted(self.versions)}, "
+                f"not {version}",
+            )
+        return part
