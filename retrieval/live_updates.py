@@ -147,7 +147,7 @@ def prepare_update(
         if pos.numel() >= model.index.ntotal:
             raise UpdateError("ids", "removing every item would leave the index empty")
         return PreparedUpdate(
-            _with_index(model, index_update.remove_items(model.index, ids)), batch
+            with_index(model, index_update.remove_items(model.index, ids)), batch
         )
     if isinstance(batch, SetItemAttributes):
         return _prepare_attributes(model, batch)
@@ -189,7 +189,7 @@ def _prepare_upsert(model: RetrievalModel, batch: UpsertItems, hold: Hold) -> Pr
     resolved, sig = resolve_upsert(model, batch, hold)
     assert resolved.vectors is not None
     index = index_update.add_items(model.index, resolved.ids, resolved.vectors, sig)
-    return PreparedUpdate(_with_index(model, index), resolved)
+    return PreparedUpdate(with_index(model, index), resolved)
 
 
 def resolve_upsert(
@@ -255,7 +255,7 @@ def _prepare_attributes(model: RetrievalModel, batch: SetItemAttributes) -> Prep
         model.index.schema, index_update.signatures_of(model.index, ids), batch.attributes
     )
     return PreparedUpdate(
-        _with_index(model, index_update.set_signatures(model.index, ids, sig)), batch
+        with_index(model, index_update.set_signatures(model.index, ids, sig)), batch
     )
 
 
@@ -358,7 +358,7 @@ def _known_positions(model: RetrievalModel, ids: torch.Tensor) -> torch.Tensor:
     return pos
 
 
-def _with_index(model: RetrievalModel, index: IVFIndex) -> RetrievalModel:
+def with_index(model: RetrievalModel, index: IVFIndex) -> RetrievalModel:
     """A shallow copy of ``model`` whose ``index`` is ``index`` (``model`` keeps its own)."""
     new = copy.copy(model)
     new._modules = dict(model._modules)  # its own module table: setting index leaves model's
