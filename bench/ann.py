@@ -12,6 +12,7 @@ Run from the repository root::
     .venv/bin/python bench/ann.py                          # 1M items, nlist 4096, all systems
     .venv/bin/python bench/ann.py --only faiss             # 1M, faiss side: 3.5-9 min on 2 cores
     .venv/bin/python bench/ann.py --only ours --codes int8,fp8 --rerank 128,256
+    .venv/bin/python bench/ann.py --small --unit --probe l2,ip --rerank 0   # the probe rule
 
 Results: every point goes to ``--out`` (JSON); the matched-recall tables go to stdout as markdown.
 """
@@ -72,6 +73,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--codes", default="int8", help="our code kinds to build: int8,fp8")
     p.add_argument(
+        "--probe",
+        default="auto",
+        help="our list-probing rules to build: auto,l2,ip (IVFConfig.probe; one index each)",
+    )
+    p.add_argument(
+        "--unit",
+        action="store_true",
+        help="L2-normalise items and queries (cosine, as real embeddings often are)",
+    )
+    p.add_argument(
         "--rerank",
         default="0,64,128,256",
         help="our rerank depths to sweep (0: approximate scores are final, like SQ8)",
@@ -106,10 +117,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--filters: unknown {unknown}; choose from {list(FILTERS)}")
     args.codes = [c for c in args.codes.split(",") if c]
+    args.probe = [r for r in args.probe.split(",") if r]
+    bad_probe = [r for r in args.probe if r not in ("auto", "l2", "ip")]
+    if bad_probe or not args.probe:
+        p.error(f"--probe: expected some of auto,l2,ip, got {args.probe}")
     args.rerank = [int(r) for r in args.rerank.split(",") if r]
     if args.single > args.queries:
         p.error("--single must be <= --queries")
     return args
+
+
+def unit_data(data: AnnData) -> AnnData:
+    """The same items and queries scaled to unit L2 norm (inner product = cosine)."""
+
+    def unit(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a / np.linalg.norm(a, axis=1, keepdims=True), np.float32)
+
+    return dataclasses.replace(data, x=unit(data.x), q=unit(data.q))
 
 
 def nprobe_settings(nlist: int, extra: dict | None = None) -> list[tuple[str, dict]]:
@@ -194,18 +218,24 @@ def run_exact_eligible(data: AnnData, case: Case, args) -> list[Point]:
 def run_ours(data: AnnData, cases: list[Case], args, builds: dict, errors: dict) -> list[Point]:
     points: list[Point] = []
     qt = torch.from_numpy(data.q)
-    for codes in args.codes:
-        system = f"ours-{codes}"
+    for codes, probe in [(c, r) for c in args.codes for r in args.probe]:
+        system = f"ours-{codes}" + (f"-probe={probe}" if args.probe != ["auto"] else "")
         print(f"building {system} IVF{args.nlist} ...", file=sys.stderr)
         try:
             ours: Ours = build_ours(
-                data, args.nlist, codes, rerank=max(args.rerank), precompile=not args.filter_strings
+                data,
+                args.nlist,
+                codes,
+                rerank=max(args.rerank),
+                precompile=not args.filter_strings,
+                probe=probe,
             )
         except Exception as e:  # the index is under construction; keep the faiss side usable
             errors[system] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             continue
         builds[system] = ours.build_s
+        builds[f"{system}-probe"] = ours.cfg_probe
         builds[f"{system}-memory"] = ours.memory_breakdown()
         bpi = ours.bytes_per_item()
         for rerank in args.rerank:
@@ -243,6 +273,7 @@ def meta(args: argparse.Namespace) -> dict:
         "argv": sys.argv[1:],
         "n": args.n,
         "d": args.d,
+        "unit": args.unit,
         "nlist": args.nlist,
         "k": args.k,
         "queries": args.queries,
@@ -265,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(args.threads)
     wall = stopwatch()
     data = make_data(args.n, args.d, args.queries)
+    if args.unit:
+        data = unit_data(data)
     flat = flat_index(data.x)
     cases = make_cases(data, flat, args)
 

@@ -41,6 +41,8 @@ class Ours:
         self.n = n
         self.build_s = build_s
         self.cfg = cfg
+        built = getattr(index, "config", cfg)
+        self.cfg_probe = str(getattr(built, "probe", "ip"))  # the rule the build chose
         params = inspect.signature(index.search).parameters
         self._filter_kwarg = next((p for p in ("filters", "filter") if p in params), None)
         self._rerank_kwarg = "rerank" in params
@@ -90,9 +92,16 @@ class Ours:
 
 
 def build_ours(
-    data: AnnData, nlist: int, codes: str, rerank: int, nprobe: int = 32, precompile: bool = True
+    data: AnnData,
+    nlist: int,
+    codes: str,
+    rerank: int,
+    nprobe: int = 32,
+    precompile: bool = True,
+    probe: str = "auto",
 ) -> Ours:
-    """Build our index over ``data.x`` with the filter attributes; raises ImportError if absent."""
+    """Build our index over ``data.x`` with the filter attributes; raises ImportError if absent.
+    ``probe``: how queries rank lists (``IVFConfig.probe``: auto, l2, ip)."""
     from retrieval.index import IVFConfig, build_ivf
 
     # Without re-ranking the exact copy is dead weight: leave it out, so bytes/item compare with SQ8.
@@ -102,6 +111,7 @@ def build_ours(
         rerank=rerank,
         codes=codes,
         exact_copy="float16" if rerank else "none",
+        probe=probe,
     )
     x = torch.from_numpy(data.x)
     attrs = {name: np.asarray(v, dtype=np.int64) for name, v in data.attributes.items()}
