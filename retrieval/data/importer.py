@@ -72,6 +72,8 @@ class ImportReport:
     """``"<file>: <column>"`` -> how it was read (``"categorical, 12 values"``)."""
     kept: list[str] = field(default_factory=list)
     """Event columns kept in ``interactions.parquet`` but not used by training (label, weight)."""
+    user_feature_values: dict[str, list[str]] = field(default_factory=dict)
+    """Categorical user feature -> the value of each code (the data set keeps only sizes)."""
 
     def lines(self) -> list[str]:
         out = [
@@ -163,7 +165,7 @@ def import_data(cfg: ImportConfig, progress: bool = False) -> ImportReport:
 def _read_log(cfg: ImportConfig, progress: bool) -> _Log:
     path = Path(cfg.interactions)
     table = read_file(path, cfg.delimiter, progress)
-    f = path.name
+    f = str(path)
     users = id_column(table, f, cfg.user_column, "--user-column")
     items = id_column(table, f, cfg.item_column, "--item-column")
     times = time_column(table, f, cfg.time_column, "--time-column")
@@ -189,7 +191,7 @@ def _read_side(
     if path is None:
         return None
     table = read_file(Path(path), cfg.delimiter, progress)
-    f = Path(path).name
+    f = str(path)
     ids = id_column(table, f, id_col, flag)
     dup = duplicate_rows(ids)
     if dup is not None:
@@ -298,6 +300,7 @@ def _user_features(
         full[rows] = enc.values
         feats[name], vocab = with_unknown(full, enc.vocab)
         sizes[name] = len(vocab)
+        report.user_feature_values[name] = vocab
         report.columns[f"{side.file}: {name}"] = f"categorical, {len(vocab)} values"
     matrix = np.stack(dense, axis=1) if dense else np.zeros((u, 0), np.float32)
     return feats, sizes, matrix.astype(np.float32)
