@@ -171,7 +171,7 @@ def test_an_unknown_key_is_refused_naming_it(tmp_path, text, field):
     ("text", "field", "why"),
     [
         ("data = 3\n", "data", "expected table"),
-        ("[data]\nsource = 'csv'\n", "data.source", "expected 'synthetic' or 'movielens'"),
+        ("[data]\nsource = 'csv'\n", "data.source", "expected 'synthetic', 'movielens' or 'parquet'"),
         ("[data]\nsource = 'movielens'\nnum_users = 5\n", "data.num_users", "movielens"),
         ("[data]\ndata_dir = 'x'\n", "data.data_dir", "only with source = 'movielens'"),
         ("[data]\nnum_users = 0\n", "data.num_users", "must be >= 1, got 0"),
@@ -288,7 +288,7 @@ def as_dataclass_values(section: Any, skip: set[str]) -> dict[str, Any]:
 
 def test_data_mirrors_synthetic_config():
     section = DataConfig()
-    assert as_dataclass_values(section, {"source", "data_dir"}) == defaults(SyntheticConfig)
+    assert as_dataclass_values(section, {"source", "data_dir", "path"}) == defaults(SyntheticConfig)
     assert section.synthetic() == SyntheticConfig()
     assert DataConfig(num_users=5, topics_per_user=[2, 2]).synthetic() == SyntheticConfig(
         num_users=5, topics_per_user=(2, 2)
