@@ -175,8 +175,14 @@ class IndexSection(Config):
     rerank: int = Field(default=0, ge=0)
     """Candidates re-scored with the exact copy before the final top-K (0: approximate scores
     are final)."""
-    exact_copy: Literal["float16", "float32", "none"] = "float16"
-    """Dtype of the exact copy used for re-ranking and exact scans ("none": codes decoded)."""
+    exact_copy: Literal["auto", "float16", "float32", "none"] = "auto"
+    """Dtype of the exact copy of every vector, for re-ranking and exact scans ("none": codes
+    decoded, no re-rank; "auto": "float16" when ``rerank > 0``, else "none")."""
+    metric: Literal["ip", "cosine"] = "ip"
+    """Score that ranks results: inner product, or cosine (vectors and queries normalised)."""
+    probe: Literal["auto", "l2", "ip"] = "auto"
+    """How a query ranks lists: "l2" (nearest centroid, as items are assigned), "ip" (largest
+    q·c), "auto": "l2" when the item vectors are unit-norm, else "ip"."""
     kmeans_iters: PositiveInt = 20
     """k-means iterations of the build."""
     kmeans_max_points_per_centroid: PositiveInt = 256

@@ -19,7 +19,7 @@ from common.config import ConfigError
 from retrieval.config import ModelConfig
 from retrieval.data import SyntheticConfig
 from retrieval.index.codes import CODE_KINDS
-from retrieval.index.ivf import EXACT_DTYPES, IVFConfig
+from retrieval.index.ivf import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.training.config import (
     DERIVED,
     DataConfig,
@@ -318,7 +318,9 @@ def test_index_mirrors_ivf_config():
 def test_choices_are_the_consumers():
     hints = {
         "codes": (IndexSection, set(CODE_KINDS)),
-        "exact_copy": (IndexSection, set(EXACT_DTYPES)),
+        "exact_copy": (IndexSection, {*EXACT_DTYPES, "auto"}),
+        "metric": (IndexSection, set(METRICS)),
+        "probe": (IndexSection, set(PROBES)),
         "table_optimizer": (TrainConfig, {*OPTIMIZERS, "adam"}),
         "table_dtype": (PublishConfig, {d.value for d in DType}),
     }
