@@ -1,0 +1,128 @@
+"""Your own CSV end to end, with the CLI only: `recserve data import` -> `recserve train`
+(``[data] source = "parquet"``, publishing) -> `recserve score`, whose answers use the CSV's own
+user and item ids."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from retrieval.artifact import load_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+TRAIN_TOML = """
+[data]
+source = "parquet"
+path = "{data}"
+[model]
+embedding_dim = 8
+hidden = [16]
+out_dim = 8
+history_len = 10
+[train]
+epochs = 1
+batch_size = 64
+progress = false
+[evaluate]
+k = 5
+[publish]
+model_repo = "{repo}"
+name = "shop"
+"""
+
+
+def recserve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "recserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+def write_csvs(tmp: Path, users: int = 40, items: int = 30, events: int = 500) -> None:
+    """A click log with string ids (users in 3 taste groups), an items file with a category
+    and multi-valued tags; one catalog item is never clicked, one clicked item is not listed."""
+    rng = np.random.default_rng(0)
+    with (tmp / "clicks.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["customer", "sku", "when"])
+        for e in range(events):
+            u = int(rng.integers(users))
+            i = (
+                (u % 3) * 10 + int(rng.integers(10))
+                if rng.random() < 0.8
+                else int(rng.integers(items))
+            )
+            w.writerow(
+                [f"cust-{u:03d}", f"SKU{i}", f"2024-03-{1 + e // 60:02d}T{e % 24:02d}:00:00Z"]
+            )
+    with (tmp / "items.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["sku", "name", "category", "tags"])
+        for i in [*range(1, items), items]:  # SKU0 clicked but not listed; SKU<items> listed only
+            w.writerow(
+                [f"SKU{i}", f"Product {i}", "abc"[min(i // 10, 2)], "sale|new" if i % 2 else "new"]
+            )
+
+
+def test_own_csv_imports_trains_publishes_and_scores_in_raw_ids(tmp_path: Path) -> None:
+    write_csvs(tmp_path)
+    out = recserve(
+        "data", "import", "--interactions", "clicks.csv", "--items", "items.csv",
+        "--user-column", "customer", "--item-column", "sku", "--time-column", "when",
+        "--multi-valued", "tags", "--out", "shop", "--quiet", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "40 users, 31 items, 500 interactions" in out.stdout
+    assert "1 items in the log but not in the items file" in out.stdout
+    assert "1 items in the items file without interactions" in out.stdout
+
+    (tmp_path / "train.toml").write_text(TRAIN_TOML.format(data="shop", repo="repo"))
+    out = recserve("train", "--config", "train.toml", "--out", "run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "published shop v1" in out.stdout
+    model = load_model(tmp_path / "repo" / "shop" / "1" / "model")
+    assert model.id_maps is not None
+    catalog = set(model.id_maps.items.raw.to_pylist())
+    assert len(catalog) == 31 and "SKU0" in catalog and "SKU30" in catalog
+
+    out = recserve(
+        "score", "--model-repo", "repo", "--users", "shop/score_users.parquet", "--out", "recs",
+        "--k", "5", "--workers", "1", "--quiet", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = pq.read_table(tmp_path / "recs")
+    users = pq.read_table(tmp_path / "shop" / "score_users.parquet")
+    assert sorted(recs.column("user_id").to_pylist()) == sorted(users.column("user_id").to_pylist())
+    assert recs.schema.field("item_ids").type == pa.list_(pa.string())
+    history = dict(
+        zip(users.column("user_id").to_pylist(), users.column("history").to_pylist(), strict=True)
+    )
+    for user, items in zip(
+        recs.column("user_id").to_pylist(), recs.column("item_ids").to_pylist(), strict=True
+    ):
+        assert len(items) == 5 and len(set(items)) == 5 and set(items) <= catalog
+        assert not set(items) & set(history[user][:10])  # the model's window is excluded
+
+    # an item the model does not know, in a history, is refused before any work
+    bad = pa.table({
+        "user_id": ["cust-001", "new-user"],
+        "history": [["SKU1"], ["SKU2", "SKU-NEW"]],
+        "categorical": pa.array([[], []], pa.list_(pa.int64())),
+        "dense": pa.array([[], []], pa.list_(pa.float32())),
+    })  # fmt: skip
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    out = recserve("score", "--model-repo", "repo", "--users", "bad.parquet", "--out", "recs2",
+                   "--quiet", cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 2
+    assert "column 'history', row 1: item 'SKU-NEW' is not in the model's catalog" in out.stderr
