@@ -1,6 +1,7 @@
-"""Your own CSV end to end, with the CLI only: `recserve data import` -> `recserve train`
-(``[data] source = "parquet"``, publishing) -> `recserve score`, whose answers use the CSV's own
-user and item ids."""
+"""Your own CSV end to end, with the README's five commands only: `recserve data import` ->
+`recserve train --config examples/own-data.toml` (``[data] source = "parquet"``, publishing) ->
+`recserve serve model` -> `recserve test load` -> `recserve score`, whose answers use the CSV's
+own user and item ids."""
 
 from __future__ import annotations
 
@@ -15,28 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from retrieval.artifact import load_model
+from support.process_util import STARTUP_S, serve_cmd, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
-TRAIN_TOML = """
-[data]
-source = "parquet"
-path = "{data}"
-[model]
-embedding_dim = 8
-hidden = [16]
-out_dim = 8
-history_len = 10
-[train]
-epochs = 1
-batch_size = 64
-progress = false
-[evaluate]
-k = 5
-[publish]
-model_repo = "{repo}"
-name = "shop"
-"""
+EXAMPLE = Path(__file__).parents[2] / "examples" / "own-data.toml"
 
 
 def recserve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -75,34 +59,52 @@ def write_csvs(tmp: Path, users: int = 40, items: int = 30, events: int = 500) -
             )
 
 
-def test_own_csv_imports_trains_publishes_and_scores_in_raw_ids(tmp_path: Path) -> None:
+def test_own_csv_through_the_readme_commands_answers_in_raw_ids(tmp_path: Path) -> None:
     write_csvs(tmp_path)
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "own-data.toml").write_text(EXAMPLE.read_text())
     out = recserve(
         "data", "import", "--interactions", "clicks.csv", "--items", "items.csv",
         "--user-column", "customer", "--item-column", "sku", "--time-column", "when",
-        "--multi-valued", "tags", "--out", "shop", "--quiet", cwd=tmp_path,
+        "--multi-valued", "tags", "--out", "data/shop", "--quiet", cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "40 users, 31 items, 500 interactions" in out.stdout
     assert "1 items in the log but not in the items file" in out.stdout
     assert "1 items in the items file without interactions" in out.stdout
 
-    (tmp_path / "train.toml").write_text(TRAIN_TOML.format(data="shop", repo="repo"))
-    out = recserve("train", "--config", "train.toml", "--out", "run", cwd=tmp_path)
+    out = recserve(
+        "train", "--config", "examples/own-data.toml", "--out", "runs/shop", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "published shop v1" in out.stdout
-    model = load_model(tmp_path / "repo" / "shop" / "1" / "model")
+    repo = tmp_path / "runs" / "shop_repo"
+    model = load_model(repo / "shop" / "1" / "model")
     assert model.id_maps is not None
     catalog = set(model.id_maps.items.raw.to_pylist())
     assert len(catalog) == 31 and "SKU0" in catalog and "SKU30" in catalog
 
+    proc = start_server(serve_cmd("--model-repo", repo, "--grpc-port", "0"), tmp_path, "serve")
+    try:
+        address = proc.wait_ready(STARTUP_S).grpc
+        out = recserve(
+            "test", "load", "--target", address, "--protocol", "grpc", "--model-repo",
+            "runs/shop_repo", "--users", "2", "--spawn-rate", "2", "--duration", "3",
+            "--out", "runs/shop-load", cwd=tmp_path,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert "failures 0 (0.00%)" in out.stdout
+    finally:
+        proc.stop()
+
     out = recserve(
-        "score", "--model-repo", "repo", "--users", "shop/score_users.parquet", "--out", "recs",
+        "score", "--model-repo", "runs/shop_repo", "--users", "data/shop/score_users.parquet",
+        "--out", "recs",
         "--k", "5", "--workers", "1", "--quiet", cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     recs = pq.read_table(tmp_path / "recs")
-    users = pq.read_table(tmp_path / "shop" / "score_users.parquet")
+    users = pq.read_table(tmp_path / "data" / "shop" / "score_users.parquet")
     assert sorted(recs.column("user_id").to_pylist()) == sorted(users.column("user_id").to_pylist())
     assert recs.schema.field("item_ids").type == pa.list_(pa.string())
     history = dict(
@@ -122,7 +124,9 @@ def test_own_csv_imports_trains_publishes_and_scores_in_raw_ids(tmp_path: Path) 
         "dense": pa.array([[], []], pa.list_(pa.float32())),
     })  # fmt: skip
     pq.write_table(bad, tmp_path / "bad.parquet")
-    out = recserve("score", "--model-repo", "repo", "--users", "bad.parquet", "--out", "recs2",
-                   "--quiet", cwd=tmp_path)  # fmt: skip
+    out = recserve(
+        "score", "--model-repo", "runs/shop_repo", "--users", "bad.parquet", "--out", "recs2",
+        "--quiet", cwd=tmp_path,
+    )  # fmt: skip
     assert out.returncode == 2
     assert "column 'history', row 1: item 'SKU-NEW' is not in the model's catalog" in out.stderr
