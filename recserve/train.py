@@ -20,9 +20,11 @@ from rich.table import Table
 
 from retrieval.artifact import save_model
 from retrieval.model import RetrievalModel
+from retrieval.training import dcp_checkpoint
 from retrieval.training.config import PublishConfig
 from retrieval.training.distributed import DistContext
 from retrieval.training.run import RunConfig, RunResult, evaluate_test, run_training
+from retrieval.training.train import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +32,9 @@ log = logging.getLogger(__name__)
 def run(config: Path, out: Path, resume: bool, ctx: DistContext | None) -> RunResult | None:
     """Trains; on rank 0 saves and publishes. Returns the result on rank 0, else None."""
     cfg = RunConfig.from_toml(config)  # every table checked before any work
-    if cfg.train.checkpoint_dir is None and ctx is None:
+    if cfg.train.checkpoint_dir is None:
         cfg.train.checkpoint_dir = out / "checkpoints"
-    checkpoint = None
-    if resume:
-        if cfg.train.checkpoint_dir is None:
-            raise ValueError("--resume: multi-process runs have no checkpoints yet")
-        checkpoint = cfg.train.checkpoint_dir / "checkpoint.pt"
-        if not checkpoint.is_file():
-            raise ValueError(f"--resume: no checkpoint at {checkpoint}")
+    checkpoint = _checkpoint(cfg.train.checkpoint_dir, ctx) if resume else None
     result = run_training(cfg, ctx, resume=checkpoint)
     if ctx is not None and not ctx.is_main:
         return None
@@ -55,6 +51,22 @@ def run(config: Path, out: Path, resume: bool, ctx: DistContext | None) -> RunRe
     if cfg.publish is not None:
         _publish(console, result.model, cfg.publish)
     return result
+
+
+def _checkpoint(folder: Path, ctx: DistContext | None) -> Path:
+    """What ``--resume`` continues from: ``checkpoint.pt`` of one process, the DCP folder that
+    ``LATEST`` names under torchrun (``retrieval/training/dcp_checkpoint.py``)."""
+    if ctx is None:
+        path = folder / CHECKPOINT_FILE
+        if not path.is_file():
+            raise ValueError(f"--resume: no checkpoint at {path}")
+        return path
+    found = dcp_checkpoint.latest(folder)
+    if found is None:
+        raise ValueError(
+            f"--resume: no multi-process checkpoint in {folder} (no {folder / 'LATEST'})"
+        )
+    return found
 
 
 def _write_metrics(out: Path, result: RunResult) -> None:

@@ -22,6 +22,10 @@ Example ``train.toml`` (every table optional, every key but ``[publish]``'s firs
     batch_size = 512
     table_optimizer = "rowwise_adagrad"
 
+    [train.sharding]            # torchrun only: TorchRec's planner splits the tables
+    types = ["table_wise"]      # or column_wise, table_column_wise (CPU)
+    ddr_budget = 8_000_000_000  # bytes per rank
+
     [evaluate]
     k = 100                     # at most the catalog's size
     users = 2000                # held-out users evaluated (0: all)
@@ -264,6 +268,45 @@ class ModelSection(Config):
 
 
 # ---- [train] -----------------------------------------------------------------------------------
+ShardingType = Literal[
+    "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"
+]
+"""TorchRec's names of the ways a table is split over ranks (``torchrec.distributed.types.
+ShardingType``); which of them a backend offers is TorchRec's to say (checked at start)."""
+
+
+def _table_wise() -> list[ShardingType]:
+    return ["table_wise"]
+
+
+class ShardingConfig(Config):
+    """``[train.sharding]``: how TorchRec's planner (``EmbeddingShardingPlanner``) splits the
+    tables over the ranks of a torchrun job (``retrieval/training/sharding.py``); one process
+    ignores it. A plan that cannot fit, or a type TorchRec does not offer on this backend, is
+    refused before any step, naming the field."""
+
+    types: list[ShardingType] = Field(default_factory=_table_wise, min_length=1)
+    """Sharding types the planner may choose from for every table. On the CPU (gloo) TorchRec
+    offers table_wise, column_wise and table_column_wise; row_wise and table_row_wise need
+    CUDA."""
+    ddr_budget: PositiveInt | None = None
+    """Bytes of host memory per rank for the tables, their optimizer state and TorchRec's
+    buffers (where the tables live on the CPU); None: TorchRec's default (128 GiB)."""
+    hbm_budget: PositiveInt | None = None
+    """Bytes of GPU memory per rank (CUDA tables only; the CPU backend has none); None:
+    TorchRec's default (32 GiB)."""
+    column_shard_dim: PositiveInt | None = None
+    """Width of a column-wise shard (a multiple of 4, fbgemm's kernels); None: the embedding
+    width over the number of ranks (TorchRec's own default, 128, would not split our tables)."""
+
+    @field_validator("column_shard_dim")
+    @classmethod
+    def _a_multiple_of_four(cls, value: int | None) -> int | None:
+        if value is not None and value % 4:
+            raise ValueError(f"must be a multiple of 4 (fbgemm's kernels), got {value}")
+        return value
+
+
 class TrainConfig(Config):
     """Optimization settings (``[train]``; :class:`retrieval.training.train.Trainer`'s config)."""
 
@@ -290,11 +333,15 @@ class TrainConfig(Config):
     progress: bool = True
     """Show a progress bar with loss and examples/s."""
     checkpoint_dir: PathValue | None = None
-    """Where ``checkpoint.pt`` is written (``recserve train``: ``OUT/checkpoints`` when unset)."""
+    """Where checkpoints are written (``recserve train``: ``OUT/checkpoints`` when unset): one
+    process ``checkpoint.pt``; a torchrun job a ``torch.distributed.checkpoint`` folder per
+    checkpoint, named in ``LATEST`` (``retrieval/training/dcp_checkpoint.py``)."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Steps between checkpoints (0: at the end of each epoch only); needs checkpoint_dir."""
     max_steps: PositiveInt | None = None
     """Stop after this many steps in all (a later run resumes from the checkpoint)."""
+    sharding: ShardingConfig = Field(default_factory=ShardingConfig)
+    """``[train.sharding]``: the tables' split over the ranks of a torchrun job."""
 
     @field_validator("micro_batches")
     @classmethod

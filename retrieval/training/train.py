@@ -41,14 +41,13 @@ from tqdm import tqdm
 from common.atomic import atomic_writer
 from retrieval.features import UserBatch
 from retrieval.model import RetrievalModel, table_configs
+from retrieval.training import dcp_checkpoint
 from retrieval.training.config import TrainConfig
-from retrieval.training.distributed import (
-    DistContext,
-    ShardedTrainableTables,
-    average_gradients,
-)
+from retrieval.training.distributed import DistContext, average_gradients
+from retrieval.training.dmp_tables import DMPTables
 from retrieval.training.early_stopping import EarlyStopping
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
+from retrieval.training.sharding import make_sharder, plan_sharding
 from sharded_tables.interface import TableCollection
 from sharded_tables.trainable import TrainableTables
 
@@ -155,10 +154,10 @@ class Trainer:
         configs = table_configs(self.model.config)
         rows = tables.float_weights()
         trainable: TableCollection
-        if self.dist is not None:
-            trainable = ShardedTrainableTables(
-                configs, self.dist, self.cfg.table_optimizer, self.cfg.table_lr, rows
-            )
+        if self.dist is not None:  # TorchRec's DMP over the plan of [train.sharding]
+            sharder = make_sharder(self.cfg.table_optimizer, self.cfg.table_lr)
+            plan = plan_sharding(configs, self.cfg.sharding, self.dist.world, sharder)
+            trainable = DMPTables(configs, plan, sharder, rows)
         else:
             trainable = TrainableTables(
                 configs, optimizer=self.cfg.table_optimizer, learning_rate=self.cfg.table_lr
@@ -371,18 +370,28 @@ class Trainer:
 
     def checkpoint(self) -> Path | None:
         """Writes ``checkpoint_dir/checkpoint.pt`` atomically (``common.atomic``: a crash keeps
-        the old one)."""
+        the old one); under torchrun a DCP folder (:mod:`retrieval.training.dcp_checkpoint`),
+        every rank taking part."""
         if self.cfg.checkpoint_dir is None:
             return None
         self.cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.model.tables, DMPTables):
+            sharded = self.model.tables.sharded_state()
+            return dcp_checkpoint.save(self.cfg.checkpoint_dir, self.state(), sharded)
         path = self.cfg.checkpoint_dir / CHECKPOINT_FILE
         with atomic_writer(path) as fh:
             torch.save(self.state(), fh)
         return path
 
     def resume(self, path: Path) -> None:
-        """Continues from a checkpoint written by :meth:`checkpoint` (same model config)."""
-        state = torch.load(path, weights_only=True)
+        """Continues from a checkpoint written by :meth:`checkpoint` (same model config): the
+        ``checkpoint.pt`` file, or under torchrun the checkpoint folder (same world size)."""
+        if isinstance(self.model.tables, DMPTables):
+            sharded = self.model.tables.sharded_state()
+            state = dcp_checkpoint.load(path, sharded)
+            self.model.tables.load_sharded_state(sharded)
+        else:
+            state = torch.load(path, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
@@ -407,10 +416,6 @@ def _check_distributed(cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"train.batch_size: {cfg.batch_size} must be a multiple of {world} ranks")
     if cfg.table_optimizer == "adam":
         raise ValueError("train.table_optimizer: multi-process runs shard tables: use a fused one")
-    if cfg.checkpoint_dir is not None:
-        raise ValueError(
-            "train.checkpoint_dir: checkpoints of multi-process runs are not built yet"
-        )
 
 
 def train(
