@@ -61,7 +61,6 @@ def test_help_loads_no_torch():
 @pytest.mark.parametrize(
     ("args", "choices"),
     [
-        (("demo", "--data", "nope"), "'movielens', 'synthetic'"),
         (("score", "--model-repo", ".", "--users", "u", "--out", "o", "--engine", "spark"),
          "'local', 'ray'"),
         (("test", "load", "--target", "h:1", "--model-repo", ".", "--protocol", "ftp"),
@@ -76,6 +75,20 @@ def test_choices_are_refused_naming_them(args, choices):
     out = CliRunner().invoke(app, list(args))
     text = " ".join(out.output.replace("│", " ").split())  # the error box wraps lines
     assert out.exit_code == 2 and f"is not one of {choices}" in text, out.output
+
+
+def test_demo_data_names_what_it_accepts(tmp_path):
+    """--data takes movielens, synthetic or an imported folder; anything else is refused
+    before any work, naming the three."""
+    from typer.testing import CliRunner
+
+    from recserve.cli import app
+
+    out = CliRunner().invoke(app, ["demo", "--data", str(tmp_path)])
+    text = " ".join(out.output.split())
+    assert out.exit_code == 2, out.output
+    assert "is neither movielens, synthetic nor a data set folder" in text
+    assert "recserve data import --out FOLDER" in text
 
 
 @pytest.mark.multiproc  # recserve bench runs the script as a process
