@@ -4,8 +4,8 @@ only then evaluates the test split (:func:`evaluate_test`), so a failing evaluat
 the trained model.
 
 The file's tables and keys, with an example: ``retrieval/training/config.py`` (:class:`RunConfig`).
-Under torchrun every rank trains its part (``retrieval/training/distributed.py``); rank 0
-evaluates and writes the result.
+Under torchrun every rank trains its part (``retrieval/training/distributed.py``: TorchRec's
+DistributedModelParallel over the tables); rank 0 evaluates and writes the result.
 """
 
 from __future__ import annotations
@@ -139,6 +139,8 @@ class RunResult:
     """The test split's metrics on the kept weights (:func:`evaluate_test`)."""
     evaluated: dict[str, int] = field(default_factory=dict)
     """Users scored by each evaluation, and those left out by ``evaluate.users``."""
+    sharding: dict[str, list[tuple[int, list[int], list[int]]]] | None = None
+    """Under torchrun: each table's shards as (rank, offsets, sizes), TorchRec's plan."""
 
     def report(self) -> dict[str, Any]:
         """Everything but the model, as JSON-ready data (``metrics.json``)."""
@@ -152,6 +154,7 @@ class RunResult:
             "batch": {**asdict(self.plan), "unused_pairs": self.plan.unused_pairs},
             "split": asdict(counts) if counts is not None else None,
             "evaluated": self.evaluated,
+            "sharding": self.sharding,
         }
 
 
@@ -192,6 +195,7 @@ def run_training(
         trainer.kept_epoch,
         trainer.stopped,
         evaluated=evaluated,
+        sharding=trainer.sharding,
     )
 
 

@@ -147,21 +147,21 @@ def plan_sharding(
                 f"train.sharding.column_shard_dim: table {t.name!r} ({t.dim} wide) would split "
                 f"into shards not a multiple of {FBGEMM_DIM_STEP} wide"
             )
-    topology = Topology(
-        world_size=world,
-        compute_device=compute_device,
-        hbm_cap=cfg.hbm_budget,
-        ddr_cap=cfg.ddr_budget,
-    )
     constraints = {
         t.name: ParameterConstraints(
             sharding_types=list(cfg.types), min_partition=shard_dim(t, cfg, world)
         )
         for t in tables
     }
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     try:
         with quiet_torchrec():
+            topology = Topology(
+                world_size=world,
+                compute_device=compute_device,
+                hbm_cap=cfg.hbm_budget,
+                ddr_cap=cfg.ddr_budget,
+            )
+            planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
             return planner.plan(make_ebc(tables), [sharder])
     except (PlannerError, RuntimeError) as e:
         field = "hbm_budget" if compute_device == "cuda" else "ddr_budget"

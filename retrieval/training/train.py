@@ -146,6 +146,10 @@ class Trainer:
         """The model's state after the best epoch so far (float tables), when ``stopper``."""
         self.stopped = False
         """The stopper ended the run before ``epochs``."""
+        self.sharding = (
+            self.model.tables.placement() if isinstance(self.model.tables, DMPTables) else None
+        )
+        """Under torchrun: ``{table: [(rank, offsets, sizes)]}``, where TorchRec put each shard."""
         self._evaluates = self._any_rank(evaluate is not None)
 
     # ---- tables ---------------------------------------------------------------------------
