@@ -35,7 +35,7 @@ def test_table_wise_puts_each_table_whole_on_one_rank_and_uses_both():
     placed = shards(plan)
     assert set(placed) == {t.name for t in TABLES}
     for t in TABLES:
-        ((rank, offsets, sizes),) = placed[t.name]
+        ((_rank, offsets, sizes),) = placed[t.name]
         assert offsets == [0, 0] and sizes == [t.num_embeddings, t.dim]
     assert {s[0][0] for s in placed.values()} == {0, 1}
 
