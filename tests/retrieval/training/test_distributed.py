@@ -1,5 +1,6 @@
-"""`recserve train` as 2 processes (torchrun, gloo) equals 1 process with 2 micro-batches;
-bad configs are refused at start naming the field."""
+"""`recserve train` as 2 processes (torchrun, gloo, TorchRec's DMP over the tables) equals 1
+process with 2 micro-batches; bad configs are refused at start naming the field, the sharding
+ones under torchrun."""
 
 from __future__ import annotations
 
@@ -10,50 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.train_runs import train, train_cmd, weights, write_config
+
 pytestmark = pytest.mark.multiproc
 
-CONFIG = """
-[data]
-source = "synthetic"
-num_users = 400
-num_items = 600
-[model]
-embedding_dim = 16
-hidden = [32]
-out_dim = 16
-history_len = 10
-[train]
-epochs = 2
-batch_size = 128
-micro_batches = {micro}
-random_negatives = 16
-progress = false
-[evaluate]
-k = 50
-"""
 
-
-def train(tmp: Path, name: str, micro: int, nproc: int) -> dict[str, torch.Tensor]:
-    cfg = tmp / f"{name}.toml"
-    cfg.write_text(CONFIG.format(micro=micro))
-    cmd = ["-m", "recserve", "train", "--config", str(cfg), "--out", str(tmp / name)]
-    if nproc > 1:
-        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
-    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return torch.load(tmp / name / "model" / "model.pt", weights_only=True)
-
-
+@pytest.mark.slow
 def test_two_processes_train_the_same_model_as_one(tmp_path):
-    one = train(tmp_path, "one", micro=2, nproc=1)
-    two = train(tmp_path, "two", micro=1, nproc=2)
-    weights = [
-        k for k, t in one.items() if isinstance(t, torch.Tensor) and not k.startswith("index.")
-    ]
-    assert any(k.startswith("tables.") for k in weights)
-    for k in weights:
+    one = weights(train(tmp_path, "one", nproc=1, micro=2))
+    two = weights(train(tmp_path, "two", nproc=2))
+    assert any(k.startswith("tables.") for k in one)
+    assert one.keys() == two.keys()
+    for k in one:
         # the same math; only the order of float sums differs (all_reduce of the dense
-        # gradients, gathered table gradients summed per row): ~1e-7 per step after 2 epochs
+        # gradients, the two slices' table gradients summed per row): ~1e-7 per step
         torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
@@ -80,3 +51,21 @@ def test_a_bad_config_is_refused_at_start_naming_the_field(tmp_path, table, line
     )
     assert out.returncode == 2
     assert field in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sharding", "field", "why"),
+    [
+        ('types = ["row_wise"]', "train.sharding.types", "does not shard ['row_wise'] on the cpu"),
+        ("ddr_budget = 20000", "train.sharding.ddr_budget", "cannot place the tables"),
+    ],
+)
+def test_a_sharding_torchrec_refuses_stops_the_job_before_any_step(tmp_path, sharding, field, why):
+    cfg = write_config(tmp_path, "bad", train=f"[train.sharding]\n{sharding}")
+    out = subprocess.run(
+        train_cmd(cfg, tmp_path / "bad", 2), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode != 0
+    assert f"train: {field}: " in out.stderr and why in out.stderr
+    assert not (Path(tmp_path / "bad") / "checkpoints").exists()  # no step, no checkpoint
