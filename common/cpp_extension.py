@@ -109,13 +109,14 @@ def load_extension(
 ) -> ModuleType:
     """The compiled module ``name`` built from ``source`` (built on first use of its key,
     thread-safe; later calls in the process are one dict lookup: kernels call this per op)."""
-    args = (name, Path(source), tuple(cflags), tuple(ldflags))
-    module = _loaded.get(args)
+    module = _loaded.get((name, source, cflags, ldflags))  # the per-op path: no Path built
     if module is not None:
         return module
+    args = (name, Path(source), tuple(cflags), tuple(ldflags))
     with _lock:
         if args not in _loaded:
             _loaded[args] = _load(plan_build(*args), *args[1:])
+        _loaded[(name, source, cflags, ldflags)] = _loaded[args]
         return _loaded[args]
 
 

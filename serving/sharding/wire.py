@@ -7,6 +7,8 @@ field, answered INVALID_ARGUMENT), and encodes its :class:`Candidates`.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -23,7 +25,7 @@ def tensor_bytes(t: torch.Tensor, dtype: type) -> bytes:
 def bytes_tensor(data: bytes, dtype: type, shape: tuple[int, ...], field: str) -> torch.Tensor:
     """Raw bytes -> a tensor ``shape`` of ``dtype``; ``ValueError`` naming ``field`` when the
     size is not that."""
-    want = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    want = math.prod(shape) * np.dtype(dtype).itemsize  # not np.prod: ~30 us a call
     if len(data) != want:
         raise ValueError(f"{field}: expected {want} bytes for {list(shape)}, got {len(data)}")
     return torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(shape).copy())
