@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from retrieval.training.config import ShardingConfig
+from retrieval.training.config import ShardingConfig, ShardingType
 from retrieval.training.dmp_tables import DMPTables
 from retrieval.training.sharding import make_sharder, plan_sharding
 from sharded_tables.collection import EmbeddingCollection, TableConfig
@@ -44,7 +44,7 @@ def step(tables: object, features: dict[str, torch.Tensor], w: torch.Tensor, sca
     (scale * slice_loss(tables(features), w)).backward()  # type: ignore[operator]
 
 
-def worker(rank: int, port: int, kind: str, optimizer: str, folder: str) -> None:
+def worker(rank: int, port: int, kind: ShardingType, optimizer: str, folder: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
     )
