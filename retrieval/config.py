@@ -31,7 +31,8 @@ class ModelConfig:
     history_len: int = 50
     """Most recent items of a user's history that the user tower reads."""
     exclude_history: bool = True
-    """Never recommend an item already in the request's history."""
+    """Never recommend an item already in the request's history (the window the tower reads); a
+    request's full seen list (``UserBatch.seen``) is excluded whatever this says."""
     temperature: float = 0.05
     """Softmax temperature of training logits (q · v / temperature)."""
     scoring_head: bool = False

@@ -23,6 +23,9 @@ class UserBatch:
     categorical: ``[B, F] int64`` one code per categorical user feature (config order).
     dense: ``[B, F_dense] float32``.
     filter_masks / filter_negate: ``[B, C, W] int64`` / ``[B, C] bool`` (see ``filters``).
+    seen: ``[B, S] int64`` every item the user consumed, ``-1`` padded, any order, or None. When
+    given, these items are never recommended, in addition to the history window the model
+    excludes (``retrieval/seen.py``); None keeps the window only.
     """
 
     history: torch.Tensor
@@ -30,6 +33,7 @@ class UserBatch:
     dense: torch.Tensor
     filter_masks: torch.Tensor
     filter_negate: torch.Tensor
+    seen: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -41,16 +45,12 @@ class UserBatch:
 
     def to(self, device: torch.device | str) -> UserBatch:
         return UserBatch(
-            *(
-                t.to(device)
-                for t in (
-                    self.history,
-                    self.categorical,
-                    self.dense,
-                    self.filter_masks,
-                    self.filter_negate,
-                )
-            )
+            self.history.to(device),
+            self.categorical.to(device),
+            self.dense.to(device),
+            self.filter_masks.to(device),
+            self.filter_negate.to(device),
+            None if self.seen is None else self.seen.to(device),
         )
 
 
@@ -60,8 +60,10 @@ def make_user_batch(
     dense: np.ndarray | torch.Tensor,
     schema: FilterSchema,
     filters: Sequence[str | Sequence[Clause] | None] | None = None,
+    seen: np.ndarray | torch.Tensor | None = None,
 ) -> UserBatch:
-    """Builds a batch from per-request arrays; ``filters`` is one entry per request (or None)."""
+    """Builds a batch from per-request arrays; ``filters`` is one entry per request (or None);
+    ``seen [B, S]``: every item each request's user consumed (None: the history window only)."""
     h = torch.as_tensor(history, dtype=torch.int64)
     fb = schema.compile(filters) if filters is not None else schema.empty(h.shape[0])
     return UserBatch(
@@ -70,6 +72,7 @@ def make_user_batch(
         torch.as_tensor(dense, dtype=torch.float32),
         fb.masks,
         fb.negate,
+        None if seen is None else torch.as_tensor(seen, dtype=torch.int64),
     )
 
 

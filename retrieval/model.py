@@ -186,6 +186,7 @@ class RetrievalModel(nn.Module):
                 raise ValueError(
                     f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
                 )
+        _check_seen(batch.seen, b)
         w = self.index.schema.num_words
         if (
             batch.filter_masks.dim() != 3
@@ -233,9 +234,12 @@ class RetrievalModel(nn.Module):
         return self.rank(q, hist, ids, dot, vecs, k)
 
     def candidate_budget(self, batch: UserBatch, k: int) -> tuple[int, torch.Tensor]:
-        """(candidates R the index returns, history ``[B, H]`` to exclude): enough that K
-        remain after removing seen items, and what the scoring head re-scores."""
+        """(candidates R the index returns, seen items ``[B, H + S]`` to exclude): enough that
+        K remain after removing seen items, and what the scoring head re-scores. Seen: the
+        history window (with ``exclude_history``) and the request's full seen list, if any."""
         hist = batch.history if self.config.exclude_history else batch.history[:, :0]
+        if batch.seen is not None:
+            hist = torch.cat([hist, batch.seen], dim=1)  # [B, H + S]
         r = min(
             self.index.ntotal,
             max(k + hist.shape[1], self.config.head_candidates if self.head is not None else 0),
@@ -291,6 +295,16 @@ class RetrievalModel(nn.Module):
             tune_queries=tune,
         ).to(self.index.centroids.device)
         self.config.index = self.index.config
+
+
+def _check_seen(seen: torch.Tensor | None, b: int) -> None:
+    """Edge validation of a request's seen list ``[B, S] int64`` (ids >= 0, ``-1`` pads)."""
+    if seen is None:
+        return
+    if seen.dim() != 2 or seen.shape[0] != b or seen.dtype != torch.int64:
+        raise ValueError(f"seen: expected int64 [{b}, S], got {seen.dtype} {list(seen.shape)}")
+    if seen.numel() and int(seen.min()) < -1:
+        raise ValueError(f"seen: item ids are >= 0 (-1 pads), got {int(seen.min())}")
 
 
 def seen_in(ids: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:

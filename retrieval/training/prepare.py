@@ -24,6 +24,7 @@ from retrieval.features import UserBatch, item_feature_ids, make_user_batch
 from retrieval.filters import FilterSchema
 from retrieval.index.ivf import IVFConfig
 from retrieval.index.kmeans import default_nlist
+from retrieval.seen import SeenSets
 from retrieval.training.train import TrainingData, log_q_from_counts
 
 
@@ -89,6 +90,11 @@ class Prepared:
     """Validation items per user (all empty without a validation split)."""
     counts: SplitCounts | None = None
     """Who is in which part of the split."""
+    seen: SeenSets | None = None
+    """Every item each user consumed before the test split (train and validation): what the
+    test evaluation excludes (``user_batch(users, seen=prep.seen)``)."""
+    train_seen: SeenSets | None = None
+    """Every item each user consumed before the validation split (the training pairs)."""
 
     def tune_batch(self, size: int = 256, seed: int = 0) -> UserBatch:
         """A sample of users whose query vectors tune the index."""
@@ -102,13 +108,18 @@ class Prepared:
         users: np.ndarray,
         filters: list[str | None] | None = None,
         history: np.ndarray | None = None,
+        seen: SeenSets | None = None,
     ) -> UserBatch:
-        """Inputs of ``users [B]``; ``history [U, H]`` defaults to :attr:`history`."""
+        """Inputs of ``users [B]``; ``history [U, H]`` defaults to :attr:`history`. ``seen``
+        (e.g. :attr:`seen`): every item a user consumed goes with the request and is never
+        recommended; None (the default, what a served request without a seen list gets):
+        only the history window is excluded."""
         ds = self.dataset
         hist = self.history if history is None else history
         cat = user_codes(ds, list(self.config.user_features), users)
         schema = FilterSchema(self.config.item_attributes)
-        return make_user_batch(hist[users], cat, ds.user_dense[users], schema, filters)
+        rows = None if seen is None else seen.rows(users)
+        return make_user_batch(hist[users], cat, ds.user_dense[users], schema, filters, rows)
 
 
 def user_codes(ds: RecDataset, names: list[str], users: np.ndarray | None = None) -> np.ndarray:
@@ -173,6 +184,8 @@ def prepare(
         items_by_user(test_i, ds.num_users),
         items_by_user(val_i, ds.num_users),
         counts,
+        seen=SeenSets.of(train_i.user_id, train_i.item_id, ds.num_users),
+        train_seen=SeenSets.of(fit_i.user_id, fit_i.item_id, ds.num_users),
     )
 
 

@@ -1,0 +1,96 @@
+"""Every item each user consumed, as sorted ids: what a request excludes beyond the tower's window.
+
+The user tower reads a user's ``history_len`` most recent items; a user who consumed more would
+be recommended the older ones again. A request may therefore carry its full seen list
+(``UserBatch.seen [B, S]``) and the model removes those items from the candidates
+(``RetrievalModel.candidate_budget`` / ``rank``). The store here holds the lists of U users in
+CSR form and cuts the padded rows of a batch from it.
+
+Sorted ids, not a Bloom bitset: the test is exact (no false positive ever hides an item the user
+has not seen), it costs 8 bytes per seen item (:meth:`SeenSets.nbytes`; a request's list is
+``[S] int64``) and a binary search per candidate (``O(R log S)``); a Bloom filter would fix the size per user but
+drop unseen items at its false-positive rate, and the index must still return ``K + S``
+candidates for K to remain, so it would not save the scan either.
+
+Example::
+
+    seen = SeenSets.of(np.array([0, 0, 1]), np.array([5, 2, 5]), num_users=3)
+    seen.rows(np.array([0, 2]))  # tensor([[2, 5], [-1, -1]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SeenSets:
+    """Seen items of U users: ``indptr [U + 1] int64`` and ``items [M'] int64``, user u's
+    distinct items ascending in ``items[indptr[u]:indptr[u + 1]]``."""
+
+    indptr: np.ndarray
+    items: np.ndarray
+
+    @classmethod
+    def of(cls, user_ids: np.ndarray, item_ids: np.ndarray, num_users: int) -> SeenSets:
+        """From ``M`` (user, item) pairs (repeats allowed) of users ``0..num_users-1``."""
+        users = np.asarray(user_ids, dtype=np.int64)
+        items = np.asarray(item_ids, dtype=np.int64)
+        if users.shape != items.shape or users.ndim != 1:
+            raise ValueError(
+                f"user_ids and item_ids: expected two [M] arrays, got {users.shape} and {items.shape}"
+            )
+        if len(users) and (users.min() < 0 or users.max() >= num_users):
+            raise ValueError(
+                f"user_ids: expected ids in [0, {num_users}), got {users.min()}..{users.max()}"
+            )
+        if len(items) and items.min() < 0:
+            raise ValueError(f"item_ids: expected ids >= 0, got {items.min()}")
+        pairs = np.unique(users * (int(items.max(initial=0)) + 1) + items)  # sorted, distinct
+        width = int(items.max(initial=0)) + 1
+        u, i = pairs // width, pairs % width
+        indptr = np.zeros(num_users + 1, dtype=np.int64)
+        np.cumsum(np.bincount(u, minlength=num_users), out=indptr[1:])
+        return cls(indptr, i.astype(np.int64))
+
+    @property
+    def num_users(self) -> int:
+        return len(self.indptr) - 1
+
+    def lengths(self, users: np.ndarray | None = None) -> np.ndarray:
+        """Seen items per user ``[B] int64`` (default: all U)."""
+        counts = np.diff(self.indptr)
+        return counts if users is None else counts[np.asarray(users, dtype=np.int64)]
+
+    def nbytes(self) -> int:
+        """Bytes of the store (8 per seen item plus 8 per user)."""
+        return int(self.indptr.nbytes + self.items.nbytes)
+
+    def rows(self, users: np.ndarray, width: int | None = None) -> torch.Tensor:
+        """The seen lists of ``users [B]`` -> ``[B, S] int64``, ascending, ``-1`` padded at the
+        end; ``S`` is the longest list among them (or ``width``, which must hold it)."""
+        users = np.asarray(users, dtype=np.int64)
+        lengths = self.lengths(users)
+        s = int(lengths.max(initial=0))
+        if width is not None:
+            if width < s:
+                raise ValueError(f"width: {width} cannot hold a seen list of {s} items")
+            s = width
+        out = np.full((len(users), s), -1, dtype=np.int64)
+        row = np.repeat(np.arange(len(users)), lengths)
+        col = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[row, col] = self.items[np.repeat(self.indptr[users], lengths) + col]
+        return torch.from_numpy(out)
+
+    def indicator(self, users: np.ndarray, num_items: int) -> torch.Tensor:
+        """``[B, N] float32``: 1 where user ``users[b]`` consumed item n (the baselines' input)."""
+        users = np.asarray(users, dtype=np.int64)
+        lengths = self.lengths(users)
+        out = torch.zeros(len(users), num_items)
+        row = torch.from_numpy(np.repeat(np.arange(len(users)), lengths))
+        cols = self.rows(users)
+        out[row, cols[cols >= 0]] = 1.0
+        return out
