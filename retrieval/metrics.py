@@ -41,3 +41,10 @@ def popularity_recs(
         picks = head[~seen[u]][:k]
         out[u, : len(picks)] = picks
     return out
+
+
+def catalog_coverage(recs: np.ndarray, num_items: int, k: int) -> float:
+    """Share of the ``num_items`` catalog in at least one user's top-``k`` (``recs [U, >=K]``,
+    ``-1`` pads)."""
+    top = recs[:, :k]
+    return float(len(np.unique(top[top >= 0]))) / num_items
