@@ -89,14 +89,18 @@ def evaluator(prep: Prepared, cfg: EvaluateConfig, split: str = "test") -> Any:
     called with ``build=False``), then recall@K / NDCG@K on the split's held-out interactions
     (popularity baseline alongside) and the index's recall against exact search. Validation
     users are seen through their training history only (the validation items are what they
-    did next), test users through training and validation."""
+    did next), test users through training and validation; every item a user consumed
+    before the split (not only the history window) is excluded from the model's and the
+    baseline's recommendations."""
     k = cfg.k
     held_out = prep.test_items if split == "test" else prep.validation_items
     history = prep.history if split == "test" else prep.train.history
+    seen = prep.seen if split == "test" else prep.train_seen
     users = evaluated_users(held_out, cfg.users)
     relevant = [held_out[u] for u in users]
+    excluded = history[users] if seen is None else seen.rows(users).numpy()
     pop = ranking_metrics(
-        popularity_recs(prep.train.item_ids, prep.dataset.num_items, history[users], k),
+        popularity_recs(prep.train.item_ids, prep.dataset.num_items, excluded, k),
         relevant,
         k,
     )
@@ -107,7 +111,7 @@ def evaluator(prep: Prepared, cfg: EvaluateConfig, split: str = "test") -> Any:
                 prep.train.item_features, prep.dataset.item_attributes, prep.tune_batch()
             )
         with torch.no_grad():  # not inference_mode: fbgemm's training op needs autograd keys
-            batch = prep.user_batch(users, history=history)
+            batch = prep.user_batch(users, history=history, seen=seen)
             approx = model(batch, k)[0]
             exact = model(batch, k, exact=True)[0]
         ours = ranking_metrics(approx.numpy(), relevant, k)
