@@ -17,21 +17,34 @@ tensor             dtype     dims        meaning
 ``filter``         BYTES     ``[1]``     filter expression (empty: none), optional
 ``item_ids``       INT64     ``[-1]``    output: top-K item ids (``-1`` pads)
 ``scores``         FP32      ``[-1]``    output: their scores
+``raw_history``    BYTES     ``[-1]``    a model with id maps: the history in the user's own
+                                         item ids (``""`` pads), instead of ``history``
+``raw_item_ids``   BYTES     ``[-1]``    a model with id maps: output, the raw id of each of
+                                         ``item_ids`` (``""`` pads)
 =================  ========  ==========  ==================================================
 
 (dims without the batch dimension; ``max_batch_size > 0``, so every tensor is ``[B, ...]``).
+A model with id maps takes ``history`` or ``raw_history`` (both optional, one of them given);
+the mapping is ``serving/raw_ids.py``.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from retrieval.data.id_map import IdMap
+
 INPUTS = ("history", "categorical", "dense", "k", "filter")
 OUTPUTS = ("item_ids", "scores")
+RAW_INPUTS = ("raw_history",)
+"""Inputs of a model with id maps only (besides ``INPUTS``)."""
+RAW_OUTPUTS = ("raw_item_ids",)
+"""Outputs of a model with id maps only (besides ``OUTPUTS``)."""
 DATATYPES = {
     "history": "INT64",
     "categorical": "INT64",
@@ -40,6 +53,8 @@ DATATYPES = {
     "filter": "BYTES",
     "item_ids": "INT64",
     "scores": "FP32",
+    "raw_history": "BYTES",
+    "raw_item_ids": "BYTES",
 }
 """KServe v2 datatype of every tensor in the table above."""
 MAX_K = 10_000
@@ -107,6 +122,9 @@ class RecRequest:
     """Model name asked for (empty: the server's default)."""
     version: int | None = None
     """Model version asked for (None: the latest loaded)."""
+    raw_history: np.ndarray | None = None
+    """``str [H]`` (object): the history in the user's own item ids, ``""`` pads, for a model
+    with id maps; the runner maps it into ``history`` (``serving/raw_ids.py``)."""
     checked: tuple[object, list[Any]] | None = field(default=None, repr=False, compare=False)
     """(runner, parsed filter clauses) once a runner's edge check passed: the same runner
     skips the check when the request reaches its batch (another, after a hot swap, redoes it)."""
@@ -126,6 +144,9 @@ class RecResult:
     """True when some shard or embedding server did not answer in time (sharded serving)."""
     missing: list[str] = field(default_factory=list)
     """Which parts did not answer, when ``partial``."""
+    item_map: IdMap | None = field(default=None, repr=False, compare=False)
+    """The answering version's raw item ids (None: a model without id maps); the front ends
+    render ``item_ids`` through it (``serving.raw_ids.raw_item_ids``)."""
 
 
 def check_request(req: RecRequest, categorical: int, dense: int, num_items: int) -> None:

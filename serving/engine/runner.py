@@ -24,6 +24,7 @@ from retrieval.features import UserBatch
 from retrieval.filters import Clause, parse_filter
 from retrieval.model import RetrievalModel
 from serving.limits import LimitsConfig
+from serving.raw_ids import dense_history
 from serving.types import (
     ModelNotFoundError,
     RecRequest,
@@ -62,6 +63,8 @@ class ModelRunner:
         self.schema = model.index.schema
         self.device = model.index.centroids.device
         self.id_limits = _id_limits(model, self.features)
+        self.item_map = None if model.id_maps is None else model.id_maps.items
+        """The raw item ids answers are rendered with (None: a model without id maps)."""
 
     # ---- edge -------------------------------------------------------------------------------
     def check(self, req: RecRequest, limits: LimitsConfig | None = None) -> list[Clause]:
@@ -79,6 +82,8 @@ class ModelRunner:
             raise ModelNotFoundError(
                 f"version: {self.name} version {req.version} is not loaded (serving {self.version})"
             )
+        if req.raw_history is not None:
+            req.history = self._dense_history(req.raw_history)
         check_request(req, len(self.features), self.dense_dim, self.num_items)
         ntotal = self.model.index.ntotal
         if req.k > ntotal:
@@ -87,6 +92,17 @@ class ModelRunner:
         if ((cat < -1) | (cat >= self.id_limits)).any():
             self._check_categorical(cat)  # the tables' own check names the feature and table
         return self._clauses(req.filter, limits)
+
+    def _dense_history(self, raw: np.ndarray) -> np.ndarray:
+        """``raw_history`` ``str [H]`` -> ``history`` ``int64 [H]`` through this version's item
+        map (mapped on every check: another version may map the same ids otherwise)."""
+        maps = self.model.id_maps
+        if maps is None:
+            raise RequestError(
+                f"raw_history: {self.name} version {self.version} has no id maps (it was not "
+                "trained on imported data): send history, the dense item ids"
+            )
+        return dense_history(raw, maps.items)
 
     def _check_categorical(self, cat: np.ndarray) -> None:
         codes = torch.from_numpy(cat).view(1, -1)  # [1, F]
@@ -143,6 +159,7 @@ class ModelRunner:
                     self.version,
                     partial=bool(missing),
                     missing=list(missing),
+                    item_map=self.item_map,
                 )
         return [o for o in outcomes if o is not None]
 

@@ -40,11 +40,13 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from serving.engine.state import ServingState
 from serving.limits import LimitsConfig
+from serving.raw_ids import decode_text, raw_item_ids
 from serving.types import (
     DATATYPES,
-    INPUTS,
     MAX_K,
     OUTPUTS,
+    RAW_INPUTS,
+    RAW_OUTPUTS,
     ModelNotFoundError,
     RecRequest,
     RecResult,
@@ -96,20 +98,25 @@ class ModelSpec:
     platform: str = "pytorch"
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     """Request size limits (``[limits]``): a filter is checked against them before parsing."""
+    raw_ids: bool = False
+    """The model has id maps: ``raw_history`` in, ``raw_item_ids`` out (``history`` optional)."""
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
+        raw = (TensorSpec("raw_history", DATATYPES["raw_history"], (-1,), optional=True),)
         return (
-            TensorSpec("history", DATATYPES["history"], (-1,)),
+            TensorSpec("history", DATATYPES["history"], (-1,), optional=self.raw_ids),
             TensorSpec("categorical", DATATYPES["categorical"], (self.categorical,)),
             TensorSpec("dense", DATATYPES["dense"], (self.dense,)),
             TensorSpec("k", DATATYPES["k"], (1,)),
             TensorSpec("filter", DATATYPES["filter"], (1,), optional=True),
+            *(raw if self.raw_ids else ()),
         )
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(name, DATATYPES[name], (-1,)) for name in OUTPUTS)
+        names = OUTPUTS + RAW_OUTPUTS if self.raw_ids else OUTPUTS
+        return tuple(TensorSpec(name, DATATYPES[name], (-1,)) for name in names)
 
 
 @dataclass
@@ -135,6 +142,10 @@ class OutputTensor:
         return list(self.array.shape)
 
     def raw(self) -> bytes:
+        """Row-major little-endian bytes; BYTES: each element's 4-byte length, then its UTF-8."""
+        if self.datatype == "BYTES":
+            parts = [s.encode("utf-8") for s in self.array.reshape(-1)]
+            return b"".join(struct.pack("<I", len(p)) + p for p in parts)
         return self.array.astype(NUMPY[self.datatype], copy=False).tobytes()
 
 
@@ -162,6 +173,7 @@ def model_spec(state: ServingState) -> ModelSpec:
         max_batch_size=state.batcher.policy.max_batch_size,
         platform=platform or "pytorch",
         limits=state.limits,
+        raw_ids=runner.item_map is not None,
     )
 
 
@@ -176,7 +188,7 @@ def model_config(state: ServingState, spec: ModelSpec) -> mc.ModelConfig:
     """The loaded version's ``config.pbtxt``; one built from the interface when it has none."""
     config = loaded_config(state)
     if config is not None:
-        return config
+        return with_raw_ids(config) if spec.raw_ids else config
     policy = state.batcher.policy
 
     def tensor(t: TensorSpec) -> dict[str, Any]:
@@ -195,6 +207,21 @@ def model_config(state: ServingState, spec: ModelSpec) -> mc.ModelConfig:
             default_queue_policy=mc.ModelQueuePolicy(max_queue_size=policy.max_queue_size),
         ),
     )
+
+
+def with_raw_ids(config: mc.ModelConfig) -> mc.ModelConfig:
+    """``config`` declaring the raw id tensors (a version published before configs declared
+    them gets them from its model's id maps); ``config`` itself when it declares them."""
+    if any(t.name == "raw_history" for t in config.input):
+        return config
+    out = mc.ModelConfig()
+    out.CopyFrom(config)
+    for t in out.input:
+        if t.name == "history":
+            t.optional = True
+    out.input.add(name="raw_history", data_type=mc.TYPE_STRING, dims=[-1], optional=True)
+    out.output.add(name="raw_item_ids", data_type=mc.TYPE_STRING, dims=[-1])
+    return out
 
 
 def server_version() -> str:
@@ -226,10 +253,16 @@ def parse(
 ) -> list[RecRequest]:
     """The inputs of one call -> one :class:`RecRequest` per batch row (validated)."""
     by_name: dict[str, WireTensor] = {}
+    known = [t.name for t in spec.inputs]
     for t in tensors:
-        if t.name not in INPUTS:
+        if t.name in RAW_INPUTS and not spec.raw_ids:
             raise RequestError(
-                f"inputs: unexpected input {t.name!r} (inputs are {', '.join(INPUTS)})"
+                f"{t.name}: {spec.name} version {spec.version} has no id maps (it was not "
+                "trained on imported data): send history, the dense item ids"
+            )
+        if t.name not in known:
+            raise RequestError(
+                f"inputs: unexpected input {t.name!r} (inputs are {', '.join(known)})"
             )
         if t.name in by_name:
             raise RequestError(f"{t.name}: given twice")
@@ -241,7 +274,7 @@ def parse(
         if given is None:
             if ts.optional:
                 continue
-            raise RequestError(f"{ts.name}: missing input (inputs are {', '.join(INPUTS)})")
+            raise RequestError(f"{ts.name}: missing input (inputs are {', '.join(known)})")
         shape = _check_shape(given, ts, spec.max_batch_size)
         if batch is None:
             batch = shape[0]
@@ -249,7 +282,8 @@ def parse(
             first = next(n for n in arrays)
             raise RequestError(f"{ts.name}: batch size {shape[0]} disagrees with {first}'s {batch}")
         arrays[ts.name] = decode(given, shape)
-    assert batch is not None  # history is required
+    assert batch is not None  # k is required
+    histories, raw = _histories(arrays, batch)
     ks = arrays["k"].reshape(batch)
     filters = _filters(arrays.get("filter"), batch, spec.limits)
     reqs = []
@@ -259,16 +293,30 @@ def parse(
             raise RequestError(f"k: must be in [1, {spec.max_k}], got {k}{_row(b, batch)}")
         reqs.append(
             RecRequest(
-                history=arrays["history"][b],
+                history=histories[b],
                 categorical=arrays["categorical"][b],
                 dense=arrays["dense"][b],
                 k=k,
                 filter=filters[b],
                 deadline=deadline,
                 model=spec.name,
+                raw_history=None if raw is None else raw[b],
             )
         )
     return reqs
+
+
+def _histories(arrays: dict[str, np.ndarray], batch: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """-> (``history`` int64 [B, H], ``raw_history`` str [B, H'] or None): exactly one of the
+    two inputs is given (``raw_history`` only where the spec has it)."""
+    hist, raw = arrays.get("history"), arrays.get("raw_history")
+    if hist is not None and raw is not None:
+        raise RequestError("raw_history: give history or raw_history, not both")
+    if raw is not None:  # the runner maps each row with its version's item map
+        return np.empty((batch, 0), dtype=np.int64), decode_text(raw)
+    if hist is None:
+        raise RequestError("history: missing input (give history or raw_history)")
+    return hist, None
 
 
 def _row(b: int, batch: int) -> str:
@@ -439,25 +487,43 @@ def cancel(futures: Sequence[Future[Any]]) -> None:
 
 
 # ---- rendering ---------------------------------------------------------------------------------
-def requested_outputs(names: Sequence[str]) -> list[str]:
-    """The outputs a call asks for (none named: all), checked."""
+def requested_outputs(names: Sequence[str], spec: ModelSpec) -> list[str]:
+    """The outputs a call asks for (none named: all of ``spec``'s), checked."""
+    known = [t.name for t in spec.outputs]
     for n in names:
-        if n not in OUTPUTS:
-            raise RequestError(f"outputs: unknown output {n!r} (outputs are {', '.join(OUTPUTS)})")
+        if n not in known:
+            raise RequestError(f"outputs: unknown output {n!r} (outputs are {', '.join(known)})")
     if len(set(names)) != len(names):
         raise RequestError("outputs: an output is asked for twice")
-    return list(names) if names else list(OUTPUTS)
+    return list(names) if names else known
 
 
 def render(results: Sequence[RecResult], names: Sequence[str]) -> list[OutputTensor]:
-    """One result per row -> ``item_ids int64 [B, K]`` and ``scores float32 [B, K]``
-    (rows shorter than the longest K are padded with -1 / -inf)."""
+    """One result per row -> ``item_ids int64 [B, K]``, ``scores float32 [B, K]`` and
+    ``raw_item_ids`` text ``[B, K]`` (rows shorter than the longest K are padded with -1 /
+    -inf / "")."""
     k = max(len(r.item_ids) for r in results)
     out = []
-    for name in names:
+    arrays: dict[str, np.ndarray] = {}
+    for name in ("item_ids", *names):
+        if name in arrays or name == "raw_item_ids":
+            continue
         array = np.full((len(results), k), _PAD[name], dtype=NUMPY[DATATYPES[name]])  # [B, K]
         for b, r in enumerate(results):
             row = getattr(r, name)
             array[b, : len(row)] = row
+        arrays[name] = array
+    for name in names:
+        array = _raw_ids(results, arrays["item_ids"]) if name == "raw_item_ids" else arrays[name]
         out.append(OutputTensor(name, DATATYPES[name], array))
+    return out
+
+
+def _raw_ids(results: Sequence[RecResult], ids: np.ndarray) -> np.ndarray:
+    """``ids [B, K]`` -> their raw ids ``str [B, K]``: one take per item map among the rows
+    (one, unless the call straddled a hot swap)."""
+    out = np.empty(ids.shape, dtype=object)  # [B, K]
+    for item_map in {id(r.item_map): r.item_map for r in results}.values():
+        rows = [b for b, r in enumerate(results) if r.item_map is item_map]
+        out[rows] = raw_item_ids(ids[rows], item_map)
     return out

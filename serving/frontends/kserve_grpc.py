@@ -166,7 +166,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if isinstance(request, MalformedMessage):
                 raise RequestError(request.message)
             spec = kserve.resolve(self.state, request.model_name, request.model_version)
-            names = kserve.requested_outputs([o.name for o in request.outputs])
+            names = kserve.requested_outputs([o.name for o in request.outputs], spec)
             deadline = kserve.deadline_from(
                 parameters(request.parameters), context.time_remaining()
             )

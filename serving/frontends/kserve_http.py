@@ -197,7 +197,9 @@ def json_tensors(header: dict[str, Any], binary: bytes) -> list[WireTensor]:
     return out
 
 
-def json_outputs(header: dict[str, Any], params: dict[str, Any]) -> tuple[list[str], set[str]]:
+def json_outputs(
+    header: dict[str, Any], params: dict[str, Any], spec: kserve.ModelSpec
+) -> tuple[list[str], set[str]]:
     """-> (the outputs asked for, those to send as binary)."""
     default = params.get("binary_data_output", False)
     wanted = header.get("outputs") or []
@@ -205,7 +207,7 @@ def json_outputs(header: dict[str, Any], params: dict[str, Any]) -> tuple[list[s
         isinstance(o, dict) and isinstance(o.get("name"), str) for o in wanted
     ):
         raise RequestError("outputs: must be a list of objects with a name")
-    names = kserve.requested_outputs([o["name"] for o in wanted])
+    names = kserve.requested_outputs([o["name"] for o in wanted], spec)
     binary = set()
     for o in wanted or [{"name": n} for n in names]:
         p = _params(o, "outputs")
@@ -347,7 +349,7 @@ def make_app(state: ServingState, *, max_body_bytes: int | None = None) -> Starl
         spec = spec_of(request)
         header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
         params = _params(header, "parameters")
-        names, binary_out = json_outputs(header, params)
+        names, binary_out = json_outputs(header, params, spec)
         deadline = kserve.deadline_from(params)
         reqs = kserve.parse(json_tensors(header, binary), spec, deadline=deadline)
         results = await gather(kserve.submit_rows(state, reqs), deadline)

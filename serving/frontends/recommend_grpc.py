@@ -5,6 +5,10 @@ Other gRPC services (the KServe v2 ``GRPCInferenceService``) join the same serve
 ``security`` (``common/security.py``) adds the bearer-token check to every service and TLS to
 the port.
 
+Raw ids (a model with id maps, ``serving/raw_ids.py``): a request may name its history in the
+user's own item ids (``raw_history``, text) instead of ``history``; the answer then carries
+``raw_item_ids`` beside ``item_ids``. An unknown raw id is INVALID_ARGUMENT naming it.
+
 Status codes (``serving.types.error_status``): INVALID_ARGUMENT for a bad request (the
 message names the field), NOT_FOUND for an unknown model or version, RESOURCE_EXHAUSTED when the
 batcher's queue is full, DEADLINE_EXCEEDED when the call's deadline passes first, UNAVAILABLE
@@ -29,6 +33,7 @@ from common.security import NO_SECURITY, OnRefused, Security
 from serving.engine.state import ServingState
 from serving.protos import recommend_pb2 as pb
 from serving.protos import recommend_pb2_grpc as pb_grpc
+from serving.raw_ids import raw_item_ids
 from serving.types import RecRequest, RecResult, RequestError, error_status
 
 log = limit_rate(logging.getLogger(__name__))
@@ -50,6 +55,11 @@ def parse_recommend(
         raise RequestError(msg.message)
     if msg.version < 0:
         raise RequestError(f"version: must be >= 0 (0: the one being served), got {msg.version}")
+    raw = None
+    if msg.raw_history:
+        if msg.history:
+            raise RequestError("raw_history: give history or raw_history, not both")
+        raw = np.array(list(msg.raw_history), dtype=object)  # [H] str, mapped by the runner
     return RecRequest(
         history=np.fromiter(msg.history, dtype=np.int64, count=len(msg.history)),
         categorical=np.fromiter(msg.categorical, dtype=np.int64, count=len(msg.categorical)),
@@ -60,11 +70,19 @@ def parse_recommend(
         deadline=deadline,
         model=msg.model,
         version=int(msg.version) or None,
+        raw_history=raw,
     )
 
 
 def render_recommend(result: RecResult) -> pb.RecommendResponse:
+    """The answer; ``raw_item_ids`` too when the answering version has id maps."""
+    raw = (
+        []
+        if result.item_map is None
+        else raw_item_ids(result.item_ids.reshape(1, -1), result.item_map)[0].tolist()
+    )
     return pb.RecommendResponse(
+        raw_item_ids=raw,
         item_ids=result.item_ids.tolist(),
         scores=result.scores.tolist(),
         model=result.model,

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RecommendRequest(_message.Message):
-    __slots__ = ("user_id", "history", "categorical", "dense", "k", "filter", "model", "version")
+    __slots__ = ("user_id", "history", "categorical", "dense", "k", "filter", "model", "version", "raw_history")
     USER_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     CATEGORICAL_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class RecommendRequest(_message.Message):
     FILTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RAW_HISTORY_FIELD_NUMBER: _ClassVar[int]
     user_id: str
     history: _containers.RepeatedScalarFieldContainer[int]
     categorical: _containers.RepeatedScalarFieldContainer[int]
@@ -26,20 +27,23 @@ class RecommendRequest(_message.Message):
     filter: str
     model: str
     version: int
-    def __init__(self, user_id: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., categorical: _Optional[_Iterable[int]] = ..., dense: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., filter: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    raw_history: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, user_id: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., categorical: _Optional[_Iterable[int]] = ..., dense: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., filter: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., raw_history: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RecommendResponse(_message.Message):
-    __slots__ = ("item_ids", "scores", "model", "version", "partial", "missing")
+    __slots__ = ("item_ids", "scores", "model", "version", "partial", "missing", "raw_item_ids")
     ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    RAW_ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
     item_ids: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     model: str
     version: int
     partial: bool
     missing: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, item_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., partial: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
+    raw_item_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, item_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., partial: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., raw_item_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -162,11 +162,13 @@ def test_render_pads_rows_to_the_longest_k():
 
 
 def test_requested_outputs_and_deadline():
-    assert kserve.requested_outputs([]) == list(OUTPUTS)
+    assert kserve.requested_outputs([], SPEC) == list(OUTPUTS)
     with pytest.raises(RequestError, match=r"^outputs: unknown output 'x'"):
-        kserve.requested_outputs(["x"])
+        kserve.requested_outputs(["x"], SPEC)
+    with pytest.raises(RequestError, match=r"^outputs: unknown output 'raw_item_ids'"):
+        kserve.requested_outputs(["raw_item_ids"], SPEC)  # a model without id maps
     with pytest.raises(RequestError, match=r"^outputs: .* twice"):
-        kserve.requested_outputs(["scores", "scores"])
+        kserve.requested_outputs(["scores", "scores"], SPEC)
     now = time.monotonic()
     assert kserve.deadline_from({}) is None
     assert kserve.deadline_from({}, remaining=9.2e18) is None  # grpc: the call has no deadline
@@ -233,8 +235,8 @@ def test_http_requests_json_and_binary(binary):
     body, length = json_request(good(raw=binary), binary)
     header, rest = split_body(body, length)
     assert [r.k for r in kserve.parse(json_tensors(header, rest), SPEC)] == [7, 7]
-    assert json_outputs(header, {}) == (["scores"], {"scores"})
-    assert json_outputs({}, {"binary_data_output": True}) == (list(OUTPUTS), set(OUTPUTS))
+    assert json_outputs(header, {}, SPEC) == (["scores"], {"scores"})
+    assert json_outputs({}, {"binary_data_output": True}, SPEC) == (list(OUTPUTS), set(OUTPUTS))
     if binary:
         with pytest.raises(RequestError, match=r"^inputs: 1 binary bytes after the last input"):
             json_tensors(header, rest + b"\0")
@@ -362,7 +364,7 @@ def test_random_http_bodies_never_crash(data):
         h, rest = split_body(text + tail[:cut], str(len(text)) if tail else None)
         params = h.get("parameters") or {}
         if isinstance(params, dict):
-            json_outputs(h, params)
+            json_outputs(h, params, SPEC)
             kserve.deadline_from(params)
         kserve.parse(json_tensors(h, rest), SPEC)
     except RequestError as e:
