@@ -12,6 +12,11 @@ one fixed in ``serving/types.py`` (dims without the batch dimension)::
     item_ids     TYPE_INT64   [-1]     output
     scores       TYPE_FP32    [-1]     output
 
+A model with id maps (``raw_ids=True``) also declares, and makes ``history`` optional::
+
+    raw_history  TYPE_STRING  [-1]     optional: the history in the user's own item ids
+    raw_item_ids TYPE_STRING  [-1]     output: the raw id of each of item_ids
+
 Example::
 
     cfg = make_config("demo", model.config, max_batch_size=32)
@@ -47,6 +52,7 @@ def make_config(
     versions_latest: int = 1,
     backend: str = "python",
     parameters: Mapping[str, str] | None = None,
+    raw_ids: bool = False,
 ) -> TritonConfig:
     """The ``ModelConfig`` of a retrieval model served under ``name``.
 
@@ -54,7 +60,8 @@ def make_config(
     sizes, so a batch starts once the model is free and takes everything waiting (a preferred
     size would only split it); ``max_queue_size`` 0 means an unbounded queue (Triton's meaning); ``versions_latest``: how
     many of the newest versions Triton loads; ``parameters``: free string pairs (Triton's
-    ``parameters`` map, read by the backend). Raises ``ValueError`` naming the argument.
+    ``parameters`` map, read by the backend); ``raw_ids``: the model has id maps, so the raw id
+    tensors are declared (``serving/raw_ids.py``). Raises ``ValueError`` naming the argument.
     """
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
@@ -73,16 +80,19 @@ def make_config(
     cfg.version_policy.latest.num_versions = versions_latest
     f, dd = len(model_cfg.user_features), model_cfg.dense_dim
     inputs = (
-        ("history", mc.TYPE_INT64, [-1], False),
+        ("history", mc.TYPE_INT64, [-1], raw_ids),
         ("categorical", mc.TYPE_INT64, [f], False),
         ("dense", mc.TYPE_FP32, [dd], False),
         ("k", mc.TYPE_INT32, [1], False),
         ("filter", mc.TYPE_STRING, [1], True),
+        *((("raw_history", mc.TYPE_STRING, [-1], True),) if raw_ids else ()),
     )
     for in_name, dtype, dims, optional in inputs:
         cfg.input.add(name=in_name, data_type=dtype, dims=dims, optional=optional)
     cfg.output.add(name="item_ids", data_type=mc.TYPE_INT64, dims=[-1])
     cfg.output.add(name="scores", data_type=mc.TYPE_FP32, dims=[-1])
+    if raw_ids:
+        cfg.output.add(name="raw_item_ids", data_type=mc.TYPE_STRING, dims=[-1])
     db = cfg.dynamic_batching
     db.preferred_batch_size.extend(preferred_batch_sizes)
     db.max_queue_delay_microseconds = max_queue_delay_us

@@ -317,7 +317,9 @@ class ModelRepository:
         check_name(name)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep: must be a positive int, got {keep!r}")
-        cfg = make_config(name, model.config, **config_overrides)  # refuse bad overrides early
+        # refuse bad overrides early; a model with id maps declares the raw id tensors
+        raw_ids = model.id_maps is not None
+        cfg = make_config(name, model.config, raw_ids=raw_ids, **config_overrides)
         if shards is not None and (isinstance(shards, bool) or shards < 1):
             raise ValueError(f"shards: must be a positive int, got {shards!r}")
         if assignment is not None and shards is None:

@@ -16,6 +16,10 @@ Tensors (``[B, ...]``, one request may carry several rows)::
     categorical int64 [B, F], dense float32 [B, Dd], k int32 [B, 1], filter bytes [B, 1] (optional)
     -> item_ids int64 [B, K], scores float32 [B, K]   K = the largest k of the request's rows
 
+A model with id maps (``RetrievalModel.id_maps``) takes ``raw_history bytes [B, H']`` (the user's
+own item ids, ``b""`` pads) instead of ``history`` and answers ``raw_item_ids bytes [B, K]`` too
+(``serving/raw_ids.py``: an unknown raw id is refused naming it; ``b""`` for a pad).
+
 :meth:`TritonPythonModel.execute` checks each request on its own (a bad one gets an error
 response naming the tensor; the others still run), then runs all good rows as ONE forward with
 ``K = max k`` and slices each request's share. Rows asking for fewer than their request's K get
@@ -40,9 +44,11 @@ from retrieval.artifact import load_model
 from retrieval.features import UserBatch
 from retrieval.filters import parse_filter
 from retrieval.model import RetrievalModel
+from serving.raw_ids import decode_text, dense_history, raw_item_ids
+from serving.types import RequestError
 
 ARTIFACT_DIR = "model"
-INPUTS = ("history", "categorical", "dense", "k", "filter")
+INPUTS = ("history", "categorical", "dense", "k", "filter", "raw_history")
 
 
 class InputError(ValueError):
@@ -92,9 +98,7 @@ def _decode(name: str, value: Any) -> str:
 def check_inputs(arrays: Mapping[str, np.ndarray | None], model: RetrievalModel) -> Rows:
     """One request's tensors -> :class:`Rows`; raises :class:`InputError` naming the tensor."""
     cfg = model.config
-    hist = arrays.get("history")
-    if hist is None:
-        raise InputError("history: missing")
+    hist = _history(arrays, model)
     if hist.ndim != 2 or hist.shape[0] < 1:
         raise InputError(f"history: expected shape [B, n] with B >= 1, got {list(hist.shape)}")
     b = int(hist.shape[0])
@@ -145,6 +149,37 @@ def check_inputs(arrays: Mapping[str, np.ndarray | None], model: RetrievalModel)
                 raise InputError(msg if msg.startswith("filter") else f"filter: {msg}") from None
             filters[row] = text
     return Rows(history, cat.copy(), dense.copy(), k, filters)
+
+
+def _history(arrays: Mapping[str, np.ndarray | None], model: RetrievalModel) -> np.ndarray:
+    """``history`` as given, or ``raw_history`` ``[B, H']`` mapped to dense ids by the model's
+    item map (``-1`` for ``b""`` pads); :class:`InputError` naming the tensor."""
+    hist, raw = arrays.get("history"), arrays.get("raw_history")
+    if raw is None:
+        if hist is None:
+            raise InputError("history: missing")
+        return hist
+    if hist is not None:
+        raise InputError("raw_history: give history or raw_history, not both")
+    if model.id_maps is None:
+        raise InputError("raw_history: the model has no id maps: send history, the dense ids")
+    if raw.ndim != 2 or raw.shape[0] < 1:
+        raise InputError(f"raw_history: expected shape [B, n] with B >= 1, got {list(raw.shape)}")
+    try:
+        text = decode_text(raw)  # [B, H'] str
+        rows = [dense_history(row, model.id_maps.items) for row in text]
+    except RequestError as e:
+        raise InputError(str(e)) from None
+    return np.stack(rows).reshape(raw.shape)  # [B, H'] int64
+
+
+def raw_outputs(model: RetrievalModel, ids: np.ndarray) -> np.ndarray | None:
+    """``raw_item_ids`` of an answer ``ids [B, K]`` as UTF-8 ``bytes [B, K]``; None for a model
+    without id maps (the output is not declared)."""
+    if model.id_maps is None:
+        return None
+    text = raw_item_ids(ids, model.id_maps.items)
+    return np.array([t.encode("utf-8") for t in text.reshape(-1)], dtype=object).reshape(ids.shape)
 
 
 def run_rows(
@@ -236,9 +271,11 @@ class TritonPythonModel:
                     )
                 return responses
             for i, (ids, scores) in zip(good, outs, strict=True):
-                responses[i] = pb.InferenceResponse(
-                    output_tensors=[pb.Tensor("item_ids", ids), pb.Tensor("scores", scores)]
-                )
+                tensors = [pb.Tensor("item_ids", ids), pb.Tensor("scores", scores)]
+                raw = raw_outputs(self.model, ids)
+                if raw is not None:
+                    tensors.append(pb.Tensor("raw_item_ids", raw))
+                responses[i] = pb.InferenceResponse(output_tensors=tensors)
         return responses
 
     def finalize(self) -> None:
