@@ -6,7 +6,7 @@ and per table optimizer (``rowwise_adagrad``: fused fbgemm, the default; ``adam`
 dense parameters), one model is trained per model seed (``--seeds`` of them from ``--seed``;
 the data and its split stay fixed; table cells are means over the seeds) for ``--epochs``,
 its IVF index built with INT8 codes (nprobe tuned for recall 0.97 against exact search, as the
-demo), and every held-out user is asked for top-K (history excluded) by:
+demo), and every held-out user is asked for top-K by:
 
 * the float model through its index (INT8 codes), through an index rebuilt with FP8 codes,
   and by exact search (``model(batch, k, exact=True)``);
@@ -14,7 +14,15 @@ demo), and every held-out user is asked for top-K (history excluded) by:
   (``retrieval.tiering.tier_model``; the index is the float model's, as published models
   serve); with ``--rebuild-quantized`` also with the index rebuilt from the quantized tables'
   item vectors (what a model tiered before its index is built would serve);
-* the popularity baseline (the K most popular train items the user has not seen).
+* the float model and the INT8-table model excluding only the history window (the model's
+  behaviour for a request without a seen list);
+* the baselines (``bench/quality_baselines.py``): popularity, item-kNN (cosine) and EASE,
+  their setting tuned on a validation split cut from the training part.
+
+Every method excludes every item the user consumed before the test split (``prep.seen``: the
+request's seen list, ``retrieval/seen.py``) unless its label says "window only"; the baselines
+are scored both ways. Reported: recall@{10,K}, NDCG@{10,K} and catalog coverage@K (the share of
+the catalog in some user's top-K).
 
 Index recall@K against exact search of the same vectors is reported for both code formats, and
 the float model's spread over seeds. Deterministic for given seeds (torch and numpy seeded,
@@ -49,9 +57,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quality_baselines import baseline_recs
+from quality_report import FLOAT_IVF, INT8_IVF, WINDOW, markdown
+
 from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
 from retrieval.index.exact import recall_at_k
-from retrieval.metrics import popularity_recs, ranking_metrics
+from retrieval.metrics import catalog_coverage, ranking_metrics
 from retrieval.model import RetrievalModel
 from retrieval.tiering import tier_model
 from retrieval.training.prepare import Prepared, prepare
@@ -61,7 +72,6 @@ from sharded_tables.specs import DType
 
 OPTIMIZERS = ("rowwise_adagrad", "adam")
 TABLE_DTYPES = (DType.FP16, DType.FP8, DType.INT8, DType.INT4)
-FLOAT_IVF = "float tables, IVF INT8 codes"
 ALL_IN_HOST = Budgets(device=0, host=1 << 40)
 """Every table in the host tier: only the dtype changes."""
 
@@ -80,6 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-users", type=int, default=0, help="at most this many users (0: all)")
     p.add_argument("--rebuild-quantized", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--tune-validation",
+        type=float,
+        default=0.2,
+        help="share of each user's training interactions the baselines are tuned on",
+    )
     p.add_argument("--seed", type=int, default=0, help="data seed and first model seed")
     p.add_argument(
         "--seeds", type=int, help="model seeds per optimizer, averaged (default 3; 1 --small)"
@@ -137,12 +153,14 @@ def recommend(
     k: int,
     exact: bool = False,
     chunk: int = 512,
+    seen: bool = True,
 ) -> np.ndarray:
-    """Top-``k`` item ids ``[U, k]`` for ``users`` (history excluded), in chunks."""
+    """Top-``k`` item ids ``[U, k]`` for ``users``, in chunks; every item a user consumed
+    before the test split excluded (``seen``), else the history window only."""
     out = []
     with torch.no_grad():
         for s in range(0, len(users), chunk):
-            batch = prep.user_batch(users[s : s + chunk])
+            batch = prep.user_batch(users[s : s + chunk], seen=prep.seen if seen else None)
             out.append(model(batch, k, exact=exact)[0].numpy())
     return np.concatenate(out)
 
@@ -160,12 +178,18 @@ class Evaluation:
         return [self.prep.test_items[u] for u in self.users]
 
     def score(self, recs: np.ndarray) -> dict[str, float]:
-        """recall@K, NDCG@K (and the users counted)."""
-        m = ranking_metrics(recs, self.relevant, self.k)
-        return {"recall": m[f"recall@{self.k}"], "ndcg": m[f"ndcg@{self.k}"], "users": m["users"]}
+        """recall and NDCG at K ("recall", "ndcg") and at 10, coverage@K, the users counted."""
+        k, n = self.k, self.prep.dataset.num_items
+        m = ranking_metrics(recs, self.relevant, k)
+        out = {"recall": m[f"recall@{k}"], "ndcg": m[f"ndcg@{k}"], "users": m["users"]}
+        if k > 10:
+            m10 = ranking_metrics(recs, self.relevant, 10)
+            out.update({"recall@10": m10["recall@10"], "ndcg@10": m10["ndcg@10"]})
+        out["coverage"] = catalog_coverage(recs, n, k)
+        return out
 
-    def recs(self, model: RetrievalModel, exact: bool = False) -> np.ndarray:
-        return recommend(model, self.prep, self.users, self.k, exact=exact)
+    def recs(self, model: RetrievalModel, exact: bool = False, seen: bool = True) -> np.ndarray:
+        return recommend(model, self.prep, self.users, self.k, exact=exact, seen=seen)
 
 
 def held_out_users(prep: Prepared, limit: int) -> np.ndarray:
@@ -182,9 +206,11 @@ def variants(
         FLOAT_IVF: lambda: ev.recs(model),
         "float tables, IVF FP8 codes": lambda: ev.recs(with_codes(model, ev.prep, "fp8", seed)),
         "float tables, exact search": lambda: ev.recs(model, exact=True),
+        f"{FLOAT_IVF}, {WINDOW}": lambda: ev.recs(model, seen=False),
     }
     for dtype in TABLE_DTYPES:
         out[f"{dtype.value.upper()} tables, IVF INT8 codes"] = _tiered(model, ev, dtype)
+    out[f"{INT8_IVF}, {WINDOW}"] = _tiered(model, ev, DType.INT8, seen=False)
     if rebuild:
         for dtype in TABLE_DTYPES:
             label = f"{dtype.value.upper()} tables, INT8-code index rebuilt from them"
@@ -193,7 +219,11 @@ def variants(
 
 
 def _tiered(
-    model: RetrievalModel, ev: Evaluation, dtype: DType, rebuild_seed: int | None = None
+    model: RetrievalModel,
+    ev: Evaluation,
+    dtype: DType,
+    rebuild_seed: int | None = None,
+    seen: bool = True,
 ) -> Callable[[], np.ndarray]:
     """Recs of ``model`` with ``dtype`` tables; the index rebuilt from them when a seed is given."""
 
@@ -201,7 +231,7 @@ def _tiered(
         tiered, _ = tier_model(model, ALL_IN_HOST, dtype=dtype)
         if rebuild_seed is not None:
             build_index(tiered, ev.prep, rebuild_seed)
-        return ev.recs(tiered)
+        return ev.recs(tiered, seen=seen)
 
     return run
 
@@ -232,8 +262,12 @@ def bench_dataset(name: str, args: argparse.Namespace) -> dict[str, Any]:
     ds = load_dataset(name, args)
     prep = prepare(ds)
     ev = Evaluation(prep, held_out_users(prep, args.eval_users), args.k)
-    hist = prep.history[ev.users]
-    pop = popularity_recs(prep.train.item_ids, ds.num_items, hist, args.k)
+    t0 = time.perf_counter()
+    recs, tuning = baseline_recs(prep, ev.users, args.k, args.tune_validation)
+    baselines = {
+        name: {m: ev.score(r) for m, r in by_mode.items()} for name, by_mode in recs.items()
+    }
+    baselines_s = time.perf_counter() - t0
     runs: dict[str, list[dict[str, Any]]] = {}
     for opt in OPTIMIZERS:
         runs[opt] = []
@@ -250,7 +284,10 @@ def bench_dataset(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "users": ds.num_users,
         "items": ds.num_items,
         "eval_users": len(ev.users),
-        "popularity": ev.score(pop),
+        "seen_items": seen_sizes(prep, ev.users),
+        "baselines": baselines,
+        "baseline_tuning": tuning,
+        "baselines_s": baselines_s,
         "models": {opt: aggregate(r) for opt, r in runs.items()},
         "runs": runs,
     }
@@ -258,16 +295,14 @@ def bench_dataset(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean and (population) standard deviation over seeds of every variant's metrics."""
-    rows = {}
-    for label in runs[0]["rows"]:
-        rec = [r["rows"][label]["recall"] for r in runs]
-        ndcg = [r["rows"][label]["ndcg"] for r in runs]
-        rows[label] = {
-            "recall": float(np.mean(rec)),
-            "ndcg": float(np.mean(ndcg)),
-            "recall_std": float(np.std(rec)),
-            "ndcg_std": float(np.std(ndcg)),
-        }
+    rows: dict[str, dict[str, float]] = {}
+    for label, first in runs[0]["rows"].items():
+        rows[label] = {}
+        for key in first:
+            values = [r["rows"][label][key] for r in runs]
+            rows[label][key] = float(np.mean(values))
+            if key in ("recall", "ndcg"):
+                rows[label][f"{key}_std"] = float(np.std(values))
     index_recall = {
         c: float(np.mean([r["index_recall_vs_exact"][c] for r in runs]))
         for c in runs[0]["index_recall_vs_exact"]
@@ -285,42 +320,17 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---- output -----------------------------------------------------------------------------------
-def markdown(result: dict[str, Any], k: int) -> str:
-    """One dataset's table: a row per variant, recall and NDCG per table optimizer."""
-    models = result["models"]
-    opts = list(models)
-    head = " | ".join(f"recall@{k}, {o} | NDCG@{k}, {o}" for o in opts)
-    lines = [
-        f"**{result['dataset']}** ({result['users']} users, {result['items']} items; "
-        f"{result['eval_users']} held-out users)",
-        "",
-        f"| variant | {head} |",
-        "|---|" + "---|---|" * len(opts),
-    ]
-    for label in models[opts[0]]["rows"]:
-        cells = " | ".join(
-            f"{models[o]['rows'][label]['recall']:.4f} | {models[o]['rows'][label]['ndcg']:.4f}"
-            for o in opts
-        )
-        lines.append(f"| {label} | {cells} |")  # means over seeds
-    pop = result["popularity"]
-    lines.append(
-        "| popularity baseline | "
-        + " | ".join(f"{pop['recall']:.4f} | {pop['ndcg']:.4f}" for _ in opts)
-        + " |"
-    )
-    lines.append("")
-    for o in opts:
-        m = models[o]
-        ir = ", ".join(f"{c} codes {v:.3f}" for c, v in m["index_recall_vs_exact"].items())
-        spread = m["rows"][FLOAT_IVF]
-        lines.append(
-            f"- {o}: loss {m['first_epoch_loss']:.3f} -> {m['last_epoch_loss']:.3f} over "
-            f"{m['epochs']} epochs ({m['train_s']:.0f} s per model); nprobe {m['nprobe']}; index "
-            f"recall@{k} vs exact: {ir}; float-model std over seeds {m['seeds']}: recall "
-            f"{spread['recall_std']:.4f}, NDCG {spread['ndcg_std']:.4f}"
-        )
-    return "\n".join(lines)
+def seen_sizes(prep: Prepared, users: np.ndarray) -> dict[str, float]:
+    """How long the evaluated users' seen lists are, and the bytes the store takes."""
+    assert prep.seen is not None
+    lengths = prep.seen.lengths(users)
+    return {
+        "mean": float(lengths.mean()),
+        "median": float(np.median(lengths)),
+        "max": int(lengths.max()),
+        "over_window": int((lengths > prep.config.history_len).sum()),
+        "store_bytes": prep.seen.nbytes(),
+    }
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
