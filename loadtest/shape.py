@@ -13,6 +13,8 @@ _VERSION = re.compile(r"[1-9][0-9]*")
 # a published version's layout (serving/repository/repository.py): a complete version is a
 # numbered folder holding manifest.json; the model's config.json is in its model/ folder
 _MANIFEST, _ARTIFACT, _CONFIG, _PBTXT = "manifest.json", "model", "config.json", "config.pbtxt"
+# a model trained on imported data keeps its raw item ids beside config.json (docs/data.md)
+_ITEM_IDS, _RAW_COLUMN = "item_ids.parquet", "raw_id"
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class ModelShape:
     """Most recent history items the model reads."""
     item_attributes: dict[str, list[str]] = field(default_factory=dict)
     """Filterable attribute -> its values."""
+    raw_item_ids: tuple[str, ...] | None = None
+    """A model with id maps: the raw id (as text) of each item id, so requests name their
+    history in the user's own ids (``raw_history``); None: a model without maps."""
 
 
 def _versions(model_dir: Path) -> list[int]:
@@ -81,6 +86,21 @@ def read_model_shape(repo: Path, model: str | None = None) -> ModelShape:
             dense_dim=int(cfg["dense_dim"]),
             history_len=int(cfg.get("history_len", 50)),
             item_attributes={str(a): list(map(str, v)) for a, v in cfg["item_attributes"].items()},
+            raw_item_ids=_raw_item_ids(path.parent / _ITEM_IDS),
         )
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         raise ValueError(f"--model-repo: cannot read {path}: {e!r}") from None
+
+
+def _raw_item_ids(path: Path) -> tuple[str, ...] | None:
+    """The item id map's raw ids as text (row ``i``: item ``i``); None when there is none."""
+    if not path.is_file():
+        return None
+    import pyarrow as pa  # only for a model with id maps
+    import pyarrow.parquet as pq
+
+    try:
+        column = pq.read_table(path, columns=[_RAW_COLUMN]).column(0)
+    except (pa.ArrowException, KeyError) as e:
+        raise ValueError(f"--model-repo: cannot read {path}: {e}") from None
+    return tuple(column.cast(pa.string()).to_pylist())

@@ -11,6 +11,8 @@ it is testable in any process and shared by ``loadtest/locustfile.py`` and ``rec
 - **K**: 10 / 50 / 100 / 500 with weights 4 / 3 / 2 / 1, capped at the catalog size.
 - **filters**: none (60 %), broad (30 %: about half the values of the attribute with the most
   values), narrow (10 %: one value of each of up to two attributes, ANDed).
+- **raw ids**: a model with id maps (``ModelShape.raw_item_ids``) is sent the history in its
+  raw item ids (``raw_history``), as its users would.
 
 Example::
 
@@ -60,6 +62,8 @@ class Request:
     filter: str
     label: str
     """``k=<K> filter=<none|broad|narrow>``: the request's class in locust's statistics."""
+    raw_history: list[str] | None = None
+    """``history`` in the model's raw item ids (a model with id maps): what is sent then."""
 
 
 def zipf_rank(rng: random.Random, n: int) -> int:
@@ -129,14 +133,18 @@ class RequestMix:
         k = rng.choices(self.ks, weights=self._k_weights)[0]
         kind = rng.choices([f for f, _ in FILTER_WEIGHTS], [w for _, w in FILTER_WEIGHTS])[0]
         text = self.filter(rng, kind)
-        return Request(f"u{u}", history, categorical, dense, k, text, f"k={k} filter={kind}")
+        raw = self.shape.raw_item_ids
+        raw_history = None if raw is None else [raw[i] for i in history]
+        label = f"k={k} filter={kind}"
+        return Request(f"u{u}", history, categorical, dense, k, text, label, raw_history)
 
 
 def recommend_request(req: Request, model: str = "") -> RecommendRequest:
     """The gRPC ``Recommend`` message of ``req`` (``model`` empty: the server's default)."""
     return RecommendRequest(
         user_id=req.user_id,
-        history=req.history,
+        history=req.history if req.raw_history is None else [],
+        raw_history=req.raw_history or [],
         categorical=req.categorical,
         dense=req.dense,
         k=req.k,
@@ -159,4 +167,8 @@ def kserve_body(req: Request) -> dict[str, Any]:
         inputs.append(
             {"name": "filter", "datatype": "BYTES", "shape": [1, 1], "data": [req.filter]}
         )
+    if req.raw_history is not None:  # the user's own ids instead of the dense ones
+        shape = [1, len(req.raw_history)]
+        inputs[0] = {"name": "raw_history", "datatype": "BYTES", "shape": shape,
+                     "data": req.raw_history}  # fmt: skip
     return {"id": req.user_id, "inputs": inputs}
