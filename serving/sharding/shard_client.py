@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,7 @@ class _ShardCall:
     order: list[str]  # replica addresses, in the order to try
     healthy: int  # the first ``healthy`` of them are in rotation: only those get twins
     hedge_at: float  # monotonic time of the twin call; inf: none (or sent)
+    inline: bool = False  # calls run in the caller's thread (a lone shard that is never hedged)
     futures: list[Any] = field(default_factory=list)
     last_error: str = ""
     last_code: str = ""
@@ -73,7 +74,9 @@ class _ShardCall:
         if len(self.futures) >= (self.healthy if twin else len(self.order)):
             return False
         address = self.order[len(self.futures)]
-        self.futures.append(client.call(self.shard, address, request, timeout, wake))
+        self.futures.append(
+            client.call(self.shard, address, request, timeout, wake, inline=self.inline)
+        )
         return True
 
     def answer(self) -> Any | None:
@@ -209,11 +212,20 @@ class ShardClient:
         request: pb.SearchRequest,
         timeout: float,
         wake: threading.Event | None,
+        inline: bool = False,
     ) -> Any:
         """One Search call to one replica -> its future; its outcome feeds the replica's health
-        and the shard's latencies, then sets ``wake``."""
+        and the shard's latencies, then sets ``wake``. ``inline``: the call runs in this thread
+        and the future returned is done (no thread hand-off: a lone shard, never hedged)."""
         start = time.monotonic()
-        fut = self._pool.submit(self._stubs[address].Search, request, timeout=timeout)
+        if inline:
+            fut: Future[Any] = Future()
+            try:
+                fut.set_result(self._stubs[address].Search(request, timeout=timeout))
+            except Exception as e:  # grpc.RpcError, as a pooled call's future would hold it
+                fut.set_exception(e)
+        else:
+            fut = self._pool.submit(self._stubs[address].Search, request, timeout=timeout)
         # a deadline miss says something about the replica only if it had time to answer
         judged = timeout >= self.config.shard_deadline_ms / 2000.0
 
@@ -274,18 +286,18 @@ class ShardClient:
         wake = threading.Event()
         turn = next(self._turn)
         pending: dict[int, _ShardCall] = {}
-        for s in range(len(self.shards)):
-            if s in skip:
-                continue
+        targets = [s for s in range(len(self.shards)) if s not in skip]
+        for s in targets:
             with self._lock:
                 order, probe = self._health.order(s, turn, start)
                 hedge_at = start + self.hedge_after(s)
                 call = _ShardCall(s, order, self._health.in_rotation(s), hedge_at)
+            call.inline = len(targets) == 1 and math.isinf(hedge_at)
             pending[s] = call
-            call.launch(self, request, timeout, wake)
             if probe is not None:  # a copy: the replicas in rotation answer this round
                 self.metrics.probes.labels(self.metrics.model, str(s), probe).inc()
                 self.call(s, probe, request, timeout, None)
+            call.launch(self, request, timeout, wake)
         answers: dict[int, pb.SearchResponse] = {}
         errors: dict[int, str] = {}
         while pending:
