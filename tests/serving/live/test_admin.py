@@ -320,9 +320,9 @@ def test_unbalanced_lists_recommend_a_rebuild(start, tiny, pristine, caplog):
     index = server.host.current().model.index
     assert sample(server, "recserve_index_rebuild_recommended") == 0
     assert 1.0 <= sample(server, "recserve_index_list_imbalance") < 4.0
-    centre = index.centroids[0]
+    centre = index.centroids[0]  # the default nlist of a 300-item catalog is small (N / 39)
     items = [
-        pb.Item(id=1000 + i, vector=(centre + 0.001 * torch.randn(64)).tolist()) for i in range(200)
+        pb.Item(id=1000 + i, vector=(centre + 0.001 * torch.randn(64)).tolist()) for i in range(900)
     ]
     with caplog.at_level(logging.WARNING, logger="serving.live.admin"):
         reply = stub.UpsertItems(pb.UpsertItemsRequest(items=items), timeout=WAIT)
