@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from timing import percentiles
+from timing import percentiles, pid_cpu_s
 
 from loadtest.workload import OWN_CONNECTION
 
@@ -34,13 +34,25 @@ def closed_loop(
     warmup_s: float,
     seconds: float,
     partial: Callable[[Any], bool] = lambda _response: False,
+    cpu_pids: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """``concurrency`` threads, each with its own channel, send the next request as soon as the
     last one answers. Counts the calls that end in the ``seconds`` after ``warmup_s``: q/s,
-    p50/p99 of the answered calls, partial answers (``partial(response)``), errors by gRPC code."""
+    p50/p99 of the answered calls, partial answers (``partial(response)``), errors by gRPC code.
+
+    ``cpu_pids`` (name -> pid): also ``cpu_s``, the CPU seconds each of those processes and this
+    load generator (``"loadgen"``) spent in exactly that window (``/proc/<pid>/stat`` read at its
+    start and end by a thread of this process; None for a process that exited in between)."""
     start = time.perf_counter() + 0.3  # every thread connected before the clock starts
     measure_from, end = start + warmup_s, start + warmup_s + seconds
     records: list[list[tuple[float, float, bool, str]]] = [[] for _ in range(concurrency)]
+    watched = {**(cpu_pids or {}), "loadgen": os.getpid()}
+    cpu: list[dict[str, float | None]] = []
+
+    def cpu_meter() -> None:
+        for at in (measure_from, end):
+            time.sleep(max(0.0, at - time.perf_counter()))
+            cpu.append({name: pid_cpu_s(pid) for name, pid in watched.items()})
 
     def client(c: int) -> None:
         # each client its own TCP connection, as real clients are (and as a group of server
@@ -60,6 +72,8 @@ def closed_loop(
                 i += concurrency
 
     threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
+    if cpu_pids is not None:
+        threads.append(threading.Thread(target=cpu_meter))
     for t in threads:
         t.start()
     for t in threads:
@@ -71,11 +85,24 @@ def closed_loop(
         if r[3] != "OK":
             errors[r[3]] = errors.get(r[3], 0) + 1
     p50, p99 = percentiles([(r[1] - r[0]) * 1e3 for r in ok])
-    return {
+    out = {
         "requests": len(done),
         "qps": len(ok) / seconds,
         "p50_ms": p50,
         "p99_ms": p99,
         "partial": sum(r[2] for r in ok),
         "errors": errors,
+    }
+    if cpu_pids is not None:
+        out["cpu_s"] = cpu_window(*cpu)
+    return out
+
+
+def cpu_window(
+    before: dict[str, float | None], after: dict[str, float | None]
+) -> dict[str, float | None]:
+    """CPU seconds per process between two readings (None where either reading is missing)."""
+    return {
+        name: None if (b := before[name]) is None or (a := after.get(name)) is None else a - b
+        for name in before
     }

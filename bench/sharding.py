@@ -1,33 +1,45 @@
-"""Document-sharding benchmark: the router + shard servers against the unsharded model, one run.
+"""Document-sharding benchmark: the production path (router, shard servers, embedding servers)
+against ``recserve serve`` (the unsharded model in one process) -- one run, one model, one load
+generator.
 
-One synthetic catalog (``--items``, default 200k; ``--small``: 20k) and one model (untrained
-weights, real IVF index). Measured, in this order, on the same requests:
+One synthetic catalog (``--items``, default 200k; ``--small``: 20k) and one model, trained
+``--epochs`` (default 2) with nprobe tuned for recall 0.97 on users' queries as ``recserve
+train`` does (``bench/sharding_workload.py``). Measured, in this order, on the same requests:
 
 * in-process, unsharded: ``model(batch, k)`` -- single-user latency (p50/p99 over many calls)
-  and batched throughput (``--batch`` users per call). Every ratio divides by these.
+  and batched throughput (``--batch`` users per call): what a request costs with no serving;
+* ``recserve serve model`` (the baseline): one process with ``--serve-threads`` torch threads
+  (default: what the 1-shard cluster's router and shard server get together), gRPC
+  ``Recommend`` from a load generator in a separate process, closed loop with C clients
+  (``--concurrency``) for ``--seconds``: q/s, p50, p99, partial answers and errors;
 * per shard count S (``--shards``), the version published with ``shards=S``:
 
   - local merge: the router's own ``RouterRunner.forward`` with the S shard indexes called in
     this thread (wire encoding included, no gRPC): the cost of splitting and merging;
   - in-process router: S ``ShardServer`` and a router ``Server`` in this process, requests
-    through its batcher (``state.recommend``), shards over loopback gRPC (as
-    ``tests/serving/sharding/test_router.py``);
+    through its batcher (``state.recommend``), shards over loopback gRPC;
   - the real serving path: ``recserve cluster up --shards S`` (router and S shard servers as
-    processes on 127.0.0.1), gRPC ``Recommend`` from a load generator in a separate process,
-    closed loop with C clients (``--concurrency``) for ``--seconds``: q/s, p50, p99, partial
-    answers and errors (both must be 0); once per S, the routed answers of a few users are
-    checked against the in-process forward (ids equal, scores within 1e-4);
-  - ``recserve cluster down`` in a ``finally``; at the end no shard server of this run is left
-    (``pgrep -f "recserve serve shard"``).
+    processes on 127.0.0.1), the same load generator, clients and requests as the baseline;
+* per S in ``--remote-shards`` (default 2): the same with ``--embedding-servers 1``, on a
+  version whose coldest tables (all but the item table) live on the embedding server (FP32, so
+  the answers stay exact).
 
-Each case runs unfiltered and with ``--filter``. The router, the S shard processes and the load
-generator share this machine's cores: on a small machine the numbers show sharding's overhead,
-not its scale-out.
+Every load case records the CPU each process (router, each shard, embedding server, serve, the
+load generator) spent in its measured window (``/proc/<pid>/stat``) per answered request: the
+router, shards and load generator share this machine's cores, so q/s here shows sharing, not
+scale-out, while CPU per request is what scales on hosts of their own. Every server's answers
+for a few users are checked against the in-process forward (ids equal, scores within 1e-4).
+The verdicts (``bench/sharding_report.py``): per configuration, max q/s at p99 <= ``--p99-ms``
+(the highest q/s among the concurrencies whose p99 fits) / serve's (targets: 1 shard >= 0.8x,
+2 shards >= 0.5x) and p50 at 1 client minus serve's (target <= +1 ms). Each case runs
+unfiltered and with ``--filter``; the targets are judged on both. ``recserve cluster down`` in a
+``finally``; at the end no shard server of this run is left (``pgrep -f "recserve serve
+shard"``).
 
 Run from the repository root::
 
-    .venv/bin/python bench/sharding.py --small        # 20k items, ~2.5 min
-    .venv/bin/python bench/sharding.py                # 200k items, ~4 min on 2 cores
+    .venv/bin/python bench/sharding.py --small        # 20k items, S=1,2, ~5 min on 2 cores
+    .venv/bin/python bench/sharding.py                # 200k items, S=1,2,4
 
 Writes ``--out`` (default ``bench/results/sharding.json``, ``sharding_small.json`` with
 ``--small``) and prints markdown tables.
@@ -41,15 +53,11 @@ import json
 import multiprocessing
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,20 +67,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadgen import closed_loop, ready
-from server_procs import processes_mentioning
-from sharding_report import SCORE_ATOL, add_ratios, render
+from loadgen import ready
+from sharding_load import (
+    check_equal,
+    cluster,
+    cluster_threads,
+    leftover_shard_servers,
+    load_cases,
+    serve_model,
+)
+from sharding_report import add_ratios, render, summarize
+from sharding_workload import MODEL, Workload, build_workload, publish_remote
 from timing import OtherLoad, int_list, time_batched, time_single
 
-from recserve.cluster import Cluster
-from retrieval.data import SyntheticConfig, generate
-from retrieval.features import UserBatch
 from retrieval.index.ivf import IVFIndex
-from retrieval.model import RetrievalModel
-from retrieval.training.prepare import Prepared, prepare
 from serving.app.config import BatchingConfig, RouterConfig, ServeConfig
 from serving.app.server import Server
-from serving.protos import recommend_pb2, recommend_pb2_grpc
 from serving.protos import shard_pb2 as shard_pb
 from serving.repository.repository import ModelRepository
 from serving.sharding.router import RouterRunner
@@ -81,9 +91,6 @@ from serving.sharding.wire import decode_request, encode_response
 from serving.types import RecRequest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "bench"
-NO_FILTER = "none"
-SHARD_SERVER_PATTERN = "recserve serve shard"
 
 
 # ---- arguments ----------------------------------------------------------------------------------
@@ -93,14 +100,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--small", action="store_true", help="20k items, shorter cases (quick check)")
+    p.add_argument("--small", action="store_true", help="20k items, S=1,2, shorter cases")
     p.add_argument("--items", type=int, help="catalog size (default 200k, 20k with --small)")
     p.add_argument("--users", type=int, default=2000, help="synthetic users")
-    p.add_argument("--request-users", type=int, default=256, help="distinct users in requests")
-    p.add_argument("--shards", type=int_list, default=[1, 2, 4], help="shard counts, e.g. 1,2,4")
     p.add_argument(
-        "--concurrency", type=int_list, default=[1, 8], help="closed-loop clients, e.g. 1,8"
+        "--epochs",
+        type=int,
+        default=2,
+        help="training epochs of the model (0: untrained weights, IVF's worst case)",
     )
+    p.add_argument("--request-users", type=int, default=256, help="distinct users in requests")
+    p.add_argument("--shards", type=int_list, help="shard counts (default 1,2,4; 1,2 with --small)")
+    p.add_argument(
+        "--remote-shards",
+        type=int_list,
+        default=[2],
+        help="shard counts also run with 1 embedding server holding the coldest tables",
+    )
+    p.add_argument("--no-remote", action="store_true", help="skip the embedding-server cases")
+    p.add_argument(
+        "--concurrency", type=int_list, default=[1, 4, 8, 16], help="closed-loop clients"
+    )
+    p.add_argument("--p99-ms", type=float, default=20.0, help="latency budget of the verdicts")
     p.add_argument("--k", type=int, default=100, help="results per request")
     p.add_argument("--filter", default="category in {news, music}", help="the filtered case")
     p.add_argument("--seconds", type=float, help="measured seconds per load case (default 8; 3)")
@@ -116,13 +137,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads in this process")
     p.add_argument(
+        "--serve-threads",
+        type=int,
+        help="`recserve serve model --torch-threads` (default: what `cluster up --shards 1` "
+        "gives its router and shard server together)",
+    )
+    p.add_argument(
         "--no-inprocess-router", action="store_true", help="skip the in-process router case"
     )
-    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="per `cluster up`")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="per server start")
     p.add_argument("--out", type=Path, help="JSON results (default bench/results/sharding*.json)")
     args = p.parse_args(argv)
     args.items = args.items or (20_000 if args.small else 200_000)
     args.seconds = args.seconds or (3.0 if args.small else 8.0)
+    args.shards = args.shards or ([1, 2] if args.small else [1, 2, 4])
+    args.remote_shards = [] if args.no_remote else args.remote_shards
+    args.serve_threads = args.serve_threads or 2 * cluster_threads(1)
     if args.out is None:
         name = "sharding_small.json" if args.small else "sharding.json"
         args.out = ROOT / "bench" / "results" / name
@@ -133,78 +163,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ---- the workload -------------------------------------------------------------------------------
-@dataclass
-class Workload:
-    """The model, its data and the requests every case sends."""
-
-    prep: Prepared
-    model: RetrievalModel
-    users: np.ndarray
-    """Users of the requests, cycled through in order."""
-    k: int
-    filters: dict[str, str | None]
-    """Label -> filter text (None: unfiltered)."""
-
-    def batch(self, users: np.ndarray, label: str) -> UserBatch:
-        """The in-process input of ``users``, all with the filter ``label``."""
-        return self.prep.user_batch(users, [self.filters[label]] * len(users))
-
-    def request(self, user: int, label: str) -> RecRequest:
-        """What the server makes of a ``Recommend`` call (as ``tests/support/serving_fixtures.py``)."""
-        ds, cfg = self.prep.dataset, self.prep.config
-        hist = self.prep.history[user]
-        return RecRequest(
-            history=hist[hist >= 0].astype(np.int64),
-            categorical=np.array([ds.user_features[n][user] for n in cfg.user_features], np.int64),
-            dense=ds.user_dense[user].astype(np.float32),
-            k=self.k,
-            filter=self.filters[label],
-        )
-
-    def message(self, user: int, label: str) -> recommend_pb2.RecommendRequest:
-        """The gRPC ``Recommend`` request of ``user``."""
-        r = self.request(user, label)
-        return recommend_pb2.RecommendRequest(
-            user_id=str(user),
-            history=r.history.tolist(),
-            categorical=r.categorical.tolist(),
-            dense=r.dense.tolist(),
-            k=self.k,
-            filter=r.filter or "",
-        )
-
-    def expected(self, users: np.ndarray, label: str) -> tuple[np.ndarray, np.ndarray]:
-        """In-process unsharded answer of ``users`` -> (ids, scores)."""
-        with torch.inference_mode():
-            ids, scores = self.model(self.batch(users, label), self.k)
-        return ids.numpy(), scores.numpy()
-
-
-def build_workload(args: argparse.Namespace) -> Workload:
-    """Synthetic catalog -> prepared data -> model with its index (untrained weights)."""
-    ds = generate(SyntheticConfig(num_users=args.users, num_items=args.items, seed=3))
-    prep = prepare(ds)
-    torch.manual_seed(0)
-    model = RetrievalModel(prep.config)
-    model.build_index(prep.train.item_features, prep.dataset.item_attributes)
-    return Workload(
-        prep,
-        model.eval(),
-        np.arange(args.request_users),
-        args.k,
-        {NO_FILTER: None, args.filter: args.filter},
-    )
-
-
-def environment(work: Workload) -> dict[str, Any]:
-    """Machine, versions and the index's shape, recorded with the numbers."""
+# ---- what ran where -----------------------------------------------------------------------------
+def environment(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """Machine, versions, the index's shape, threads and what else ran at the start."""
     idx = work.model.index
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
+        "serve_torch_threads": args.serve_threads,
+        "cluster_torch_threads": {s: cluster_threads(s) for s in args.shards},
         "python": platform.python_version(),
         "torch": torch.__version__,
         "grpc": grpc.__version__,
@@ -213,7 +182,10 @@ def environment(work: Workload) -> dict[str, Any]:
         "nlist": idx.nlist,
         "nprobe": idx.config.nprobe,
         "codes": idx.config.codes,
+        "epochs": args.epochs,
+        "argv": sys.argv[1:],
         "other_load_at_start": _idle_other_load(),
+        "loadavg_at_start": os.getloadavg(),
     }
 
 
@@ -373,124 +345,62 @@ def _router_latency(
     return rows
 
 
-# ---- 2c. the real serving path: `recserve cluster up` -------------------------------------------
-def recserve(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "recserve", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-
-
-@contextmanager
-def cluster(
-    repo_root: Path, shards: int, directory: Path, args: argparse.Namespace
-) -> Iterator[str]:
-    """``recserve cluster up`` -> the router's gRPC address; always ``cluster down`` after, and
-    any process of this cluster still alive then (found by its unique repository path) is
-    signalled by pid."""
-    try:
-        up = recserve(
-            "cluster", "up", "--model-repo", str(repo_root), "--model", MODEL,
-            "--shards", str(shards), "--embedding-servers", "0",
-            "--shard-deadline-ms", str(args.shard_deadline_ms), "--directory", str(directory),
-            timeout=args.startup_timeout_s,
-        )  # fmt: skip
-        if up.returncode != 0:
-            raise RuntimeError(
-                f"`recserve cluster up --shards {shards}` failed ({up.returncode}):\n"
-                f"{up.stderr}{up.stdout}"
-            )
-        yield Cluster.load(directory).router.address
-    finally:
-        if (directory / "cluster.json").exists():
-            down = recserve("cluster", "down", "--directory", str(directory), timeout=120)
-            if down.returncode != 0:
-                print(f"cluster down: {down.stderr}{down.stdout}", file=sys.stderr)
-        stop_pids(processes_mentioning(str(repo_root)))
-
-
-def stop_pids(pids: list[int], grace_s: float = 10.0) -> None:
-    """SIGTERM each pid, SIGKILL those alive after ``grace_s`` (only this run's processes)."""
-    if not pids:
-        return
-    print(f"stopping leftover processes {pids}", file=sys.stderr)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        until = time.monotonic() + grace_s
-        while time.monotonic() < until and any(Path(f"/proc/{p}").exists() for p in pids):
-            time.sleep(0.1)
-
-
-def check_equal(address: str, work: Workload, users: np.ndarray) -> list[dict[str, Any]]:
-    """Routed answers of ``users`` vs the in-process forward, for every filter."""
-    out = []
-    with grpc.insecure_channel(address) as channel:
-        stub = recommend_pb2_grpc.RecommenderStub(channel)
-        for label in work.filters:
-            want_ids, want_scores = work.expected(users, label)
-            got = [stub.Recommend(work.message(int(u), label), timeout=60) for u in users]
-            ids = np.array([list(r.item_ids) for r in got])
-            scores = np.array([list(r.scores) for r in got], dtype=np.float32)
-            ids_equal = ids.shape == want_ids.shape and bool((ids == want_ids).all())
-            fin = np.isfinite(want_scores)
-            same_inf = scores.shape == want_scores.shape and bool(
-                (np.isfinite(scores) == fin).all()
-            )
-            diff = float(np.abs(scores[fin] - want_scores[fin]).max()) if same_inf else float("inf")
-            out.append(
-                {
-                    "filter": label,
-                    "users": len(users),
-                    "ids_equal": ids_equal,
-                    "max_score_diff": diff,
-                    "partial": sum(r.partial for r in got),
-                    "equal": ids_equal and diff <= SCORE_ATOL and not any(r.partial for r in got),
-                }
-            )
-    return out
-
-
-def run_load(
-    address: str, payloads: list[bytes], concurrency: int, warmup_s: float, seconds: float
-) -> dict[str, Any]:
-    """The load generator process: ``Recommend`` in a closed loop (``bench/loadgen.py``)."""
-    return closed_loop(
-        address,
-        lambda channel: recommend_pb2_grpc.RecommenderStub(channel).Recommend,
-        [recommend_pb2.RecommendRequest.FromString(b) for b in payloads],
-        concurrency,
-        warmup_s,
-        seconds,
-        partial=lambda response: bool(response.partial),
-    )
+# ---- 3. the production path under load: `recserve serve model` and `recserve cluster up` --------
+def serve_cases(
+    tmp: Path, work: Workload, pool: ProcessPoolExecutor, loadgen_pid: int, args: argparse.Namespace
+) -> dict[str, list[dict[str, Any]]]:
+    """The baseline: the unsharded version under ``recserve serve model``, checked, then loaded."""
+    root = tmp / "repo-serve"
+    ModelRepository(root).publish(MODEL, work.model)
+    case = {"system": "serve", "shards": 0, "embedding_servers": 0}
+    started = time.perf_counter()
+    with serve_model(root, tmp / "serve.log", args) as run:
+        startup_s = time.perf_counter() - started
+        print(f"recserve serve model up in {startup_s:.1f} s at {run.address}", flush=True)
+        checks = check_equal(run.address, work, work.users[: args.check_users])
+        rows = load_cases(case, run.address, {"serve": run.proc.pid}, work, pool, loadgen_pid, args)
+    return {
+        "checks": [{**case, "startup_s": startup_s, **c} for c in checks],
+        "load": rows,
+    }
 
 
 def cluster_cases(
-    address: str,
+    root: Path,
     shards: int,
+    embedding_servers: int,
+    tmp: Path,
     work: Workload,
     pool: ProcessPoolExecutor,
+    loadgen_pid: int,
     args: argparse.Namespace,
-) -> list[dict[str, Any]]:
-    """Every (filter, concurrency) load case against a running cluster."""
-    rows = []
-    for label in work.filters:
-        payloads = [work.message(int(u), label).SerializeToString() for u in work.users]
-        for c in args.concurrency:
-            got = pool.submit(run_load, address, payloads, c, args.warmup_s, args.seconds).result()
-            rows.append({"shards": shards, "concurrency": c, "filter": label, **got})
-            print(json.dumps({"case": "cluster", **rows[-1]}))
-    return rows
+) -> dict[str, list[dict[str, Any]]]:
+    """``recserve cluster up`` on the version in ``root``, checked, then loaded."""
+    case = {"system": "cluster", "shards": shards, "embedding_servers": embedding_servers}
+    started = time.perf_counter()
+    name = f"cluster-{shards}-{embedding_servers}"
+    with cluster(root, shards, embedding_servers, tmp / name, args) as running:
+        startup_s = time.perf_counter() - started
+        address = running.router.address
+        print(f"{name} up in {startup_s:.1f} s at {address}", flush=True)
+        checks = check_equal(address, work, work.users[: args.check_users])
+        for c in checks:
+            print(json.dumps({"case": "check", **case, **c}), flush=True)
+        pids = {p.name: p.pid for p in running.processes}
+        rows = load_cases(case, address, pids, work, pool, loadgen_pid, args)
+    return {
+        "checks": [{**case, "startup_s": startup_s, **c} for c in checks],
+        "load": rows,
+    }
 
 
-# ---- one shard count ----------------------------------------------------------------------------
 def shard_count_cases(
-    shards: int, tmp: Path, work: Workload, pool: ProcessPoolExecutor, args: argparse.Namespace
+    shards: int,
+    tmp: Path,
+    work: Workload,
+    pool: ProcessPoolExecutor,
+    loadgen_pid: int,
+    args: argparse.Namespace,
 ) -> dict[str, list[dict[str, Any]]]:
     """Publishes the S-shard version in its own repository, then every S case."""
     root = tmp / f"repo-{shards}"
@@ -501,51 +411,61 @@ def shard_count_cases(
     }
     if not args.no_inprocess_router:
         out["inprocess_router"] = inprocess_router_cases(root, shards, work, args)
-    started = time.perf_counter()
-    with cluster(root, shards, tmp / f"cluster-{shards}", args) as address:
-        startup_s = time.perf_counter() - started
-        print(f"cluster with {shards} shards up in {startup_s:.1f} s at {address}")
-        checks = check_equal(address, work, work.users[: args.check_users])
-        for c in checks:
-            print(json.dumps({"case": "check", "shards": shards, **c}))
-        out["checks"] = [{"shards": shards, "startup_s": startup_s, **c} for c in checks]
-        out["cluster"] = cluster_cases(address, shards, work, pool, args)
+    out.update(cluster_cases(root, shards, 0, tmp, work, pool, loadgen_pid, args))
     return out
 
 
-def leftover_shard_servers(marker: str) -> dict[str, list[int]]:
-    """``pgrep -f "recserve serve shard"``: this run's (must be none) and others' pids."""
-    found = subprocess.run(["pgrep", "-f", SHARD_SERVER_PATTERN], capture_output=True, text=True)
-    pids = [int(p) for p in found.stdout.split()]
-    ours = set(processes_mentioning(marker))
-    return {"ours": [p for p in pids if p in ours], "others": [p for p in pids if p not in ours]}
+def remote_cases(
+    shards: int,
+    tmp: Path,
+    work: Workload,
+    pool: ProcessPoolExecutor,
+    loadgen_pid: int,
+    args: argparse.Namespace,
+) -> dict[str, list[dict[str, Any]]]:
+    """S shards and 1 embedding server holding the coldest tables."""
+    root = tmp / f"repo-{shards}-remote"
+    published = publish_remote(root, work, shards)
+    print(f"{shards} shards, remote tables {published['remote_tables']}", flush=True)
+    out = cluster_cases(root, shards, 1, tmp, work, pool, loadgen_pid, args)
+    out["remote_tables"] = [{"shards": shards, "tables": published["remote_tables"]}]
+    return out
 
 
 # ---- main ---------------------------------------------------------------------------------------
+def run_all(work: Workload, tmp: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The in-process baseline, serve, then every shard count and remote case."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        loadgen_pid = pool.submit(ready).result()  # exists before any timing
+        results["inprocess"] = inprocess_cases(work, args)
+        for kind, rows in serve_cases(tmp, work, pool, loadgen_pid, args).items():
+            results.setdefault(kind, []).extend(rows)
+        for s in args.shards:
+            for kind, rows in shard_count_cases(s, tmp, work, pool, loadgen_pid, args).items():
+                results.setdefault(kind, []).extend(rows)
+        for s in args.remote_shards:
+            for kind, rows in remote_cases(s, tmp, work, pool, loadgen_pid, args).items():
+                results.setdefault(kind, []).extend(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     work = build_workload(args)
-    env = environment(work)
+    env = environment(work, args)
     print(f"{args.items:,} items, K={args.k}, model built in {time.perf_counter() - t0:.1f} s")
-    print(json.dumps(env))
+    print(json.dumps(env), flush=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results: dict[str, Any] = {"config": config, "environment": env}
-    spawn = multiprocessing.get_context("spawn")
-    with (
-        tempfile.TemporaryDirectory(prefix="recserve-sharding-") as tmp,
-        ProcessPoolExecutor(1, mp_context=spawn) as pool,
-    ):
-        pool.submit(ready).result()  # the load generator process exists before any timing
-        results["inprocess"] = inprocess_cases(work, args)
+    with tempfile.TemporaryDirectory(prefix="recserve-sharding-") as tmp:
         try:
-            for s in args.shards:
-                for kind, rows in shard_count_cases(s, Path(tmp), work, pool, args).items():
-                    results.setdefault(kind, []).extend(rows)
+            run_all(work, Path(tmp), args, results)
         finally:
             results["leftover_shard_servers"] = leftover_shard_servers(tmp)
     add_ratios(results)
+    results["summary"] = summarize(results, args.p99_ms)
     results["wall_s"] = time.perf_counter() - t0
     print("\n" + render(results))
     print(

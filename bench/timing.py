@@ -107,6 +107,15 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def pid_cpu_s(pid: int) -> float | None:
+    """CPU seconds so far (user + system, ``/proc/<pid>/stat``) of ``pid``; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_cpu_s(pids: set[int], groups: set[int]) -> float:
     """CPU seconds so far of the live processes in ``pids`` or in the process groups ``groups``."""
     tick, total = os.sysconf("SC_CLK_TCK"), 0.0
