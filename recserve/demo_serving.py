@@ -3,12 +3,15 @@
 The trained model is published with its catalog split into 2 document shards and its coldest
 tables on 1 embedding server; ``recserve.cluster.up`` starts the embedding server, the two shard
 servers and the router as real processes on 127.0.0.1 (``recserve cluster up`` runs the same
-code); every call below goes over real gRPC sockets, and the cluster is stopped at the end.
+code); every call below goes over real gRPC sockets, and the cluster is stopped at the end. Then
+the same INT8 rows, all local and unsharded, are served by one ``recserve serve`` process and
+asked the same way, so the summary shows the router's latency beside one process's.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from common.grpc_util import retry_options
+from common.process import start
 from recserve.cluster import ClusterSpec, down, up
 from retrieval.model import RetrievalModel, table_specs
 from retrieval.tiering import tier_model
@@ -95,10 +99,39 @@ def serve_on_cluster(
             _show(stub, prep, int(users[0]), flt, console)
         _triton_call(address, name, prep, int(users[0]), console)
         _locust_burst(address, repo_dir, name, cluster_dir / "loadtest", console, summary)
-        return np.array([list(r.item_ids) for r in replies])
     finally:
         down(cluster_dir)
         console.print("cluster down: every process stopped")
+    _single_process(model, prep, repo_dir.parent / "model_repo_single", name, users, k, console,
+                    summary)  # fmt: skip
+    return np.array([list(r.item_ids) for r in replies])
+
+
+def _single_process(
+    model: RetrievalModel,
+    prep: Prepared,
+    repo_dir: Path,
+    name: str,
+    users: np.ndarray,
+    k: int,
+    console: Console,
+    summary: dict[str, str],
+) -> None:
+    """The same INT8 rows in one ``recserve serve model`` process, asked the same way: its
+    latency beside the router's, from the same run."""
+    local, _ = tier_model(model, Budgets(device=0, host=1 << 40), dtype=DType.INT8)
+    ModelRepository(repo_dir).publish(name, local)
+    cmd = [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(repo_dir),
+           "--grpc-port", "0"]  # fmt: skip
+    proc = start(cmd, log_path=repo_dir.parent / "serve-single.log", name="serve")
+    try:
+        address = proc.wait_ready(120.0).grpc
+        with grpc.insecure_channel(address) as channel:
+            _recommend_all(
+                RecommenderStub(channel), prep, users, k, console, summary, "one process"
+            )
+    finally:
+        proc.stop()
 
 
 def _recommend_all(
@@ -108,8 +141,9 @@ def _recommend_all(
     k: int,
     console: Console,
     summary: dict[str, str],
+    via: str = "the router",
 ) -> list[RecommendResponse]:
-    """Every user's Recommend, 8 in flight (the router batches them)."""
+    """Every user's Recommend, 8 in flight (the server batches them), through ``via``."""
 
     def call(u: int) -> tuple[RecommendResponse, float]:
         start = time.perf_counter()
@@ -120,13 +154,13 @@ def _recommend_all(
         out = list(pool.map(call, users.tolist()))
     partial = sum(r.partial for r, _ in out)
     ms = sorted(t * 1e3 for _, t in out)
+    p50, p99 = statistics.median(ms), ms[int(0.99 * (len(ms) - 1))]
     console.print(
-        f"Recommend x{len(out)} via the router (8 in flight): p50 {statistics.median(ms):.1f} ms, "
-        f"p99 {ms[int(0.99 * (len(ms) - 1))]:.1f} ms, partial answers: {partial}"
+        f"Recommend x{len(out)} via {via} (8 in flight): p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+        f"partial answers: {partial}"
     )
-    summary["Recommend via router, 8 in flight"] = (
-        f"p50 {statistics.median(ms):.1f} ms, p99 {ms[int(0.99 * (len(ms) - 1))]:.1f} ms, "
-        f"{partial} partial"
+    summary[f"Recommend via {via}, 8 in flight"] = (
+        f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, {partial} partial"
     )
     return [r for r, _ in out]
 
