@@ -1,0 +1,153 @@
+"""What a served model looks like to the KServe v2 / Triton protocol: its tensors
+(:class:`TensorSpec`, :class:`ModelSpec`), its metadata and its ``config.pbtxt`` (see
+:mod:`serving.frontends.kserve` for the whole flow)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from serving.engine.state import ServingState
+from serving.limits import LimitsConfig
+from serving.types import DATATYPES, MAX_K, OUTPUTS, RAW_OUTPUTS, RequestError
+
+SERVER_NAME = "recserve"
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "parameters")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the interface; ``dims`` exclude the batch dim (``-1``: any size)."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What parsing needs to know of the loaded model."""
+
+    name: str
+    version: int
+    categorical: int
+    """F: categorical user features."""
+    dense: int
+    """Dd: dense user features."""
+    max_k: int
+    """Largest K a request may ask for (``MAX_K``, items in the index)."""
+    max_batch_size: int
+    """Most rows (B) in one call, as Triton enforces ``max_batch_size``."""
+    platform: str = "pytorch"
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    """Request size limits (``[limits]``): a filter is checked against them before parsing."""
+    raw_ids: bool = False
+    """The model has id maps: ``raw_history`` in, ``raw_item_ids`` out (``history`` optional)."""
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        raw = (TensorSpec("raw_history", DATATYPES["raw_history"], (-1,), optional=True),)
+        return (
+            TensorSpec("history", DATATYPES["history"], (-1,), optional=self.raw_ids),
+            TensorSpec("categorical", DATATYPES["categorical"], (self.categorical,)),
+            TensorSpec("dense", DATATYPES["dense"], (self.dense,)),
+            TensorSpec("k", DATATYPES["k"], (1,)),
+            TensorSpec("filter", DATATYPES["filter"], (1,), optional=True),
+            *(raw if self.raw_ids else ()),
+        )
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        names = OUTPUTS + RAW_OUTPUTS if self.raw_ids else OUTPUTS
+        return tuple(TensorSpec(name, DATATYPES[name], (-1,)) for name in names)
+
+
+# ---- the model ---------------------------------------------------------------------------------
+def resolve(state: ServingState, model: str, version: str) -> ModelSpec:
+    """The spec of the loaded model if ``model`` / ``version`` (``""``: the latest) name it;
+    raises :class:`ModelNotFoundError` or :class:`RequestError` (a version that is no number)."""
+    # at most 18 digits: an int64, and int() refuses over 4300 digits with a ValueError
+    if version and not (version.isascii() and version.isdigit() and len(version) <= 18):
+        raise RequestError(f"version: {short_repr(version)} is not a version number")
+    state.host.check_target(model, int(version) if version else None)
+    return model_spec(state)
+
+
+def model_spec(state: ServingState) -> ModelSpec:
+    runner = state.host.current()
+    config = loaded_config(state)
+    platform = (config.platform or config.backend) if config is not None else ""
+    return ModelSpec(
+        name=runner.name,
+        version=runner.version,
+        categorical=len(runner.features),
+        dense=runner.dense_dim,
+        max_k=min(MAX_K, runner.num_items, runner.model.index.ntotal),
+        max_batch_size=state.batcher.policy.max_batch_size,
+        platform=platform or "pytorch",
+        limits=state.limits,
+        raw_ids=runner.item_map is not None,
+    )
+
+
+def loaded_config(state: ServingState) -> mc.ModelConfig | None:
+    """The served version's ``config.pbtxt``; None before a version loads or without one."""
+    loaded = state.host.loaded
+    config = None if loaded is None else loaded.config
+    return config if isinstance(config, mc.ModelConfig) else None
+
+
+def model_config(state: ServingState, spec: ModelSpec) -> mc.ModelConfig:
+    """The loaded version's ``config.pbtxt``; one built from the interface when it has none."""
+    config = loaded_config(state)
+    if config is not None:
+        return with_raw_ids(config) if spec.raw_ids else config
+    policy = state.batcher.policy
+
+    def tensor(t: TensorSpec) -> dict[str, Any]:
+        dt = "TYPE_STRING" if t.datatype == "BYTES" else f"TYPE_{t.datatype}"
+        return {"name": t.name, "data_type": mc.DataType.Value(dt), "dims": list(t.dims)}
+
+    return mc.ModelConfig(
+        name=spec.name,
+        platform=spec.platform,
+        max_batch_size=spec.max_batch_size,
+        input=[mc.ModelInput(**tensor(t), optional=t.optional) for t in spec.inputs],
+        output=[mc.ModelOutput(**tensor(t)) for t in spec.outputs],
+        dynamic_batching=mc.ModelDynamicBatching(
+            preferred_batch_size=list(policy.preferred_sizes),
+            max_queue_delay_microseconds=round(policy.max_queue_delay_s * 1e6),
+            default_queue_policy=mc.ModelQueuePolicy(max_queue_size=policy.max_queue_size),
+        ),
+    )
+
+
+def with_raw_ids(config: mc.ModelConfig) -> mc.ModelConfig:
+    """``config`` declaring the raw id tensors (a version published before configs declared
+    them gets them from its model's id maps); ``config`` itself when it declares them."""
+    if any(t.name == "raw_history" for t in config.input):
+        return config
+    out = mc.ModelConfig()
+    out.CopyFrom(config)
+    for t in out.input:
+        if t.name == "history":
+            t.optional = True
+    out.input.add(name="raw_history", data_type=mc.TYPE_STRING, dims=[-1], optional=True)
+    out.output.add(name="raw_item_ids", data_type=mc.TYPE_STRING, dims=[-1])
+    return out
+
+
+def server_version() -> str:
+    try:
+        return metadata.version(SERVER_NAME)
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def short_repr(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
