@@ -3,9 +3,11 @@
 ``scan(...)`` takes the probed lists of each query and returns the best ``r`` items by approximate
 score among those that pass the filter (positions in list-sorted order, ``-1`` where fewer exist).
 
-* CPU: ``csrc/ivf_scan.cpp`` (list-major, VNNI int8 dot products where the CPU has them), built
-  on first use with torch's C++ extension loader and registered as ``recserve::ivf_scan_*`` ops
-  with fake (meta) implementations, so ``torch.compile`` traces through them.
+* CPU: ``csrc/ivf_scan.cpp`` (list-major), built on first use with torch's C++ extension loader
+  and registered as ``recserve::ivf_scan_*`` ops with fake (meta) implementations, so
+  ``torch.compile`` traces through them. Its int8 dot products pick a path per call: AVX-512 VNNI,
+  AVX2 or portable loops, the best the CPU runs unless ``$RECSERVE_SCAN_ISA`` forces one
+  (:func:`int8_isa`); every path returns the same scores, bit for bit.
 * CUDA, or ``reference=True``: :func:`scan_reference`, plain torch ops (gather, matmul, topk)
   over queries in chunks. It defines what the kernel must compute and is tested against it.
 """
@@ -28,6 +30,16 @@ def _extension() -> ModuleType:
     return load_extension(
         "recserve_ivf_scan", _SRC, ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
     )
+
+
+ISA_ENV = "RECSERVE_SCAN_ISA"
+"""Forces the int8 scan's path: ``portable``, ``avx2`` or ``vnni`` (``auto`` or unset: the best
+this CPU runs). Read at every scan; a path the CPU cannot run is refused with an error."""
+
+
+def int8_isa() -> str:
+    """The path the next int8 scan takes: ``"vnni"``, ``"avx2"`` or ``"portable"``."""
+    return str(_extension().int8_isa())
 
 
 @torch.library.custom_op("recserve::ivf_scan_int8", mutates_args=())

@@ -10,17 +10,30 @@
 // into a buffer (parallel over lists); phase 2 selects each query's best r from its pairs' scores
 // with a bounded min-heap (parallel over queries). Large batches are cut into chunks so that the
 // buffer stays bounded.
+//
+// Int8 dot products run on one of three paths, chosen per call at run time (int8_isa): AVX-512 VNNI
+// (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd) or portable loops. The SIMD paths are compiled per
+// function with a target attribute, so the library loads on any x86-64 and only a CPU that has the
+// instructions runs them; $RECSERVE_SCAN_ISA=portable|avx2|vnni forces one (tests and benchmarks
+// compare them in one process). Every path computes the same integer dots, and one shared epilogue
+// turns them into scores, so the paths return bit-identical results.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define RECSERVE_VNNI 1
+#define RECSERVE_X86 1
+#define RECSERVE_TARGET(isa) __attribute__((target(isa)))
+#endif
+#if defined(__AVX512BW__)  // built with -march=native on an AVX-512 CPU: the heap's 16-wide skip
+#define RECSERVE_AVX512_BUILD 1
 #endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <memory>
 #include <limits>
 #include <vector>
@@ -35,33 +48,159 @@ struct MinFirst {
   bool operator()(const Cand& a, const Cand& b) const { return a.first > b.first; }
 };
 
-// <q, c> for int8 vectors. The VNNI path multiplies unsigned by signed bytes, so the code is flipped
-// to offset binary (c + 128, one xor) and the excess 128 * sum(q) is subtracted by the caller.
-inline int32_t dot_i8_generic(const int8_t* __restrict q, const int8_t* __restrict c, int64_t d) {
+// Int8 dot products <q, c>. Every path returns the exact integer result of the portable loop.
+enum class Isa { kPortable, kAvx2, kVnni };
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kVnni: return "vnni";
+    case Isa::kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+bool cpu_runs(Isa isa) {
+#ifdef RECSERVE_X86
+  if (isa == Isa::kVnni) return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2");
+#endif
+  return isa == Isa::kPortable;
+}
+
+// The int8 path of this call: $RECSERVE_SCAN_ISA when set (refused if this CPU cannot run it), else
+// the best this CPU has. Read per call, so that a test or a benchmark may switch it between calls.
+Isa int8_isa() {
+  const char* env = std::getenv("RECSERVE_SCAN_ISA");
+  const std::string want = env ? env : "";
+  if (want.empty() || want == "auto") {
+    for (Isa isa : {Isa::kVnni, Isa::kAvx2})
+      if (cpu_runs(isa)) return isa;
+    return Isa::kPortable;
+  }
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kVnni})
+    if (want == isa_name(isa)) {
+      TORCH_CHECK(cpu_runs(isa), "RECSERVE_SCAN_ISA=", want,
+                  ": this CPU cannot run that path; set portable, or unset it for the best path");
+      return isa;
+    }
+  TORCH_CHECK(false, "RECSERVE_SCAN_ISA must be auto, portable, avx2 or vnni; got '", want, "'");
+  return Isa::kPortable;
+}
+
+inline int32_t dot_i8_portable(const int8_t* __restrict q, const int8_t* __restrict c, int64_t d) {
   int32_t acc = 0;
 #pragma omp simd reduction(+ : acc)
   for (int64_t j = 0; j < d; ++j) acc += int32_t(q[j]) * int32_t(c[j]);
   return acc;
 }
 
-struct QueryI8 {
-  const int8_t* q;
-  int32_t qsum;  // sum of q's components, for the offset-binary correction
-};
+void row_dots_portable(const int8_t* q, const int8_t* codes, int64_t n, int64_t d, int32_t* dots) {
+  for (int64_t i = 0; i < n; ++i) dots[i] = dot_i8_portable(q, codes + i * d, d);
+}
 
-inline int32_t dot_i8(const QueryI8& qq, const int8_t* __restrict c, int64_t d) {
-#ifdef RECSERVE_VNNI
-  if (d % 64 == 0) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t j = 0; j < d; j += 64) {
-      const __m512i cu = _mm512_xor_si512(_mm512_loadu_si512(c + j), flip);
-      acc = _mm512_dpbusd_epi32(acc, cu, _mm512_loadu_si512(qq.q + j));
-    }
-    return _mm512_reduce_add_epi32(acc) - 128 * qq.qsum;
+#ifdef RECSERVE_X86
+// AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating s16 pair sums. The code's
+// magnitude |c| (<= 128, exact as an unsigned byte even for -128) is the unsigned side and the query
+// takes the code's sign (|q| <= 127, so negating it is exact): a pair sums to at most 2 * 128 * 127 =
+// 32512 < 2^15, so nothing saturates, and vpmaddwd widens every pair sum to s32 at once.
+RECSERVE_TARGET("avx2") inline __m256i madd_i8_avx2(__m256i acc, __m256i q, __m256i c) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+RECSERVE_TARGET("avx2") inline int32_t dot_i8_avx2(const int8_t* q, const int8_t* c, int64_t d) {
+  __m256i acc = _mm256_setzero_si256();
+  int64_t j = 0;
+  for (; j + 32 <= d; j += 32)
+    acc = madd_i8_avx2(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)),
+                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j)));
+  __m128i acc4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  if (j + 16 <= d) {  // the same trick on 16 bytes
+    const __m128i cv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j));
+    const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j));
+    const __m128i pairs = _mm_maddubs_epi16(_mm_abs_epi8(cv), _mm_sign_epi8(qv, cv));
+    acc4 = _mm_add_epi32(acc4, _mm_madd_epi16(pairs, _mm_set1_epi16(1)));
+    j += 16;
   }
+  acc4 = _mm_add_epi32(acc4, _mm_shuffle_epi32(acc4, _MM_SHUFFLE(1, 0, 3, 2)));
+  acc4 = _mm_add_epi32(acc4, _mm_shuffle_epi32(acc4, _MM_SHUFFLE(2, 3, 0, 1)));
+  int32_t sum = _mm_cvtsi128_si32(acc4);
+  for (; j < d; ++j) sum += int32_t(q[j]) * int32_t(c[j]);
+  return sum;
+}
+
+RECSERVE_TARGET("avx2") void row_dots_avx2(const int8_t* q, const int8_t* codes, int64_t n, int64_t d, int32_t* dots) {
+  for (int64_t i = 0; i < n; ++i) dots[i] = dot_i8_avx2(q, codes + i * d, d);
+}
+
+// AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and adds groups of 4 into s32 without
+// saturation. The code is flipped to offset binary (c + 128, one xor) and the excess 128 * sum(q) is
+// subtracted. The tail is a masked load: its missing query bytes are zero, so they add nothing.
+RECSERVE_TARGET("avx512f,avx512bw,avx512vnni")
+int32_t dot_i8_vnni(const int8_t* q, const int8_t* c, int64_t d, int32_t qsum) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc = _mm512_setzero_si512();
+  int64_t j = 0;
+  for (; j + 64 <= d; j += 64)
+    acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(c + j), flip), _mm512_loadu_si512(q + j));
+  if (j < d) {
+    const __mmask64 m = (uint64_t(1) << (d - j)) - 1;
+    acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, c + j), flip),
+                              _mm512_maskz_loadu_epi8(m, q + j));
+  }
+  return _mm512_reduce_add_epi32(acc) - 128 * qsum;
+}
+
+RECSERVE_TARGET("avx512f,avx512bw,avx512vnni")
+void row_dots_vnni(const int8_t* q, int32_t qsum, const int8_t* codes, int64_t n, int64_t d, int32_t* dots) {
+  for (int64_t i = 0; i < n; ++i) dots[i] = dot_i8_vnni(q, codes + i * d, d, qsum);
+}
+
+// VNNI dots of one query against a list transposed by transpose_codes: one vpdpbusd with a broadcast
+// group of 4 query bytes advances 16 items, and no horizontal sum is needed. The query is
+// zero-padded to groups * 4 bytes; dots must hold n rounded up to 16.
+RECSERVE_TARGET("avx512f,avx512bw,avx512vnni")
+void block_dots_vnni(const uint32_t* t, int64_t n, int64_t groups, const int8_t* q, int32_t qsum, int32_t* dots) {
+  const __m512i corr = _mm512_set1_epi32(128 * qsum);
+  for (int64_t start = 0; start < n; start += 16) {
+    const uint32_t* blk = t + (start / 16) * groups * 16;
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t qw;
+      std::memcpy(&qw, q + 4 * g, 4);
+      acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(blk + g * 16), _mm512_set1_epi32(qw));
+    }
+    _mm512_storeu_si512(dots + start, _mm512_sub_epi32(acc, corr));
+  }
+}
 #endif
-  return dot_i8_generic(qq.q, c, d);
+
+// A list's n codes, flipped to offset binary (c + 128), as blocks of 16 items x 4 bytes: word g of
+// item i sits at ((i / 16) * groups + g) * 16 + i % 16, groups = ceil(D / 4). Bytes past D and items
+// past the list's end are zero codes (0x80 flipped).
+void transpose_codes(const int8_t* codes, int64_t n, int64_t d, std::vector<uint32_t>& out) {
+  constexpr uint32_t flip = 0x80808080u;
+  const int64_t groups = (d + 3) / 4, full = d / 4;
+  out.assign(((n + 15) / 16) * groups * 16, flip);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t* dst = out.data() + (i / 16) * groups * 16 + (i % 16);
+    const int8_t* src = codes + i * d;
+    for (int64_t g = 0; g < full; ++g) {
+      uint32_t word;
+      std::memcpy(&word, src + 4 * g, 4);
+      dst[g * 16] = word ^ flip;
+    }
+    if (full < groups) {
+      uint32_t word = 0;
+      std::memcpy(&word, src + 4 * full, d - 4 * full);
+      dst[full * 16] = word ^ flip;
+    }
+  }
+}
+
+// The one place where integer dots become scores, shared by every path so that they agree bitwise.
+inline void dots_to_scores(const int32_t* dots, int64_t n, const float* scales, float qscale, float base, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = base + scales[i] * qscale * float(dots[i]);
 }
 
 inline float dot_f8(const float* __restrict q, const uint8_t* __restrict c, const float* lut, int64_t d) {
@@ -159,62 +298,45 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
 }
 
 // Int8 scorer. With VNNI and at least two queries on a list, the list is first transposed into
-// blocks of 16 items x 4 bytes (codes flipped to offset binary), so that one dpbusd with a
-// broadcast group of 4 query bytes advances 16 items at once and no horizontal sum is needed.
+// blocks of 16 items so that every query's dots need no horizontal sums; otherwise rows are scanned
+// as stored. AVX2 always scans rows: a transposed layout measured 0.76-1.06x rows on an AVX2-only
+// AMD EPYC (d = 64 and 784), its 5 instructions per 32 bytes leaving the horizontal sum cheap.
+// Any D: tails are padded (VNNI) or looped (AVX2).
 struct Int8Scorer {
   const int8_t* codes; const float* scales; int64_t d;
-  const int8_t* q; const float* qscale; const int32_t* qsum;
+  const int8_t* q; int64_t qstride;  // queries zero-padded to qstride >= round_up(D, 4) bytes
+  const float* qscale; const int32_t* qsum;
+  Isa isa;
   std::vector<uint32_t> tbuf;
+  std::vector<int32_t> dots;
   bool transposed = false;
 
   void prepare(int64_t i0, int64_t i1, int64_t nq) {
-    transposed = false;
-#ifdef RECSERVE_VNNI
-    if (nq < 2 || d % 4 != 0) return;
-    transposed = true;
-    const int64_t n = i1 - i0, groups = d / 4;
-    tbuf.assign(((n + 15) / 16) * groups * 16, 0x80808080u);  // padding items decode to 0
-    for (int64_t i = 0; i < n; ++i) {
-      uint32_t* dst = tbuf.data() + (i / 16) * groups * 16 + (i % 16);
-      const int8_t* src = codes + (i0 + i) * d;
-      for (int64_t g = 0; g < groups; ++g) {
-        uint32_t word;
-        std::memcpy(&word, src + 4 * g, 4);
-        dst[g * 16] = word ^ 0x80808080u;
-      }
-    }
-#else
-    (void)i0; (void)i1; (void)nq;
-#endif
+    const int64_t n = i1 - i0;
+    dots.resize(((n + 15) / 16) * 16);
+    transposed = isa == Isa::kVnni && nq >= 2;
+    if (transposed) transpose_codes(codes + i0 * d, n, d, tbuf);
   }
 
-  void score(int64_t b, int64_t i0, int64_t i1, float base, float* out) const {
-    const int64_t n = i1 - i0;
-    const int8_t* qb = q + b * d;
-#ifdef RECSERVE_VNNI
-    if (transposed) {
-      const int64_t groups = d / 4;
-      const __m512i corr = _mm512_set1_epi32(128 * qsum[b]);
-      const __m512 vbase = _mm512_set1_ps(base), vqs = _mm512_set1_ps(qscale[b]);
-      for (int64_t start = 0; start < n; start += 16) {
-        const uint32_t* blk = tbuf.data() + (start / 16) * groups * 16;
-        __m512i acc = _mm512_setzero_si512();
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t qw;
-          std::memcpy(&qw, qb + 4 * g, 4);
-          acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(blk + g * 16), _mm512_set1_epi32(qw));
-        }
-        const int64_t cnt = std::min<int64_t>(16, n - start);
-        const __mmask16 m = static_cast<__mmask16>((1u << cnt) - 1u);
-        const __m512 sc = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scales + i0 + start), vqs);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, corr));
-        _mm512_mask_storeu_ps(out + start, m, _mm512_fmadd_ps(dot, sc, vbase));
-      }
-      return;
-    }
+  void score(int64_t b, int64_t i0, int64_t i1, float base, float* out) {
+    const int64_t n = i1 - i0, groups = (d + 3) / 4;
+    const int8_t* qb = q + b * qstride;
+    const int8_t* c = codes + i0 * d;
+    int32_t* dp = dots.data();
+    switch (isa) {
+#ifdef RECSERVE_X86
+      case Isa::kVnni:
+        if (transposed) block_dots_vnni(tbuf.data(), n, groups, qb, qsum[b], dp);
+        else row_dots_vnni(qb, qsum[b], c, n, d, dp);
+        break;
+      case Isa::kAvx2:
+        row_dots_avx2(qb, c, n, d, dp);
+        break;
 #endif
-    const QueryI8 qq{qb, qsum[b]};
-    for (int64_t i = i0; i < i1; ++i) out[i - i0] = base + scales[i] * qscale[b] * float(dot_i8(qq, codes + i * d, d));
+      default:
+        row_dots_portable(qb, c, n, d, dp);
+    }
+    dots_to_scores(dp, n, scales + i0, qscale[b], base, out);
   }
 };
 
@@ -244,7 +366,7 @@ inline void push_scores(const float* s, int64_t n, int64_t pos0, int64_t r, std:
     }
   };
   int64_t i = 0;
-#ifdef RECSERVE_VNNI
+#ifdef RECSERVE_AVX512_BUILD
   for (; i + 16 <= n; i += 16) {
     __mmask16 gt = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + i), _mm512_set1_ps(worst), _CMP_GT_OQ);
     while (gt) {
@@ -355,7 +477,9 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
               "codes must be contiguous int8 [N, D] with the query's D");
   const int64_t b_count = q.size(0), d = q.size(1);
   auto c = check(b_count, codes.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, r);
-  std::vector<int8_t> q8(b_count * d);
+  const Isa isa = int8_isa();
+  const int64_t qstride = ((d + 63) / 64) * 64;  // zero-padded rows: SIMD tails read whole words
+  std::vector<int8_t> q8(b_count * qstride, 0);
   std::vector<float> qs(b_count);
   std::vector<int32_t> qsum(b_count, 0);
   const float* qf = q.data_ptr<float>();
@@ -366,14 +490,14 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
     const float safe = qs[b] > 0.f ? qs[b] : 1.f;
     for (int64_t j = 0; j < d; ++j) {
       const float v = std::min(127.f, std::max(-127.f, std::nearbyint(qf[b * d + j] / safe)));
-      q8[b * d + j] = static_cast<int8_t>(v);
+      q8[b * qstride + j] = static_cast<int8_t>(v);
       qsum[b] += static_cast<int32_t>(v);
     }
   }
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sc = c.ix.scales;
   scan(c.ix, c.bt, r, c.out_pos.data_ptr<int64_t>(), c.out_score.data_ptr<float>(),
-       [&] { return Int8Scorer{cp, sc, d, q8.data(), qs.data(), qsum.data(), {}, false}; });
+       [&] { return Int8Scorer{cp, sc, d, q8.data(), qstride, qs.data(), qsum.data(), isa, {}, {}, false}; });
   return {c.out_pos, c.out_score};
 }
 
@@ -460,5 +584,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
   m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter", nogil);
+  m.def("int8_isa", [] { return std::string(isa_name(int8_isa())); },
+        "The int8 scan's path for the next call: portable, avx2 or vnni ($RECSERVE_SCAN_ISA, else the CPU's best)");
   m.def("ivf_scan_fp8", &ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter", nogil);
 }
