@@ -13,6 +13,7 @@ Run from the repository root::
     .venv/bin/python bench/ann.py --only faiss             # 1M, faiss side: 3.5-9 min on 2 cores
     .venv/bin/python bench/ann.py --only ours --codes int8,fp8 --rerank 128,256
     .venv/bin/python bench/ann.py --small --unit --probe l2,ip --rerank 0   # the probe rule
+    .venv/bin/python bench/ann.py --small --rerank 0 --isa portable,avx2  # int8 scan paths
 
 Results: every point goes to ``--out`` (JSON); the matched-recall tables go to stdout as markdown.
 """
@@ -48,6 +49,7 @@ from timing import set_threads, stopwatch
 from tqdm import tqdm
 
 from common.atomic import atomic_write_json
+from retrieval.index.scan import ISA_ENV, int8_isa
 
 NPROBES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 UNFILTERED_TARGETS = [0.95, 0.98]
@@ -81,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--unit",
         action="store_true",
         help="L2-normalise items and queries (cosine, as real embeddings often are)",
+    )
+    p.add_argument(
+        "--isa",
+        default="",
+        help="our int8 scan paths to sweep, forced by $RECSERVE_SCAN_ISA: some of "
+        "portable,avx2,vnni ('': the best this CPU runs)",
     )
     p.add_argument(
         "--rerank",
@@ -122,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad_probe or not args.probe:
         p.error(f"--probe: expected some of auto,l2,ip, got {args.probe}")
     args.rerank = [int(r) for r in args.rerank.split(",") if r]
+    args.isa = [i for i in args.isa.split(",") if i]
+    bad_isa = [i for i in args.isa if i not in ("portable", "avx2", "vnni")]
+    if bad_isa:
+        p.error(f"--isa: expected some of portable,avx2,vnni, got {bad_isa}")
     if args.single > args.queries:
         p.error("--single must be <= --queries")
     return args
@@ -244,18 +256,28 @@ def run_ours(data: AnnData, cases: list[Case], args, builds: dict, errors: dict)
                     f"cannot switch rerank to {rerank}; swept only {ours.cfg.rerank}"
                 )
                 continue
-            for case in cases:
+            for isa in args.isa or [None]:
+                name = system if isa is None else f"{system}-{isa}"
+                if isa is not None:
+                    os.environ[ISA_ENV] = isa  # read by the kernel at every scan
+                try:
+                    builds[f"{name}-isa"] = int8_isa()
+                except RuntimeError as e:  # a path this CPU cannot run
+                    errors[name] = str(e)
+                    continue
+                for case in cases:
 
-                def make(params, case=case, ours=ours):
-                    f = case.expression
-                    return (
-                        lambda: ours.search(qt, args.k, params["nprobe"], f),
-                        lambda i: ours.search(qt[i : i + 1], args.k, params["nprobe"], f),
-                    )
+                    def make(params, case=case, ours=ours):
+                        f = case.expression
+                        return (
+                            lambda: ours.search(qt, args.k, params["nprobe"], f),
+                            lambda i: ours.search(qt[i : i + 1], args.k, params["nprobe"], f),
+                        )
 
-                settings = nprobe_settings(args.nlist, {"rerank": rerank})
-                # The index is young: a failing setting is reported and the sweep goes on.
-                points += sweep(system, settings, make, case, bpi, args, errors=errors)
+                    settings = nprobe_settings(args.nlist, {"rerank": rerank})
+                    # The index is young: a failing setting is reported and the sweep goes on.
+                    points += sweep(name, settings, make, case, bpi, args, errors=errors)
+            os.environ.pop(ISA_ENV, None)
     return points
 
 
