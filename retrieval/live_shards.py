@@ -81,9 +81,7 @@ def update_shard(index: IVFIndex, batch: UpdateBatch, shard: int, num_shards: in
     elif bool(held.any()):
         mine_ids = ids[held]
         attrs = [batch.attributes[int(i)] for i in held.nonzero()]
-        sig = rewrite_attributes(
-            index.schema, index_update.signatures_of(index, mine_ids), attrs
-        )
+        sig = rewrite_attributes(index.schema, index_update.signatures_of(index, mine_ids), attrs)
         index = index_update.set_signatures(index, mine_ids, sig)
     return ShardUpdate(index, held)
 
@@ -118,4 +116,3 @@ def stats_index(index: IVFIndex, list_sizes: torch.Tensor, counts: torch.Tensor)
     out.bit_counts = counts.to(torch.int64).to(dev)
     out._refresh()
     return out
-

@@ -146,9 +146,7 @@ def prepare_update(
         pos = _known_positions(model, ids)
         if pos.numel() >= model.index.ntotal:
             raise UpdateError("ids", "removing every item would leave the index empty")
-        return PreparedUpdate(
-            with_index(model, index_update.remove_items(model.index, ids)), batch
-        )
+        return PreparedUpdate(with_index(model, index_update.remove_items(model.index, ids)), batch)
     if isinstance(batch, SetItemAttributes):
         return _prepare_attributes(model, batch)
     if isinstance(batch, UpdateEmbeddings):

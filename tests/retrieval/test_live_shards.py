@@ -133,9 +133,7 @@ def test_the_router_checks_names_and_values_before_any_shard(setup):  # noqa: F8
         resolve_update(model, SetItemAttributes(torch.tensor([1]), [{"available": ("maybe",)}]))
     table = next(iter(model.tables.table_shapes()))
     with pytest.raises(UpdateError, match="rows"):
-        resolve_update(
-            model, UpdateEmbeddings(table, torch.tensor([10**9]), torch.zeros(1, 1))
-        )
+        resolve_update(model, UpdateEmbeddings(table, torch.tensor([10**9]), torch.zeros(1, 1)))
 
 
 def test_a_table_update_leaves_every_shard_as_it_was(setup):  # noqa: F811
