@@ -43,6 +43,7 @@ unsharded version (and of the router over the shards), with no server running.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -66,6 +67,8 @@ from retrieval.score_input import (
     check_values,
 )
 from retrieval.scoring_ids import dense_history, raw_answers
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "COLUMNS",
@@ -307,6 +310,25 @@ class _RayScorer:
         return score_table(self.model, batch, self.job)
 
 
+RAY_START_ATTEMPTS = 2
+"""A local Ray node waits a fixed 30 s for its raylet to register (``ray/_private/node.py``); on
+a busy small machine that first start can miss it while a second one succeeds."""
+
+
+def _start_local_ray(ray: Any, workers: int) -> None:
+    """A local Ray node for ``workers`` scoring actors (one CPU each, one more for reading and
+    writing), retried once when it times out starting."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as e:  # Ray raises a bare Exception for a node that did not start
+            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+                raise
+            log.warning("Ray's local node did not start in time (%s); starting it again", e)
+            ray.shutdown()
+
+
 def score_ray(job: ScoreJob) -> dict[str, Any]:
     """The job on Ray Data; returns the manifest of the files Ray wrote."""
     import ray
@@ -325,8 +347,7 @@ def score_ray(job: ScoreJob) -> dict[str, Any]:
         if address:
             ray.init(address=address)
         else:
-            # the actors take one CPU each; reading and writing tasks need one more
-            ray.init(num_cpus=job.workers + 1, include_dashboard=False, log_to_driver=False)
+            _start_local_ray(ray, job.workers)
     threads = max(1, (os.cpu_count() or 1) // max(job.workers, 1))
     ds = ray.data.read_parquet(str(job.users)).map_batches(
         _RayScorer,

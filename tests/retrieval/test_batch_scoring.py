@@ -298,3 +298,32 @@ def test_a_published_sharded_version_with_remote_tables_scores_as_the_unsharded_
     assert_same_answers(
         got, reference(ref, table, sharded_job(root / "sharded", out, batch_size=32))
     )
+
+
+class _FlakyRay:
+    """``ray.init`` that fails its first ``failures`` calls with ``error``."""
+
+    def __init__(self, failures: int, error: str):
+        self.failures, self.error = failures, error
+        self.inits = self.shutdowns = 0
+
+    def init(self, **_: object) -> None:
+        self.inits += 1
+        if self.inits <= self.failures:
+            raise Exception(self.error)  # what ray/_private/node.py raises
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_local_ray_node_that_times_out_starting_is_started_again():
+    from retrieval.batch_scoring import _start_local_ray
+
+    timed_out = "The current node timed out during startup. This could happen because ..."
+    ray = _FlakyRay(1, timed_out)
+    _start_local_ray(ray, workers=2)
+    assert (ray.inits, ray.shutdowns) == (2, 1)
+    for ray in (_FlakyRay(2, timed_out), _FlakyRay(1, "some other failure")):
+        with pytest.raises(Exception, match=r"timed out during startup|some other failure"):
+            _start_local_ray(ray, workers=2)
+    assert ray.inits == 1  # another failure is not retried
