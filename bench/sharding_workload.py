@@ -107,7 +107,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
 def coldest_remote_budgets(model: RetrievalModel) -> Budgets:
     """Budgets that keep the hottest table (most lookups per byte: the item table, read
     ``history_len`` times a user) in the host tier and put every other table on one embedding
-    server, exactly (FP32: the answers stay equal to the unsharded model's)."""
+    server, exactly (FP32: the answers stay equal to the unsharded model's). The remote tables'
+    hot-row caches get a budget of their own (``Budgets.cache``), at the default size
+    (``cache_fraction`` of each table's rows): without it they would take host room the item
+    table fills, and get none."""
     specs = table_specs(model.config, DType.FP32)
     hottest = max(specs, key=lambda s: (s.lookups_per_sample / s.row_bytes(), s.name))
     rest = sum(s.bytes(DType.FP32) for s in specs if s is not hottest)
@@ -116,6 +119,7 @@ def coldest_remote_budgets(model: RetrievalModel) -> Budgets:
         host=hottest.bytes(DType.FP32),
         remote_per_server=2 * rest + (1 << 20),
         remote_servers=1,
+        cache=rest,  # room for any cache_fraction of the remote tables' rows
     )
 
 

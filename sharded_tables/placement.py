@@ -149,7 +149,7 @@ class Budgets(_Serde):
     device: int
     """Device memory for tables and, with ``has_gpu``, host-table caches (on CPU: fastest copy)."""
     host: int
-    """Host DRAM of the serving process, for tables and remote-table caches."""
+    """Host DRAM of the serving process, for tables and (without ``cache``) remote-table caches."""
     remote_per_server: int = 0
     """DRAM each embedding server may use; remote capacity is ``remote_servers *`` this."""
     remote_servers: int = 0
@@ -158,10 +158,15 @@ class Budgets(_Serde):
     """Share of a table's rows its hot-row cache may hold, in ``[0, 1]``."""
     has_gpu: bool = False
     """Whether ``device`` is a real GPU; only then do host tables get device caches."""
+    cache: int | None = None
+    """Host DRAM reserved for the hot-row caches of remote tables, beside ``host`` (tables never
+    use it); None: caches take the host room the tables leave, as before."""
 
     def __post_init__(self) -> None:
         for name in ("device", "host", "remote_per_server", "remote_servers"):
             _count(getattr(self, name), f"budgets.{name}")
+        if self.cache is not None:
+            _count(self.cache, "budgets.cache")
         if self.remote_per_server > 0 and self.remote_servers == 0:
             raise PlanError("budgets.remote_servers: must be > 0 when remote_per_server > 0")
         if self.remote_servers > 0 and self.remote_per_server == 0:
@@ -177,7 +182,7 @@ class Budgets(_Serde):
         """Bytes of ``tier`` (remote: all servers together)."""
         return {
             Tier.DEVICE: self.device,
-            Tier.HOST: self.host,
+            Tier.HOST: self.host + (self.cache or 0),
             Tier.REMOTE: self.remote_servers * self.remote_per_server,
         }[Tier(tier)]
 
@@ -187,8 +192,8 @@ class Budgets(_Serde):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "budgets") -> Self:
         kwargs = _checked(cls, data, where)
-        for name in ("device", "host", "remote_per_server"):
-            if name in kwargs:
+        for name in ("device", "host", "remote_per_server", "cache"):
+            if kwargs.get(name) is not None:
                 kwargs[name] = parse_bytes(kwargs[name], f"{where}.{name}")
         return cls(**kwargs)
 

@@ -27,8 +27,9 @@ Algorithm
    tables that did not fit, the free room per tier and the total shortfall.
 5. **Cache** last, from the room the tables left, in hotness order, for tables with
    ``expected_hit_rate >= 0.5``: a remote table caches ``ceil(rows * cache_fraction)`` rows in
-   host memory; a host table caches as many in device memory when ``has_gpu``. A cache shrinks to
-   what fits (possibly 0), so caches never force a narrower dtype.
+   host memory (from ``budgets.cache`` when it is set, else from the host room the tables left);
+   a host table caches as many in device memory when ``has_gpu``. A cache shrinks to what fits
+   (possibly 0), so caches never force a narrower dtype.
 
 Example::
 
@@ -201,6 +202,8 @@ def _add_caches(
 ) -> None:
     """Gives skewed remote/host tables a hot-row cache one tier up from the room that is left."""
     fraction = Fraction(str(budgets.cache_fraction))  # exact: ceil(100 * 0.07) must be 7
+    if budgets.cache is not None:  # remote tables' caches have host room of their own
+        room.host = budgets.cache
     for spec in order:
         p = placed[spec.name]
         if spec.expected_hit_rate < CACHE_MIN_HIT_RATE or p.cache_tier is None:

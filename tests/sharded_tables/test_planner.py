@@ -119,6 +119,25 @@ def test_cache_shrinks_to_the_host_room_left():
     assert p.placement("t").cache_rows == 10  # wants 50 rows, room for 10
 
 
+def test_a_cache_budget_caches_remote_tables_without_pulling_them_into_the_host_tier():
+    hot = TableSpec("hot", rows=100, dim=16, lookups_per_sample=10)  # 6 400 B, fills the host
+    cold = TableSpec("cold", rows=1_000, dim=16)  # 64 000 B: remote
+    budgets = dict(device=0, host=6_400, remote_per_server=100_000, remote_servers=1)
+    without = plan([hot, cold], Budgets(**budgets))
+    assert without.placement("cold").tier is Tier.REMOTE
+    assert without.placement("cold").cache_rows == 0  # no host room left for a cache
+    with_cache = plan([hot, cold], Budgets(**budgets, cache=1_000_000))
+    cold_p = with_cache.placement("cold")
+    assert (cold_p.tier, cold_p.cache_tier, cold_p.cache_rows) == (Tier.REMOTE, Tier.HOST, 50)
+    assert with_cache.placement("hot").tier is Tier.HOST
+    assert with_cache.usage()["host"] == 6_400 + 50 * 64  # the table, then its cache
+    small = plan([hot, cold], Budgets(**budgets, cache=640))
+    assert small.placement("cold").cache_rows == 10  # the cache budget bounds it
+    assert Budgets.from_dict({**budgets, "cache": "1KiB"}).cache == 1024
+    with pytest.raises(PlanError, match=r"budgets\.cache"):
+        Budgets(**budgets, cache=-1)
+
+
 def test_refusal_names_table_free_room_and_shortfall():
     spec = TableSpec("big", rows=1_000, dim=64, dtype=DType.INT4)  # 36 000 B
     budgets = Budgets(device=0, host=10_000, remote_per_server=5_000, remote_servers=2)
@@ -230,6 +249,7 @@ def specs_and_budgets(draw) -> tuple[list[TableSpec], Budgets]:
         remote_servers=servers,
         cache_fraction=draw(st.sampled_from([0.0, 0.05, 0.07, 0.5, 1.0])),
         has_gpu=draw(st.booleans()),
+        cache=draw(st.one_of(st.none(), st.integers(0, 100_000))),
     )
     return specs, budgets
 
