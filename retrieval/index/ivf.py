@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,8 @@ from retrieval.filters import (
     eligible,
     estimate_selectivity,
 )
-from retrieval.index.codes import CODE_KINDS, dequantize
+from retrieval.index.codes import dequantize
+from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.exact import exact_topk
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
 from retrieval.index.probe import half_sq_norms, probe_lists, rescore
@@ -44,81 +45,8 @@ from retrieval.index.scan import filter_mask, scan
 from retrieval.index.search import Candidates, SearchPlan, run_search
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
+__all__ = ["EXACT_DTYPES", "METRICS", "PROBES", "FilterArg", "IVFConfig", "IVFIndex"]
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-EXACT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "none": None}
-METRICS = ("ip", "cosine")
-PROBES = ("auto", "l2", "ip")
-
-
-@dataclass
-class IVFConfig:
-    """How the index is built and searched."""
-
-    nlist: int = 1024
-    """Inverted lists (k-means centroids); capped at the catalog size."""
-    nprobe: int = 32
-    """Lists probed per query, at least: the plan probes more lists for a filtered request (as
-    its selectivity falls) or when these lists hold too few items for ``2 x`` the candidates
-    (large K), and may scan a filtered request's eligible items exactly instead;
-    :meth:`IVFIndex.search_plan` shows what a search will do."""
-    codes: str = "int8"
-    """Residual code format: "int8" (row-wise scale) or "fp8" (e4m3, row-wise scale)."""
-    rerank: int = 0
-    """Candidates re-scored with the exact copy before the final top-K (0: approximate scores are final)."""
-    exact_copy: str = "auto"
-    """Dtype of the exact copy of every vector, used for re-ranking and exact scans: "float16",
-    "float32", "none" (exact scans decode the codes; no re-rank), or "auto": "float16" when
-    ``rerank > 0``, else "none" (the copy costs 2 bytes x D per item, ~3x the INT8 codes, and only
-    a re-rank needs it). The index records the resolved choice."""
-    metric: str = "ip"
-    """Score that ranks results: "ip" (inner product q·x) or "cosine" (vectors and queries
-    L2-normalised, then inner product)."""
-    probe: str = "auto"
-    """How a query ranks the lists it probes: "l2" (nearest centroid: the rule the build
-    assigns items by), "ip" (largest q·c), or "auto": "l2" when the build's vectors are unit-norm
-    (metric "cosine", normalised embeddings), else "ip" (see ``retrieval/index/probe.py`` for
-    why and the recall of each). The index records the choice; indexes saved before this option
-    probe by "ip", as they did."""
-    kmeans_iters: int = 20
-    kmeans_max_points_per_centroid: int = 256
-    seed: int = 0
-    exact_cost: float = 2.0
-    """Cost of scoring one eligible item exactly, relative to one code in a list. A filtered
-    request is scanned exactly when (eligible items x exact_cost) <= (codes in its probed lists)."""
-    filter_nprobe_exponent: float = 0.5
-    """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
-    target_recall: float = 0.0
-    """If > 0, the build picks the smallest power-of-two nprobe whose recall@``tune_k`` against
-    exact search reaches this on sample queries (then ``nprobe`` is only the starting point)."""
-    tune_k: int = 100
-
-    def validate(self) -> None:
-        if self.nlist < 1 or self.nprobe < 1:
-            raise ValueError(f"nlist and nprobe must be >= 1, got {self.nlist}, {self.nprobe}")
-        if self.codes not in CODE_KINDS:
-            raise ValueError(f"codes must be one of {CODE_KINDS}, got {self.codes!r}")
-        if self.exact_copy not in (*EXACT_DTYPES, "auto"):
-            raise ValueError(
-                f"exact_copy must be one of {(*EXACT_DTYPES, 'auto')}, got {self.exact_copy!r}"
-            )
-        if self.rerank < 0:
-            raise ValueError(f"rerank must be >= 0, got {self.rerank}")
-        if self.metric == "l2":
-            raise ValueError(
-                'metric "l2" is not offered: ranking by distance needs a per-item norm term the '
-                'scan kernel does not have; for L2-normalised vectors write metric = "cosine" '
-                '(the same order), else "ip"'
-            )
-        if self.metric not in METRICS:
-            raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
-        if self.probe not in PROBES:
-            raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
-
-    def resolved(self) -> IVFConfig:
-        """This config with ``exact_copy = "auto"`` replaced by what it means here."""
-        if self.exact_copy != "auto":
-            return self
-        return replace(self, exact_copy="float16" if self.rerank > 0 else "none")
 
 
 class IVFIndex(nn.Module):
