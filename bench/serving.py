@@ -51,16 +51,12 @@ import json
 import multiprocessing
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +80,11 @@ from server_procs import (  # noqa: E402
     wait_triton,
 )
 from serving_report import PROTOCOL, render, summarize  # noqa: E402
+from serving_workload import MODEL, Workload, build_workload, publish, threads_each  # noqa: E402
 from timing import OtherLoad, int_list, percentiles  # noqa: E402
 
-from common.ready import announce  # noqa: E402
-from retrieval.data import SyntheticConfig, generate  # noqa: E402
-from retrieval.model import RetrievalModel  # noqa: E402
-from retrieval.training.prepare import Prepared, prepare  # noqa: E402
-from retrieval.training.train import TrainConfig, train  # noqa: E402
 from serving.protos import recommend_pb2, recommend_pb2_grpc  # noqa: E402
 
-MODEL = "bench"
 RUN_MARKER = "recserve-serving-bench-"
 """Prefix of this run's temp folder; every server's command line names it."""
 SYSTEMS = ("noop", "naive", "ours", "ours-1proc", "ours-kserve", "triton")
@@ -105,7 +96,7 @@ load the machine while the next system is measured (seen as 16-33 % other load).
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command line (see the module docstring); ``--serve`` is internal (a baseline server)."""
+    """Command line (see the module docstring)."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -139,11 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-users", type=int, default=4, help="users checked vs in-process")
     p.add_argument("--startup-timeout-s", type=float, default=180.0, help="per server start")
     p.add_argument("--out", type=Path, help="JSON results (default bench/results/serving*.json)")
-    p.add_argument("--serve", choices=["noop", "naive"], help=argparse.SUPPRESS)
-    p.add_argument("--repo", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.serve:
-        return args
     args.items = args.items or (20_000 if args.small else 100_000)
     args.seconds = args.seconds or (2.0 if args.small else 5.0)
     if args.sizes is None:
@@ -160,118 +147,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ---- the workload -------------------------------------------------------------------------------
-@dataclass
-class Workload:
-    """The model, its data, and the requests every system gets (one user per request)."""
-
-    prep: Prepared
-    model: RetrievalModel
-    users: np.ndarray
-    k: int
-
-    def history(self, user: int) -> np.ndarray:
-        """The user's recent items, newest first (pads dropped; ``[-1]`` when there are none)."""
-        hist = self.prep.history[user]
-        hist = hist[hist >= 0].astype(np.int64)
-        return hist if len(hist) else np.array([-1], np.int64)
-
-    def categorical(self, user: int) -> np.ndarray:
-        ds, cfg = self.prep.dataset, self.prep.config
-        return np.array([ds.user_features[n][user] for n in cfg.user_features], np.int64)
-
-    def dense(self, user: int) -> np.ndarray:
-        return self.prep.dataset.user_dense[user].astype(np.float32)
-
-    def recommend(self, user: int) -> bytes:
-        """The serialized gRPC ``Recommend`` request of ``user``."""
-        return recommend_pb2.RecommendRequest(
-            user_id=str(user),
-            history=self.history(user).tolist(),
-            categorical=self.categorical(user).tolist(),
-            dense=self.dense(user).tolist(),
-            k=self.k,
-        ).SerializeToString()
-
-    def model_infer(self, user: int) -> bytes:
-        """The serialized KServe v2 ``ModelInferRequest`` of ``user`` (one row, raw contents).
-        History is -1-padded to the model's ``history_len`` so every request has the same shape:
-        Triton's dynamic batcher stalls (~500 ms) on a queue of differently shaped requests."""
-        from tritonclient.grpc import service_pb2
-
-        req = service_pb2.ModelInferRequest(model_name=MODEL)
-        hist = np.full((1, self.prep.config.history_len), -1, np.int64)  # -1 pads: one shape
-        recent = self.history(user)[: hist.shape[1]]
-        hist[0, : len(recent)] = recent
-        tensors = {
-            "history": ("INT64", hist),
-            "categorical": ("INT64", self.categorical(user)[None, :]),
-            "dense": ("FP32", self.dense(user)[None, :]),
-            "k": ("INT32", np.array([[self.k]], np.int32)),
-        }
-        for name, (dtype, a) in tensors.items():
-            req.inputs.add(name=name, datatype=dtype, shape=list(a.shape))
-            req.raw_input_contents.append(np.ascontiguousarray(a).tobytes())
-        for name in ("item_ids", "scores"):
-            req.outputs.add(name=name)
-        return req.SerializeToString()
-
-    def payloads(self, protocol: str) -> list[bytes]:
-        make = self.recommend if protocol == "recommend" else self.model_infer
-        return [make(int(u)) for u in self.users]
-
-    def expected_ids(self, users: np.ndarray) -> np.ndarray:
-        """In-process ``model(batch, k)`` ids of ``users`` (one forward per user)."""
-        with torch.inference_mode():
-            rows = [
-                self.model(self.prep.user_batch(users[i : i + 1]), self.k)[0]
-                for i in range(len(users))
-            ]
-        return torch.cat(rows).numpy()
-
-
-def build_workload(items: int, args: argparse.Namespace) -> tuple[Workload, float]:
-    """Synthetic catalog -> prepared data -> model (trained ``--epochs``) with its index; returns
-    it and build seconds. As ``recserve train`` does, nprobe is tuned for recall 0.97 on users'
-    query vectors; an untrained model (``--epochs 0``) gets it tuned on item vectors instead
-    (random towers put users nowhere near items), the worst case for an IVF index."""
-    t0 = time.perf_counter()
-    ds = generate(SyntheticConfig(num_users=args.users, num_items=items, seed=3))
-    prep = prepare(ds)
-    torch.manual_seed(0)
-    model = RetrievalModel(prep.config)
-    if args.epochs:
-        train(model, prep.train, TrainConfig(epochs=args.epochs, seed=0, progress=False))
-        model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch(seed=0))
-    else:
-        model.build_index(prep.train.item_features, ds.item_attributes)
-    work = Workload(prep, model.eval(), np.arange(args.request_users), args.k)
-    return work, time.perf_counter() - t0
-
-
-def publish(work: Workload, root: Path, args: argparse.Namespace) -> Path:
-    """Publishes the model as ``MODEL`` version 1 in a new repository at ``root``, with
-    ``--processes`` model instances for Triton (``instance_group``: one Python backend stub
-    process each), each with its share of the torch threads."""
-    from tritonclient.grpc import model_config_pb2
-
-    from serving.repository.config import read_config, write_config
-    from serving.repository.repository import ModelRepository
-
-    threads = str(threads_each(args))
-    ModelRepository(root).publish(MODEL, work.model, parameters={"torch_threads": threads})
-    path = root / MODEL / "config.pbtxt"
-    cfg = read_config(path)
-    cfg.instance_group.add(count=args.processes, kind=model_config_pb2.ModelInstanceGroup.KIND_CPU)
-    write_config(path, cfg)
-    return root
-
-
-def threads_each(args: argparse.Namespace) -> int:
-    """Torch threads of each of the ``--processes`` model processes (Triton's instances too)."""
-    return max(1, args.threads // args.processes)
-
-
 def inprocess_latency(work: Workload, n: int = 200) -> dict[str, float]:
     """p50/p99 ms of one-user ``model(batch, k)`` calls in this process (no serving at all)."""
     batches = [work.prep.user_batch(work.users[i : i + 1]) for i in range(len(work.users))]
@@ -286,68 +161,13 @@ def inprocess_latency(work: Workload, n: int = 200) -> dict[str, float]:
     return {"p50_ms": p50, "p99_ms": p99}
 
 
-# ---- baseline servers ((a) and (b)), run as `python bench/serving.py --serve KIND` --------------
-class NoopServicer(recommend_pb2_grpc.RecommenderServicer):
-    """(a): the same fixed empty answer to every call; no parsing beyond gRPC's own."""
-
-    RESPONSE = recommend_pb2.RecommendResponse(model=MODEL, version=1)
-
-    def Recommend(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self.RESPONSE
-
-
-class NaiveServicer(recommend_pb2_grpc.RecommenderServicer):
-    """(b): parse -> one forward for this request alone (``ModelRunner.run([req])``) -> render.
-    Every gRPC thread runs its own forward; nothing is batched or queued."""
-
-    def __init__(self, repo: Path):
-        from serving.engine.runner import ModelRunner
-        from serving.repository.repository import ModelRepository
-
-        loaded = ModelRepository(repo).load(MODEL)
-        self.runner = ModelRunner(loaded.model, MODEL, loaded.version)
-        self.runner.warmup()
-
-    def Recommend(self, request: Any, context: grpc.ServicerContext) -> Any:
-        from serving.frontends.recommend_grpc import parse_recommend, render_recommend
-
-        (out,) = self.runner.run([parse_recommend(request, None)])
-        if isinstance(out, Exception):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
-        return render_recommend(out)
-
-
-def serve_baseline(args: argparse.Namespace) -> None:
-    """Runs (a) or (b) on a free port: prints the ready line (``common/ready.py``, role
-    ``baseline``), serves until SIGTERM."""
-    torch.set_num_threads(args.threads)
-    servicer = NoopServicer() if args.serve == "noop" else NaiveServicer(args.repo)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.grpc_workers))
-    recommend_pb2_grpc.add_RecommenderServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    announce("baseline", grpc=f"127.0.0.1:{port}", system=args.serve)
-    while not done.wait(0.5):
-        pass
-    server.stop(1).wait()
-
-
 @contextlib.contextmanager
 def server(system: str, repo: Path, tmp: Path, args: argparse.Namespace) -> Iterator[Running]:
     """Starts ``system`` on ``repo``; yields it once ready; always stops it."""
     log = tmp / f"{system}-{repo.name}.log"
     if system in ("noop", "naive"):
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--serve",
-            system,
-            "--repo",
-            str(repo),
-        ]
+        cmd = [sys.executable, str(Path(__file__).with_name("serving_baselines.py")), system]
+        cmd += ["--repo", str(repo)]
         cmd += ["--threads", str(args.threads), "--grpc-workers", str(args.grpc_workers)]
         run = start(cmd, log)
     elif system in ("ours", "ours-kserve", "ours-1proc"):
@@ -577,9 +397,6 @@ def run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.serve:
-        serve_baseline(args)
-        return
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -12,13 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_model import trained_model, user_inputs
 
-from retrieval.data import SyntheticConfig, generate
 from retrieval.features import UserBatch
 from retrieval.model import RetrievalModel, table_specs
 from retrieval.tiering import tier_model
-from retrieval.training.prepare import Prepared, prepare
-from retrieval.training.train import TrainConfig, train
+from retrieval.training.prepare import Prepared
 from serving.protos import recommend_pb2
 from serving.repository.repository import ModelRepository
 from serving.types import RecRequest
@@ -48,12 +47,11 @@ class Workload:
 
     def request(self, user: int, label: str) -> RecRequest:
         """What the server makes of a ``Recommend`` call (as ``tests/support/serving_fixtures.py``)."""
-        ds, cfg = self.prep.dataset, self.prep.config
-        hist = self.prep.history[user]
+        history, categorical, dense = user_inputs(self.prep, user)
         return RecRequest(
-            history=hist[hist >= 0].astype(np.int64),
-            categorical=np.array([ds.user_features[n][user] for n in cfg.user_features], np.int64),
-            dense=ds.user_dense[user].astype(np.float32),
+            history=history,
+            categorical=categorical,
+            dense=dense,
             k=self.k,
             filter=self.filters[label],
         )
@@ -82,22 +80,12 @@ class Workload:
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
-    """Synthetic catalog -> prepared data -> model trained ``--epochs`` with its index. As
-    ``recserve train`` (and ``bench/serving.py``) does, nprobe is tuned for recall 0.97 on users'
-    query vectors; ``--epochs 0`` keeps untrained weights with nprobe tuned on item vectors
-    (random towers put users nowhere near items: IVF's worst case)."""
-    ds = generate(SyntheticConfig(num_users=args.users, num_items=args.items, seed=3))
-    prep = prepare(ds)
-    torch.manual_seed(0)
-    model = RetrievalModel(prep.config)
-    if args.epochs:
-        train(model, prep.train, TrainConfig(epochs=args.epochs, seed=0, progress=False))
-        model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch(seed=0))
-    else:
-        model.build_index(prep.train.item_features, ds.item_attributes)
+    """The synthetic catalog and its model trained ``--epochs`` (``bench_model.trained_model``,
+    as ``bench/serving.py`` builds it)."""
+    prep, model = trained_model(args.users, args.items, args.epochs)
     return Workload(
         prep,
-        model.eval(),
+        model,
         np.arange(args.request_users),
         args.k,
         {NO_FILTER: None, args.filter: args.filter},
