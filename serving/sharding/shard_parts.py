@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from google.protobuf.message import DecodeError
 
 from retrieval.index.ivf import IVFIndex
 from retrieval.live_shards import ShardUpdate, update_shard
@@ -124,7 +125,7 @@ class ShardParts:
                     if batch is None
                     else update_shard(part.index, batch, self.shard, self.num_shards)
                 )
-            except Exception as e:  # a record that does not fit this part
+            except (ValueError, DecodeError) as e:  # a record that does not fit this part
                 raise PartRefusedError("INVALID_ARGUMENT", f"update {sequence}: {e}") from None
             self._pending = _Pending(version, sequence, done.index)
             return done
