@@ -228,7 +228,7 @@ class ShardServer:
             raise ValueError(f"keep: must be >= 1, got {keep}")
         self.repo, self.model, self.shard = repo, model, shard
         self.host, self.port, self.metrics_port = host, port, metrics_port
-        self.poll_s, self.keep, self.device = poll_s, keep, device
+        self.poll_s, self.device = poll_s, device
         self.parts = ShardParts(model, shard, keep)
         """Loaded versions -> this shard's part, with their live updates."""
         self.failed: set[int] = set()
