@@ -15,6 +15,12 @@ The byte count comes first (O(1) on the wire bytes), so the parser never sees mo
 receive compiled masks, not text) go through :meth:`LimitsConfig.parse_filter`:
 ``ServingState.submit`` calls it for every row, and the KServe parser for each row's filter.
 
+A request's seen list (``seen`` / ``raw_seen``, the items it excludes) is bounded by
+``max_seen``: the index returns ``K + history_len + S`` candidates for K to remain after the
+exclusion, so the list's length is work the server does. :meth:`LimitsConfig.check_seen` refuses a
+longer list (``seen: 100001 item ids is over the limit of 100000 (limits.max_seen)``): the KServe
+parser on the tensor's shape before decoding it, ``ServingState.submit`` for every row.
+
 The HTTP body limits live here too (``serving/frontends/kserve_http.py`` applies them).
 """
 
@@ -43,6 +49,8 @@ class LimitsConfig(Config):
     """Most clauses (``... and ...``) in one filter."""
     max_filter_set_values: int = Field(default=1024, ge=1, le=1 << 20)
     """Most values in one set (``attr in {v1, v2, ...}``)."""
+    max_seen: int = Field(default=100_000, ge=0, le=1 << 24)
+    """Most item ids in one request's seen list (``seen`` or ``raw_seen``, pads included)."""
     max_http_body_bytes: int = Field(default=DEFAULT_MAX_HTTP_BODY_BYTES, ge=1, le=1 << 31)
     """Largest HTTP request body, compressed or decompressed (HTTP 413 past it)."""
     http_body_timeout_s: Annotated[WaitS, Field(gt=0)] = 10.0
@@ -57,6 +65,15 @@ class LimitsConfig(Config):
             raise RequestError(
                 f"filter: {size} bytes is over the limit of {self.max_filter_bytes} "
                 f"(limits.max_filter_bytes){row}"
+            )
+
+    def check_seen(self, count: int, name: str = "seen", row: str = "") -> None:
+        """Refuses a seen list of ``count`` ids over ``max_seen`` (``name``: ``seen`` or
+        ``raw_seen``; ``row``: where it is)."""
+        if count > self.max_seen:
+            raise RequestError(
+                f"{name}: {count} item ids is over the limit of {self.max_seen} "
+                f"(limits.max_seen){row}"
             )
 
     def check_filter_text(self, text: str | None, row: str = "") -> None:

@@ -9,7 +9,9 @@ A model trained on imported data carries id maps (``RetrievalModel.id_maps``, se
   version that runs it (the runner's edge check, so a hot swap to a version with another map
   maps again). ``""`` is a pad (like ``-1`` in ``history``). An id the map does not know is
   refused (:class:`~serving.types.RequestError` naming ``raw_history``, the id and its place):
-  a request is answered for the history it gave, or not at all.
+  a request is answered for the history it gave, or not at all. ``raw_seen`` (the items the
+  request excludes) is mapped the same way into ``seen``, and refused the same way
+  (``dense_history(raw, items, "raw_seen")``).
 * out: dense ids ``[B, K]`` -> ``raw_item_ids`` ``[B, K]`` text by :func:`raw_item_ids`, one
   vectorised take per batch of rows; ``""`` where the dense id is a pad (``-1``) or an item the
   map does not hold (one a live update added beyond the trained catalog).
@@ -32,6 +34,8 @@ from retrieval.data.id_map import IdMap
 from serving.types import RequestError
 
 FIELD = "raw_history"
+_LIST = {FIELD: "history", "raw_seen": "seen list"}
+"""What each raw id field holds, for messages."""
 PAD = ""
 """A pad in ``raw_history`` and ``raw_item_ids`` (``-1`` in the dense fields)."""
 
@@ -47,10 +51,11 @@ def decode_text(values: np.ndarray, where: str = FIELD) -> np.ndarray:
     return np.asarray(text.to_numpy(zero_copy_only=False), dtype=object).reshape(values.shape)
 
 
-def dense_history(raw: Sequence[str] | np.ndarray, items: IdMap) -> np.ndarray:
+def dense_history(raw: Sequence[str] | np.ndarray, items: IdMap, where: str = FIELD) -> np.ndarray:
     """Raw item ids ``[H]`` (text, newest first, ``""`` pads) -> dense ids ``int64 [H]``
-    (``-1`` pads). Raises :class:`RequestError` naming ``raw_history`` and the first id the
-    map does not know (for an integer map: text that is no integer too)."""
+    (``-1`` pads). Raises :class:`RequestError` naming ``where`` (``raw_history``, or
+    ``raw_seen`` for a seen list) and the first id the map does not know (for an integer map:
+    text that is no integer too)."""
     text = pa.array(list(raw), type=pa.string())  # [H]
     pad = np.asarray(pc.equal(text, PAD).to_numpy(zero_copy_only=False), dtype=bool)
     dense = np.full(len(text), -1, dtype=np.int64)
@@ -63,13 +68,13 @@ def dense_history(raw: Sequence[str] | np.ndarray, items: IdMap) -> np.ndarray:
             wanted = wanted.cast(pa.int64())
         except pa.ArrowInvalid:
             bad = next(i for i in given if not _is_int_text(text[i].as_py()))
-            raise _unknown(text[bad].as_py(), int(bad), "an integer item id") from None
+            raise _unknown(text[bad].as_py(), int(bad), "an integer item id", where) from None
     found = items.lookup(wanted)
     missing = np.flatnonzero(found < 0)
     if missing.size:
         at = int(given[missing[0]])
         why = f"one of the model's {len(items)} item ids"
-        raise _unknown(text[at].as_py(), at, why, int(missing.size))
+        raise _unknown(text[at].as_py(), at, why, where, int(missing.size))
     dense[given] = found
     return dense
 
@@ -82,10 +87,10 @@ def _is_int_text(s: str) -> bool:
     return True
 
 
-def _unknown(raw: str, at: int, why: str, count: int = 1) -> RequestError:
+def _unknown(raw: str, at: int, why: str, where: str, count: int = 1) -> RequestError:
     return RequestError(
-        f"{FIELD}: item id {raw!r} (position {at}) is not {why}"
-        + (f" ({count} ids of the history are unknown)" if count > 1 else "")
+        f"{where}: item id {raw!r} (position {at}) is not {why}"
+        + (f" ({count} ids of the {_LIST.get(where, where)} are unknown)" if count > 1 else "")
     )
 
 

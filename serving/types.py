@@ -15,17 +15,22 @@ tensor             dtype     dims        meaning
 ``dense``          FP32      ``[Dd]``    dense user features
 ``k``              INT32     ``[1]``     results wanted
 ``filter``         BYTES     ``[1]``     filter expression (empty: none), optional
+``seen``           INT64     ``[-1]``    every item the user consumed, never recommended
+                                         (any order, ``-1`` pads), optional
 ``item_ids``       INT64     ``[-1]``    output: top-K item ids (``-1`` pads)
 ``scores``         FP32      ``[-1]``    output: their scores
 ``raw_history``    BYTES     ``[-1]``    a model with id maps: the history in the user's own
                                          item ids (``""`` pads), instead of ``history``
+``raw_seen``       BYTES     ``[-1]``    a model with id maps: ``seen`` in the user's own
+                                         item ids (``""`` pads), instead of ``seen``
 ``raw_item_ids``   BYTES     ``[-1]``    a model with id maps: output, the raw id of each of
                                          ``item_ids`` (``""`` pads)
 =================  ========  ==========  ==================================================
 
 (dims without the batch dimension; ``max_batch_size > 0``, so every tensor is ``[B, ...]``).
 A model with id maps takes ``history`` or ``raw_history`` (both optional, one of them given);
-the mapping is ``serving/raw_ids.py``.
+the mapping is ``serving/raw_ids.py``. ``seen`` (or ``raw_seen``) is removed exactly from the
+answer (``retrieval/seen.py``); its length is bounded by ``limits.max_seen``.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ import numpy as np
 if TYPE_CHECKING:
     from retrieval.data.id_map import IdMap
 
-INPUTS = ("history", "categorical", "dense", "k", "filter")
+INPUTS = ("history", "categorical", "dense", "k", "filter", "seen")
 OUTPUTS = ("item_ids", "scores")
-RAW_INPUTS = ("raw_history",)
+OPTIONAL_INPUTS = ("filter", "seen")
+"""Inputs a request may leave out (besides the raw ones)."""
+RAW_INPUTS = ("raw_history", "raw_seen")
 """Inputs of a model with id maps only (besides ``INPUTS``)."""
 RAW_OUTPUTS = ("raw_item_ids",)
 """Outputs of a model with id maps only (besides ``OUTPUTS``)."""
@@ -51,9 +58,11 @@ DATATYPES = {
     "dense": "FP32",
     "k": "INT32",
     "filter": "BYTES",
+    "seen": "INT64",
     "item_ids": "INT64",
     "scores": "FP32",
     "raw_history": "BYTES",
+    "raw_seen": "BYTES",
     "raw_item_ids": "BYTES",
 }
 """KServe v2 datatype of every tensor in the table above."""
@@ -125,6 +134,12 @@ class RecRequest:
     raw_history: np.ndarray | None = None
     """``str [H]`` (object): the history in the user's own item ids, ``""`` pads, for a model
     with id maps; the runner maps it into ``history`` (``serving/raw_ids.py``)."""
+    seen: np.ndarray | None = None
+    """``int64 [S]`` every item the user consumed, never recommended (any order, ``-1`` pads;
+    None: the history window only)."""
+    raw_seen: np.ndarray | None = None
+    """``str [S]`` (object): ``seen`` in the user's own item ids, ``""`` pads, for a model with id
+    maps; the runner maps it into ``seen``."""
     checked: tuple[object, list[Any]] | None = field(default=None, repr=False, compare=False)
     """(runner, parsed filter clauses) once a runner's edge check passed: the same runner
     skips the check when the request reaches its batch (another, after a hot swap, redoes it)."""
@@ -171,3 +186,9 @@ def check_request(req: RecRequest, categorical: int, dense: int, num_items: int)
     bad = req.history[(req.history < -1) | (req.history >= num_items)]
     if bad.size:
         raise RequestError(f"history: item id {int(bad[0])} is not in [0, {num_items})")
+    if req.seen is not None:
+        if req.seen.dtype != np.int64 or req.seen.ndim != 1:
+            raise RequestError(f"seen: expected int64 [S], got {req.seen.dtype} {req.seen.shape}")
+        bad = req.seen[(req.seen < -1) | (req.seen >= num_items)]
+        if bad.size:
+            raise RequestError(f"seen: item id {int(bad[0])} is not in [0, {num_items})")

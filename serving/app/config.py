@@ -33,6 +33,7 @@ Example ``serve.toml`` (every key optional; flags override the file)::
     max_filter_bytes = 16384
     max_filter_clauses = 64
     max_filter_set_values = 1024
+    max_seen = 100000      # ids in one request's seen list (seen / raw_seen)
     max_http_body_bytes = 8388608
     http_body_timeout_s = 10.0
 

@@ -11,8 +11,10 @@ request gets its error and the others still run, then stacks the good ones into 
     outcomes = runner.run([req_a, req_b])  # [RecResult | RequestError | ModelNotFoundError]
 
 Requests in one batch share the candidate budget of the largest K (the index re-ranks
-``K + history_len`` candidates), so a small-K request may see a slightly better list than it
-would alone; it never sees a worse one.
+``K + history_len + S`` candidates, S the longest seen list in the batch), so a small-K request
+may see a slightly better list than it would alone; it never sees a worse one. Seen lists
+(``RecRequest.seen``) go into ``UserBatch.seen`` ``[B, S]``, ``-1`` padded; a batch in which no
+request has one gets None, so the common path costs nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from retrieval.features import UserBatch
 from retrieval.filters import Clause, parse_filter
 from retrieval.model import RetrievalModel
+from retrieval.seen import pad_lists
 from serving.limits import LimitsConfig
 from serving.raw_ids import dense_history
 from serving.types import (
@@ -84,6 +87,8 @@ class ModelRunner:
             )
         if req.raw_history is not None:
             req.history = self._dense_history(req.raw_history)
+        if req.raw_seen is not None:
+            req.seen = self._dense_history(req.raw_seen, "raw_seen")
         check_request(req, len(self.features), self.dense_dim, self.num_items)
         ntotal = self.model.index.ntotal
         if req.k > ntotal:
@@ -93,16 +98,18 @@ class ModelRunner:
             self._check_categorical(cat)  # the tables' own check names the feature and table
         return self._clauses(req.filter, limits)
 
-    def _dense_history(self, raw: np.ndarray) -> np.ndarray:
+    def _dense_history(self, raw: np.ndarray, where: str = "raw_history") -> np.ndarray:
         """``raw_history`` ``str [H]`` -> ``history`` ``int64 [H]`` through this version's item
-        map (mapped on every check: another version may map the same ids otherwise)."""
+        map (mapped on every check: another version may map the same ids otherwise); likewise
+        ``raw_seen`` -> ``seen`` (``where``)."""
         maps = self.model.id_maps
         if maps is None:
+            dense = where.removeprefix("raw_")
             raise RequestError(
-                f"raw_history: {self.name} version {self.version} has no id maps (it was not "
-                "trained on imported data): send history, the dense item ids"
+                f"{where}: {self.name} version {self.version} has no id maps (it was not "
+                f"trained on imported data): send {dense}, the dense item ids"
             )
-        return dense_history(raw, maps.items)
+        return dense_history(raw, maps.items, where)
 
     def _check_categorical(self, cat: np.ndarray) -> None:
         codes = torch.from_numpy(cat).view(1, -1)  # [1, F]
@@ -189,6 +196,7 @@ class ModelRunner:
             torch.from_numpy(dense),
             fb.masks,
             fb.negate,
+            pad_lists([r.seen for r in reqs]),  # [B, S] or None: no request has a seen list
         )
         return batch.to(self.device)
 

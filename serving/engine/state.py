@@ -116,6 +116,9 @@ class ServingState:
         if self.draining.is_set():
             raise UnavailableError("server is draining: not accepting new requests")
         self.limits.check_filter_text(req.filter)  # O(1) mostly: before any parsing
+        for name in ("seen", "raw_seen"):
+            if (ids := getattr(req, name)) is not None:
+                self.limits.check_seen(len(ids), name)
         self.host.check_target(req.model, req.version)
         runner = self.host.current()
         req.checked = (runner, runner.check(req, self.limits))  # parses within the limits

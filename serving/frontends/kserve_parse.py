@@ -35,6 +35,8 @@ _INT_RANGE: dict[str, tuple[int, int]] = {
     "INT32": (-(2**31), 2**31 - 1),
 }
 _FLOAT_MAX = sys.float_info.max
+SEEN_INPUTS = ("seen", "raw_seen")
+"""Inputs whose length ``limits.max_seen`` bounds."""
 NO_DEADLINE_S = 1e7
 """A time left beyond this (~4 months) is no deadline at all."""
 
@@ -96,6 +98,8 @@ def parse(
                 continue
             raise RequestError(f"{ts.name}: missing input (inputs are {', '.join(known)})")
         shape = _check_shape(given, ts, spec.max_batch_size)
+        if ts.name in SEEN_INPUTS:  # [B, S]: its length bounds the work, refused before decoding
+            spec.limits.check_seen(shape[1], ts.name)
         if batch is None:
             batch = shape[0]
         elif shape[0] != batch:
@@ -104,6 +108,7 @@ def parse(
         arrays[ts.name] = decode(given, shape)
     assert batch is not None  # k is required
     histories, raw = _histories(arrays, batch)
+    seen, raw_seen = _seen(arrays)
     ks = arrays["k"].reshape(batch)
     filters = _filters(arrays.get("filter"), batch, spec.limits)
     reqs = []
@@ -121,6 +126,8 @@ def parse(
                 deadline=deadline,
                 model=spec.name,
                 raw_history=None if raw is None else raw[b],
+                seen=None if seen is None else seen[b],
+                raw_seen=None if raw_seen is None else raw_seen[b],
             )
         )
     return reqs
@@ -137,6 +144,15 @@ def _histories(arrays: dict[str, np.ndarray], batch: int) -> tuple[np.ndarray, n
     if hist is None:
         raise RequestError("history: missing input (give history or raw_history)")
     return hist, None
+
+
+def _seen(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """-> (``seen`` int64 [B, S] (``-1`` pads) or None, ``raw_seen`` str [B, S] or None): at
+    most one of the two is given (the runner checks the ids and maps the raw ones)."""
+    seen, raw = arrays.get("seen"), arrays.get("raw_seen")
+    if seen is not None and raw is not None:
+        raise RequestError("raw_seen: give seen or raw_seen, not both")
+    return seen, None if raw is None else decode_text(raw, "raw_seen")
 
 
 def row_note(b: int, batch: int) -> str:

@@ -12,7 +12,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from serving.engine.state import ServingState
 from serving.limits import LimitsConfig
-from serving.types import DATATYPES, MAX_K, OUTPUTS, RAW_OUTPUTS, RequestError
+from serving.types import DATATYPES, MAX_K, OUTPUTS, RAW_INPUTS, RAW_OUTPUTS, RequestError
 
 SERVER_NAME = "recserve"
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "parameters")
@@ -46,17 +46,19 @@ class ModelSpec:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     """Request size limits (``[limits]``): a filter is checked against them before parsing."""
     raw_ids: bool = False
-    """The model has id maps: ``raw_history`` in, ``raw_item_ids`` out (``history`` optional)."""
+    """The model has id maps: ``raw_history`` / ``raw_seen`` in, ``raw_item_ids`` out
+    (``history`` optional)."""
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
-        raw = (TensorSpec("raw_history", DATATYPES["raw_history"], (-1,), optional=True),)
+        raw = tuple(TensorSpec(n, DATATYPES[n], (-1,), optional=True) for n in RAW_INPUTS)
         return (
             TensorSpec("history", DATATYPES["history"], (-1,), optional=self.raw_ids),
             TensorSpec("categorical", DATATYPES["categorical"], (self.categorical,)),
             TensorSpec("dense", DATATYPES["dense"], (self.dense,)),
             TensorSpec("k", DATATYPES["k"], (1,)),
             TensorSpec("filter", DATATYPES["filter"], (1,), optional=True),
+            TensorSpec("seen", DATATYPES["seen"], (-1,), optional=True),
             *(raw if self.raw_ids else ()),
         )
 
@@ -105,7 +107,7 @@ def model_config(state: ServingState, spec: ModelSpec) -> mc.ModelConfig:
     """The loaded version's ``config.pbtxt``; one built from the interface when it has none."""
     config = loaded_config(state)
     if config is not None:
-        return with_raw_ids(config) if spec.raw_ids else config
+        return with_raw_ids(config) if spec.raw_ids else with_seen(config)
     policy = state.batcher.policy
 
     def tensor(t: TensorSpec) -> dict[str, Any]:
@@ -126,18 +128,34 @@ def model_config(state: ServingState, spec: ModelSpec) -> mc.ModelConfig:
     )
 
 
+def with_seen(config: mc.ModelConfig) -> mc.ModelConfig:
+    """``config`` declaring the optional ``seen`` input (a version published before configs
+    declared it gets it here); ``config`` itself when it declares it or declares no inputs."""
+    if not config.input or any(t.name == "seen" for t in config.input):
+        return config
+    out = mc.ModelConfig()
+    out.CopyFrom(config)
+    out.input.add(name="seen", data_type=mc.TYPE_INT64, dims=[-1], optional=True)
+    return out
+
+
 def with_raw_ids(config: mc.ModelConfig) -> mc.ModelConfig:
-    """``config`` declaring the raw id tensors (a version published before configs declared
-    them gets them from its model's id maps); ``config`` itself when it declares them."""
-    if any(t.name == "raw_history" for t in config.input):
+    """``config`` declaring ``seen`` and the raw id tensors (a version published before configs
+    declared them gets them from its model's id maps); ``config`` itself when it declares them."""
+    config = with_seen(config)
+    inputs = {t.name for t in config.input}
+    if all(n in inputs for n in RAW_INPUTS):
         return config
     out = mc.ModelConfig()
     out.CopyFrom(config)
     for t in out.input:
         if t.name == "history":
             t.optional = True
-    out.input.add(name="raw_history", data_type=mc.TYPE_STRING, dims=[-1], optional=True)
-    out.output.add(name="raw_item_ids", data_type=mc.TYPE_STRING, dims=[-1])
+    for name in RAW_INPUTS:
+        if name not in inputs:
+            out.input.add(name=name, data_type=mc.TYPE_STRING, dims=[-1], optional=True)
+    if not any(t.name == "raw_item_ids" for t in out.output):
+        out.output.add(name="raw_item_ids", data_type=mc.TYPE_STRING, dims=[-1])
     return out
 
 

@@ -9,6 +9,10 @@ Raw ids (a model with id maps, ``serving/raw_ids.py``): a request may name its h
 user's own item ids (``raw_history``, text) instead of ``history``; the answer then carries
 ``raw_item_ids`` beside ``item_ids``. An unknown raw id is INVALID_ARGUMENT naming it.
 
+Seen lists: ``seen`` (dense ids, or ``raw_seen`` in raw ids) names every item the user consumed;
+none of them is recommended. The list's length is checked against ``limits.max_seen`` before it
+is copied out of the message, then it becomes one ``int64 [S]`` array (no loop over the ids).
+
 Status codes (``serving.types.error_status``): INVALID_ARGUMENT for a bad request (the
 message names the field), NOT_FOUND for an unknown model or version, RESOURCE_EXHAUSTED when the
 batcher's queue is full, DEADLINE_EXCEEDED when the call's deadline passes first, UNAVAILABLE
@@ -31,6 +35,7 @@ from common.grpc_util import MalformedMessage, add_service, bind_port, format_ad
 from common.logs import limit_rate
 from common.security import NO_SECURITY, OnRefused, Security
 from serving.engine.state import ServingState
+from serving.limits import LimitsConfig
 from serving.protos import recommend_pb2 as pb
 from serving.protos import recommend_pb2_grpc as pb_grpc
 from serving.raw_ids import raw_item_ids
@@ -45,9 +50,12 @@ ExtraServicer = Callable[[grpc.Server, ServingState], None]
 
 
 def parse_recommend(
-    msg: pb.RecommendRequest | MalformedMessage, deadline: float | None
+    msg: pb.RecommendRequest | MalformedMessage,
+    deadline: float | None,
+    limits: LimitsConfig | None = None,
 ) -> RecRequest:
-    """Wire message -> :class:`RecRequest` (shapes and ranges are checked by the runner).
+    """Wire message -> :class:`RecRequest` (shapes and ranges are checked by the runner;
+    ``limits``: a seen list's length, before it is copied).
 
     ``msg`` is a :class:`MalformedMessage` when the bytes did not parse (see
     :func:`add_recommender`): refused like any other bad request."""
@@ -60,6 +68,17 @@ def parse_recommend(
         if msg.history:
             raise RequestError("raw_history: give history or raw_history, not both")
         raw = np.array(list(msg.raw_history), dtype=object)  # [H] str, mapped by the runner
+    seen, raw_seen = None, None
+    if msg.seen and msg.raw_seen:
+        raise RequestError("raw_seen: give seen or raw_seen, not both")
+    if msg.seen:
+        if limits is not None:
+            limits.check_seen(len(msg.seen))
+        seen = np.fromiter(msg.seen, dtype=np.int64, count=len(msg.seen))  # [S], in C
+    elif msg.raw_seen:
+        if limits is not None:
+            limits.check_seen(len(msg.raw_seen), "raw_seen")
+        raw_seen = np.array(list(msg.raw_seen), dtype=object)  # [S] str, mapped by the runner
     return RecRequest(
         history=np.fromiter(msg.history, dtype=np.int64, count=len(msg.history)),
         categorical=np.fromiter(msg.categorical, dtype=np.int64, count=len(msg.categorical)),
@@ -71,6 +90,8 @@ def parse_recommend(
         model=msg.model,
         version=int(msg.version) or None,
         raw_history=raw,
+        seen=seen,
+        raw_seen=raw_seen,
     )
 
 
@@ -119,7 +140,7 @@ class RecommendServicer(pb_grpc.RecommenderServicer):
         deadline = None if no_deadline else time.monotonic() + remaining
         call = self.state.call()  # counted once: answered, or refused (while parsing too)
         try:
-            fut = self.state.submit(parse_recommend(request, deadline))
+            fut = self.state.submit(parse_recommend(request, deadline, self.state.limits))
             context.add_callback(fut.cancel)  # a caller that goes away leaves the queue
             result = self.state.wait(fut, deadline)
         except Exception as e:

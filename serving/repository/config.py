@@ -9,12 +9,15 @@ one fixed in ``serving/types.py`` (dims without the batch dimension)::
     dense        TYPE_FP32    [Dd]     Dd = model_cfg.dense_dim
     k            TYPE_INT32   [1]
     filter       TYPE_STRING  [1]      optional
+    seen         TYPE_INT64   [-1]     optional: every item the user consumed (-1 pads), never
+                                       recommended
     item_ids     TYPE_INT64   [-1]     output
     scores       TYPE_FP32    [-1]     output
 
 A model with id maps (``raw_ids=True``) also declares, and makes ``history`` optional::
 
     raw_history  TYPE_STRING  [-1]     optional: the history in the user's own item ids
+    raw_seen     TYPE_STRING  [-1]     optional: the seen list in the user's own item ids
     raw_item_ids TYPE_STRING  [-1]     output: the raw id of each of item_ids
 
 Example::
@@ -85,7 +88,12 @@ def make_config(
         ("dense", mc.TYPE_FP32, [dd], False),
         ("k", mc.TYPE_INT32, [1], False),
         ("filter", mc.TYPE_STRING, [1], True),
-        *((("raw_history", mc.TYPE_STRING, [-1], True),) if raw_ids else ()),
+        ("seen", mc.TYPE_INT64, [-1], True),
+        *(
+            (("raw_history", mc.TYPE_STRING, [-1], True), ("raw_seen", mc.TYPE_STRING, [-1], True))
+            if raw_ids
+            else ()
+        ),
     )
     for in_name, dtype, dims, optional in inputs:
         cfg.input.add(name=in_name, data_type=dtype, dims=dims, optional=optional)

@@ -14,11 +14,13 @@ Tensors (``[B, ...]``, one request may carry several rows)::
 
     history int64 [B, H'] (any H'; cut / -1-padded to the model's history_len)
     categorical int64 [B, F], dense float32 [B, Dd], k int32 [B, 1], filter bytes [B, 1] (optional)
+    seen int64 [B, S] (optional): every item the user consumed, never recommended (-1 pads)
     -> item_ids int64 [B, K], scores float32 [B, K]   K = the largest k of the request's rows
 
 A model with id maps (``RetrievalModel.id_maps``) takes ``raw_history bytes [B, H']`` (the user's
-own item ids, ``b""`` pads) instead of ``history`` and answers ``raw_item_ids bytes [B, K]`` too
-(``serving/raw_ids.py``: an unknown raw id is refused naming it; ``b""`` for a pad).
+own item ids, ``b""`` pads) instead of ``history``, ``raw_seen bytes [B, S]`` instead of ``seen``,
+and answers ``raw_item_ids bytes [B, K]`` too (``serving/raw_ids.py``: an unknown raw id is
+refused naming it; ``b""`` for a pad).
 
 :meth:`TritonPythonModel.execute` checks each request on its own (a bad one gets an error
 response naming the tensor; the others still run), then runs all good rows as ONE forward with
@@ -48,7 +50,7 @@ from serving.raw_ids import decode_text, dense_history, raw_item_ids
 from serving.types import RequestError
 
 ARTIFACT_DIR = "model"
-INPUTS = ("history", "categorical", "dense", "k", "filter", "raw_history")
+INPUTS = ("history", "categorical", "dense", "k", "filter", "seen", "raw_history", "raw_seen")
 
 
 class InputError(ValueError):
@@ -69,6 +71,8 @@ class Rows:
     """``int64 [B]``."""
     filters: list[str | None]
     """One filter text per row (None: no filter)."""
+    seen: np.ndarray | None = None
+    """``int64 [B, S]`` items never recommended, ``-1`` pads (None: the history window only)."""
 
 
 def _check_array(
@@ -148,7 +152,50 @@ def check_inputs(arrays: Mapping[str, np.ndarray | None], model: RetrievalModel)
                 msg = str(e)
                 raise InputError(msg if msg.startswith("filter") else f"filter: {msg}") from None
             filters[row] = text
-    return Rows(history, cat.copy(), dense.copy(), k, filters)
+    return Rows(history, cat.copy(), dense.copy(), k, filters, _seen(arrays, model, b))
+
+
+def _seen(
+    arrays: Mapping[str, np.ndarray | None], model: RetrievalModel, b: int
+) -> np.ndarray | None:
+    """``seen`` ``[B, S]`` as given, or ``raw_seen`` mapped by the model's item map (``b""``
+    pads -> ``-1``), ids checked against the catalog; None when neither is given."""
+    seen, raw = arrays.get("seen"), arrays.get("raw_seen")
+    if raw is not None:
+        if seen is not None:
+            raise InputError("raw_seen: give seen or raw_seen, not both")
+        if model.id_maps is None:
+            raise InputError("raw_seen: the model has no id maps: send seen, the dense ids")
+        _check_array("raw_seen", raw, object, None, b)
+        try:
+            text = decode_text(raw, "raw_seen")  # [B, S] str
+            rows = [dense_history(row, model.id_maps.items, "raw_seen") for row in text]
+        except RequestError as e:
+            raise InputError(str(e)) from None
+        seen = np.stack(rows).reshape(raw.shape)  # [B, S] int64
+    if seen is None:
+        return None
+    _check_array("seen", seen, np.int64, None, b)
+    n = model.config.num_items
+    bad = seen[(seen < -1) | (seen >= n)]
+    if bad.size:
+        raise InputError(f"seen: item id {int(bad[0])} is not in [0, {n})")
+    return seen.copy()
+
+
+def _seen_batch(requests: Sequence[Rows]) -> torch.Tensor | None:
+    """The requests' seen rows as one ``[B, S] int64`` (``-1`` padded to the widest); None
+    when no request has any."""
+    width = max((r.seen.shape[1] for r in requests if r.seen is not None), default=0)
+    if width == 0:
+        return None
+    out = np.full((sum(len(r.k) for r in requests), width), -1, dtype=np.int64)  # [B, S]
+    start = 0
+    for r in requests:
+        if r.seen is not None:
+            out[start : start + len(r.k), : r.seen.shape[1]] = r.seen
+        start += len(r.k)
+    return torch.from_numpy(out)
 
 
 def _history(arrays: Mapping[str, np.ndarray | None], model: RetrievalModel) -> np.ndarray:
@@ -198,6 +245,7 @@ def run_rows(
         torch.from_numpy(dense),
         fb.masks,
         fb.negate,
+        _seen_batch(requests),
     ).to(device)
     with torch.inference_mode():
         ids_t, scores_t = model(batch, int(k.max()))  # [B, K], [B, K]

@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from serving.app.server import Server
 from serving.frontends.kserve_http import HEADER_LENGTH
-from serving.types import DATATYPES, INPUTS, OUTPUTS
+from serving.types import DATATYPES, INPUTS, OPTIONAL_INPUTS, OUTPUTS
 
 PREFIXES = (
     *INPUTS,
@@ -88,7 +88,7 @@ class Call:
         out = [*self.faults, *(f for t in self.tensors for f in t.faults())]
         names = [t.name for t in self.tensors]
         for name in INPUTS:
-            if names.count(name) > 1 or (name != "filter" and name not in names):
+            if names.count(name) > 1 or (name not in OPTIONAL_INPUTS and name not in names):
                 out.append(f"{name} given {names.count(name)} times")
         out += [f"unknown input {n!r}" for n in names if n not in INPUTS]
         out += [f"output {n!r}" for n in self.outputs if n not in OUTPUTS]

@@ -143,6 +143,7 @@ def test_metadata_config_and_health(client, server, tiny):
         "dense": ("FP32", [-1, d]),
         "k": ("INT32", [-1, 1]),
         "filter": ("BYTES", [-1, 1]),
+        "seen": ("INT64", [-1, -1]),
     }
     assert [t.name for t in model.outputs] == ["item_ids", "scores"]
     assert client.get_model_config("demo").config == pbtxt()  # the loaded version's
