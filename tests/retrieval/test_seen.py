@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from retrieval.data import SyntheticConfig, generate
 from retrieval.index.ivf import IVFConfig
 from retrieval.model import RetrievalModel
-from retrieval.seen import SeenSets
+from retrieval.seen import SeenSets, pad_lists
 from retrieval.training.prepare import prepare
 
 pairs = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 30)), max_size=60)
@@ -136,3 +136,11 @@ def test_torch_compile_with_a_seen_list_equals_eager(small):
         eager = model(batch, 30)[0]
         compiled = torch.compile(model)(batch, 30)[0]
     assert torch.equal(eager, compiled)
+
+
+def test_pad_lists_pads_each_request_to_the_longest_and_none_without_any():
+    rows = pad_lists([np.array([7, 3], np.int64), None, np.array([], np.int64), np.array([9])])
+    assert rows is not None and rows.dtype == torch.int64
+    assert rows.tolist() == [[7, 3], [-1, -1], [-1, -1], [9, -1]]
+    assert pad_lists([None, np.array([], np.int64)]) is None  # the common path: no tensor
+    assert pad_lists([]) is None

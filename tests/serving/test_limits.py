@@ -74,3 +74,16 @@ def test_limits_come_from_serve_toml_and_bad_values_name_the_key(tmp_path):
         with pytest.raises(ConfigError) as e:
             ServeConfig.from_dict({**data, "limits": {key: value}}, where="serve.toml")
         assert str(e.value).startswith(f"serve.toml: limits.{key}: {why}")
+
+
+def test_a_seen_list_over_max_seen_is_refused_naming_the_field():
+    limits = LimitsConfig(max_seen=3)
+    limits.check_seen(3)  # at the limit: taken
+    with pytest.raises(RequestError) as e:
+        limits.check_seen(4, "raw_seen", " (batch row 1)")
+    assert str(e.value) == (
+        "raw_seen: 4 item ids is over the limit of 3 (limits.max_seen) (batch row 1)"
+    )
+    assert LimitsConfig().max_seen == 100_000
+    with pytest.raises(ConfigError, match=r"limits\.max_seen: must be in \[0, 16777216\], got -1"):
+        ServeConfig.from_dict({"limits": {"max_seen": -1}}, where="serve.toml")

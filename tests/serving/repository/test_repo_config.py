@@ -31,6 +31,7 @@ def test_tensor_interface_matches_the_serving_table(tiny) -> None:
         "dense": (mc.TYPE_FP32, [mcfg.dense_dim], False),
         "k": (mc.TYPE_INT32, [1], False),
         "filter": (mc.TYPE_STRING, [1], True),
+        "seen": (mc.TYPE_INT64, [-1], True),
         "item_ids": (mc.TYPE_INT64, [-1], False),
         "scores": (mc.TYPE_FP32, [-1], False),
     }

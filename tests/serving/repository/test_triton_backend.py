@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from serving.repository.repository import ModelRepository
 from serving.repository.triton_python_model import (
@@ -87,6 +88,35 @@ def _bad(tiny) -> list[tuple[str, dict[str, Any]]]:
         ("filter: not UTF-8", dict(req, filter=np.array([[b"\xff"], [b""]], object))),
         ("filter: expected shape", dict(req, filter=np.array([[b""]], object))),
     ]
+
+
+def test_seen_rows_are_never_recommended_and_requests_without_them_share_the_forward(tiny):
+    """Two requests, one with seen lists of two widths (-1 pads), one without: each row answers
+    like the model given the same padded seen rows."""
+    a = tiny.inputs(USERS[:2], k=8)
+    top, _ = tiny.expected(tiny.model, USERS[:2], 8)
+    a["seen"] = np.array([top[0, :5], [top[1, 0], top[1, 3], -1, -1, -1]], dtype=np.int64)
+    b = tiny.inputs(USERS[2:], k=8)
+    rows = [check_inputs(a, tiny.model), check_inputs(b, tiny.model)]
+    assert rows[1].seen is None
+    (ids_a, _), (ids_b, _) = run_rows(tiny.model, rows)
+    batch = tiny.prep.user_batch(USERS)
+    seen = np.full((len(USERS), 5), -1, dtype=np.int64)  # [B, S]
+    seen[:2] = a["seen"]
+    batch.seen = torch.from_numpy(seen)
+    with torch.inference_mode():
+        want, _ = tiny.model(batch, 8)
+    np.testing.assert_array_equal(np.concatenate([ids_a, ids_b]), want.numpy())
+    for row in range(2):
+        assert not set(ids_a[row]) & set(a["seen"][row][a["seen"][row] >= 0])
+    n = tiny.prep.config.num_items
+    for bad, message in (([[-3]], "item id -3"), ([[n]], f"item id {n} is not in")):
+        with pytest.raises(InputError, match=f"^seen: {message}"):
+            check_inputs(dict(b, seen=np.array(bad * 3, dtype=np.int64)), tiny.model)
+    with pytest.raises(InputError, match=r"^seen: expected shape \[3, n\]"):
+        check_inputs(dict(b, seen=np.zeros((2, 1), np.int64)), tiny.model)
+    with pytest.raises(InputError, match=r"^raw_seen: the model has no id maps"):
+        check_inputs(dict(b, raw_seen=np.array([[b"x"]] * 3, dtype=object)), tiny.model)
 
 
 def test_bad_inputs_name_the_tensor(tiny) -> None:

@@ -30,10 +30,11 @@ def tensors(cfg: mc.ModelConfig) -> dict[str, tuple[int, bool]]:
 def test_config_declares_raw_ids_only_for_a_model_with_maps(tiny, tmp_path):
     plain = tensors(make_config("demo", tiny.prep.config))
     assert "raw_history" not in plain and "raw_item_ids" not in plain
+    assert "raw_seen" not in plain and plain["seen"] == (mc.TYPE_INT64, True)
     assert plain["history"] == (mc.TYPE_INT64, False)
     raw = tensors(make_config("demo", tiny.prep.config, raw_ids=True))
     assert raw["history"] == (mc.TYPE_INT64, True)
-    assert raw["raw_history"] == (mc.TYPE_STRING, True)
+    assert raw["raw_history"] == raw["raw_seen"] == (mc.TYPE_STRING, True)
     assert raw["raw_item_ids"] == (mc.TYPE_STRING, False)
     repo = ModelRepository(tmp_path)
     version = repo.publish("demo", with_id_maps(tiny.model))
@@ -76,3 +77,21 @@ def test_backend_refuses_bad_raw_history_naming_it(tiny):
             check_inputs(arrays, model)
     with pytest.raises(InputError, match=r"^raw_history: the model has no id maps"):
         check_inputs(dict(base, raw_history=np.array([[b"x"]], dtype=object)), tiny.model)
+
+
+def test_backend_maps_raw_seen_like_seen(tiny):
+    model = with_id_maps(tiny.model)
+    dense = tiny.inputs(USERS, k=6)
+    seen = np.array([[5, 9, -1], [1, 2, 3], [-1, -1, -1], [0, 299, 7]], dtype=np.int64)
+    text = [[raw_item(int(i)).encode() if i >= 0 else b"" for i in row] for row in seen]
+    rows = check_inputs(dict(dense, raw_seen=np.array(text, dtype=object)), model)
+    np.testing.assert_array_equal(rows.seen, seen)
+    ((ids, _),) = run_rows(model, [rows])
+    np.testing.assert_array_equal(
+        ids, run_rows(model, [check_inputs(dict(dense, seen=seen), model)])[0][0]
+    )
+    bad = dict(dense, raw_seen=np.array([[b"sku-nope"]] * len(USERS), dtype=object))
+    with pytest.raises(InputError, match=r"^raw_seen: item id 'sku-nope'"):
+        check_inputs(bad, model)
+    with pytest.raises(InputError, match=r"^raw_seen: give seen or raw_seen, not both"):
+        check_inputs(dict(bad, seen=seen), model)

@@ -69,6 +69,39 @@ def test_routed_top_k_equals_unsharded(cluster, wide, k, text):
         )
 
 
+@pytest.mark.parametrize("text", [None, FILTERS[1]])
+def test_routed_answers_with_seen_lists_equal_unsharded(cluster, wide, text):
+    """The shards return K + H + S candidates (``candidate_budget``) and the router's rank
+    strikes the seen ones: equal to the whole model given the same seen lists."""
+    users, k, s = np.arange(6), 20, 40
+    top, _ = wide.expected(wide.model, users, 2 * s, [text] * len(users))
+    rng = np.random.default_rng(0)
+    seen = np.stack(  # [B, S]: half from each user's own top items, half random
+        [
+            rng.permutation(np.r_[row[::4][: s // 2], rng.choice(1000, s // 2, replace=False)])
+            for row in top
+        ]
+    ).astype(np.int64)
+    batch = wide.prep.user_batch(users, [text] * len(users))
+    batch.seen = torch.from_numpy(seen)
+    with torch.inference_mode():
+        want_ids, want_scores = wide.model(batch, k)
+    assert not torch.equal(want_ids, torch.from_numpy(top[:, :k]))  # the seen lists matter
+    futures = [
+        cluster.state.submit(wide.request(int(u), k, filter=text, seen=seen[row]))
+        for row, u in enumerate(users)
+    ]
+    for row, fut in enumerate(futures):
+        res = fut.result(timeout=30)
+        assert not res.partial and not set(res.item_ids.tolist()) & set(seen[row].tolist())
+        assert_same_topk(
+            torch.from_numpy(res.item_ids[None]),
+            torch.from_numpy(res.scores[None]),
+            want_ids[row : row + 1],
+            want_scores[row : row + 1],
+        )
+
+
 def test_the_router_holds_no_items(cluster, wide):
     model = cluster.router.host.current().model
     assert model.index.item_ids.numel() == 0 and model.index.ntotal == wide.model.index.ntotal
