@@ -13,6 +13,9 @@ column         type                meaning
 ``categorical`` list<int64>        one code per categorical user feature, config order
 ``dense``      list<float>         the model's dense user features
 ``filter``     string (optional)   a per-user filter; ``--filter`` applies one to all
+``seen``       list<int64>         every item the user consumed, never recommended (any
+               (optional)          order and length; raw ids like ``history`` for a model
+                                   with id maps); exact (``retrieval/seen.py``)
 =============  ==================  ===================================================
 
 Output: a folder of ``part-NNNNN.parquet`` files (``user_id, item_ids list<int64>,
@@ -53,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -196,13 +200,16 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
     cat = _matrix(table, "categorical", len(cfg.user_features), np.int64)
     dense = _matrix(table, "dense", cfg.dense_dim, np.float32)
     filters = _filters(table, job.filter)
+    seen, seen_lengths = _seen(table, model)  # [n, S] -1 padded, [n]
     schema = model.index.schema
     ids_out: list[np.ndarray] = []
     scores_out = []
     for s in range(0, n, job.batch_size):
         sl = slice(s, s + job.batch_size)
+        width = int(seen_lengths[sl].max(initial=0))  # this batch's longest list: R = K + H + S
+        rows = seen[sl, :width] if width else None
         try:
-            batch = make_user_batch(hist[sl], cat[sl], dense[sl], schema, filters[sl])
+            batch = make_user_batch(hist[sl], cat[sl], dense[sl], schema, filters[sl], rows)
         except ValueError as e:
             raise ValueError(f"filter (rows {s}..): {e}") from None
         with torch.inference_mode():
@@ -217,6 +224,22 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
             "model_version": pa.array(np.full(n, job.version, dtype=np.int64)),
         }
     )
+
+
+def _seen(table: pa.Table, model: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The ``seen`` column -> (``int64 [n, S]`` ``-1`` padded, lengths ``int64 [n]``); a null
+    or missing list is empty. Vectorised: one flatten and one masked fill, no loop over ids."""
+    n = table.num_rows
+    if "seen" not in table.column_names:
+        return np.full((n, 0), -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    lists = table.column("seen").combine_chunks()
+    if model.id_maps is not None:
+        lists = dense_history(lists, model.id_maps.items, "seen")
+    lengths = pc.list_value_length(lists).fill_null(0).to_numpy().astype(np.int64)  # [n]
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    out = np.full((n, int(lengths.max(initial=0))), -1, dtype=np.int64)  # [n, S]
+    out[np.arange(out.shape[1])[None, :] < lengths[:, None]] = values
+    return out, lengths
 
 
 def _matrix(table: pa.Table, column: str, width: int, dtype: type) -> np.ndarray:

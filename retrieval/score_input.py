@@ -26,6 +26,11 @@ COLUMNS: dict[str, Callable[[pa.DataType], bool]] = {
     "categorical": lambda t: pa.types.is_list(t) and pa.types.is_integer(t.value_type),
     "dense": lambda t: pa.types.is_list(t) and pa.types.is_floating(t.value_type),
 }
+OPTIONAL = ("filter", "seen")
+"""Columns a users file may leave out: ``filter`` string (per-user filter), ``seen``
+``list<int64>`` (every item the user consumed, never recommended; raw ids like ``history``)."""
+ID_LISTS = ("history", "seen")
+"""Columns of item id lists (raw ids for a model with id maps)."""
 EXPECTED = {
     "user_id": "int64 or string",
     "history": "list<int64>",
@@ -75,6 +80,11 @@ def check_input(job: ScoreJob) -> pq.ParquetFile:
         t = schema.field(name).type
         if not (history_type_ok(t, maps) if name == "history" else ok(t)):
             raise ScoreInputError(f"--users: column {name!r} is {t}, expected {want}")
+    if "seen" in schema.names and not history_type_ok(schema.field("seen").type, maps):
+        want = history_expected(maps)
+        raise ScoreInputError(
+            f"--users: column 'seen' is {schema.field('seen').type}, expected {want}"
+        )
     if "filter" in schema.names and not pa.types.is_string(schema.field("filter").type):
         raise ScoreInputError(
             f"--users: column 'filter' is {schema.field('filter').type}, expected string"
@@ -100,9 +110,10 @@ def _model_maps(job: ScoreJob) -> Any:
 
 def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
     """Reads the file's input columns once (in batches) and refuses, naming the column and row:
-    a null ``user_id``, ``categorical`` or ``dense`` (a null ``history`` is empty, a null
-    ``filter`` none); a null inside a list; ``categorical`` / ``dense`` of another length than
-    the model's; a history id outside ``[-1, num_items)``; a categorical code outside
+    a null ``user_id``, ``categorical`` or ``dense`` (a null ``history`` or ``seen`` is empty, a
+    null ``filter`` none); a null inside a list; ``categorical`` / ``dense`` of another length
+    than the model's; a history or seen id outside ``[-1, num_items)`` (raw ids: one the model
+    does not know); a categorical code outside
     ``[-1, cardinality)`` (plain tables: a table plan may hash them); a dense value that is not a
     finite float32; a filter (or ``--filter``) that does not parse or names an unknown attribute
     or value. The workers trust what passes (they would fail mid-job, or index out of range)."""
@@ -120,7 +131,7 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
     schema = FilterSchema(cfg.item_attributes)
     if job.filter:
         _check_filter(job.filter, schema, "--filter")
-    columns = [c for c in (*COLUMNS, "filter") if c in f.schema_arrow.names]
+    columns = [c for c in (*COLUMNS, *OPTIONAL) if c in f.schema_arrow.names]
     start = 0
     for batch in f.iter_batches(batch_size=65_536, columns=columns):
         _check_batch(batch, start, cfg, schema, maps)
@@ -162,22 +173,23 @@ def _check_batch(
         return ScoreInputError(f"--users: column {column!r}, row {start + row}: {why}")
 
     widths = {"categorical": len(cfg.user_features), "dense": cfg.dense_dim}
-    id_ranges = {"history": [(-1, cfg.num_items)]} if maps is None else {}
-    if maps is not None:
-        unknown = first_unknown(batch.column("history"), maps.items)
+    id_lists = [c for c in ID_LISTS if c in batch.schema.names]  # history, and seen if given
+    id_ranges = {c: [(-1, cfg.num_items)] for c in id_lists} if maps is None else {}
+    for name in id_lists:
+        unknown = None if maps is None else first_unknown(batch.column(name), maps.items)
         if unknown is not None:
             row, raw = unknown
-            raise refuse("history", row, f"item {raw!r} is not in the model's catalog")
+            raise refuse(name, row, f"item {raw!r} is not in the model's catalog")
     if cfg.table_plan is None:
         id_ranges["categorical"] = [(-1, n) for n in cfg.user_features.values()]
     for name in ("user_id", "categorical", "dense"):
         nulls = batch.column(name).is_null().to_numpy(zero_copy_only=False)
         if nulls.any():
             raise refuse(name, int(np.argmax(nulls)), "is null")
-    for name in ("history", "categorical", "dense"):
+    for name in (*id_lists, "categorical", "dense"):
         lists = batch.column(name)
-        if name == "history" and maps is not None:
-            lists = dense_history(lists, maps.items)  # known ids (checked above)
+        if name in ID_LISTS and maps is not None:
+            lists = dense_history(lists, maps.items, name)  # known ids (checked above)
         rows = pc.list_parent_indices(lists).to_numpy()  # value -> its row
         values = pc.list_flatten(lists)
         if values.null_count:

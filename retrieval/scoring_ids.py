@@ -3,8 +3,9 @@
 A model trained on imported data carries id maps (``RetrievalModel.id_maps``, the model folder's
 ``item_ids.parquet``). Scoring it, the input ``history`` holds the user's raw item ids
 (``list<int64>`` or ``list<string>``, the type of the map) and the output ``item_ids`` holds raw
-ids too (a pad where the filter admits fewer than K items: null). A model without maps reads and
-writes dense ids, as before. ``user_id`` is echoed either way.
+ids too (a pad where the filter admits fewer than K items: null). The optional ``seen`` column
+(items never recommended) holds raw ids like ``history``. A model without maps reads and writes
+dense ids, as before. ``user_id`` is echoed either way.
 """
 
 from __future__ import annotations
@@ -47,12 +48,15 @@ def first_unknown(lists: pa.Array, items: IdMap) -> tuple[int, object] | None:
     return int(rows[at]), values[at].as_py()
 
 
-def dense_history(lists: pa.Array | pa.ChunkedArray, items: IdMap) -> pa.ListArray:
-    """``[R]`` lists of raw item ids -> ``[R]`` lists of dense ids (checked before: known)."""
+def dense_history(
+    lists: pa.Array | pa.ChunkedArray, items: IdMap, where: str = "history"
+) -> pa.ListArray:
+    """``[R]`` lists of raw item ids -> ``[R]`` lists of dense ids (checked before: known;
+    ``where``: the column, for the message if not)."""
     if isinstance(lists, pa.ChunkedArray):
         lists = lists.combine_chunks()
     lists = lists.fill_null(pa.scalar([], lists.type))  # a null history is empty
-    dense = items.to_dense(pc.list_flatten(lists), "history")
+    dense = items.to_dense(pc.list_flatten(lists), where)
     return pa.ListArray.from_arrays(_offsets(lists), pa.array(dense, pa.int64()))
 
 

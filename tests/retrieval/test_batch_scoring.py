@@ -23,6 +23,7 @@ from retrieval.batch_scoring import (
     MANIFEST,
     ScoreInputError,
     ScoreJob,
+    check_input,
     check_output,
     read_output,
     score,
@@ -155,6 +156,57 @@ def test_a_killed_run_continues_to_the_same_output(setup, tmp_path):
         assert (
             resumed.column(column).to_pylist() == read_output(whole.out).column(column).to_pylist()
         )
+
+
+def test_a_seen_column_is_never_recommended_and_equals_the_model_with_seen(setup, tmp_path):
+    """In process (``score_table``): rows of different seen lengths (one null, one empty) in one
+    batch; each batch pads to its own longest list."""
+    root, prep, model, table = setup
+    users = np.arange(40)
+    top, _ = model(prep.user_batch(users), K)
+    rng = np.random.default_rng(1)
+    lists: list[list[int] | None] = [
+        rng.permutation(np.r_[row[: u % 7], rng.choice(400, u % 5)]).tolist() for u, row in
+        zip(users.tolist(), top.numpy(), strict=True)
+    ]  # fmt: skip
+    lists[3], lists[4] = None, []
+    seen_table = table.slice(0, len(users)).append_column(
+        "seen", pa.array(lists, pa.list_(pa.int64()))
+    )
+    got = score_table(model, seen_table, job(root, "unused", batch_size=16))
+    for u in users.tolist():
+        seen = [] if lists[u] is None else lists[u]
+        batch = prep.user_batch(np.array([u]))
+        batch.seen = torch.tensor([seen or [-1]], dtype=torch.int64)
+        with torch.inference_mode():
+            ids, scores = model(batch, K)
+        row = got.column("item_ids")[u].as_py()
+        assert not set(row) & set(seen)
+        assert_same_topk(
+            torch.tensor([row]), torch.tensor([got.column("scores")[u].as_py()]), ids, scores
+        )
+
+
+@pytest.mark.parametrize(
+    ("seen", "message"),
+    [
+        (
+            pa.array([["1"]] * 200),
+            r"column 'seen' is list<element: string>, expected list<int64> of item ids",
+        ),
+        (pa.array([[3, 400]] + [[]] * 199), r"column 'seen', row 0: id 400 is not in \[-1, 400\)"),
+        (
+            pa.array([[]] * 5 + [[1, None]] + [[]] * 194, pa.list_(pa.int64())),
+            r"column 'seen', row 5: holds a null",
+        ),
+    ],
+)
+def test_a_bad_seen_column_is_refused_naming_it(setup, tmp_path, seen, message):
+    root, _, _, table = setup
+    pq.write_table(table.append_column("seen", seen), tmp_path / "bad.parquet")
+    bad = ScoreJob(root / "model", 1, tmp_path / "bad.parquet", tmp_path / "out")
+    with pytest.raises(ScoreInputError, match=message):
+        check_input(bad)
 
 
 @pytest.mark.parametrize(

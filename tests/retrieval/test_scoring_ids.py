@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from retrieval.artifact import load_model, load_whole_model, save_model, save_sharded
 from retrieval.batch_scoring import ScoreInputError, ScoreJob, check_input, score_table
@@ -72,6 +73,33 @@ def test_scoring_reads_raw_history_and_answers_raw_ids(tmp_path: Path) -> None:
     raw = model.id_maps.items.raw.to_pylist() if model.id_maps else []
     want = [[raw[i] if i >= 0 else None for i in row] for row in dense]
     assert got.column("item_ids").to_pylist() == want
+
+
+def test_scoring_reads_a_raw_seen_column(tmp_path: Path) -> None:
+    model, prep = built(tmp_path)
+    folder = save_model(model, tmp_path / "m")
+    users = score_users_table(prep.dataset, history_len=5)
+    seen = [[f"item-{(u + j) % 12:02d}" for j in range(u % 4)] for u in range(8)]  # 0-3 ids
+    with_seen = users.append_column("seen", pa.array(seen))
+    job = ScoreJob(folder, 1, tmp_path / "users.parquet", tmp_path / "out", k=4)
+    got = score_table(load_model(folder), with_seen, job).column("item_ids").to_pylist()
+    assert model.id_maps is not None
+    dense = [model.id_maps.items.to_dense(pa.array(s, pa.string())).tolist() for s in seen]
+    rows = np.full((8, 3), -1, dtype=np.int64)
+    for u, d in enumerate(dense):
+        rows[u, : len(d)] = d
+    batch = prep.user_batch(np.arange(8), history=_recent(prep))
+    batch.seen = torch.from_numpy(rows)
+    want = model(batch, 4)[0].numpy()
+    raw = model.id_maps.items.raw.to_pylist()
+    assert got == [[raw[i] if i >= 0 else None for i in row] for row in want]
+    assert all(not set(g) & set(s) for g, s in zip(got, seen, strict=True))
+    import pyarrow.parquet as pq
+
+    bad = users.append_column("seen", pa.array([["item-99"]] * 8))
+    pq.write_table(bad, tmp_path / "users.parquet")
+    with pytest.raises(ScoreInputError, match=r"column 'seen', row 0: item 'item-99' is not"):
+        check_input(job)
 
 
 def _recent(prep: Prepared) -> np.ndarray:
