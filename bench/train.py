@@ -251,8 +251,8 @@ class TorchRecLoop:
     def step(self, idx: np.ndarray) -> None:
         """One step on the pairs ``idx [B]``: forward, backward, optimizer step."""
         model, data = self.model, self.data
-        users, items = data.user_ids[idx], data.item_ids[idx]
-        batch = batch_inputs(model, data, users, items)
+        items = data.item_ids[idx]
+        batch = batch_inputs(model, data, idx)
         cols = torch.from_numpy(items)
         user = model.user_sparse(batch)
         pooled = self.pooled({**user, **{f: t[cols] for f, t in data.item_features.items()}})

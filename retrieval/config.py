@@ -30,6 +30,11 @@ class ModelConfig:
     """Width D of query and item vectors (L2-normalized)."""
     history_len: int = 50
     """Most recent items of a user's history that the user tower reads."""
+    recent_len: int = 5
+    """The user tower also pools the newest ``recent_len`` of those items on their own: what
+    the user did last weighs apart from the long history (a position-aware tower; 0: off; the
+    whole window when ``history_len`` is shorter). A saved config without the field (written
+    before it existed) loads as 0."""
     exclude_history: bool = True
     """Never recommend an item already in the request's history (the window the tower reads); a
     request's full seen list (``UserBatch.seen``) is excluded whatever this says."""
@@ -51,6 +56,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.num_items < 1 or self.out_dim < 1 or self.embedding_dim < 1:
             raise ValueError("num_items, out_dim and embedding_dim must be >= 1")
+        if self.recent_len < 0:
+            raise ValueError(f"recent_len: must be >= 0, got {self.recent_len}")
         if len(self.head_tasks) != len(self.head_task_weights):
             raise ValueError("head_tasks and head_task_weights must have the same length")
         self.index.validate()
@@ -69,6 +76,7 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"model config: unknown fields {sorted(unknown)}")
         d = dict(d)
+        d.setdefault("recent_len", 0)  # saved before the field existed: those towers had none
         d["index"] = IVFConfig(**d.get("index", {}))
         for key in ("hidden", "head_tasks", "head_task_weights"):
             if key in d:

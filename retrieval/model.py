@@ -37,7 +37,8 @@ def table_configs(cfg: ModelConfig) -> list[TableConfig]:
     """The model's tables: items (read by the history and the item ids), one per user feature,
     one per item attribute."""
     e = cfg.embedding_dim
-    tables = [TableConfig("item", cfg.num_items, e, features=("history", "item_id"))]
+    item_features = ("history", "item_id") + (("recent",) if cfg.recent_len else ())
+    tables = [TableConfig("item", cfg.num_items, e, features=item_features)]
     tables += [TableConfig(f"user_{n}", size, e) for n, size in cfg.user_features.items()]
     tables += [
         TableConfig(f"attr_{n}", len(v), e, features=(f"item_{n}",))
@@ -57,7 +58,7 @@ def table_specs(
             t.dim,
             dtype=dtype,
             pooling=t.pooling,
-            lookups_per_sample=float(cfg.history_len) if t.name == "item" else 1.0,
+            lookups_per_sample=float(cfg.history_len + cfg.recent_len) if t.name == "item" else 1.0,
             allowed_dtypes=allowed,
             features=t.feature_names(),
         )
@@ -110,7 +111,7 @@ class RetrievalModel(nn.Module):
         """Swappable (training puts its fused-optimizer tables here): callers use the
         :class:`~sharded_tables.interface.TableCollection` methods only."""
         e = config.embedding_dim
-        user_in = e * (1 + len(config.user_features)) + config.dense_dim
+        user_in = e * (1 + bool(config.recent_len) + len(config.user_features)) + config.dense_dim
         item_in = e * (1 + len(config.item_attributes))
         self.user_tower = Tower(user_in, config.hidden, config.out_dim)
         self.item_tower = Tower(item_in, config.hidden, config.out_dim)
@@ -135,15 +136,19 @@ class RetrievalModel(nn.Module):
         return self.item_tower_on(self.tables(item_features))
 
     def user_sparse(self, batch: UserBatch) -> dict[str, torch.Tensor]:
-        """The user side's table features: ``history [B, H]``, ``user_<name> [B, 1]``."""
+        """The user side's table features: ``history [B, H]``, ``recent [B, recent_len]``
+        (with ``recent_len``), ``user_<name> [B, 1]``."""
         sparse = {"history": batch.history}
+        if self.config.recent_len:
+            sparse["recent"] = batch.history[:, : self.config.recent_len]
         for j, name in enumerate(self.user_feature_names):
             sparse[f"user_{name}"] = batch.categorical[:, j : j + 1]
         return sparse
 
     def user_tower_on(self, pooled: Mapping[str, torch.Tensor], batch: UserBatch) -> torch.Tensor:
         """Pooled user features (+ the batch's dense features) -> ``q [B, D]``."""
-        order = ["history"] + [f"user_{n}" for n in self.user_feature_names]
+        order = ["history"] + (["recent"] if self.config.recent_len else [])
+        order += [f"user_{n}" for n in self.user_feature_names]
         return self.user_tower([pooled[f] for f in order] + [batch.dense])
 
     def item_tower_on(self, pooled: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -196,14 +201,7 @@ class RetrievalModel(nn.Module):
             raise ValueError(
                 f"filter_masks: expected int64 [{b}, C, {w}], got {batch.filter_masks.dtype} {tuple(batch.filter_masks.shape)}"
             )
-        sparse = {"history": batch.history}
-        sparse.update(
-            {
-                f"user_{n}": batch.categorical[:, j : j + 1]
-                for j, n in enumerate(self.user_feature_names)
-            }
-        )
-        self.tables.validate(sparse)
+        self.tables.validate(self.user_sparse(batch))
         if not torch.isfinite(batch.dense).all():
             raise ValueError("dense: contains NaN or infinity")
 

@@ -29,7 +29,7 @@ def split_by_time(
     if min_train < 0:
         raise ValueError(f"min_train: must be >= 0, got {min_train}")
     interactions.validate()
-    order, starts, counts = _user_timelines(interactions)
+    order, starts, counts = user_timelines(interactions)
     n_test = np.ceil(counts * test_fraction - _EPS).astype(np.int64)  # [users present]
     n_test = np.where(counts - n_test >= min_train, n_test, 0)
     rank = np.arange(len(order)) - np.repeat(starts, counts)  # position in the user's timeline
@@ -55,7 +55,7 @@ def history_by_user(
     lengths = np.zeros(num_users, dtype=np.int64)
     if len(interactions) == 0 or max_len == 0:
         return out, lengths
-    order, starts, counts = _user_timelines(interactions)
+    order, starts, counts = user_timelines(interactions)
     users = interactions.user_id[order[starts]]  # [users present]
     lengths[users] = np.minimum(counts, max_len)
     from_end = np.repeat(starts + counts, counts) - 1 - np.arange(len(order))  # 0 = newest
@@ -69,7 +69,7 @@ def history_by_user(
     return out, lengths
 
 
-def _user_timelines(it: Interactions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def user_timelines(it: Interactions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """-> ``order [M]`` (rows by user, then time, then row position), and per user present
     (ascending id) the ``starts`` and ``counts`` of its block in ``order``."""
     order = np.lexsort((np.arange(len(it)), it.timestamp, it.user_id))

@@ -233,6 +233,9 @@ class ModelSection(Config):
     """Width D of query and item vectors (L2-normalized)."""
     history_len: PositiveInt = 50
     """Most recent items of a user's history that the user tower reads."""
+    recent_len: int = Field(default=5, ge=0)
+    """The newest ``recent_len`` history items also pooled on their own (a position-aware
+    tower; 0: off). ``bench/quality.py`` measures what it adds."""
     exclude_history: bool = True
     """Never recommend an item already in the request's history."""
     temperature: float = Field(default=0.05, gt=0)
@@ -324,6 +327,10 @@ class TrainConfig(Config):
     """Learning rate of the fused table optimizer."""
     random_negatives: int = Field(default=0, ge=0)
     """Items drawn uniformly per batch as extra negatives (0: in-batch negatives only)."""
+    history: Literal["causal", "static"] = "causal"
+    """What the user tower reads for a training pair: the items the user consumed before it
+    ("causal", what a served request carries) or the user's whole training history with the
+    positive hidden ("static"). See ``retrieval/training/histories.py``."""
     micro_batches: PositiveInt = 1
     """Each batch's softmax runs over this many equal slices (what each of that many
     data-parallel ranks sees), so one process reproduces a multi-process run; divides

@@ -20,11 +20,13 @@ import numpy as np
 
 from retrieval.config import ModelConfig
 from retrieval.data import Interactions, RecDataset, history_by_user, split_by_time
+from retrieval.data.split import user_timelines
 from retrieval.features import UserBatch, item_feature_ids, make_user_batch
 from retrieval.filters import FilterSchema
 from retrieval.index.ivf import IVFConfig
 from retrieval.index.kmeans import default_nlist
 from retrieval.seen import SeenSets
+from retrieval.training.histories import timeline_first
 from retrieval.training.train import TrainingData, log_q_from_counts
 
 
@@ -166,6 +168,7 @@ def prepare(
         **model_overrides,
     )
     cat = user_codes(ds, list(config.user_features))
+    fit_i = fit_i.select(user_timelines(fit_i)[0])  # timeline order: causal histories
     train = TrainingData(
         user_ids=fit_i.user_id.astype(np.int64),
         item_ids=fit_i.item_id.astype(np.int64),
@@ -174,6 +177,7 @@ def prepare(
         dense=ds.user_dense.astype(np.float32),
         item_features=item_feature_ids(ds.item_attributes, ds.num_items),
         item_log_q=log_q_from_counts(fit_i.item_id, ds.num_items),
+        pair_first=timeline_first(fit_i.user_id),
     )
     counts = SplitCounts.of(ds.num_users, fit_i, val_i, test_i)
     return Prepared(

@@ -46,6 +46,7 @@ from retrieval.training.config import TrainConfig
 from retrieval.training.distributed import DistContext, average_gradients
 from retrieval.training.dmp_tables import DMPTables
 from retrieval.training.early_stopping import EarlyStopping
+from retrieval.training.histories import causal_history, static_history
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
 from retrieval.training.sharding import make_sharder, plan_sharding
 from sharded_tables.interface import TableCollection
@@ -66,6 +67,9 @@ class TrainingData:
     user_ids, item_ids: ``[M] int64`` pairs; history: ``[U, H] int64`` (-1 padded);
     categorical: ``[U, F] int64``; dense: ``[U, F_dense] float32``;
     item_features: ``{name: [N, L] int64}``; item_log_q: ``[N] float32`` log sampling probability.
+    pair_first: ``[M] int64`` when the pairs are in timeline order (by user, then time): each
+    pair's user's first pair (``retrieval/training/histories.py``); what ``history="causal"``
+    needs. None: pairs in no particular order (static histories only).
     """
 
     user_ids: np.ndarray
@@ -75,6 +79,7 @@ class TrainingData:
     dense: np.ndarray
     item_features: dict[str, torch.Tensor]
     item_log_q: torch.Tensor
+    pair_first: np.ndarray | None = None
 
 
 def log_q_from_counts(item_ids: np.ndarray, num_items: int) -> torch.Tensor:
@@ -85,11 +90,20 @@ def log_q_from_counts(item_ids: np.ndarray, num_items: int) -> torch.Tensor:
 
 
 def batch_inputs(
-    model: RetrievalModel, data: TrainingData, users: np.ndarray, items: np.ndarray
+    model: RetrievalModel, data: TrainingData, idx: np.ndarray, history: str = "causal"
 ) -> UserBatch:
-    """User inputs for training pairs; the positive item is hidden from the user's own history."""
-    hist = data.history[users]
-    hist = np.where(hist == items[:, None], -1, hist)
+    """User inputs for the training pairs ``idx [B]``: each user's history at the pair's time
+    (``"causal"``), or the user's whole history with the positive hidden (``"static"``)."""
+    users = data.user_ids[idx]
+    if history == "causal":
+        if data.pair_first is None:
+            raise ValueError(
+                "train.history='causal' needs the pairs in timeline order "
+                "(TrainingData.pair_first, as prepare() gives them); use 'static' otherwise"
+            )
+        hist = causal_history(data.item_ids, data.pair_first, idx, model.config.history_len)
+    else:
+        hist = static_history(data.history, users, data.item_ids[idx])
     fb = model.index.schema.empty(len(users))
     return UserBatch(
         torch.from_numpy(hist),
@@ -187,8 +201,8 @@ class Trainer:
         if self.dist is not None:  # this rank's slice of the global batch is one softmax
             b = len(idx) // self.dist.world
             idx, slices = idx[self.dist.rank * b : (self.dist.rank + 1) * b], 1
-        users, items = data.user_ids[idx], data.item_ids[idx]
-        batch = batch_inputs(model, data, users, items)
+        items = data.item_ids[idx]
+        batch = batch_inputs(model, data, idx, cfg.history)
         n = data.item_log_q.shape[0]
         neg = np.random.default_rng([cfg.seed, epoch, step, 1]).integers(0, n, cfg.random_negatives)
         cols = torch.from_numpy(np.concatenate([items, neg]))  # [B + R]

@@ -201,3 +201,15 @@ def test_seen_in_matches_the_all_pairs_compare() -> None:
         hist = torch.randint(-1, 30, (4, h), generator=g)
         expected = (ids.unsqueeze(2) == hist.unsqueeze(1)).any(dim=2) & (ids >= 0)
         assert torch.equal(seen_in(ids, hist), expected)
+
+
+def test_recent_window_is_pooled_apart_and_old_configs_load_without_it() -> None:
+    cfg = ModelConfig(num_items=20, user_features={}, dense_dim=0, item_attributes={}, recent_len=3)
+    model = RetrievalModel(cfg)
+    assert model.tables.table_of["recent"] == "item"
+    assert model.user_tower.mlp[0].in_features == 2 * cfg.embedding_dim
+    old = cfg.to_dict()
+    del old["recent_len"]  # a config.json written before the field existed
+    assert ModelConfig.from_dict(old).recent_len == 0
+    with pytest.raises(ValueError, match="recent_len"):
+        ModelConfig(20, {}, 0, {}, recent_len=-1).validate()
