@@ -201,8 +201,8 @@ class ModelRunner:
         return batch.to(self.device)
 
     def warmup(self, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
-        """Runs dummy batches (with and without a filter) so the first real batch is not slow;
-        raises when the model cannot answer them."""
+        """Runs dummy batches (with and without a filter and a seen list) so the first real
+        batch is not slow; raises when the model cannot answer them."""
         k = min(10, self.model.index.ntotal)
         some_filter = None
         for attr, values in self.schema.attribute_values.items():
@@ -216,6 +216,7 @@ class ModelRunner:
                     dense=np.zeros(self.dense_dim, dtype=np.float32),
                     k=k,
                     filter=some_filter if i % 2 else None,
+                    seen=np.arange(min(2, self.num_items), dtype=np.int64) if i % 2 else None,
                 )
                 for i in range(size)
             ]
