@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from sharded_tables.planner import PlacementPlan
-from sharded_tables.remote.client import RemoteTable
+from sharded_tables.remote.routing import RemoteTable
 from sharded_tables.remote.server_files import (
     ServerTable,
     read_server_folder,

@@ -161,9 +161,13 @@ class Budgets(_Serde):
     cache: int | None = None
     """Host DRAM reserved for the hot-row caches of remote tables, beside ``host`` (tables never
     use it); None: caches take the host room the tables leave, as before."""
+    cache_whole_max: int = 64 << 20
+    """A range-partitioned remote table of at most this many bytes is cached whole (all its rows,
+    from ``cache`` room): copied once from the embedding servers, its lookups never leave the
+    process. 0: never; caches hold ``cache_fraction`` of the rows."""
 
     def __post_init__(self) -> None:
-        for name in ("device", "host", "remote_per_server", "remote_servers"):
+        for name in ("device", "host", "remote_per_server", "remote_servers", "cache_whole_max"):
             _count(getattr(self, name), f"budgets.{name}")
         if self.cache is not None:
             _count(self.cache, "budgets.cache")
@@ -192,7 +196,7 @@ class Budgets(_Serde):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "budgets") -> Self:
         kwargs = _checked(cls, data, where)
-        for name in ("device", "host", "remote_per_server", "cache"):
+        for name in ("device", "host", "remote_per_server", "cache", "cache_whole_max"):
             if kwargs.get(name) is not None:
                 kwargs[name] = parse_bytes(kwargs[name], f"{where}.{name}")
         return cls(**kwargs)
@@ -215,7 +219,8 @@ class TablePlacement(_Serde):
     row_bounds: tuple[int, ...] = ()
     """Range only: ``servers[i]`` holds rows ``[row_bounds[i], row_bounds[i + 1])``."""
     cache_rows: int = 0
-    """Hot rows cached one tier up: remote tables in host memory, host tables on the device."""
+    """Hot rows cached one tier up: remote tables in host memory, host tables on the device. All
+    the rows of a ranged remote table: cached whole (``sharded_tables.remote_tier``)."""
     cache_bytes: int = 0
     """Bytes of that cache (``cache_rows`` packed rows at ``dtype``)."""
 

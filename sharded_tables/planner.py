@@ -25,11 +25,14 @@ Algorithm
    ties by name) that still has a narrower dtype in ``spec.dtypes()`` down one step and replan
    from scratch. Only when no step is left does :func:`plan` raise :class:`PlanError`, naming the
    tables that did not fit, the free room per tier and the total shortfall.
-5. **Cache** last, from the room the tables left, in hotness order, for tables with
+5. **Cache** last, from the room the tables left (for remote tables: ``budgets.cache`` when it
+   is set, else the host room the tables left), in hotness order. First, a range-partitioned
+   remote table of at most ``budgets.cache_whole_max`` bytes that fits is cached **whole**
+   (``cache_rows = rows``, whatever its skew): its lookups never leave the process, where a
+   partial cache of a small table still misses on most requests. Then tables with
    ``expected_hit_rate >= 0.5``: a remote table caches ``ceil(rows * cache_fraction)`` rows in
-   host memory (from ``budgets.cache`` when it is set, else from the host room the tables left);
-   a host table caches as many in device memory when ``has_gpu``. A cache shrinks to what fits
-   (possibly 0), so caches never force a narrower dtype.
+   host memory; a host table caches as many in device memory when ``has_gpu``. A cache shrinks
+   to what fits (possibly 0), so caches never force a narrower dtype.
 
 Example::
 
@@ -200,13 +203,20 @@ def _water_fill(caps: list[int], rows: int) -> list[int] | None:
 def _add_caches(
     order: Sequence[TableSpec], placed: dict[str, TablePlacement], room: _Room, budgets: Budgets
 ) -> None:
-    """Gives skewed remote/host tables a hot-row cache one tier up from the room that is left."""
+    """Caches small ranged remote tables whole, then gives skewed remote/host tables a hot-row
+    cache one tier up, from the room that is left."""
     fraction = Fraction(str(budgets.cache_fraction))  # exact: ceil(100 * 0.07) must be 7
     if budgets.cache is not None:  # remote tables' caches have host room of their own
         room.host = budgets.cache
     for spec in order:
         p = placed[spec.name]
-        if spec.expected_hit_rate < CACHE_MIN_HIT_RATE or p.cache_tier is None:
+        whole = p.tier is Tier.REMOTE and p.partition == "range"
+        if whole and p.bytes <= min(budgets.cache_whole_max, room.host):
+            placed[spec.name] = replace(p, cache_rows=spec.rows, cache_bytes=p.bytes)
+            room.host -= p.bytes
+    for spec in order:
+        p = placed[spec.name]
+        if p.cache_rows or spec.expected_hit_rate < CACHE_MIN_HIT_RATE or p.cache_tier is None:
             continue
         if p.cache_tier is Tier.DEVICE and not budgets.has_gpu:
             continue

@@ -6,10 +6,11 @@ switches from plain tables to tiered ones by configuration. A :class:`PlacementP
 each table lives; this module executes it:
 
 * device / host tables: packed rows in :class:`LocalTables` (one fbgemm TBE call per tier);
-* remote tables: the ids of the whole batch are de-duplicated per table, looked up in the table's
+* remote tables (:class:`~sharded_tables.remote_tier.RemoteTier`): a small table the plan caches
+  whole is copied from the embedding servers once and then read like a host table; for the
+  others, the ids of the whole batch are de-duplicated per table, looked up in the table's
   hot-row cache, and the misses fetched from the embedding servers in one request per server
-  (:class:`~sharded_tables.remote.client.RemoteTables`); rows are unpacked once per unique id
-  and pooled with ``embedding_bag``.
+  (:class:`~sharded_tables.remote.client.RemoteTables`).
 
 State (``state_dict``) holds the plan and the packed rows of local tables; remote rows live in
 the embedding servers' folders (:meth:`export_remote`).
@@ -22,7 +23,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from sharded_tables.cache import HotRowCache
 from sharded_tables.collection import check_id_features
@@ -30,6 +30,7 @@ from sharded_tables.dynamic_table import TransformedTable
 from sharded_tables.interface import RemoteStats, RowUpdateRefusedError
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.quantize import pack_rows, unpack_rows
+from sharded_tables.remote_tier import RemoteTier, pool_rows, present_ids
 from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.store import MemoryRowStore, RowStore
 from sharded_tables.tbe import LocalTable, LocalTables
@@ -100,8 +101,20 @@ class TieredEmbeddingCollection(nn.Module):
                     )
                     self.tiers[tier if backend == "fbgemm" else f"{tier}/{backend}"] = module
                     self._module_of.update({t.name: module for t in tables})
-        self.caches: dict[str, HotRowCache] = {}
-        self._cache_tables = self._make_cache_tables()
+        kernel = {s.name: "torch" if self._backend(p.dtype) == "torch" else None
+                  for s, p in self._placed()}  # fmt: skip
+        self.remote_tier = RemoteTier(
+            self.specs, plan, self.device, kernel, cache_policy, cache_admit_after
+        )
+        # copied whole: pooled with the local tiers, once the copy is made (see RemoteTier)
+        self.tiers.update(self.remote_tier.whole_modules)
+        for module in self.remote_tier.whole_modules.values():
+            self._module_of.update({t.name: module for t in module.tables})
+        self._whole_features = frozenset(
+            f for f, t in self.table_of.items() if t in self.remote_tier.whole
+        )
+        self.caches: dict[str, HotRowCache] = self.remote_tier.caches
+        self._hot_remote = frozenset(self.caches)  # remote tables read through their caches
         # Hashed tables in a local tier: an id transformer over `rows` local rows whose evicted
         # rows go to the remote tier (or an in-process store when there are no servers).
         self.dynamic: dict[str, TransformedTable] = {}
@@ -121,41 +134,6 @@ class TieredEmbeddingCollection(nn.Module):
     def _placed(self) -> list[tuple[TableSpec, Any]]:
         return [(self.specs[name], self.plan.placement(name)) for name in self.specs]
 
-    def _make_cache_tables(self) -> LocalTables | None:
-        """Hot-row caches of remote tables, their rows held in one TBE (sum pooling) so the
-        kernel pools cached rows by slot; a cache of 0 rows is no cache."""
-        cached = [(s, p) for s, p in self._placed() if p.tier is Tier.REMOTE and p.cache_rows > 0]
-        module = None
-        if cached:
-            module = LocalTables(
-                [
-                    LocalTable(s.name, p.cache_rows, s.dim, p.dtype, s.feature_names(), "sum")
-                    for s, p in cached
-                ],
-                tier="device" if self.device.type == "cuda" else "host",
-                device=self.device,
-                # CUDA: the torch path (slot views of fbgemm's UVM storage are not exposed)
-                backend=(
-                    "torch"
-                    if self.device.type == "cuda"
-                    or any(self._backend(p.dtype) == "torch" for _, p in cached)
-                    else None
-                ),
-            )
-        for s, p in self._placed():
-            if p.tier is Tier.REMOTE:
-                storage = module.rows_view(s.name) if module and p.cache_rows > 0 else None
-                self.caches[s.name] = HotRowCache(
-                    p.cache_rows,
-                    s.row_bytes(p.dtype),
-                    device=self.device,
-                    name=s.name,
-                    storage=storage,
-                    policy=self.cache_policy,
-                    admit_after=self.cache_admit_after,
-                )
-        return module
-
     def _backend(self, dtype: DType) -> str:
         # fbgemm's CPU kernel for FP8 rows is a generic scalar loop (~50x slower than INT8 in
         # bench/tables.py); unpacking the unique rows with torch is faster there.
@@ -171,7 +149,8 @@ class TieredEmbeddingCollection(nn.Module):
         return tier.value if self.device.type == "cuda" else "host"
 
     def _is_remote(self, table: str) -> bool:
-        return self.plan.placement(table).tier is Tier.REMOTE
+        """Whether ``table``'s lookups go through the hot-row path (remote, not copied whole)."""
+        return table in self._hot_remote
 
     # ---- weights ----------------------------------------------------------------------------
     def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -284,6 +263,8 @@ class TieredEmbeddingCollection(nn.Module):
 
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge)."""
+        if not self._whole_features.isdisjoint(features):
+            self.remote_tier.copy_whole(self.remote, self.timeout)
         first = next(iter(features.values()))
         b, out_device = first.shape[0], first.device  # pooled rows go where the ids came from
         out: dict[str, torch.Tensor] = {}
@@ -295,9 +276,14 @@ class TieredEmbeddingCollection(nn.Module):
             padded = [features.get(f, empty).to(module.device) for f in module.feature_names]
             pooled = module.forward_padded(padded).to(out_device).split(module.feature_dims, dim=1)
             out.update({f: pooled[i] for i, f in enumerate(module.feature_names) if f in features})
-        remote = [f for f in features if self._is_remote(self.table_of[f])]
-        if remote:
-            out.update(self._remote_lookup({f: features[f] for f in remote}))
+        by_table: dict[str, list[str]] = {}
+        for f in features:
+            if self._is_remote(self.table_of[f]):
+                by_table.setdefault(self.table_of[f], []).append(f)
+        if by_table:
+            out.update(
+                self.remote_tier.lookup(by_table, features, self.remote, self.timeout, self.stats)
+            )
         hashed = [f for f in features if self.table_of[f] in self.dynamic]
         if hashed:
             out.update(self._hashed_lookup({f: features[f] for f in hashed}))
@@ -314,6 +300,8 @@ class TieredEmbeddingCollection(nn.Module):
         features this is a single kernel call on the caller's tensors.
         """
         keys = list(keys)
+        if not self._whole_features.isdisjoint(keys):
+            self.remote_tier.copy_whole(self.remote, self.timeout)
         for module in self.tiers.values():
             if keys == module.feature_names:
                 return module(values.to(module.device), offsets.to(module.device)).to(values.device)
@@ -331,76 +319,16 @@ class TieredEmbeddingCollection(nn.Module):
         return torch.cat([out[k] for k in keys], dim=1)
 
     @torch.compiler.disable
-    def _remote_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Remote features: ids -> cache slots; the distinct misses of the whole batch -> one
-        fetch per server. Cached rows are pooled by the kernel over the cache storage, missed
-        rows from what the servers sent; then the misses are admitted for later batches."""
-        by_table = self._group(features)
-        slots = {f: self._cache_slots(self.table_of[f], ids) for f, ids in features.items()}
-        misses: dict[str, torch.Tensor] = {}
-        for table, feats in by_table.items():
-            missed = [
-                features[f].cpu()[(slots[f] < 0) & self._present(table, features[f]).cpu()]
-                for f in feats
-            ]
-            u = torch.unique(torch.cat(missed))
-            self.stats.ids += sum(int(self._present(table, features[f]).sum()) for f in feats)
-            if u.numel():
-                misses[table] = u
-        fetched: dict[str, torch.Tensor] = {}
-        if misses:
-            if self.remote is None:
-                raise RuntimeError(f"remote tables {sorted(misses)} need embedding servers")
-            fetched = self.remote.fetch(misses, timeout=self.timeout)
-            self.stats.fetched += sum(len(u) for u in misses.values())
-        out: dict[str, torch.Tensor] = {}
-        # cached rows: one kernel call over the cache storage, by slot (misses are -1: skipped).
-        # This runs before any miss is admitted: admitting may evict rows this batch just hit.
-        if self._cache_tables is not None:
-            names = self._cache_tables.feature_names
-            b = next(iter(features.values())).shape[0]
-            empty = torch.empty(b, 0, dtype=torch.int64)
-            pooled = self._cache_tables.forward_padded(
-                [slots.get(f, empty).to(self._cache_tables.device) for f in names]
-            ).split(self._cache_tables.feature_dims, dim=1)
-            out.update({f: pooled[i] for i, f in enumerate(names) if f in features})
-        # missed rows: pooled from what the servers sent, then admitted for later batches
-        for table, u in misses.items():
-            spec = self.specs[table]
-            feats = by_table[table]
-            dense = unpack_rows(fetched[table], self.plan.placement(table).dtype, spec.dim)
-            uncached = {f: torch.where(slots[f] < 0, features[f].cpu(), -1) for f in feats}
-            extra = self._pool(table, uncached, u, dense.to(self.device), mean=False)
-            for f in feats:
-                out[f] = out[f] + extra[f] if f in out else extra[f]
-            if self.caches[table].capacity:
-                self.caches[table].put(u, fetched[table])
-        for table, feats in by_table.items():
-            spec = self.specs[table]
-            for f in feats:  # no cache and nothing fetched: every bag is empty
-                if f not in out:
-                    out[f] = torch.zeros(features[f].shape[0], spec.dim, device=self.device)
-            if spec.pooling == "mean":
-                for f in feats:
-                    n = self._present(table, features[f]).sum(dim=1, keepdim=True).clamp(min=1)
-                    out[f] = out[f] / n.to(out[f].device)
-        return out
-
-    def _cache_slots(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Cache slots of ``ids [B, L]`` (``-1``: not cached or padding), on CPU."""
-        cache = self.caches[table]
-        if cache.capacity == 0:
-            return torch.full(ids.shape, -1, dtype=torch.int64)
-        return cache.lookup_slots(ids.reshape(-1).cpu()).view(ids.shape)
-
-    @torch.compiler.disable
     def _hashed_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Local hashed tables: unique raw ids -> id transformer rows (evictions to the store)."""
         out = {}
         for table, feats in self._group(features).items():
             u = self._unique_ids(table, [features[f] for f in feats])
             dense = self.dynamic[table].lookup(u).to(self.device)  # [U, D]
-            out.update(self._pool(table, {f: features[f] for f in feats}, u, dense))
+            spec, u = self.specs[table], u.to(self.device)
+            for f in feats:
+                ids = features[f].to(self.device)
+                out[f] = pool_rows(spec, ids, u, dense, mean=spec.pooling == "mean")
         return out
 
     def _group(self, features: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
@@ -409,42 +337,14 @@ class TieredEmbeddingCollection(nn.Module):
             by_table.setdefault(self.table_of[f], []).append(f)
         return by_table
 
-    def _present(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        # Raw ids of hashed tables may be any int64 but -1; row ids are >= 0.
-        return ids != -1 if self.specs[table].hashed else ids >= 0
-
     def _unique_ids(self, table: str, id_mats: list[torch.Tensor]) -> torch.Tensor:
         """The sorted distinct ids of a whole batch for one table ``[U]`` (CPU)."""
-        ids = torch.cat([m[self._present(table, m)] for m in id_mats]).cpu()
+        spec = self.specs[table]
+        ids = torch.cat([m[present_ids(spec, m)] for m in id_mats]).cpu()
         u = torch.unique(ids)
         self.stats.ids += ids.numel()
         self.stats.unique += u.numel()
         return u
-
-    def _pool(
-        self,
-        table: str,
-        features: Mapping[str, torch.Tensor],
-        u: torch.Tensor,
-        dense: torch.Tensor,
-        mean: bool | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Pools each feature ``[B, L]`` over ``dense [U, D]``, the rows of sorted ids ``u``."""
-        spec = self.specs[table]
-        u = u.to(self.device)
-        out = {}
-        for f, ids in features.items():
-            ids = ids.to(self.device)
-            present = self._present(table, ids)
-            if dense.shape[0] == 0:
-                out[f] = torch.zeros(ids.shape[0], spec.dim, device=self.device)
-                continue
-            pos = torch.where(present, torch.searchsorted(u, ids), 0).clamp(max=len(u) - 1)
-            weights = present.float()
-            if spec.pooling == "mean" if mean is None else mean:
-                weights = weights / present.sum(dim=1, keepdim=True).clamp(min=1)
-            out[f] = F.embedding_bag(pos, dense, mode="sum", per_sample_weights=weights)
-        return out
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
         """``{table: counters}`` of each remote table's hot-row cache."""

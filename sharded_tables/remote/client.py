@@ -1,13 +1,14 @@
 """Client of the remote tier: batched, de-duplicated row fetches from embedding servers.
 
-A routing description says, per table, which servers hold which ids:
-
-* ``partition="range"``: server ``s`` holds the GLOBAL rows ``[bounds[s], bounds[s + 1])``.
-* ``partition="keyed"``: server ``splitmix64(id) % S`` holds the raw 64-bit key ``id``.
+A routing description (:class:`~sharded_tables.remote.routing.RemoteTable`, re-exported here)
+says, per table, which servers hold which ids.
 
 :meth:`RemoteTables.fetch` takes the ids of a whole batch, de-duplicates them per table, groups
 them by server and sends ONE ``Lookup`` per server (covering all tables) in parallel, each with a
-deadline, then puts the packed rows back in request order. A server that is down or misses the
+deadline, then puts the packed rows back in request order. Calls are blocking stub calls: the
+last server's in the caller's thread, the others' on a pool of this client's (a gRPC future
+starts a channel-polling thread whenever its channel was idle, which for a lone caller is every
+call: ~0.3 ms of CPU and a thread hand-off each). A server that is down or misses the
 deadline raises :class:`RemoteLookupError` (code and address in the message) or, with
 ``fallback="zero"``, gives zero rows for its ids and is counted (:meth:`RemoteTables.stats` and the
 ``recserve_remote_*`` Prometheus counters, label ``server``). Errors that are the caller's
@@ -30,8 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from itertools import pairwise
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import grpc
@@ -42,10 +42,20 @@ from prometheus_client import Counter
 from common.grpc_util import ClientAuth, open_channel
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
+from sharded_tables.remote.routing import RemoteTable, route, server_of, splitmix64
 from sharded_tables.remote.server import MAX_MESSAGE_BYTES
-from sharded_tables.remote.server_files import Partition
-from sharded_tables.specs import DType, row_bytes
 from sharded_tables.store import RowStore
+
+__all__ = [
+    "SERVER_TROUBLE",
+    "EmbeddingVersions",
+    "RemoteLookupError",
+    "RemoteTable",
+    "RemoteTables",
+    "route",
+    "server_of",
+    "splitmix64",
+]
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -73,9 +83,8 @@ LOOKUP_IDS = Counter("recserve_remote_lookup_ids", "Ids sent (after de-duplicati
 FAILURES = Counter("recserve_remote_failures", "Failed calls", ["server", "code"])
 ZERO_FILLED = Counter("recserve_remote_zero_filled_ids", "Ids answered with zero rows", ["server"])
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
+Positions = np.ndarray | slice
+"""Positions into a table's distinct ids (a slice: all of them, one server)."""
 
 
 class RemoteLookupError(RuntimeError):
@@ -84,73 +93,6 @@ class RemoteLookupError(RuntimeError):
     def __init__(self, code: grpc.StatusCode, address: str, details: str):
         super().__init__(f"embedding server {address}: {code.name}: {details}")
         self.code, self.address = code, address
-
-
-@dataclass(frozen=True)
-class RemoteTable:
-    """Where one table's rows live.
-
-    ``bounds`` (range only): ``len(servers) + 1`` ascending global row ids; server ``s`` holds
-    ``[bounds[s], bounds[s + 1])``.
-    """
-
-    name: str
-    dtype: DType
-    dim: int
-    servers: tuple[str, ...]
-    partition: Partition = "range"
-    bounds: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", DType(self.dtype))
-        object.__setattr__(self, "servers", tuple(self.servers))
-        object.__setattr__(self, "bounds", tuple(int(b) for b in self.bounds))
-        row_bytes(self.dim, self.dtype)
-        if not self.servers:
-            raise ValueError(f"table {self.name!r}: servers must not be empty")
-        if self.partition == "range":
-            b = self.bounds
-            if len(b) != len(self.servers) + 1 or any(x > y for x, y in pairwise(b)):
-                raise ValueError(
-                    f"table {self.name!r}: bounds must be {len(self.servers) + 1} ascending row "
-                    f"ids (one more than servers), got {list(b)}"
-                )
-        elif self.partition != "keyed":
-            raise ValueError(f"table {self.name!r}: partition must be 'range' or 'keyed'")
-
-    @property
-    def row_bytes(self) -> int:
-        return row_bytes(self.dim, self.dtype)
-
-
-def splitmix64(ids: np.ndarray | torch.Tensor) -> np.ndarray:
-    """The splitmix64 finaliser of ``ids int64 [n]`` -> ``uint64 [n]`` (stable across runs)."""
-    ids = ids.numpy() if isinstance(ids, torch.Tensor) else ids
-    z = ids.astype(np.int64).view(np.uint64) + _GOLDEN  # wraps mod 2^64
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
-def server_of(table: RemoteTable, ids: np.ndarray) -> np.ndarray:
-    """Server position (into ``table.servers``) of each id: ``int64 [n]`` for ``ids int64 [n]``.
-
-    Raises ``ValueError`` naming the table and id for a ranged id that no server holds.
-    """
-    if table.partition == "keyed":
-        return (splitmix64(ids) % np.uint64(len(table.servers))).astype(np.int64)
-    lo, hi = table.bounds[0], table.bounds[-1]
-    outside = (ids < lo) | (ids >= hi)
-    if outside.any():
-        raise ValueError(
-            f"table {table.name!r}: id {ids[outside][0]} is outside the table's rows [{lo}, {hi})"
-        )
-    return np.searchsorted(np.asarray(table.bounds[1:]), ids, side="right")
-
-
-def route(table: RemoteTable, ids: torch.Tensor) -> torch.Tensor:
-    """:func:`server_of` for a tensor: ``ids int64 [n]`` -> server positions ``int64 [n]``."""
-    return torch.from_numpy(server_of(table, ids.cpu().numpy()).astype(np.int64))
 
 
 class RemoteTables(RowStore):
@@ -186,6 +128,10 @@ class RemoteTables(RowStore):
         names = ("requests", "ids", "failures", "zero_filled_ids")
         self._stats: dict[str, dict[str, int]] = {k: dict.fromkeys(addresses, 0) for k in names}
         self._stats_lock = threading.Lock()
+        # calls to all servers but one run here (one call runs in the caller's thread)
+        self._calls = ThreadPoolExecutor(
+            max_workers=max(1, len(addresses) - 1), thread_name_prefix="embed-call"
+        )
 
     def _count(self, kind: str, address: str, n: int) -> None:
         with self._stats_lock:
@@ -208,7 +154,7 @@ class RemoteTables(RowStore):
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """-> per table (rows ``uint8 [n, rb]``, found ``bool [n]``) in the order of its ids."""
         requests: dict[str, pb.LookupRequest] = {}
-        parts: dict[str, list[tuple[str, np.ndarray]]] = {}  # address -> (table, unique positions)
+        parts: dict[str, list[tuple[str, Positions]]] = {}  # address -> (table, unique positions)
         unique: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for name, ids in ids_by_table.items():
             spec = self._spec(name)
@@ -219,56 +165,72 @@ class RemoteTables(RowStore):
             # numpy, not torch: torch's OpenMP workers spin after each op and starve the servers'
             # threads on a small host (measured 10x median latency on 2 cores)
             uniq_np, inverse = np.unique(ids.cpu().numpy(), return_inverse=True)  # [u], [n]
-            server = server_of(spec, uniq_np)  # [u]
             rows = np.zeros((len(uniq_np), spec.row_bytes), np.uint8)
             unique[name] = (inverse, rows, np.zeros(len(uniq_np), bool))
-            order = np.argsort(server, kind="stable")
-            counts = np.bincount(server, minlength=len(spec.servers))
-            for s, pos in enumerate(np.split(order, np.cumsum(counts)[:-1])):
-                if len(pos):
-                    address = spec.servers[s]
-                    req = requests.setdefault(address, pb.LookupRequest(version=self.version))
-                    req.tables.append(
-                        pb.TableIds(table=name, ids=uniq_np[pos].astype("<i8").tobytes())
-                    )
-                    parts.setdefault(address, []).append((name, pos))
+            for s, pos in self._by_server(spec, uniq_np):
+                address = spec.servers[s]
+                req = requests.setdefault(address, pb.LookupRequest(version=self.version))
+                req.tables.append(pb.TableIds(table=name, ids=uniq_np[pos].astype("<i8").tobytes()))
+                parts.setdefault(address, []).append((name, pos))
         deadline = self.timeout if timeout is None else timeout
-        calls = {
-            a: self._stubs[a].Lookup.future(r, timeout=deadline, wait_for_ready=False)
-            for a, r in requests.items()
+        addresses = list(requests)
+        calls: dict[str, Future[pb.LookupResponse | grpc.RpcError]] = {
+            a: self._calls.submit(self._call, a, requests[a], deadline) for a in addresses[:-1]
         }
-        try:
-            for address, call in calls.items():
-                self._collect(address, call, parts[address], unique)
-        except BaseException:
-            for call in calls.values():  # no-op for finished calls
-                call.cancel()
-            raise
+        if addresses:  # the last in this thread: no hand-off when there is one server
+            done: Future[pb.LookupResponse | grpc.RpcError] = Future()
+            done.set_result(self._call(addresses[-1], requests[addresses[-1]], deadline))
+            calls[addresses[-1]] = done
+        for address, call in calls.items():  # a pooled call left behind ends by its deadline
+            self._collect(address, call.result(), parts[address], unique)
         return {
             name: (torch.from_numpy(rows[inverse]), torch.from_numpy(found[inverse]))
             for name, (inverse, rows, found) in unique.items()
         }
 
+    @staticmethod
+    def _by_server(spec: RemoteTable, uniq: np.ndarray) -> list[tuple[int, Positions]]:
+        """``[(server position, positions in uniq)]`` for the servers holding any of ``uniq``."""
+        if len(spec.servers) == 1:
+            server_of(spec, uniq)  # range check only
+            return [(0, slice(None))]
+        server = server_of(spec, uniq)  # [u]
+        order = np.argsort(server, kind="stable")
+        counts = np.bincount(server, minlength=len(spec.servers))
+        splits = np.split(order, np.cumsum(counts)[:-1])
+        return [(s, pos) for s, pos in enumerate(splits) if len(pos)]
+
+    def _call(
+        self, address: str, request: pb.LookupRequest, deadline: float
+    ) -> pb.LookupResponse | grpc.RpcError:
+        """One blocking Lookup; a failed call's error is returned, for :meth:`_collect`."""
+        try:
+            response: pb.LookupResponse = self._stubs[address].Lookup(
+                request, timeout=deadline, wait_for_ready=False
+            )
+        except grpc.RpcError as e:
+            return e
+        return response
+
     def _collect(
         self,
         address: str,
-        call: grpc.Future,
-        parts: list[tuple[str, np.ndarray]],
+        outcome: pb.LookupResponse | grpc.RpcError,
+        parts: list[tuple[str, Positions]],
         unique: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
     ) -> None:
-        """Waits for one server's answer and copies it into the unique-id rows of its tables.
+        """Copies one server's answer into the unique-id rows of its tables.
 
         A failure raises, or (``fallback="zero"`` and a server-side code) leaves the rows zero.
         """
-        n_ids = sum(len(pos) for _, pos in parts)
+        n_ids = sum(_count(pos, len(unique[name][1])) for name, pos in parts)
         self._count("requests", address, 1)
         self._count("ids", address, n_ids)
         LOOKUPS.labels(address).inc()
         LOOKUP_IDS.labels(address).inc(n_ids)
-        try:
-            response = call.result()
-        except grpc.RpcError as e:
-            error = self._failed(address, e)
+        response = outcome
+        if isinstance(response, grpc.RpcError):
+            error = self._failed(address, response)
             if self.fallback == "raise" or error.code not in SERVER_TROUBLE:
                 raise error from None
             self._count("zero_filled_ids", address, n_ids)
@@ -280,18 +242,19 @@ class RemoteTables(RowStore):
             )
         for got, (name, pos) in zip(response.tables, parts, strict=True):
             _, rows, found = unique[name]
+            n = _count(pos, len(rows))
             if (
                 got.table != name
-                or len(got.rows) != len(pos) * rows.shape[1]
-                or len(got.found) not in (0, len(pos))
+                or len(got.rows) != n * rows.shape[1]
+                or len(got.found) not in (0, n)
             ):
                 raise RemoteLookupError(
                     grpc.StatusCode.INTERNAL,
                     address,
                     f"table {name!r}: got {len(got.rows)} bytes and {len(got.found)} found flags "
-                    f"of table {got.table!r}, expected {len(pos)} rows of {rows.shape[1]} bytes",
+                    f"of table {got.table!r}, expected {n} rows of {rows.shape[1]} bytes",
                 )
-            rows[pos] = np.frombuffer(got.rows, np.uint8).reshape(len(pos), rows.shape[1])
+            rows[pos] = np.frombuffer(got.rows, np.uint8).reshape(n, rows.shape[1])
             found[pos] = np.frombuffer(got.found, np.uint8).astype(bool) if got.found else True
 
     def fetch(
@@ -368,6 +331,7 @@ class RemoteTables(RowStore):
             return {k: dict(v) for k, v in self._stats.items()}
 
     def close(self) -> None:
+        self._calls.shutdown(wait=False)
         for channel in self._channels.values():
             channel.close()
 
@@ -404,3 +368,8 @@ class EmbeddingVersions:
     def close(self) -> None:
         for c in self._channels:
             c.close()
+
+
+def _count(pos: Positions, n_unique: int) -> int:
+    """How many distinct ids ``pos`` names (of ``n_unique``)."""
+    return n_unique if isinstance(pos, slice) else len(pos)

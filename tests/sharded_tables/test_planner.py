@@ -126,7 +126,7 @@ def test_a_cache_budget_caches_remote_tables_without_pulling_them_into_the_host_
     without = plan([hot, cold], Budgets(**budgets))
     assert without.placement("cold").tier is Tier.REMOTE
     assert without.placement("cold").cache_rows == 0  # no host room left for a cache
-    with_cache = plan([hot, cold], Budgets(**budgets, cache=1_000_000))
+    with_cache = plan([hot, cold], Budgets(**budgets, cache=1_000_000, cache_whole_max=0))
     cold_p = with_cache.placement("cold")
     assert (cold_p.tier, cold_p.cache_tier, cold_p.cache_rows) == (Tier.REMOTE, Tier.HOST, 50)
     assert with_cache.placement("hot").tier is Tier.HOST
@@ -136,6 +136,25 @@ def test_a_cache_budget_caches_remote_tables_without_pulling_them_into_the_host_
     assert Budgets.from_dict({**budgets, "cache": "1KiB"}).cache == 1024
     with pytest.raises(PlanError, match=r"budgets\.cache"):
         Budgets(**budgets, cache=-1)
+
+
+def test_small_ranged_remote_tables_are_cached_whole_from_the_cache_budget():
+    hot = TableSpec("hot", rows=100, dim=16, lookups_per_sample=10)  # 6 400 B, fills the host
+    tiny = TableSpec("tiny", rows=10, dim=16, expected_hit_rate=0.0)  # 640 B, any skew
+    cold = TableSpec("cold", rows=1_000, dim=16)  # 64 000 B
+    keyed = TableSpec("keyed", rows=10, dim=16, hashed=True)  # rows follow raw ids: never whole
+    budgets = dict(device=0, host=6_400, remote_per_server=100_000, remote_servers=1)
+    p = plan([hot, tiny, cold, keyed], Budgets(**budgets, cache=70_000))
+    assert all(p.placement(t).tier is Tier.REMOTE for t in ("tiny", "cold", "keyed"))
+    assert p.placement("tiny").cache_rows == 10 and p.placement("cold").cache_rows == 1_000
+    assert p.placement("tiny").cache_bytes == 640
+    assert p.placement("keyed").cache_rows == 1  # a share (ceil 5 %), not the whole table
+    # over the size limit, or no room left: a share of the rows, as before
+    capped = plan([hot, tiny, cold], Budgets(**budgets, cache=70_000, cache_whole_max=1_000))
+    assert (capped.placement("tiny").cache_rows, capped.placement("cold").cache_rows) == (10, 50)
+    tight = plan([hot, tiny, cold], Budgets(**budgets, cache=10_000))
+    assert (tight.placement("tiny").cache_rows, tight.placement("cold").cache_rows) == (10, 50)
+    assert Budgets.from_dict({**budgets, "cache_whole_max": "1MiB"}).cache_whole_max == 1 << 20
 
 
 def test_refusal_names_table_free_room_and_shortfall():
@@ -250,6 +269,7 @@ def specs_and_budgets(draw) -> tuple[list[TableSpec], Budgets]:
         cache_fraction=draw(st.sampled_from([0.0, 0.05, 0.07, 0.5, 1.0])),
         has_gpu=draw(st.booleans()),
         cache=draw(st.one_of(st.none(), st.integers(0, 100_000))),
+        cache_whole_max=draw(st.sampled_from([0, 1_000, 64 << 20])),
     )
     return specs, budgets
 
@@ -279,10 +299,15 @@ def check_plan(specs: list[TableSpec], budgets: Budgets, p: PlacementPlan) -> No
             assert t.bytes == s.rows * rb and not t.servers
         use[t.tier] += t.bytes
         assert t.cache_bytes == t.cache_rows * rb
-        if t.cache_rows:
+        whole = t.tier is Tier.REMOTE and not s.hashed and t.cache_rows == s.rows
+        if whole and t.bytes <= budgets.cache_whole_max:
+            pass  # cached whole: small enough, from the cache room, whatever its skew
+        elif t.cache_rows:
             assert s.expected_hit_rate >= 0.5 and t.cache_tier is not None
             assert t.cache_rows <= math.ceil(s.rows * Fraction(str(budgets.cache_fraction)))
             assert t.cache_tier is Tier.HOST or budgets.has_gpu
+        if t.cache_rows:
+            assert t.cache_tier is not None
             use[t.cache_tier] += t.cache_bytes
     for tier in Tier:
         assert use[tier] <= budgets.capacity(tier)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import pytest
 import torch
 
+from sharded_tables import remote_tier
 from sharded_tables.planner import Budgets, PlacementPlan, TablePlacement, plan
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.specs import DType, TableSpec, Tier
@@ -100,6 +101,29 @@ def test_warm_cache_serves_hot_rows_without_a_request():
     )
     stats = coll.cache_stats()["user"]
     assert (stats["hits"], stats["misses"]) == (4, 4)  # per id looked up: 3 + 1 missed, 4 hit
+
+
+def test_a_table_cached_whole_is_copied_in_chunks_once_and_pools_like_the_reference(monkeypatch):
+    monkeypatch.setattr(remote_tier, "WHOLE_FETCH_BYTES", 100 * SPECS[2].row_bytes())
+    weights = _weights()
+    coll = TieredEmbeddingCollection(SPECS, _placement(cache_rows=SPECS[2].rows))
+    assert coll.remote_tier.whole == {"user"} and coll.cache_stats() == {}
+    coll.remote = server = PackedRows(coll.load_float(weights))
+    features = {
+        "user": torch.tensor([[7, 7, 900], [7, -1, -1]]),
+        "country": torch.tensor([[4], [-1]]),
+    }
+    for _ in range(2):
+        out = coll(features)
+        for f, want in _reference(weights, features).items():
+            torch.testing.assert_close(out[f], want, rtol=1e-5, atol=1e-6)
+    assert [len(c["user"]) for c in server.calls] == [100] * 10  # the copy, then no request
+    assert coll.remote_stats().fetched == 0
+    coll.remote = None  # detached: the copy keeps answering
+    torch.testing.assert_close(coll(features)["user"], out["user"], rtol=0, atol=0)
+    fresh = TieredEmbeddingCollection(SPECS, _placement(cache_rows=SPECS[2].rows))
+    with pytest.raises(RuntimeError, match="need embedding servers"):
+        fresh(features)
 
 
 def test_remote_tables_without_servers_fail_clearly():
