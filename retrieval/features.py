@@ -43,6 +43,17 @@ class UserBatch:
     def filters(self) -> FilterBatch:
         return FilterBatch(self.filter_masks, self.filter_negate)
 
+    def rows(self, rows: torch.Tensor) -> UserBatch:
+        """The requests ``rows [B'] int64`` of this batch."""
+        return UserBatch(
+            self.history[rows],
+            self.categorical[rows],
+            self.dense[rows],
+            self.filter_masks[rows],
+            self.filter_negate[rows],
+            None if self.seen is None else self.seen[rows],
+        )
+
     def to(self, device: torch.device | str) -> UserBatch:
         return UserBatch(
             self.history.to(device),

@@ -327,6 +327,13 @@ class TrainConfig(Config):
     """Learning rate of the fused table optimizer."""
     random_negatives: int = Field(default=0, ge=0)
     """Items drawn uniformly per batch as extra negatives (0: in-batch negatives only)."""
+    hard_negatives: int = Field(default=0, ge=0)
+    """Negatives per batch mined from the model's own index (rebuilt each epoch from the
+    second on; ``retrieval/training/hard_negatives.py``); 0: none. One process only. A run
+    resumed mid-epoch mines from the index of the weights it resumed with."""
+    hard_negative_ranks: tuple[int, int] = (10, 100)
+    """``[lo, hi)``: each mined item is at a random rank in this range of its user's result
+    (the top ``lo`` are skipped: likely the user's next positives)."""
     history: Literal["causal", "static"] = "causal"
     """What the user tower reads for a training pair: the items the user consumed before it
     ("causal", what a served request carries) or the user's whole training history with the

@@ -46,6 +46,7 @@ from retrieval.training.config import TrainConfig
 from retrieval.training.distributed import DistContext, average_gradients
 from retrieval.training.dmp_tables import DMPTables
 from retrieval.training.early_stopping import EarlyStopping
+from retrieval.training.hard_negatives import HardNegativeMiner
 from retrieval.training.histories import causal_history, static_history
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
 from retrieval.training.sharding import make_sharder, plan_sharding
@@ -149,6 +150,11 @@ class Trainer:
         """The model's own tables while fused-optimizer ones train in their place."""
         if cfg.table_optimizer != "adam":
             self._swap_in_trainable()
+        self.miner = (
+            HardNegativeMiner(cfg.hard_negatives, cfg.hard_negative_ranks, cfg.seed)
+            if cfg.hard_negatives
+            else None
+        )
         self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.epoch_losses: list[float] = []
@@ -205,6 +211,8 @@ class Trainer:
         batch = batch_inputs(model, data, idx, cfg.history)
         n = data.item_log_q.shape[0]
         neg = np.random.default_rng([cfg.seed, epoch, step, 1]).integers(0, n, cfg.random_negatives)
+        if self.miner is not None:  # hard ones join the uniform ones
+            neg = np.concatenate([neg, self.miner.mine(model, batch, items, epoch, step)])
         cols = torch.from_numpy(np.concatenate([items, neg]))  # [B + R]
         b, c = len(items), len(cols)
         user = {
@@ -238,6 +246,8 @@ class Trainer:
             if self._validation_pending():  # resumed from an epoch whose evaluation failed
                 self._validate()
             while self.epoch < cfg.epochs and not self.stopped:
+                if self.miner is not None and self.epoch > 0:
+                    self.miner.refresh(self.model, data.item_features)
                 order = np.random.default_rng([cfg.seed, self.epoch]).permutation(m)
                 bar = tqdm(
                     total=len(starts),
@@ -434,6 +444,8 @@ def _check_distributed(cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"train.batch_size: {cfg.batch_size} must be a multiple of {world} ranks")
     if cfg.table_optimizer == "adam":
         raise ValueError("train.table_optimizer: multi-process runs shard tables: use a fused one")
+    if cfg.hard_negatives:
+        raise ValueError("train.hard_negatives: one process only (mining is not sharded yet)")
 
 
 def train(
