@@ -6,7 +6,7 @@ against its local twin in the same run, on one ``recserve serve embeddings`` pro
 
 * ``lookup``: tiny tables (``--tiny-rows``, one id per user each, like the model's user features)
   and one big table (``--big-rows``, ``--big-ids`` ids per user), ``--dtype`` rows; ids Zipf(1.1)
-  over a fixed permutation of each table's rows (``bench/tables.py``'s ``make_ids``). The remote
+  truncated to each table, over a fixed permutation of its rows (``bench/zipf_ids.py``). The remote
   plan is the planner's (``plan``), caches at their default size (``Budgets.cache`` holds any
   ``cache_fraction`` of the rows). Per request of B users (``--users``): p50 / p99 of one
   ``TieredEmbeddingCollection`` call, CPU ms per call of this process (``time.process_time``:
@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tables import make_ids
 from timing import int_list, percentiles, pid_cpu_s
+from zipf_ids import ZipfIds
 
 from common import process
 from sharded_tables.export import remote_routing, write_server_folders
@@ -95,25 +95,21 @@ def measure(fn: Callable[[Any], object], inputs: list[Any], server_pid: int | No
 
 
 def hit_rates(coll: TieredEmbeddingCollection) -> dict[str, float]:
-    return {t: round(s["hit_rate"], 4) for t, s in coll.cache_stats().items()}
+    """Per remote table: its hot-row cache's hit rate; 1.0 for a table copied whole."""
+    whole = getattr(getattr(coll, "remote_tier", None), "whole", ())  # absent before issue 17
+    return {t: round(s["hit_rate"], 4) for t, s in coll.cache_stats().items()} | dict.fromkeys(
+        whole, 1.0
+    )
 
 
 def zipf_requests(
-    specs: list[TableSpec], users: int, big_ids: int, count: int, seed: int
+    zipf: dict[str, ZipfIds], users: int, big_ids: int, count: int, seed: int
 ) -> list[dict[str, torch.Tensor]]:
     """``count`` requests ``{table: ids [users, L]}``: L = 1, or ``big_ids`` for ``big``."""
+    rng = np.random.default_rng(seed)
     return [
-        {
-            s.name: make_ids(
-                "zipf",
-                s.rows,
-                (users, big_ids if s.name == "big" else 1),
-                seed=seed + 7919 * k + i,
-                table=i,
-            )
-            for i, s in enumerate(specs)
-        }
-        for k in range(count)
+        {n: z.draw((users, big_ids if n == "big" else 1), rng) for n, z in zipf.items()}
+        for _ in range(count)
     ]
 
 
@@ -139,10 +135,11 @@ def lookup_case(args: argparse.Namespace, tmp: Path, record: Callable[[dict], No
     folders = write_server_folders(remote_plan, specs, rows, tmp / "lookup")
     del rows
     proc, address = start_server(folders[0], tmp / "lookup.log")
+    zipf = {s.name: ZipfIds(s.rows, 1.1, table_seed=i) for i, s in enumerate(specs)}
     try:
         for users in args.users:
-            warm = zipf_requests(specs, users, args.big_ids, args.warm, seed=1)
-            timed = zipf_requests(specs, users, args.big_ids, args.calls, seed=10**6)
+            warm = zipf_requests(zipf, users, args.big_ids, args.warm, seed=1)
+            timed = zipf_requests(zipf, users, args.big_ids, args.calls, seed=10**6)
             client = RemoteTables(remote_routing(remote_plan, specs, [address]), timeout=10.0)
             coll = TieredEmbeddingCollection(specs, remote_plan, remote=client, timeout=10.0)
             with torch.inference_mode():
@@ -188,9 +185,7 @@ def model_case(args: argparse.Namespace, tmp: Path, record: Callable[[dict], Non
         client = RemoteTables(remote_routing(remote_plan, specs, [address]), timeout=10.0)
         tiered.tables.remote = client
         rng = np.random.default_rng(5)
-        n_users = prep.dataset.num_users
-        ranks = rng.zipf(1.1, size=args.warm + args.calls)
-        users = np.where(ranks > n_users, rng.integers(1, n_users + 1, len(ranks)), ranks) - 1
+        users = ZipfIds(prep.dataset.num_users).draw((args.warm + args.calls,), rng).numpy()
         batches = [prep.user_batch(users[i : i + 1]) for i in range(len(users))]
         warm, timed = batches[: args.warm], batches[args.warm :]
         with torch.inference_mode():

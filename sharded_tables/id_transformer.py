@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from sharded_tables.idmap import DEFAULT_DECAY_PERIOD, IdMap, as_keys
@@ -41,30 +42,33 @@ class AdmissionSketch:
             raise ValueError(f"sketch width and depth must be >= 1, got {width}, {depth}")
         g = torch.Generator().manual_seed(seed)
         self.coef = torch.randint(1, _PRIME, (3, depth, 1), generator=g)  # a, b, c per row
+        self._coef = self.coef.numpy()
+        self._row_base = np.arange(depth, dtype=np.int64)[:, None] * width  # [depth, 1]
         self.counts = torch.zeros(depth, width, dtype=torch.int32)
         self.reset_after = 10 * width
         self.sightings = 0
 
-    def _buckets(self, ids: torch.Tensor) -> torch.Tensor:
+    def _buckets(self, ids: np.ndarray) -> np.ndarray:
         """``ids int64 [n]`` -> buckets ``[depth, n]``: ``(a lo + b hi + c) mod p mod width``."""
         lo, hi = ids & 0xFFFFFFFF, (ids >> 32) & 0xFFFFFFFF
-        a, b, c = self.coef
+        a, b, c = self._coef
         h = ((lo * a) % _PRIME + (hi * b) % _PRIME + c) % _PRIME  # [depth, n]
         return h % self.counts.shape[1]
 
     def add(self, ids: torch.Tensor) -> torch.Tensor:
         """Counts one sighting per element of ``ids int64 [n]``; returns estimates ``[n]``
         (sightings so far, these included)."""
-        buckets = self._buckets(ids)
-        ones = torch.ones(len(ids), dtype=torch.int32)
-        for row, b in zip(self.counts, buckets, strict=True):
-            row.index_add_(0, b, ones)
-        estimate = self.counts.gather(1, buckets).amin(dim=0).long()
+        # numpy on a view of the counters: a batch is a few dozen ids, where each torch op's
+        # dispatch (~5 us) would cost more than the arithmetic
+        flat = self.counts.view(-1).numpy()  # [depth * width], the counters themselves
+        at = self._buckets(ids.numpy()) + self._row_base  # [depth, n] into flat
+        np.add.at(flat, at.reshape(-1), 1)
+        estimate = flat[at].min(axis=0).astype(np.int64)
         self.sightings += len(ids)
         if self.sightings >= self.reset_after:
             self.counts >>= 1
             self.sightings //= 2
-        return estimate
+        return torch.from_numpy(estimate)
 
 
 class TransformResult(NamedTuple):

@@ -13,10 +13,12 @@ its plan put on embedding servers. Two ways, per table, by the plan's cache size
   a client reads one model version (the router pins its ``RemoteTables`` to the version it
   serves, and a new version is a new model with a new copy). Keyed (hashed) tables are never
   copied whole: any process may ``Put`` their rows.
-* **hot rows**: every other remote table. A batch's ids map to slots of the table's
-  :class:`~sharded_tables.cache.HotRowCache` (rows held in one TBE, so the kernel pools cached
-  rows by slot); the distinct misses of the whole batch are fetched in one request per server,
-  pooled with ``embedding_bag``, then offered to the cache for later batches.
+* **hot rows**: every other remote table. A batch's distinct ids per table are looked up in the
+  table's :class:`~sharded_tables.cache.HotRowCache`; the distinct misses of the whole batch are
+  fetched in one request per server; the packed rows of the distinct ids (cached and fetched)
+  are unpacked once and pooled with ``embedding_bag``; then the misses are offered to the cache
+  for later batches. The id bookkeeping is numpy: a serving batch holds tens of ids, where each
+  torch op's dispatch costs more than its work.
 
 Shapes: features ``{name: ids int64 [B, L]}`` (``-1``: none) -> ``{name: pooled float32 [B, D]}``.
 """
@@ -25,8 +27,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -34,7 +38,7 @@ from sharded_tables.cache import HotRowCache
 from sharded_tables.interface import RemoteStats
 from sharded_tables.planner import PlacementPlan, TablePlacement
 from sharded_tables.quantize import unpack_rows
-from sharded_tables.specs import TableSpec, Tier
+from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.store import RowStore
 from sharded_tables.tbe import LocalTable, LocalTables
 
@@ -119,42 +123,20 @@ class RemoteTier:
                     tables, tier=tier, device=device, backend=kind
                 )
         self._whole_module = {t.name: m for m in self.whole_modules.values() for t in m.tables}
-        hot = [(s, p) for s, p in remote if s.name not in self.whole]
-        self.cache_tables = self._make_cache_tables(hot, backend)
-        self.caches: dict[str, HotRowCache] = {}
-        for s, p in hot:
-            cached = self.cache_tables is not None and p.cache_rows > 0
-            self.caches[s.name] = HotRowCache(
+        self.caches = {
+            s.name: HotRowCache(
                 p.cache_rows,
                 s.row_bytes(p.dtype),
                 device=device,
                 name=s.name,
-                storage=self.cache_tables.rows_view(s.name) if cached else None,  # type: ignore[union-attr]
                 policy=cache_policy,
                 admit_after=cache_admit_after,
             )
+            for s, p in remote
+            if s.name not in self.whole
+        }
         self._copied_from: object | None = None  # the fetcher the copies came from
         self._copy_lock = threading.Lock()
-
-    def _make_cache_tables(
-        self, hot: list[tuple[TableSpec, TablePlacement]], backend: Mapping[str, str | None]
-    ) -> LocalTables | None:
-        """The hot-row caches' rows in one TBE (sum pooling: the kernel pools cached rows by
-        slot); a cache of 0 rows is no cache."""
-        cached = [(s, p) for s, p in hot if p.cache_rows > 0]
-        if not cached:
-            return None
-        cuda = self.device.type == "cuda"
-        return LocalTables(
-            [
-                LocalTable(s.name, p.cache_rows, s.dim, p.dtype, s.feature_names(), "sum")
-                for s, p in cached
-            ],
-            tier="device" if cuda else "host",
-            device=self.device,
-            # CUDA: the torch path (slot views of fbgemm's UVM storage are not exposed)
-            backend="torch" if cuda or any(backend[s.name] for s, _ in cached) else None,
-        )
 
     # ---- whole copies -------------------------------------------------------------------------
     @torch.compiler.disable  # I/O, once
@@ -203,57 +185,97 @@ class RemoteTier:
         timeout: float | None,
         stats: RemoteStats,
     ) -> dict[str, torch.Tensor]:
-        """Pools the features of hot-row tables ``by_table`` (``{table: [feature]}``): cached
-        rows by slot, the batch's distinct misses fetched in one request per server. Rows of
-        cached slots are pooled before any miss is admitted (admitting may evict them)."""
-        ids = {f: features[f].cpu() for feats in by_table.values() for f in feats}  # [B, L]
-        present = {f: present_ids(self.specs[t], ids[f]) for t, fs in by_table.items() for f in fs}
-        slots = {f: self._cache_slots(t, ids[f]) for t, fs in by_table.items() for f in fs}
-        misses: dict[str, torch.Tensor] = {}
-        for table, feats in by_table.items():
-            missed = [ids[f][(slots[f] < 0) & present[f]] for f in feats]
-            u = torch.unique(missed[0] if len(missed) == 1 else torch.cat(missed))
-            stats.ids += sum(int(present[f].sum()) for f in feats)
-            if u.numel():
-                misses[table] = u
+        """Pools the features of hot-row tables ``by_table`` (``{table: [feature]}``): the
+        batch's distinct ids per table are read from the cache where it holds them and fetched
+        otherwise (one request per server for the whole batch); the packed rows of the distinct
+        ids are unpacked once and each feature pools over them. Cached rows are read before any
+        miss is admitted (admitting may evict them)."""
+        batch = {t: self._distinct(t, [features[f] for f in fs]) for t, fs in by_table.items()}
+        misses = {t: torch.from_numpy(d.misses) for t, d in batch.items() if len(d.misses)}
+        stats.ids += sum(d.present for d in batch.values())
         fetched: dict[str, torch.Tensor] = {}
         if misses:
             if remote is None:
                 raise RuntimeError(f"remote tables {sorted(misses)} need embedding servers")
             fetched = remote.fetch(misses, timeout=timeout)
             stats.fetched += sum(len(u) for u in misses.values())
-        b = next(iter(ids.values())).shape[0]
         out: dict[str, torch.Tensor] = {}
-        if self.cache_tables is not None:  # misses are slot -1: the kernel skips them
-            names = self.cache_tables.feature_names
-            empty = torch.empty(b, 0, dtype=torch.int64)
-            pooled = self.cache_tables.forward_padded(
-                [slots.get(f, empty).to(self.cache_tables.device) for f in names]
-            ).split(self.cache_tables.feature_dims, dim=1)
-            out.update({f: pooled[i] for i, f in enumerate(names) if f in slots})
-        for table, u in misses.items():
-            spec = self.specs[table]
-            dense = unpack_rows(fetched[table], self.plan.placement(table).dtype, spec.dim)
-            dense, u_dev = dense.to(self.device), u.to(self.device)
-            for f in by_table[table]:
-                uncached = torch.where(slots[f] < 0, ids[f], -1).to(self.device)
-                extra = pool_rows(spec, uncached, u_dev, dense, mean=False)
-                out[f] = out[f] + extra if f in out else extra
-            if self.caches[table].capacity:
-                self.caches[table].put(u, fetched[table])
         for table, feats in by_table.items():
-            spec = self.specs[table]
-            for f in feats:
-                if f not in out:  # no cache and nothing fetched: every bag is empty
-                    out[f] = torch.zeros(b, spec.dim, device=self.device)
-                if spec.pooling == "mean":
-                    n = present[f].sum(dim=1, keepdim=True).clamp(min=1)
-                    out[f] = out[f] / n.to(out[f].device)
+            d, spec = batch[table], self.specs[table]
+            if not len(d.slots):  # every bag empty
+                out.update({f: torch.zeros(d.b, spec.dim, device=self.device) for f in feats})
+                continue
+            dense = unpack_rows(self._packed(table, d, fetched.get(table)), d.dtype, spec.dim)
+            for f, pos, weights in zip(feats, d.pos, d.weights, strict=True):
+                out[f] = F.embedding_bag(
+                    pos.to(self.device), dense, mode="sum",
+                    per_sample_weights=weights.to(self.device),
+                )  # fmt: skip
+            if table in misses and self.caches[table].capacity:
+                self.caches[table].put(misses[table], fetched[table])
         return out
 
-    def _cache_slots(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Cache slots of ``ids [B, L]`` (``-1``: not cached or padding), on CPU."""
-        cache = self.caches[table]
-        if cache.capacity == 0:
-            return torch.full(ids.shape, -1, dtype=torch.int64)
-        return cache.lookup_slots(ids.reshape(-1)).view(ids.shape)
+    def _distinct(self, table: str, id_mats: list[torch.Tensor]) -> _Distinct:
+        """The distinct present ids of one table's features ``[B, L_f]``, their cache slots and
+        each id's position among them. Ids are few (a batch): numpy, not torch, whose per-op
+        dispatch would cost more than the work."""
+        spec, cache = self.specs[table], self.caches[table]
+        mats = [m.cpu().numpy() for m in id_mats]
+        flat = np.concatenate([m.reshape(-1) for m in mats]) if len(mats) > 1 else mats[0].ravel()
+        present = flat != -1 if spec.hashed else flat >= 0  # [n]
+        if cache.capacity:  # every present id counts as a hit or a miss
+            slots = cache.lookup_slots(torch.from_numpy(flat)).numpy()[present]
+        else:
+            slots = np.full(int(present.sum()), -1, np.int64)
+        u, first, inverse = np.unique(flat[present], return_index=True, return_inverse=True)
+        slots_u = slots[first]  # [U]
+        pos = np.zeros(len(flat), np.int64)
+        pos[present] = inverse
+        weights = present.astype(np.float32)
+        pos_f, weights_f, at = [], [], 0
+        for m in mats:
+            n = m.size
+            w = weights[at : at + n].reshape(m.shape)
+            if spec.pooling == "mean":
+                w = w / np.maximum(w.sum(axis=1, keepdims=True), 1)
+            pos_f.append(torch.from_numpy(pos[at : at + n].reshape(m.shape)))
+            weights_f.append(torch.from_numpy(w))
+            at += n
+        return _Distinct(
+            b=mats[0].shape[0], dtype=self.plan.placement(table).dtype, slots=slots_u,
+            misses=u[slots_u < 0], present=len(slots), pos=pos_f, weights=weights_f,
+        )  # fmt: skip
+
+    def _packed(self, table: str, d: _Distinct, fetched: torch.Tensor | None) -> torch.Tensor:
+        """Packed rows ``uint8 [U, row_bytes]`` of the distinct ids: cached ones from the cache
+        storage, the others from ``fetched`` (rows of ``d.misses``, in order)."""
+        storage = self.caches[table].storage
+        hit = d.slots >= 0
+        if fetched is None:  # all cached
+            return storage[torch.from_numpy(d.slots).to(storage.device)]
+        if not hit.any():
+            return fetched.to(storage.device)
+        rows = torch.empty(len(d.slots), storage.shape[1], dtype=torch.uint8, device=storage.device)
+        at_hit = torch.from_numpy(np.flatnonzero(hit)).to(storage.device)
+        rows[at_hit] = storage[torch.from_numpy(d.slots[hit]).to(storage.device)]
+        rows[torch.from_numpy(np.flatnonzero(~hit)).to(storage.device)] = fetched.to(storage.device)
+        return rows
+
+
+@dataclass
+class _Distinct:
+    """One table's ids in one batch, reduced to its distinct present ids (U of them)."""
+
+    b: int
+    """Batch size B."""
+    dtype: DType
+    slots: np.ndarray
+    """``int64 [U]``: cache slot of each distinct id (sorted by id), -1 where not cached."""
+    misses: np.ndarray
+    """``int64 [M]``: the distinct ids not cached, ascending (to fetch)."""
+    present: int
+    """Present ids (counting repeats)."""
+    pos: list[torch.Tensor]
+    """Per feature ``int64 [B, L_f]``: each id's position among the distinct ids (0 if absent)."""
+    weights: list[torch.Tensor]
+    """Per feature ``float32 [B, L_f]``: 0 for absent ids, 1 (sum) or 1 / bag size (mean)."""

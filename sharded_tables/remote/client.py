@@ -128,6 +128,7 @@ class RemoteTables(RowStore):
         names = ("requests", "ids", "failures", "zero_filled_ids")
         self._stats: dict[str, dict[str, int]] = {k: dict.fromkeys(addresses, 0) for k in names}
         self._stats_lock = threading.Lock()
+        self._metrics = {a: (LOOKUPS.labels(a), LOOKUP_IDS.labels(a)) for a in addresses}
         # calls to all servers but one run here (one call runs in the caller's thread)
         self._calls = ThreadPoolExecutor(
             max_workers=max(1, len(addresses) - 1), thread_name_prefix="embed-call"
@@ -155,7 +156,7 @@ class RemoteTables(RowStore):
         """-> per table (rows ``uint8 [n, rb]``, found ``bool [n]``) in the order of its ids."""
         requests: dict[str, pb.LookupRequest] = {}
         parts: dict[str, list[tuple[str, Positions]]] = {}  # address -> (table, unique positions)
-        unique: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        unique: dict[str, tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
         for name, ids in ids_by_table.items():
             spec = self._spec(name)
             if ids.dtype != torch.int64 or ids.dim() != 1:
@@ -164,7 +165,11 @@ class RemoteTables(RowStore):
                 )
             # numpy, not torch: torch's OpenMP workers spin after each op and starve the servers'
             # threads on a small host (measured 10x median latency on 2 cores)
-            uniq_np, inverse = np.unique(ids.cpu().numpy(), return_inverse=True)  # [u], [n]
+            ids_np = ids.cpu().numpy()
+            inverse: np.ndarray | None = None  # None: the ids are distinct and ascending already
+            if len(ids_np) > 1 and not (ids_np[1:] > ids_np[:-1]).all():
+                ids_np, inverse = np.unique(ids_np, return_inverse=True)  # [u], [n]
+            uniq_np = ids_np
             rows = np.zeros((len(uniq_np), spec.row_bytes), np.uint8)
             unique[name] = (inverse, rows, np.zeros(len(uniq_np), bool))
             for s, pos in self._by_server(spec, uniq_np):
@@ -184,7 +189,10 @@ class RemoteTables(RowStore):
         for address, call in calls.items():  # a pooled call left behind ends by its deadline
             self._collect(address, call.result(), parts[address], unique)
         return {
-            name: (torch.from_numpy(rows[inverse]), torch.from_numpy(found[inverse]))
+            name: (
+                torch.from_numpy(rows if inverse is None else rows[inverse]),
+                torch.from_numpy(found if inverse is None else found[inverse]),
+            )
             for name, (inverse, rows, found) in unique.items()
         }
 
@@ -217,17 +225,19 @@ class RemoteTables(RowStore):
         address: str,
         outcome: pb.LookupResponse | grpc.RpcError,
         parts: list[tuple[str, Positions]],
-        unique: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        unique: dict[str, tuple[np.ndarray | None, np.ndarray, np.ndarray]],
     ) -> None:
         """Copies one server's answer into the unique-id rows of its tables.
 
         A failure raises, or (``fallback="zero"`` and a server-side code) leaves the rows zero.
         """
         n_ids = sum(_count(pos, len(unique[name][1])) for name, pos in parts)
-        self._count("requests", address, 1)
-        self._count("ids", address, n_ids)
-        LOOKUPS.labels(address).inc()
-        LOOKUP_IDS.labels(address).inc(n_ids)
+        with self._stats_lock:
+            self._stats["requests"][address] += 1
+            self._stats["ids"][address] += n_ids
+        lookups, lookup_ids = self._metrics[address]
+        lookups.inc()
+        lookup_ids.inc(n_ids)
         response = outcome
         if isinstance(response, grpc.RpcError):
             error = self._failed(address, response)
