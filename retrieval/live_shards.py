@@ -15,7 +15,8 @@ asking any other shard, so every shard reaches the same decision on its own::
 Each shard reports which of the batch's items it held and its list sizes and bit counts after
 the update; the router refuses the batch (on every shard) when an item to remove or re-label is
 held by none (:func:`check_held`), and otherwise plans with the summed statistics
-(:func:`stats_index`). Merging the updated parts gives the index that the same batch gives the
+(:func:`stats_index`), whose bound statistics grow with the batch as the unsharded index's do
+(``retrieval/index/bound.py``). Merging the updated parts gives the index that the same batch gives the
 unsharded model (``tests/retrieval/test_live_shards.py``).
 """
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from retrieval.index import update as index_update
+from retrieval.index.bound import grown
 from retrieval.index.ivf import IVFIndex
 from retrieval.index.split import shard_of
 from retrieval.live_updates import (
@@ -35,6 +37,7 @@ from retrieval.live_updates import (
     UpdateBatch,
     UpdateError,
     UpsertItems,
+    named_bits,
     rewrite_attributes,
     signatures,
 )
@@ -100,9 +103,16 @@ def check_held(batch: UpdateBatch, held: Sequence[torch.Tensor], ntotal: int) ->
         raise UpdateError("ids", "removing every item would leave the index empty")
 
 
-def stats_index(index: IVFIndex, list_sizes: torch.Tensor, counts: torch.Tensor) -> IVFIndex:
+def stats_index(
+    index: IVFIndex,
+    list_sizes: torch.Tensor,
+    counts: torch.Tensor,
+    batch: UpdateBatch | None = None,
+) -> IVFIndex:
     """A new statistics-only index (``retrieval/index/split.py``) like ``index`` with the
-    catalog's ``list_sizes [nlist]`` and filter ``counts [bits]`` (summed over the shards)."""
+    catalog's ``list_sizes [nlist]`` and filter ``counts [bits]`` (summed over the shards).
+    ``batch``: the resolved update that led there, which grows the bound statistics as it grew
+    the unsharded index's (:func:`bounds_after`); None drops them (no bound check)."""
     if tuple(list_sizes.shape) != (index.nlist,) or counts.shape != index.bit_counts.shape:
         raise ValueError(
             f"statistics: expected [{index.nlist}] list sizes and {list(index.bit_counts.shape)} "
@@ -114,5 +124,22 @@ def stats_index(index: IVFIndex, list_sizes: torch.Tensor, counts: torch.Tensor)
     sizes = list_sizes.to(torch.int64)
     out.offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).to(dev)
     out.bit_counts = counts.to(torch.int64).to(dev)
+    if batch is not None:
+        out.list_radius, out.list_bits = bounds_after(index, batch)
     out._refresh()
     return out
+
+
+def bounds_after(index: IVFIndex, batch: UpdateBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``index``'s ``(list_radius, list_bits)`` grown by a resolved ``batch`` without its items:
+    an upsert by its vectors and signatures, a relabel by the values it names in every list."""
+    if isinstance(batch, UpsertItems) and batch.vectors is not None:
+        x = batch.vectors.detach().cpu().float()
+        if index.config.metric == "cosine":  # as add_items stores them
+            x = torch.nn.functional.normalize(x, dim=1)
+        return grown(index, x, signatures(index.schema, batch.attributes))
+    if isinstance(batch, SetItemAttributes):
+        return grown(
+            index, index.centroids[:0], index.sig[:0], named_bits(index.schema, batch.attributes)
+        )
+    return index.list_radius, index.list_bits

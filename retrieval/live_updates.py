@@ -252,9 +252,20 @@ def _prepare_attributes(model: RetrievalModel, batch: SetItemAttributes) -> Prep
     sig = rewrite_attributes(
         model.index.schema, index_update.signatures_of(model.index, ids), batch.attributes
     )
+    spread = named_bits(model.index.schema, batch.attributes)  # what a router can spread too
     return PreparedUpdate(
-        with_index(model, index_update.set_signatures(model.index, ids, sig)), batch
+        with_index(model, index_update.set_signatures(model.index, ids, sig, spread)), batch
     )
+
+
+def named_bits(schema: FilterSchema, attributes: Sequence[Attributes]) -> torch.Tensor:
+    """The bits of every value a relabel names -> ``[W] int64``: what it makes possible in a
+    list (``retrieval/index/bound.py``), known without the items' old signatures."""
+    sig = signatures(schema, attributes)  # [n, W]
+    out = torch.zeros(schema.num_words, dtype=torch.int64)
+    for row in sig:
+        out |= row
+    return out
 
 
 def rewrite_attributes(

@@ -1,5 +1,6 @@
 """Building an :class:`IVFIndex`: k-means, list assignment, residual codes, filter signatures,
-postings, and (optionally) nprobe tuned for a target recall against exact search."""
+postings, each list's bound statistics and the slack of its bound (``bound.py``), and
+(optionally) nprobe tuned for a target recall against exact search."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from retrieval.filters import AttributeValue, bit_counts
+from retrieval.index.bound import list_bits, list_radius, measure_slack, residual_norms
 from retrieval.index.codes import quantize
 from retrieval.index.exact import recall_at_k
 from retrieval.index.inputs import as_tensor
@@ -63,7 +65,8 @@ def build_ivf(
     order = torch.argsort(lists, stable=True)
     counts = torch.bincount(lists, minlength=nlist)
     xs, ls = x[order], lists[order]
-    codes, scales = quantize(xs - centroids[ls], config.codes)
+    residuals = xs - centroids[ls]
+    codes, scales = quantize(residuals, config.codes)
     sig = index.schema.signatures(item_attributes or {}, n)[order]
     index.centroids = centroids
     index.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
@@ -76,14 +79,20 @@ def build_ivf(
     index.sig = sig.contiguous()
     index.bit_counts = bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64)
     index.postings = postings(sig)
+    index.list_radius = list_radius(ls, residual_norms(residuals, codes, scales), nlist)
+    index.list_bits = list_bits(ls, sig, nlist)
+    del residuals
     index._refresh()
+    sample = (
+        x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
+        if tune_queries is None
+        else as_tensor(tune_queries, "tune_queries").float().cpu()
+    )
+    if config.filter_bound > 0 and config.filter_bound_slack == 0:
+        slack = measure_slack(index, sample, config.filter_bound)
+        index.config = replace(index.config, filter_bound_slack=slack)
     if config.target_recall > 0:
-        tune_nprobe(
-            index,
-            x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
-            if tune_queries is None
-            else as_tensor(tune_queries, "tune_queries").float().cpu(),
-        )
+        tune_nprobe(index, sample)
     return index
 
 

@@ -50,7 +50,21 @@ class IVFConfig:
     """Cost of scoring one eligible item exactly, relative to one code in a list. A filtered
     request is scanned exactly when (eligible items x exact_cost) <= (codes in its probed lists)."""
     filter_nprobe_exponent: float = 0.5
-    """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
+    """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists (its
+    first round; ``filter_bound`` may add a second)."""
+    filter_bound: float = 0.99
+    """How sure a filtered request must be that the lists it did not probe hold nothing better
+    than its K-th result (``retrieval/index/bound.py``, issue 19). After the first round, an
+    unprobed list that may hold an eligible item is bounded by ``q·c + slack * |q| * rmax``
+    (``rmax``: its largest residual); a row whose K-th score is below some bound probes those
+    lists too, or scans its eligible items exactly when that is cheaper. 1.0: ``slack = 1``,
+    a proof (no eligible item is missed for want of a probe; in high dimensions that bound is
+    loose and costly). Below 1: the build measures ``slack`` as this quantile of the share of
+    ``|q| * rmax`` reached by the best item of a sample query's nearest lists. 0: off, the first
+    round only: recall falls where the filter is anti-correlated with the query (0.83 at 50 %
+    selectivity in ``bench/filtered.py``)."""
+    filter_bound_slack: float = 0.0
+    """The slack of ``filter_bound``, recorded by the build (0: not measured, no check)."""
     target_recall: float = 0.0
     """If > 0, the build picks the smallest power-of-two nprobe whose recall@``tune_k`` against
     exact search reaches this on sample queries (then ``nprobe`` is only the starting point)."""
@@ -75,6 +89,11 @@ class IVFConfig:
             )
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
+        if not 0.0 <= self.filter_bound <= 1.0 or not 0.0 <= self.filter_bound_slack <= 1.0:
+            raise ValueError(
+                f"filter_bound and filter_bound_slack must be in [0, 1], got "
+                f"{self.filter_bound}, {self.filter_bound_slack}"
+            )
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
 

@@ -14,15 +14,17 @@ Search, per batch (B queries, P probes, r candidates, K results)::
 The plan adapts to each request's filter: its selectivity ``s`` (estimated from per-bit counts)
 widens the probe (``nprobe * s**-exponent``, and enough lists to hold ``2r`` eligible items); when
 scanning its eligible items exactly is cheaper than those lists (``exact_cost``), it skips the
-lists. A request that still finds fewer than K items while more exist is answered by the exact
-scan, so a filter can never starve a result.
+lists. Given the queries, the plan also bounds what the lists a filtered row leaves out could
+hold (``retrieval/index/bound.py``): a row whose K-th result some bound beats probes those
+lists in a second round, or scans exactly. A request that still finds fewer than K items while
+more exist is answered by the exact scan, so a filter can never starve a result.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ from retrieval.filters import (
     eligible,
     estimate_selectivity,
 )
+from retrieval.index.bound import bound_check
 from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.exact import exact_topk
@@ -55,7 +58,9 @@ class IVFIndex(nn.Module):
     Buffers (N items, D dims, W signature words): ``centroids [nlist, D] f32``, ``offsets
     [nlist+1] i64``, ``item_ids [N] i64``, ``codes [N, D] int8|fp8``, ``scales [N] f32``,
     ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``,
-    ``postings [sum(bit_counts)] i32`` (the items of each bit: an inverted index over attributes).
+    ``postings [sum(bit_counts)] i32`` (the items of each bit: an inverted index over attributes),
+    ``list_radius [nlist] f32`` and ``list_bits [nlist, W] i64`` (each list's largest residual and
+    the OR of its signatures: ``retrieval/index/bound.py``; empty in an index saved before them).
     """
 
     centroids: torch.Tensor
@@ -67,6 +72,8 @@ class IVFIndex(nn.Module):
     sig: torch.Tensor
     bit_counts: torch.Tensor
     postings: torch.Tensor
+    list_radius: torch.Tensor
+    list_bits: torch.Tensor
 
     def __init__(
         self,
@@ -94,6 +101,8 @@ class IVFIndex(nn.Module):
         self.register_buffer("bit_counts", torch.zeros(w * 64, dtype=torch.int64))
         # items of each signature bit, bit after bit (int32 positions; offsets = cumsum(bit_counts))
         self.register_buffer("postings", torch.zeros(0, dtype=torch.int32))
+        self.register_buffer("list_radius", torch.zeros(0))
+        self.register_buffer("list_bits", torch.zeros(0, w, dtype=torch.int64))
         self.max_list = 0
         self._ntotal = 0
         self.posting_offsets: list[int] = [0]
@@ -123,7 +132,8 @@ class IVFIndex(nn.Module):
                 f"this index has dim={self.dim} codes={self.config.codes!r}"
             )
         # search settings as built (e.g. tuned nprobe); a config saved before ``metric`` and
-        # ``probe`` existed scored by "ip" and probed by "ip": keep its answers
+        # ``probe`` existed scored by "ip" and probed by "ip": keep its answers (one saved before
+        # ``filter_bound_slack`` gets 0, so no bound check: it searches as it did)
         saved = {"probe": "ip", **state["config"]}
         self.config = IVFConfig(**saved).resolved()
         self.schema = FilterSchema(state["attribute_values"])
@@ -140,7 +150,8 @@ class IVFIndex(nn.Module):
                 continue
             adoptable = name == "exact" and saved.dtype in (torch.float16, torch.float32)
             if (saved.dtype != buf.dtype and not adoptable) or (
-                saved.shape[1:] != buf.shape[1:] and name not in ("sig", "bit_counts", "postings")
+                saved.shape[1:] != buf.shape[1:]
+                and name not in ("sig", "bit_counts", "postings", "list_bits")
             ):
                 error_msgs.append(
                     f"{prefix}{name}: saved {tuple(saved.shape)} {saved.dtype}, expected [*, "
@@ -151,6 +162,10 @@ class IVFIndex(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        for name in ("list_radius", "list_bits"):  # saved before them: no bound check (empty)
+            if prefix + name not in state_dict and prefix + name in missing_keys:
+                missing_keys.remove(prefix + name)
+                setattr(self, name, getattr(self, name)[:0])
         self._refresh()
 
     def _refresh(self) -> None:
@@ -279,7 +294,7 @@ class IVFIndex(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
         ``exact=True`` scans every eligible item (the reference the index is measured against)."""
-        plan = self.plan(fb, k, nprobe, rerank, exact)
+        plan = self.plan(fb, k, nprobe, rerank, exact, q=q)
 
         def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
             if rows is None:
@@ -291,10 +306,18 @@ class IVFIndex(nn.Module):
 
     # ---- the steps of a search (see retrieval/index/search.py) -----------------------------
     def plan(
-        self, fb: FilterBatch, k: int, nprobe: int, rerank: int, exact: bool = False
+        self,
+        fb: FilterBatch,
+        k: int,
+        nprobe: int,
+        rerank: int,
+        exact: bool = False,
+        q: torch.Tensor | None = None,
     ) -> SearchPlan:
         """Per row: lists to probe, or an exact scan. Reads only the index's statistics
-        (``ntotal``, ``nlist``, ``bit_counts``), so a router holding them plans for its shards."""
+        (``ntotal``, ``nlist``, ``bit_counts``, ``list_radius``, ``list_bits``), so a router
+        holding them plans for its shards. With the queries ``q [B, D]``, filtered rows that
+        probe lists get the bound check of a second round (``plan.check``)."""
         b = fb.masks.shape[0]
         r = max(k, rerank) if rerank and self.keeps_exact_copy else k
         if not fb.active and not exact:  # the common case, kept lean
@@ -302,14 +325,18 @@ class IVFIndex(nn.Module):
             return SearchPlan(
                 k, r, torch.full((b,), p, dtype=torch.int64), torch.zeros(b, dtype=torch.bool)
             )
-        sel = estimate_selectivity(fb, self.bit_counts, self.ntotal).tolist()  # [B]
+        sel_t = estimate_selectivity(fb, self.bit_counts, self.ntotal)  # [B]
+        sel = sel_t.tolist()
         plans = {s_: self._plan_for(s_, nprobe, r, exact) for s_ in set(sel)}  # few distinct
-        return SearchPlan(
+        plan = SearchPlan(
             k,
             r,
             torch.tensor([plans[s_][0] for s_ in sel], dtype=torch.int64),
             torch.tensor([plans[s_][1] for s_ in sel], dtype=torch.bool),
         )
+        if q is None or self.config.filter_bound <= 0:
+            return plan
+        return replace(plan, check=bound_check(self, q, fb, plan, sel_t))
 
     def _nprobe_for(self, selectivity: float, nprobe: int, r: int) -> int:
         """Lists to probe for a request admitting ``selectivity`` of the items: widened as
@@ -369,13 +396,19 @@ class IVFIndex(nn.Module):
     ) -> Candidates:
         """Probe, scan (filter inside the scan), and re-score the survivors exactly."""
         p_max = int(plan.nprobe.max()) if plan.nprobe.numel() else 1
-        coarse, probes = probe_lists(
-            q,
-            self.centroids,
-            self.half_norms if self.config.probe == "l2" else None,
-            min(p_max, max(self.nlist, 1)),
-        )  # [b, P], best lists first
-        if bool((plan.nprobe != p_max).any()):  # per-row probe counts: skip (-1) unneeded slots
+        if plan.lists is not None:  # a second round: the planner's lists
+            probes = plan.lists.to(q.device)
+            coarse = (q @ self.centroids.T).gather(1, probes.clamp(min=0))  # [b, P]
+        else:
+            coarse, probes = probe_lists(
+                q,
+                self.centroids,
+                self.half_norms if self.config.probe == "l2" else None,
+                min(p_max, max(self.nlist, 1)),
+            )  # [b, P], best lists first
+        if plan.lists is None and bool(
+            (plan.nprobe != p_max).any()
+        ):  # per-row probe counts: skip (-1) unneeded slots
             slot = torch.arange(probes.shape[1], device=q.device)
             probes = torch.where(
                 slot < plan.nprobe.to(q.device)[:, None], probes, torch.full_like(probes, -1)

@@ -7,8 +7,12 @@
     top   = select(Candidates.concat(parts), plan)    top-r by approximate score, then top-k by
                                                       final score
 
-:func:`run_search` ties them together and re-asks, as exact scans, the rows that came back with
-fewer than k results (a filter too narrow for the probed lists).
+:func:`run_search` ties them together. A plan made for the queries (``index.plan(..., q=q)``)
+carries a :class:`~retrieval.index.bound.BoundCheck` for its filtered rows: a row whose k-th
+result is beaten by the bound of a list it did not probe asks again for just those lists (a
+second round, merged with the first), or for an exact scan of its eligible items when that
+costs less. Rows that come back with fewer than k results (a filter too narrow for the probed
+lists) are re-asked as exact scans.
 
 Why a sharded search equals the unsharded one: an item's approximate score (its list's
 centroid plus its code) and its exact score do not depend on which other items an index holds,
@@ -26,6 +30,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from retrieval.index.bound import BoundCheck
+
 NEG_INF = float("-inf")
 
 
@@ -41,14 +47,25 @@ class SearchPlan:
     """``[B] int64``: lists each row probes."""
     exact: torch.Tensor
     """``[B] bool``: rows scanned exactly over their eligible items instead."""
+    lists: torch.Tensor | None = None
+    """``[B, P] int64``: when given, the lists each row probes (``-1`` skips a slot) instead of
+    its best ``nprobe`` (a second round, which sends them to the shards)."""
+    check: BoundCheck | None = None
+    """Bounds on the lists the first round leaves out (the planner's alone: never sent)."""
 
     def rows(self, rows: torch.Tensor) -> SearchPlan:
         """The plan of a subset of rows (``rows [b] int64``)."""
-        return replace(self, nprobe=self.nprobe[rows], exact=self.exact[rows])
+        return replace(
+            self,
+            nprobe=self.nprobe[rows],
+            exact=self.exact[rows],
+            lists=None if self.lists is None else self.lists[rows],
+            check=None if self.check is None else self.check.rows(rows),
+        )
 
     def all_exact(self) -> SearchPlan:
         """The same rows, each scanned exactly."""
-        return replace(self, exact=torch.ones_like(self.exact))
+        return replace(self, exact=torch.ones_like(self.exact), lists=None, check=None)
 
     @property
     def reranks(self) -> bool:
@@ -74,6 +91,31 @@ class Candidates:
     @property
     def width(self) -> int:
         return int(self.keys.shape[1])
+
+    def rows(self, rows: torch.Tensor) -> Candidates:
+        """The candidates of a subset of rows (``rows [b] int64``)."""
+        vec = None if self.vectors is None else self.vectors[rows]
+        return Candidates(self.keys[rows], self.approx[rows], self.scores[rows], vec)
+
+    def emptied(self, rows: torch.Tensor) -> Candidates:
+        """These candidates with the rows where ``rows [B] bool`` emptied (``-1`` / ``-inf``)."""
+        drop = rows.to(self.keys.device)[:, None]
+        return self._without(drop.expand_as(self.keys))
+
+    def unique(self) -> Candidates:
+        """Each key once per row: a repeat (two rounds may both hold an item) is emptied."""
+        keys, order = self.keys.sort(dim=1)
+        again = torch.zeros_like(keys, dtype=torch.bool)
+        again[:, 1:] = (keys[:, 1:] == keys[:, :-1]) & (keys[:, 1:] >= 0)
+        return self._without(torch.zeros_like(again).scatter_(1, order, again))
+
+    def _without(self, drop: torch.Tensor) -> Candidates:
+        return Candidates(
+            self.keys.masked_fill(drop, -1),
+            self.approx.masked_fill(drop, NEG_INF),
+            self.scores.masked_fill(drop, NEG_INF),
+            self.vectors,
+        )
 
     def gather(self, idx: torch.Tensor) -> Candidates:
         """Columns ``idx [B, R']`` of every field."""
@@ -149,11 +191,35 @@ Fetch = Callable[[SearchPlan, torch.Tensor | None], Candidates]
 
 
 def run_search(plan: SearchPlan, fetch: Fetch) -> Candidates:
-    """Candidates -> select; rows left short after probing lists are re-asked as exact scans."""
-    top = select(fetch(plan, None), plan)
+    """Candidates -> select; rows whose results a bound says unprobed lists could beat probe
+    those lists (or scan exactly); rows left short after probing lists are re-asked as exact
+    scans."""
+    first = fetch(plan, None)
+    top = select(first, plan)
+    if plan.check is not None:
+        _second_round(plan, plan.check, fetch, first, top)
     short = ~plan.exact & top.keys[:, -1].lt(0)  # results fill each row from the front
     if bool(short.any()):
         rows = short.nonzero().flatten()
         sub = plan.rows(rows).all_exact()
         top.put(rows, select(fetch(sub, rows), sub))
     return top
+
+
+def _second_round(
+    plan: SearchPlan, check: BoundCheck, fetch: Fetch, first: Candidates, top: Candidates
+) -> None:
+    """Rows of ``top`` whose k-th score is below the bound of a list they did not probe: their
+    candidates from those lists (or an exact scan) merged with ``first``, written into ``top``.
+    Rows still short are left to the exact re-ask (their k-th is ``-inf``)."""
+    todo, exact, lists = check.second_round(top.scores[:, -1])
+    todo = todo.cpu() & ~plan.exact & top.keys[:, -1].ge(0).cpu()
+    if not bool(todo.any()):
+        return
+    rows = todo.nonzero().flatten()
+    sub = replace(plan.rows(rows), exact=exact.cpu()[rows], lists=lists.cpu()[rows], check=None)
+    more = fetch(sub, rows)
+    # list rows: the best of both rounds (what one round over all their lists gives);
+    # exact rows: the scan alone
+    earlier = first.rows(rows.to(first.keys.device)).emptied(sub.exact)
+    top.put(rows, select(Candidates.concat([earlier, more]).unique(), sub))

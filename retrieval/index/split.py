@@ -3,9 +3,9 @@
 Every shard keeps the global centroids (so every shard probes the same lists a query would probe
 in the whole index) and a disjoint part of every list: its items' codes, scales, exact copy and
 filter signatures, in the same list-sorted order. The router keeps a statistics-only index
-(centroids, global list offsets, per-bit counts, config and filter schema; no items), which is
-all :meth:`IVFIndex.plan` reads. See ``retrieval/index/search.py`` for why the merged answer of
-the shards equals the unsharded one.
+(centroids, global list offsets, per-bit counts, bound statistics, config and filter schema; no
+items), which is all :meth:`IVFIndex.plan` reads. See ``retrieval/index/search.py`` for why the
+merged answer of the shards equals the unsharded one.
 
     assignment = shard_of(index.item_ids, 4)          # stable: the same id, the same shard
     stats, shards = split_index(index, assignment, 4)
@@ -114,16 +114,24 @@ def _subset(index: IVFIndex, rows: torch.Tensor, lists: torch.Tensor) -> IVFInde
     out.sig = index.sig[rows].clone()
     out.bit_counts = bit_counts(out.sig) if out.sig.shape[1] else index.bit_counts.clone()
     out.postings = postings(out.sig.cpu()).to(out.sig.device)
+    _copy_bounds(out, index)  # the catalog's: still bounds for a part of it
     out._refresh()
     return out
 
 
+def _copy_bounds(out: IVFIndex, index: IVFIndex) -> None:
+    """``index``'s bound statistics (``retrieval/index/bound.py``) into ``out``."""
+    out.list_radius, out.list_bits = index.list_radius.clone(), index.list_bits.clone()
+
+
 def _stats_only(index: IVFIndex) -> IVFIndex:
-    """What the router plans with: centroids, global offsets and bit counts; no items."""
+    """What the router plans with: centroids, global offsets, bit counts and bound statistics;
+    no items."""
     out = _new_like(index)
     out.centroids = index.centroids.clone()
     out.offsets = index.offsets.clone()
     out.bit_counts = index.bit_counts.clone()
+    _copy_bounds(out, index)
     out._refresh()
     return out
 
@@ -194,6 +202,7 @@ def merge_shards(
     out.sig = _scatter([p.sig for p in parts], dest, n)
     out.bit_counts = bit_counts(out.sig) if out.sig.shape[1] else router.bit_counts.clone()
     out.postings = postings(out.sig.cpu()).to(out.sig.device)
+    _copy_bounds(out, router)
     out._refresh()
     return out
 

@@ -12,7 +12,9 @@ with the old index (nothing here writes into a buffer, so sharing is safe).
   :data:`REBUILD_IMBALANCE` a full rebuild (k-means again) is worth its cost.
 
 Items stay list-sorted (a new item goes after the existing items of its list), and ``sig``,
-``bit_counts`` and ``postings`` are recomputed so that every buffer agrees. Cost: one pass over
+``bit_counts`` and ``postings`` are recomputed so that every buffer agrees. The bound statistics
+``list_radius`` and ``list_bits`` only grow (``retrieval/index/bound.py``: a router grows its own
+copy the same way from the update alone), so they stay valid bounds after any update. Cost: one pass over
 the index's buffers per call (``O(N * D)`` copied), whatever the batch size.
 
 Example::
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from retrieval.filters import bit_counts
+from retrieval.index.bound import grown
 from retrieval.index.build import postings
 from retrieval.index.codes import quantize
 from retrieval.index.inputs import as_tensor
@@ -113,9 +116,11 @@ def _rebuilt(
     scales: torch.Tensor,
     exact: torch.Tensor,
     sig: torch.Tensor,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> IVFIndex:
     """A new index with ``index``'s centroids and config over rows in any order (``lists [N]``
-    says each row's list): sorts them by list (stable), recomputes offsets, counts, postings."""
+    says each row's list): sorts them by list (stable), recomputes offsets, counts, postings;
+    ``bounds``: its ``(list_radius, list_bits)`` (None: ``index``'s)."""
     dev = index.centroids.device
     order = torch.argsort(lists, stable=True)
     counts = torch.bincount(lists, minlength=index.nlist)
@@ -126,6 +131,7 @@ def _rebuilt(
     new.codes = codes[order].contiguous().to(dev)
     new.scales = scales[order].contiguous().to(dev)
     new.exact = (exact[order] if _has_exact(index) else exact[:0]).contiguous().to(dev)
+    new.list_radius, new.list_bits = bounds or (index.list_radius, index.list_bits)
     _set_signatures(new, sig[order].contiguous().to(dev))
     return new
 
@@ -189,6 +195,7 @@ def add_items(
         torch.cat([index.scales.cpu()[kept], scales_new]),
         exact,
         torch.cat([index.sig.cpu()[kept], sig.cpu()]),
+        grown(index, x, sig),
     )
 
 
@@ -213,21 +220,36 @@ def remove_items(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> IVFIndex:
 
 
 def set_signatures(
-    index: IVFIndex, ids: torch.Tensor | np.ndarray, sig: torch.Tensor | np.ndarray
+    index: IVFIndex,
+    ids: torch.Tensor | np.ndarray,
+    sig: torch.Tensor | np.ndarray,
+    spread: torch.Tensor | None = None,
 ) -> IVFIndex:
     """A new index where items ``ids [n]`` have signatures ``sig [n, W] int64`` (codes, lists and
-    vectors shared with ``index``); ``ValueError`` naming any id not in the index."""
+    vectors shared with ``index``); ``ValueError`` naming any id not in the index.
+
+    ``spread [W] int64``: the bits every list may now hold (``list_bits``; a router, which does
+    not know the items' lists, spreads the values an update names); None: every bit of ``sig``.
+    """
     _check_editable(index)
     ids = _check_ids(ids)
     sig = _check_sig(index, sig, ids.numel())
     pos = _require_known(index, ids, "ids").to(index.sig.device)
     new = IVFIndex(index.config, index.dim, index.schema.attribute_values)
-    for name in ("centroids", "offsets", "item_ids", "codes", "scales", "exact"):
+    for name in ("centroids", "offsets", "item_ids", "codes", "scales", "exact", "list_radius"):
         setattr(new, name, getattr(index, name))
+    if spread is None:
+        spread = _or_rows(sig)
+    new.list_bits = index.list_bits | spread.to(index.list_bits.device).view(1, -1)
     all_sig = index.sig.clone()
     all_sig[pos] = sig.to(all_sig.device)
     _set_signatures(new, all_sig)
     return new
+
+
+def _or_rows(sig: torch.Tensor) -> torch.Tensor:
+    """The OR of ``sig [n, W] int64``'s rows -> ``[W]``."""
+    return torch.from_numpy(np.bitwise_or.reduce(sig.cpu().numpy(), axis=0).astype(np.int64))
 
 
 def signatures_of(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> torch.Tensor:

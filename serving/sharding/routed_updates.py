@@ -105,7 +105,7 @@ class RoutedUpdates(LiveUpdates):
         if isinstance(batch, UpdateEmbeddings):
             return apply_update(model, batch)  # the router's tables
         sizes, counts = _record_stats(record, model)
-        return with_index(model, stats_index(model.index, sizes, counts))
+        return with_index(model, stats_index(model.index, sizes, counts, batch))
 
     # ---- one update ---------------------------------------------------------------------------
     def prepare_logged(
@@ -132,7 +132,7 @@ class RoutedUpdates(LiveUpdates):
                     [_tensor(r.bit_counts, np.int64, "bit_counts") for r in replies]
                 )
                 check_held(resolved.resolved, held, int(sizes.sum()))
-                index = stats_index(model.index, sizes.sum(0), counts.sum(0))
+                index = stats_index(model.index, sizes.sum(0), counts.sum(0), resolved.resolved)
                 record.list_sizes = tensor_bytes(sizes.sum(0), np.int64)
                 record.bit_counts = tensor_bytes(counts.sum(0), np.int64)
                 update_log.append(record.SerializeToString())  # durable: the commit point

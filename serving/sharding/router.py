@@ -5,7 +5,7 @@ with the catalog's statistics, sends the query vectors to every shard in paralle
 their candidates exactly (``retrieval/index/search.py``)::
 
     q = tower(features)                       [B, D]   here
-    plan = stats.plan(filters)                         here: the whole catalog's statistics
+    plan = stats.plan(filters, q)                      here: the whole catalog's statistics
     shard s: candidates(q, filters, plan)     [B, r]   every shard, in parallel, one deadline
     select(concat(candidates))                [B, R]   here: equals the unsharded top-R
     head, seen items, top-K                   [B, K]   here
@@ -79,7 +79,7 @@ class RouterRunner(ModelRunner):
         r, hist = model.candidate_budget(batch, k)
         fb = FilterBatch(batch.filter_masks, batch.filter_negate)
         icfg = model.index.config
-        plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank)
+        plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank, q=q)  # q: bounds (a 2nd round)
         with_vectors = model.head is not None
         until = time.monotonic() + self.client.timeout(deadline)  # one deadline for all rounds
         failed: dict[int, str] = {}

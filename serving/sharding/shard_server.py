@@ -189,6 +189,10 @@ class ShardServicer(pb_grpc.ShardServicer):
                 f"dim, words: this shard's index has dim={index.dim}, "
                 f"words={index.schema.num_words}; got {q.shape[1]}, {fb.masks.shape[2]}",
             )
+        if plan.lists is not None and bool((plan.lists >= index.nlist).any()):
+            raise PartRefusedError(
+                "INVALID_ARGUMENT", f"lists: this shard's index has {index.nlist} lists"
+            )
         return q, fb, plan
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:

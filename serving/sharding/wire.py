@@ -40,10 +40,12 @@ def encode_request(
     with_vectors: bool,
     sequence: int = 0,
 ) -> pb.SearchRequest:
-    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` and the plan, against
-    ``version`` after ``sequence`` live updates."""
+    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` and the plan (its
+    ``lists [B, P]`` when a second round gives them), against ``version`` after ``sequence``
+    live updates."""
     b, d = q.shape
     _, c, w = fb.masks.shape
+    lists = plan.lists
     return pb.SearchRequest(
         model=model,
         version=version,
@@ -60,6 +62,8 @@ def encode_request(
         filter_negate=tensor_bytes(fb.negate, np.uint8),
         with_vectors=with_vectors,
         sequence=sequence,
+        list_width=0 if lists is None else int(lists.shape[1]),
+        lists=b"" if lists is None else tensor_bytes(lists, np.int32),
     )
 
 
@@ -80,7 +84,12 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
     exact = bytes_tensor(msg.exact, np.uint8, (b,), "exact").bool()
     masks = bytes_tensor(msg.filter_masks, np.int64, (b, c, w), "filter_masks")
     negate = bytes_tensor(msg.filter_negate, np.uint8, (b, c), "filter_negate").bool()
-    return q, FilterBatch(masks, negate), SearchPlan(msg.k, msg.r, nprobe, exact)
+    lists = None
+    if msg.list_width > 0:
+        lists = bytes_tensor(msg.lists, np.int32, (b, msg.list_width), "lists").long()
+        if bool((lists < -1).any()):
+            raise ValueError("lists: every entry must be a list id (>= 0) or -1")
+    return q, FilterBatch(masks, negate), SearchPlan(msg.k, msg.r, nprobe, exact, lists)
 
 
 def encode_response(shard: int, version: int, c: Candidates) -> pb.SearchResponse:

@@ -1,6 +1,6 @@
 """Live updates of document shards (retrieval/live_shards.py): the same resolved batch applied to
 every shard's part answers as the unsharded model updated with it; an item no shard holds is
-refused; the router's statistics are the parts' sums."""
+refused; the router's statistics are the parts' sums, its bound statistics the unsharded ones."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ FILTERS = [None, "available = 'true'", "not available = 'true'"]
 def sharded_search(stats: IVFIndex, parts: list[IVFIndex], q: torch.Tensor, k: int, text):
     """The router's search in one process: plan on the statistics, merge the parts' candidates."""
     fb = stats.compile_filter(text, q.shape[0])
-    plan = stats.plan(fb, k, stats.config.nprobe, stats.config.rerank)
+    plan = stats.plan(fb, k, stats.config.nprobe, stats.config.rerank, q=q)
 
     def fetch(p: SearchPlan, rows):
         qq, f = (q, fb) if rows is None else (q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]))
@@ -50,7 +50,7 @@ def routed(model: RetrievalModel, parts: list[IVFIndex], stats: IVFIndex, batch)
     sizes = torch.stack([d.list_sizes() for d in done]).sum(0)
     check_held(resolved, [d.held for d in done], int(sizes.sum()))
     counts = torch.stack([d.bit_counts() for d in done]).sum(0)
-    return [d.index for d in done], stats_index(stats, sizes, counts)
+    return [d.index for d in done], stats_index(stats, sizes, counts, resolved)
 
 
 def batches(prep: Prepared, model: RetrievalModel) -> list:
@@ -80,6 +80,8 @@ def test_routed_updates_answer_as_the_unsharded_model(setup, num_shards):  # noq
         parts, stats = routed(model, parts, stats, batch)
         assert torch.equal(stats.offsets, whole.index.offsets)
         assert torch.equal(stats.bit_counts, whole.index.bit_counts)
+        assert torch.equal(stats.list_radius, whole.index.list_radius)  # the bound statistics
+        assert torch.equal(stats.list_bits, whole.index.list_bits)
         held = torch.cat([p.item_ids for p in parts])
         assert sorted(held.tolist()) == sorted(whole.index.item_ids.tolist())
         for text in FILTERS:

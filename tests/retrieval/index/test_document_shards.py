@@ -39,7 +39,7 @@ def sharded_search(stats: IVFIndex, shards: list[IVFIndex], q, k, text, exact=Fa
     """What the router does, in one process: plan on the statistics, merge shard candidates."""
     fb = stats.compile_filter(text, q.shape[0])
     cfg = stats.config
-    plan = stats.plan(fb, k, cfg.nprobe, cfg.rerank, exact)
+    plan = stats.plan(fb, k, cfg.nprobe, cfg.rerank, exact, q=q)
 
     def fetch(p: SearchPlan, rows):
         qq, f = (q, fb) if rows is None else (q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]))

@@ -1,0 +1,248 @@
+"""When a filtered search has probed enough lists: a bound on what the lists it did not probe
+could still give (issue 19).
+
+The plan probes a filtered row's nearest lists until they should *hold* ``2r`` eligible items
+(judged by selectivity alone). Where the filter is anti-correlated with the query (its eligible
+items sit away from the query's neighbourhood) those lists hold eligible items that are not the
+best ones, and recall falls (0.83 at 50 % selectivity on ``retrieval/data/anticorrelated.py``).
+So, after that first round, every filtered row compares its K-th best result with a bound on
+each list it did not probe::
+
+    bound[b, l] = q_b · c_l + slack * |q_b| * rmax_l       (-inf: the row's filter admits no
+                                                             item the list may hold)
+
+Any item ``x = c_l + r`` of list ``l`` scores ``q·x <= q·c_l + |q| |r|`` (Cauchy-Schwarz), so
+with ``slack = 1`` no list left out can hold an item better than the K-th: a proof. That bound
+is loose (a residual rarely points along the query: in 64-d the best item of a list reaches
+about a third of it), so the build measures ``slack`` as a quantile of the share actually
+reached by sample queries in their nearest lists (:func:`measure_slack`;
+``IVFConfig.filter_bound``). A row whose K-th result is beaten by some bound probes every such
+list in a second round (its K-th can only rise, so one round suffices), or scans its eligible
+items exactly when that costs less (:meth:`BoundCheck.second_round`).
+
+Per-list statistics (buffers of the index, in its state dict): ``list_radius [nlist] f32``, the
+largest residual norm (exact or decoded) of any item the list has held, and ``list_bits [nlist,
+W] i64``, the OR of their filter signatures. Live updates only grow them (:func:`grown`), so they
+stay valid bounds, and a router computes the same growth from the update batch alone: an
+upserted item counts in every list it is (within rounding) nearest to, and a relabel makes its
+new values possible in every list (a router does not know an item's list).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from retrieval.filters import FilterBatch
+from retrieval.index.codes import dequantize, quantize
+from retrieval.index.scan import topk_rows
+
+if TYPE_CHECKING:
+    from retrieval.index.ivf import IVFIndex
+    from retrieval.index.search import SearchPlan
+
+NEG_INF = float("-inf")
+_CHUNK = 1 << 16  # rows decoded at a time, so statistics of a large catalog stay in bounded memory
+
+
+# ---- per-list statistics -------------------------------------------------------------------------
+def residual_norms(
+    residuals: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """``max(|r|, |decoded r|)`` per item -> ``[N] float32`` (the bound must hold for the exact
+    scores of a re-rank and for the approximate scores of the codes alike). ``residuals [N, D]``
+    floats, ``codes [N, D]``, ``scales [N]``."""
+    out = torch.empty(residuals.shape[0])
+    for s in range(0, residuals.shape[0], _CHUNK):
+        e = s + _CHUNK
+        exact = residuals[s:e].float().norm(dim=1)
+        out[s:e] = torch.maximum(exact, dequantize(codes[s:e], scales[s:e]).norm(dim=1)).cpu()
+    return out
+
+
+def list_radius(lists: torch.Tensor, norms: torch.Tensor, nlist: int) -> torch.Tensor:
+    """The largest of ``norms [N]`` in each list (``lists [N] int64``) -> ``[nlist] float32``
+    (0 for an empty list)."""
+    out = torch.zeros(nlist)
+    return out.scatter_reduce(0, lists.cpu(), norms.float().cpu(), "amax", include_self=True)
+
+
+def list_bits(lists: torch.Tensor, sig: torch.Tensor, nlist: int) -> torch.Tensor:
+    """The OR of the signatures ``sig [N, W] int64`` in each list (``lists [N] int64``) ->
+    ``[nlist, W] int64``."""
+    out = np.zeros((nlist, sig.shape[1]), dtype=np.int64)
+    np.bitwise_or.at(out, lists.cpu().numpy(), sig.cpu().numpy())
+    return torch.from_numpy(out)
+
+
+def grown(
+    index: IVFIndex, vectors: torch.Tensor, sig: torch.Tensor, spread: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(list_radius, list_bits)`` of ``index`` grown by items ``vectors [n, D]`` (float, as the
+    index stores them: normalised for "cosine") with signatures ``sig [n, W]``, and by
+    ``spread [W]``: bits every list may now hold (a relabel). Statistics-only indexes (a
+    router's) grow the same way, so a router and the unsharded index agree."""
+    radius, bits = index.list_radius.cpu().clone(), index.list_bits.cpu().clone()
+    if radius.numel() == 0:  # no statistics (an index saved before them): nothing to grow
+        return radius, bits
+    centroids = index.centroids.cpu().float()
+    x = vectors.cpu().float()
+    half = 0.5 * centroids.pow(2).sum(dim=1)
+    for s in range(0, x.shape[0], 1024):
+        xs = x[s : s + 1024]
+        key = half - xs @ centroids.T  # [n, nlist]: |x - c|^2 / 2 up to a per-row constant
+        scale = xs.pow(2).sum(dim=1, keepdim=True) + 2 * half.max()
+        near = key <= key.min(dim=1, keepdim=True).values + 1e-5 * scale  # the nearest, and ties
+        item, lst = near.nonzero(as_tuple=True)  # every list the build's assign may pick
+        res = xs[item] - centroids[lst]
+        codes, scales = quantize(res, index.config.codes)
+        radius = radius.scatter_reduce(
+            0, lst, residual_norms(res, codes, scales), "amax", include_self=True
+        )
+        if bits.numel():
+            bits |= list_bits(lst, sig[s : s + 1024].cpu()[item], index.nlist)
+    if spread is not None and bits.numel():
+        bits |= spread.cpu().view(1, -1)
+    dev = index.centroids.device
+    return radius.to(dev), bits.to(dev)
+
+
+# ---- the slack, measured at build ------------------------------------------------------------------
+def measure_slack(
+    index: IVFIndex, queries: torch.Tensor, quantile: float, lists: int = 32
+) -> float:
+    """The ``quantile`` of ``max_x q·r_x / (|q| rmax_l)`` over sample ``queries [Q, D]`` and the
+    ``lists`` lists nearest each (after its first, which every search probes) -> slack in
+    ``[0, 1]``; ``quantile >= 1`` -> 1.0 (the proof)."""
+    if quantile >= 1.0 or index.nlist < 2:
+        return 1.0
+    q = _as_scored(index, queries.float().cpu())
+    centroids, radius, offsets = index.centroids.cpu(), index.list_radius.cpu(), index.offsets.cpu()
+    near = topk_rows(_probe_key(index, q @ centroids.T), min(lists + 1, index.nlist))[1][:, 1:]
+    share = []
+    for s in range(0, q.shape[0], 16):  # [16 queries x their lists' items] at a time
+        qs, ls = q[s : s + 16], near[s : s + 16]
+        pair = torch.arange(ls.numel()).view_as(ls)  # (query, list) pairs
+        sizes = (offsets[ls + 1] - offsets[ls]).flatten()
+        item_pair = torch.repeat_interleave(pair.flatten(), sizes)  # [M]
+        start = torch.repeat_interleave(offsets[ls].flatten() - sizes.cumsum(0) + sizes, sizes)
+        pos = start + torch.arange(item_pair.numel())  # the items of every pair's list
+        res = dequantize(index.codes.cpu()[pos], index.scales.cpu()[pos])  # [M, D]
+        dots = (res * qs[item_pair // ls.shape[1]]).sum(dim=1)
+        best = torch.full((pair.numel(),), NEG_INF).scatter_reduce(0, item_pair, dots, "amax")
+        scale = qs.norm(dim=1)[:, None] * radius[ls]  # [16, lists]
+        ok = (sizes > 0) & (scale.flatten() > 0)
+        share.append((best[ok] / scale.flatten()[ok]).clamp(0.0, 1.0))
+    found = torch.cat(share)
+    return float(torch.quantile(found, quantile)) if found.numel() else 1.0
+
+
+def _as_scored(index: IVFIndex, q: torch.Tensor) -> torch.Tensor:
+    """Queries as the index scores them (unit norm for "cosine")."""
+    return torch.nn.functional.normalize(q, dim=1) if index.config.metric == "cosine" else q
+
+
+def _probe_key(index: IVFIndex, ip: torch.Tensor) -> torch.Tensor:
+    """``q·c [B, nlist]`` -> the key lists are probed by (``retrieval/index/probe.py``)."""
+    return ip - index.half_norms.to(ip.device) if index.config.probe == "l2" else ip
+
+
+# ---- the check ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BoundCheck:
+    """What a plan needs to decide, after its first round, which rows probe more lists.
+
+    ``bounds [B, nlist] float32``: the best score an eligible item of each list could reach
+    (``-inf``: probed in the first round, or holding no item the row's filter admits, or a row
+    without a check). ``sizes [nlist] int64``: items per list. ``budget [B] float32``: codes a
+    second round may scan before the exact scan of the row's eligible items costs less.
+    """
+
+    bounds: torch.Tensor
+    sizes: torch.Tensor
+    budget: torch.Tensor
+
+    def rows(self, rows: torch.Tensor) -> BoundCheck:
+        return replace(self, bounds=self.bounds[rows], budget=self.budget[rows])
+
+    def second_round(self, kth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``kth [B]``: each row's K-th best score after the first round -> ``(todo [B] bool``:
+        rows some list could still improve, ``exact [B] bool``: those better scanned exactly,
+        ``lists [B, P] int64``: the lists the others probe, ``-1`` padded)."""
+        need = self.bounds > kth.to(self.bounds.device)[:, None]  # [B, nlist]
+        count = need.sum(dim=1)
+        todo = count > 0
+        codes = (need.long() * self.sizes.to(need.device)).sum(dim=1).float()
+        exact = todo & (codes > self.budget.to(need.device))
+        p = int(count[todo & ~exact].max()) if bool((todo & ~exact).any()) else 1
+        order = torch.argsort((~need).to(torch.uint8), dim=1, stable=True)[:, :p]  # needed first
+        slot = torch.arange(p, device=need.device)
+        lists = torch.where(slot < count[:, None], order, torch.full_like(order, -1))
+        return todo, exact, lists
+
+
+def bound_check(
+    index: IVFIndex, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan, sel: torch.Tensor
+) -> BoundCheck | None:
+    """The :class:`BoundCheck` of ``plan`` for queries ``q [B, D]`` under filters ``fb``, whose
+    estimated selectivities are ``sel [B]``; None when no row is checked (no filtered row
+    probes lists, or the index has no statistics or no measured slack)."""
+    slack = index.config.filter_bound_slack
+    rows = ((sel < 1.0) & ~plan.exact.cpu()).nonzero().flatten()
+    if slack <= 0 or index.list_radius.numel() == 0 or rows.numel() == 0:
+        return None
+    dev = index.centroids.device
+    b = q.shape[0]
+    qr = _as_scored(index, q[rows.to(q.device)].float())
+    ip = qr @ index.centroids.T  # [b, nlist]
+    key = _probe_key(index, ip)
+    nprobe = plan.nprobe[rows].to(dev)
+    first = topk_rows(key, min(int(nprobe.max()), index.nlist))[1]  # [b, P]: the first round
+    slot = torch.arange(first.shape[1], device=dev)
+    first = torch.where(slot < nprobe[:, None], first, index.nlist)  # unused slots: a spare column
+    probed = torch.zeros(rows.numel(), index.nlist + 1, dtype=torch.bool, device=dev)
+    probed = probed.scatter_(1, first, True)[:, : index.nlist]
+    sizes = index.offsets.diff()
+    bounds = ip + slack * _norm_bound(index, qr)[:, None] * index.list_radius[None, :]
+    out_of_reach = (
+        probed | (sizes[None, :] == 0) | ~_may_hold(index, fb.masks[rows], fb.negate[rows])
+    )
+    bounds = bounds.masked_fill(out_of_reach, NEG_INF)
+    full = torch.full((b, index.nlist), NEG_INF, device=dev)
+    full[rows.to(dev)] = bounds
+    budget = sel.to(dev) * index.ntotal * index.config.exact_cost
+    return BoundCheck(full, sizes, budget.float())
+
+
+def _norm_bound(index: IVFIndex, q: torch.Tensor) -> torch.Tensor:
+    """``[b]``: at least ``|q|`` and the norm of the query as the int8 scan quantizes it
+    (each entry off by at most ``max|q| / 254``)."""
+    n = q.norm(dim=1)
+    if index.config.codes == "int8":
+        n = n + q.shape[1] ** 0.5 * q.abs().amax(dim=1) / 254.0
+    return n
+
+
+def _may_hold(index: IVFIndex, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+    """``[b, nlist] bool``: lists that may hold an item passing each row's filter (``masks
+    [b, C, W]``, ``negate [b, C]``): every non-negated clause shares a bit with ``list_bits``.
+    Negated clauses cannot rule a list out (its bits say which values it holds, not that all
+    its items hold them)."""
+    b, nlist = masks.shape[0], index.nlist
+    out = torch.ones(b, nlist, dtype=torch.bool, device=masks.device)
+    if masks.shape[1] == 0 or index.list_bits.numel() == 0:
+        return out
+    bits = index.list_bits.to(masks.device)  # [nlist, W]
+    key = torch.cat([masks.flatten(1), negate.long()], dim=1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # few distinct filters a batch
+    for g in range(uniq.shape[0]):
+        row = int((inverse == g).nonzero()[0])
+        ok = torch.ones(nlist, dtype=torch.bool, device=masks.device)
+        for c in range(masks.shape[1]):
+            if not bool(negate[row, c]):
+                ok &= (bits & masks[row, c][None, :]).ne(0).any(dim=1)
+        out[inverse == g] = ok
+    return out
