@@ -125,7 +125,7 @@ def load_movielens(directory: Path, min_rating: float | None = None) -> RecDatas
             "occupation": len(occ_vocab),
         },
         user_dense=dense.astype(np.float32),
-        interactions=Interactions(uid, iid, ts.astype(np.int64)),
+        interactions=Interactions(uid, iid, ts.astype(np.int64), rating[keep].astype(np.float32)),
         item_names=names,
     )
     ds.validate()

@@ -21,7 +21,8 @@ On disk (:func:`write_parquet`, :func:`read_parquet`), one folder:
 * ``items.parquet``: ``item_id``, ``item_name`` (when names exist), one column per attribute
   (int64 codes, or ``list<int64>`` of value codes for a multi-valued attribute);
 * ``users.parquet``: ``user_id``, one int64 column per categorical feature, ``dense_0..F-1``;
-* ``interactions.parquet``: ``user_id``, ``item_id``, ``timestamp`` (int64);
+* ``interactions.parquet``: ``user_id``, ``item_id``, ``timestamp`` (int64), optionally
+  ``value`` (float32);
 * ``meta.json``: name, sizes, vocabularies, key orders;
 * ``user_ids.parquet``, ``item_ids.parquet`` (when the data has raw ids, ``ids``): the raw id of
   each dense id (``retrieval/data/id_map.py``).
@@ -52,11 +53,14 @@ class Interactions:
     user_id: ``[M] int64`` in ``[0, U)``.
     item_id: ``[M] int64`` in ``[0, N)``.
     timestamp: ``[M] int64`` seconds.
+    value: ``[M] float32`` what the event was worth (a rating, a watch fraction), or None: what
+    per-task labels such as ``value>=4`` read (``retrieval/training/task_labels.py``).
     """
 
     user_id: np.ndarray
     item_id: np.ndarray
     timestamp: np.ndarray
+    value: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.user_id.shape[0])
@@ -64,7 +68,10 @@ class Interactions:
     def select(self, mask_or_index: np.ndarray) -> Interactions:
         """The rows picked by a bool mask ``[M]`` or an index array ``[M']``."""
         return Interactions(
-            self.user_id[mask_or_index], self.item_id[mask_or_index], self.timestamp[mask_or_index]
+            self.user_id[mask_or_index],
+            self.item_id[mask_or_index],
+            self.timestamp[mask_or_index],
+            None if self.value is None else self.value[mask_or_index],
         )
 
     def validate(self, num_users: int | None = None, num_items: int | None = None) -> None:
@@ -77,6 +84,12 @@ class Interactions:
             if m is not None and arr.shape[0] != m:
                 raise ValueError(f"interactions.{field}: has {arr.shape[0]} rows, user_id has {m}")
             m = arr.shape[0]
+        if self.value is not None and (
+            not isinstance(self.value, np.ndarray)
+            or self.value.shape != (m,)
+            or not np.issubdtype(self.value.dtype, np.floating)
+        ):
+            raise ValueError(f"interactions.value: expected float [{m}], got {_describe(self.value)}")
         for field, bound in (("user_id", num_users), ("item_id", num_items)):
             arr = getattr(self, field)
             if arr.size and arr.min() < 0:
@@ -246,7 +259,10 @@ def write_parquet(ds: RecDataset, directory: Path) -> Path:
     pq.write_table(pa.table(users), directory / "users.parquet")
 
     it = ds.interactions
-    table = pa.table({"user_id": it.user_id, "item_id": it.item_id, "timestamp": it.timestamp})
+    columns = {"user_id": it.user_id, "item_id": it.item_id, "timestamp": it.timestamp}
+    if it.value is not None:
+        columns["value"] = it.value
+    table = pa.table(columns)
     pq.write_table(table, directory / "interactions.parquet")
 
     meta = {
@@ -326,7 +342,12 @@ def read_parquet(directory: Path) -> RecDataset:
             *(
                 _ints(_column(inter, "interactions.parquet", c))
                 for c in ("user_id", "item_id", "timestamp")
-            )
+            ),
+            value=(
+                np.asarray(inter["value"].to_numpy(), dtype=np.float32)
+                if "value" in inter.column_names
+                else None
+            ),
         ),
         item_names=names,
         ids=IdMaps.read(directory),

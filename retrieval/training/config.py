@@ -334,6 +334,9 @@ class TrainConfig(Config):
     hard_negative_ranks: tuple[int, int] = (10, 100)
     """``[lo, hi)``: each mined item is at a random rank in this range of its user's result
     (the top ``lo`` are skipped: likely the user's next positives)."""
+    task_loss_weight: float = Field(default=1.0, ge=0)
+    """With a scoring head: weight of its per-task binary cross-entropy (labels from the task
+    names, ``retrieval/training/task_labels.py``) beside the softmax; 0: softmax only."""
     history: Literal["causal", "static"] = "causal"
     """What the user tower reads for a training pair: the items the user consumed before it
     ("causal", what a served request carries) or the user's whole training history with the

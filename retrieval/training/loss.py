@@ -19,13 +19,41 @@ from retrieval.scoring import PairHead
 
 
 def in_batch_logits(
-    q: torch.Tensor, v: torch.Tensor, temperature: float, head: PairHead | None = None
+    q: torch.Tensor,
+    v: torch.Tensor,
+    temperature: float,
+    head: PairHead | None = None,
+    task_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q [B, D]``, column vectors ``v [C, D]`` -> ``[B, C]`` logits (row: user, column: item)."""
+    """``q [B, D]``, column vectors ``v [C, D]`` -> ``[B, C]`` logits (row: user, column: item).
+    With a head, its combined value is added (from ``task_logits [B, C, T]`` when the caller
+    has them, so the head runs once)."""
     logits = q @ v.T / temperature
     if head is not None:
-        logits = logits + head(q.unsqueeze(1), v.unsqueeze(0))  # [B, C]
+        if task_logits is None:
+            task_logits = head.task_logits(q.unsqueeze(1), v.unsqueeze(0))
+        logits = logits + task_logits @ head.task_weights  # [B, C]
     return logits
+
+
+def task_loss(
+    task_logits: torch.Tensor,
+    row_labels: torch.Tensor,
+    item_ids: torch.Tensor,
+    column_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mean binary cross-entropy of each task's logit -> scalar. ``task_logits [B, C, T]`` with
+    the batch's positives ``item_ids [B]`` as the first B of ``column_ids [C]``; row i's own
+    column has ``row_labels [B, T]``, every other column 0, except a column holding row i's
+    item elsewhere (a repeat), which is left out."""
+    b = item_ids.shape[0]
+    labels = torch.zeros_like(task_logits)
+    own = torch.arange(b, device=task_logits.device)
+    labels[own, own] = row_labels
+    same = item_ids.unsqueeze(1) == column_ids.unsqueeze(0)  # [B, C]
+    same[own, own] = False
+    keep = (~same).unsqueeze(2).expand_as(task_logits)
+    return F.binary_cross_entropy_with_logits(task_logits[keep], labels[keep])
 
 
 def column_log_q(log_q: torch.Tensor, batch: int, random: int, num_items: int) -> torch.Tensor:

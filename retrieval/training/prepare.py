@@ -27,6 +27,7 @@ from retrieval.index.ivf import IVFConfig
 from retrieval.index.kmeans import default_nlist
 from retrieval.seen import SeenSets
 from retrieval.training.histories import timeline_first
+from retrieval.training.task_labels import task_labels
 from retrieval.training.train import TrainingData, log_q_from_counts
 
 
@@ -178,6 +179,7 @@ def prepare(
         item_features=item_feature_ids(ds.item_attributes, ds.num_items),
         item_log_q=log_q_from_counts(fit_i.item_id, ds.num_items),
         pair_first=timeline_first(fit_i.user_id),
+        task_labels=task_labels(config.head_tasks, fit_i) if config.scoring_head else None,
     )
     counts = SplitCounts.of(ds.num_users, fit_i, val_i, test_i)
     return Prepared(

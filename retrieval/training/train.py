@@ -48,7 +48,12 @@ from retrieval.training.dmp_tables import DMPTables
 from retrieval.training.early_stopping import EarlyStopping
 from retrieval.training.hard_negatives import HardNegativeMiner
 from retrieval.training.histories import causal_history, static_history
-from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
+from retrieval.training.loss import (
+    column_log_q,
+    in_batch_logits,
+    sampled_softmax_loss,
+    task_loss,
+)
 from retrieval.training.sharding import make_sharder, plan_sharding
 from sharded_tables.interface import TableCollection
 from sharded_tables.trainable import TrainableTables
@@ -71,6 +76,8 @@ class TrainingData:
     pair_first: ``[M] int64`` when the pairs are in timeline order (by user, then time): each
     pair's user's first pair (``retrieval/training/histories.py``); what ``history="causal"``
     needs. None: pairs in no particular order (static histories only).
+    task_labels: ``[M, T] float32`` each pair's label per head task
+    (``retrieval/training/task_labels.py``), or None: the head learns through the softmax only.
     """
 
     user_ids: np.ndarray
@@ -81,6 +88,7 @@ class TrainingData:
     item_features: dict[str, torch.Tensor]
     item_log_q: torch.Tensor
     pair_first: np.ndarray | None = None
+    task_labels: np.ndarray | None = None
 
 
 def log_q_from_counts(item_ids: np.ndarray, num_items: int) -> torch.Tensor:
@@ -228,9 +236,16 @@ class Trainer:
             sl = slice(s, s + size)
             col = torch.cat([cols[sl], cols[b:]])
             v_col = torch.cat([v[sl], v[b:]])
-            logits = in_batch_logits(q[sl], v_col, model.config.temperature, model.head)
+            tl = None
+            if model.head is not None:  # [B', C', T], once for both losses
+                tl = model.head.task_logits(q[sl].unsqueeze(1), v_col.unsqueeze(0))
+            logits = in_batch_logits(q[sl], v_col, model.config.temperature, model.head, tl)
             lq = column_log_q(data.item_log_q[col], len(col) - (c - b), c - b, n)
-            parts.append(sampled_softmax_loss(logits, cols[sl], col, lq))
+            loss = sampled_softmax_loss(logits, cols[sl], col, lq)
+            if tl is not None and data.task_labels is not None and cfg.task_loss_weight:
+                labels = torch.from_numpy(data.task_labels[idx[sl]])
+                loss = loss + cfg.task_loss_weight * task_loss(tl, labels, cols[sl], col)
+            parts.append(loss)
         return torch.stack(parts).mean()
 
     # ---- the loop -------------------------------------------------------------------------

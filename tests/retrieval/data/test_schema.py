@@ -53,6 +53,8 @@ def assert_same(a: RecDataset, b: RecDataset) -> None:
     assert b.user_dense.dtype == np.float32 and np.array_equal(b.user_dense, a.user_dense)
     for f in ("user_id", "item_id", "timestamp"):
         assert np.array_equal(getattr(b.interactions, f), getattr(a.interactions, f))
+    va, vb = a.interactions.value, b.interactions.value
+    assert (va is None and vb is None) or np.array_equal(va, vb)
     assert a.item_names == b.item_names
 
 
