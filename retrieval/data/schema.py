@@ -89,7 +89,9 @@ class Interactions:
             or self.value.shape != (m,)
             or not np.issubdtype(self.value.dtype, np.floating)
         ):
-            raise ValueError(f"interactions.value: expected float [{m}], got {_describe(self.value)}")
+            raise ValueError(
+                f"interactions.value: expected float [{m}], got {_describe(self.value)}"
+            )
         for field, bound in (("user_id", num_users), ("item_id", num_items)):
             arr = getattr(self, field)
             if arr.size and arr.min() < 0:
@@ -339,10 +341,9 @@ def read_parquet(directory: Path) -> RecDataset:
         user_feature_sizes={k: int(v) for k, v in meta["user_feature_sizes"].items()},
         user_dense=dense,
         interactions=Interactions(
-            *(
-                _ints(_column(inter, "interactions.parquet", c))
-                for c in ("user_id", "item_id", "timestamp")
-            ),
+            user_id=_ints(_column(inter, "interactions.parquet", "user_id")),
+            item_id=_ints(_column(inter, "interactions.parquet", "item_id")),
+            timestamp=_ints(_column(inter, "interactions.parquet", "timestamp")),
             value=(
                 np.asarray(inter["value"].to_numpy(), dtype=np.float32)
                 if "value" in inter.column_names

@@ -33,7 +33,7 @@ def test_unknown_rules_and_missing_values_are_named() -> None:
 def test_values_must_be_one_float_per_event() -> None:
     ev = _events([1.0, 2.0])
     ev.value = np.array([1, 2])  # ints
-    with pytest.raises(ValueError, match="interactions.value"):
+    with pytest.raises(ValueError, match=r"interactions\.value"):
         ev.validate()
     assert _events([1.0, 2.0, 3.0]).select(np.array([2, 0])).value.tolist() == [3.0, 1.0]
 
