@@ -100,6 +100,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--seeds", type=int, help="model seeds per optimizer, averaged (default 3; 1 --small)"
     )
+    p.add_argument(
+        "--history",
+        choices=("causal", "static"),
+        default="causal",
+        help="training pairs' histories (train.history; static: the model before 2026-11-25)",
+    )
+    p.add_argument("--recent-len", type=int, default=5, help="model.recent_len (0: off)")
+    p.add_argument("--hard-negatives", type=int, default=0, help="train.hard_negatives")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.epochs = args.epochs or (2 if args.small else 8)
@@ -120,12 +128,20 @@ def load_dataset(name: str, args: argparse.Namespace) -> RecDataset:
 
 
 def trained_model(
-    prep: Prepared, table_optimizer: str, epochs: int, seed: int
+    prep: Prepared, table_optimizer: str, args: argparse.Namespace, seed: int
 ) -> tuple[RetrievalModel, list[float]]:
     """A seeded model trained on ``prep`` with its INT8-code index built (as the demo)."""
     torch.manual_seed(seed)
-    model = RetrievalModel(copy.deepcopy(prep.config))  # build_index rewrites config.index
-    cfg = TrainConfig(epochs=epochs, seed=seed, progress=False, table_optimizer=table_optimizer)
+    config = dataclasses.replace(copy.deepcopy(prep.config), recent_len=args.recent_len)
+    model = RetrievalModel(config)  # build_index rewrites config.index
+    cfg = TrainConfig(
+        epochs=args.epochs,
+        seed=seed,
+        progress=False,
+        table_optimizer=table_optimizer,
+        history=args.history,
+        hard_negatives=args.hard_negatives,
+    )
     losses = train(model, prep.train, cfg)
     build_index(model, prep, seed)
     return model, losses
@@ -253,7 +269,21 @@ def evaluate_model(
         "rows": rows,
         "index_recall_vs_exact": index_recall,
         "nprobe": model.config.index.nprobe,
+        "forward_ms": forward_ms(model, ev),
     }
+
+
+def forward_ms(model: RetrievalModel, ev: Evaluation, users: int = 200) -> float:
+    """Median ms of one user's forward (batch of 1, K, seen list, INT8-code index): what
+    serving pays per request beside the quality it buys."""
+    times = []
+    with torch.no_grad():
+        for u in ev.users[:users]:
+            batch = ev.prep.user_batch(np.array([u]), seen=ev.prep.seen)
+            t0 = time.perf_counter()
+            model(batch, ev.k)
+            times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
 
 
 def bench_dataset(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -273,7 +303,7 @@ def bench_dataset(name: str, args: argparse.Namespace) -> dict[str, Any]:
         runs[opt] = []
         for seed in range(args.seed, args.seed + args.seeds):
             t0 = time.perf_counter()
-            model, losses = trained_model(prep, opt, args.epochs, seed)
+            model, losses = trained_model(prep, opt, args, seed)
             train_s = time.perf_counter() - t0
             scored = evaluate_model(model, ev, seed, args.rebuild_quantized)
             scored.update(seed=seed, epoch_losses=losses, train_s=train_s)
@@ -315,6 +345,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "last_epoch_loss": float(np.mean([r["epoch_losses"][-1] for r in runs])),
         "epochs": len(runs[0]["epoch_losses"]),
         "train_s": float(np.mean([r["train_s"] for r in runs])),
+        "forward_ms": float(np.mean([r["forward_ms"] for r in runs])),
         "seeds": [r["seed"] for r in runs],
     }
 
@@ -346,6 +377,9 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "k": args.k,
         "seed": args.seed,
         "seeds": args.seeds,
+        "history": args.history,
+        "recent_len": args.recent_len,
+        "hard_negatives": args.hard_negatives,
         "argv": sys.argv[1:],
     }
 

@@ -83,7 +83,8 @@ def notes(result: dict[str, Any], k: int) -> str:
         spread = m["rows"][FLOAT_IVF]
         lines.append(
             f"- {o}: loss {m['first_epoch_loss']:.3f} -> {m['last_epoch_loss']:.3f} over "
-            f"{m['epochs']} epochs ({m['train_s']:.0f} s per model); nprobe {m['nprobe']}; index "
+            f"{m['epochs']} epochs ({m['train_s']:.0f} s per model); one user's forward "
+            f"{m['forward_ms']:.2f} ms (median); nprobe {m['nprobe']}; index "
             f"recall@{k} vs exact: {ir}; float-model std over seeds {m['seeds']}: recall "
             f"{spread['recall_std']:.4f}, NDCG {spread['ndcg_std']:.4f}"
         )
