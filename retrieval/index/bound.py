@@ -18,7 +18,10 @@ about a third of it), so the build measures ``slack`` as a quantile of the share
 reached by sample queries in their nearest lists (:func:`measure_slack`;
 ``IVFConfig.filter_bound``). A row whose K-th result is beaten by some bound probes every such
 list in a second round (its K-th can only rise, so one round suffices), or scans its eligible
-items exactly when that costs less (:meth:`BoundCheck.second_round`).
+items exactly when that costs less (:meth:`BoundCheck.second_round`). The first round already
+skips the lists a row's filter rules out (:func:`with_bounds`): on an anti-correlated filter the
+nearest lists hold no eligible item, and probing the nearest that may hold one finds the best
+eligible items at once.
 
 Per-list statistics (buffers of the index, in its state dict): ``list_radius [nlist] f32``, the
 largest residual norm (exact or decoded) of any item the list has held, and ``list_bits [nlist,
@@ -184,37 +187,44 @@ class BoundCheck:
         return todo, exact, lists
 
 
-def bound_check(
+def with_bounds(
     index: IVFIndex, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan, sel: torch.Tensor
-) -> BoundCheck | None:
-    """The :class:`BoundCheck` of ``plan`` for queries ``q [B, D]`` under filters ``fb``, whose
-    estimated selectivities are ``sel [B]``; None when no row is checked (no filtered row
-    probes lists, or the index has no statistics or no measured slack)."""
+) -> SearchPlan:
+    """``plan`` for queries ``q [B, D]`` under filters ``fb`` (estimated selectivities ``sel
+    [B]``) with its first round's lists chosen here (``plan.lists``: each filtered row's best
+    ``nprobe`` lists *among those that may hold an item it admits*, the nearest lists of an
+    anti-correlated filter holding none) and the :class:`BoundCheck` of its second round.
+    ``plan`` as it is when no filtered row probes lists, or the index has no statistics or no
+    measured slack."""
     slack = index.config.filter_bound_slack
-    rows = ((sel < 1.0) & ~plan.exact.cpu()).nonzero().flatten()
-    if slack <= 0 or index.list_radius.numel() == 0 or rows.numel() == 0:
-        return None
-    dev = index.centroids.device
-    b = q.shape[0]
+    checked = (sel < 1.0) & ~plan.exact.cpu()  # [B]
+    if slack <= 0 or index.list_radius.numel() == 0 or not bool(checked.any()):
+        return plan
+    dev, b, nlist = index.centroids.device, q.shape[0], index.nlist
+    rows = (~plan.exact.cpu()).nonzero().flatten()  # every row that probes gets its lists here
     qr = _as_scored(index, q[rows.to(q.device)].float())
     ip = qr @ index.centroids.T  # [b, nlist]
-    key = _probe_key(index, ip)
-    nprobe = plan.nprobe[rows].to(dev)
-    first = topk_rows(key, min(int(nprobe.max()), index.nlist))[1]  # [b, P]: the first round
-    slot = torch.arange(first.shape[1], device=dev)
-    first = torch.where(slot < nprobe[:, None], first, index.nlist)  # unused slots: a spare column
-    probed = torch.zeros(rows.numel(), index.nlist + 1, dtype=torch.bool, device=dev)
-    probed = probed.scatter_(1, first, True)[:, : index.nlist]
     sizes = index.offsets.diff()
+    reach = torch.ones_like(ip, dtype=torch.bool)  # [b, nlist]: may hold an admitted item
+    mine = checked[rows]
+    reach[mine.to(dev)] = _may_hold(index, fb.masks[rows[mine]], fb.negate[rows[mine]])
+    reach &= sizes[None, :] > 0
+    key = _probe_key(index, ip).masked_fill(~reach, NEG_INF)
+    nprobe = plan.nprobe[rows].to(dev)
+    top, first = topk_rows(key, min(int(nprobe.max()), nlist))  # [b, P], best first
+    slot = torch.arange(first.shape[1], device=dev)
+    first = torch.where((slot < nprobe[:, None]) & (top > NEG_INF), first, -1)
+    probed = torch.zeros(rows.numel(), nlist + 1, dtype=torch.bool, device=dev)
+    probed = probed.scatter_(1, first.masked_fill(first < 0, nlist), True)[:, :nlist]
     bounds = ip + slack * _norm_bound(index, qr)[:, None] * index.list_radius[None, :]
-    out_of_reach = (
-        probed | (sizes[None, :] == 0) | ~_may_hold(index, fb.masks[rows], fb.negate[rows])
-    )
-    bounds = bounds.masked_fill(out_of_reach, NEG_INF)
-    full = torch.full((b, index.nlist), NEG_INF, device=dev)
+    bounds = bounds.masked_fill(probed | ~reach | ~mine.to(dev)[:, None], NEG_INF)
+    full = torch.full((b, nlist), NEG_INF, device=dev)
     full[rows.to(dev)] = bounds
+    lists = torch.full((b, first.shape[1]), -1, dtype=torch.int64, device=dev)
+    lists[rows.to(dev)] = first
     budget = sel.to(dev) * index.ntotal * index.config.exact_cost
-    return BoundCheck(full, sizes, budget.float())
+    check = BoundCheck(full, sizes, budget.float())
+    return replace(plan, lists=lists.cpu(), check=check)
 
 
 def _norm_bound(index: IVFIndex, q: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ Search, per batch (B queries, P probes, r candidates, K results)::
 The plan adapts to each request's filter: its selectivity ``s`` (estimated from per-bit counts)
 widens the probe (``nprobe * s**-exponent``, and enough lists to hold ``2r`` eligible items); when
 scanning its eligible items exactly is cheaper than those lists (``exact_cost``), it skips the
-lists. Given the queries, the plan also bounds what the lists a filtered row leaves out could
-hold (``retrieval/index/bound.py``): a row whose K-th result some bound beats probes those
-lists in a second round, or scans exactly. A request that still finds fewer than K items while
+lists. Given the queries, the plan also skips the lists a filtered row's filter rules out and
+bounds what the lists it leaves out could hold (``retrieval/index/bound.py``): a row whose K-th
+result some bound beats probes those lists in a second round, or scans exactly. A request that still finds fewer than K items while
 more exist is answered by the exact scan, so a filter can never starve a result.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from retrieval.filters import (
     eligible,
     estimate_selectivity,
 )
-from retrieval.index.bound import bound_check
+from retrieval.index.bound import with_bounds
 from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.exact import exact_topk
@@ -317,7 +317,8 @@ class IVFIndex(nn.Module):
         """Per row: lists to probe, or an exact scan. Reads only the index's statistics
         (``ntotal``, ``nlist``, ``bit_counts``, ``list_radius``, ``list_bits``), so a router
         holding them plans for its shards. With the queries ``q [B, D]``, filtered rows that
-        probe lists get the bound check of a second round (``plan.check``)."""
+        probe lists skip the lists their filter rules out and get the bound check of a second
+        round (``plan.lists``, ``plan.check``: ``retrieval/index/bound.py``)."""
         b = fb.masks.shape[0]
         r = max(k, rerank) if rerank and self.keeps_exact_copy else k
         if not fb.active and not exact:  # the common case, kept lean
@@ -336,7 +337,7 @@ class IVFIndex(nn.Module):
         )
         if q is None or self.config.filter_bound <= 0:
             return plan
-        return replace(plan, check=bound_check(self, q, fb, plan, sel_t))
+        return with_bounds(self, q, fb, plan, sel_t)
 
     def _nprobe_for(self, selectivity: float, nprobe: int, r: int) -> int:
         """Lists to probe for a request admitting ``selectivity`` of the items: widened as

@@ -8,10 +8,10 @@
                                                       final score
 
 :func:`run_search` ties them together. A plan made for the queries (``index.plan(..., q=q)``)
-carries a :class:`~retrieval.index.bound.BoundCheck` for its filtered rows: a row whose k-th
-result is beaten by the bound of a list it did not probe asks again for just those lists (a
-second round, merged with the first), or for an exact scan of its eligible items when that
-costs less. Rows that come back with fewer than k results (a filter too narrow for the probed
+names its filtered rows' lists and carries a :class:`~retrieval.index.bound.BoundCheck`: a row
+whose k-th result is beaten by the bound of a list it did not probe asks again for just those
+lists (a second round, merged with the first), or for an exact scan of its eligible items when
+that costs less. Rows that come back with fewer than k results (a filter too narrow for the probed
 lists) are re-asked as exact scans.
 
 Why a sharded search equals the unsharded one: an item's approximate score (its list's
@@ -49,7 +49,8 @@ class SearchPlan:
     """``[B] bool``: rows scanned exactly over their eligible items instead."""
     lists: torch.Tensor | None = None
     """``[B, P] int64``: when given, the lists each row probes (``-1`` skips a slot) instead of
-    its best ``nprobe`` (a second round, which sends them to the shards)."""
+    its best ``nprobe``, as the planner chose them (a filtered row skips the lists its filter
+    rules out; a second round probes what the bound check asks for). Sent to the shards."""
     check: BoundCheck | None = None
     """Bounds on the lists the first round leaves out (the planner's alone: never sent)."""
 
