@@ -45,7 +45,7 @@ Example::
     p.placement("country").tier       # Tier.DEVICE
     p.placement("user_id").row_bounds  # (0, 1_000_000, 2_000_000): 488 MiB over 2 servers
     p.placement("user_id").dtype       # DType.FP32: fp16 is allowed, but fp32 already fits
-    p.placement("user_id").cache_rows  # 100_000 rows (24.4 MiB) cached in host memory
+    p.placement("user_id").cache_rows  # 200_000 rows (48.8 MiB) cached in host memory
 """
 
 from __future__ import annotations

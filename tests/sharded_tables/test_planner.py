@@ -48,11 +48,11 @@ def test_hand_checked_example(example):
     assert (user.tier, user.dtype, user.partition) == (Tier.REMOTE, DType.FP16, "range")
     assert user.servers == (0, 1, 2)
     assert user.row_bounds == (0, 33_334, 66_667, 100_000)
-    assert (user.cache_rows, user.cache_bytes) == (5_000, 5_000 * 128)  # ceil(5%), in host memory
+    assert (user.cache_rows, user.cache_bytes) == (10_000, 10_000 * 128)  # ceil(10%), host memory
     cold = example.placement("cold")
     assert (cold.tier, cold.dtype, cold.cache_rows) == (Tier.REMOTE, DType.FP32, 0)
     use = example.usage()
-    assert use["host"] == 1_280_000 + 640_000
+    assert use["host"] == 1_280_000 + 1_280_000
     assert cold.row_bounds == (0, 6_667, 13_334, 20_000)
     assert use["remote"] == 12_800_000 + 5_120_000
     assert [t.table for t in example.tables] == ["item", "country", "user_id", "cold"]
@@ -69,7 +69,7 @@ def test_summary_lists_every_table_and_tier(example):
         "cache",
         "rows",
     ]
-    assert "user_id  remote  fp16" in text and "0-2 range" in text and "5000" in text
+    assert "user_id  remote  fp16" in text and "0-2 range" in text and "10000" in text
     assert "remote  17.1 MiB of 24.0 MiB (3 x 8.0 MiB)" in text
 
 
@@ -107,7 +107,7 @@ def test_keyed_tables_use_all_servers_with_ceil_shares():
 
 def test_host_tables_get_device_caches_only_with_a_gpu():
     spec = TableSpec("t", rows=1_000, dim=16)  # 64 000 B
-    for has_gpu, rows in ((False, 0), (True, 50)):
+    for has_gpu, rows in ((False, 0), (True, 100)):
         p = plan([spec], Budgets(device=10_000, host=100_000, has_gpu=has_gpu))
         assert p.placement("t").tier is Tier.HOST
         assert p.placement("t").cache_rows == rows
@@ -116,7 +116,7 @@ def test_host_tables_get_device_caches_only_with_a_gpu():
 def test_cache_shrinks_to_the_host_room_left():
     spec = TableSpec("t", rows=1_000, dim=16, allowed_dtypes=())
     p = plan([spec], Budgets(device=0, host=640, remote_per_server=64_000, remote_servers=1))
-    assert p.placement("t").cache_rows == 10  # wants 50 rows, room for 10
+    assert p.placement("t").cache_rows == 10  # wants 100 rows, room for 10
 
 
 def test_a_cache_budget_caches_remote_tables_without_pulling_them_into_the_host_tier():
@@ -128,9 +128,9 @@ def test_a_cache_budget_caches_remote_tables_without_pulling_them_into_the_host_
     assert without.placement("cold").cache_rows == 0  # no host room left for a cache
     with_cache = plan([hot, cold], Budgets(**budgets, cache=1_000_000, cache_whole_max=0))
     cold_p = with_cache.placement("cold")
-    assert (cold_p.tier, cold_p.cache_tier, cold_p.cache_rows) == (Tier.REMOTE, Tier.HOST, 50)
+    assert (cold_p.tier, cold_p.cache_tier, cold_p.cache_rows) == (Tier.REMOTE, Tier.HOST, 100)
     assert with_cache.placement("hot").tier is Tier.HOST
-    assert with_cache.usage()["host"] == 6_400 + 50 * 64  # the table, then its cache
+    assert with_cache.usage()["host"] == 6_400 + 100 * 64  # the table, then its cache
     small = plan([hot, cold], Budgets(**budgets, cache=640))
     assert small.placement("cold").cache_rows == 10  # the cache budget bounds it
     assert Budgets.from_dict({**budgets, "cache": "1KiB"}).cache == 1024
@@ -148,12 +148,12 @@ def test_small_ranged_remote_tables_are_cached_whole_from_the_cache_budget():
     assert all(p.placement(t).tier is Tier.REMOTE for t in ("tiny", "cold", "keyed"))
     assert p.placement("tiny").cache_rows == 10 and p.placement("cold").cache_rows == 1_000
     assert p.placement("tiny").cache_bytes == 640
-    assert p.placement("keyed").cache_rows == 1  # a share (ceil 5 %), not the whole table
+    assert p.placement("keyed").cache_rows == 1  # a share (ceil 10 %), not the whole table
     # over the size limit, or no room left: a share of the rows, as before
     capped = plan([hot, tiny, cold], Budgets(**budgets, cache=70_000, cache_whole_max=1_000))
-    assert (capped.placement("tiny").cache_rows, capped.placement("cold").cache_rows) == (10, 50)
-    tight = plan([hot, tiny, cold], Budgets(**budgets, cache=10_000))
-    assert (tight.placement("tiny").cache_rows, tight.placement("cold").cache_rows) == (10, 50)
+    assert (capped.placement("tiny").cache_rows, capped.placement("cold").cache_rows) == (10, 100)
+    tight = plan([hot, tiny, cold], Budgets(**budgets, cache=7_000))
+    assert (tight.placement("tiny").cache_rows, tight.placement("cold").cache_rows) == (10, 99)
     assert Budgets.from_dict({**budgets, "cache_whole_max": "1MiB"}).cache_whole_max == 1 << 20
 
 

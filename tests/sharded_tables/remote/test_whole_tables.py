@@ -61,7 +61,7 @@ def requests(remote: RemoteTables) -> int:
 def placement() -> PlacementPlan:
     p = plan(SPECS, BUDGETS)
     assert all(t.tier is Tier.REMOTE for t in p.tables)
-    assert [t.cache_rows for t in p.tables] == [40, 7, 150]  # whole, whole, 5 % of the items
+    assert [t.cache_rows for t in p.tables] == [40, 7, 300]  # whole, whole, 10 % of the items
     return p
 
 
