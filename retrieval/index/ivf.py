@@ -241,7 +241,8 @@ class IVFIndex(nn.Module):
         scanned: ``nprobe`` or more for a selective filter or a large ``k``), or ``plan.exact
         [B]`` an exact scan of the row's eligible items; ``plan.r`` candidates kept before
         re-ranking. A row whose probed lists turn out to hold fewer than ``k`` eligible items is
-        then re-asked as an exact scan (that depends on the query, so no plan can show it)."""
+        then re-asked as an exact scan, and a filtered row's results may ask for a second round
+        (``retrieval/index/bound.py``): both depend on the query, so no plan can show them."""
         if batch is None:
             listed = filters is not None and not isinstance(filters, str | FilterBatch)
             batch = len(list(filters)) if listed else 1  # type: ignore[arg-type]
