@@ -56,7 +56,8 @@ class ImportConfig(Config):
     time_column: ColumnName = "timestamp"
     """Column of the event time: an integer (seconds) or an ISO 8601 time."""
     label_column: ColumnName = "label"
-    """Optional numeric label of an event (kept, not used by training yet); read when present."""
+    """Optional numeric label of an event, read when present: kept, and the interactions'
+    ``value`` that head tasks such as ``value>=1`` learn (``retrieval/training/task_labels.py``)."""
     weight_column: ColumnName = "weight"
     """Optional numeric weight of an event (kept, not used by training yet); read when present."""
     name_column: ColumnName = "name"

@@ -138,8 +138,12 @@ def import_data(cfg: ImportConfig, progress: bool = False) -> ImportReport:
     report = ImportReport(str(cfg.out), u, n, len(log.times), kept=sorted(log.extra))
     item_rows = maps.items.to_dense(item_raw[1]) if items else np.zeros(0, np.int64)
     user_rows = maps.users.to_dense(user_raw[1]) if users else np.zeros(0, np.int64)
+    label = log.extra.get("label")  # the events' value: what head tasks like value>=1 read
     inter = Interactions(
-        maps.users.to_dense(user_raw[0]), maps.items.to_dense(item_raw[0]), log.times
+        maps.users.to_dense(user_raw[0]),
+        maps.items.to_dense(item_raw[0]),
+        log.times,
+        None if label is None else label.astype(np.float32),
     )
     _count_missing(report, inter, n, u, item_rows, user_rows, bool(items), bool(users))
     attrs, vocabs, names = _item_attributes(items, item_rows, n, cfg, report)

@@ -157,6 +157,8 @@ def test_times_integer_or_iso_and_labels_kept(tmp_path: Path) -> None:
     assert read_parquet(out).interactions.timestamp.tolist() == [1704067200] * 3 + [1704067230]
     table = pq.read_table(out / "interactions.parquet")
     assert table.column("label").to_pylist() == [1.0, 0.0, 1.0, 0.5]
+    value = read_parquet(out).interactions.value  # what head tasks (value>=1) read
+    assert value is not None and value.tolist() == [1.0, 0.0, 1.0, 0.5]
 
 
 def test_numeric_item_attribute_becomes_quantile_buckets(tmp_path: Path) -> None:

@@ -61,7 +61,8 @@ def test_parquet_round_trip(ds, tmp_path):
     assert np.array_equal(back.item_attributes["genre"], ds.item_attributes["genre"])
     assert back.item_names == ds.item_names
     assert np.array_equal(back.interactions.timestamp, ds.interactions.timestamp)
-    assert ds.interactions.value is not None and set(np.unique(ds.interactions.value)) == {1, 2, 3, 4, 5}
+    ratings = ds.interactions.value
+    assert ratings is not None and set(np.unique(ratings)) == {1, 2, 3, 4, 5}
     assert np.array_equal(back.interactions.value, ds.interactions.value)  # the ratings
 
 
