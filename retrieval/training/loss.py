@@ -45,7 +45,10 @@ def task_loss(
     """Mean binary cross-entropy of each task's logit -> scalar. ``task_logits [B, C, T]`` with
     the batch's positives ``item_ids [B]`` as the first B of ``column_ids [C]``; row i's own
     column has ``row_labels [B, T]``, every other column 0, except a column holding row i's
-    item elsewhere (a repeat), which is left out."""
+    item elsewhere (a repeat), which is left out, and a task without labels (NaN), which is
+    left out of every column."""
+    labelled = ~torch.isnan(row_labels[0]) if len(row_labels) else row_labels.new_ones(0).bool()
+    task_logits, row_labels = task_logits[..., labelled], row_labels[:, labelled]
     b = item_ids.shape[0]
     labels = torch.zeros_like(task_logits)
     own = torch.arange(b, device=task_logits.device)

@@ -179,7 +179,7 @@ def prepare(
         item_features=item_feature_ids(ds.item_attributes, ds.num_items),
         item_log_q=log_q_from_counts(fit_i.item_id, ds.num_items),
         pair_first=timeline_first(fit_i.user_id),
-        task_labels=task_labels(config.head_tasks, fit_i) if config.scoring_head else None,
+        task_labels=_task_labels(config, fit_i),
     )
     counts = SplitCounts.of(ds.num_users, fit_i, val_i, test_i)
     return Prepared(
@@ -193,6 +193,15 @@ def prepare(
         seen=SeenSets.of(train_i.user_id, train_i.item_id, ds.num_users),
         train_seen=SeenSets.of(fit_i.user_id, fit_i.item_id, ds.num_users),
     )
+
+
+def _task_labels(config: ModelConfig, pairs: Interactions) -> np.ndarray | None:
+    """The head's per-task labels of the training pairs, or None (no head, or no task with a
+    label rule: the head learns through the softmax only)."""
+    if not config.scoring_head:
+        return None
+    labels = task_labels(config.head_tasks, pairs)
+    return None if np.isnan(labels[:1]).all() else labels
 
 
 def items_by_user(interactions: Interactions | None, num_users: int) -> list[set[int]]:

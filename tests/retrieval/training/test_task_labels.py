@@ -24,8 +24,9 @@ def test_labels_follow_the_task_names() -> None:
 
 
 def test_unknown_rules_and_missing_values_are_named() -> None:
-    with pytest.raises(ValueError, match="'clicks' is not a label rule"):
-        task_labels(["clicks"], _events([1.0]))
+    with pytest.raises(ValueError, match="'value=>4' is not a label rule"):
+        task_labels(["value=>4"], _events([1.0]))
+    assert np.isnan(task_labels(["click"], _events([1.0]))).all()  # softmax only, as before
     with pytest.raises(ValueError, match="'value>=4' reads the interactions' value"):
         task_labels(["value>=4"], _events(None))
 
@@ -36,6 +37,15 @@ def test_values_must_be_one_float_per_event() -> None:
     with pytest.raises(ValueError, match=r"interactions\.value"):
         ev.validate()
     assert _events([1.0, 2.0, 3.0]).select(np.array([2, 0])).value.tolist() == [3.0, 1.0]
+
+
+def test_a_task_without_labels_is_left_out_of_the_loss() -> None:
+    logits = torch.zeros(2, 2, 2, requires_grad=True)
+    labels = torch.tensor([[1.0, float("nan")], [0.0, float("nan")]])
+    loss = task_loss(logits, labels, torch.tensor([3, 4]), torch.tensor([3, 4]))
+    loss.backward()
+    assert torch.isfinite(loss) and (logits.grad[..., 1] == 0).all()
+    assert (logits.grad[..., 0] != 0).all()
 
 
 def test_task_loss_labels_own_column_and_leaves_out_repeats() -> None:
