@@ -16,6 +16,8 @@ demo), and every held-out user is asked for top-K by:
   item vectors (what a model tiered before its index is built would serve);
 * the float model and the INT8-table model excluding only the history window (the model's
   behaviour for a request without a seen list);
+* the float model published with 2 document shards and answered by the router's forward
+  (``RouterRunner``, shards searched in this process through the wire encoding);
 * the baselines (``bench/quality_baselines.py``): popularity, item-kNN (cosine) and EASE,
   their setting tuned on a validation split cut from the training part.
 
@@ -47,6 +49,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,7 +61,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quality_baselines import baseline_recs
-from quality_report import FLOAT_IVF, INT8_IVF, WINDOW, markdown
+from quality_report import FLOAT_IVF, INT8_IVF, ROUTED, WINDOW, markdown
+from sharding_inprocess import LocalShards
 
 from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
 from retrieval.index.exact import recall_at_k
@@ -67,6 +71,8 @@ from retrieval.model import RetrievalModel
 from retrieval.tiering import tier_model
 from retrieval.training.prepare import Prepared, prepare
 from retrieval.training.train import TrainConfig, train
+from serving.repository.repository import ModelRepository
+from serving.sharding.router import RouterRunner
 from sharded_tables.placement import Budgets
 from sharded_tables.specs import DType
 
@@ -223,6 +229,7 @@ def variants(
         "float tables, IVF FP8 codes": lambda: ev.recs(with_codes(model, ev.prep, "fp8", seed)),
         "float tables, exact search": lambda: ev.recs(model, exact=True),
         f"{FLOAT_IVF}, {WINDOW}": lambda: ev.recs(model, seen=False),
+        ROUTED: lambda: routed_recs(model, ev),
     }
     for dtype in TABLE_DTYPES:
         out[f"{dtype.value.upper()} tables, IVF INT8 codes"] = _tiered(model, ev, dtype)
@@ -232,6 +239,24 @@ def variants(
             label = f"{dtype.value.upper()} tables, INT8-code index rebuilt from them"
             out[label] = _tiered(model, ev, dtype, rebuild_seed=seed)
     return out
+
+
+def routed_recs(model: RetrievalModel, ev: Evaluation, shards: int = 2) -> np.ndarray:
+    """Recs through the router's forward (``RouterRunner``) over ``shards`` document shards of
+    the published model, each searched in this process with the wire encoding
+    (``bench/sharding_inprocess.py``'s ``LocalShards``): what a routed deployment answers."""
+    with tempfile.TemporaryDirectory() as root:
+        repo = ModelRepository(Path(root))
+        version = repo.publish("quality", model, shards=shards)
+        router_model = repo.load("quality", version).model
+        indexes = [repo.load_shard("quality", version, s)[0] for s in range(shards)]
+        runner = RouterRunner(router_model, "quality", version, LocalShards(indexes, version))  # type: ignore[arg-type]
+        out = []
+        with torch.no_grad():
+            for s in range(0, len(ev.users), 512):
+                batch = ev.prep.user_batch(ev.users[s : s + 512], seen=ev.prep.seen)
+                out.append(runner.forward(batch, ev.k, None)[0].numpy())
+    return np.concatenate(out)
 
 
 def _tiered(
