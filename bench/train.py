@@ -69,14 +69,9 @@ from retrieval.data import RecDataset, SyntheticConfig, generate, load_movielens
 from retrieval.model import RetrievalModel, table_configs
 from retrieval.tiering import float_tables
 from retrieval.training.loss import column_log_q, in_batch_logits, sampled_softmax_loss
+from retrieval.training.pairs import TrainingData, batch_inputs, batch_starts
 from retrieval.training.prepare import Prepared, prepare
-from retrieval.training.train import (
-    TrainConfig,
-    Trainer,
-    TrainingData,
-    batch_inputs,
-    batch_starts,
-)
+from retrieval.training.train import TrainConfig, Trainer
 
 BASELINE = "TorchRec EBC + Adam"
 OURS_FUSED = "ours: Trainer, fused fbgemm rowwise Adagrad"

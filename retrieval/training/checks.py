@@ -16,8 +16,8 @@ import logging
 from dataclasses import dataclass
 
 from retrieval.training.config import RunConfig
+from retrieval.training.pairs import batch_starts
 from retrieval.training.prepare import Prepared, SplitCounts
-from retrieval.training.train import batch_starts
 
 log = logging.getLogger(__name__)
 

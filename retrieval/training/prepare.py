@@ -27,8 +27,8 @@ from retrieval.index.ivf import IVFConfig
 from retrieval.index.kmeans import default_nlist
 from retrieval.seen import SeenSets
 from retrieval.training.histories import timeline_first
+from retrieval.training.pairs import TrainingData, log_q_from_counts
 from retrieval.training.task_labels import task_labels
-from retrieval.training.train import TrainingData, log_q_from_counts
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from retrieval.data import SyntheticConfig, generate
 from retrieval.model import RetrievalModel
 from retrieval.training.config import TrainConfig
 from retrieval.training.hard_negatives import HardNegativeMiner
+from retrieval.training.pairs import batch_inputs
 from retrieval.training.prepare import prepare
-from retrieval.training.train import Trainer, _check_distributed, batch_inputs
+from retrieval.training.train import Trainer, _check_distributed
 
 
 @pytest.fixture(scope="module")
