@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -42,11 +42,18 @@ from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.store import RowStore
 from sharded_tables.tbe import LocalTable, LocalTables
 
-if TYPE_CHECKING:
-    from sharded_tables.tiered import RemoteFetcher
-
 WHOLE_FETCH_BYTES = 4 << 20
 """Bytes of rows per request while copying a table whole (each request within the deadline)."""
+
+
+class RemoteFetcher(Protocol):
+    """What the collection needs from the remote tier (``RemoteTables`` implements it)."""
+
+    def fetch(
+        self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``{table: ids int64 [n]}`` -> ``{table: packed rows uint8 [n, row_bytes]}``."""
+        ...
 
 
 class WholeTableLoadError(RuntimeError):

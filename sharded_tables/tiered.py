@@ -19,7 +19,7 @@ the embedding servers' folders (:meth:`export_remote`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,20 +30,10 @@ from sharded_tables.dynamic_table import TransformedTable
 from sharded_tables.interface import RemoteStats, RowUpdateRefusedError
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.quantize import pack_rows, unpack_rows
-from sharded_tables.remote_tier import RemoteTier, pool_rows, present_ids
+from sharded_tables.remote_tier import RemoteFetcher, RemoteTier, pool_rows, present_ids
 from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.store import MemoryRowStore, RowStore
 from sharded_tables.tbe import LocalTable, LocalTables
-
-
-class RemoteFetcher(Protocol):
-    """What the collection needs from the remote tier (``RemoteTables`` implements it)."""
-
-    def fetch(
-        self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None = None
-    ) -> dict[str, torch.Tensor]:
-        """``{table: ids int64 [n]}`` -> ``{table: packed rows uint8 [n, row_bytes]}``."""
-        ...
 
 
 class TieredEmbeddingCollection(nn.Module):

@@ -33,19 +33,44 @@ new values possible in every list (a router does not know an item's list).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index.codes import dequantize, quantize
+from retrieval.index.config import IVFConfig
 from retrieval.index.scan import topk_rows
+from retrieval.index.search import BoundCheck, SearchPlan
 
-if TYPE_CHECKING:
-    from retrieval.index.ivf import IVFIndex
-    from retrieval.index.search import SearchPlan
+
+class ListedIndex(Protocol):
+    """What the bounds read of an index (:class:`~retrieval.index.ivf.IVFIndex` has it; a
+    protocol, so this module and the index do not import each other)."""
+
+    @property
+    def centroids(self) -> torch.Tensor: ...
+    @property
+    def codes(self) -> torch.Tensor: ...
+    @property
+    def scales(self) -> torch.Tensor: ...
+    @property
+    def offsets(self) -> torch.Tensor: ...
+    @property
+    def half_norms(self) -> torch.Tensor: ...
+    @property
+    def list_radius(self) -> torch.Tensor: ...
+    @property
+    def list_bits(self) -> torch.Tensor: ...
+    @property
+    def config(self) -> IVFConfig: ...
+    @property
+    def nlist(self) -> int: ...
+    @property
+    def ntotal(self) -> int: ...
+
 
 NEG_INF = float("-inf")
 _CHUNK = 1 << 16  # rows decoded at a time, so statistics of a large catalog stay in bounded memory
@@ -82,7 +107,7 @@ def list_bits(lists: torch.Tensor, sig: torch.Tensor, nlist: int) -> torch.Tenso
 
 
 def grown(
-    index: IVFIndex, vectors: torch.Tensor, sig: torch.Tensor, spread: torch.Tensor | None = None
+    index: ListedIndex, vectors: torch.Tensor, sig: torch.Tensor, spread: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(list_radius, list_bits)`` of ``index`` grown by items ``vectors [n, D]`` (float, as the
     index stores them: normalised for "cosine") with signatures ``sig [n, W]``, and by
@@ -115,7 +140,7 @@ def grown(
 
 # ---- the slack, measured at build ------------------------------------------------------------------
 def measure_slack(
-    index: IVFIndex, queries: torch.Tensor, quantile: float, lists: int = 32
+    index: ListedIndex, queries: torch.Tensor, quantile: float, lists: int = 32
 ) -> float:
     """The ``quantile`` of ``max_x q·r_x / (|q| rmax_l)`` over sample ``queries [Q, D]`` and the
     ``lists`` lists nearest each (after its first, which every search probes) -> slack in
@@ -143,52 +168,19 @@ def measure_slack(
     return float(torch.quantile(found, quantile)) if found.numel() else 1.0
 
 
-def _as_scored(index: IVFIndex, q: torch.Tensor) -> torch.Tensor:
+def _as_scored(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
     """Queries as the index scores them (unit norm for "cosine")."""
     return torch.nn.functional.normalize(q, dim=1) if index.config.metric == "cosine" else q
 
 
-def _probe_key(index: IVFIndex, ip: torch.Tensor) -> torch.Tensor:
+def _probe_key(index: ListedIndex, ip: torch.Tensor) -> torch.Tensor:
     """``q·c [B, nlist]`` -> the key lists are probed by (``retrieval/index/probe.py``)."""
     return ip - index.half_norms.to(ip.device) if index.config.probe == "l2" else ip
 
 
 # ---- the check ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BoundCheck:
-    """What a plan needs to decide, after its first round, which rows probe more lists.
-
-    ``bounds [B, nlist] float32``: the best score an eligible item of each list could reach
-    (``-inf``: probed in the first round, or holding no item the row's filter admits, or a row
-    without a check). ``sizes [nlist] int64``: items per list. ``budget [B] float32``: codes a
-    second round may scan before the exact scan of the row's eligible items costs less.
-    """
-
-    bounds: torch.Tensor
-    sizes: torch.Tensor
-    budget: torch.Tensor
-
-    def rows(self, rows: torch.Tensor) -> BoundCheck:
-        return replace(self, bounds=self.bounds[rows], budget=self.budget[rows])
-
-    def second_round(self, kth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``kth [B]``: each row's K-th best score after the first round -> ``(todo [B] bool``:
-        rows some list could still improve, ``exact [B] bool``: those better scanned exactly,
-        ``lists [B, P] int64``: the lists the others probe, ``-1`` padded)."""
-        need = self.bounds > kth.to(self.bounds.device)[:, None]  # [B, nlist]
-        count = need.sum(dim=1)
-        todo = count > 0
-        codes = (need.long() * self.sizes.to(need.device)).sum(dim=1).float()
-        exact = todo & (codes > self.budget.to(need.device))
-        p = int(count[todo & ~exact].max()) if bool((todo & ~exact).any()) else 1
-        order = torch.argsort((~need).to(torch.uint8), dim=1, stable=True)[:, :p]  # needed first
-        slot = torch.arange(p, device=need.device)
-        lists = torch.where(slot < count[:, None], order, torch.full_like(order, -1))
-        return todo, exact, lists
-
-
 def with_bounds(
-    index: IVFIndex, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan, sel: torch.Tensor
+    index: ListedIndex, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan, sel: torch.Tensor
 ) -> SearchPlan:
     """``plan`` for queries ``q [B, D]`` under filters ``fb`` (estimated selectivities ``sel
     [B]``) with its first round's lists chosen here (``plan.lists``: each filtered row's best
@@ -227,7 +219,7 @@ def with_bounds(
     return replace(plan, lists=lists.cpu(), check=check)
 
 
-def _norm_bound(index: IVFIndex, q: torch.Tensor) -> torch.Tensor:
+def _norm_bound(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
     """``[b]``: at least ``|q|`` and the norm of the query as the int8 scan quantizes it
     (each entry off by at most ``max|q| / 254``)."""
     n = q.norm(dim=1)
@@ -236,7 +228,7 @@ def _norm_bound(index: IVFIndex, q: torch.Tensor) -> torch.Tensor:
     return n
 
 
-def _may_hold(index: IVFIndex, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+def _may_hold(index: ListedIndex, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
     """``[b, nlist] bool``: lists that may hold an item passing each row's filter (``masks
     [b, C, W]``, ``negate [b, C]``): every non-negated clause shares a bit with ``list_bits``.
     Negated clauses cannot rule a list out (its bits say which values it holds, not that all

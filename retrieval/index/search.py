@@ -8,7 +8,7 @@
                                                       final score
 
 :func:`run_search` ties them together. A plan made for the queries (``index.plan(..., q=q)``)
-names its filtered rows' lists and carries a :class:`~retrieval.index.bound.BoundCheck`: a row
+names its filtered rows' lists and carries a :class:`BoundCheck` (``retrieval/index/bound.py``): a row
 whose k-th result is beaten by the bound of a list it did not probe asks again for just those
 lists (a second round, merged with the first), or for an exact scan of its eligible items when
 that costs less. Rows that come back with fewer than k results (a filter too narrow for the probed
@@ -30,9 +30,40 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from retrieval.index.bound import BoundCheck
-
 NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class BoundCheck:
+    """What a plan needs to decide, after its first round, which rows probe more lists.
+
+    ``bounds [B, nlist] float32``: the best score an eligible item of each list could reach
+    (``-inf``: probed in the first round, or holding no item the row's filter admits, or a row
+    without a check). ``sizes [nlist] int64``: items per list. ``budget [B] float32``: codes a
+    second round may scan before the exact scan of the row's eligible items costs less.
+    """
+
+    bounds: torch.Tensor
+    sizes: torch.Tensor
+    budget: torch.Tensor
+
+    def rows(self, rows: torch.Tensor) -> BoundCheck:
+        return replace(self, bounds=self.bounds[rows], budget=self.budget[rows])
+
+    def second_round(self, kth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``kth [B]``: each row's K-th best score after the first round -> ``(todo [B] bool``:
+        rows some list could still improve, ``exact [B] bool``: those better scanned exactly,
+        ``lists [B, P] int64``: the lists the others probe, ``-1`` padded)."""
+        need = self.bounds > kth.to(self.bounds.device)[:, None]  # [B, nlist]
+        count = need.sum(dim=1)
+        todo = count > 0
+        codes = (need.long() * self.sizes.to(need.device)).sum(dim=1).float()
+        exact = todo & (codes > self.budget.to(need.device))
+        p = int(count[todo & ~exact].max()) if bool((todo & ~exact).any()) else 1
+        order = torch.argsort((~need).to(torch.uint8), dim=1, stable=True)[:, :p]  # needed first
+        slot = torch.arange(p, device=need.device)
+        lists = torch.where(slot < count[:, None], order, torch.full_like(order, -1))
+        return todo, exact, lists
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,10 @@ class IndexSection(Config):
     request is scanned exactly when eligible items x exact_cost <= codes in its lists)."""
     filter_nprobe_exponent: float = Field(default=0.5, ge=0)
     """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
+    filter_bound: Share = 0.9
+    """A filtered request probes a second round of lists whose bound could beat its K-th result
+    (``retrieval/index/bound.py``): the quantile of the slack the build measures (1.0: the
+    provable bound; 0: no second round)."""
     target_recall: Share = 0.97
     """If > 0, the build picks the smallest power-of-two nprobe whose recall@``tune_k``
     against exact search reaches this on sample queries."""
