@@ -35,16 +35,15 @@ from retrieval.filters import (
     AttributeValue,
     FilterBatch,
     FilterSchema,
-    eligible,
     estimate_selectivity,
 )
 from retrieval.index.bound import with_bounds
 from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
-from retrieval.index.exact import exact_topk
+from retrieval.index.eligible_scan import exact_search
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
 from retrieval.index.probe import half_sq_norms, probe_lists, rescore
-from retrieval.index.scan import filter_mask, scan
+from retrieval.index.scan import scan
 from retrieval.index.search import Candidates, SearchPlan, run_search
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
@@ -374,7 +373,7 @@ class IVFIndex(nn.Module):
                 self._list_candidates(q[rows], plan.rows(rows), fb.masks[rows], fb.negate[rows]),
             )
         rows = exact_rows.nonzero().flatten()
-        pos, s = self._exact(q[rows], plan.k, fb.masks[rows], fb.negate[rows])
+        pos, s = exact_search(self, q[rows], plan.k, fb.masks[rows], fb.negate[rows])
         out.put(rows, Candidates(pos, s, s))
         return out
 
@@ -438,52 +437,6 @@ class IVFIndex(nn.Module):
             return self.exact[pos].float()
         lists = torch.searchsorted(self.offsets, pos, right=True) - 1
         return self.centroids[lists] + dequantize(self.codes[pos], self.scales[pos])
-
-    def _exact(
-        self, q: torch.Tensor, k: int, masks: torch.Tensor, negate: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact search per group of rows sharing one filter."""
-        b = q.shape[0]
-        pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
-        scores = torch.full((b, k), float("-inf"), device=q.device)
-        if masks.shape[1]:
-            key = torch.cat([masks.flatten(1), negate.long()], dim=1)
-            inverse = torch.unique(key, dim=0, return_inverse=True)[1]
-        else:  # no clauses: one group
-            inverse = torch.zeros(b, dtype=torch.int64, device=q.device)
-        for g in range(int(inverse.max()) + 1 if b else 0):
-            rows = (inverse == g).nonzero().flatten()
-            if masks.shape[1]:
-                subset = self.eligible_positions(masks[rows[0]], negate[rows[0]])
-            else:
-                subset = torch.arange(self.ntotal, device=q.device)
-            p, s = exact_topk(q[rows], k, subset, self.vectors_at)  # none eligible: empty rows
-            pos[rows], scores[rows] = p, s
-        return pos, scores
-
-    def eligible_positions(self, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
-        """Positions of the items passing one filter (``masks [C, W]``, ``negate [C]``) -> ``[M]``.
-
-        The most selective non-negated clause drives: the postings of its values are the only
-        candidates, and only they are checked against every clause. Cost grows with that
-        clause's items, not with the catalog; with no selective clause, every item is checked.
-        """
-        shifts = torch.arange(64, device=masks.device)
-        bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
-        counts = (bits.long() * self.bit_counts).sum(dim=1).masked_fill(negate, self.ntotal + 1)
-        c = int(counts.argmin()) if counts.numel() else -1
-        if c < 0 or int(counts[c]) > self.ntotal // 4 or self.postings.numel() == 0:
-            return filter_mask(self.sig, masks, negate).nonzero().flatten()
-        off = self.posting_offsets
-        parts = [self.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
-        cand = (
-            torch.cat(parts).long()
-            if parts
-            else torch.zeros(0, dtype=torch.int64, device=masks.device)
-        )
-        if len(parts) > 1:
-            cand = cand.unique()  # a multi-valued attribute may list an item under several values
-        return cand[eligible(self.sig[cand], masks, negate)]
 
     # The plan branches on data (which rows are exact, how many lists each probes), so under
     # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the

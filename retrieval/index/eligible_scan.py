@@ -1,0 +1,68 @@
+"""Exact search of a filter's eligible items: what the plan falls back to when scanning them costs
+no more than the lists (``IVFIndex.plan``), and the reference the index is measured against.
+
+The items passing a filter are found from the postings of its most selective clause
+(:func:`eligible_positions`), so the cost grows with that clause's items, not the catalog;
+rows sharing one filter are searched together (:func:`exact_search`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from retrieval.filters import eligible
+from retrieval.index.exact import exact_topk
+from retrieval.index.scan import filter_mask
+
+if TYPE_CHECKING:
+    from retrieval.index.ivf import IVFIndex
+
+
+def exact_search(
+    index: IVFIndex, q: torch.Tensor, k: int, masks: torch.Tensor, negate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-``k`` of ``q [B, D]`` among the items passing each row's filter (``masks [B, C,
+    W]``, ``negate [B, C]``), per group of rows sharing one filter -> ``(positions [B, k],
+    scores [B, k])``, ``-1`` / ``-inf`` padded."""
+    b = q.shape[0]
+    pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
+    scores = torch.full((b, k), float("-inf"), device=q.device)
+    if masks.shape[1]:
+        key = torch.cat([masks.flatten(1), negate.long()], dim=1)
+        inverse = torch.unique(key, dim=0, return_inverse=True)[1]
+    else:  # no clauses: one group
+        inverse = torch.zeros(b, dtype=torch.int64, device=q.device)
+    for g in range(int(inverse.max()) + 1 if b else 0):
+        rows = (inverse == g).nonzero().flatten()
+        if masks.shape[1]:
+            subset = eligible_positions(index, masks[rows[0]], negate[rows[0]])
+        else:
+            subset = torch.arange(index.ntotal, device=q.device)
+        p, s = exact_topk(q[rows], k, subset, index.vectors_at)  # none eligible: empty rows
+        pos[rows], scores[rows] = p, s
+    return pos, scores
+
+
+def eligible_positions(index: IVFIndex, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+    """Positions of the items passing one filter (``masks [C, W]``, ``negate [C]``) -> ``[M]``.
+
+    The most selective non-negated clause drives: the postings of its values are the only
+    candidates, and only they are checked against every clause. Cost grows with that
+    clause's items, not with the catalog; with no selective clause, every item is checked.
+    """
+    shifts = torch.arange(64, device=masks.device)
+    bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
+    counts = (bits.long() * index.bit_counts).sum(dim=1).masked_fill(negate, index.ntotal + 1)
+    c = int(counts.argmin()) if counts.numel() else -1
+    if c < 0 or int(counts[c]) > index.ntotal // 4 or index.postings.numel() == 0:
+        return filter_mask(index.sig, masks, negate).nonzero().flatten()
+    off = index.posting_offsets
+    parts = [index.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
+    cand = (
+        torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64, device=masks.device)
+    )
+    if len(parts) > 1:
+        cand = cand.unique()  # a multi-valued attribute may list an item under several values
+    return cand[eligible(index.sig[cand], masks, negate)]
