@@ -35,6 +35,9 @@ class ModelConfig:
     the user did last weighs apart from the long history (a position-aware tower; 0: off; the
     whole window when ``history_len`` is shorter). A saved config without the field (written
     before it existed) loads as 0."""
+    attention_len: int = 0
+    """The newest ``attention_len`` history items also go through self-attention with their
+    positions (``towers.HistoryAttention``: a sequence-aware tower); 0: off."""
     exclude_history: bool = True
     """Never recommend an item already in the request's history (the window the tower reads); a
     request's full seen list (``UserBatch.seen``) is excluded whatever this says."""
@@ -56,8 +59,10 @@ class ModelConfig:
     def validate(self) -> None:
         if self.num_items < 1 or self.out_dim < 1 or self.embedding_dim < 1:
             raise ValueError("num_items, out_dim and embedding_dim must be >= 1")
-        if self.recent_len < 0:
-            raise ValueError(f"recent_len: must be >= 0, got {self.recent_len}")
+        if self.recent_len < 0 or self.attention_len < 0:
+            raise ValueError(
+                f"recent_len, attention_len: must be >= 0, got {self.recent_len}, {self.attention_len}"
+            )
         if len(self.head_tasks) != len(self.head_task_weights):
             raise ValueError("head_tasks and head_task_weights must have the same length")
         self.index.validate()

@@ -22,7 +22,7 @@ from retrieval.filters import FilterBatch
 from retrieval.index.build import build_ivf
 from retrieval.index.ivf import IVFIndex
 from retrieval.scoring import PairHead, score_candidates
-from retrieval.towers import Tower
+from retrieval.towers import HistoryAttention, Tower
 from sharded_tables.collection import EmbeddingCollection, TableConfig
 from sharded_tables.interface import TableCollection
 from sharded_tables.planner import PlacementPlan
@@ -38,6 +38,7 @@ def table_configs(cfg: ModelConfig) -> list[TableConfig]:
     one per item attribute."""
     e = cfg.embedding_dim
     item_features = ("history", "item_id") + (("recent",) if cfg.recent_len else ())
+    item_features += ("history_seq",) if cfg.attention_len else ()
     tables = [TableConfig("item", cfg.num_items, e, features=item_features)]
     tables += [TableConfig(f"user_{n}", size, e) for n, size in cfg.user_features.items()]
     tables += [
@@ -58,7 +59,11 @@ def table_specs(
             t.dim,
             dtype=dtype,
             pooling=t.pooling,
-            lookups_per_sample=float(cfg.history_len + cfg.recent_len) if t.name == "item" else 1.0,
+            lookups_per_sample=(
+                float(cfg.history_len + cfg.recent_len + cfg.attention_len)
+                if t.name == "item"
+                else 1.0
+            ),
             allowed_dtypes=allowed,
             features=t.feature_names(),
         )
@@ -111,10 +116,14 @@ class RetrievalModel(nn.Module):
         """Swappable (training puts its fused-optimizer tables here): callers use the
         :class:`~sharded_tables.interface.TableCollection` methods only."""
         e = config.embedding_dim
-        user_in = e * (1 + bool(config.recent_len) + len(config.user_features)) + config.dense_dim
+        parts = 1 + bool(config.recent_len) + bool(config.attention_len)
+        user_in = e * (parts + len(config.user_features)) + config.dense_dim
         item_in = e * (1 + len(config.item_attributes))
         self.user_tower = Tower(user_in, config.hidden, config.out_dim)
         self.item_tower = Tower(item_in, config.hidden, config.out_dim)
+        self.history_attention = (
+            HistoryAttention(e, config.attention_len) if config.attention_len else None
+        )
         self.head = (
             PairHead(config.out_dim, config.head_hidden, config.head_task_weights)
             if config.scoring_head
@@ -129,11 +138,25 @@ class RetrievalModel(nn.Module):
     # ---- towers (shared by training and serving) ----------------------------------------------
     def user_vectors(self, batch: UserBatch) -> torch.Tensor:
         """``batch`` -> query vectors ``q [B, D]``."""
-        return self.user_tower_on(self.tables(self.user_sparse(batch)), batch)
+        return self.user_tower_on(self.lookup(self.user_sparse(batch)), batch)
 
     def item_vectors(self, item_features: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Item features (``item_id [N, 1]``, ``item_<attr> [N, L]``) -> item vectors ``[N, D]``."""
-        return self.item_tower_on(self.tables(item_features))
+        return self.item_tower_on(self.lookup(item_features))
+
+    def lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pooled embeddings of ``features {name: [B_f, L_f]}`` in ONE table call (a fused
+        training table steps once per call): features with fewer rows are padded with empty
+        bags to the longest, and each output is cut back to its own ``[B_f, E]``."""
+        rows = max((t.shape[0] for t in features.values()), default=0)
+        if all(t.shape[0] == rows for t in features.values()):
+            return self.tables(features)
+        padded = {
+            f: torch.cat([t, t.new_full((rows - t.shape[0], t.shape[1]), -1)])
+            for f, t in features.items()
+        }
+        pooled = self.tables(padded)
+        return {f: pooled[f][: t.shape[0]] for f, t in features.items()}
 
     def user_sparse(self, batch: UserBatch) -> dict[str, torch.Tensor]:
         """The user side's table features: ``history [B, H]``, ``recent [B, recent_len]``
@@ -141,6 +164,8 @@ class RetrievalModel(nn.Module):
         sparse = {"history": batch.history}
         if self.config.recent_len:
             sparse["recent"] = batch.history[:, : self.config.recent_len]
+        if self.config.attention_len:  # one bag per item: [B * L, 1]
+            sparse["history_seq"] = batch.history[:, : self.config.attention_len].reshape(-1, 1)
         for j, name in enumerate(self.user_feature_names):
             sparse[f"user_{name}"] = batch.categorical[:, j : j + 1]
         return sparse
@@ -149,7 +174,12 @@ class RetrievalModel(nn.Module):
         """Pooled user features (+ the batch's dense features) -> ``q [B, D]``."""
         order = ["history"] + (["recent"] if self.config.recent_len else [])
         order += [f"user_{n}" for n in self.user_feature_names]
-        return self.user_tower([pooled[f] for f in order] + [batch.dense])
+        parts = [pooled[f] for f in order]
+        if self.history_attention is not None:
+            hist = batch.history[:, : self.config.attention_len]  # [B, L]
+            seq = pooled["history_seq"].view(*hist.shape, -1)  # [B, L, E]
+            parts.append(self.history_attention(seq, hist >= 0, pooled["history"]))
+        return self.user_tower([*parts, batch.dense])
 
     def item_tower_on(self, pooled: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Pooled item features -> item vectors ``[N, D]``. Training pools user and item

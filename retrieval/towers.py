@@ -24,3 +24,34 @@ class Tower(nn.Module):
 
     def forward(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return F.normalize(self.mlp(torch.cat(list(parts), dim=1)), dim=1)
+
+
+class HistoryAttention(nn.Module):
+    """Self-attention over a user's newest ``L`` history items, with positions, pooled by the
+    user's own query: ``seq [B, L, E]`` item embeddings (newest first), ``valid [B, L] bool``,
+    ``context [B, E]`` (the mean-pooled history) -> ``[B, E]``.
+
+    One encoder layer lets the items see each other (what follows what), then an attention pool
+    whose query comes from the context weighs them for this user. A learned "no item" token is
+    always present, so a user with no history (every slot padded) gets a defined output.
+    """
+
+    def __init__(self, dim: int, length: int, heads: int = 2):
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(length + 1, dim) * 0.02)  # slot 0: no item
+        self.empty = nn.Parameter(torch.zeros(1, 1, dim))
+        self.encoder = nn.TransformerEncoderLayer(
+            dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True
+        )
+        self.query = nn.Linear(dim, dim)
+        self.pool = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(
+        self, seq: torch.Tensor, valid: torch.Tensor, context: torch.Tensor
+    ) -> torch.Tensor:
+        b, length, dim = seq.shape
+        x = torch.cat([self.empty.expand(b, 1, dim), seq], dim=1) + self.position[: length + 1]
+        pad = torch.cat([valid.new_zeros(b, 1), ~valid], dim=1)  # [B, L + 1], True: ignore
+        x = self.encoder(x, src_key_padding_mask=pad)
+        out, _ = self.pool(self.query(context).unsqueeze(1), x, x, key_padding_mask=pad)
+        return out[:, 0]  # [B, E]

@@ -240,6 +240,9 @@ class ModelSection(Config):
     recent_len: int = Field(default=5, ge=0)
     """The newest ``recent_len`` history items also pooled on their own (a position-aware
     tower; 0: off). ``bench/quality.py`` measures what it adds."""
+    attention_len: int = Field(default=0, ge=0)
+    """The newest ``attention_len`` history items also go through self-attention with their
+    positions (a sequence-aware tower); 0: off."""
     exclude_history: bool = True
     """Never recommend an item already in the request's history."""
     temperature: float = Field(default=0.05, gt=0)

@@ -157,12 +157,9 @@ class Trainer:
             neg = np.concatenate([neg, self.miner.mine(model, batch, items, epoch, step)])
         cols = torch.from_numpy(np.concatenate([items, neg]))  # [B + R]
         b, c = len(items), len(cols)
-        user = {
-            f: torch.cat([t, t.new_full((c - b, t.shape[1]), -1)]) if c > b else t
-            for f, t in model.user_sparse(batch).items()
-        }  # one table call needs one batch size: users padded with empty bags
-        pooled = model.tables({**user, **{f: t[cols] for f, t in data.item_features.items()}})
-        q = model.user_tower_on({f: pooled[f][:b] for f in user}, batch)  # [B, D]
+        user = model.user_sparse(batch)
+        pooled = model.lookup({**user, **{f: t[cols] for f, t in data.item_features.items()}})
+        q = model.user_tower_on(pooled, batch)  # [B, D]
         v = model.item_tower_on(pooled)  # [B + R, D]
         parts = []
         size = b // slices if b >= slices else b

@@ -12,6 +12,7 @@ import torch
 from retrieval.artifact import load_model, load_state, save_model
 from retrieval.config import ModelConfig
 from retrieval.data import SyntheticConfig, generate
+from retrieval.features import make_user_batch
 from retrieval.filters import eligible
 from retrieval.index.ivf import IVFConfig
 from retrieval.metrics import popularity_recs, ranking_metrics
@@ -213,3 +214,37 @@ def test_recent_window_is_pooled_apart_and_old_configs_load_without_it() -> None
     assert ModelConfig.from_dict(old).recent_len == 0
     with pytest.raises(ValueError, match="recent_len"):
         ModelConfig(20, {}, 0, {}, recent_len=-1).validate()
+
+
+def test_attention_tower_reads_the_sequence_in_order() -> None:
+    cfg = ModelConfig(30, {"region": 3}, 1, {}, history_len=6, attention_len=4, out_dim=8)
+    torch.manual_seed(0)
+    model = RetrievalModel(cfg)
+    assert model.tables.table_of["history_seq"] == "item"
+    hist = torch.tensor([[3, 4, 5, -1, -1, -1], [-1] * 6, [7, 8, 9, 10, 11, 12]])
+    batch = make_user_batch(
+        hist, torch.tensor([[0], [1], [2]]), torch.zeros(3, 1), model.index.schema
+    )
+    q = model.user_vectors(batch)
+    assert q.shape == (3, 8) and torch.isfinite(q).all()  # a user with no history too
+    # the order of the attended items matters (positions), not only the set
+    swapped = make_user_batch(
+        hist[[0]][:, [1, 0, 2, 3, 4, 5]], torch.tensor([[0]]), torch.zeros(1, 1), model.index.schema
+    )
+    assert not torch.allclose(model.user_vectors(swapped), q[:1])
+    # items beyond attention_len are not attended: only the pooled window sees them
+    assert model.lookup(model.user_sparse(batch))["history_seq"].shape == (3 * 4, cfg.embedding_dim)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc  # inductor compile workers
+def test_attention_tower_compiles() -> None:
+    cfg = ModelConfig(30, {}, 0, {}, history_len=6, attention_len=4, out_dim=8)
+    torch.manual_seed(0)
+    model = RetrievalModel(cfg)
+    hist = torch.tensor([[3, 4, 5, -1, -1, -1], [-1] * 6])
+    batch = make_user_batch(hist, torch.zeros(2, 0), torch.zeros(2, 0), model.index.schema)
+    with torch.inference_mode():
+        eager = model.user_vectors(batch)
+        compiled = torch.compile(model.user_vectors)(batch)
+    assert torch.allclose(compiled, eager, atol=1e-5)
