@@ -8,7 +8,7 @@ rows sharing one filter are searched together (:func:`exact_search`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -16,12 +16,26 @@ from retrieval.filters import eligible
 from retrieval.index.exact import exact_topk
 from retrieval.index.scan import filter_mask
 
-if TYPE_CHECKING:
-    from retrieval.index.ivf import IVFIndex
+
+class SignedIndex(Protocol):
+    """What the exact scan reads of an index (:class:`~retrieval.index.ivf.IVFIndex` has it;
+    a protocol, so this module and the index do not import each other)."""
+
+    @property
+    def sig(self) -> torch.Tensor: ...
+    @property
+    def bit_counts(self) -> torch.Tensor: ...
+    @property
+    def postings(self) -> torch.Tensor: ...
+    @property
+    def posting_offsets(self) -> list[int]: ...
+    @property
+    def ntotal(self) -> int: ...
+    def vectors_at(self, pos: torch.Tensor) -> torch.Tensor: ...
 
 
 def exact_search(
-    index: IVFIndex, q: torch.Tensor, k: int, masks: torch.Tensor, negate: torch.Tensor
+    index: SignedIndex, q: torch.Tensor, k: int, masks: torch.Tensor, negate: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``k`` of ``q [B, D]`` among the items passing each row's filter (``masks [B, C,
     W]``, ``negate [B, C]``), per group of rows sharing one filter -> ``(positions [B, k],
@@ -45,7 +59,9 @@ def exact_search(
     return pos, scores
 
 
-def eligible_positions(index: IVFIndex, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+def eligible_positions(
+    index: SignedIndex, masks: torch.Tensor, negate: torch.Tensor
+) -> torch.Tensor:
     """Positions of the items passing one filter (``masks [C, W]``, ``negate [C]``) -> ``[M]``.
 
     The most selective non-negated clause drives: the postings of its values are the only
