@@ -148,8 +148,9 @@ class RetrievalModel(nn.Module):
         """Pooled embeddings of ``features {name: [B_f, L_f]}`` in ONE table call (a fused
         training table steps once per call): features with fewer rows are padded with empty
         bags to the longest, and each output is cut back to its own ``[B_f, E]``."""
-        rows = max((t.shape[0] for t in features.values()), default=0)
-        if all(t.shape[0] == rows for t in features.values()):
+        sizes = [t.shape[0] for t in features.values()]  # a list: dynamo traces it plainly
+        rows = max(sizes) if sizes else 0
+        if min(sizes, default=rows) == rows:
             return self.tables(features)
         padded = {
             f: torch.cat([t, t.new_full((rows - t.shape[0], t.shape[1]), -1)])

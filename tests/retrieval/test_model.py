@@ -244,6 +244,7 @@ def test_attention_tower_compiles() -> None:
     model = RetrievalModel(cfg)
     hist = torch.tensor([[3, 4, 5, -1, -1, -1], [-1] * 6])
     batch = make_user_batch(hist, torch.zeros(2, 0), torch.zeros(2, 0), model.index.schema)
+    torch._dynamo.reset()  # traced afresh, not specialised by earlier tests' compiles
     with torch.inference_mode():
         eager = model.user_vectors(batch)
         compiled = torch.compile(model.user_vectors)(batch)
