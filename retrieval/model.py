@@ -297,6 +297,19 @@ class RetrievalModel(nn.Module):
 
     # ---- index build ------------------------------------------------------------------------
     @torch.no_grad()
+    def catalog_vectors(
+        self, item_features: Mapping[str, torch.Tensor], chunk: int = 65536
+    ) -> torch.Tensor:
+        """The item tower over the whole catalog ``{name: [N, L]}`` in chunks -> ``[N, D]``."""
+        n = item_features["item_id"].shape[0]
+        return torch.cat(
+            [
+                self.item_vectors({f: t[s : s + chunk] for f, t in item_features.items()})
+                for s in range(0, n, chunk)
+            ]
+        )
+
+    @torch.no_grad()
     def build_index(
         self,
         item_features: Mapping[str, torch.Tensor],
@@ -308,13 +321,7 @@ class RetrievalModel(nn.Module):
 
         ``tune_batch``: sample requests whose query vectors tune nprobe (when the index config
         has ``target_recall``); the config's nprobe is updated to the tuned value."""
-        n = item_features["item_id"].shape[0]
-        vecs = torch.cat(
-            [
-                self.item_vectors({f: t[s : s + chunk] for f, t in item_features.items()})
-                for s in range(0, n, chunk)
-            ]
-        ).cpu()
+        vecs = self.catalog_vectors(item_features, chunk).cpu()
         tune = self.user_vectors(tune_batch).cpu() if tune_batch is not None else None
         self.index = build_ivf(
             vecs,

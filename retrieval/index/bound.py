@@ -50,22 +50,16 @@ class ListedIndex(Protocol):
     """What the bounds read of an index (:class:`~retrieval.index.ivf.IVFIndex` has it; a
     protocol, so this module and the index do not import each other)."""
 
-    @property
-    def centroids(self) -> torch.Tensor: ...
-    @property
-    def codes(self) -> torch.Tensor: ...
-    @property
-    def scales(self) -> torch.Tensor: ...
-    @property
-    def offsets(self) -> torch.Tensor: ...
-    @property
-    def half_norms(self) -> torch.Tensor: ...
-    @property
-    def list_radius(self) -> torch.Tensor: ...
-    @property
-    def list_bits(self) -> torch.Tensor: ...
-    @property
-    def config(self) -> IVFConfig: ...
+    centroids: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    half_norms: torch.Tensor
+    list_radius: torch.Tensor
+    list_bits: torch.Tensor
+
+    config: IVFConfig
+
     @property
     def nlist(self) -> int: ...
     @property

@@ -21,12 +21,10 @@ class SignedIndex(Protocol):
     """What the exact scan reads of an index (:class:`~retrieval.index.ivf.IVFIndex` has it;
     a protocol, so this module and the index do not import each other)."""
 
-    @property
-    def sig(self) -> torch.Tensor: ...
-    @property
-    def bit_counts(self) -> torch.Tensor: ...
-    @property
-    def postings(self) -> torch.Tensor: ...
+    sig: torch.Tensor
+    bit_counts: torch.Tensor
+    postings: torch.Tensor
+
     @property
     def posting_offsets(self) -> list[int]: ...
     @property

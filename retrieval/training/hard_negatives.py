@@ -46,14 +46,8 @@ class HardNegativeMiner:
     ) -> None:
         """Embeds the catalog ``item_features {name: [N, L]}`` with the current item tower and
         builds the index searched by :meth:`mine`."""
-        n = item_features["item_id"].shape[0]
-        vecs = torch.cat(
-            [
-                model.item_vectors({f: t[s : s + chunk] for f, t in item_features.items()})
-                for s in range(0, n, chunk)
-            ]
-        )
-        nlist = default_nlist(n)
+        vecs = model.catalog_vectors(item_features, chunk)
+        nlist = default_nlist(vecs.shape[0])
         cfg = IVFConfig(nlist=nlist, nprobe=max(1, nlist // 4), seed=self.seed)
         self.index = build_ivf(vecs, cfg)
 
