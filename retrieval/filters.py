@@ -199,7 +199,9 @@ def format_filter(clauses: Sequence[Clause]) -> str:
 
 @dataclass
 class FilterBatch:
-    """Compiled filters of a batch: ``masks [B, C, W] int64``, ``negate [B, C] bool``.
+    """Compiled filters of a batch: ``masks [B, C, W] int64``, ``negate [B, C] bool``, and the
+    items each row excludes whatever their attributes, ``exclude [B, S] int64`` item ids (``-1``
+    pads; None: none), its user's seen items (``retrieval/index/exclude.py``).
 
     ``C`` is the largest clause count in the batch; rows with fewer clauses are padded with an
     always-true clause (zero mask, negated).
@@ -207,9 +209,16 @@ class FilterBatch:
 
     masks: torch.Tensor
     negate: torch.Tensor
+    exclude: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> FilterBatch:
-        return FilterBatch(self.masks.to(device), self.negate.to(device))
+        ex = None if self.exclude is None else self.exclude.to(device)
+        return FilterBatch(self.masks.to(device), self.negate.to(device), ex)
+
+    def rows(self, rows: torch.Tensor) -> FilterBatch:
+        """The filters of rows ``rows [b] int64``."""
+        ex = None if self.exclude is None else self.exclude[rows]
+        return FilterBatch(self.masks[rows], self.negate[rows], ex)
 
     @property
     def active(self) -> bool:

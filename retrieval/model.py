@@ -249,9 +249,8 @@ class RetrievalModel(nn.Module):
             self.validate(batch, k)
         # features -> tables -> tower
         q = self.user_vectors(batch)  # [B, D]
-        # index, with the request's filter applied inside the scan
-        r, hist = self.candidate_budget(batch, k)
-        fb = FilterBatch(batch.filter_masks, batch.filter_negate)
+        # index, with the request's filter and its seen items applied inside the scan
+        r, fb = self.candidate_budget(batch, k)
         icfg = self.index.config  # as built (nprobe may be tuned)
         pos, dot = self.index.search_positions(
             q, r, fb, icfg.nprobe, icfg.rerank, exact=exact
@@ -260,38 +259,36 @@ class RetrievalModel(nn.Module):
         vecs = None
         if self.head is not None:
             vecs = self.index.vectors_at(pos.clamp(min=0).flatten()).view(*pos.shape, -1)
-        return self.rank(q, hist, ids, dot, vecs, k)
+        return self.rank(q, ids, dot, vecs, k)
 
-    def candidate_budget(self, batch: UserBatch, k: int) -> tuple[int, torch.Tensor]:
-        """(candidates R the index returns, seen items ``[B, H + S]`` to exclude): enough that
-        K remain after removing seen items, and what the scoring head re-scores. Seen: the
-        history window (with ``exclude_history``) and the request's full seen list, if any."""
-        hist = batch.history if self.config.exclude_history else batch.history[:, :0]
+    def candidate_budget(self, batch: UserBatch, k: int) -> tuple[int, FilterBatch]:
+        """(candidates R the index returns, the batch's filter): R is K, or what the scoring
+        head re-scores. The filter excludes the items the user has seen (``FilterBatch.exclude
+        [B, H + S]``): the history window (with ``exclude_history``) and the request's full seen
+        list, if any. The index skips them inside its scan, so R does not grow with them."""
+        seen = batch.history if self.config.exclude_history else batch.history[:, :0]
         if batch.seen is not None:
-            hist = torch.cat([hist, batch.seen], dim=1)  # [B, H + S]
+            seen = torch.cat([seen, batch.seen], dim=1)  # [B, H + S]
         r = min(
-            self.index.ntotal,
-            max(k + hist.shape[1], self.config.head_candidates if self.head is not None else 0),
+            self.index.ntotal, max(k, self.config.head_candidates if self.head is not None else 0)
         )
-        return r, hist
+        exclude = seen if seen.shape[1] else None
+        return r, FilterBatch(batch.filter_masks, batch.filter_negate, exclude)
 
     def rank(
         self,
         q: torch.Tensor,
-        hist: torch.Tensor,
         ids: torch.Tensor,
         dot: torch.Tensor,
         vecs: torch.Tensor | None,
         k: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidates -> top-``k``: the scoring head (when configured) over ``vecs [B, R, D]``,
-        seen items removed. ``ids [B, R]`` (-1 pads), ``dot [B, R]`` from the index."""
+        """Candidates -> top-``k``: the scoring head (when configured) over ``vecs [B, R, D]``.
+        ``ids [B, R]`` (-1 pads), ``dot [B, R]`` from the index, seen items already skipped."""
         if self.head is not None and vecs is not None:
             dot = score_candidates(q, vecs, dot, self.head, self.config.temperature).masked_fill(
                 ids < 0, float("-inf")
             )
-        if hist.shape[1]:  # already-seen items never take a slot
-            dot = dot.masked_fill(seen_in(ids, hist), float("-inf"))
         top, idx = dot.topk(k, dim=1)
         return torch.where(top > float("-inf"), ids.gather(1, idx), torch.full_like(idx, -1)), top
 
@@ -341,12 +338,3 @@ def _check_seen(seen: torch.Tensor | None, b: int) -> None:
         raise ValueError(f"seen: expected int64 [{b}, S], got {seen.dtype} {list(seen.shape)}")
     if seen.numel() and int(seen.min()) < -1:
         raise ValueError(f"seen: item ids are >= 0 (-1 pads), got {int(seen.min())}")
-
-
-def seen_in(ids: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
-    """``[B, R] bool``: which ``ids [B, R]`` (-1 pads) are in their row of ``hist [B, H]``
-    (H >= 1, -1 pads). A binary search in the sorted history: O(R log H) per row, where the
-    all-pairs compare builds a ``[B, R, H]`` tensor."""
-    sorted_hist = hist.sort(dim=1).values
-    at = torch.searchsorted(sorted_hist, ids).clamp(max=hist.shape[1] - 1)
-    return (sorted_hist.gather(1, at) == ids) & (ids >= 0)

@@ -33,11 +33,16 @@ class SignedIndex(Protocol):
 
 
 def exact_search(
-    index: SignedIndex, q: torch.Tensor, k: int, masks: torch.Tensor, negate: torch.Tensor
+    index: SignedIndex,
+    q: torch.Tensor,
+    k: int,
+    masks: torch.Tensor,
+    negate: torch.Tensor,
+    excl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``k`` of ``q [B, D]`` among the items passing each row's filter (``masks [B, C,
-    W]``, ``negate [B, C]``), per group of rows sharing one filter -> ``(positions [B, k],
-    scores [B, k])``, ``-1`` / ``-inf`` padded."""
+    W]``, ``negate [B, C]``) less the rows it excludes (``excl [B, S]``), per group of rows
+    sharing one filter -> ``(positions [B, k], scores [B, k])``, ``-1`` / ``-inf`` padded."""
     b = q.shape[0]
     pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
     scores = torch.full((b, k), float("-inf"), device=q.device)
@@ -52,7 +57,8 @@ def exact_search(
             subset = eligible_positions(index, masks[rows[0]], negate[rows[0]])
         else:
             subset = torch.arange(index.ntotal, device=q.device)
-        p, s = exact_topk(q[rows], k, subset, index.vectors_at)  # none eligible: empty rows
+        ex = None if excl is None else excl[rows]
+        p, s = exact_topk(q[rows], k, subset, index.vectors_at, excl=ex)  # none eligible: empty
         pos[rows], scores[rows] = p, s
     return pos, scores
 

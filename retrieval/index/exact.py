@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from retrieval.index.exclude import is_excluded
 from retrieval.index.scan import topk_rows
 
 NEG_INF = float("-inf")
@@ -18,8 +19,10 @@ def exact_topk(
     positions: torch.Tensor,
     vectors_at: Callable[[torch.Tensor], torch.Tensor],
     chunk: int = 1 << 16,
+    excl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` inner products of ``q [B, D]`` over the items ``positions [M] int64``.
+    """Top-``k`` inner products of ``q [B, D]`` over the items ``positions [M] int64``, less
+    the rows each query excludes (``excl [B, S]``, ``retrieval/index/exclude.py``).
 
     ``vectors_at(pos)`` returns those items' vectors ``[m, D]`` (a gather, or a decode of codes),
     called once per chunk of ``chunk`` items, so memory stays ``O(B * (chunk + k))`` whatever M.
@@ -33,6 +36,8 @@ def exact_topk(
     for s in range(0, positions.numel(), chunk):
         part = positions[s : s + chunk]
         scores = qf @ vectors_at(part).float().T  # [B, m]
+        if excl is not None and excl.shape[1]:
+            scores = scores.masked_fill(is_excluded(part.expand(b, -1), excl), NEG_INF)
         all_s = torch.cat([best_s, scores], dim=1)
         all_p = torch.cat([best_p, part.expand(b, -1)], dim=1)
         # the bounded heap wins when k is a small part of the row; a sort when it is not

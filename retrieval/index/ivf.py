@@ -41,6 +41,7 @@ from retrieval.index.bound import with_bounds
 from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
+from retrieval.index.exclude import IdOrder, excluded_positions
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
 from retrieval.index.probe import half_sq_norms, probe_lists, rescore
 from retrieval.index.scan import scan
@@ -105,6 +106,7 @@ class IVFIndex(nn.Module):
         self.max_list = 0
         self._ntotal = 0
         self.posting_offsets: list[int] = [0]
+        self.id_order = IdOrder.of(self.item_ids)
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -175,6 +177,7 @@ class IVFIndex(nn.Module):
         self.posting_offsets = torch.cat(
             [self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]
         ).tolist()
+        self.id_order = IdOrder.of(self.item_ids)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per buffer (sum / ntotal = bytes per item)."""
@@ -182,7 +185,8 @@ class IVFIndex(nn.Module):
 
     # ---- search ------------------------------------------------------------------------------
     def compile_filter(self, filters: FilterArg, batch: int) -> FilterBatch:
-        """Text filter(s) or a compiled batch -> :class:`FilterBatch` on this index's device."""
+        """Text filter(s) or a compiled batch (which may exclude items: ``FilterBatch.exclude``)
+        -> :class:`FilterBatch` on this index's device."""
         if filters is None:
             fb = self.schema.empty(batch)
         elif isinstance(filters, FilterBatch):
@@ -199,6 +203,13 @@ class IVFIndex(nn.Module):
             raise ValueError(
                 f"filters: expected masks [B={batch}, C, W={self.schema.num_words}], got {tuple(fb.masks.shape)}"
             )
+        ex = fb.exclude
+        if ex is not None and (ex.dim() != 2 or ex.shape[0] != batch or ex.dtype != torch.int64):
+            raise ValueError(
+                f"filters.exclude: expected int64 item ids [B={batch}, S], got {ex.dtype} {tuple(ex.shape)}"
+            )
+        if ex is not None and ex.numel() and int(ex.min()) < -1:
+            raise ValueError(f"filters.exclude: item ids are >= 0 (-1 pads), got {int(ex.min())}")
         return fb.to(self.centroids.device)
 
     def search(
@@ -299,7 +310,7 @@ class IVFIndex(nn.Module):
         def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
             if rows is None:
                 return self.candidates(q, fb, p)
-            return self.candidates(q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]), p)
+            return self.candidates(q[rows], fb.rows(rows), p)
 
         top = run_search(plan, fetch)
         return top.keys, top.scores
@@ -322,19 +333,17 @@ class IVFIndex(nn.Module):
         b = fb.masks.shape[0]
         r = max(k, rerank) if rerank and self.keeps_exact_copy else k
         if not fb.active and not exact:  # the common case, kept lean
-            p = self._nprobe_for(1.0, nprobe, r)
-            return SearchPlan(
-                k, r, torch.full((b,), p, dtype=torch.int64), torch.zeros(b, dtype=torch.bool)
-            )
+            p = torch.full((b,), self._nprobe_for(1.0, nprobe, r), dtype=torch.int64)
+            if fb.exclude is not None:
+                p = torch.maximum(p, self._fill_lists(torch.ones(b), r, fb.exclude))
+            return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
         sel_t = estimate_selectivity(fb, self.bit_counts, self.ntotal)  # [B]
         sel = sel_t.tolist()
         plans = {s_: self._plan_for(s_, nprobe, r, exact) for s_ in set(sel)}  # few distinct
-        plan = SearchPlan(
-            k,
-            r,
-            torch.tensor([plans[s_][0] for s_ in sel], dtype=torch.int64),
-            torch.tensor([plans[s_][1] for s_ in sel], dtype=torch.bool),
-        )
+        p = torch.tensor([plans[s_][0] for s_ in sel], dtype=torch.int64)
+        if fb.exclude is not None:
+            p = torch.maximum(p, self._fill_lists(sel_t.cpu(), r, fb.exclude))
+        plan = SearchPlan(k, r, p, torch.tensor([plans[s_][1] for s_ in sel], dtype=torch.bool))
         if q is None or self.config.filter_bound <= 0:
             return plan
         return with_bounds(self, q, fb, plan, sel_t)
@@ -348,6 +357,15 @@ class IVFIndex(nn.Module):
         fill = 2.0 * r / (n / nlist * s_)
         return int(min(nlist, max(nprobe, math.ceil(max(widen, fill)))))
 
+    def _fill_lists(self, sel: torch.Tensor, r: int, exclude: torch.Tensor) -> torch.Tensor:
+        """``[B] int64``: lists that hold ``2 (r + S_b)`` items admitted by selectivity ``sel
+        [B]``, ``S_b`` the items row b excludes (``exclude [B, S]`` ids, ``-1`` pads): as many
+        lists as when the excluded items were taken as candidates and removed afterwards."""
+        per_list = self.ntotal / max(self.nlist, 1)
+        need = 2.0 * (r + exclude.ge(0).sum(dim=1).cpu())
+        lists = torch.ceil(need / (per_list * sel.clamp(min=1e-9)))
+        return lists.clamp(max=max(self.nlist, 1)).long()
+
     def _plan_for(self, selectivity: float, nprobe: int, r: int, exact: bool) -> tuple[int, bool]:
         """(lists to probe, scan exactly?): exactly when its eligible items cost no more than
         the codes of those lists (cost in items touched, weighted by ``exact_cost``)."""
@@ -358,22 +376,23 @@ class IVFIndex(nn.Module):
     def candidates(self, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan) -> Candidates:
         """This index's candidates for ``q [B, D]`` under ``plan``: ``[B, r]`` (keys are
         positions). List rows: the best ``r`` approximate scores of the probed lists, re-scored
-        with the exact copy when the plan re-ranks. Exact rows: the best ``k`` eligible items."""
+        with the exact copy when the plan re-ranks. Exact rows: the best ``k`` eligible items.
+        Items a row excludes (``fb.exclude``, item ids) are skipped in either."""
         b, dev = q.shape[0], q.device
         if self.config.metric == "cosine":  # items were normalised at build
             q = torch.nn.functional.normalize(q, dim=1)
+        if fb.exclude is not None:  # item ids -> this index's rows, once per search
+            fb = FilterBatch(fb.masks, fb.negate, excluded_positions(self.id_order, fb.exclude))
         exact_rows = plan.exact.to(dev)
         if not bool(exact_rows.any()):  # every row probes lists: no scatter
-            return self._list_candidates(q, plan, fb.masks, fb.negate)
+            return self._list_candidates(q, plan, fb)
         out = Candidates.empty(b, plan.r, dev)
         rows = (~exact_rows).nonzero().flatten()
         if rows.numel():
-            out.put(
-                rows,
-                self._list_candidates(q[rows], plan.rows(rows), fb.masks[rows], fb.negate[rows]),
-            )
+            out.put(rows, self._list_candidates(q[rows], plan.rows(rows), fb.rows(rows)))
         rows = exact_rows.nonzero().flatten()
-        pos, s = exact_search(self, q[rows], plan.k, fb.masks[rows], fb.negate[rows])
+        f = fb.rows(rows)
+        pos, s = exact_search(self, q[rows], plan.k, f.masks, f.negate, f.exclude)
         out.put(rows, Candidates(pos, s, s))
         return out
 
@@ -392,10 +411,9 @@ class IVFIndex(nn.Module):
                 vecs = q.new_zeros(*pos.shape, self.dim)
         return Candidates(ids, c.approx, c.scores, vecs)
 
-    def _list_candidates(
-        self, q: torch.Tensor, plan: SearchPlan, masks: torch.Tensor, negate: torch.Tensor
-    ) -> Candidates:
-        """Probe, scan (filter inside the scan), and re-score the survivors exactly."""
+    def _list_candidates(self, q: torch.Tensor, plan: SearchPlan, fb: FilterBatch) -> Candidates:
+        """Probe, scan (filter and exclusions inside the scan), and re-score the survivors
+        exactly. ``fb.exclude``: rows, not ids (:meth:`candidates` mapped them)."""
         p_max = int(plan.nprobe.max()) if plan.nprobe.numel() else 1
         if plan.lists is not None:  # a second round: the planner's lists
             probes = plan.lists.to(q.device)
@@ -422,10 +440,11 @@ class IVFIndex(nn.Module):
             self.scales,
             self.offsets,
             self.sig,
-            masks.contiguous(),
-            negate.contiguous(),
+            fb.masks.contiguous(),
+            fb.negate.contiguous(),
             plan.r,
             max_list=self.max_list,
+            excl=fb.exclude,
         )
         if not plan.reranks:
             return Candidates(cand, approx, approx)

@@ -21,6 +21,7 @@ import torch
 
 from common.cpp_extension import load_extension
 from retrieval.index.codes import fp8_lut, quantize_int8
+from retrieval.index.exclude import is_excluded
 
 _SRC = Path(__file__).parent / "csrc" / "ivf_scan.cpp"
 
@@ -53,10 +54,13 @@ def ivf_scan_int8(
     sig: torch.Tensor,
     fmask: torch.Tensor,
     fneg: torch.Tensor,
+    excl: torch.Tensor,
     r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(
-        _extension().ivf_scan_int8(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r)
+        _extension().ivf_scan_int8(
+            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r
+        )
     )
 
 
@@ -72,11 +76,12 @@ def ivf_scan_fp8(
     sig: torch.Tensor,
     fmask: torch.Tensor,
     fneg: torch.Tensor,
+    excl: torch.Tensor,
     r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(
         _extension().ivf_scan_fp8(
-            q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r
+            q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, excl, r
         )
     )
 
@@ -109,12 +114,12 @@ def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @ivf_scan_int8.register_fake
-def _(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r):
+def _(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r):
     return _fake_out(probes, r)
 
 
 @ivf_scan_fp8.register_fake
-def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, r):
+def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, excl, r):
     return _fake_out(probes, r)
 
 
@@ -131,6 +136,7 @@ def scan(
     r: int,
     *,
     max_list: int,
+    excl: torch.Tensor | None = None,
     reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best ``r`` approximate scores over the probed lists.
@@ -143,20 +149,23 @@ def scan(
         offsets: ``[nlist + 1] int64`` list boundaries in the sorted order.
         sig, fmask, fneg: item signatures ``[N, W]`` and the batch's filter (see ``filters``).
         max_list: the longest list (only the reference path needs it).
+        excl: ``[B, S] int64`` rows each query excludes, ascending, ``exclude.PAD`` padded
+            (``retrieval/index/exclude.py``); None: none.
     Returns:
         ``positions [B, r] int64`` (``-1`` pads) and ``scores [B, r] float32`` (``-inf`` pads),
         best first.
     The hot path trusts its inputs: the index validates at its public entry.
     """
+    excl = probes.new_empty((probes.shape[0], 0)) if excl is None else excl.contiguous()
     if reference or q.device.type != "cpu":
         return scan_reference(
-            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list
+            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list, excl
         )
     # Eager callers skip the op dispatcher (tens of microseconds a call); traced code needs the ops.
     eager = not torch.compiler.is_compiling()
     if codes.dtype == torch.int8:
         op = _extension().ivf_scan_int8 if eager else ivf_scan_int8
-        return tuple(op(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r))
+        return tuple(op(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r))
     op8 = _extension().ivf_scan_fp8 if eager else ivf_scan_fp8
     return tuple(
         op8(
@@ -170,6 +179,7 @@ def scan(
             sig,
             fmask,
             fneg,
+            excl,
             r,
         )
     )
@@ -200,9 +210,10 @@ def scan_reference(
     fneg: torch.Tensor,
     r: int,
     max_list: int,
+    excl: torch.Tensor | None = None,
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`scan` with torch ops: gathers each query's candidates
+    """Same contract as :func:`scan` (``excl [B, S]`` or None) with torch ops: gathers each query's candidates
     ``[b, P * max_list]``, scores them with one batched matmul, masks, and takes the top ``r``."""
     from retrieval.filters import eligible
 
@@ -227,6 +238,8 @@ def scan_reference(
         valid = valid.flatten(1)
         if fmask.shape[1] > 0:
             valid &= eligible(sig[pos], fmask[s : s + chunk], fneg[s : s + chunk])
+        if excl is not None:
+            valid &= ~is_excluded(pos, excl[s : s + chunk])
         score = score.masked_fill(~valid, float("-inf"))
         kk = min(r, score.shape[1])
         top, idx = score.topk(kk, dim=1)

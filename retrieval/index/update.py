@@ -71,13 +71,7 @@ def _check_editable(index: IVFIndex) -> None:
 def positions_of(index: IVFIndex, ids: torch.Tensor) -> torch.Tensor:
     """Rows of ``ids [n]`` in the index (list-sorted order) -> ``[n] int64``, ``-1`` where an id
     is not in the index."""
-    item_ids = index.item_ids.cpu()
-    if item_ids.numel() == 0:
-        return torch.full_like(ids, -1)
-    sorted_ids, perm = item_ids.sort()
-    at = torch.searchsorted(sorted_ids, ids).clamp(max=sorted_ids.numel() - 1)
-    found = sorted_ids[at] == ids
-    return torch.where(found, perm[at], torch.full_like(ids, -1))
+    return index.id_order.positions(ids).cpu()
 
 
 def _require_known(index: IVFIndex, ids: torch.Tensor, field: str) -> torch.Tensor:

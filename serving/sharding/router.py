@@ -8,7 +8,7 @@ their candidates exactly (``retrieval/index/search.py``)::
     plan = stats.plan(filters, q)                      here: the whole catalog's statistics
     shard s: candidates(q, filters, plan)     [B, r]   every shard, in parallel, one deadline
     select(concat(candidates))                [B, R]   here: equals the unsharded top-R
-    head, seen items, top-K                   [B, K]   here
+    head, top-K                               [B, K]   here
 
 A shard that misses the deadline or fails (down, wrong version) leaves the answer **partial**:
 the result of the shards that answered, flagged with the missing shards, never an error reported
@@ -37,7 +37,6 @@ from common.grpc_util import ClientAuth
 from retrieval.artifact import CONFIG_FILE
 from retrieval.config import ModelConfig
 from retrieval.features import UserBatch
-from retrieval.filters import FilterBatch
 from retrieval.index.search import Candidates, run_search
 from retrieval.model import RetrievalModel, table_specs
 from serving.engine.runner import ModelRunner
@@ -76,8 +75,7 @@ class RouterRunner(ModelRunner):
         model = self.model
         with self._tower:
             q = model.user_vectors(batch)  # [B, D]
-        r, hist = model.candidate_budget(batch, k)
-        fb = FilterBatch(batch.filter_masks, batch.filter_negate)
+        r, fb = model.candidate_budget(batch, k)  # fb excludes the seen items on every shard
         icfg = model.index.config
         plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank, q=q)  # q: bounds (a 2nd round)
         with_vectors = model.head is not None
@@ -85,9 +83,7 @@ class RouterRunner(ModelRunner):
         failed: dict[int, str] = {}
 
         def fetch(p: Any, rows: torch.Tensor | None) -> Candidates:
-            qq, f = (
-                (q, fb) if rows is None else (q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]))
-            )
+            qq, f = (q, fb) if rows is None else (q[rows], fb.rows(rows))
             request = encode_request(self.name, self.version, qq, f, p, with_vectors, self.sequence)
             left = max(until - time.monotonic(), 0.001)
             answers, errors = self.client.search(request, left, skip=set(failed))
@@ -101,7 +97,7 @@ class RouterRunner(ModelRunner):
         top = run_search(plan, fetch)
         dev = q.device
         vecs = None if top.vectors is None else top.vectors.to(dev)
-        ids, scores = model.rank(q, hist, top.keys.to(dev), top.scores.to(dev), vecs, k)
+        ids, scores = model.rank(q, top.keys.to(dev), top.scores.to(dev), vecs, k)
         if failed:
             self.client.metrics.partial.labels(self.name).inc()
         return ids, scores, [f"shard-{s}" for s in sorted(failed)]

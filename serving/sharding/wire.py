@@ -40,12 +40,12 @@ def encode_request(
     with_vectors: bool,
     sequence: int = 0,
 ) -> pb.SearchRequest:
-    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` and the plan (its
-    ``lists [B, P]`` when a second round gives them), against ``version`` after ``sequence``
-    live updates."""
+    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` / ``exclude [B, S]``
+    and the plan (its ``lists [B, P]`` when a second round gives them), against ``version``
+    after ``sequence`` live updates."""
     b, d = q.shape
     _, c, w = fb.masks.shape
-    lists = plan.lists
+    lists, ex = plan.lists, fb.exclude
     return pb.SearchRequest(
         model=model,
         version=version,
@@ -64,6 +64,8 @@ def encode_request(
         sequence=sequence,
         list_width=0 if lists is None else int(lists.shape[1]),
         lists=b"" if lists is None else tensor_bytes(lists, np.int32),
+        exclude_width=0 if ex is None else int(ex.shape[1]),
+        exclude=b"" if ex is None else tensor_bytes(ex, np.int64),
     )
 
 
@@ -89,7 +91,13 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         lists = bytes_tensor(msg.lists, np.int32, (b, msg.list_width), "lists").long()
         if bool((lists < -1).any()):
             raise ValueError("lists: every entry must be a list id (>= 0) or -1")
-    return q, FilterBatch(masks, negate), SearchPlan(msg.k, msg.r, nprobe, exact, lists)
+    exclude = None
+    if msg.exclude_width > 0:
+        exclude = bytes_tensor(msg.exclude, np.int64, (b, msg.exclude_width), "exclude")
+        if bool((exclude < -1).any()):
+            raise ValueError("exclude: every entry must be an item id (>= 0) or -1")
+    plan = SearchPlan(msg.k, msg.r, nprobe, exact, lists)
+    return q, FilterBatch(masks, negate, exclude), plan
 
 
 def encode_response(shard: int, version: int, c: Candidates) -> pb.SearchResponse:

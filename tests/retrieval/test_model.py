@@ -190,20 +190,6 @@ def test_scoring_head_trains_and_serves():
     assert (ids >= 0).all() and torch.equal(ids, compiled[0])
 
 
-def test_seen_in_matches_the_all_pairs_compare() -> None:
-    """The binary-search history exclusion equals comparing every candidate with every
-    history item (pads, duplicates and ids outside the history included)."""
-    from retrieval.model import seen_in
-
-    g = torch.Generator().manual_seed(0)
-    for _ in range(100):
-        r, h = (int(x) for x in torch.randint(1, 40, (2,), generator=g))
-        ids = torch.randint(-1, 30, (4, r), generator=g)
-        hist = torch.randint(-1, 30, (4, h), generator=g)
-        expected = (ids.unsqueeze(2) == hist.unsqueeze(1)).any(dim=2) & (ids >= 0)
-        assert torch.equal(seen_in(ids, hist), expected)
-
-
 def test_recent_window_is_pooled_apart_and_old_configs_load_without_it() -> None:
     cfg = ModelConfig(num_items=20, user_features={}, dense_dim=0, item_attributes={}, recent_len=3)
     model = RetrievalModel(cfg)

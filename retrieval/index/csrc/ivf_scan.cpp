@@ -2,7 +2,8 @@
 //
 // Score of item i (in list l, probed by query b at probe slot p):
 //     coarse[b, p] + scale[i] * qscale[b] * <q[b], code[i]>     (codes hold residuals to l's centroid)
-// Items that fail the request's filter get no score and never take a top-r slot.
+// Items that fail the request's filter, or that the request excludes (its user's seen items, as
+// sorted rows), get no score and never take a top-r slot.
 //
 // The batch is scanned list-major: (query, list) pairs are grouped by list so that a list's codes
 // are read from memory once per batch and reused, from cache, by every query that probes it
@@ -228,6 +229,7 @@ struct Batch {  // one chunk of queries [b0, b1)
   int64_t b0, b1, p;
   const int64_t* probes; const float* coarse;
   const int64_t* fmask; const bool* fneg; int64_t c_count;
+  const int64_t* excl; int64_t s;  // excl [B, s]: rows each query excludes, ascending (int64 max pads)
 };
 
 // Pairs of the chunk grouped by list: pairs_of_list[pair_start[l] .. pair_start[l+1]) = (b, p) flat ids.
@@ -287,6 +289,11 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
         const int64_t bp = pl.pairs[k], b = bt.b0 + bp / bt.p;
         float* out = buf + pl.buf_off[bp];
         scorer.score(b, i0, i1, bt.coarse[b * bt.p + bp % bt.p], out);
+        if (bt.s > 0) {  // the list's excluded rows are one run of the sorted exclusions
+          const int64_t* e = bt.excl + b * bt.s;
+          for (const int64_t* it = std::lower_bound(e, e + bt.s, i0); it != e + bt.s && *it < i1; ++it)
+            out[*it - i0] = kNegInf;
+        }
         if (bt.c_count == 0) continue;
         const int64_t* fm = bt.fmask + b * bt.c_count * ix.w;
         const bool* fn = bt.fneg + b * bt.c_count;
@@ -441,7 +448,7 @@ struct Checked {
 
 Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Tensor& coarse,
               const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
-              const at::Tensor& fmask, const at::Tensor& fneg, int64_t r) {
+              const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl, int64_t r) {
   TORCH_CHECK(r >= 1, "r must be >= 1");
   TORCH_CHECK(probes.dim() == 2 && probes.size(0) == b_count && probes.scalar_type() == at::kLong, "probes must be int64 [B, P]");
   TORCH_CHECK(coarse.sizes() == probes.sizes() && coarse.scalar_type() == at::kFloat, "coarse must be float32 [B, P]");
@@ -452,14 +459,17 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
               "filter masks must be int64 [B, C, W]");
   TORCH_CHECK(fneg.dim() == 2 && fneg.size(0) == b_count && fneg.size(1) == fmask.size(1) && fneg.scalar_type() == at::kBool,
               "filter negations must be bool [B, C]");
-  for (const at::Tensor* t : {&probes, &coarse, &scales, &offsets, &sig, &fmask, &fneg})
+  TORCH_CHECK(excl.dim() == 2 && excl.size(0) == b_count && excl.scalar_type() == at::kLong,
+              "exclusions must be int64 [B, S], ascending per row");
+  for (const at::Tensor* t : {&probes, &coarse, &scales, &offsets, &sig, &fmask, &fneg, &excl})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "ivf_scan inputs must be contiguous CPU tensors");
   const int64_t nlist = offsets.size(0) - 1;
   TORCH_CHECK(offsets[nlist].item<int64_t>() == n, "offsets[-1] must equal N");
   TORCH_CHECK(probes.numel() == 0 || probes.max().item<int64_t>() < nlist, "probe ids must be < nlist");
   Checked c{Index{scales.data_ptr<float>(), offsets.data_ptr<int64_t>(), nlist, sig.data_ptr<int64_t>(), sig.size(1)},
             Batch{0, b_count, probes.size(1), probes.data_ptr<int64_t>(), coarse.data_ptr<float>(),
-                  fmask.data_ptr<int64_t>(), fneg.data_ptr<bool>(), fmask.size(1)},
+                  fmask.data_ptr<int64_t>(), fneg.data_ptr<bool>(), fmask.size(1),
+                  excl.data_ptr<int64_t>(), excl.size(1)},
             at::empty({b_count, r}, probes.options()), at::empty({b_count, r}, coarse.options())};
   return c;
 }
@@ -471,12 +481,12 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
 std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
     const at::Tensor& q, const at::Tensor& probes, const at::Tensor& coarse, const at::Tensor& codes,
     const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask,
-    const at::Tensor& fneg, int64_t r) {
+    const at::Tensor& fneg, const at::Tensor& excl, int64_t r) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == q.size(1) && codes.is_contiguous(),
               "codes must be contiguous int8 [N, D] with the query's D");
   const int64_t b_count = q.size(0), d = q.size(1);
-  auto c = check(b_count, codes.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, r);
+  auto c = check(b_count, codes.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, excl, r);
   const Isa isa = int8_isa();
   const int64_t qstride = ((d + 63) / 64) * 64;  // zero-padded rows: SIMD tails read whole words
   std::vector<int8_t> q8(b_count * qstride, 0);
@@ -532,13 +542,13 @@ at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at:
 std::tuple<at::Tensor, at::Tensor> ivf_scan_fp8(
     const at::Tensor& q, const at::Tensor& codes_u8, const at::Tensor& lut, const at::Tensor& probes,
     const at::Tensor& coarse, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
-    const at::Tensor& fmask, const at::Tensor& fneg, int64_t r) {
+    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl, int64_t r) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
   TORCH_CHECK(codes_u8.dim() == 2 && codes_u8.scalar_type() == at::kByte && codes_u8.size(1) == q.size(1) && codes_u8.is_contiguous(),
               "codes must be contiguous uint8 [N, D] (fp8 bytes) with the query's D");
   TORCH_CHECK(lut.numel() == 256 && lut.scalar_type() == at::kFloat && lut.is_contiguous(), "lut must be float32 [256]");
   const int64_t b_count = q.size(0), d = q.size(1);
-  auto c = check(b_count, codes_u8.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, r);
+  auto c = check(b_count, codes_u8.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, excl, r);
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = codes_u8.data_ptr<uint8_t>();
   const float* lp = lut.data_ptr<float>();

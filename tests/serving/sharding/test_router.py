@@ -71,8 +71,8 @@ def test_routed_top_k_equals_unsharded(cluster, wide, k, text):
 
 @pytest.mark.parametrize("text", [None, FILTERS[1]])
 def test_routed_answers_with_seen_lists_equal_unsharded(cluster, wide, text):
-    """The shards return K + H + S candidates (``candidate_budget``) and the router's rank
-    strikes the seen ones: equal to the whole model given the same seen lists."""
+    """Every shard skips the seen items inside its scan (``FilterBatch.exclude`` on the wire):
+    equal to the whole model given the same seen lists."""
     users, k, s = np.arange(6), 20, 40
     top, _ = wide.expected(wide.model, users, 2 * s, [text] * len(users))
     rng = np.random.default_rng(0)

@@ -1,0 +1,67 @@
+"""Items a request excludes, applied inside the scan: the items its user has already seen.
+
+A request names them by item id (``FilterBatch.exclude [B, S] int64``, ``-1`` pads): the
+model's history window and the request's full seen list. An index maps them once per search
+to its own rows (:func:`excluded_positions`: sorted, so a probed list's excluded rows are one
+contiguous run found by a binary search) and every plan skips them where it skips ineligible
+items: the list scan blanks them before its top-r (``csrc/ivf_scan.cpp``), the exact scan
+before its top-k. So an index returns K items its user has not seen however long the seen
+list, and the candidates it keeps do not grow with S.
+
+Example::
+
+    order = IdOrder.of(torch.tensor([30, 10, 20]))       # rows 0..2 hold items 30, 10, 20
+    excl = excluded_positions(order, torch.tensor([[20, 30, -1, 99]]))
+    # tensor([[0, 2, PAD, PAD]]): rows of items 30 and 20, ascending; -1 and unknown ids pad
+    is_excluded(torch.tensor([[2, 1]]), excl)             # tensor([[True, False]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD = torch.iinfo(torch.int64).max
+"""Pads a row of excluded positions (sorts after every real row, equals none)."""
+
+
+@dataclass(frozen=True)
+class IdOrder:
+    """An index's item ids in ascending order, ``sorted_ids [N]``, and the row each sits in,
+    ``rows [N]``: the lookup from item id to row (built when the index's items change)."""
+
+    sorted_ids: torch.Tensor
+    rows: torch.Tensor
+
+    @classmethod
+    def of(cls, item_ids: torch.Tensor) -> IdOrder:
+        """From an index's ``item_ids [N] int64`` (row -> item id)."""
+        sorted_ids, rows = item_ids.sort()
+        return cls(sorted_ids, rows)
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids [...] int64`` -> same shape, ``-1`` where an id is not in the index."""
+        n = self.sorted_ids.numel()
+        if n == 0:
+            return torch.full_like(ids, -1)
+        ids = ids.to(self.sorted_ids.device)
+        at = torch.searchsorted(self.sorted_ids, ids.contiguous()).clamp(max=n - 1)
+        found = self.sorted_ids[at] == ids
+        return torch.where(found, self.rows[at], torch.full_like(ids, -1))
+
+
+def excluded_positions(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:
+    """Item ids ``exclude [B, S]`` (``-1`` pads; ids the index does not hold are ignored) ->
+    the rows they sit in, ``[B, S] int64`` ascending per row, :data:`PAD` padded at the end."""
+    pos = order.positions(exclude)
+    return pos.masked_fill(pos < 0, PAD).sort(dim=1).values
+
+
+def is_excluded(pos: torch.Tensor, excl: torch.Tensor) -> torch.Tensor:
+    """``[B, M] bool``: which rows ``pos [B, M]`` (``-1`` pads never match) are in their row of
+    ``excl [B, S]`` (from :func:`excluded_positions`): a binary search, O(M log S) per row."""
+    if excl.shape[1] == 0:
+        return torch.zeros(pos.shape, dtype=torch.bool, device=pos.device)
+    at = torch.searchsorted(excl, pos.contiguous()).clamp(max=excl.shape[1] - 1)
+    return excl.gather(1, at) == pos
