@@ -26,6 +26,8 @@ class UserBatch:
     seen: ``[B, S] int64`` every item the user consumed, ``-1`` padded, any order, or None. When
     given, these items are never recommended, in addition to the history window the model
     excludes (``retrieval/seen.py``); None keeps the window only.
+    recall_target: ``[B] float32`` recall@K against exact search each request asks for, in (0,
+    1] (0: the index's settings), or None (``retrieval/index/targets.py``).
     """
 
     history: torch.Tensor
@@ -34,6 +36,7 @@ class UserBatch:
     filter_masks: torch.Tensor
     filter_negate: torch.Tensor
     seen: torch.Tensor | None = None
+    recall_target: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -52,6 +55,7 @@ class UserBatch:
             self.filter_masks[rows],
             self.filter_negate[rows],
             None if self.seen is None else self.seen[rows],
+            None if self.recall_target is None else self.recall_target[rows],
         )
 
     def to(self, device: torch.device | str) -> UserBatch:
@@ -62,6 +66,7 @@ class UserBatch:
             self.filter_masks.to(device),
             self.filter_negate.to(device),
             None if self.seen is None else self.seen.to(device),
+            None if self.recall_target is None else self.recall_target.to(device),
         )
 
 

@@ -21,6 +21,7 @@ from retrieval.features import UserBatch
 from retrieval.filters import FilterBatch
 from retrieval.index.build import build_ivf
 from retrieval.index.ivf import IVFIndex
+from retrieval.index.targets import check_targets
 from retrieval.scoring import PairHead, score_candidates
 from retrieval.towers import HistoryAttention, Tower
 from sharded_tables.collection import EmbeddingCollection, TableConfig
@@ -223,6 +224,8 @@ class RetrievalModel(nn.Module):
                     f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
                 )
         _check_seen(batch.seen, b)
+        if batch.recall_target is not None:
+            check_targets(batch.recall_target, b)
         w = self.index.schema.num_words
         if (
             batch.filter_masks.dim() != 3
@@ -253,7 +256,7 @@ class RetrievalModel(nn.Module):
         r, fb = self.candidate_budget(batch, k)
         icfg = self.index.config  # as built (nprobe may be tuned)
         pos, dot = self.index.search_positions(
-            q, r, fb, icfg.nprobe, icfg.rerank, exact=exact
+            q, r, fb, icfg.nprobe, icfg.rerank, exact=exact, target=batch.recall_target
         )  # [B, R]
         ids = torch.where(pos >= 0, self.index.item_ids[pos.clamp(min=0)], pos)
         vecs = None

@@ -140,6 +140,9 @@ class RecRequest:
     raw_seen: np.ndarray | None = None
     """``str [S]`` (object): ``seen`` in the user's own item ids, ``""`` pads, for a model with id
     maps; the runner maps it into ``seen``."""
+    recall_target: float = 0.0
+    """Recall@K against exact search the request asks for, in (0, 1]; 0: the index's settings
+    (``retrieval/index/targets.py``). KServe: the request parameter ``recall_target``."""
     checked: tuple[object, list[Any]] | None = field(default=None, repr=False, compare=False)
     """(runner, parsed filter clauses) once a runner's edge check passed: the same runner
     skips the check when the request reaches its batch (another, after a hot swap, redoes it)."""
@@ -186,6 +189,10 @@ def check_request(req: RecRequest, categorical: int, dense: int, num_items: int)
     bad = req.history[(req.history < -1) | (req.history >= num_items)]
     if bad.size:
         raise RequestError(f"history: item id {int(bad[0])} is not in [0, {num_items})")
+    if not 0.0 <= req.recall_target <= 1.0:  # NaN fails too
+        raise RequestError(
+            f"recall_target: must be in (0, 1] (0: the index's settings), got {req.recall_target}"
+        )
     if req.seen is not None:
         if req.seen.dtype != np.int64 or req.seen.ndim != 1:
             raise RequestError(f"seen: expected int64 [S], got {req.seen.dtype} {req.seen.shape}")

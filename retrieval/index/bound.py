@@ -33,6 +33,7 @@ new values possible in every list (a router does not know an item's list).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -134,13 +135,13 @@ def grown(
 
 # ---- the slack, measured at build ------------------------------------------------------------------
 def measure_slack(
-    index: ListedIndex, queries: torch.Tensor, quantile: float, lists: int = 32
-) -> float:
-    """The ``quantile`` of ``max_x q·r_x / (|q| rmax_l)`` over sample ``queries [Q, D]`` and the
-    ``lists`` lists nearest each (after its first, which every search probes) -> slack in
-    ``[0, 1]``; ``quantile >= 1`` -> 1.0 (the proof)."""
-    if quantile >= 1.0 or index.nlist < 2:
-        return 1.0
+    index: ListedIndex, queries: torch.Tensor, quantiles: Sequence[float], lists: int = 32
+) -> list[float]:
+    """Each of ``quantiles`` of ``max_x q·r_x / (|q| rmax_l)`` over sample ``queries [Q, D]``
+    and the ``lists`` lists nearest each (after its first, which every search probes) -> a
+    slack in ``[0, 1]`` per quantile; a quantile ``>= 1`` -> 1.0 (the proof)."""
+    if index.nlist < 2:
+        return [1.0 for _ in quantiles]
     q = _as_scored(index, queries.float().cpu())
     centroids, radius, offsets = index.centroids.cpu(), index.list_radius.cpu(), index.offsets.cpu()
     near = topk_rows(_probe_key(index, q @ centroids.T), min(lists + 1, index.nlist))[1][:, 1:]
@@ -159,7 +160,9 @@ def measure_slack(
         ok = (sizes > 0) & (scale.flatten() > 0)
         share.append((best[ok] / scale.flatten()[ok]).clamp(0.0, 1.0))
     found = torch.cat(share)
-    return float(torch.quantile(found, quantile)) if found.numel() else 1.0
+    return [
+        float(torch.quantile(found, q)) if q < 1.0 and found.numel() else 1.0 for q in quantiles
+    ]
 
 
 def _as_scored(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
@@ -174,17 +177,25 @@ def _probe_key(index: ListedIndex, ip: torch.Tensor) -> torch.Tensor:
 
 # ---- the check ---------------------------------------------------------------------------------------
 def with_bounds(
-    index: ListedIndex, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan, sel: torch.Tensor
+    index: ListedIndex,
+    q: torch.Tensor,
+    fb: FilterBatch,
+    plan: SearchPlan,
+    sel: torch.Tensor,
+    slack: torch.Tensor | None = None,
 ) -> SearchPlan:
     """``plan`` for queries ``q [B, D]`` under filters ``fb`` (estimated selectivities ``sel
     [B]``) with its first round's lists chosen here (``plan.lists``: each filtered row's best
     ``nprobe`` lists *among those that may hold an item it admits*, the nearest lists of an
     anti-correlated filter holding none) and the :class:`BoundCheck` of its second round.
+    ``slack [B]``: each row's (default: the measured ``filter_bound_slack``; 0: no check).
     ``plan`` as it is when no filtered row probes lists, or the index has no statistics or no
     measured slack."""
-    slack = index.config.filter_bound_slack
-    checked = (sel < 1.0) & ~plan.exact.cpu()  # [B]
-    if slack <= 0 or index.list_radius.numel() == 0 or not bool(checked.any()):
+    if slack is None:
+        slack = torch.full(sel.shape, index.config.filter_bound_slack)
+    slack = slack.cpu()
+    checked = (sel.cpu() < 1.0) & ~plan.exact.cpu() & (slack > 0)  # [B]
+    if index.list_radius.numel() == 0 or not bool(checked.any()):
         return plan
     dev, b, nlist = index.centroids.device, q.shape[0], index.nlist
     rows = (~plan.exact.cpu()).nonzero().flatten()  # every row that probes gets its lists here
@@ -202,7 +213,8 @@ def with_bounds(
     first = torch.where((slot < nprobe[:, None]) & (top > NEG_INF), first, -1)
     probed = torch.zeros(rows.numel(), nlist + 1, dtype=torch.bool, device=dev)
     probed = probed.scatter_(1, first.masked_fill(first < 0, nlist), True)[:, :nlist]
-    bounds = ip + slack * _norm_bound(index, qr)[:, None] * index.list_radius[None, :]
+    row_slack = slack[rows].to(dev)[:, None]
+    bounds = ip + row_slack * _norm_bound(index, qr)[:, None] * index.list_radius[None, :]
     bounds = bounds.masked_fill(probed | ~reach | ~mine.to(dev)[:, None], NEG_INF)
     full = torch.full((b, nlist), NEG_INF, device=dev)
     full[rows.to(dev)] = bounds

@@ -4,6 +4,7 @@ postings, each list's bound statistics and the slack of its bound (``bound.py``)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -18,6 +19,7 @@ from retrieval.index.inputs import as_tensor
 from retrieval.index.ivf import EXACT_DTYPES, IVFConfig, IVFIndex
 from retrieval.index.kmeans import assign, train_centroids
 from retrieval.index.probe import unit_norm
+from retrieval.index.targets import CURVE_TOP, SLACK_QUANTILES, curve_nprobe
 
 
 def build_ivf(
@@ -89,8 +91,10 @@ def build_ivf(
         else as_tensor(tune_queries, "tune_queries").float().cpu()
     )
     if config.filter_bound > 0 and config.filter_bound_slack == 0:
-        slack = measure_slack(index, sample, config.filter_bound)
-        index.config = replace(index.config, filter_bound_slack=slack)
+        qs = (*SLACK_QUANTILES, config.filter_bound)
+        slacks = measure_slack(index, sample, qs)
+        curve = tuple((q, s) for q, s in zip(qs[:-1], slacks[:-1], strict=True))
+        index.config = replace(index.config, filter_bound_slack=slacks[-1], slack_curve=curve)
     if config.target_recall > 0:
         tune_nprobe(index, sample)
     return index
@@ -123,20 +127,27 @@ def postings(sig: torch.Tensor) -> torch.Tensor:
 
 
 def tune_nprobe(index: IVFIndex, queries: torch.Tensor) -> int:
-    """Sets ``index.config.nprobe`` to the smallest power of two (or nlist) whose unfiltered
-    recall@``tune_k`` against exact search on ``queries [Q, D]`` reaches ``target_recall``."""
+    """Measures the recall curve (:func:`measure_recall_curve`) and sets ``index.config.nprobe``
+    to the smallest power of two (or nlist) whose recall reaches ``target_recall``."""
+    curve = measure_recall_curve(index, queries)
+    nprobe = curve_nprobe(curve, index.config.target_recall, index.nlist)
+    index.config = replace(index.config, nprobe=nprobe, recall_curve=curve)
+    return nprobe
+
+
+def measure_recall_curve(index: IVFIndex, queries: torch.Tensor) -> tuple[tuple[int, float], ...]:
+    """``(nprobe, recall)`` for nprobe = 1, 2, 4, ...: unfiltered recall@``tune_k`` against
+    exact search on ``queries [Q, D]`` (rounded down to 4 decimals), until it reaches
+    ``CURVE_TOP`` or nprobe reaches nlist (``retrieval/index/targets.py``)."""
     cfg = index.config
     k = min(cfg.tune_k, index.ntotal)
-    truth_pos, _ = index.search_positions(
-        queries, k, index.schema.empty(len(queries)), 1, cfg.rerank, exact=True
-    )
-    nprobe = 1
+    empty = index.schema.empty(len(queries))
+    truth_pos, _ = index.search_positions(queries, k, empty, 1, cfg.rerank, exact=True)
+    curve, nprobe = [], 1
     while True:
-        pos, _ = index.search_positions(
-            queries, k, index.schema.empty(len(queries)), nprobe, cfg.rerank
-        )
-        if nprobe >= index.nlist or recall_at_k(pos, truth_pos) >= cfg.target_recall:
-            break
+        pos, _ = index.search_positions(queries, k, empty, nprobe, cfg.rerank)
+        recall = math.floor(recall_at_k(pos, truth_pos) * 1e4) / 1e4
+        curve.append((nprobe, recall))
+        if nprobe >= index.nlist or recall >= CURVE_TOP:
+            return tuple(curve)
         nprobe = min(2 * nprobe, index.nlist)
-    index.config = replace(cfg, nprobe=nprobe)
-    return nprobe

@@ -69,8 +69,15 @@ class IVFConfig:
     value given here is kept)."""
     target_recall: float = 0.0
     """If > 0, the build picks the smallest power-of-two nprobe whose recall@``tune_k`` against
-    exact search reaches this on sample queries (then ``nprobe`` is only the starting point)."""
+    exact search reaches this on sample queries (then ``nprobe`` is only the starting point),
+    and records the curve a request's own ``recall_target`` reads (``recall_curve``)."""
     tune_k: int = 100
+    recall_curve: tuple[tuple[int, float], ...] = ()
+    """``(nprobe, recall)`` measured by the build with ``target_recall`` (powers of two, until
+    recall 0.995): what a request's ``recall_target`` probes (``retrieval/index/targets.py``)."""
+    slack_curve: tuple[tuple[float, float], ...] = ()
+    """``(quantile, slack)`` of the filtered plan's bound, measured by the build with
+    ``filter_bound``: the slack a request's ``recall_target`` bounds unprobed lists with."""
 
     def validate(self) -> None:
         if self.nlist < 1 or self.nprobe < 1:

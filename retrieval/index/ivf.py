@@ -22,7 +22,6 @@ more exist is answered by the exact scan, so a filter can never starve a result.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -35,17 +34,17 @@ from retrieval.filters import (
     AttributeValue,
     FilterBatch,
     FilterSchema,
-    estimate_selectivity,
 )
-from retrieval.index.bound import with_bounds
 from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exclude import IdOrder, excluded_positions
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
+from retrieval.index.planner import make_plan
 from retrieval.index.probe import half_sq_norms, probe_lists, rescore
 from retrieval.index.scan import scan
 from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.targets import check_targets
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 __all__ = ["EXACT_DTYPES", "METRICS", "PROBES", "FilterArg", "IVFConfig", "IVFIndex"]
@@ -220,6 +219,7 @@ class IVFIndex(nn.Module):
         *,
         nprobe: int | None = None,
         rerank: int | None = None,
+        recall_target: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` items for ``q [B, D]`` floats (tensor or NumPy array) -> ``(item_ids [B, k]
         int64, scores [B, k] float32)``; ``-1`` / ``-inf`` pad rows whose filter admits fewer
@@ -228,12 +228,20 @@ class IVFIndex(nn.Module):
         ``k``, ``nprobe``, ``rerank``: integers (``int`` or NumPy's). ``nprobe`` is the fewest
         lists a row probes (None: the config's); ``rerank`` the candidates re-scored with the
         exact copy (None: the config's; > 0 needs an index that keeps the copy).
+        ``recall_target``: recall@K against exact search each row asks for, in (0, 1] (one for
+        all rows, or ``[B]``; 0 or None: ``nprobe``), read off the curves the build measured
+        (``retrieval/index/targets.py``); 1 scans exactly.
         :meth:`search_plan` tells, per row, how many lists the search will probe.
         """
         q = self._check_queries(q)
         k = self._check_k(k)
         fb = self.compile_filter(filters, q.shape[0])
-        pos, scores = self._search_positions(q, k, fb, *self._settings(nprobe, rerank))
+        target = None
+        if recall_target is not None:
+            target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])
+            check_targets(target, q.shape[0])
+        settings = self._settings(nprobe, rerank)
+        pos, scores = self._search_positions(q, k, fb, *settings, target=target)
         ids = torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
         return ids, scores
 
@@ -302,10 +310,12 @@ class IVFIndex(nn.Module):
         nprobe: int,
         rerank: int,
         exact: bool = False,
+        target: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
-        ``exact=True`` scans every eligible item (the reference the index is measured against)."""
-        plan = self.plan(fb, k, nprobe, rerank, exact, q=q)
+        ``exact=True`` scans every eligible item (the reference the index is measured against);
+        ``target [B]``: each row's recall target (0: the index's settings)."""
+        plan = self.plan(fb, k, nprobe, rerank, exact, q=q, target=target)
 
         def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
             if rows is None:
@@ -324,54 +334,12 @@ class IVFIndex(nn.Module):
         rerank: int,
         exact: bool = False,
         q: torch.Tensor | None = None,
+        target: torch.Tensor | None = None,
     ) -> SearchPlan:
-        """Per row: lists to probe, or an exact scan. Reads only the index's statistics
-        (``ntotal``, ``nlist``, ``bit_counts``, ``list_radius``, ``list_bits``), so a router
-        holding them plans for its shards. With the queries ``q [B, D]``, filtered rows that
-        probe lists skip the lists their filter rules out and get the bound check of a second
-        round (``plan.lists``, ``plan.check``: ``retrieval/index/bound.py``)."""
-        b = fb.masks.shape[0]
-        r = max(k, rerank) if rerank and self.keeps_exact_copy else k
-        if not fb.active and not exact:  # the common case, kept lean
-            p = torch.full((b,), self._nprobe_for(1.0, nprobe, r), dtype=torch.int64)
-            if fb.exclude is not None:
-                p = torch.maximum(p, self._fill_lists(torch.ones(b), r, fb.exclude))
-            return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
-        sel_t = estimate_selectivity(fb, self.bit_counts, self.ntotal)  # [B]
-        sel = sel_t.tolist()
-        plans = {s_: self._plan_for(s_, nprobe, r, exact) for s_ in set(sel)}  # few distinct
-        p = torch.tensor([plans[s_][0] for s_ in sel], dtype=torch.int64)
-        if fb.exclude is not None:
-            p = torch.maximum(p, self._fill_lists(sel_t.cpu(), r, fb.exclude))
-        plan = SearchPlan(k, r, p, torch.tensor([plans[s_][1] for s_ in sel], dtype=torch.bool))
-        if q is None or self.config.filter_bound <= 0:
-            return plan
-        return with_bounds(self, q, fb, plan, sel_t)
-
-    def _nprobe_for(self, selectivity: float, nprobe: int, r: int) -> int:
-        """Lists to probe for a request admitting ``selectivity`` of the items: widened as
-        ``selectivity ** -exponent``, and enough to hold ``2r`` eligible items."""
-        n, nlist = self.ntotal, max(self.nlist, 1)
-        s_ = max(selectivity, 1e-9)
-        widen = nprobe * s_**-self.config.filter_nprobe_exponent
-        fill = 2.0 * r / (n / nlist * s_)
-        return int(min(nlist, max(nprobe, math.ceil(max(widen, fill)))))
-
-    def _fill_lists(self, sel: torch.Tensor, r: int, exclude: torch.Tensor) -> torch.Tensor:
-        """``[B] int64``: lists that hold ``2 (r + S_b)`` items admitted by selectivity ``sel
-        [B]``, ``S_b`` the items row b excludes (``exclude [B, S]`` ids, ``-1`` pads): as many
-        lists as when the excluded items were taken as candidates and removed afterwards."""
-        per_list = self.ntotal / max(self.nlist, 1)
-        need = 2.0 * (r + exclude.ge(0).sum(dim=1).cpu())
-        lists = torch.ceil(need / (per_list * sel.clamp(min=1e-9)))
-        return lists.clamp(max=max(self.nlist, 1)).long()
-
-    def _plan_for(self, selectivity: float, nprobe: int, r: int, exact: bool) -> tuple[int, bool]:
-        """(lists to probe, scan exactly?): exactly when its eligible items cost no more than
-        the codes of those lists (cost in items touched, weighted by ``exact_cost``)."""
-        p = self._nprobe_for(selectivity, nprobe, r)
-        n = self.ntotal
-        return p, exact or selectivity * n * self.config.exact_cost <= p * n / max(self.nlist, 1)
+        """Per row: lists to probe, or an exact scan (``retrieval/index/planner.py``). Reads
+        only the index's statistics, so a router holding them plans for its shards. ``q [B,
+        D]``: filtered rows get a bound check; ``target [B]``: rows' own recall targets."""
+        return make_plan(self, fb, k, nprobe, rerank, exact, q, target)
 
     def candidates(self, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan) -> Candidates:
         """This index's candidates for ``q [B, D]`` under ``plan``: ``[B, r]`` (keys are

@@ -93,6 +93,11 @@ class ModelRunner:
         ntotal = self.model.index.ntotal
         if req.k > ntotal:
             raise RequestError(f"k: must be in [1, {ntotal}] (items in the index), got {req.k}")
+        if 0.0 < req.recall_target < 1.0 and not self.model.index.config.recall_curve:
+            raise RequestError(
+                f"recall_target: {self.name} version {self.version} measured no recall curve at "
+                "build (IVFConfig.target_recall was 0): send 0 (its settings) or 1 (exact)"
+            )
         cat = req.categorical
         if ((cat < -1) | (cat >= self.id_limits)).any():
             self._check_categorical(cat)  # the tables' own check names the feature and table
@@ -197,6 +202,7 @@ class ModelRunner:
             fb.masks,
             fb.negate,
             pad_lists([r.seen for r in reqs]),  # [B, S] or None: no request has a seen list
+            _targets(reqs),
         )
         return batch.to(self.device)
 
@@ -223,3 +229,10 @@ class ModelRunner:
             for out in self.run(reqs):
                 if not isinstance(out, RecResult):
                     raise RuntimeError(f"warm-up of {self.name} v{self.version} failed: {out}")
+
+
+def _targets(reqs: list[RecRequest]) -> torch.Tensor | None:
+    """The requests' recall targets ``[B] float32``, or None when none asks for one."""
+    if all(r.recall_target == 0.0 for r in reqs):
+        return None
+    return torch.tensor([r.recall_target for r in reqs], dtype=torch.float32)

@@ -40,6 +40,7 @@ from serving.frontends.kserve_parse import (
     deadline_from,
     decode,
     parse,
+    recall_target_from,
     row_note,
 )
 from serving.frontends.kserve_spec import (
@@ -72,6 +73,7 @@ __all__ = [
     "model_config",
     "model_spec",
     "parse",
+    "recall_target_from",
     "render",
     "requested_outputs",
     "resolve",

@@ -167,10 +167,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise RequestError(request.message)
             spec = kserve.resolve(self.state, request.model_name, request.model_version)
             names = kserve.requested_outputs([o.name for o in request.outputs], spec)
-            deadline = kserve.deadline_from(
-                parameters(request.parameters), context.time_remaining()
-            )
-            reqs = kserve.parse(wire_tensors(request), spec, deadline=deadline)
+            params = parameters(request.parameters)
+            deadline = kserve.deadline_from(params, context.time_remaining())
+            target = kserve.recall_target_from(params)
+            reqs = kserve.parse(wire_tensors(request), spec, deadline=deadline, target=target)
             futures = kserve.submit_rows(self.state, reqs)
             context.add_callback(lambda: kserve.cancel(futures))  # the caller went away
             results = [self.state.wait(f, deadline) for f in futures]

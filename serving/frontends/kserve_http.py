@@ -351,7 +351,8 @@ def make_app(state: ServingState, *, max_body_bytes: int | None = None) -> Starl
         params = _params(header, "parameters")
         names, binary_out = json_outputs(header, params, spec)
         deadline = kserve.deadline_from(params)
-        reqs = kserve.parse(json_tensors(header, binary), spec, deadline=deadline)
+        target = kserve.recall_target_from(params)
+        reqs = kserve.parse(json_tensors(header, binary), spec, deadline=deadline, target=target)
         results = await gather(kserve.submit_rows(state, reqs), deadline)
         return render_json(header, results, names, binary_out), results[0].version
 

@@ -70,10 +70,24 @@ def deadline_from(parameters: Mapping[str, Any], remaining: float | None = None)
     return deadline
 
 
+def recall_target_from(parameters: Mapping[str, Any]) -> float:
+    """The request parameter ``recall_target`` (a number in (0, 1]; absent: 0, the model's
+    settings), for every row of the call (``retrieval/index/targets.py``)."""
+    target = parameters.get("recall_target", 0.0)
+    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target <= 1:
+        raise RequestError(f"parameters: recall_target must be a number in (0, 1], got {target!r}")
+    return float(target)
+
+
 def parse(
-    tensors: Sequence[WireTensor], spec: ModelSpec, *, deadline: float | None = None
+    tensors: Sequence[WireTensor],
+    spec: ModelSpec,
+    *,
+    deadline: float | None = None,
+    target: float = 0.0,
 ) -> list[RecRequest]:
-    """The inputs of one call -> one :class:`RecRequest` per batch row (validated)."""
+    """The inputs of one call -> one :class:`RecRequest` per batch row (validated), each with
+    the call's recall ``target``."""
     by_name: dict[str, WireTensor] = {}
     known = [t.name for t in spec.inputs]
     for t in tensors:
@@ -128,6 +142,7 @@ def parse(
                 raw_history=None if raw is None else raw[b],
                 seen=None if seen is None else seen[b],
                 raw_seen=None if raw_seen is None else raw_seen[b],
+                recall_target=target,
             )
         )
     return reqs

@@ -92,6 +92,7 @@ def parse_recommend(
         raw_history=raw,
         seen=seen,
         raw_seen=raw_seen,
+        recall_target=float(msg.recall_target),
     )
 
 

@@ -77,7 +77,8 @@ class RouterRunner(ModelRunner):
             q = model.user_vectors(batch)  # [B, D]
         r, fb = model.candidate_budget(batch, k)  # fb excludes the seen items on every shard
         icfg = model.index.config
-        plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank, q=q)  # q: bounds (a 2nd round)
+        # q: bounds (a second round); recall targets: each row's own nprobe and bound slack
+        plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank, q=q, target=batch.recall_target)
         with_vectors = model.head is not None
         until = time.monotonic() + self.client.timeout(deadline)  # one deadline for all rounds
         failed: dict[int, str] = {}

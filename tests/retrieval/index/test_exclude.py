@@ -78,7 +78,7 @@ def test_kernel_with_exclusions_equals_reference_and_skips_them(index, catalog, 
     assert (pos == rpos).float().mean() > 0.99  # ties may swap
     assert not bool(is_excluded(pos, excl).any())
     # = the best 100 of a wider scan without exclusions, the excluded ones struck
-    wide, wsc = scan(*args, fb.masks, fb.negate, 160, max_list=index.max_list)
+    wide, _wsc = scan(*args, fb.masks, fb.negate, 160, max_list=index.max_list)
     keep = ~is_excluded(wide, excl)
     for b in range(batch):
         assert torch.equal(pos[b], wide[b][keep[b]][:100])
@@ -91,7 +91,7 @@ def test_search_never_returns_an_excluded_item(index, catalog, exact):
     text = "shard in {0,1,2,3,4,5,6,7}"
     fb = index.compile_filter(text, q.shape[0])
     fb = FilterBatch(fb.masks, fb.negate, seen)
-    pos, scores = index.search_positions(q, 50, fb, 8, 0, exact=exact)
+    pos, _scores = index.search_positions(q, 50, fb, 8, 0, exact=exact)
     ids = torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos)
     assert bool((ids >= 0).all())  # K unseen items remain: the result is full
     assert not bool((ids.unsqueeze(2) == seen.unsqueeze(1)).any())

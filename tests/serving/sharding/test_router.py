@@ -281,3 +281,29 @@ def test_publish_refuses_a_map_that_leaves_an_item_out(wide, tmp_path):
     with pytest.raises(ValueError, match="no shard in"):
         ModelRepository(tmp_path).publish("demo", wide.model, shards=2, assignment=assignment)
     assert ModelRepository(tmp_path).versions("demo") == []
+
+
+@pytest.mark.parametrize("text", [None, FILTERS[1]])
+def test_routed_recall_target_one_is_the_exact_answer_of_every_shard(cluster, wide, text):
+    """A request asking recall 1 is planned exact by the router, and the shards' exact scans
+    merge to the whole model's exact answer, batched with requests that ask nothing."""
+    users, k = np.arange(6), 20
+    batch = wide.prep.user_batch(users, [text] * len(users))
+    with torch.inference_mode():
+        exact_ids, exact_scores = wide.model(batch, k, exact=True)
+        plain_ids, plain_scores = wide.model(batch, k)
+    targets = [1.0 if u % 2 else 0.0 for u in users]
+    futures = [
+        cluster.state.submit(wide.request(int(u), k, filter=text, recall_target=t))
+        for u, t in zip(users, targets, strict=True)
+    ]
+    for row, fut in enumerate(futures):
+        res = fut.result(timeout=30)
+        ids, scores = (exact_ids, exact_scores) if targets[row] else (plain_ids, plain_scores)
+        assert not res.partial
+        assert_same_topk(
+            torch.from_numpy(res.item_ids[None]),
+            torch.from_numpy(res.scores[None]),
+            ids[row : row + 1],
+            scores[row : row + 1],
+        )

@@ -1,0 +1,95 @@
+"""The search plan: per query row, how many lists to probe, or an exact scan of its eligible items.
+
+Reads only an index's statistics (``ntotal``, ``nlist``, ``bit_counts``, ``list_radius``,
+``list_bits``) and its config, so a router that holds them plans for its shards. Per row b::
+
+    base_b   = nprobe, or what the row's recall target reads off the recall curve (targets.py)
+    lists_b  = max(base_b * sel_b ** -exponent,                  widened as the filter narrows
+                   2 (r + S_b) / (items per list * sel_b))         enough to hold the candidates
+                                                                   and the S_b items it excludes
+    exact_b  = sel_b * N * exact_cost <= lists_b * items per list  (or its target asks for 1)
+
+``sel_b`` is the filter's estimated selectivity. With the queries, filtered rows that probe lists
+skip the lists their filter rules out and get a bound check for a second round
+(``retrieval/index/bound.py``), with the slack their recall target reads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from retrieval.filters import FilterBatch, estimate_selectivity
+from retrieval.index.bound import ListedIndex, with_bounds
+from retrieval.index.search import SearchPlan
+from retrieval.index.targets import row_settings
+
+
+class PlannedIndex(ListedIndex, Protocol):
+    """What the planner reads of an index (a protocol: see :class:`ListedIndex`)."""
+
+    bit_counts: torch.Tensor
+
+    @property
+    def keeps_exact_copy(self) -> bool: ...
+
+
+def make_plan(
+    index: PlannedIndex,
+    fb: FilterBatch,
+    k: int,
+    nprobe: int,
+    rerank: int,
+    exact: bool = False,
+    q: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+) -> SearchPlan:
+    """The plan of B rows under filters ``fb``: ``k`` results each, ``nprobe`` lists at least
+    (rows with a ``target [B]`` recall above 0 read theirs off the index's curves), ``exact``
+    for every row; ``q [B, D]`` adds the bound check of a second round."""
+    b = fb.masks.shape[0]
+    cfg = index.config
+    r = max(k, rerank) if rerank and index.keeps_exact_copy else k
+    rows = None
+    if target is not None and bool((target > 0).any()):
+        rows = row_settings(
+            target, nprobe, cfg.filter_bound_slack, cfg.recall_curve, cfg.slack_curve
+        )
+    if not fb.active and not exact and rows is None and fb.exclude is None:
+        p = lists_to_probe(index, torch.ones(1), torch.tensor([nprobe]), torch.tensor([r]))
+        return SearchPlan(k, r, p.expand(b).clone(), torch.zeros(b, dtype=torch.bool))
+    sel = (
+        estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu()
+        if fb.active
+        else torch.ones(b)
+    )  # [B]
+    base = rows.nprobe if rows is not None else torch.full((b,), nprobe, dtype=torch.int64)
+    need = torch.full((b,), r, dtype=torch.int64)
+    if fb.exclude is not None:
+        need = need + fb.exclude.ge(0).sum(dim=1).cpu()
+    p = lists_to_probe(index, sel, base, need)
+    per_list = index.ntotal / max(index.nlist, 1)
+    scan_exact = sel.double() * index.ntotal * cfg.exact_cost <= p.double() * per_list
+    scan_exact = scan_exact if fb.active else torch.zeros(b, dtype=torch.bool)
+    if exact:
+        scan_exact = torch.ones(b, dtype=torch.bool)
+    if rows is not None:
+        scan_exact |= rows.exact
+    plan = SearchPlan(k, r, p, scan_exact)
+    if q is None or cfg.filter_bound <= 0 or not fb.active:
+        return plan
+    return with_bounds(index, q, fb, plan, sel, None if rows is None else rows.slack)
+
+
+def lists_to_probe(
+    index: PlannedIndex, sel: torch.Tensor, base: torch.Tensor, need: torch.Tensor
+) -> torch.Tensor:
+    """``[B] int64`` lists for rows admitting ``sel [B]`` of the items, probing ``base [B]`` at
+    least: widened as ``sel ** -exponent``, and enough to hold ``2 need [B]`` eligible items."""
+    nlist = max(index.nlist, 1)
+    s = sel.double().clamp(min=1e-9)
+    widen = base.double() * s**-index.config.filter_nprobe_exponent
+    fill = 2.0 * need.double() / (index.ntotal / nlist * s)
+    lists = torch.maximum(base.double(), torch.ceil(torch.maximum(widen, fill)))
+    return lists.clamp(max=nlist).long()
