@@ -86,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--recall-targets",
+        type=lambda s: [float(x) for x in s.split(",") if x],
+        default=[0.9, 0.95, 0.99],
+        help="per-request recall targets to run (retrieval/index/targets.py), comma-separated",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/filtered.json"))
     args = p.parse_args(argv)
     if args.small:
@@ -94,11 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_cases(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, list[Case], dict]:
-    """-> items ``[N, D]``, queries ``[B, D]``, the cases (unfiltered first), attributes."""
+    """-> items ``[N, D]``, queries ``[B, D]``, the cases (unfiltered first), attributes and
+    ``tune``: queries the build tunes on, drawn like the run's (every home) but not them."""
     values: dict[str, Any]
     if args.data == "independent":
         ann = make_data(args.n, args.d, args.queries)
         x, q, attrs, values = ann.x, ann.q, ann.attributes, ann.attribute_values
+        tune = q[::4]  # i.i.d. queries: a quarter of them stand for the rest
         specs = [
             (f.label, [(np.arange(len(q)), f.mask(attrs), f.expression())])
             for f in FILTERS.values()
@@ -109,6 +117,9 @@ def make_cases(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, list[C
             neighbourhood=args.neighbourhood,
         )  # fmt: skip
         x, q, attrs, values = data.x, data.q, data.attributes, data.attribute_values
+        rng = np.random.default_rng(1)  # fresh queries around the same homes
+        homes = data.centres[data.home[::2]]
+        tune = (homes + rng.standard_normal(homes.shape, dtype=np.float32)).astype(np.float32)
         specs = []
         for s in SELECTIVITIES:
             groups = []
@@ -130,12 +141,15 @@ def make_cases(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, list[C
             for rows, keep, text in groups
         ]
         cases.append(Case(label, float(np.mean([g.keep.mean() for g in gs])), gs))
-    return x, q, cases, {"attributes": attrs, "values": values}
+    return x, q, cases, {"attributes": attrs, "values": values, "tune": tune}
 
 
-def probe_counts(index: IVFIndex, q: torch.Tensor, fb, k: int) -> tuple[float, float]:
+def probe_counts(
+    index: IVFIndex, q: torch.Tensor, fb, k: int, target: float | None = None
+) -> tuple[float, float]:
     """(mean lists probed per row over both rounds, share of rows scanned exactly), untimed."""
-    plan = index.plan(fb, k, index.config.nprobe, 0, q=q)
+    t = None if target is None else torch.full((q.shape[0],), target)
+    plan = index.plan(fb, k, index.config.nprobe, 0, q=q, target=t)
     lists = torch.zeros(q.shape[0])
     exact = plan.exact.clone()
 
@@ -146,7 +160,7 @@ def probe_counts(index: IVFIndex, q: torch.Tensor, fb, k: int) -> tuple[float, f
         else:
             lists[r] += torch.where(p.exact, 0, (p.lists >= 0).sum(dim=1)).float()
         exact[r] |= p.exact
-        f = fb if rows is None else type(fb)(fb.masks[rows], fb.negate[rows])
+        f = fb if rows is None else fb.rows(rows)
         return index.candidates(q[r], f, p)
 
     run_search(plan, fetch)
@@ -157,7 +171,9 @@ def probe_counts(index: IVFIndex, q: torch.Tensor, fb, k: int) -> tuple[float, f
 def run_ours(index: IVFIndex, q: np.ndarray, case: Case, args) -> dict:
     qt = torch.from_numpy(q)
     out = {}
-    for name, changes in VARIANTS.items():
+    runs = [(name, changes, None) for name, changes in VARIANTS.items()]
+    runs += [(f"target {t:g}", {}, t) for t in args.recall_targets]
+    for name, changes, target in runs:
         saved = index.config
         index.config = replace(saved, **changes)
         calls = [
@@ -168,15 +184,18 @@ def run_ours(index: IVFIndex, q: np.ndarray, case: Case, args) -> dict:
             for g in case.groups
         ]
 
-        def search(calls=calls) -> np.ndarray:
+        def search(calls=calls, target=target) -> np.ndarray:
             ids = np.full((len(q), args.k), -1, dtype=np.int64)
             for rows, fb in calls:
-                ids[rows.numpy()] = index.search(qt[rows], args.k, fb)[0].numpy()
+                found = index.search(qt[rows], args.k, fb, recall_target=target)[0]
+                ids[rows.numpy()] = found.numpy()
             return ids
 
         with torch.inference_mode():
             ids, median_s, runs = time_batched(search, repeats=args.repeats)
-            counts = [probe_counts(index, qt[r], fb, args.k) for r, fb in calls if fb is not None]
+            counts = [
+                probe_counts(index, qt[r], fb, args.k, target) for r, fb in calls if fb is not None
+            ]
         index.config = saved
         lists, exact = (
             (np.mean([c[0] for c in counts]), np.mean([c[1] for c in counts]))
@@ -244,6 +263,21 @@ def render(results: list[dict], target: float) -> str:
     return "\n".join(lines)
 
 
+def render_targets(results: list[dict], targets: list[float]) -> str:
+    """Per-request recall targets: recall and q/s at each, per filter."""
+    head = "| filter | selectivity | " + " | ".join(f"target {t:g}: recall | q/s" for t in targets)
+    lines = [head + " |", "|" + "---|" * (2 + 2 * len(targets))]
+    for r in results:
+        cells = []
+        for t in targets:
+            o = r["ours"][f"target {t:g}"]
+            cells.append(f"{o['recall']:.3f} | {o['qps']:.0f}")
+        lines.append(
+            f"| {r['label']} | {100 * r['selectivity']:.2f}% | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_start = os.getloadavg()
@@ -259,7 +293,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg,
         item_attributes=attrs["attributes"],
         attribute_values=attrs["values"],
-        tune_queries=q[::4],  # nprobe tuned (and the slack measured) on queries like the run's
+        tune_queries=attrs[
+            "tune"
+        ],  # nprobe tuned (and the slack measured) on queries like the run's
     )
     build_s = elapsed()
     elapsed = stopwatch()
@@ -279,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
                 "faiss": faiss_points,
             }
         )
-    report = render(results, args.target)
+    report = render(results, args.target) + "\n\n" + render_targets(results, args.recall_targets)
     print(report)
     meta = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -14,7 +14,7 @@ import torch
 from retrieval.filters import AttributeValue, bit_counts
 from retrieval.index.bound import list_bits, list_radius, measure_slack, residual_norms
 from retrieval.index.codes import quantize
-from retrieval.index.exact import recall_at_k
+from retrieval.index.exact import exact_search, recall_at_k
 from retrieval.index.inputs import as_tensor
 from retrieval.index.ivf import EXACT_DTYPES, IVFConfig, IVFIndex
 from retrieval.index.kmeans import assign, train_centroids
@@ -96,7 +96,7 @@ def build_ivf(
         curve = tuple((q, s) for q, s in zip(qs[:-1], slacks[:-1], strict=True))
         index.config = replace(index.config, filter_bound_slack=slacks[-1], slack_curve=curve)
     if config.target_recall > 0:
-        tune_nprobe(index, sample)
+        tune_nprobe(index, sample, (x, ids))
     return index
 
 
@@ -126,27 +126,40 @@ def postings(sig: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-def tune_nprobe(index: IVFIndex, queries: torch.Tensor) -> int:
+Vectors = tuple[torch.Tensor, torch.Tensor]
+"""``(x [N, D] float32, ids [N] int64)``: the vectors an index was built from and their item ids."""
+
+
+def tune_nprobe(index: IVFIndex, queries: torch.Tensor, vectors: Vectors | None = None) -> int:
     """Measures the recall curve (:func:`measure_recall_curve`) and sets ``index.config.nprobe``
     to the smallest power of two (or nlist) whose recall reaches ``target_recall``."""
-    curve = measure_recall_curve(index, queries)
+    curve = measure_recall_curve(index, queries, vectors)
     nprobe = curve_nprobe(curve, index.config.target_recall, index.nlist)
     index.config = replace(index.config, nprobe=nprobe, recall_curve=curve)
     return nprobe
 
 
-def measure_recall_curve(index: IVFIndex, queries: torch.Tensor) -> tuple[tuple[int, float], ...]:
+def measure_recall_curve(
+    index: IVFIndex, queries: torch.Tensor, vectors: Vectors | None = None
+) -> tuple[tuple[int, float], ...]:
     """``(nprobe, recall)`` for nprobe = 1, 2, 4, ...: unfiltered recall@``tune_k`` against
     exact search on ``queries [Q, D]`` (rounded down to 4 decimals), until it reaches
-    ``CURVE_TOP`` or nprobe reaches nlist (``retrieval/index/targets.py``)."""
+    ``CURVE_TOP`` or nprobe reaches nlist (``retrieval/index/targets.py``). The truth is exact
+    search over the build's ``vectors`` when given (a target is recall against the true
+    neighbours), else over what the index holds (its exact copy, or its decoded codes)."""
     cfg = index.config
     k = min(cfg.tune_k, index.ntotal)
     empty = index.schema.empty(len(queries))
     truth_pos, _ = index.search_positions(queries, k, empty, 1, cfg.rerank, exact=True)
+    truth = index.item_ids[truth_pos.clamp(min=0)]
+    if vectors is not None:  # the true neighbours, not those of the quantized copy
+        x, ids = vectors  # (a cosine build normalised x; a query's norm does not change its order)
+        truth = ids[exact_search(x, queries.float(), k)[0]]
     curve, nprobe = [], 1
     while True:
         pos, _ = index.search_positions(queries, k, empty, nprobe, cfg.rerank)
-        recall = math.floor(recall_at_k(pos, truth_pos) * 1e4) / 1e4
+        found = torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos)
+        recall = math.floor(recall_at_k(found, truth) * 1e4) / 1e4
         curve.append((nprobe, recall))
         if nprobe >= index.nlist or recall >= CURVE_TOP:
             return tuple(curve)
