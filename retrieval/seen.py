@@ -2,15 +2,16 @@
 
 The user tower reads a user's ``history_len`` most recent items; a user who consumed more would
 be recommended the older ones again. A request may therefore carry its full seen list
-(``UserBatch.seen [B, S]``) and the model removes those items from the candidates
-(``RetrievalModel.candidate_budget`` / ``rank``). The store here holds the lists of U users in
-CSR form and cuts the padded rows of a batch from it.
+(``UserBatch.seen [B, S]``) and the index skips those items inside its scan
+(``RetrievalModel.candidate_budget``, ``retrieval/index/exclude.py``). The store here holds the
+lists of U users in CSR form and cuts the padded rows of a batch from it.
 
 Sorted ids, not a Bloom bitset: the test is exact (no false positive ever hides an item the user
 has not seen), it costs 8 bytes per seen item (:meth:`SeenSets.nbytes`; a request's list is
-``[S] int64``) and a binary search per candidate (``O(R log S)``); a Bloom filter would fix the size per user but
-drop unseen items at its false-positive rate, and the index must still return ``K + S``
-candidates for K to remain, so it would not save the scan either.
+``[S] int64``); the index sorts the list's rows once and finds a probed list's seen items with
+one binary search (``O(log S)`` per list, then one write per seen item in it). A Bloom filter
+would fix the size per user but drop unseen items at its false-positive rate, and would need a
+hash test per scanned item.
 
 Example::
 

@@ -16,8 +16,8 @@ receive compiled masks, not text) go through :meth:`LimitsConfig.parse_filter`:
 ``ServingState.submit`` calls it for every row, and the KServe parser for each row's filter.
 
 A request's seen list (``seen`` / ``raw_seen``, the items it excludes) is bounded by
-``max_seen``: the index returns ``K + history_len + S`` candidates for K to remain after the
-exclusion, so the list's length is work the server does. :meth:`LimitsConfig.check_seen` refuses a
+``max_seen``: the index maps the S ids to its rows and probes enough lists to hold ``K + S``
+candidates (``retrieval/index/exclude.py``), so the list's length is work the server does. :meth:`LimitsConfig.check_seen` refuses a
 longer list (``seen: 100001 item ids is over the limit of 100000 (limits.max_seen)``): the KServe
 parser on the tensor's shape before decoding it, ``ServingState.submit`` for every row.
 

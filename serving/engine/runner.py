@@ -10,11 +10,12 @@ request gets its error and the others still run, then stacks the good ones into 
     runner.warmup()
     outcomes = runner.run([req_a, req_b])  # [RecResult | RequestError | ModelNotFoundError]
 
-Requests in one batch share the candidate budget of the largest K (the index re-ranks
-``K + history_len + S`` candidates, S the longest seen list in the batch), so a small-K request
-may see a slightly better list than it would alone; it never sees a worse one. Seen lists
-(``RecRequest.seen``) go into ``UserBatch.seen`` ``[B, S]``, ``-1`` padded; a batch in which no
-request has one gets None, so the common path costs nothing.
+Requests in one batch share the candidate budget of the largest K, so a small-K request may see
+a slightly better list than it would alone; it never sees a worse one. Seen lists
+(``RecRequest.seen``) go into ``UserBatch.seen`` ``[B, S]``, ``-1`` padded, and the index skips
+them inside its scan, each row probing for its own list only; a batch in which no request has
+one gets None, so the common path costs nothing. Likewise recall targets
+(``RecRequest.recall_target``) go into ``UserBatch.recall_target`` ``[B]`` when any asks.
 """
 
 from __future__ import annotations

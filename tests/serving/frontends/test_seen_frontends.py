@@ -4,10 +4,9 @@ repository): Recommend ``seen`` / ``raw_seen``, KServe v2 ``seen`` / ``raw_seen`
 each answer equals the in-process ``model(batch with seen, k)``; bad lists are refused naming the
 field.
 
-The server's model probes every inverted list (:func:`exhaustive`): a batch's candidate budget is
-``K + H + S`` with S its longest seen list, so with a partial probe a row's answer may improve
-when a longer list shares its batch; probing everything makes each row's answer independent of
-the batch, so a mixed batch must equal each request answered alone.
+The index skips each row's seen items inside its scan and probes for that row's list alone, so a
+mixed batch must equal each request answered alone; the server's model probes every inverted
+list (:func:`exhaustive`) so that this holds whatever the tuning.
 """
 
 from __future__ import annotations
