@@ -271,34 +271,58 @@ Plan plan_chunk(const Index& ix, const Batch& bt) {
   return pl;
 }
 
+// A filtered pair's items that pass its filter, as offsets in the list -> `some`.
+void passing(const Index& ix, const Batch& bt, int64_t b, int64_t i0, int64_t i1, std::vector<int64_t>& some) {
+  const int64_t* fm = bt.fmask + b * bt.c_count * ix.w;
+  const bool* fn = bt.fneg + b * bt.c_count;
+  some.clear();
+  for (int64_t i = i0; i < i1; ++i)
+    if (passes(ix.sig + i * ix.w, fm, fn, bt.c_count, ix.w)) some.push_back(i - i0);
+}
+
 // Phase 1: every pair's scores, list by list. A scorer writes `base + scaled dot` for a list's items
-// (`prepare` lets it re-lay out the list once for all the queries that probe it); the filter then
-// blanks the items a query may not see.
+// (`prepare` lets it re-lay out the list once for all the queries that probe it). A filtered pair
+// first finds the items that pass: when few do (below the scorer's `sparse_share`), only they are
+// scored (ineligible items cost no dot product) and the rest is -inf; otherwise the whole list is
+// scored and the failing items blanked. Either way the scores are the same bits. Excluded rows
+// (seen items) are blanked last.
 template <typename MakeScorer>
 void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, MakeScorer make_scorer) {
   // Small batches (a few probed lists) run on the calling thread: a thread team costs more.
   at::parallel_for(0, (int64_t)pl.active.size(), 16, [&](int64_t a0, int64_t a1) {
     auto scorer = make_scorer();
+    std::vector<int64_t> some;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t l = pl.active[a];
-      const int64_t i0 = ix.offsets[l], i1 = ix.offsets[l + 1];
+      const int64_t i0 = ix.offsets[l], i1 = ix.offsets[l + 1], n = i1 - i0;
       const int64_t nq = pl.pair_start[l + 1] - pl.pair_start[l];
       if (nq == 0 || i1 == i0) continue;
       scorer.prepare(i0, i1, nq);
       for (int64_t k = pl.pair_start[l]; k < pl.pair_start[l + 1]; ++k) {
         const int64_t bp = pl.pairs[k], b = bt.b0 + bp / bt.p;
+        const float base = bt.coarse[b * bt.p + bp % bt.p];
         float* out = buf + pl.buf_off[bp];
-        scorer.score(b, i0, i1, bt.coarse[b * bt.p + bp % bt.p], out);
+        if (bt.c_count == 0) {
+          scorer.score(b, i0, i1, base, out);
+        } else {
+          passing(ix, bt, b, i0, i1, some);
+          const int64_t m = (int64_t)some.size();
+          if (m < scorer.sparse_share() * n) {
+            std::fill(out, out + n, kNegInf);
+            scorer.score_some(b, i0, some.data(), m, base, out);
+          } else {
+            scorer.score(b, i0, i1, base, out);
+            for (int64_t i = 0, next = 0; i < n; ++i) {
+              if (next < m && some[next] == i) ++next;
+              else out[i] = kNegInf;
+            }
+          }
+        }
         if (bt.s > 0) {  // the list's excluded rows are one run of the sorted exclusions
           const int64_t* e = bt.excl + b * bt.s;
           for (const int64_t* it = std::lower_bound(e, e + bt.s, i0); it != e + bt.s && *it < i1; ++it)
             out[*it - i0] = kNegInf;
         }
-        if (bt.c_count == 0) continue;
-        const int64_t* fm = bt.fmask + b * bt.c_count * ix.w;
-        const bool* fn = bt.fneg + b * bt.c_count;
-        for (int64_t i = i0; i < i1; ++i)
-          if (!passes(ix.sig + i * ix.w, fm, fn, bt.c_count, ix.w)) out[i - i0] = kNegInf;
       }
     }
   });
@@ -345,6 +369,29 @@ struct Int8Scorer {
     }
     dots_to_scores(dp, n, scales + i0, qscale[b], base, out);
   }
+
+  // Below this share of a list's items passing, score only them (per-item dots). A transposed
+  // list scores 16 items per instruction for every query, so it stays dense down to fewer.
+  double sparse_share() const { return transposed ? 0.125 : 0.5; }
+
+  // The scores of items i0 + some[0..m) only, into out[some[k]]: the same integer dots as
+  // score(), one item at a time, and the same epilogue.
+  void score_some(int64_t b, int64_t i0, const int64_t* some, int64_t m, float base, float* out) {
+    const int8_t* qb = q + b * qstride;
+    for (int64_t k = 0; k < m; ++k) {
+      const int64_t i = i0 + some[k];
+      const int8_t* c = codes + i * d;
+      int32_t dot;
+      switch (isa) {
+#ifdef RECSERVE_X86
+        case Isa::kVnni: dot = dot_i8_vnni(qb, c, d, qsum[b]); break;
+        case Isa::kAvx2: dot = dot_i8_avx2(qb, c, d); break;
+#endif
+        default: dot = dot_i8_portable(qb, c, d);
+      }
+      dots_to_scores(&dot, 1, scales + i, qscale[b], base, out + some[k]);
+    }
+  }
 };
 
 struct Fp8Scorer {
@@ -353,6 +400,13 @@ struct Fp8Scorer {
   void prepare(int64_t, int64_t, int64_t) {}
   void score(int64_t b, int64_t i0, int64_t i1, float base, float* out) const {
     for (int64_t i = i0; i < i1; ++i) out[i - i0] = base + scales[i] * dot_f8(q + b * d, codes + i * d, lut, d);
+  }
+  double sparse_share() const { return 1.0; }  // per item either way: score only what passes
+  void score_some(int64_t b, int64_t i0, const int64_t* some, int64_t m, float base, float* out) const {
+    for (int64_t k = 0; k < m; ++k) {
+      const int64_t i = i0 + some[k];
+      out[some[k]] = base + scales[i] * dot_f8(q + b * d, codes + i * d, lut, d);
+    }
   }
 };
 

@@ -108,6 +108,42 @@ def test_simd_scan_equals_portable_bitwise(isa, d, lengths, b, shared, seed):
     torch.testing.assert_close(ssc, rsc, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("isa", ["portable", *SIMD])
+@settings(max_examples=25, deadline=None)
+@given(
+    d=DIMS,
+    lengths=LENGTHS,
+    b=st.integers(1, 5),
+    shared=st.booleans(),
+    seed=st.integers(0, 99),
+    share=st.sampled_from([0.05, 0.3, 0.6, 0.95]),
+)
+def test_filtered_scan_scores_only_what_passes_with_the_same_bits(
+    isa, d, lengths, b, shared, seed, share
+):
+    """A filtered pair scores only its passing items when few pass (else the whole list, then
+    blanks): either way, the unfiltered scan's scores of the passing items, bit for bit."""
+    if isa != "portable":
+        need(isa)
+    args, max_list = lists_case(d, lengths, b, shared, seed, integer=False)
+    q, probes, coarse, codes, scales, offsets, _, _, _, r = args
+    g = torch.Generator().manual_seed(seed)
+    n = codes.shape[0]
+    sig = torch.where(torch.rand(n, generator=g) < share, 1, 2).long().view(n, 1)  # bit 0: passes
+    fmask = torch.ones(b, 1, 1, dtype=torch.int64)
+    fneg = torch.zeros(b, 1, dtype=torch.bool)
+    pos, sc = scan_with(
+        isa, (q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r), max_list
+    )
+    all_pos, all_sc = scan_with(isa, args, max_list)
+    for row in range(b):
+        keep = (all_pos[row] >= 0) & (sig[all_pos[row].clamp(min=0), 0] == 1)
+        m = int(keep.sum())
+        assert torch.equal(pos[row, :m], all_pos[row][keep])
+        assert torch.equal(sc[row, :m], all_sc[row][keep])
+        assert bool((pos[row, m:] == -1).all())
+
+
 @pytest.mark.parametrize("isa", SIMD)
 @pytest.mark.parametrize("d", [33, 784])
 def test_index_search_is_the_same_on_every_path(isa, d):
