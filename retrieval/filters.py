@@ -266,7 +266,8 @@ class FilterSchema:
         ``item_attributes[a]`` is either int codes ``[N]`` (single-valued) or bool ``[N, V_a]``
         (multi-valued), with values indexing ``attribute_values[a]``.
         """
-        bits = np.zeros((num_items, max(self.num_words, 0) * WORD_BITS), dtype=bool)
+        sig = np.zeros((num_items, max(self.num_words, 0)), dtype=np.uint64)
+        rows = np.arange(num_items)
         for attr, arr in item_attributes.items():
             if attr not in self.attribute_values:
                 raise ValueError(f"item_attributes[{attr!r}] has no vocabulary in attribute_values")
@@ -280,14 +281,19 @@ class FilterSchema:
             if arr.ndim == 1:
                 if arr.size and (arr.min() < 0 or arr.max() >= vocab):
                     raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {vocab})")
-                bits[np.arange(num_items), first + arr.astype(np.int64)] = True
+                bit = first + arr.astype(np.int64)  # one bit per item: each row once, no clash
+                sig[rows, bit // WORD_BITS] |= np.uint64(1) << (bit % WORD_BITS).astype(np.uint64)
             elif arr.ndim == 2 and arr.shape[1] == vocab:
-                bits[:, first : first + vocab] |= arr.astype(bool)
+                w0, off = divmod(first, WORD_BITS)  # the block's bits, packed where they land
+                span = np.zeros((num_items, -(-(off + vocab) // WORD_BITS) * WORD_BITS), bool)
+                span[:, off : off + vocab] = arr.astype(bool)
+                packed = pack_bits(span).numpy().view(np.uint64)
+                sig[:, w0 : w0 + packed.shape[1]] |= packed
             else:
                 raise ValueError(
                     f"item_attributes[{attr!r}] must be codes [N] or bool [N, {vocab}]"
                 )
-        return pack_bits(bits)
+        return torch.from_numpy(sig.view(np.int64))
 
     def clause_mask(self, clause: Clause) -> np.ndarray:
         """``[W] int64`` mask of a clause's values; unknown names raise ``ValueError``."""
@@ -336,18 +342,34 @@ def _filter_key(f: str | Sequence[Clause] | None) -> str | tuple[Clause, ...]:
 
 def pack_bits(bits: np.ndarray) -> torch.Tensor:
     """``bool [M, W*64]`` -> ``int64 [M, W]`` (bit j of word w is column w*64 + j)."""
-    m, nbits = bits.shape
-    words = nbits // WORD_BITS
-    weights = np.uint64(1) << np.arange(WORD_BITS, dtype=np.uint64)
-    b = bits.reshape(m, words, WORD_BITS).astype(np.uint64)
-    packed = (b * weights).sum(axis=2, dtype=np.uint64)
-    return torch.from_numpy(packed.view(np.int64).copy())
+    m, words = bits.shape[0], bits.shape[1] // WORD_BITS
+    packed = np.packbits(np.ascontiguousarray(bits, dtype=bool), axis=1, bitorder="little")
+    return torch.from_numpy(packed.view("<u8").astype(np.uint64).view(np.int64).reshape(m, words))
+
+
+def set_bits(sig: torch.Tensor, chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """Every set bit of ``sig [N, W] int64``: ``(items [nnz], bits [nnz]) int64``, by item then
+    bit. Only the non-zero words are unpacked (an item sets a few bits of many words), ``chunk``
+    words at a time (``chunk x 64`` bytes)."""
+    words = sig.detach().cpu().numpy().astype("<i8", copy=False)
+    rows, cols = np.nonzero(words)  # by item, then word
+    items, bits = [], []
+    for s in range(0, rows.size, chunk):
+        r, c = rows[s : s + chunk], cols[s : s + chunk]
+        flags = np.unpackbits(words[r, c].view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
+        k, b = np.nonzero(flags)  # by word, then bit
+        items.append(r[k])
+        bits.append(c[k] * WORD_BITS + b)
+    if not items:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(items).astype(np.int64), np.concatenate(bits).astype(np.int64)
 
 
 def bit_counts(sig: torch.Tensor) -> torch.Tensor:
     """How many items have each bit set: ``sig [N, W]`` -> ``[W*64] int64``."""
-    shifts = torch.arange(WORD_BITS, device=sig.device, dtype=torch.int64)
-    return ((sig.unsqueeze(-1) >> shifts) & 1).sum(dim=0).reshape(-1)
+    _, bits = set_bits(sig)
+    counts = np.bincount(bits, minlength=sig.shape[1] * WORD_BITS)
+    return torch.from_numpy(counts.astype(np.int64)).to(sig.device)
 
 
 def estimate_selectivity(fb: FilterBatch, counts: torch.Tensor, num_items: int) -> torch.Tensor:

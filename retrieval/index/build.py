@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from retrieval.filters import AttributeValue, bit_counts
+from retrieval.filters import AttributeValue, bit_counts, set_bits
 from retrieval.index.bound import list_bits, list_radius, measure_slack, residual_norms
 from retrieval.index.codes import quantize
 from retrieval.index.exact import exact_search, recall_at_k
@@ -118,12 +118,9 @@ def postings(sig: torch.Tensor) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int32)
     if sig.shape[0] >= 2**31:
         raise ValueError("postings hold int32 positions: at most 2**31 - 1 items per index")
-    shifts = torch.arange(64)
-    out = []
-    for w in range(sig.shape[1]):  # one word at a time bounds the [N, 64] temporary
-        bits = ((sig[:, w : w + 1] >> shifts) & 1).bool()  # [N, 64]
-        out.append(bits.T.nonzero()[:, 1].to(torch.int32))  # sorted by bit, then item
-    return torch.cat(out)
+    items, bits = set_bits(sig)  # by item, then bit
+    order = np.argsort(bits, kind="stable")  # by bit, then item
+    return torch.from_numpy(items[order].astype(np.int32))
 
 
 Vectors = tuple[torch.Tensor, torch.Tensor]
@@ -150,11 +147,12 @@ def measure_recall_curve(
     cfg = index.config
     k = min(cfg.tune_k, index.ntotal)
     empty = index.schema.empty(len(queries))
-    truth_pos, _ = index.search_positions(queries, k, empty, 1, cfg.rerank, exact=True)
-    truth = index.item_ids[truth_pos.clamp(min=0)]
     if vectors is not None:  # the true neighbours, not those of the quantized copy
         x, ids = vectors  # (a cosine build normalised x; a query's norm does not change its order)
         truth = ids[exact_search(x, queries.float(), k)[0]]
+    else:
+        truth_pos, _ = index.search_positions(queries, k, empty, 1, cfg.rerank, exact=True)
+        truth = index.item_ids[truth_pos.clamp(min=0)]
     curve, nprobe = [], 1
     while True:
         pos, _ = index.search_positions(queries, k, empty, nprobe, cfg.rerank)

@@ -43,7 +43,9 @@ class IVFConfig:
     (metric "cosine", normalised embeddings), else "ip" (see ``retrieval/index/probe.py`` for
     why and the recall of each). The index records the choice; indexes saved before this option
     probe by "ip", as they did."""
-    kmeans_iters: int = 20
+    kmeans_iters: int = 10
+    """k-means iterations at build (faiss's own IVF default). 200k x 64 clustered vectors, nlist
+    1024: recall@100 at nprobe 2-32 equal to 4 decimals with 20, in half the build time."""
     kmeans_max_points_per_centroid: int = 256
     seed: int = 0
     exact_cost: float = 2.0

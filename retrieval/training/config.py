@@ -187,7 +187,7 @@ class IndexSection(Config):
     probe: Literal["auto", "l2", "ip"] = "auto"
     """How a query ranks lists: "l2" (nearest centroid, as items are assigned), "ip" (largest
     q·c), "auto": "l2" when the item vectors are unit-norm, else "ip"."""
-    kmeans_iters: PositiveInt = 20
+    kmeans_iters: PositiveInt = 10
     """k-means iterations of the build."""
     kmeans_max_points_per_centroid: PositiveInt = 256
     """Sample size of k-means, per centroid."""
