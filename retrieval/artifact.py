@@ -135,11 +135,11 @@ def load_state(model: RetrievalModel, state: dict[str, torch.Tensor]) -> None:
     for k, t in state.items():
         mine = own.get(k)
         if (
-            k.startswith("index.")
+            k.startswith(("index.", "seen_store."))
             or not isinstance(t, torch.Tensor)
             or not isinstance(mine, torch.Tensor)
         ):
-            continue  # index buffers are sized by the catalog; the index checks its own dims
+            continue  # sized by the catalog / the users; the index checks its own dims
         if t.shape != mine.shape or t.dtype != mine.dtype:
             problems.append(
                 f"{k}: saved {tuple(t.shape)} {t.dtype}, model has {tuple(mine.shape)} {mine.dtype}"

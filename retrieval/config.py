@@ -38,6 +38,10 @@ class ModelConfig:
     attention_len: int = 0
     """The newest ``attention_len`` history items also go through self-attention with their
     positions (``towers.HistoryAttention``: a sequence-aware tower); 0: off."""
+    seen_store: bool = False
+    """The model keeps every known user's seen items (``retrieval/seen_store.py``): a request
+    that names its user (``UserBatch.user``) has them excluded without sending them. Filled at
+    training, grown by live updates."""
     exclude_history: bool = True
     """Never recommend an item already in the request's history (the window the tower reads); a
     request's full seen list (``UserBatch.seen``) is excluded whatever this says."""

@@ -28,6 +28,8 @@ class UserBatch:
     excludes (``retrieval/seen.py``); None keeps the window only.
     recall_target: ``[B] float32`` recall@K against exact search each request asks for, in (0,
     1] (0: the index's settings), or None (``retrieval/index/targets.py``).
+    user: ``[B] int64`` the requests' users (dense user index, ``-1``: none), whose seen items a
+    model with a seen store excludes too (``retrieval/seen_store.py``), or None.
     """
 
     history: torch.Tensor
@@ -37,6 +39,7 @@ class UserBatch:
     filter_negate: torch.Tensor
     seen: torch.Tensor | None = None
     recall_target: torch.Tensor | None = None
+    user: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -56,6 +59,7 @@ class UserBatch:
             self.filter_negate[rows],
             None if self.seen is None else self.seen[rows],
             None if self.recall_target is None else self.recall_target[rows],
+            None if self.user is None else self.user[rows],
         )
 
     def to(self, device: torch.device | str) -> UserBatch:
@@ -67,6 +71,7 @@ class UserBatch:
             self.filter_negate.to(device),
             None if self.seen is None else self.seen.to(device),
             None if self.recall_target is None else self.recall_target.to(device),
+            None if self.user is None else self.user.to(device),
         )
 
 

@@ -1,7 +1,7 @@
 """Live updates of a :class:`RetrievalModel` between full publishes: typed update batches and
 the code that validates and applies them.
 
-Four kinds of batch (:data:`UpdateBatch`):
+Five kinds of batch (:data:`UpdateBatch`):
 
 * :class:`UpsertItems` — add items to the index, or replace them: a vector given, or computed by
   the item tower from the item's id and attributes (the id must then be a row of the item
@@ -11,6 +11,8 @@ Four kinds of batch (:data:`UpdateBatch`):
   other attributes and the vectors stay as they are.
 * :class:`UpdateEmbeddings` — overwrite rows of an embedding table (float tables, and tiered
   tables in a local tier, re-packed in the table's dtype; remote and hashed tables are refused).
+* :class:`AddSeen` — (user, item) pairs the model's seen store takes (``retrieval/seen_store.py``):
+  what users consumed since the publish, never recommended to them again.
 
 Applying is two steps so that a server can apply "between batches":
 :func:`prepare_update` validates everything (raising :class:`UpdateError`, a ``ValueError``
@@ -109,8 +111,20 @@ class UpdateEmbeddings:
     values: torch.Tensor
 
 
-UpdateBatch = UpsertItems | RemoveItems | SetItemAttributes | UpdateEmbeddings
-KINDS = tuple(c.kind for c in (UpsertItems, RemoveItems, SetItemAttributes, UpdateEmbeddings))
+@dataclass(frozen=True)
+class AddSeen:
+    """User ``users[j]`` consumed item ``items[j]`` (``[n] int64`` each): the seen store holds it
+    from now on (a user beyond the store's grows it)."""
+
+    kind: ClassVar[str] = "add_seen"
+    users: torch.Tensor
+    items: torch.Tensor
+
+
+UpdateBatch = UpsertItems | RemoveItems | SetItemAttributes | UpdateEmbeddings | AddSeen
+KINDS = tuple(
+    c.kind for c in (UpsertItems, RemoveItems, SetItemAttributes, UpdateEmbeddings, AddSeen)
+)
 
 
 @dataclass
@@ -151,6 +165,8 @@ def prepare_update(
         return _prepare_attributes(model, batch)
     if isinstance(batch, UpdateEmbeddings):
         return PreparedUpdate(model, batch, [_prepare_rows(model, batch)])
+    if isinstance(batch, AddSeen):
+        return PreparedUpdate(model, batch, [_prepare_seen(model, batch)])
     raise TypeError(f"not an update batch: {type(batch).__name__}")
 
 
@@ -177,9 +193,27 @@ def resolve_update(
         _check_count(batch.attributes, _check_ids(batch.ids).numel())
         signatures(model.index.schema, batch.attributes)
         return PreparedUpdate(model, batch)
-    if isinstance(batch, UpdateEmbeddings):
-        return PreparedUpdate(model, batch, [_prepare_rows(model, batch)])
+    if isinstance(batch, UpdateEmbeddings | AddSeen):
+        return prepare_update(model, batch)  # the router's own tables and seen store
     raise TypeError(f"not an update batch: {type(batch).__name__}")
+
+
+def _prepare_seen(model: RetrievalModel, batch: AddSeen) -> Callable[[], None]:
+    """Validates the pairs and builds the grown store now; the write swaps its arrays into the
+    model's store (shared by every copy of the model) while batches are held off."""
+    store = model.seen_store
+    if store is None:
+        raise UpdateError(
+            "users", "the model keeps no seen store (model.seen_store): send seen lists instead"
+        )
+    users = _check_ids(batch.users, "users", unique=False)  # a user may consume several items
+    items = _check_ids(batch.items, "items", unique=False)
+    if users.numel() != items.numel():
+        raise UpdateError(
+            "items", f"expected one item per user ({users.numel()}), got {items.numel()}"
+        )
+    grown = store.with_pairs(users, items)
+    return lambda: store.take(grown)
 
 
 # ---- items ------------------------------------------------------------------------------------
@@ -333,8 +367,8 @@ def item_tower_vectors(
     return model.item_vectors({f: t.to(device) for f, t in features.items()}).float().cpu()
 
 
-def _check_ids(ids: torch.Tensor, field: str = "ids") -> torch.Tensor:
-    """``ids [n] int64``, each >= 0, none twice -> the ids on the CPU."""
+def _check_ids(ids: torch.Tensor, field: str = "ids", unique: bool = True) -> torch.Tensor:
+    """``ids [n] int64``, each >= 0, none twice (``unique``) -> the ids on the CPU."""
     if ids.dim() != 1 or ids.dtype != torch.int64:
         raise UpdateError(field, f"expected int64 [n], got {ids.dtype} {list(ids.shape)}")
     ids = ids.cpu()
@@ -343,6 +377,8 @@ def _check_ids(ids: torch.Tensor, field: str = "ids") -> torch.Tensor:
     neg = (ids < 0).nonzero().flatten()
     if neg.numel():
         raise UpdateError(field, f"must be >= 0, got {int(ids[neg[0]])}", int(neg[0]))
+    if not unique:
+        return ids
     seen: set[int] = set()
     for i, v in enumerate(ids.tolist()):
         if v in seen:

@@ -23,6 +23,7 @@ from retrieval.index.build import build_ivf
 from retrieval.index.ivf import IVFIndex
 from retrieval.index.targets import check_targets
 from retrieval.scoring import PairHead, score_candidates
+from retrieval.seen_store import SeenStore
 from retrieval.towers import HistoryAttention, Tower
 from sharded_tables.collection import EmbeddingCollection, TableConfig
 from sharded_tables.interface import TableCollection
@@ -131,6 +132,7 @@ class RetrievalModel(nn.Module):
             else None
         )
         self.index = IVFIndex(config.index, config.out_dim, config.item_attributes)
+        self.seen_store = SeenStore() if config.seen_store else None
         self.id_maps: IdMaps | None = None
         """The raw (the user's own) id of every dense user and item id, when the model was
         trained on imported data: saved in the model folder, so scoring and front ends map
@@ -226,6 +228,11 @@ class RetrievalModel(nn.Module):
         _check_seen(batch.seen, b)
         if batch.recall_target is not None:
             check_targets(batch.recall_target, b)
+        u = batch.user
+        if u is not None and (u.dim() != 1 or u.shape[0] != b or u.dtype != torch.int64):
+            raise ValueError(f"user: expected int64 [{b}], got {u.dtype} {list(u.shape)}")
+        if u is not None and u.numel() and int(u.min()) < -1:
+            raise ValueError(f"user: a user index is >= 0 (-1: none), got {int(u.min())}")
         w = self.index.schema.num_words
         if (
             batch.filter_masks.dim() != 3
@@ -267,11 +274,14 @@ class RetrievalModel(nn.Module):
     def candidate_budget(self, batch: UserBatch, k: int) -> tuple[int, FilterBatch]:
         """(candidates R the index returns, the batch's filter): R is K, or what the scoring
         head re-scores. The filter excludes the items the user has seen (``FilterBatch.exclude
-        [B, H + S]``): the history window (with ``exclude_history``) and the request's full seen
-        list, if any. The index skips them inside its scan, so R does not grow with them."""
+        [B, H + S]``): the history window (with ``exclude_history``), the request's full seen
+        list, if any, and what the seen store holds for its user. The index skips them inside
+        its scan, so R does not grow with them."""
         seen = batch.history if self.config.exclude_history else batch.history[:, :0]
         if batch.seen is not None:
             seen = torch.cat([seen, batch.seen], dim=1)  # [B, H + S]
+        if self.seen_store is not None and batch.user is not None:
+            seen = torch.cat([seen, self.seen_store.rows(batch.user)], dim=1)  # + the stored
         r = min(
             self.index.ntotal, max(k, self.config.head_candidates if self.head is not None else 0)
         )

@@ -25,6 +25,8 @@ tensor             dtype     dims        meaning
                                          item ids (``""`` pads), instead of ``seen``
 ``raw_item_ids``   BYTES     ``[-1]``    a model with id maps: output, the raw id of each of
                                          ``item_ids`` (``""`` pads)
+``user``           INT64     ``[1]``     a model with a seen store: the user (dense index,
+                                         ``-1``: none) whose stored seen items are excluded
 =================  ========  ==========  ==================================================
 
 (dims without the batch dimension; ``max_batch_size > 0``, so every tensor is ``[B, ...]``).
@@ -52,6 +54,8 @@ RAW_INPUTS = ("raw_history", "raw_seen")
 """Inputs of a model with id maps only (besides ``INPUTS``)."""
 RAW_OUTPUTS = ("raw_item_ids",)
 """Outputs of a model with id maps only (besides ``OUTPUTS``)."""
+STORE_INPUTS = ("user",)
+"""Inputs of a model with a seen store only (``retrieval/seen_store.py``), optional."""
 DATATYPES = {
     "history": "INT64",
     "categorical": "INT64",
@@ -64,6 +68,7 @@ DATATYPES = {
     "raw_history": "BYTES",
     "raw_seen": "BYTES",
     "raw_item_ids": "BYTES",
+    "user": "INT64",
 }
 """KServe v2 datatype of every tensor in the table above."""
 MAX_K = 10_000
@@ -143,6 +148,8 @@ class RecRequest:
     recall_target: float = 0.0
     """Recall@K against exact search the request asks for, in (0, 1]; 0: the index's settings
     (``retrieval/index/targets.py``). KServe: the request parameter ``recall_target``."""
+    user: int = -1
+    """The user (dense index) whose seen items a model with a seen store excludes; -1: none."""
     checked: tuple[object, list[Any]] | None = field(default=None, repr=False, compare=False)
     """(runner, parsed filter clauses) once a runner's edge check passed: the same runner
     skips the check when the request reaches its batch (another, after a hot swap, redoes it)."""
@@ -189,6 +196,8 @@ def check_request(req: RecRequest, categorical: int, dense: int, num_items: int)
     bad = req.history[(req.history < -1) | (req.history >= num_items)]
     if bad.size:
         raise RequestError(f"history: item id {int(bad[0])} is not in [0, {num_items})")
+    if req.user < -1:
+        raise RequestError(f"user: a user index is >= 0 (-1: none), got {req.user}")
     if not 0.0 <= req.recall_target <= 1.0:  # NaN fails too
         raise RequestError(
             f"recall_target: must be in (0, 1] (0: the index's settings), got {req.recall_target}"

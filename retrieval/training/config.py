@@ -245,6 +245,10 @@ class ModelSection(Config):
     positions (a sequence-aware tower); 0: off."""
     exclude_history: bool = True
     """Never recommend an item already in the request's history."""
+    seen_store: bool = False
+    """Keep each user's seen items in the model (what they consumed before the test split;
+    8 bytes an interaction): a request naming its ``user`` has them excluded without sending
+    them, and live updates add to them (``retrieval/seen_store.py``)."""
     temperature: float = Field(default=0.05, gt=0)
     """Softmax temperature of training logits (q · v / temperature)."""
     scoring_head: bool = False

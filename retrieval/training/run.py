@@ -21,6 +21,7 @@ from retrieval.data import RecDataset, generate, load_movielens, read_parquet
 from retrieval.index.exact import recall_at_k
 from retrieval.metrics import popularity_recs, ranking_metrics
 from retrieval.model import RetrievalModel
+from retrieval.seen_store import SeenStore
 from retrieval.training.checks import EpochPlan, check_run
 from retrieval.training.config import DataConfig, EvaluateConfig, ModelSection, RunConfig
 from retrieval.training.distributed import DistContext
@@ -186,6 +187,8 @@ def run_training(
     trainer.fit()
     if main:
         model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch())
+        if model.seen_store is not None and prep.seen is not None:  # before the test split
+            model.seen_store = SeenStore.from_sets(prep.seen)
     evaluated = {}
     if validating:
         val = evaluated_users(prep.validation_items, cfg.evaluate.users)

@@ -94,6 +94,11 @@ class ModelRunner:
         ntotal = self.model.index.ntotal
         if req.k > ntotal:
             raise RequestError(f"k: must be in [1, {ntotal}] (items in the index), got {req.k}")
+        if req.user >= 0 and self.model.seen_store is None:
+            raise RequestError(
+                f"user: {self.name} version {self.version} keeps no seen store "
+                "(model.seen_store): send the user's seen list in seen"
+            )
         if 0.0 < req.recall_target < 1.0 and not self.model.index.config.recall_curve:
             raise RequestError(
                 f"recall_target: {self.name} version {self.version} measured no recall curve at "
@@ -204,6 +209,7 @@ class ModelRunner:
             fb.negate,
             pad_lists([r.seen for r in reqs]),  # [B, S] or None: no request has a seen list
             _targets(reqs),
+            _users(reqs),
         )
         return batch.to(self.device)
 
@@ -237,3 +243,10 @@ def _targets(reqs: list[RecRequest]) -> torch.Tensor | None:
     if all(r.recall_target == 0.0 for r in reqs):
         return None
     return torch.tensor([r.recall_target for r in reqs], dtype=torch.float32)
+
+
+def _users(reqs: list[RecRequest]) -> torch.Tensor | None:
+    """The requests' users ``[B] int64`` (``-1``: none), or None when none names one."""
+    if all(r.user < 0 for r in reqs):
+        return None
+    return torch.tensor([r.user for r in reqs], dtype=torch.int64)

@@ -124,6 +124,7 @@ def parse(
     histories, raw = _histories(arrays, batch)
     seen, raw_seen = _seen(arrays)
     ks = arrays["k"].reshape(batch)
+    users = arrays["user"].reshape(batch) if "user" in arrays else None
     filters = _filters(arrays.get("filter"), batch, spec.limits)
     reqs = []
     for b in range(batch):
@@ -143,6 +144,7 @@ def parse(
                 seen=None if seen is None else seen[b],
                 raw_seen=None if raw_seen is None else raw_seen[b],
                 recall_target=target,
+                user=-1 if users is None else int(users[b]),
             )
         )
     return reqs

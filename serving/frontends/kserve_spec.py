@@ -12,7 +12,15 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from serving.engine.state import ServingState
 from serving.limits import LimitsConfig
-from serving.types import DATATYPES, MAX_K, OUTPUTS, RAW_INPUTS, RAW_OUTPUTS, RequestError
+from serving.types import (
+    DATATYPES,
+    MAX_K,
+    OUTPUTS,
+    RAW_INPUTS,
+    RAW_OUTPUTS,
+    STORE_INPUTS,
+    RequestError,
+)
 
 SERVER_NAME = "recserve"
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "parameters")
@@ -46,6 +54,8 @@ class ModelSpec:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     """Request size limits (``[limits]``): a filter is checked against them before parsing."""
     raw_ids: bool = False
+    seen_store: bool = False
+    """The model keeps a seen store: the optional ``user`` input (``serving/types.py``)."""
     """The model has id maps: ``raw_history`` / ``raw_seen`` in, ``raw_item_ids`` out
     (``history`` optional)."""
 
@@ -60,6 +70,11 @@ class ModelSpec:
             TensorSpec("filter", DATATYPES["filter"], (1,), optional=True),
             TensorSpec("seen", DATATYPES["seen"], (-1,), optional=True),
             *(raw if self.raw_ids else ()),
+            *(
+                TensorSpec(n, DATATYPES[n], (1,), optional=True)
+                for n in STORE_INPUTS
+                if self.seen_store
+            ),
         )
 
     @property
@@ -93,6 +108,7 @@ def model_spec(state: ServingState) -> ModelSpec:
         platform=platform or "pytorch",
         limits=state.limits,
         raw_ids=runner.item_map is not None,
+        seen_store=runner.model.seen_store is not None,
     )
 
 

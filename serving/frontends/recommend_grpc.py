@@ -61,6 +61,8 @@ def parse_recommend(
     :func:`add_recommender`): refused like any other bad request."""
     if isinstance(msg, MalformedMessage):
         raise RequestError(msg.message)
+    if msg.HasField("user") and msg.user < 0:
+        raise RequestError(f"user: a user index is >= 0, got {msg.user}")
     if msg.version < 0:
         raise RequestError(f"version: must be >= 0 (0: the one being served), got {msg.version}")
     raw = None
@@ -93,6 +95,7 @@ def parse_recommend(
         seen=seen,
         raw_seen=raw_seen,
         recall_target=float(msg.recall_target),
+        user=int(msg.user) if msg.HasField("user") else -1,
     )
 
 

@@ -22,6 +22,7 @@ from retrieval.model import RetrievalModel
 from serving.engine.state import LiveUpdater, ServingState
 from serving.live.messages import (
     id_tensor,
+    parse_add_seen,
     parse_embeddings,
     parse_set_attributes,
     parse_upsert,
@@ -84,6 +85,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             request,
             lambda m: parse_embeddings(request, table_widths(m)),
         )
+
+    def AddSeen(self, request: pb.AddSeenRequest, context: grpc.ServicerContext) -> pb.UpdateReply:
+        return self._call(context, "add_seen", request, lambda m: parse_add_seen(request))
 
     def _updates(self) -> LiveUpdater:
         if self.state.updates is None:

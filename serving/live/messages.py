@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from retrieval.live_updates import (
+    AddSeen,
     Attributes,
     RemoveItems,
     SetItemAttributes,
@@ -73,6 +74,14 @@ def parse_upsert(
     )
 
 
+def parse_add_seen(msg: pb.AddSeenRequest) -> AddSeen:
+    if len(msg.users) != len(msg.items):
+        raise RequestError(
+            f"items: expected one item per user ({len(msg.users)}), got {len(msg.items)}"
+        )
+    return AddSeen(id_tensor(msg.users), id_tensor(msg.items))
+
+
 def parse_set_attributes(msg: pb.SetItemAttributesRequest) -> SetItemAttributes:
     attrs = [_attributes(it.attributes, f"items[{i}].attributes") for i, it in enumerate(msg.items)]
     return SetItemAttributes(id_tensor([it.id for it in msg.items]), attrs)
@@ -123,6 +132,11 @@ def to_record(batch: UpdateBatch, sequence: int) -> pb.LogRecord:
         return pb.LogRecord(
             sequence=sequence, set_item_attributes=pb.SetItemAttributesRequest(items=items_a)
         )
+    if isinstance(batch, AddSeen):
+        return pb.LogRecord(
+            sequence=sequence,
+            add_seen=pb.AddSeenRequest(users=batch.users.tolist(), items=batch.items.tolist()),
+        )
     return pb.LogRecord(
         sequence=sequence,
         update_embeddings=pb.UpdateEmbeddingsRequest(
@@ -148,6 +162,8 @@ def from_record(
         if widths is None:
             return None
         return parse_embeddings(record.update_embeddings, widths)
+    if which == "add_seen":  # a shard keeps no store: it only counts the record
+        return None if widths is None else parse_add_seen(record.add_seen)
     raise ValueError(f"log record {record.sequence}: no update in it")
 
 

@@ -78,6 +78,18 @@ class UpdateEmbeddingsRequest(_message.Message):
     values: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., table: _Optional[str] = ..., rows: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class AddSeenRequest(_message.Message):
+    __slots__ = ("model", "version", "users", "items")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    USERS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    users: _containers.RepeatedScalarFieldContainer[int]
+    items: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., users: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class UpdateReply(_message.Message):
     __slots__ = ("model", "version", "sequence", "items", "list_imbalance", "rebuild_recommended")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -95,12 +107,13 @@ class UpdateReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., items: _Optional[int] = ..., list_imbalance: _Optional[float] = ..., rebuild_recommended: _Optional[bool] = ...) -> None: ...
 
 class LogRecord(_message.Message):
-    __slots__ = ("sequence", "upsert_items", "remove_items", "set_item_attributes", "update_embeddings", "list_sizes", "bit_counts")
+    __slots__ = ("sequence", "upsert_items", "remove_items", "set_item_attributes", "update_embeddings", "add_seen", "list_sizes", "bit_counts")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPSERT_ITEMS_FIELD_NUMBER: _ClassVar[int]
     REMOVE_ITEMS_FIELD_NUMBER: _ClassVar[int]
     SET_ITEM_ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     UPDATE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SEEN_FIELD_NUMBER: _ClassVar[int]
     LIST_SIZES_FIELD_NUMBER: _ClassVar[int]
     BIT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
@@ -108,6 +121,7 @@ class LogRecord(_message.Message):
     remove_items: RemoveItemsRequest
     set_item_attributes: SetItemAttributesRequest
     update_embeddings: UpdateEmbeddingsRequest
+    add_seen: AddSeenRequest
     list_sizes: bytes
     bit_counts: bytes
-    def __init__(self, sequence: _Optional[int] = ..., upsert_items: _Optional[_Union[UpsertItemsRequest, _Mapping]] = ..., remove_items: _Optional[_Union[RemoveItemsRequest, _Mapping]] = ..., set_item_attributes: _Optional[_Union[SetItemAttributesRequest, _Mapping]] = ..., update_embeddings: _Optional[_Union[UpdateEmbeddingsRequest, _Mapping]] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., upsert_items: _Optional[_Union[UpsertItemsRequest, _Mapping]] = ..., remove_items: _Optional[_Union[RemoveItemsRequest, _Mapping]] = ..., set_item_attributes: _Optional[_Union[SetItemAttributesRequest, _Mapping]] = ..., update_embeddings: _Optional[_Union[UpdateEmbeddingsRequest, _Mapping]] = ..., add_seen: _Optional[_Union[AddSeenRequest, _Mapping]] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ...) -> None: ...

@@ -56,6 +56,11 @@ class AdminStub:
                 request_serializer=serving_dot_protos_dot_admin__pb2.UpdateEmbeddingsRequest.SerializeToString,
                 response_deserializer=serving_dot_protos_dot_admin__pb2.UpdateReply.FromString,
                 _registered_method=True)
+        self.AddSeen = channel.unary_unary(
+                '/recserve.admin.v1.Admin/AddSeen',
+                request_serializer=serving_dot_protos_dot_admin__pb2.AddSeenRequest.SerializeToString,
+                response_deserializer=serving_dot_protos_dot_admin__pb2.UpdateReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -89,6 +94,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddSeen(self, request, context):
+        """Users consumed items: a model with a seen store (model.seen_store) never recommends them to
+        those users again (requests naming their `user`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_AdminServicer_to_server(servicer, server):
             'UpdateEmbeddings': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateEmbeddings,
                     request_deserializer=serving_dot_protos_dot_admin__pb2.UpdateEmbeddingsRequest.FromString,
+                    response_serializer=serving_dot_protos_dot_admin__pb2.UpdateReply.SerializeToString,
+            ),
+            'AddSeen': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddSeen,
+                    request_deserializer=serving_dot_protos_dot_admin__pb2.AddSeenRequest.FromString,
                     response_serializer=serving_dot_protos_dot_admin__pb2.UpdateReply.SerializeToString,
             ),
     }
@@ -220,6 +238,33 @@ class Admin:
             target,
             '/recserve.admin.v1.Admin/UpdateEmbeddings',
             serving_dot_protos_dot_admin__pb2.UpdateEmbeddingsRequest.SerializeToString,
+            serving_dot_protos_dot_admin__pb2.UpdateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddSeen(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recserve.admin.v1.Admin/AddSeen',
+            serving_dot_protos_dot_admin__pb2.AddSeenRequest.SerializeToString,
             serving_dot_protos_dot_admin__pb2.UpdateReply.FromString,
             options,
             channel_credentials,

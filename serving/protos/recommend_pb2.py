@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserving/protos/recommend.proto\x12\x13recserve.serving.v1\"\xdf\x01\n\x10RecommendRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0f\n\x07history\x18\x02 \x03(\x03\x12\x13\n\x0b\x63\x61tegorical\x18\x03 \x03(\x03\x12\r\n\x05\x64\x65nse\x18\x04 \x03(\x02\x12\t\n\x01k\x18\x05 \x01(\x05\x12\x0e\n\x06\x66ilter\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0f\n\x07version\x18\x08 \x01(\x03\x12\x13\n\x0braw_history\x18\t \x03(\t\x12\x0c\n\x04seen\x18\n \x03(\x03\x12\x10\n\x08raw_seen\x18\x0b \x03(\t\x12\x15\n\rrecall_target\x18\x0c \x01(\x02\"\x8d\x01\n\x11RecommendResponse\x12\x10\n\x08item_ids\x18\x01 \x03(\x03\x12\x0e\n\x06scores\x18\x02 \x03(\x02\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x05 \x01(\x08\x12\x0f\n\x07missing\x18\x06 \x03(\t\x12\x14\n\x0craw_item_ids\x18\x07 \x03(\t2i\n\x0bRecommender\x12Z\n\tRecommend\x12%.recserve.serving.v1.RecommendRequest\x1a&.recserve.serving.v1.RecommendResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserving/protos/recommend.proto\x12\x13recserve.serving.v1\"\xfb\x01\n\x10RecommendRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0f\n\x07history\x18\x02 \x03(\x03\x12\x13\n\x0b\x63\x61tegorical\x18\x03 \x03(\x03\x12\r\n\x05\x64\x65nse\x18\x04 \x03(\x02\x12\t\n\x01k\x18\x05 \x01(\x05\x12\x0e\n\x06\x66ilter\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0f\n\x07version\x18\x08 \x01(\x03\x12\x13\n\x0braw_history\x18\t \x03(\t\x12\x0c\n\x04seen\x18\n \x03(\x03\x12\x10\n\x08raw_seen\x18\x0b \x03(\t\x12\x15\n\rrecall_target\x18\x0c \x01(\x02\x12\x11\n\x04user\x18\r \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_user\"\x8d\x01\n\x11RecommendResponse\x12\x10\n\x08item_ids\x18\x01 \x03(\x03\x12\x0e\n\x06scores\x18\x02 \x03(\x02\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x05 \x01(\x08\x12\x0f\n\x07missing\x18\x06 \x03(\t\x12\x14\n\x0craw_item_ids\x18\x07 \x03(\t2i\n\x0bRecommender\x12Z\n\tRecommend\x12%.recserve.serving.v1.RecommendRequest\x1a&.recserve.serving.v1.RecommendResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.protos.recommend_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RECOMMENDREQUEST']._serialized_start=56
-  _globals['_RECOMMENDREQUEST']._serialized_end=279
-  _globals['_RECOMMENDRESPONSE']._serialized_start=282
-  _globals['_RECOMMENDRESPONSE']._serialized_end=423
-  _globals['_RECOMMENDER']._serialized_start=425
-  _globals['_RECOMMENDER']._serialized_end=530
+  _globals['_RECOMMENDREQUEST']._serialized_end=307
+  _globals['_RECOMMENDRESPONSE']._serialized_start=310
+  _globals['_RECOMMENDRESPONSE']._serialized_end=451
+  _globals['_RECOMMENDER']._serialized_start=453
+  _globals['_RECOMMENDER']._serialized_end=558
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RecommendRequest(_message.Message):
-    __slots__ = ("user_id", "history", "categorical", "dense", "k", "filter", "model", "version", "raw_history", "seen", "raw_seen", "recall_target")
+    __slots__ = ("user_id", "history", "categorical", "dense", "k", "filter", "model", "version", "raw_history", "seen", "raw_seen", "recall_target", "user")
     USER_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     CATEGORICAL_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class RecommendRequest(_message.Message):
     SEEN_FIELD_NUMBER: _ClassVar[int]
     RAW_SEEN_FIELD_NUMBER: _ClassVar[int]
     RECALL_TARGET_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     user_id: str
     history: _containers.RepeatedScalarFieldContainer[int]
     categorical: _containers.RepeatedScalarFieldContainer[int]
@@ -34,7 +35,8 @@ class RecommendRequest(_message.Message):
     seen: _containers.RepeatedScalarFieldContainer[int]
     raw_seen: _containers.RepeatedScalarFieldContainer[str]
     recall_target: float
-    def __init__(self, user_id: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., categorical: _Optional[_Iterable[int]] = ..., dense: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., filter: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., raw_history: _Optional[_Iterable[str]] = ..., seen: _Optional[_Iterable[int]] = ..., raw_seen: _Optional[_Iterable[str]] = ..., recall_target: _Optional[float] = ...) -> None: ...
+    user: int
+    def __init__(self, user_id: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., categorical: _Optional[_Iterable[int]] = ..., dense: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., filter: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., raw_history: _Optional[_Iterable[str]] = ..., seen: _Optional[_Iterable[int]] = ..., raw_seen: _Optional[_Iterable[str]] = ..., recall_target: _Optional[float] = ..., user: _Optional[int] = ...) -> None: ...
 
 class RecommendResponse(_message.Message):
     __slots__ = ("item_ids", "scores", "model", "version", "partial", "missing", "raw_item_ids")

@@ -11,6 +11,8 @@ one fixed in ``serving/types.py`` (dims without the batch dimension)::
     filter       TYPE_STRING  [1]      optional
     seen         TYPE_INT64   [-1]     optional: every item the user consumed (-1 pads), never
                                        recommended
+    user         TYPE_INT64   [1]      optional, a model with a seen store only: the user whose
+                                       stored seen items are excluded too
     item_ids     TYPE_INT64   [-1]     output
     scores       TYPE_FP32    [-1]     output
 
@@ -94,6 +96,7 @@ def make_config(
             if raw_ids
             else ()
         ),
+        *((("user", mc.TYPE_INT64, [1], True),) if model_cfg.seen_store else ()),
     )
     for in_name, dtype, dims, optional in inputs:
         cfg.input.add(name=in_name, data_type=dtype, dims=dims, optional=optional)

@@ -50,7 +50,9 @@ from serving.raw_ids import decode_text, dense_history, raw_item_ids
 from serving.types import RequestError
 
 ARTIFACT_DIR = "model"
-INPUTS = ("history", "categorical", "dense", "k", "filter", "seen", "raw_history", "raw_seen")
+INPUTS = (
+    "history", "categorical", "dense", "k", "filter", "seen", "raw_history", "raw_seen", "user"
+)  # fmt: skip
 
 
 class InputError(ValueError):
@@ -73,6 +75,9 @@ class Rows:
     """One filter text per row (None: no filter)."""
     seen: np.ndarray | None = None
     """``int64 [B, S]`` items never recommended, ``-1`` pads (None: the history window only)."""
+    user: np.ndarray | None = None
+    """``int64 [B]`` users whose stored seen items are excluded (``-1``: none), for a model
+    with a seen store (None: none named)."""
 
 
 def _check_array(
@@ -152,7 +157,23 @@ def check_inputs(arrays: Mapping[str, np.ndarray | None], model: RetrievalModel)
                 msg = str(e)
                 raise InputError(msg if msg.startswith("filter") else f"filter: {msg}") from None
             filters[row] = text
-    return Rows(history, cat.copy(), dense.copy(), k, filters, _seen(arrays, model, b))
+    seen = _seen(arrays, model, b)
+    return Rows(history, cat.copy(), dense.copy(), k, filters, seen, _user(arrays, model, b))
+
+
+def _user(
+    arrays: Mapping[str, np.ndarray | None], model: RetrievalModel, b: int
+) -> np.ndarray | None:
+    """``user`` ``[B, 1]`` -> ``[B] int64``; refused for a model without a seen store."""
+    user = arrays.get("user")
+    if user is None:
+        return None
+    if model.seen_store is None:
+        raise InputError("user: the model keeps no seen store (model.seen_store): send seen")
+    _check_array("user", user, np.int64, 1, b)
+    if bool((user < -1).any()):
+        raise InputError(f"user: a user index is >= 0 (-1: none), got {int(user.min())}")
+    return user.reshape(b).copy()
 
 
 def _seen(
@@ -181,6 +202,14 @@ def _seen(
     if bad.size:
         raise InputError(f"seen: item id {int(bad[0])} is not in [0, {n})")
     return seen.copy()
+
+
+def _user_batch(requests: Sequence[Rows]) -> torch.Tensor | None:
+    """The requests' users as one ``[B] int64`` (``-1``: none); None when none names one."""
+    if all(r.user is None for r in requests):
+        return None
+    parts = [r.user if r.user is not None else np.full(len(r.k), -1) for r in requests]
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64))
 
 
 def _seen_batch(requests: Sequence[Rows]) -> torch.Tensor | None:
@@ -246,6 +275,7 @@ def run_rows(
         fb.masks,
         fb.negate,
         _seen_batch(requests),
+        user=_user_batch(requests),
     ).to(device)
     with torch.inference_mode():
         ids_t, scores_t = model(batch, int(k.max()))  # [B, K], [B, K]

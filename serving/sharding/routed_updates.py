@@ -41,6 +41,7 @@ import torch
 
 from retrieval.live_shards import check_held, stats_index
 from retrieval.live_updates import (
+    AddSeen,
     PreparedUpdate,
     UpdateBatch,
     UpdateEmbeddings,
@@ -102,8 +103,8 @@ class RoutedUpdates(LiveUpdates):
 
     def replay_record(self, model: RetrievalModel, record: admin_pb2.LogRecord) -> RetrievalModel:
         batch = from_record(record, model.index.dim, table_widths(model))
-        if isinstance(batch, UpdateEmbeddings):
-            return apply_update(model, batch)  # the router's tables
+        if isinstance(batch, UpdateEmbeddings | AddSeen):
+            return apply_update(model, batch)  # the router's tables and seen store
         sizes, counts = _record_stats(record, model)
         return with_index(model, stats_index(model.index, sizes, counts, batch))
 

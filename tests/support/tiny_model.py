@@ -31,8 +31,10 @@ class Tiny:
         m.build_index(self.prep.train.item_features, self.prep.dataset.item_attributes)
         return m.eval()
 
-    def request(self, user: int, k: int = 10, **kw: Any) -> RecRequest:
+    def request(self, who: int, /, k: int = 10, **kw: Any) -> RecRequest:
+        """The request of user ``who`` (``kw``: more fields, ``user=`` too)."""
         ds, cfg = self.prep.dataset, self.prep.config
+        user = who
         hist = self.prep.history[user]
         return RecRequest(
             history=hist[hist >= 0].astype(np.int64),
@@ -42,8 +44,10 @@ class Tiny:
             **kw,
         )
 
-    def message(self, user: int, k: int = 10, **kw: Any) -> recommend_pb2.RecommendRequest:
-        """The gRPC ``Recommend`` request of ``user`` (extra fields in ``kw``)."""
+    def message(self, who: int, /, k: int = 10, **kw: Any) -> recommend_pb2.RecommendRequest:
+        """The gRPC ``Recommend`` request of user ``who`` (extra fields in ``kw``, ``user=``
+        too)."""
+        user = who
         r = self.request(user, k)
         return recommend_pb2.RecommendRequest(
             user_id=str(user),

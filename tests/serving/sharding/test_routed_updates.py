@@ -207,3 +207,43 @@ def test_a_router_stopped_between_its_log_and_the_commit_completes_it_on_restart
     routed.router = routed.start_router()  # replays its log, then the shards'
     assert routed.sequences() == [1, 1]
     assert_answers_as(routed, tiny, updated(tiny.model, [RemoveItems(torch.tensor([3, 4]))]))
+
+
+def test_add_seen_through_the_router_excludes_for_the_named_user(tiny, tmp_path):
+    """The router holds the seen store (its shards count the record only): a request naming its
+    user is answered like the unsharded model given the same pairs, after a router restart too."""
+    from retrieval.live_updates import AddSeen
+    from retrieval.seen_store import SeenStore
+
+    model = copy.deepcopy(tiny.model).eval()
+    model.config.seen_store = True
+    assert tiny.prep.seen is not None
+    model.seen_store = SeenStore.from_sets(tiny.prep.seen)
+    r = Routed(tmp_path, model)
+    try:
+        assert r.router.state is not None
+        first = r.router.state.submit(tiny.request(2, 10, user=2)).result(timeout=WAIT)
+        consumed = first.item_ids[:4].tolist()
+        reply = r.admin.AddSeen(pb.AddSeenRequest(users=[2] * 4, items=consumed), timeout=WAIT)
+        assert reply.sequence == 1 and r.sequences() == [1, 1]
+        want = apply_update(
+            copy.deepcopy(model), AddSeen(torch.full((4,), 2), torch.tensor(consumed))
+        )
+        batch = tiny.prep.user_batch(np.array([2]))
+        batch.user = torch.tensor([2])
+        with torch.inference_mode():
+            want_ids, want_scores = want(batch, 10)
+        for _ in range(2):  # before and after a router restart (the log replays)
+            got = r.router.state.submit(tiny.request(2, 10, user=2)).result(timeout=WAIT)
+            assert not set(got.item_ids.tolist()) & set(consumed)
+            assert_same_topk(
+                torch.from_numpy(got.item_ids[None]),
+                torch.from_numpy(got.scores[None]),
+                want_ids,
+                want_scores,
+            )
+            r.router.drain_and_stop(timeout=5)
+            r.router = r.start_router()
+            assert r.router.state is not None
+    finally:
+        r.close()

@@ -1,0 +1,112 @@
+"""``AddSeen`` through the admin API, in-process (a real server on 127.0.0.1, the stand-in
+repository): what a user consumed is never recommended to requests naming that user from the
+next request on, survives a restart (the log is replayed), leaves other users alone, and is
+refused naming the field by a model without a seen store or with a malformed batch."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from retrieval.model import RetrievalModel
+from retrieval.seen_store import SeenStore
+from serving.app.server import Server
+from serving.live import admin
+from serving.protos import admin_pb2 as pb
+from serving.protos import recommend_pb2
+from serving.protos.admin_pb2_grpc import AdminStub
+from serving.protos.recommend_pb2_grpc import RecommenderStub
+from support.tiny_model import StandInRepo, Tiny
+
+WAIT = 10.0
+
+
+def _stored(tiny: Tiny) -> RetrievalModel:
+    m = copy.deepcopy(tiny.model).eval()
+    m.config.seen_store = True
+    assert tiny.prep.seen is not None
+    m.seen_store = SeenStore.from_sets(tiny.prep.seen)
+    return m
+
+
+@pytest.fixture
+def start(serve_config, tmp_path) -> Iterator[Callable[[RetrievalModel], Server]]:
+    servers: list[Server] = []
+
+    def make(model: RetrievalModel) -> Server:
+        repo = StandInRepo()
+        repo.publish(model)
+        s = Server(
+            serve_config(state_dir=tmp_path / "state"),
+            repo=repo,
+            extra_servicers=[admin.add_servicer],
+        )
+        s.start()
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.drain_and_stop(timeout=WAIT)
+
+
+def _named(tiny: Tiny, user: int) -> recommend_pb2.RecommendRequest:
+    msg = tiny.message(user)
+    msg.user = user
+    return msg
+
+
+def _ids(stub: RecommenderStub, msg: recommend_pb2.RecommendRequest) -> list[int]:
+    return list(stub.Recommend(msg, timeout=WAIT).item_ids)
+
+
+def test_consumed_items_leave_the_users_answers_and_survive_a_restart(start, tiny):
+    server = start(_stored(tiny))
+    channel = grpc.insecure_channel(server.addresses.grpc)
+    adm, rec = AdminStub(channel), RecommenderStub(channel)
+    before = {u: _ids(rec, _named(tiny, u)) for u in (3, 4)}
+    consumed = before[3][:3]  # user 3 watched its top three
+    reply = adm.AddSeen(pb.AddSeenRequest(users=[3, 3, 3], items=consumed), timeout=WAIT)
+    assert (reply.version, reply.sequence) == (1, 1)
+    after = _ids(rec, _named(tiny, 3))
+    assert not set(after) & set(consumed) and after[:-3] == before[3][3:]  # the rest move up
+    assert _ids(rec, _named(tiny, 4)) == before[4]  # another user: unchanged
+    assert _ids(rec, tiny.message(3)) == before[3]  # not naming the user: the store is not read
+    # a new user beyond the store grows it
+    assert adm.AddSeen(pb.AddSeenRequest(users=[10_000], items=[1]), timeout=WAIT).sequence == 2
+    channel.close()
+
+    server.drain_and_stop(timeout=WAIT)
+    again = start(_stored(tiny))  # a fresh copy of version 1: the log is replayed
+    with grpc.insecure_channel(again.addresses.grpc) as channel2:
+        assert _ids(RecommenderStub(channel2), _named(tiny, 3)) == after
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (
+            pb.AddSeenRequest(users=[1, 2], items=[5]),
+            "items: expected one item per user (2), got 1",
+        ),
+        (pb.AddSeenRequest(users=[-1], items=[5]), "users[0]: must be >= 0, got -1"),
+        (pb.AddSeenRequest(users=[], items=[]), "users: empty: nothing to update"),
+    ],
+)
+def test_bad_batches_are_refused_naming_the_field(start, tiny, request_, message):
+    server = start(_stored(tiny))
+    with grpc.insecure_channel(server.addresses.grpc) as ch, pytest.raises(grpc.RpcError) as err:
+        AdminStub(ch).AddSeen(request_, timeout=WAIT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == message
+
+
+def test_a_model_without_a_store_refuses_add_seen(start, tiny):
+    server = start(copy.deepcopy(tiny.model))
+    with grpc.insecure_channel(server.addresses.grpc) as ch, pytest.raises(grpc.RpcError) as err:
+        AdminStub(ch).AddSeen(pb.AddSeenRequest(users=[1], items=[2]), timeout=WAIT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("users: the model keeps no seen store")
