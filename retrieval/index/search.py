@@ -12,7 +12,8 @@ names its filtered rows' lists and carries a :class:`BoundCheck` (``retrieval/in
 whose k-th result is beaten by the bound of a list it did not probe asks again for just those
 lists (a second round, merged with the first), or for an exact scan of its eligible items when
 that costs less. Rows that come back with fewer than k results (a filter too narrow for the probed
-lists) are re-asked as exact scans.
+lists, or short lists) first probe ``WIDEN`` times as many lists when the plan chose their lists
+by count, then are re-asked as exact scans.
 
 Why a sharded search equals the unsharded one: an item's approximate score (its list's
 centroid plus its code) and its exact score do not depend on which other items an index holds,
@@ -31,6 +32,9 @@ from dataclasses import dataclass, replace
 import torch
 
 NEG_INF = float("-inf")
+WIDEN = 4
+"""A row whose probed lists held fewer than k items probes this many times as many lists
+before it is scanned exactly (a short unfiltered row's exact scan is the whole catalog)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,11 @@ def run_search(plan: SearchPlan, fetch: Fetch) -> Candidates:
     if plan.check is not None:
         _second_round(plan, plan.check, fetch, first, top)
     short = ~plan.exact & top.keys[:, -1].lt(0)  # results fill each row from the front
+    if bool(short.any()) and plan.lists is None:  # lists chosen by count: probe 4x as many
+        rows = short.nonzero().flatten()
+        sub = replace(plan.rows(rows), nprobe=plan.nprobe[rows] * WIDEN, check=None)
+        top.put(rows, select(fetch(sub, rows), sub))
+        short = ~plan.exact & top.keys[:, -1].lt(0)
     if bool(short.any()):
         rows = short.nonzero().flatten()
         sub = plan.rows(rows).all_exact()

@@ -43,7 +43,7 @@ SOURCE = "demo/config.pbtxt"
 VALID_PBTXT = format_config(
     make_config(
         "demo",
-        SimpleNamespace(user_features={"region": 6, "age": 7}, dense_dim=3),  # type: ignore[arg-type]
+        SimpleNamespace(user_features={"region": 6, "age": 7}, dense_dim=3, seen_store=False),  # type: ignore[arg-type]
         max_queue_delay_us=2000,  # not 0: proto3 text leaves zeros out, and the fuzzing edits it
         parameters={"torch_threads": "1"},
     )
