@@ -4,6 +4,7 @@ A module of its own so test modules can import them: ``from tiny_model import Ti
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from retrieval.model import RetrievalModel
+from retrieval.seen_store import SeenStore
 from retrieval.training.prepare import Prepared
 from serving.protos import recommend_pb2
 from serving.repository.manifest import CorruptVersionError
@@ -23,6 +25,15 @@ from serving.types import RecRequest
 class Tiny:
     prep: Prepared
     model: RetrievalModel
+
+    def with_seen_store(self) -> RetrievalModel:
+        """A copy of the model keeping every user's items before the test split (its own store:
+        the session's model stays without one)."""
+        m = copy.deepcopy(self.model).eval()
+        m.config.seen_store = True
+        assert self.prep.seen is not None
+        m.seen_store = SeenStore.from_sets(self.prep.seen)
+        return m
 
     def build(self, seed: int) -> RetrievalModel:
         """Another version: same config, different weights (so answers differ)."""
@@ -91,6 +102,18 @@ class Loaded:
     path: Path | None = None
     shard_map: Any = None
     sequence: int = 0
+
+
+def start_server(config: Any, model: RetrievalModel, **kw: Any) -> Any:
+    """A started in-process server (``serving.app.server.Server``, ``kw``: its keyword options)
+    over a stand-in repository holding ``model`` as version 1."""
+    from serving.app.server import Server
+
+    repo = StandInRepo()
+    repo.publish(model)
+    s = Server(config, repo=repo, **kw)
+    s.start()
+    return s
 
 
 class StandInRepo:

@@ -18,6 +18,7 @@ from retrieval.index.exact import recall_at_k
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.split import shard_of, split_index
 from retrieval.index.update import add_items, remove_items
+from support.anticorrelated_truth import filtered_truth
 from support.topk_check import assert_same_topk
 
 K = 100
@@ -37,15 +38,7 @@ def index(data) -> IVFIndex:
 
 
 def truth(data: AntiCorrelated, index: IVFIndex, selectivity: float) -> torch.Tensor:
-    """Exact top-K item ids over each query's eligible items ``[B, K]`` (``-1`` pads)."""
-    q, x = torch.from_numpy(data.q), torch.from_numpy(data.x)
-    out = torch.full((len(q), K), -1, dtype=torch.int64)
-    for h in np.unique(data.home):
-        rows = torch.from_numpy(np.flatnonzero(data.home == h))
-        ids = torch.from_numpy(np.flatnonzero(data.keep(int(h), selectivity)))
-        top = (q[rows] @ x[ids].T).topk(min(K, len(ids)), dim=1).indices
-        out[rows, : top.shape[1]] = ids[top]
-    return out
+    return filtered_truth(data, selectivity, K)
 
 
 def recall(data: AntiCorrelated, index: IVFIndex, selectivity: float) -> float:

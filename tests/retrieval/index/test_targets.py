@@ -4,7 +4,6 @@ every selectivity) and not."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from retrieval.data.anticorrelated import SELECTIVITIES, AntiCorrelated, anticor
 from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search
 from retrieval.index.exact import recall_at_k
 from retrieval.index.targets import row_settings
+from support.anticorrelated_truth import filtered_truth
 
 K = 100
 CURVE = ((1, 0.5), (2, 0.7), (4, 0.9), (8, 0.97))
@@ -69,20 +69,9 @@ def test_unfiltered_recall_meets_each_target(data, index):
     assert torch.equal(ids, index.item_ids[pos]) and recall_at_k(ids, truth) >= 0.999
 
 
-def _filtered_truth(data: AntiCorrelated, selectivity: float) -> torch.Tensor:
-    q, x = torch.from_numpy(data.q), torch.from_numpy(data.x)
-    out = torch.full((len(q), K), -1, dtype=torch.int64)
-    for h in np.unique(data.home):
-        rows = torch.from_numpy(np.flatnonzero(data.home == h))
-        ids = torch.from_numpy(np.flatnonzero(data.keep(int(h), selectivity)))
-        top = (q[rows] @ x[ids].T).topk(min(K, len(ids)), dim=1).indices
-        out[rows, : top.shape[1]] = ids[top]
-    return out
-
-
 @pytest.mark.parametrize("selectivity", SELECTIVITIES)
 def test_filtered_recall_meets_each_target_at_every_selectivity(data, index, selectivity):
-    truth = _filtered_truth(data, selectivity)
+    truth = filtered_truth(data, selectivity, K)
     texts = data.filters(selectivity)
     got = {}
     for target in (0.9, 0.95, 0.99):

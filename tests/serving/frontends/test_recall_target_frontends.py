@@ -24,7 +24,7 @@ from serving.app.config import BatchingConfig
 from serving.app.server import Server
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.types import DATATYPES
-from support.tiny_model import StandInRepo, Tiny
+from support.tiny_model import Tiny, start_server
 from support.topk_check import assert_same_topk
 
 WAIT = 10.0
@@ -44,12 +44,8 @@ def tuned(tiny: Tiny) -> RetrievalModel:
 
 
 def _serve(serve_config, model: RetrievalModel) -> Server:
-    repo = StandInRepo()
-    repo.publish(model)
     batching = BatchingConfig(max_batch_size=8, max_queue_delay_ms=2.0, max_queue_size=64)
-    s = Server(serve_config(http_port=0, metrics_port=None, batching=batching), repo=repo)
-    s.start()
-    return s
+    return start_server(serve_config(http_port=0, metrics_port=None, batching=batching), model)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ store refuses it naming the field."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,13 +18,12 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from retrieval.model import RetrievalModel
-from retrieval.seen_store import SeenStore
 from serving.app.config import BatchingConfig
 from serving.app.server import Server
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository.config import make_config
 from serving.types import DATATYPES
-from support.tiny_model import StandInRepo, Tiny
+from support.tiny_model import Tiny, start_server
 from support.topk_check import assert_same_topk
 
 WAIT = 10.0
@@ -34,21 +32,12 @@ USERS = [0, 3, 7, 42]
 
 @pytest.fixture(scope="module")
 def stored(tiny: Tiny) -> RetrievalModel:
-    """The tiny model keeping every user's items before the test split (a copy)."""
-    m = copy.deepcopy(tiny.model).eval()
-    m.config.seen_store = True
-    assert tiny.prep.seen is not None
-    m.seen_store = SeenStore.from_sets(tiny.prep.seen)
-    return m
+    return tiny.with_seen_store()
 
 
 def _serve(serve_config, model: RetrievalModel) -> Server:
-    repo = StandInRepo()
-    repo.publish(model)
     batching = BatchingConfig(max_batch_size=8, max_queue_delay_ms=2.0, max_queue_size=64)
-    s = Server(serve_config(http_port=0, metrics_port=None, batching=batching), repo=repo)
-    s.start()
-    return s
+    return start_server(serve_config(http_port=0, metrics_port=None, batching=batching), model)
 
 
 @pytest.fixture

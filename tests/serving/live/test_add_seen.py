@@ -12,24 +12,15 @@ import grpc
 import pytest
 
 from retrieval.model import RetrievalModel
-from retrieval.seen_store import SeenStore
 from serving.app.server import Server
 from serving.live import admin
 from serving.protos import admin_pb2 as pb
 from serving.protos import recommend_pb2
 from serving.protos.admin_pb2_grpc import AdminStub
 from serving.protos.recommend_pb2_grpc import RecommenderStub
-from support.tiny_model import StandInRepo, Tiny
+from support.tiny_model import Tiny, start_server
 
 WAIT = 10.0
-
-
-def _stored(tiny: Tiny) -> RetrievalModel:
-    m = copy.deepcopy(tiny.model).eval()
-    m.config.seen_store = True
-    assert tiny.prep.seen is not None
-    m.seen_store = SeenStore.from_sets(tiny.prep.seen)
-    return m
 
 
 @pytest.fixture
@@ -37,16 +28,9 @@ def start(serve_config, tmp_path) -> Iterator[Callable[[RetrievalModel], Server]
     servers: list[Server] = []
 
     def make(model: RetrievalModel) -> Server:
-        repo = StandInRepo()
-        repo.publish(model)
-        s = Server(
-            serve_config(state_dir=tmp_path / "state"),
-            repo=repo,
-            extra_servicers=[admin.add_servicer],
-        )
-        s.start()
-        servers.append(s)
-        return s
+        config = serve_config(state_dir=tmp_path / "state")
+        servers.append(start_server(config, model, extra_servicers=[admin.add_servicer]))
+        return servers[-1]
 
     yield make
     for s in servers:
@@ -64,7 +48,7 @@ def _ids(stub: RecommenderStub, msg: recommend_pb2.RecommendRequest) -> list[int
 
 
 def test_consumed_items_leave_the_users_answers_and_survive_a_restart(start, tiny):
-    server = start(_stored(tiny))
+    server = start(tiny.with_seen_store())
     channel = grpc.insecure_channel(server.addresses.grpc)
     adm, rec = AdminStub(channel), RecommenderStub(channel)
     before = {u: _ids(rec, _named(tiny, u)) for u in (3, 4)}
@@ -80,7 +64,7 @@ def test_consumed_items_leave_the_users_answers_and_survive_a_restart(start, tin
     channel.close()
 
     server.drain_and_stop(timeout=WAIT)
-    again = start(_stored(tiny))  # a fresh copy of version 1: the log is replayed
+    again = start(tiny.with_seen_store())  # a fresh copy of version 1: the log is replayed
     with grpc.insecure_channel(again.addresses.grpc) as channel2:
         assert _ids(RecommenderStub(channel2), _named(tiny, 3)) == after
 
@@ -97,7 +81,7 @@ def test_consumed_items_leave_the_users_answers_and_survive_a_restart(start, tin
     ],
 )
 def test_bad_batches_are_refused_naming_the_field(start, tiny, request_, message):
-    server = start(_stored(tiny))
+    server = start(tiny.with_seen_store())
     with grpc.insecure_channel(server.addresses.grpc) as ch, pytest.raises(grpc.RpcError) as err:
         AdminStub(ch).AddSeen(request_, timeout=WAIT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

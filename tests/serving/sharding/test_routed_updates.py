@@ -213,12 +213,8 @@ def test_add_seen_through_the_router_excludes_for_the_named_user(tiny, tmp_path)
     """The router holds the seen store (its shards count the record only): a request naming its
     user is answered like the unsharded model given the same pairs, after a router restart too."""
     from retrieval.live_updates import AddSeen
-    from retrieval.seen_store import SeenStore
 
-    model = copy.deepcopy(tiny.model).eval()
-    model.config.seen_store = True
-    assert tiny.prep.seen is not None
-    model.seen_store = SeenStore.from_sets(tiny.prep.seen)
+    model = tiny.with_seen_store()
     r = Routed(tmp_path, model)
     try:
         assert r.router.state is not None
