@@ -186,3 +186,23 @@ def test_initialize_execute_finalize(tiny, tmp_path: Path, monkeypatch) -> None:
     ids = {t.name: t.array for t in out[2].output_tensors}["item_ids"]
     np.testing.assert_array_equal(ids, tiny.expected(tiny.model, USERS[2:], 5)[0])
     backend.finalize()
+
+
+def test_named_users_are_answered_as_if_they_sent_their_lists(tiny):
+    """A model with a seen store: rows naming their ``user`` (``-1``: none) equal the model
+    given those users' stored lists; a model without a store refuses ``user``."""
+    stored = tiny.with_seen_store()
+    a = tiny.inputs(USERS[:2], k=8)
+    a["user"] = np.array([[int(USERS[0])], [-1]], dtype=np.int64)
+    b = tiny.inputs(USERS[2:], k=8)
+    rows = [check_inputs(a, stored), check_inputs(b, stored)]
+    (ids_a, _), (ids_b, _) = run_rows(stored, rows)
+    batch = tiny.prep.user_batch(USERS)
+    batch.user = torch.tensor([int(USERS[0])] + [-1] * (len(USERS) - 1))
+    with torch.inference_mode():
+        want, _ = stored(batch, 8)
+    np.testing.assert_array_equal(np.concatenate([ids_a, ids_b]), want.numpy())
+    with pytest.raises(InputError, match=r"^user: the model keeps no seen store"):
+        check_inputs(a, tiny.model)
+    with pytest.raises(InputError, match=r"^user: a user index is >= 0"):
+        check_inputs(dict(a, user=np.array([[-2], [0]], dtype=np.int64)), stored)
