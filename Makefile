@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -c constraints.txt torchrec==1.8.0
+	$(BIN)/recserve kernels
 	touch $(STAMP)
 
 data: $(ML100K)

@@ -12,6 +12,7 @@ recserve cluster             up / status / restart / down: router, shards and em
 recserve test load           locust (gRPC or HTTP users) against a server, with a summary and a plot
 recserve test soak           steady load on a local cluster with a hot reload and a shard restart
 recserve bench NAME          run ./bench/NAME.py (e.g. ann: the index vs faiss)
+recserve kernels             compile the C++ kernels for this machine now (make does at install)
 recserve data movielens      extract MovieLens 100k from the recbole wheel into data/ml-100k
 recserve data import         your own CSV / parquet interaction log (+ items, users) -> a data set folder
 
@@ -162,6 +163,28 @@ app.add_typer(serve_app, name="serve")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(test_app, name="test")
 app.add_typer(data_app, name="data")
+
+
+@app.command("kernels")
+def kernels_cmd() -> None:
+    """Compile the C++ kernels (IVF scan, pooled lookup, id map) for this machine now, so that
+    no first search or request waits for a compiler (`make` runs it at install; a container
+    built elsewhere compiles them at its first start, for its own CPU)."""
+    import time
+
+    from retrieval.index.scan import int8_isa
+    from sharded_tables.idmap import build_kernel as build_idmap
+    from sharded_tables.pooled_lookup import build_kernel as build_lookup
+
+    for name, build in (
+        ("IVF scan", int8_isa),
+        ("pooled lookup", build_lookup),
+        ("id map", build_idmap),
+    ):
+        t0 = time.perf_counter()
+        build()
+        typer.echo(f"{name}: ready ({time.perf_counter() - t0:.1f} s)")
+    typer.echo(f"int8 scan path on this CPU: {int8_isa()}")
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

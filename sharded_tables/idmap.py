@@ -46,6 +46,11 @@ def _extension() -> ModuleType:
     return load_extension("recserve_idmap", _SRC, ("-O3",), ())
 
 
+def build_kernel() -> None:
+    """Compiles the C++ map now, if not cached (``recserve kernels``)."""
+    _extension()
+
+
 def as_keys(keys: torch.Tensor, field: str = "keys") -> torch.Tensor:
     """Checks ``keys`` is ``int64 [n]`` and returns it as a contiguous CPU tensor."""
     if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:

@@ -30,6 +30,11 @@ def _extension() -> ModuleType:
     return load_extension("recserve_pooled_lookup", _SRC, ("-O3", "-march=native"), ())
 
 
+def build_kernel() -> None:
+    """Compiles the C++ kernel now, if not cached (``recserve kernels``)."""
+    _extension()
+
+
 @torch.library.custom_op("recserve::pooled_lookup", mutates_args=())
 def _pooled_lookup_op(
     weights: list[torch.Tensor], ids: list[torch.Tensor], mean: list[bool]

@@ -160,3 +160,17 @@ def test_server_flags_are_their_config_fields():
     up = typer.main.get_command(app).commands["cluster"].commands["up"]  # type: ignore[attr-defined]
     deadline = next(p for p in up.params if p.name == "shard_deadline_ms")
     assert deadline.default == RouterConfig().shard_deadline_ms
+
+
+def test_kernels_builds_every_kernel_and_names_the_scan_path():
+    import re
+
+    from typer.testing import CliRunner
+
+    from recserve.cli import app
+
+    result = CliRunner().invoke(app, ["kernels"])
+    assert result.exit_code == 0, result.output
+    for name in ("IVF scan", "pooled lookup", "id map"):
+        assert f"{name}: ready" in result.output
+    assert re.search(r"int8 scan path on this CPU: (vnni|avx2|portable)", result.output)
