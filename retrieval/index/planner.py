@@ -16,6 +16,7 @@ skip the lists their filter rules out and get a bound check for a second round
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -56,9 +57,9 @@ def make_plan(
         rows = row_settings(
             target, nprobe, cfg.filter_bound_slack, cfg.recall_curve, cfg.slack_curve
         )
-    if not fb.active and not exact and rows is None and fb.exclude is None:
-        p = lists_to_probe(index, torch.ones(1), torch.tensor([nprobe]), torch.tensor([r]))
-        return SearchPlan(k, r, p.expand(b).clone(), torch.zeros(b, dtype=torch.bool))
+    if not fb.active and not exact and rows is None and fb.exclude is None:  # the common case
+        p = lists_for(index, 1.0, nprobe, r)  # Python floats: ~20x cheaper than tensor ops
+        return SearchPlan(k, r, torch.full((b,), p), torch.zeros(b, dtype=torch.bool))
     sel = (
         estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu()
         if fb.active
@@ -80,6 +81,15 @@ def make_plan(
     if q is None or cfg.filter_bound <= 0 or not fb.active:
         return plan
     return with_bounds(index, q, fb, plan, sel, None if rows is None else rows.slack)
+
+
+def lists_for(index: PlannedIndex, sel: float, base: int, need: int) -> int:
+    """:func:`lists_to_probe` of one row, in Python floats (the same arithmetic)."""
+    nlist = max(index.nlist, 1)
+    s = max(sel, 1e-9)
+    widen = base * s**-index.config.filter_nprobe_exponent
+    fill = 2.0 * need / (index.ntotal / nlist * s)
+    return int(min(nlist, max(base, math.ceil(max(widen, fill)))))
 
 
 def lists_to_probe(
