@@ -235,7 +235,9 @@ def run_search(plan: SearchPlan, fetch: Fetch) -> Candidates:
     if plan.check is not None:
         _second_round(plan, plan.check, fetch, first, top)
     short = ~plan.exact & top.keys[:, -1].lt(0)  # results fill each row from the front
-    if bool(short.any()) and plan.lists is None:  # lists chosen by count: probe 4x as many
+    if not bool(short.any()):
+        return top
+    if plan.lists is None:  # lists chosen by count: probe 4x as many first
         rows = short.nonzero().flatten()
         sub = replace(plan.rows(rows), nprobe=plan.nprobe[rows] * WIDEN, check=None)
         top.put(rows, select(fetch(sub, rows), sub))
