@@ -58,8 +58,8 @@ def make_plan(
             target, nprobe, cfg.filter_bound_slack, cfg.recall_curve, cfg.slack_curve
         )
     if not fb.active and not exact and rows is None and fb.exclude is None:  # the common case
-        p = lists_for(index, 1.0, nprobe, r)  # Python floats: ~20x cheaper than tensor ops
-        return SearchPlan(k, r, torch.full((b,), p), torch.zeros(b, dtype=torch.bool))
+        lists = lists_for(index, 1.0, nprobe, r)  # Python floats: ~20x cheaper than tensors
+        return SearchPlan(k, r, torch.full((b,), lists), torch.zeros(b, dtype=torch.bool))
     sel = (
         estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu()
         if fb.active
