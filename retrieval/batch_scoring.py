@@ -16,6 +16,8 @@ column         type                meaning
 ``seen``       list<int64>         every item the user consumed, never recommended (any
                (optional)          order and length; raw ids like ``history`` for a model
                                    with id maps); exact (``retrieval/seen.py``)
+``user``       int64 (optional)    a model with a seen store: the user (dense index) whose
+                                   stored items are excluded too (null, ``-1``: none)
 =============  ==================  ===================================================
 
 Output: a folder of ``part-NNNNN.parquet`` files (``user_id, item_ids list<int64>,
@@ -201,17 +203,20 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
     dense = _matrix(table, "dense", cfg.dense_dim, np.float32)
     filters = _filters(table, job.filter)
     seen, seen_lengths = _seen(table, model)  # [n, S] -1 padded, [n]
+    users = _users(table)  # [n] or None
     schema = model.index.schema
     ids_out: list[np.ndarray] = []
     scores_out = []
     for s in range(0, n, job.batch_size):
         sl = slice(s, s + job.batch_size)
-        width = int(seen_lengths[sl].max(initial=0))  # this batch's longest list: R = K + H + S
+        width = int(seen_lengths[sl].max(initial=0))  # this batch's longest list
         rows = seen[sl, :width] if width else None
         try:
             batch = make_user_batch(hist[sl], cat[sl], dense[sl], schema, filters[sl], rows)
         except ValueError as e:
             raise ValueError(f"filter (rows {s}..): {e}") from None
+        if users is not None:
+            batch.user = torch.from_numpy(users[sl])
         with torch.inference_mode():
             ids, scores = model(batch, job.k)
         ids_out.append(ids.numpy())
@@ -224,6 +229,14 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
             "model_version": pa.array(np.full(n, job.version, dtype=np.int64)),
         }
     )
+
+
+def _users(table: pa.Table) -> np.ndarray | None:
+    """The ``user`` column -> ``int64 [n]`` (null: ``-1``), or None without one."""
+    if "user" not in table.column_names:
+        return None
+    col = table.column("user").combine_chunks().fill_null(-1)  # checked >= -1 at the start
+    return col.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _seen(table: pa.Table, model: Any) -> tuple[np.ndarray, np.ndarray]:

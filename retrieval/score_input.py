@@ -26,9 +26,11 @@ COLUMNS: dict[str, Callable[[pa.DataType], bool]] = {
     "categorical": lambda t: pa.types.is_list(t) and pa.types.is_integer(t.value_type),
     "dense": lambda t: pa.types.is_list(t) and pa.types.is_floating(t.value_type),
 }
-OPTIONAL = ("filter", "seen")
+OPTIONAL = ("filter", "seen", "user")
 """Columns a users file may leave out: ``filter`` string (per-user filter), ``seen``
-``list<int64>`` (every item the user consumed, never recommended; raw ids like ``history``)."""
+``list<int64>`` (every item the user consumed, never recommended; raw ids like ``history``),
+``user`` int64 (a model with a seen store: the user whose stored items are excluded; null or
+``-1``: none)."""
 ID_LISTS = ("history", "seen")
 """Columns of item id lists (raw ids for a model with id maps)."""
 EXPECTED = {
@@ -85,6 +87,8 @@ def check_input(job: ScoreJob) -> pq.ParquetFile:
         raise ScoreInputError(
             f"--users: column 'seen' is {schema.field('seen').type}, expected {want}"
         )
+    if "user" in schema.names:
+        _check_user_column(schema.field("user").type, job)
     if "filter" in schema.names and not pa.types.is_string(schema.field("filter").type):
         raise ScoreInputError(
             f"--users: column 'filter' is {schema.field('filter').type}, expected string"
@@ -95,6 +99,24 @@ def check_input(job: ScoreJob) -> pq.ParquetFile:
         raise ScoreInputError(f"--users: {job.users} has no rows")
     check_values(f, job)
     return f
+
+
+def _check_user_column(t: pa.DataType, job: ScoreJob) -> None:
+    """The ``user`` column: integers, for a model that keeps a seen store."""
+    from retrieval.artifact import CONFIG_FILE
+    from retrieval.config import ModelConfig
+
+    if not pa.types.is_integer(t):
+        raise ScoreInputError(f"--users: column 'user' is {t}, expected int64")
+    try:
+        stored = ModelConfig.load(job.model_dir / CONFIG_FILE).seen_store
+    except (OSError, ValueError, TypeError) as e:
+        raise ScoreInputError(f"model_dir: {e}") from None
+    if not stored:
+        raise ScoreInputError(
+            "--users: column 'user' names users of a seen store, and this model keeps none "
+            "(model.seen_store): give their lists in 'seen'"
+        )
 
 
 def _model_maps(job: ScoreJob) -> Any:
@@ -186,6 +208,11 @@ def _check_batch(
         nulls = batch.column(name).is_null().to_numpy(zero_copy_only=False)
         if nulls.any():
             raise refuse(name, int(np.argmax(nulls)), "is null")
+    if "user" in batch.schema.names:  # a dense user index, or -1 / null: none
+        users = batch.column("user").fill_null(-1).to_numpy(zero_copy_only=False)
+        if (users < -1).any():
+            at = int(np.argmax(users < -1))
+            raise refuse("user", at, f"{int(users[at])} is no user index (>= 0, or -1: none)")
     for name in (*id_lists, "categorical", "dense"):
         lists = batch.column(name)
         if name in ID_LISTS and maps is not None:

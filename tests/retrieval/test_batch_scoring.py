@@ -3,6 +3,7 @@ document-sharded version with remote tables answers as the unsharded one."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -379,3 +380,32 @@ def test_a_local_ray_node_that_times_out_starting_is_started_again():
         with pytest.raises(Exception, match=r"timed out during startup|some other failure"):
             _start_local_ray(ray, workers=2)
     assert ray.inits == 1  # another failure is not retried
+
+
+def test_a_user_column_reads_the_models_seen_store(setup, tmp_path):
+    """A model with a seen store: rows naming their ``user`` (null: none) answer like the model
+    given those users; the check refuses ``user`` for a model without a store, and bad values."""
+    from retrieval.seen_store import SeenStore
+
+    root, prep, model, table = setup
+    stored = copy.deepcopy(model)
+    stored.config.seen_store = True
+    stored.seen_store = SeenStore.from_sets(prep.seen)
+    save_model(stored, tmp_path / "stored")
+    users = pa.array([u if u % 3 else None for u in range(table.num_rows)], pa.int64())
+    pq.write_table(table.append_column("user", users), tmp_path / "users.parquet")
+    j = ScoreJob(tmp_path / "stored", 1, tmp_path / "users.parquet", tmp_path / "out", k=K)
+    check_input(j)
+    got = score_table(stored, pq.read_table(tmp_path / "users.parquet"), j)
+    rows = np.arange(12)
+    batch = prep.user_batch(rows)
+    batch.user = torch.tensor([u if u % 3 else -1 for u in rows.tolist()])
+    with torch.inference_mode():
+        want, _ = stored(batch, K)
+    assert [got.column("item_ids")[int(u)].as_py() for u in rows] == want.tolist()
+    with pytest.raises(ScoreInputError, match="this model keeps none"):
+        check_input(ScoreJob(root / "model", 1, tmp_path / "users.parquet", tmp_path / "o2"))
+    bad = users.fill_null(-5)
+    pq.write_table(table.append_column("user", bad), tmp_path / "bad.parquet")
+    with pytest.raises(ScoreInputError, match=r"column 'user', row 0: -5 is no user index"):
+        check_input(ScoreJob(tmp_path / "stored", 1, tmp_path / "bad.parquet", tmp_path / "o3"))
