@@ -347,10 +347,7 @@ class IVFIndex(nn.Module):
         with the exact copy when the plan re-ranks. Exact rows: the best ``k`` eligible items.
         Items a row excludes (``fb.exclude``, item ids) are skipped in either."""
         b, dev = q.shape[0], q.device
-        if self.config.metric == "cosine":  # items were normalised at build
-            q = torch.nn.functional.normalize(q, dim=1)
-        if fb.exclude is not None:  # item ids -> this index's rows, once per search
-            fb = FilterBatch(fb.masks, fb.negate, excluded_positions(self.id_order, fb.exclude))
+        q, fb = self._scored(q), self._excluding(fb)
         exact_rows = plan.exact.to(dev)
         if not bool(exact_rows.any()):  # every row probes lists: no scatter
             return self._list_candidates(q, plan, fb)
@@ -378,6 +375,16 @@ class IVFIndex(nn.Module):
             if vecs is None:
                 vecs = q.new_zeros(*pos.shape, self.dim)
         return Candidates(ids, c.approx, c.scores, vecs)
+
+    def _scored(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries as the index scores them (unit norm for "cosine": items were at build)."""
+        return torch.nn.functional.normalize(q, dim=1) if self.config.metric == "cosine" else q
+
+    def _excluding(self, fb: FilterBatch) -> FilterBatch:
+        """``fb`` with its excluded item ids mapped to this index's rows (once per search)."""
+        if fb.exclude is None:
+            return fb
+        return FilterBatch(fb.masks, fb.negate, excluded_positions(self.id_order, fb.exclude))
 
     def _list_candidates(self, q: torch.Tensor, plan: SearchPlan, fb: FilterBatch) -> Candidates:
         """Probe, scan (filter and exclusions inside the scan), and re-score the survivors
