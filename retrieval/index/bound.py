@@ -116,7 +116,9 @@ def grown(
     half = 0.5 * centroids.pow(2).sum(dim=1)
     for s in range(0, x.shape[0], 1024):
         xs = x[s : s + 1024]
-        key = half - xs @ centroids.T  # [n, nlist]: |x - c|^2 / 2 up to a per-row constant
+        ip = xs @ centroids.T  # [n, nlist]
+        # the build's rule: |x - c|^2 / 2 up to a per-row constant, or -x·c
+        key = -ip if index.config.assign == "ip" else half - ip
         scale = xs.pow(2).sum(dim=1, keepdim=True) + 2 * half.max()
         near = key <= key.min(dim=1, keepdim=True).values + 1e-5 * scale  # the nearest, and ties
         item, lst = near.nonzero(as_tuple=True)  # every list the build's assign may pick

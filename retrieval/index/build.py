@@ -56,14 +56,17 @@ def build_ivf(
         raise ValueError("attribute_values is required with item_attributes")
     index = IVFIndex(config, d, attribute_values)
     nlist = min(config.nlist, n)
+    probe = config.probe if config.probe != "auto" else ("l2" if unit_norm(x) else "ip")
+    by = probe if config.assign == "auto" else config.assign  # lists as queries probe them
     centroids = train_centroids(
         x,
         nlist,
         iters=config.kmeans_iters,
         seed=config.seed,
         max_points_per_centroid=config.kmeans_max_points_per_centroid,
+        by=by,
     )
-    lists = assign(x, centroids)
+    lists = assign(x, centroids, by)
     order = torch.argsort(lists, stable=True)
     counts = torch.bincount(lists, minlength=nlist)
     xs, ls = x[order], lists[order]
@@ -75,8 +78,8 @@ def build_ivf(
     index.item_ids = ids[order].contiguous()
     index.codes, index.scales = codes.contiguous(), scales.contiguous()
     exact_dtype = EXACT_DTYPES[index.config.exact_copy]  # "auto" resolved by the index
-    if config.probe == "auto":  # recorded, so a saved index probes as it was built
-        index.config = replace(index.config, probe="l2" if unit_norm(x) else "ip")
+    # recorded, so a saved index probes and takes new items as it was built
+    index.config = replace(index.config, probe=probe, assign=by)
     index.exact = xs.to(exact_dtype) if exact_dtype is not None else torch.zeros(0, d)
     index.sig = sig.contiguous()
     index.bit_counts = bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64)

@@ -134,7 +134,7 @@ class IVFIndex(nn.Module):
         # search settings as built (e.g. tuned nprobe); a config saved before ``metric`` and
         # ``probe`` existed scored by "ip" and probed by "ip": keep its answers (one saved before
         # ``filter_bound_slack`` gets 0, so no bound check: it searches as it did)
-        saved = {"probe": "ip", **state["config"]}
+        saved = {"probe": "ip", "assign": "l2", **state["config"]}
         self.config = IVFConfig(**saved).resolved()
         self.schema = FilterSchema(state["attribute_values"])
 

@@ -36,22 +36,26 @@ def train_centroids(
     iters: int = 20,
     seed: int = 0,
     max_points_per_centroid: int = 256,
+    by: str = "l2",
 ) -> torch.Tensor:
-    """k-means centroids of ``x [N, D]`` -> ``[nlist, D] float32`` (``nlist <= N``)."""
+    """k-means centroids of ``x [N, D]`` -> ``[nlist, D] float32`` (``nlist <= N``); each
+    iteration assigns points by ``by``: "l2" (nearest), "ip" (largest x·c, as faiss trains an
+    inner-product IVF)."""
     assert x.dim() == 2, f"x must be [N, D], got {tuple(x.shape)}"
     xn = np.ascontiguousarray(x.detach().cpu().float().numpy())
     _explain_small(len(xn), nlist)
-    km = faiss.Kmeans(
-        xn.shape[1],
-        nlist,
-        niter=iters,
-        seed=seed,
-        max_points_per_centroid=max_points_per_centroid,
-        min_points_per_centroid=1,  # faiss's own warning, said once by _explain_small instead
-        verbose=False,
-    )
-    km.train(xn)
-    return torch.from_numpy(np.ascontiguousarray(km.centroids)).float()
+    cp = faiss.ClusteringParameters()
+    cp.niter, cp.seed, cp.verbose = iters, seed, False
+    cp.max_points_per_centroid = max_points_per_centroid
+    cp.min_points_per_centroid = 1  # faiss's own warning, said once by _explain_small instead
+    clustering = faiss.Clustering(xn.shape[1], nlist, cp)
+    clustering.train(xn, _flat(xn.shape[1], by))
+    centroids = faiss.vector_to_array(clustering.centroids).reshape(nlist, xn.shape[1])
+    return torch.from_numpy(np.ascontiguousarray(centroids)).float()
+
+
+def _flat(d: int, by: str) -> faiss.Index:
+    return faiss.IndexFlatIP(d) if by == "ip" else faiss.IndexFlatL2(d)
 
 
 def _explain_small(n: int, nlist: int) -> None:
@@ -67,9 +71,10 @@ def _explain_small(n: int, nlist: int) -> None:
     )  # fmt: skip
 
 
-def assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Nearest centroid (L2) of every row: ``x [N, D]`` -> ``[N] int64``."""
-    quantizer = faiss.IndexFlatL2(centroids.shape[1])
+def assign(x: torch.Tensor, centroids: torch.Tensor, by: str = "l2") -> torch.Tensor:
+    """The list of every row by ``by`` ("l2": nearest centroid, "ip": largest x·c):
+    ``x [N, D]`` -> ``[N] int64``."""
+    quantizer = _flat(centroids.shape[1], by)
     quantizer.add(np.ascontiguousarray(centroids.cpu().float().numpy()))
     _, nearest = quantizer.search(np.ascontiguousarray(x.detach().cpu().float().numpy()), 1)
     return torch.from_numpy(nearest[:, 0]).long()

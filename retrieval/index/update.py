@@ -155,7 +155,7 @@ def add_items(
     ``[n, W] int64``; tensors or NumPy arrays) added; an id already in the index is replaced
     (its old row removed).
 
-    Each item joins the list of its nearest centroid (L2, as the build assigns), after that
+    Each item joins the list the build's rule gives it (``IVFConfig.assign``), after that
     list's existing items; its residual to the centroid is quantized like the build's codes
     (an index of metric "cosine" normalises the vectors first, as its build did).
     """
@@ -174,7 +174,8 @@ def add_items(
     if index.config.metric == "cosine":
         x = torch.nn.functional.normalize(x, dim=1)
     centroids = index.centroids.cpu()
-    lists_new = assign(x, centroids)  # [n]
+    by = index.config.assign if index.config.assign != "auto" else "l2"
+    lists_new = assign(x, centroids, by)  # [n]: the build's rule
     codes_new, scales_new = quantize(x - centroids[lists_new], index.config.codes)
     keep = positions_of(index, ids)
     kept = torch.ones(index.ntotal, dtype=torch.bool)

@@ -187,6 +187,8 @@ class IndexSection(Config):
     probe: Literal["auto", "l2", "ip"] = "auto"
     """How a query ranks lists: "l2" (nearest centroid, as items are assigned), "ip" (largest
     q·c), "auto": "l2" when the item vectors are unit-norm, else "ip"."""
+    assign: Literal["auto", "l2", "ip"] = "auto"
+    """How k-means clusters and items join lists: "l2", "ip", or "auto": the probe's rule."""
     kmeans_iters: PositiveInt = 10
     """k-means iterations of the build."""
     kmeans_max_points_per_centroid: PositiveInt = 256

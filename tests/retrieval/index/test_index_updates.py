@@ -109,7 +109,7 @@ def test_remove_then_re_add_restores_the_built_index(built):
     assert (ids0 == ids1).float().mean() > 0.98  # equal scores may swap places
 
 
-def test_new_items_join_their_nearest_list_and_are_found(built):
+def test_new_items_join_the_list_the_build_rule_gives_and_are_found(built):
     index, _, _ = built
     new = torch.nn.functional.normalize(
         torch.randn(40, D, generator=torch.Generator().manual_seed(5))
@@ -122,7 +122,7 @@ def test_new_items_join_their_nearest_list_and_are_found(built):
     assert bigger.ntotal == N + 40
     pos = positions_of(bigger, ids)
     lists = torch.searchsorted(bigger.offsets, pos, right=True) - 1
-    assert torch.equal(lists, assign(new, index.centroids))
+    assert torch.equal(lists, assign(new, index.centroids, index.config.assign))  # the build's rule
     # every new item is its own query's best match (exactly, and through the lists)
     top, _ = bigger.search(new, 1, nprobe=bigger.nlist)
     assert torch.equal(top[:, 0], ids)
