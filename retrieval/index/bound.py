@@ -144,7 +144,7 @@ def measure_slack(
     slack in ``[0, 1]`` per quantile; a quantile ``>= 1`` -> 1.0 (the proof)."""
     if index.nlist < 2:
         return [1.0 for _ in quantiles]
-    q = _as_scored(index, queries.float().cpu())
+    q = as_scored(index, queries.float().cpu())
     centroids, radius, offsets = index.centroids.cpu(), index.list_radius.cpu(), index.offsets.cpu()
     near = topk_rows(_probe_key(index, q @ centroids.T), min(lists + 1, index.nlist))[1][:, 1:]
     share = []
@@ -167,7 +167,7 @@ def measure_slack(
     ]
 
 
-def _as_scored(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
+def as_scored(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
     """Queries as the index scores them (unit norm for "cosine")."""
     return torch.nn.functional.normalize(q, dim=1) if index.config.metric == "cosine" else q
 
@@ -201,7 +201,7 @@ def with_bounds(
         return plan
     dev, b, nlist = index.centroids.device, q.shape[0], index.nlist
     rows = (~plan.exact.cpu()).nonzero().flatten()  # every row that probes gets its lists here
-    qr = _as_scored(index, q[rows.to(q.device)].float())
+    qr = as_scored(index, q[rows.to(q.device)].float())
     ip = qr @ index.centroids.T  # [b, nlist]
     sizes = index.offsets.diff()
     reach = torch.ones_like(ip, dtype=torch.bool)  # [b, nlist]: may hold an admitted item

@@ -41,36 +41,26 @@ class IdOrder:
         sorted_ids, rows = item_ids.sort()
         return cls(sorted_ids, rows)
 
-    def positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids [...] int64`` -> same shape, ``-1`` where an id is not in the index."""
+    def positions(self, ids: torch.Tensor, missing: int = -1) -> torch.Tensor:
+        """Rows of ``ids [...] int64`` -> same shape, ``missing`` where an id is not in the
+        index. On CPU in NumPy: a request's few ids cost ~5x less than in torch ops."""
         n = self.sorted_ids.numel()
         if n == 0:
-            return torch.full_like(ids, -1)
+            return torch.full_like(ids, missing)
         ids = ids.to(self.sorted_ids.device)
+        if ids.device.type == "cpu":
+            s, x = self.sorted_ids.numpy(), ids.numpy()
+            i = np.searchsorted(s, x).clip(max=n - 1)
+            return torch.from_numpy(np.where(s[i] == x, self.rows.numpy()[i], missing))
         at = torch.searchsorted(self.sorted_ids, ids.contiguous()).clamp(max=n - 1)
         found = self.sorted_ids[at] == ids
-        return torch.where(found, self.rows[at], torch.full_like(ids, -1))
+        return torch.where(found, self.rows[at], torch.full_like(ids, missing))
 
 
 def excluded_positions(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:
     """Item ids ``exclude [B, S]`` (``-1`` pads; ids the index does not hold are ignored) ->
     the rows they sit in, ``[B, S] int64`` ascending per row, :data:`PAD` padded at the end."""
-    if exclude.device.type == "cpu" and order.sorted_ids.device.type == "cpu":
-        return _excluded_positions_np(order, exclude)  # a request's few ids: NumPy is ~5x quicker
-    pos = order.positions(exclude)
-    return pos.masked_fill(pos < 0, PAD).sort(dim=1).values
-
-
-def _excluded_positions_np(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:
-    """:func:`excluded_positions` in NumPy (CPU tensors; the same result)."""
-    ids = exclude.numpy()
-    sorted_ids, rows = order.sorted_ids.numpy(), order.rows.numpy()
-    if sorted_ids.size == 0:
-        return torch.full(exclude.shape, PAD, dtype=torch.int64)
-    at = np.searchsorted(sorted_ids, ids).clip(max=sorted_ids.size - 1)
-    pos = np.where(sorted_ids[at] == ids, rows[at], PAD)
-    pos.sort(axis=1)
-    return torch.from_numpy(pos)
+    return order.positions(exclude, missing=PAD).sort(dim=1).values
 
 
 def is_excluded(pos: torch.Tensor, excl: torch.Tensor) -> torch.Tensor:

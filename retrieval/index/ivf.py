@@ -35,6 +35,7 @@ from retrieval.filters import (
     FilterBatch,
     FilterSchema,
 )
+from retrieval.index.bound import as_scored
 from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
@@ -347,7 +348,7 @@ class IVFIndex(nn.Module):
         with the exact copy when the plan re-ranks. Exact rows: the best ``k`` eligible items.
         Items a row excludes (``fb.exclude``, item ids) are skipped in either."""
         b, dev = q.shape[0], q.device
-        q, fb = self._scored(q), self._excluding(fb)
+        q, fb = as_scored(self, q), self._excluding(fb)
         exact_rows = plan.exact.to(dev)
         if not bool(exact_rows.any()):  # every row probes lists: no scatter
             return self._list_candidates(q, plan, fb)
@@ -376,12 +377,8 @@ class IVFIndex(nn.Module):
                 vecs = q.new_zeros(*pos.shape, self.dim)
         return Candidates(ids, c.approx, c.scores, vecs)
 
-    def _scored(self, q: torch.Tensor) -> torch.Tensor:
-        """Queries as the index scores them (unit norm for "cosine": items were at build)."""
-        return torch.nn.functional.normalize(q, dim=1) if self.config.metric == "cosine" else q
-
     def _excluding(self, fb: FilterBatch) -> FilterBatch:
-        """``fb`` with its excluded item ids mapped to this index's rows (once per search)."""
+        """``fb`` with its excluded item ids mapped to this index's rows (once per fetch)."""
         if fb.exclude is None:
             return fb
         return FilterBatch(fb.masks, fb.negate, excluded_positions(self.id_order, fb.exclude))

@@ -57,24 +57,18 @@ def make_plan(
         rows = row_settings(
             target, nprobe, cfg.filter_bound_slack, cfg.recall_curve, cfg.slack_curve
         )
-    if not fb.active and not exact and rows is None:  # the common case, in Python floats
-        if fb.exclude is None:  # (~20x cheaper than tensor arithmetic for one request)
-            lists = torch.full((b,), lists_for(index, 1.0, nprobe, r))
-        else:  # room for each row's excluded items too
-            counts = fb.exclude.ge(0).sum(dim=1).tolist()
-            by_count = {c: lists_for(index, 1.0, nprobe, r + c) for c in set(counts)}
-            lists = torch.tensor([by_count[c] for c in counts], dtype=torch.int64)
-        return SearchPlan(k, r, lists, torch.zeros(b, dtype=torch.bool))
     sel = (
         estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu()
         if fb.active
         else torch.ones(b)
     )  # [B]
-    base = rows.nprobe if rows is not None else torch.full((b,), nprobe, dtype=torch.int64)
-    need = torch.full((b,), r, dtype=torch.int64)
-    if fb.exclude is not None:
-        need = need + fb.exclude.ge(0).sum(dim=1).cpu()
-    p = lists_to_probe(index, sel, base, need)
+    base = rows.nprobe.tolist() if rows is not None else [nprobe] * b
+    excluded = fb.exclude.ge(0).sum(dim=1).tolist() if fb.exclude is not None else [0] * b
+    keys = list(zip(sel.tolist(), base, excluded, strict=True))  # few distinct: one each
+    lists = {key: lists_for(index, key[0], key[1], r + key[2]) for key in set(keys)}
+    p = torch.tensor([lists[key] for key in keys], dtype=torch.int64)
+    if not fb.active and not exact and rows is None:  # the common case
+        return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
     per_list = index.ntotal / max(index.nlist, 1)
     scan_exact = sel.double() * index.ntotal * cfg.exact_cost <= p.double() * per_list
     scan_exact = scan_exact if fb.active else torch.zeros(b, dtype=torch.bool)
@@ -89,22 +83,11 @@ def make_plan(
 
 
 def lists_for(index: PlannedIndex, sel: float, base: int, need: int) -> int:
-    """:func:`lists_to_probe` of one row, in Python floats (the same arithmetic)."""
+    """Lists for a row admitting ``sel`` of the items, probing ``base`` at least: widened as
+    ``sel ** -exponent``, and enough to hold ``2 need`` eligible items. Python floats: a batch
+    has few distinct rows, and tensor arithmetic costs ~20x more for one request."""
     nlist = max(index.nlist, 1)
     s = max(sel, 1e-9)
     widen = base * s**-index.config.filter_nprobe_exponent
     fill = 2.0 * need / (index.ntotal / nlist * s)
     return int(min(nlist, max(base, math.ceil(max(widen, fill)))))
-
-
-def lists_to_probe(
-    index: PlannedIndex, sel: torch.Tensor, base: torch.Tensor, need: torch.Tensor
-) -> torch.Tensor:
-    """``[B] int64`` lists for rows admitting ``sel [B]`` of the items, probing ``base [B]`` at
-    least: widened as ``sel ** -exponent``, and enough to hold ``2 need [B]`` eligible items."""
-    nlist = max(index.nlist, 1)
-    s = sel.double().clamp(min=1e-9)
-    widen = base.double() * s**-index.config.filter_nprobe_exponent
-    fill = 2.0 * need.double() / (index.ntotal / nlist * s)
-    lists = torch.maximum(base.double(), torch.ceil(torch.maximum(widen, fill)))
-    return lists.clamp(max=nlist).long()

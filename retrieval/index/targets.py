@@ -77,7 +77,7 @@ def row_settings(
             slacks.append(slack)
             exact.append(False)
             continue
-        p = next((int(n) for n, rec in recall_curve if rec >= x), None)
+        p = _first_reaching(recall_curve, x)
         s = next((float(v) for q, v in slack_curve if q >= x), 1.0)
         probes.append(p or (int(recall_curve[-1][0]) if recall_curve else nprobe))
         slacks.append(s)
@@ -91,4 +91,9 @@ def row_settings(
 
 def curve_nprobe(recall_curve: Sequence[Sequence[float]], target: float, nlist: int) -> int:
     """The fewest lists whose measured recall reaches ``target`` (``nlist`` if none does)."""
-    return next((int(n) for n, rec in recall_curve if rec >= target), nlist)
+    p = _first_reaching(recall_curve, target)
+    return nlist if p is None else p
+
+
+def _first_reaching(recall_curve: Sequence[Sequence[float]], target: float) -> int | None:
+    return next((int(n) for n, rec in recall_curve if rec >= target), None)
