@@ -335,6 +335,57 @@ class RemoteTables(RowStore):
                 raise self._failed(address, e) from None
         return out
 
+    def _keyed_servers(self, table: str, rpc: str) -> tuple[str, ...]:
+        spec = self._spec(table)
+        if spec.partition != "keyed":
+            raise ValueError(f"table {table!r} is ranged; {rpc} takes keyed tables only")
+        return tuple(spec.servers)
+
+    def keys(self, table: str, timeout: float | None = None) -> torch.Tensor:
+        """``int64 [k]``: every key a keyed table stores, over all its servers."""
+        deadline = self.timeout if timeout is None else timeout
+        parts = [np.zeros(0, np.int64)]
+        for address in self._keyed_servers(table, "keys"):
+            req = pb.KeysRequest(table=table, version=self.version)
+            try:
+                for chunk in self._stubs[address].Keys(req, timeout=deadline):
+                    parts.append(np.frombuffer(chunk.ids, "<i8").astype(np.int64))
+            except grpc.RpcError as e:
+                raise self._failed(address, e) from None
+        return torch.from_numpy(np.concatenate(parts))
+
+    def marks(self, table: str, timeout: float | None = None) -> dict[str, int]:
+        """``{server address: log bytes}`` of a keyed table now: where :meth:`rewind` returns."""
+        servers = self._keyed_servers(table, "marks")
+        out = {}
+        for address, info in self.info(timeout).items():
+            if address not in servers:
+                continue
+            held = [t for t in info.tables if t.name == table and t.partition == "keyed"]
+            if not held:
+                raise ValueError(f"server {address} holds no keyed table {table!r}")
+            out[address] = held[-1].log_bytes  # the newest version's
+        return out
+
+    def rewind(self, table: str, marks: Mapping[str, int], timeout: float | None = None) -> int:
+        """Cuts every server's log of ``table`` back to ``marks`` (from :meth:`marks`): the
+        rows put since are forgotten. -> keys stored after, over all servers."""
+        servers = self._keyed_servers(table, "rewind")
+        if set(marks) != set(servers):
+            raise ValueError(
+                f"table {table!r}: marks name servers {sorted(marks)}, the table is on "
+                f"{sorted(servers)} (a checkpoint from another set of embedding servers)"
+            )
+        deadline = self.timeout if timeout is None else timeout
+        kept = 0
+        for address in servers:
+            req = pb.RewindRequest(table=table, log_bytes=marks[address], version=self.version)
+            try:
+                kept += self._stubs[address].Rewind(req, timeout=deadline).keys
+            except grpc.RpcError as e:
+                raise self._failed(address, e) from None
+        return kept
+
     def stats(self) -> dict[str, dict[str, int]]:
         """This client's counters by server: requests, ids, failures, zero_filled_ids."""
         with self._stats_lock:

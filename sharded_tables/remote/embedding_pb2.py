@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%sharded_tables/remote/embedding.proto\x12\x15recserve.embedding.v1\"&\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"Q\n\rLookupRequest\x12/\n\x06tables\x18\x01 \x03(\x0b\x32\x1f.recserve.embedding.v1.TableIds\x12\x0f\n\x07version\x18\x02 \x01(\x03\"S\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x0c\n\x04rows\x18\x04 \x01(\x0c\x12\r\n\x05\x66ound\x18\x05 \x01(\x0c\"B\n\x0eLookupResponse\x12\x30\n\x06tables\x18\x01 \x03(\x0b\x32 .recserve.embedding.v1.TableRows\"G\n\nPutRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x03\"\r\n\x0bInfoRequest\"\xaa\x01\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x11\n\tpartition\x18\x04 \x01(\t\x12\x0e\n\x06row_lo\x18\x05 \x01(\x03\x12\x0e\n\x06row_hi\x18\x06 \x01(\x03\x12\x0c\n\x04keys\x18\x07 \x01(\x03\x12\r\n\x05\x62ytes\x18\x08 \x01(\x03\x12\x12\n\nids_served\x18\t \x01(\x03\x12\x0f\n\x07version\x18\n \x01(\x03\"\xdb\x01\n\x0cInfoResponse\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x30\n\x06tables\x18\x02 \x03(\x0b\x32 .recserve.embedding.v1.TableInfo\x12\x15\n\rmemory_budget\x18\x03 \x01(\x03\x12\x12\n\nbytes_used\x18\x04 \x01(\x03\x12\x10\n\x08requests\x18\x05 \x01(\x03\x12\x12\n\nids_served\x18\x06 \x01(\x03\x12\x0c\n\x04puts\x18\x07 \x01(\x03\x12\x10\n\x08versions\x18\x08 \x03(\x03\x12\x18\n\x10versions_refused\x18\t \x01(\x03\x32\x88\x02\n\x10\x45mbeddingService\x12U\n\x06Lookup\x12$.recserve.embedding.v1.LookupRequest\x1a%.recserve.embedding.v1.LookupResponse\x12L\n\x03Put\x12!.recserve.embedding.v1.PutRequest\x1a\".recserve.embedding.v1.PutResponse\x12O\n\x04Info\x12\".recserve.embedding.v1.InfoRequest\x1a#.recserve.embedding.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%sharded_tables/remote/embedding.proto\x12\x15recserve.embedding.v1\"&\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"Q\n\rLookupRequest\x12/\n\x06tables\x18\x01 \x03(\x0b\x32\x1f.recserve.embedding.v1.TableIds\x12\x0f\n\x07version\x18\x02 \x01(\x03\"S\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x0c\n\x04rows\x18\x04 \x01(\x0c\x12\r\n\x05\x66ound\x18\x05 \x01(\x0c\"B\n\x0eLookupResponse\x12\x30\n\x06tables\x18\x01 \x03(\x0b\x32 .recserve.embedding.v1.TableRows\"G\n\nPutRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x03\"\r\n\x0bInfoRequest\"\xbd\x01\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x11\n\tpartition\x18\x04 \x01(\t\x12\x0e\n\x06row_lo\x18\x05 \x01(\x03\x12\x0e\n\x06row_hi\x18\x06 \x01(\x03\x12\x0c\n\x04keys\x18\x07 \x01(\x03\x12\r\n\x05\x62ytes\x18\x08 \x01(\x03\x12\x12\n\nids_served\x18\t \x01(\x03\x12\x0f\n\x07version\x18\n \x01(\x03\x12\x11\n\tlog_bytes\x18\x0b \x01(\x03\"\xdb\x01\n\x0cInfoResponse\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x30\n\x06tables\x18\x02 \x03(\x0b\x32 .recserve.embedding.v1.TableInfo\x12\x15\n\rmemory_budget\x18\x03 \x01(\x03\x12\x12\n\nbytes_used\x18\x04 \x01(\x03\x12\x10\n\x08requests\x18\x05 \x01(\x03\x12\x12\n\nids_served\x18\x06 \x01(\x03\x12\x0c\n\x04puts\x18\x07 \x01(\x03\x12\x10\n\x08versions\x18\x08 \x03(\x03\x12\x18\n\x10versions_refused\x18\t \x01(\x03\"-\n\x0bKeysRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x18\n\tKeysChunk\x12\x0b\n\x03ids\x18\x01 \x01(\x0c\"B\n\rRewindRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x11\n\tlog_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\"\x1e\n\x0eRewindResponse\x12\x0c\n\x04keys\x18\x01 \x01(\x03\x32\xaf\x03\n\x10\x45mbeddingService\x12U\n\x06Lookup\x12$.recserve.embedding.v1.LookupRequest\x1a%.recserve.embedding.v1.LookupResponse\x12L\n\x03Put\x12!.recserve.embedding.v1.PutRequest\x1a\".recserve.embedding.v1.PutResponse\x12O\n\x04Info\x12\".recserve.embedding.v1.InfoRequest\x1a#.recserve.embedding.v1.InfoResponse\x12N\n\x04Keys\x12\".recserve.embedding.v1.KeysRequest\x1a .recserve.embedding.v1.KeysChunk0\x01\x12U\n\x06Rewind\x12$.recserve.embedding.v1.RewindRequest\x1a%.recserve.embedding.v1.RewindResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,9 +48,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=444
   _globals['_INFOREQUEST']._serialized_end=457
   _globals['_TABLEINFO']._serialized_start=460
-  _globals['_TABLEINFO']._serialized_end=630
-  _globals['_INFORESPONSE']._serialized_start=633
-  _globals['_INFORESPONSE']._serialized_end=852
-  _globals['_EMBEDDINGSERVICE']._serialized_start=855
-  _globals['_EMBEDDINGSERVICE']._serialized_end=1119
+  _globals['_TABLEINFO']._serialized_end=649
+  _globals['_INFORESPONSE']._serialized_start=652
+  _globals['_INFORESPONSE']._serialized_end=871
+  _globals['_KEYSREQUEST']._serialized_start=873
+  _globals['_KEYSREQUEST']._serialized_end=918
+  _globals['_KEYSCHUNK']._serialized_start=920
+  _globals['_KEYSCHUNK']._serialized_end=944
+  _globals['_REWINDREQUEST']._serialized_start=946
+  _globals['_REWINDREQUEST']._serialized_end=1012
+  _globals['_REWINDRESPONSE']._serialized_start=1014
+  _globals['_REWINDRESPONSE']._serialized_end=1044
+  _globals['_EMBEDDINGSERVICE']._serialized_start=1047
+  _globals['_EMBEDDINGSERVICE']._serialized_end=1478
 # @@protoc_insertion_point(module_scope)

@@ -67,7 +67,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "dtype", "dim", "partition", "row_lo", "row_hi", "keys", "bytes", "ids_served", "version")
+    __slots__ = ("name", "dtype", "dim", "partition", "row_lo", "row_hi", "keys", "bytes", "ids_served", "version", "log_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class TableInfo(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     IDS_SERVED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     dim: int
@@ -88,7 +89,8 @@ class TableInfo(_message.Message):
     bytes: int
     ids_served: int
     version: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., partition: _Optional[str] = ..., row_lo: _Optional[int] = ..., row_hi: _Optional[int] = ..., keys: _Optional[int] = ..., bytes: _Optional[int] = ..., ids_served: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    log_bytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., partition: _Optional[str] = ..., row_lo: _Optional[int] = ..., row_hi: _Optional[int] = ..., keys: _Optional[int] = ..., bytes: _Optional[int] = ..., ids_served: _Optional[int] = ..., version: _Optional[int] = ..., log_bytes: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("server", "tables", "memory_budget", "bytes_used", "requests", "ids_served", "puts", "versions", "versions_refused")
@@ -111,3 +113,33 @@ class InfoResponse(_message.Message):
     versions: _containers.RepeatedScalarFieldContainer[int]
     versions_refused: int
     def __init__(self, server: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., memory_budget: _Optional[int] = ..., bytes_used: _Optional[int] = ..., requests: _Optional[int] = ..., ids_served: _Optional[int] = ..., puts: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., versions_refused: _Optional[int] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("table", "version")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    version: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class KeysChunk(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    def __init__(self, ids: _Optional[bytes] = ...) -> None: ...
+
+class RewindRequest(_message.Message):
+    __slots__ = ("table", "log_bytes", "version")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    log_bytes: int
+    version: int
+    def __init__(self, table: _Optional[str] = ..., log_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class RewindResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: int
+    def __init__(self, keys: _Optional[int] = ...) -> None: ...

@@ -51,6 +51,16 @@ class EmbeddingServiceStub:
                 request_serializer=sharded__tables_dot_remote_dot_embedding__pb2.InfoRequest.SerializeToString,
                 response_deserializer=sharded__tables_dot_remote_dot_embedding__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Keys = channel.unary_stream(
+                '/recserve.embedding.v1.EmbeddingService/Keys',
+                request_serializer=sharded__tables_dot_remote_dot_embedding__pb2.KeysRequest.SerializeToString,
+                response_deserializer=sharded__tables_dot_remote_dot_embedding__pb2.KeysChunk.FromString,
+                _registered_method=True)
+        self.Rewind = channel.unary_unary(
+                '/recserve.embedding.v1.EmbeddingService/Rewind',
+                request_serializer=sharded__tables_dot_remote_dot_embedding__pb2.RewindRequest.SerializeToString,
+                response_deserializer=sharded__tables_dot_remote_dot_embedding__pb2.RewindResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServiceServicer:
@@ -77,6 +87,22 @@ class EmbeddingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Keys(self, request, context):
+        """Every key a keyed table stores, in chunks (publishing a trained hashed table reads them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rewind(self, request, context):
+        """Cuts a keyed table's log back to a mark (TableInfo.log_bytes taken earlier) and reloads the
+        table from it: the puts after the mark are forgotten. A trainer resuming from a checkpoint
+        rewinds its tables to the marks the checkpoint recorded, so they hold what they held then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +120,16 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=sharded__tables_dot_remote_dot_embedding__pb2.InfoRequest.FromString,
                     response_serializer=sharded__tables_dot_remote_dot_embedding__pb2.InfoResponse.SerializeToString,
+            ),
+            'Keys': grpc.unary_stream_rpc_method_handler(
+                    servicer.Keys,
+                    request_deserializer=sharded__tables_dot_remote_dot_embedding__pb2.KeysRequest.FromString,
+                    response_serializer=sharded__tables_dot_remote_dot_embedding__pb2.KeysChunk.SerializeToString,
+            ),
+            'Rewind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rewind,
+                    request_deserializer=sharded__tables_dot_remote_dot_embedding__pb2.RewindRequest.FromString,
+                    response_serializer=sharded__tables_dot_remote_dot_embedding__pb2.RewindResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +213,60 @@ class EmbeddingService:
             '/recserve.embedding.v1.EmbeddingService/Info',
             sharded__tables_dot_remote_dot_embedding__pb2.InfoRequest.SerializeToString,
             sharded__tables_dot_remote_dot_embedding__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Keys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/recserve.embedding.v1.EmbeddingService/Keys',
+            sharded__tables_dot_remote_dot_embedding__pb2.KeysRequest.SerializeToString,
+            sharded__tables_dot_remote_dot_embedding__pb2.KeysChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rewind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recserve.embedding.v1.EmbeddingService/Rewind',
+            sharded__tables_dot_remote_dot_embedding__pb2.RewindRequest.SerializeToString,
+            sharded__tables_dot_remote_dot_embedding__pb2.RewindResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
 
@@ -74,6 +74,8 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
 ]
+KEYS_CHUNK = 1 << 20
+"""Keys per ``KeysChunk`` (8 MiB)."""
 
 
 VERSIONS_REFUSED = Counter(
@@ -143,12 +145,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
 
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         try:
-            table = self._table(request.table, request.version)
-            if not isinstance(table, KeyedTable):
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"table {request.table!r} is ranged; Put takes keyed tables only",
-                )
+            table = self._keyed(request.table, request.version, "Put")
             ids = wire_ids(request.ids, request.table)
             if len(request.rows) != len(ids) * table.rb:
                 raise RequestError(
@@ -192,8 +189,42 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
                     info.partition, info.row_lo, info.row_hi = "range", t.lo, t.hi
                 else:
                     info.partition, info.keys = "keyed", t.nbytes() // t.rb
+                    info.log_bytes = t.log_bytes
                 out.tables.append(info)
         return out
+
+    def _keyed(self, name: str, version: int, rpc: str) -> KeyedTable:
+        table = self._table(name, version)
+        if not isinstance(table, KeyedTable):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"table {name!r} is ranged; {rpc} takes keyed tables only",
+            )
+        return table
+
+    def Keys(
+        self, request: pb.KeysRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.KeysChunk]:
+        try:
+            keys = self._keyed(request.table, request.version, "Keys").keys()
+        except RequestError as e:
+            context.abort(e.code, str(e))
+        for lo in range(0, len(keys), KEYS_CHUNK):
+            yield pb.KeysChunk(ids=keys[lo : lo + KEYS_CHUNK].astype("<i8").tobytes())
+
+    def Rewind(self, request: pb.RewindRequest, context: grpc.ServicerContext) -> pb.RewindResponse:
+        try:
+            table = self._keyed(request.table, request.version, "Rewind")
+            with self._put_lock:  # no put lands between the cut and the reload
+                try:
+                    kept = table.rewind(request.log_bytes)
+                except ValueError as e:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except RequestError as e:
+            context.abort(e.code, str(e))
+        log.info("embed-server %s: table %r rewound to byte %d (%d keys)",
+                 self.name, request.table, request.log_bytes, kept)  # fmt: skip
+        return pb.RewindResponse(keys=kept)
 
     def bytes_used(self) -> int:
         """Bytes of rows of every held version."""

@@ -144,7 +144,11 @@ def replay_log(path: Path, rb: int) -> tuple[np.ndarray, np.ndarray, int]:
     Later records win over earlier ones. A torn or corrupt last record is ignored; a corrupt
     record followed by more data raises ``ValueError`` naming the file and offset.
     """
-    data = path.read_bytes() if path.exists() else b""
+    return replay_records(path.read_bytes() if path.exists() else b"", rb, str(path))
+
+
+def replay_records(data: bytes, rb: int, source: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`replay_log` on the log's bytes ``data`` (``source`` names them in errors)."""
     keys: list[np.ndarray] = []
     rows: list[np.ndarray] = []
     off = 0
@@ -154,11 +158,13 @@ def replay_log(path: Path, rb: int) -> tuple[np.ndarray, np.ndarray, int]:
         payload = data[off + _HEADER.size : end]
         if end > len(data) or zlib.crc32(payload) != crc:
             if end < len(data):
-                raise ValueError(f"{path}: corrupt record at byte {off} (crc or length)")
+                raise ValueError(f"{source}: corrupt record at byte {off} (crc or length)")
             break
         (n,) = _COUNT.unpack_from(payload)
         if size != _COUNT.size + n * (8 + rb):
-            raise ValueError(f"{path}: record at byte {off} has {size} bytes, not {n} rows of {rb}")
+            raise ValueError(
+                f"{source}: record at byte {off} has {size} bytes, not {n} rows of {rb}"
+            )
         keys.append(np.frombuffer(payload, "<i8", n, _COUNT.size))
         rows.append(np.frombuffer(payload, np.uint8, n * rb, _COUNT.size + 8 * n).reshape(n, rb))
         off = end
@@ -181,15 +187,29 @@ class KeyLog:
     def __init__(self, path: Path, valid_bytes: int):
         self.path = path
         self._f = open(path, "ab")  # noqa: SIM115 (held open for the server's lifetime)
-        if self._f.tell() != valid_bytes:  # cut off a torn tail before appending after it
-            self._f.truncate(valid_bytes)
-            self._f.seek(valid_bytes)
-            os.fsync(self._f.fileno())
+        self.size = self._f.tell()
+        """Bytes of whole records (a mark :meth:`cut` can return to)."""
+        if self.size != valid_bytes:  # cut off a torn tail before appending after it
+            self.cut(valid_bytes)
 
     def append(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        self._f.write(encode_record(ids, rows))
+        record = encode_record(ids, rows)
+        self._f.write(record)
         self._f.flush()
         os.fsync(self._f.fileno())
+        self.size += len(record)
+
+    def read(self, nbytes: int) -> bytes:
+        """The log's first ``nbytes`` bytes."""
+        with open(self.path, "rb") as f:
+            return f.read(nbytes)
+
+    def cut(self, nbytes: int) -> None:
+        """Truncates the log to its first ``nbytes`` bytes, durably."""
+        self._f.truncate(nbytes)
+        self._f.seek(nbytes)
+        os.fsync(self._f.fileno())
+        self.size = nbytes
 
     def close(self) -> None:
         self._f.close()

@@ -21,6 +21,7 @@ from sharded_tables.remote.server_files import (
     read_manifest,
     read_table,
     replay_log,
+    replay_records,
     select_tables,
 )
 from sharded_tables.specs import DType, row_bytes
@@ -89,6 +90,9 @@ class KeyedTable:
         self.log = log
         self.served = 0
         self._lock = threading.Lock()
+        self._load(keys, rows)
+
+    def _load(self, keys: np.ndarray, rows: np.ndarray) -> None:
         self._slot: dict[int, int] = dict(zip(keys.tolist(), range(len(keys)), strict=True))
         self._rows = np.zeros((max(1024, len(keys)), self.rb), np.uint8)
         self._rows[: len(keys)] = rows
@@ -121,6 +125,36 @@ class KeyedTable:
                 grown[: len(self._rows)] = self._rows
                 self._rows = grown
             self._rows[slots] = rows
+
+    def keys(self) -> np.ndarray:
+        """``int64 [k]``: every stored key (in the order they were first stored)."""
+        with self._lock:
+            return np.fromiter(self._slot, np.int64, len(self._slot))
+
+    @property
+    def log_bytes(self) -> int:
+        """Bytes of whole records in the put log: a mark :meth:`rewind` returns to."""
+        return self.log.size
+
+    def rewind(self, log_bytes: int) -> int:
+        """Forgets the puts after the mark ``log_bytes`` (the log is cut there, durably, and the
+        table reloaded from it) -> keys stored. Raises ``ValueError`` for a mark past the log's
+        end or inside a record."""
+        with self._lock:
+            if not 0 <= log_bytes <= self.log.size:
+                raise ValueError(
+                    f"table {self.name!r}: mark {log_bytes} is outside the log's "
+                    f"{self.log.size} bytes"
+                )
+            keys, rows, whole = replay_records(self.log.read(log_bytes), self.rb, self.name)
+            if whole != log_bytes:
+                raise ValueError(
+                    f"table {self.name!r}: mark {log_bytes} is inside a record (the records "
+                    f"before it end at byte {whole}): pass a log_bytes that Info reported"
+                )
+            self.log.cut(log_bytes)
+            self._load(keys, rows)
+            return len(keys)
 
     def nbytes(self) -> int:
         return len(self._slot) * self.rb

@@ -1,0 +1,313 @@
+"""Training hashed (unbounded-id) tables larger than the process: a working table of the hottest
+ids, and the rest, **with their optimizer state**, on the embedding servers.
+
+:class:`HashedTrainingTables` wraps :class:`~sharded_tables.trainable.TrainableTables` (fbgemm's
+fused-optimizer kernel). Each hashed table there has ``capacity`` working rows; an
+:class:`~sharded_tables.id_transformer.IdTransformer` maps raw 64-bit ids onto them before every
+lookup, as the Tencent / TorchRec dynamic-embedding designs do:
+
+* an id the working table must give up (policy eviction) is written to the store first: its
+  row and its optimizer state as one FP32 row ``[D + S]`` (``S``: 1 for row-wise Adagrad, ``D``
+  for Adagrad, 0 for SGD), acknowledged durable by the servers;
+* an admitted id reads its row back (found: row and state restored exactly) or starts fresh
+  (:func:`~sharded_tables.dynamic_table.hashed_uniform` of ``init_std``, a pure function of the
+  id, and zero state);
+* an id not admitted this batch (``admit_after``) pools as padding.
+
+So training equals training a table of every id whatever the working capacity, up to the
+policy's admission (tested). The servers hold the training rows in keyed FP32 tables named like
+the model's tables, ``D + S`` wide (:func:`store_tables`).
+
+**Checkpoints** stay consistent across the working table and the servers: the state dict holds
+the working rows and state, the transformers, and each server's **mark** (its put log's length,
+``Info.log_bytes``). Loading it rewinds every server's log to those marks (``Rewind``), so a
+trainer killed after the checkpoint and resumed sees exactly the rows it saw then (resume equals
+an uninterrupted run); a row acknowledged before the checkpoint is never lost.
+
+Example::
+
+    store = RemoteTables(store_tables({"user_raw": (32, "rowwise_adagrad")}, ["127.0.0.1:7001"]))
+    tables = HashedTrainingTables(TrainableTables([TableConfig("user_raw", 10_000, 32)]),
+                                  {"user_raw": HashedTable(10_000)}, store)
+    tables({"user_raw": torch.tensor([[123456789012345], [-1]])})  # {"user_raw": [2, 32]}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from sharded_tables.collection import check_id_features
+from sharded_tables.dynamic_table import hashed_uniform
+from sharded_tables.id_transformer import IdTransformer
+from sharded_tables.interface import RemoteStats, TableHooks
+from sharded_tables.quantize import pack_rows, unpack_rows
+from sharded_tables.remote.routing import RemoteTable
+from sharded_tables.specs import DType
+from sharded_tables.trainable import TrainableTables
+
+EXPORT_CHUNK = 1 << 16
+"""Ids read from the store per call when exporting a table."""
+
+
+class MarkedStore(Protocol):
+    """A keyed row store whose tables can be marked and rewound (:class:`RemoteTables`)."""
+
+    def get(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None: ...
+
+    def keys(self, table: str) -> torch.Tensor: ...
+
+    def marks(self, table: str) -> dict[str, int]: ...
+
+    def rewind(self, table: str, marks: Mapping[str, int]) -> int: ...
+
+
+@dataclass(frozen=True)
+class HashedTable:
+    """How one hashed table trains: ``capacity`` working rows, the transformer's policy."""
+
+    capacity: int
+    policy: str = "lru"
+    admit_after: int = 1
+
+
+def state_width(optimizer: str, dim: int) -> int:
+    """Optimizer state floats per row: row-wise Adagrad 1, Adagrad ``dim``, SGD 0."""
+    return {"rowwise_adagrad": 1, "adagrad": dim, "sgd": 0}[optimizer]
+
+
+def store_tables(
+    tables: Mapping[str, tuple[int, str]], servers: Sequence[str]
+) -> list[RemoteTable]:
+    """The keyed FP32 training tables ``{table: (D, optimizer)}`` over ``servers``, as the
+    client's routing entries (each row ``D + S`` floats: the row, then its optimizer state)."""
+    return [
+        RemoteTable(name, DType.FP32, dim + state_width(opt, dim), tuple(servers), "keyed")
+        for name, (dim, opt) in tables.items()
+    ]
+
+
+@dataclass
+class MovedRows:
+    """Rows moved between the working tables and the store since construction."""
+
+    evicted: int = 0
+    """Rows (with state) written to the store."""
+    restored: int = 0
+    """Rows (with state) read back from it."""
+    fresh: int = 0
+    """Admitted ids the store did not hold (initialised)."""
+
+
+class HashedTrainingTables(TableHooks, nn.Module):
+    """A :class:`TrainableTables` whose ``hashed`` tables take raw ids (see the module doc).
+
+    Args:
+        inner: the kernel tables; each hashed table has ``capacity`` rows there.
+        hashed: ``{table: HashedTable}``.
+        store: the servers' client, holding :func:`store_tables` for every hashed table.
+        init_std: scale of a fresh row (uniform, the same standard deviation).
+        seed: seed of fresh rows and of the transformers' sketches.
+    """
+
+    inner: TrainableTables
+
+    def __init__(
+        self,
+        inner: TrainableTables,
+        hashed: Mapping[str, HashedTable],
+        store: MarkedStore,
+        init_std: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, h in hashed.items():
+            if name not in inner.configs:
+                raise ValueError(f"hashed table {name!r} is not one of {inner.table_names}")
+            if inner.configs[name].num_embeddings != h.capacity:
+                raise ValueError(
+                    f"hashed table {name!r}: the kernel table has "
+                    f"{inner.configs[name].num_embeddings} rows, its capacity is {h.capacity}"
+                )
+        object.__setattr__(self, "inner", inner)  # no parameters: as TrainableTables keeps it
+        self.hashed = dict(hashed)
+        self.store = store
+        self.scale = init_std * math.sqrt(3.0)  # uniform [-a, a) has std a / sqrt(3)
+        self.seed = seed
+        self.transformers = {
+            t: IdTransformer(h.capacity, h.policy, h.admit_after, seed=seed)
+            for t, h in hashed.items()
+        }
+        self.moved = MovedRows()
+        self.stats = RemoteStats()
+
+    # ---- the seam ---------------------------------------------------------------------------
+    @property
+    def table_of(self) -> Mapping[str, str]:
+        return self.inner.table_of
+
+    def table_rows(self) -> dict[str, int | None]:
+        rows = self.inner.table_rows()
+        return {t: (None if t in self.hashed else r) for t, r in rows.items()}
+
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        return self.inner.table_shapes()
+
+    def validate(self, features: Mapping[str, torch.Tensor]) -> None:
+        check_id_features(features, self.inner.table_of, self.table_rows())
+        self.inner.validate(self._as_rows_shape(features))
+
+    def _as_rows_shape(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hashed features with every id as padding (for the inner shape check)."""
+        return {
+            f: ids.new_full(ids.shape, -1) if self.inner.table_of[f] in self.hashed else ids
+            for f, ids in features.items()
+        }
+
+    def remote_stats(self) -> RemoteStats:
+        return self.stats
+
+    def float_weights(self) -> dict[str, torch.Tensor]:
+        """Float rows of the plain tables; a hashed table's rows are :meth:`export`'s."""
+        w = self.inner.weights()
+        return {t: rows for t, rows in w.items() if t not in self.hashed}
+
+    def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        bad = sorted(set(weights) & set(self.hashed))
+        if bad:
+            raise ValueError(f"tables {bad} are hashed: their rows follow raw ids")
+        return self.inner.load_float(weights)
+
+    def row_writer(
+        self, table: str, rows: torch.Tensor, values: torch.Tensor
+    ) -> Callable[[], None]:
+        if table in self.hashed:
+            return super().row_writer(table, rows, values)
+        return self.inner.row_writer(table, rows, values)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.inner.learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.inner.set_learning_rate(lr)
+
+    # ---- lookups ----------------------------------------------------------------------------
+    def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Maps hashed features' raw ids to working rows (moving rows to and from the store),
+        then pools everything in one kernel call."""
+        mapped = dict(features)
+        by_table: dict[str, list[str]] = {}
+        for f in features:
+            t = self.inner.table_of[f]
+            if t in self.hashed:
+                by_table.setdefault(t, []).append(f)
+        for table, feats in by_table.items():
+            mats = [features[f] for f in feats]
+            present = torch.cat([m[m != -1] for m in mats]).cpu()
+            uniq, inverse = torch.unique(present, return_inverse=True)
+            self.stats.ids += present.numel()
+            self.stats.unique += uniq.numel()
+            rows = self._admit(table, uniq)[inverse]  # [n] working row per present id, -1: none
+            start = 0
+            for f, m in zip(feats, mats, strict=True):
+                out = m.new_full(m.shape, -1)
+                keep = m != -1
+                n = int(keep.sum())
+                out[keep] = rows[start : start + n].to(m.device)
+                start += n
+                mapped[f] = out
+        return self.inner(mapped)
+
+    @torch.no_grad()
+    def _admit(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """``ids int64 [U]`` distinct -> working rows ``[U]`` (-1: not admitted)."""
+        r = self.transformers[table].transform(ids)
+        weight = self.inner.weights()[table]
+        state = self.inner.optimizer_state()[table]
+        dim = weight.shape[1]
+        if len(r.evicted_ids):  # saved before the admitted ids below take their rows
+            at = r.evicted_rows.to(weight.device)
+            packed = pack_rows(_join(weight[at], state, at), DType.FP32).cpu()
+            self.store.put(table, r.evicted_ids, packed)
+            self.moved.evicted += len(r.evicted_ids)
+        if len(r.admitted_ids):
+            at = r.admitted_rows.to(weight.device)
+            packed, found = self.store.get(table, r.admitted_ids)
+            self.stats.fetched += int(found.sum())
+            stored = unpack_rows(packed, DType.FP32, dim + _width(state, dim))  # [a, D + S]
+            fresh = hashed_uniform(r.admitted_ids, dim, self.scale, self.seed)
+            rows = torch.where(found[:, None], stored[:, :dim], fresh)
+            weight[at] = rows.to(weight.device)
+            for s in state.values():  # one state tensor at most (Adagrad's sum)
+                saved = stored[:, dim:].reshape(len(at), *s.shape[1:])
+                s[at] = torch.where(_expand(found, saved), saved, 0.0).to(s.device, s.dtype)
+            self.moved.restored += int(found.sum())
+            self.moved.fresh += int((~found).sum())
+        return r.rows
+
+    # ---- rows out -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def export(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every trained row of a hashed table -> ``(ids int64 [n], rows float32 [n, D])``
+        (the store's rows, the working table's over them), sorted by id."""
+        weight = self.inner.weights()[table]
+        dim = weight.shape[1]
+        held, slots = self.transformers[table].map.keys_and_slots()
+        stored = self.store.keys(table)
+        away = stored[~torch.isin(stored, held)]
+        parts_ids, parts_rows = [held], [weight[slots.to(weight.device)].cpu()]
+        width = dim + _width(self.inner.optimizer_state()[table], dim)
+        for lo in range(0, len(away), EXPORT_CHUNK):
+            ids = away[lo : lo + EXPORT_CHUNK]
+            packed, _ = self.store.get(table, ids)
+            parts_ids.append(ids)
+            parts_rows.append(unpack_rows(packed, DType.FP32, width)[:, :dim])
+        ids, rows = torch.cat(parts_ids), torch.cat(parts_rows)
+        order = torch.argsort(ids)
+        return ids[order], rows[order]
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def get_extra_state(self) -> dict[str, Any]:
+        """The working tables (rows, optimizer state), the transformers and the store's marks:
+        a snapshot (copies)."""
+        return {
+            "tables": self.inner.get_extra_state(),
+            "transformers": {t: x.state_dict() for t, x in self.transformers.items()},
+            "marks": {t: self.store.marks(t) for t in self.hashed},
+        }
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Loads a snapshot and rewinds the store's tables to its marks."""
+        if set(state["marks"]) != set(self.hashed):
+            raise ValueError(
+                f"saved hashed tables {sorted(state['marks'])} differ from {sorted(self.hashed)}"
+            )
+        for t, marks in state["marks"].items():
+            self.store.rewind(t, marks)
+        self.inner.set_extra_state(state["tables"])
+        for t, saved in state["transformers"].items():
+            self.transformers[t].load_state_dict(saved)
+
+
+def _width(state: Mapping[str, torch.Tensor], dim: int) -> int:
+    """State floats per row: ``sum [rows]`` -> 1, ``sum [rows, D]`` -> D, none -> 0."""
+    return sum(1 if s.dim() == 1 else dim for s in state.values())
+
+
+def _join(rows: torch.Tensor, state: Mapping[str, torch.Tensor], at: torch.Tensor) -> torch.Tensor:
+    """``rows [m, D]`` and the state rows ``at [m]`` -> ``[m, D + S]`` float32."""
+    parts = [rows] + [s[at].reshape(len(at), -1).float() for s in state.values()]
+    return torch.cat(parts, dim=1)
+
+
+def _expand(found: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``found [a]`` broadcast to ``like [a, ...]``."""
+    return found.view(-1, *([1] * (like.dim() - 1))).expand_as(like)
