@@ -259,6 +259,42 @@ def serve_embeddings(
         raise typer.Exit(2) from None
 
 
+TABLE_HELP = (
+    "NAME:WIDTH, a keyed fp32 table (a hashed table's row and optimizer state; `recserve "
+    "train` names the width it needs). Repeat for more tables."
+)
+
+
+@serve_app.command("training-store")
+def serve_training_store(
+    folder: Path = typer.Option(..., help="Rows folder; made when it does not exist."),
+    table: list[str] = typer.Option(..., help=TABLE_HELP),
+    host: str = typer.Option("127.0.0.1", help="Address to bind."),
+    grpc_port: int = typer.Option(8301, help="gRPC port; 0: any free port."),
+    memory_budget: str = typer.Option("4GiB", help="Refuse rows beyond this many bytes."),
+) -> None:
+    """Serve the training rows of hashed tables ([train.hashed] servers): an embedding server
+    over keyed fp32 tables, made empty on first start; a restart replays its put log."""
+    from sharded_tables.hashed_training import store_folder
+    from sharded_tables.placement import parse_bytes
+    from sharded_tables.remote.server import serve
+
+    try:
+        widths = {}
+        for spec in table:
+            name, sep, width = spec.rpartition(":")
+            if not sep or not name or not width.isdigit() or int(width) < 1:
+                raise ValueError(
+                    f"--table: expected NAME:WIDTH (e.g. user_raw_id:33), got {spec!r}"
+                )
+            widths[name] = int(width)
+        rows = store_folder(folder, widths)
+        serve(rows, port=grpc_port, host=host, memory_budget=parse_bytes(memory_budget))
+    except (ValueError, OSError) as e:
+        typer.echo(f"serve training-store: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 def only_model(model_repo: Path, model: str | None) -> str:
     """``model``, or the repository's only model (``ValueError`` naming --model otherwise)."""
     from serving.repository.repository import ModelRepository

@@ -17,7 +17,8 @@ class ModelConfig:
     num_items: int
     """Rows of the item table (item ids are ``0 .. num_items - 1``)."""
     user_features: dict[str, int]
-    """Categorical user feature -> vocabulary size (one id per user)."""
+    """Categorical user feature -> vocabulary size (one id per user); for a feature named in
+    ``hashed_user_features``: the rows of its working table in training."""
     dense_dim: int
     """Dense user features per user."""
     item_attributes: dict[str, list[str]]
@@ -55,6 +56,10 @@ class ModelConfig:
     head_task_weights: tuple[float, ...] = (1.0,)
     head_candidates: int = 200
     """Candidates the head re-scores (at least K + history length)."""
+    hashed_user_features: tuple[str, ...] = ()
+    """User features whose values are raw 64-bit ids (any int64; -1: none), not codes: their
+    tables are keyed by id (``sharded_tables/hashed_training.py`` trains them over a working
+    table and the embedding servers)."""
     index: IVFConfig = field(default_factory=IVFConfig)
     table_plan: dict[str, Any] | None = None
     """Tiered, quantized tables: a :class:`sharded_tables.planner.PlacementPlan` as a dict.
@@ -69,6 +74,12 @@ class ModelConfig:
             )
         if len(self.head_tasks) != len(self.head_task_weights):
             raise ValueError("head_tasks and head_task_weights must have the same length")
+        unknown = sorted(set(self.hashed_user_features) - set(self.user_features))
+        if unknown:
+            raise ValueError(
+                f"hashed_user_features: {unknown} are not user features "
+                f"(known: {sorted(self.user_features)})"
+            )
         self.index.validate()
         if self.table_plan is not None:
             from sharded_tables.planner import PlacementPlan
@@ -87,7 +98,7 @@ class ModelConfig:
         d = dict(d)
         d.setdefault("recent_len", 0)  # saved before the field existed: those towers had none
         d["index"] = IVFConfig(**d.get("index", {}))
-        for key in ("hidden", "head_tasks", "head_task_weights"):
+        for key in ("hidden", "head_tasks", "head_task_weights", "hashed_user_features"):
             if key in d:
                 d[key] = tuple(d[key])
         cfg = cls(**d)

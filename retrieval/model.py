@@ -42,7 +42,10 @@ def table_configs(cfg: ModelConfig) -> list[TableConfig]:
     item_features = ("history", "item_id") + (("recent",) if cfg.recent_len else ())
     item_features += ("history_seq",) if cfg.attention_len else ()
     tables = [TableConfig("item", cfg.num_items, e, features=item_features)]
-    tables += [TableConfig(f"user_{n}", size, e) for n, size in cfg.user_features.items()]
+    tables += [
+        TableConfig(f"user_{n}", size, e, hashed=n in cfg.hashed_user_features)
+        for n, size in cfg.user_features.items()
+    ]
     tables += [
         TableConfig(f"attr_{n}", len(v), e, features=(f"item_{n}",))
         for n, v in cfg.item_attributes.items()
@@ -68,6 +71,7 @@ def table_specs(
             ),
             allowed_dtypes=allowed,
             features=t.feature_names(),
+            hashed=t.hashed,
         )
         for t in table_configs(cfg)
     ]
@@ -88,6 +92,7 @@ def _make_tables(
             dtype=plan.placement(s.name).dtype,
             pooling=s.pooling,
             features=s.features,
+            hashed=s.hashed,
         )
         for s in table_specs(cfg)
     ]

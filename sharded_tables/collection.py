@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from sharded_tables.interface import TableHooks
+from sharded_tables.keyed_bag import KeyedBag
 from sharded_tables.pooled_lookup import pooled_lookup
 
 
@@ -35,6 +36,9 @@ class TableConfig:
     """Feature names that read this table (default: the table's own name)."""
     pooling: str = "mean"
     """"mean" or "sum" over a feature's ids."""
+    hashed: bool = False
+    """Ids are raw 64-bit keys (any int64, -1 pads); ``num_embeddings`` is the working rows
+    of training (:mod:`sharded_tables.hashed_training`)."""
 
     def feature_names(self) -> tuple[str, ...]:
         return self.features or (self.name,)
@@ -81,9 +85,12 @@ class EmbeddingCollection(TableHooks, nn.Module):
                 raise ValueError(
                     f"table {t.name!r}: pooling must be 'mean' or 'sum', got {t.pooling!r}"
                 )
-            bag = nn.EmbeddingBag(t.num_embeddings, t.dim, mode="sum")
-            nn.init.normal_(bag.weight, std=init_std)
-            self.tables[t.name] = bag
+            if t.hashed:  # rows arrive from training (load_keyed)
+                self.tables[t.name] = KeyedBag(t.dim)
+            else:
+                bag = nn.EmbeddingBag(t.num_embeddings, t.dim, mode="sum")
+                nn.init.normal_(bag.weight, std=init_std)
+                self.tables[t.name] = bag
             for f in t.feature_names():
                 if f in self.table_of:
                     raise ValueError(f"feature {f!r} is assigned to two tables")
@@ -93,9 +100,27 @@ class EmbeddingCollection(TableHooks, nn.Module):
         """``{table: its nn.EmbeddingBag}`` (weights ``[rows, D]``)."""
         return {name: bag for name, bag in self.tables.items() if isinstance(bag, nn.EmbeddingBag)}
 
+    def keyed(self) -> dict[str, KeyedBag]:
+        """``{table: its KeyedBag}`` of the hashed tables."""
+        return {name: t for name, t in self.tables.items() if isinstance(t, KeyedBag)}
+
+    def keyed_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{hashed table: (keys int64 [n], rows [n, D])}``, sorted by key."""
+        return {name: (t.keys, t.rows) for name, t in self.keyed().items()}
+
+    def load_keyed(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Takes ``{hashed table: (keys, rows)}`` (what training exports)."""
+        keyed = self.keyed()
+        for name, (keys, values) in rows.items():
+            if name not in keyed:
+                raise ValueError(f"{name!r} is not a hashed table (hashed: {sorted(keyed)})")
+            keyed[name].load(keys, values)
+
     def table_rows(self) -> dict[str, int | None]:
-        """Rows of each table (ids must be in ``[0, rows)``)."""
-        return {name: cfg.num_embeddings for name, cfg in self.configs.items()}
+        """Rows of each table (ids must be in ``[0, rows)``); None for a hashed table."""
+        return {
+            name: None if cfg.hashed else cfg.num_embeddings for name, cfg in self.configs.items()
+        }
 
     def table_shapes(self) -> dict[str, tuple[int, int]]:
         """``{table: (rows, D)}``."""
@@ -142,7 +167,15 @@ class EmbeddingCollection(TableHooks, nn.Module):
         """Pools every feature. Trusts its inputs (:meth:`validate` runs at the edge). Without
         gradients on CPU (serving, index builds) all features go through one fused call
         (:func:`~sharded_tables.pooled_lookup.pooled_lookup`, the same sums)."""
-        if not torch.is_grad_enabled():
+        out: dict[str, torch.Tensor] = {}
+        keyed = self.keyed()
+        if keyed:
+            for name, ids in features.items():
+                cfg = self.configs[self.table_of[name]]
+                if cfg.hashed:
+                    out[name] = keyed[cfg.name](ids, mean=cfg.pooling == "mean")
+            features = {n: ids for n, ids in features.items() if n not in out}
+        if not torch.is_grad_enabled() and features:
             bags = self.bags()
             tables = [bags[self.table_of[n]].weight for n in features]
             if all(_fusable(w, ids) for w, ids in zip(tables, features.values(), strict=True)):
@@ -151,8 +184,7 @@ class EmbeddingCollection(TableHooks, nn.Module):
                     list(features.values()),
                     [self.configs[self.table_of[n]].pooling == "mean" for n in features],
                 )
-                return dict(zip(features, pooled, strict=True))
-        out = {}
+                return {**out, **dict(zip(features, pooled, strict=True))}
         for name, ids in features.items():
             cfg = self.configs[self.table_of[name]]
             present = ids >= 0

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +49,7 @@ from sharded_tables.id_transformer import IdTransformer
 from sharded_tables.interface import RemoteStats, TableHooks
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.remote.routing import RemoteTable
+from sharded_tables.remote.server_files import ServerTable, read_manifest, write_server_folder
 from sharded_tables.specs import DType
 from sharded_tables.trainable import TrainableTables
 
@@ -92,6 +94,26 @@ def store_tables(
         RemoteTable(name, DType.FP32, dim + state_width(opt, dim), tuple(servers), "keyed")
         for name, (dim, opt) in tables.items()
     ]
+
+
+def store_folder(folder: Path, widths: Mapping[str, int]) -> Path:
+    """An embedding server's folder holding keyed FP32 tables ``{name: width}`` (empty), made
+    if ``folder`` does not exist; an existing one must hold them (``ValueError`` otherwise)."""
+    folder = Path(folder)
+    if not folder.exists():
+        write_server_folder(
+            folder, [ServerTable(n, DType.FP32, w, "keyed") for n, w in widths.items()]
+        )
+        return folder
+    held = {e["name"]: e for e in read_manifest(folder)["tables"]}
+    for name, width in widths.items():
+        e = held.get(name)
+        if e is None or e["partition"] != "keyed" or e["dtype"] != "fp32" or e["dim"] != width:
+            raise ValueError(
+                f"{folder} exists without a keyed fp32 table {name!r} of width {width} "
+                "(use a new folder)"
+            )
+    return folder
 
 
 @dataclass
@@ -273,6 +295,15 @@ class HashedTrainingTables(TableHooks, nn.Module):
         ids, rows = torch.cat(parts_ids), torch.cat(parts_rows)
         order = torch.argsort(ids)
         return ids[order], rows[order]
+
+    def keyed_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`export` of every hashed table."""
+        return {t: self.export(t) for t in self.hashed}
+
+    def clear_store(self) -> None:
+        """Empties the store's tables (their logs cut to nothing): a fresh run's start."""
+        for t in self.hashed:
+            self.store.rewind(t, dict.fromkeys(self.store.marks(t), 0))
 
     # ---- checkpoints ------------------------------------------------------------------------
     def get_extra_state(self) -> dict[str, Any]:

@@ -95,6 +95,15 @@ class TableCollection(Protocol):
         ``ValueError`` when the values do not fit its storage (the message says its dtype)."""
         ...
 
+    def keyed_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{hashed table: (keys int64 [n], float rows [n, D])}``: every row a hashed table
+        learned, sorted by key (``{}``: none here, or they live on embedding servers)."""
+        ...
+
+    def load_keyed(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Takes ``{hashed table: (keys, rows)}`` (what :meth:`keyed_rows` gives)."""
+        ...
+
     def cache_stats(self) -> dict[str, dict[str, float]]:
         """``{table: counters}`` of the hot-row caches of remote tables (``{}``: none)."""
         ...
@@ -115,6 +124,12 @@ class TableHooks:
         raise RowUpdateRefusedError(
             f"table {table!r}: {type(self).__name__} tables are not updated in place"
         )
+
+    def keyed_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {}
+
+    def load_keyed(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        raise ValueError(f"{type(self).__name__} tables take no keyed rows (no hashed tables)")
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
         return {}

@@ -336,6 +336,14 @@ class TieredEmbeddingCollection(nn.Module):
         self.stats.unique += u.numel()
         return u
 
+    def keyed_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{}``: a tiered hashed table's rows are on the embedding servers."""
+        return {}
+
+    def load_keyed(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Refused: tiered hashed tables read their rows from the embedding servers."""
+        raise ValueError("the model's tables are tiered: hashed rows live on embedding servers")
+
     def cache_stats(self) -> dict[str, dict[str, float]]:
         """``{table: counters}`` of each remote table's hot-row cache."""
         return {t: c.stats() for t, c in self.caches.items()}

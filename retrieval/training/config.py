@@ -263,6 +263,10 @@ class ModelSection(Config):
     """One weight per task of ``head_tasks``."""
     head_candidates: PositiveInt = 200
     """Candidates the head re-scores (at least K + history length)."""
+    hashed_user_id: int = Field(default=0, ge=0)
+    """Working rows of the hashed feature ``raw_id``: the user's own id as a raw int64 (an
+    imported log's user ids; a 63-bit hash of the user index for generated and MovieLens data),
+    its table trained over this many rows and ``[train.hashed]``'s servers; 0: off."""
     index: IndexSection = Field(default_factory=IndexSection)
     """``[model.index]``: the in-model IVF index."""
 
@@ -277,7 +281,9 @@ class ModelSection(Config):
     def overrides(self) -> dict[str, Any]:
         """The ModelConfig fields this section sets (tuples where ModelConfig holds them),
         without ``user_features``, ``history_len`` and ``index`` (built against the data)."""
-        values = self.model_dump(exclude={"user_features", "history_len", "index"})
+        values = self.model_dump(
+            exclude={"user_features", "history_len", "index", "hashed_user_id"}
+        )
         for key in ("hidden", "head_tasks", "head_task_weights"):
             values[key] = tuple(values[key])
         return values
@@ -321,6 +327,21 @@ class ShardingConfig(Config):
         if value is not None and value % 4:
             raise ValueError(f"must be a multiple of 4 (fbgemm's kernels), got {value}")
         return value
+
+
+class HashedConfig(Config):
+    """``[train.hashed]``: where hashed tables (``[model] hashed_user_id``) keep the rows their
+    working table gives up, with their optimizer state: keyed FP32 tables on embedding servers
+    (``recserve serve training-store``), ``sharded_tables/hashed_training.py``."""
+
+    servers: list[str] = Field(default_factory=list)
+    """``host:port`` of each embedding server holding the training rows (one or more)."""
+    policy: Literal["lru", "lfu", "hybrid"] = "lru"
+    """Which id a full working table gives up (``sharded_tables/idmap.py``)."""
+    admit_after: PositiveInt = 1
+    """Sightings before an id gets a working row (until then it pools as padding)."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of each call to the servers (seconds)."""
 
 
 class TrainConfig(Config):
@@ -372,6 +393,8 @@ class TrainConfig(Config):
     """Stop after this many steps in all (a later run resumes from the checkpoint)."""
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     """``[train.sharding]``: the tables' split over the ranks of a torchrun job."""
+    hashed: HashedConfig = Field(default_factory=HashedConfig)
+    """``[train.hashed]``: the embedding servers of hashed tables."""
 
     @field_validator("micro_batches")
     @classmethod

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from retrieval.data import RecDataset, generate, load_movielens, read_parquet
+from retrieval.data.raw_user_ids import FEATURE as RAW_ID
+from retrieval.data.raw_user_ids import with_raw_user_ids
 from retrieval.index.exact import recall_at_k
 from retrieval.metrics import popularity_recs, ranking_metrics
 from retrieval.model import RetrievalModel
@@ -56,15 +58,23 @@ def load_data(data: DataConfig) -> RecDataset:
 def prepare_run(ds: RecDataset, model: ModelSection, validation: float = 0.0) -> Prepared:
     """The dataset and ``[model]`` -> prepared inputs (``validation``: share of each user's
     training interactions held out) and a validated model config; a ``user_features`` name the
-    data lacks is refused naming the field."""
+    data lacks is refused naming the field. ``[model] hashed_user_id`` adds the hashed feature
+    ``raw_id`` (:mod:`retrieval.data.raw_user_ids`)."""
+    hashed: tuple[str, ...] = ()
+    if model.hashed_user_id:
+        with_raw_user_ids(ds, model.hashed_user_id)
+        hashed = (RAW_ID,)
     prep = prepare(
         ds,
         history_len=model.history_len,
         validation=validation,
         index=model.index.build(ds.num_items),
+        hashed_user_features=hashed,
         **model.overrides(),
     )
     wanted = model.user_features
+    if wanted is not None and hashed:
+        wanted = [*wanted, *hashed]
     if wanted is not None:
         missing = [f for f in wanted if f not in prep.config.user_features]
         if missing:

@@ -45,6 +45,7 @@ from retrieval.training.distributed import DistContext, average_gradients
 from retrieval.training.dmp_tables import DMPTables
 from retrieval.training.early_stopping import EarlyStopping
 from retrieval.training.hard_negatives import HardNegativeMiner
+from retrieval.training.hashed_store import hashed_tables
 from retrieval.training.loss import (
     column_log_q,
     in_batch_logits,
@@ -53,6 +54,7 @@ from retrieval.training.loss import (
 )
 from retrieval.training.pairs import TrainingData, batch_inputs, batch_starts
 from retrieval.training.sharding import make_sharder, plan_sharding
+from sharded_tables.hashed_training import HashedTrainingTables
 from sharded_tables.interface import TableCollection
 from sharded_tables.trainable import TrainableTables
 
@@ -90,6 +92,19 @@ class Trainer:
         self.model, self.data, self.cfg, self.evaluate = model, data, cfg, evaluate
         self.float_tables: TableCollection | None = None
         """The model's own tables while fused-optimizer ones train in their place."""
+        hashed = sorted(t.name for t in table_configs(model.config) if t.hashed)
+        if hashed and cfg.table_optimizer == "adam":
+            raise ValueError(
+                f"train.table_optimizer: hashed tables {hashed} train with a fused optimizer "
+                "(rowwise_adagrad, adagrad or sgd), not adam"
+            )
+        if hashed and self.dist is not None:
+            raise ValueError(
+                f"model.hashed_user_id: hashed tables {hashed} train in one process (not under "
+                "torchrun yet)"
+            )
+        self.hashed: HashedTrainingTables | None = None
+        """The hashed tables' trainer, when the model has some."""
         if cfg.table_optimizer != "adam":
             self._swap_in_trainable()
         self.miner = (
@@ -128,6 +143,8 @@ class Trainer:
             trainable = TrainableTables(
                 configs, optimizer=self.cfg.table_optimizer, learning_rate=self.cfg.table_lr
             )
+            if any(t.hashed for t in configs):
+                trainable = self.hashed = hashed_tables(trainable, self.cfg)
             trainable.load_float(rows)
         self.float_tables = tables
         self.model.tables = trainable
@@ -139,6 +156,9 @@ class Trainer:
             return
         # sharded over ranks: a collective, every rank gets every table's rows
         self.float_tables.load_float(tables.float_weights())
+        keyed = tables.keyed_rows()  # hashed tables: every id's row, from the servers too
+        if keyed:
+            self.float_tables.load_keyed(keyed)
         self.model.tables = self.float_tables
 
     # ---- one step -------------------------------------------------------------------------
@@ -188,6 +208,8 @@ class Trainer:
         m = len(data.user_ids)
         starts = batch_starts(m, cfg.batch_size)
         self.model.train()
+        if self.hashed is not None and self.global_step == 0:
+            self.hashed.clear_store()  # a fresh run: rows of an earlier one must not come back
         try:
             if self._validation_pending():  # resumed from an epoch whose evaluation failed
                 self._validate()

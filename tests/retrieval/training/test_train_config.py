@@ -303,11 +303,14 @@ def test_data_mirrors_synthetic_config():
 
 
 def test_model_mirrors_model_config():
+    # hashed_user_id (the section's) builds hashed_user_features (the model's) with the data
     settable = {f.name for f in fields(ModelConfig)} - DERIVED - {"table_plan"}
+    settable = settable - {"hashed_user_features"} | {"hashed_user_id"}
     assert set(ModelSection.model_fields) == settable
     ours = ModelSection().overrides()
     theirs = {k: v for k, v in defaults(ModelConfig).items() if k in ours}
-    assert ours == theirs and set(ours) == settable - {"user_features", "history_len", "index"}
+    built = {"user_features", "history_len", "index", "hashed_user_id"}
+    assert ours == theirs and set(ours) == settable - built
     assert ModelSection().history_len == defaults(ModelConfig)["history_len"]
 
 

@@ -1,0 +1,121 @@
+"""``[model] hashed_user_id``: the user's raw id as a hashed feature, trained over a working
+table of a quarter of the users and an embedding server (in-process, loopback) that keeps the
+rest with their optimizer state; resume equals an uninterrupted run; bad configs refused."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from retrieval.data import SyntheticConfig, generate
+from retrieval.data.raw_user_ids import raw_user_ids
+from retrieval.model import RetrievalModel
+from retrieval.training.config import HashedConfig, ModelSection
+from retrieval.training.prepare import Prepared
+from retrieval.training.run import prepare_run
+from retrieval.training.train import CHECKPOINT_FILE, TrainConfig, Trainer
+from sharded_tables import EmbeddingCollection
+from sharded_tables.hashed_training import state_width, store_folder
+from sharded_tables.remote.server import EmbeddingServer
+
+USERS = 300
+TABLE = "user_raw_id"
+
+
+@pytest.fixture(scope="module")
+def prep() -> Prepared:
+    ds = generate(SyntheticConfig(num_users=USERS, num_items=400, seed=5))
+    section = ModelSection(history_len=10, hashed_user_id=USERS // 4, index={"nlist": 4})
+    return prepare_run(ds, section)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    width = 32 + state_width("rowwise_adagrad", 32)
+    srv = EmbeddingServer(store_folder(tmp_path_factory.mktemp("store") / "s0", {TABLE: width}))
+    yield srv.start()
+    srv.stop(grace=0)
+
+
+def fresh(prep: Prepared) -> RetrievalModel:
+    torch.manual_seed(0)
+    return RetrievalModel(prep.config)
+
+
+def config(server: str, **kw: object) -> TrainConfig:
+    settings: dict[str, object] = {"epochs": 2, "batch_size": 64, "progress": False, **kw}
+    return TrainConfig(hashed=HashedConfig(servers=[server]), **settings)
+
+
+def test_the_raw_id_feature_trains_over_a_quarter_sized_working_table(
+    prep: Prepared, server: str
+) -> None:
+    assert prep.config.hashed_user_features == ("raw_id",)
+    raw = prep.train.categorical[:, list(prep.config.user_features).index("raw_id")]
+    assert raw.min() >= 0 and len(np.unique(raw)) == USERS and raw.max() > 2**40  # sparse ids
+
+    model = fresh(prep)
+    trainer = Trainer(model, prep.train, config(server))
+    trainer.fit()
+    moved = trainer.hashed.moved if trainer.hashed is not None else None
+    assert moved is not None and moved.evicted > USERS and moved.restored > 0
+    assert trainer.epoch_losses[-1] < trainer.epoch_losses[0]
+
+    assert isinstance(model.tables, EmbeddingCollection)
+    keys, rows = model.tables.keyed_rows()[TABLE]
+    trained = np.unique(raw[prep.train.user_ids])
+    assert np.array_equal(keys.numpy(), trained)  # every user that trained, one row each
+    assert rows.abs().sum(dim=1).min() > 0
+
+    # the float model looks the users up by raw id: its query vectors are the trained ones
+    model.eval()
+    batch = prep.user_batch(np.arange(8))
+    with torch.no_grad():
+        q = model.user_vectors(batch)
+        unknown = batch.categorical.clone()
+        unknown[:, list(prep.config.user_features).index("raw_id")] = 12345  # never trained
+        q_unknown = model.user_vectors(dataclasses.replace(batch, categorical=unknown))
+    assert not torch.allclose(q, q_unknown)
+
+
+def test_resume_equals_an_uninterrupted_run(prep: Prepared, server: str, tmp_path: Path) -> None:
+    whole = fresh(prep)
+    Trainer(whole, prep.train, config(server)).fit()
+    want = whole.tables.keyed_rows()[TABLE]
+
+    steps_per_epoch = len(prep.train.user_ids) // 64
+    cut = config(server, checkpoint_dir=tmp_path, max_steps=steps_per_epoch + 2)
+    Trainer(fresh(prep), prep.train, cut).fit()
+    # the killed run's store goes on past the checkpoint (more puts) before the resume
+    resumed_model = fresh(prep)
+    resumed = Trainer(resumed_model, prep.train, config(server, checkpoint_dir=tmp_path))
+    resumed.resume(tmp_path / CHECKPOINT_FILE)
+    resumed.fit()
+    keys, rows = resumed_model.tables.keyed_rows()[TABLE]
+    assert torch.equal(keys, want[0])
+    torch.testing.assert_close(rows, want[1], rtol=0, atol=0)
+    for name, bag in whole.tables.bags().items():
+        assert torch.equal(bag.weight, resumed_model.tables.bags()[name].weight), name
+
+
+def test_bad_configs_are_refused_naming_the_field(prep: Prepared, server: str) -> None:
+    with pytest.raises(ValueError, match=r"train\.hashed\.servers: the model has hashed"):
+        Trainer(fresh(prep), prep.train, TrainConfig(progress=False))
+    with pytest.raises(ValueError, match=r"train\.table_optimizer: hashed tables"):
+        Trainer(fresh(prep), prep.train, config(server, table_optimizer="adam"))
+    with pytest.raises(ValueError, match=r"model\.hashed_user_id: .* fewer than a batch"):
+        Trainer(fresh(prep), prep.train, config(server, batch_size=128))
+    with pytest.raises(ValueError, match=r"train\.hashed\.servers: .* must hold table"):
+        Trainer(fresh(prep), prep.train, config(server, table_optimizer="adagrad"))  # wider rows
+
+
+def test_raw_user_ids_are_stable_distinct_and_never_padding() -> None:
+    ds = generate(SyntheticConfig(num_users=50, num_items=60, seed=1))
+    ids = raw_user_ids(ds)
+    assert ids.dtype == np.int64 and (ids >= 0).all() and len(np.unique(ids)) == 50
+    assert np.array_equal(ids, raw_user_ids(ds))
