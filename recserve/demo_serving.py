@@ -18,7 +18,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import torch
 import tritonclient.grpc as triton
 from rich.console import Console
 from rich.table import Table
@@ -33,13 +32,14 @@ from serving.protos.recommend_pb2 import RecommendRequest, RecommendResponse
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository import ModelRepository
 from serving.types import DATATYPES
+from sharded_tables.export import RemoteRows
 from sharded_tables.placement import Budgets
 from sharded_tables.specs import DType
 
 SHARDS, EMBEDDING_SERVERS = 2, 1
 
 
-def tier_for_cluster(model: RetrievalModel) -> tuple[RetrievalModel, dict[str, torch.Tensor]]:
+def tier_for_cluster(model: RetrievalModel) -> tuple[RetrievalModel, RemoteRows]:
     """INT8 tables; the host budget holds the hot item table, the colder ones go remote."""
     item = next(s for s in table_specs(model.config, DType.INT8) if s.name == "item")
     budgets = Budgets(

@@ -51,6 +51,7 @@ from retrieval.training.prepare import prepare
 from serving.protos.recommend_pb2 import RecommendRequest, RecommendResponse
 from serving.protos.recommend_pb2_grpc import RecommenderStub
 from serving.repository import ModelRepository
+from sharded_tables.export import RemoteRows
 from sharded_tables.placement import Budgets
 from sharded_tables.specs import DType
 
@@ -113,7 +114,7 @@ class Calls:
 
 
 # ---- setup --------------------------------------------------------------------------------------
-def publish_model(spec: SoakSpec, repo_dir: Path) -> tuple[RetrievalModel, dict[str, torch.Tensor]]:
+def publish_model(spec: SoakSpec, repo_dir: Path) -> tuple[RetrievalModel, RemoteRows]:
     """A small synthetic model, tiered like the demo's, published as v1 with ``spec.shards``
     document shards; returns what v2 republishes."""
     ds = generate(SyntheticConfig(num_users=500, num_items=spec.items, seed=spec.seed))

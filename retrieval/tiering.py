@@ -6,6 +6,7 @@ Example::
     tiered, remote_rows = tier_model(model, Budgets(device=0, host=64 << 20), dtype=DType.INT8)
     tiered.config.table_plan   # the placement, saved with the model
     # remote_rows: {table: packed rows} for tables the plan put on embedding servers
+    # ({table: (keys, packed rows)} for hashed ones)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import copy
 import torch
 
 from retrieval.model import RetrievalModel, table_specs
+from sharded_tables.export import RemoteRows
 from sharded_tables.planner import Budgets, PlacementPlan, plan
 from sharded_tables.specs import DType
 from sharded_tables.tiered import RemoteFetcher
@@ -34,11 +36,12 @@ def tier_model(
     placement: PlacementPlan | None = None,
     remote: RemoteFetcher | None = None,
     device: torch.device | str = "cpu",
-) -> tuple[RetrievalModel, dict[str, torch.Tensor]]:
+) -> tuple[RetrievalModel, RemoteRows]:
     """A copy of ``model`` whose tables are placed by ``placement`` (or planned from ``budgets``).
 
     Towers, head and index are shared copies of the original's. Returns the new model and the
-    packed rows of remote tables (they belong in the embedding servers' shard folders).
+    packed rows of remote tables (they belong in the embedding servers' shard folders). Hashed
+    tables take every learned row (``keyed_rows``), packed in the plan's dtype.
     """
     if placement is None:
         if budgets is None:
@@ -51,5 +54,8 @@ def tier_model(
     tiered.load_state_dict(own, strict=False)
     tiered.index = copy.deepcopy(model.index)
     tiered.id_maps = model.id_maps
-    remote_rows = tiered.tables.load_float(float_tables(model))
+    remote_rows: RemoteRows = dict(tiered.tables.load_float(float_tables(model)))
+    keyed = model.tables.keyed_rows()
+    if keyed:
+        remote_rows.update(tiered.tables.load_keyed(keyed))
     return tiered.eval(), remote_rows

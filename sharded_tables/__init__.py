@@ -7,13 +7,15 @@ Three implementations of that call (typed by :class:`TableCollection`, ``interfa
   kernel with a fused row-wise optimizer.
 * :class:`TieredEmbeddingCollection` -- tables placed by a :class:`PlacementPlan` over three
   tiers (device / host / remote embedding servers), stored as packed FP32/FP16/FP8/INT8/INT4 rows,
-  read through fbgemm's table-batched kernel, with hot-row caches for remote tables and id
-  transformers for hashed (unbounded) id spaces.
+  read through fbgemm's table-batched kernel, with hot-row caches for remote tables; hashed
+  (unbounded-id) tables keep their rows by key (``keyed_bag``, or keyed tables on the servers).
+* Training hashed tables: :mod:`sharded_tables.hashed_training`, a working table over an id
+  transformer whose evicted rows and optimizer state go to the embedding servers.
 
 Files, in the order data flows: ``specs`` (dtypes, tiers, TableSpec) -> ``placement`` /
 ``planner`` (plan as data, the pure planning function) -> ``quantize`` (packed rows) -> ``tbe``
 (local tiers) / ``remote`` (embedding servers) / ``cache`` + ``idmap`` (hot rows) /
-``id_transformer`` + ``dynamic_table`` (hashed ids) -> ``sharded`` (the collection) -> ``export``
+``id_transformer`` + ``hashed_training`` + ``keyed_bag`` (hashed ids) -> ``sharded`` (the collection) -> ``export``
 (embedding-server folders and routing).
 """
 

@@ -108,13 +108,16 @@ class EmbeddingCollection(TableHooks, nn.Module):
         """``{hashed table: (keys int64 [n], rows [n, D])}``, sorted by key."""
         return {name: (t.keys, t.rows) for name, t in self.keyed().items()}
 
-    def load_keyed(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Takes ``{hashed table: (keys, rows)}`` (what training exports)."""
+    def load_keyed(
+        self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Takes ``{hashed table: (keys, rows)}`` (what training exports); -> ``{}``."""
         keyed = self.keyed()
         for name, (keys, values) in rows.items():
             if name not in keyed:
                 raise ValueError(f"{name!r} is not a hashed table (hashed: {sorted(keyed)})")
             keyed[name].load(keys, values)
+        return {}
 
     def table_rows(self) -> dict[str, int | None]:
         """Rows of each table (ids must be in ``[0, rows)``); None for a hashed table."""

@@ -18,13 +18,17 @@ from pathlib import Path
 import torch
 
 from sharded_tables.planner import PlacementPlan
-from sharded_tables.remote.routing import RemoteTable
+from sharded_tables.remote.routing import RemoteTable, server_of
 from sharded_tables.remote.server_files import (
     ServerTable,
     read_server_folder,
     write_server_folder,
 )
-from sharded_tables.specs import TableSpec, Tier
+from sharded_tables.specs import DType, TableSpec, Tier
+
+RemoteRows = dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+"""What publishing puts on embedding servers: ``{table: uint8 [rows, row_bytes]}`` for a ranged
+remote table, ``{table: (keys int64 [k], uint8 [k, row_bytes])}`` for a keyed (hashed) one."""
 
 
 def remote_servers(plan: PlacementPlan) -> list[int]:
@@ -39,13 +43,15 @@ def server_folder(out: Path, server: int) -> Path:
 def write_server_folders(
     plan: PlacementPlan,
     specs: Sequence[TableSpec],
-    packed: Mapping[str, torch.Tensor],
+    packed: Mapping[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     out: Path,
 ) -> dict[int, Path]:
     """Writes one folder per embedding server -> ``{server index: folder}``.
 
-    ``packed``: ``{table: uint8 [rows, row_bytes]}`` for every ranged remote table (what
-    :meth:`TieredEmbeddingCollection.load_float` returns).
+    ``packed``: :data:`RemoteRows` -- every ranged remote table's rows (what
+    :meth:`TieredEmbeddingCollection.load_float` returns) and the keys and rows of keyed ones
+    (``load_keyed``'s; a keyed table without them starts empty). A keyed row goes to the server
+    the client's routing picks for its key.
     """
     by_name = {s.name: s for s in specs}
     per_server: dict[int, list[ServerTable]] = {i: [] for i in remote_servers(plan)}
@@ -54,10 +60,11 @@ def write_server_folders(
             continue
         spec = by_name[p.table]
         if p.partition == "keyed":
-            for server in p.servers:
-                per_server[server].append(ServerTable(p.table, p.dtype, spec.dim, "keyed"))
+            _add_keyed(per_server, p.table, p.dtype, spec.dim, p.servers, packed.get(p.table))
             continue
         rows = packed.get(p.table)
+        if isinstance(rows, tuple):
+            raise ValueError(f"ranged remote table {p.table!r}: expected packed rows, got keys")
         if rows is None:
             raise ValueError(f"no packed rows for remote table {p.table!r}")
         for j, server in enumerate(p.servers):
@@ -70,6 +77,31 @@ def write_server_folders(
         folders[server] = server_folder(out, server)
         write_server_folder(folders[server], tables)
     return folders
+
+
+def _add_keyed(
+    per_server: dict[int, list[ServerTable]],
+    table: str,
+    dtype: DType,
+    dim: int,
+    servers: Sequence[int],
+    rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """A keyed table's part on each of ``servers`` (empty without ``rows``)."""
+    if rows is None:
+        for server in servers:
+            per_server[server].append(ServerTable(table, dtype, dim, "keyed"))
+        return
+    if not isinstance(rows, tuple):
+        raise ValueError(f"keyed remote table {table!r}: expected (keys, packed rows)")
+    keys, packed = rows
+    routing = RemoteTable(table, dtype, dim, tuple(str(s) for s in servers), "keyed")
+    at = torch.from_numpy(server_of(routing, keys.numpy()))
+    for j, server in enumerate(servers):
+        mine = at == j
+        per_server[server].append(
+            ServerTable(table, dtype, dim, "keyed", rows=packed[mine].contiguous(), ids=keys[mine])
+        )
 
 
 class ServerFolderRows:

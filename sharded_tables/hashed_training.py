@@ -10,7 +10,7 @@ lookup, as the Tencent / TorchRec dynamic-embedding designs do:
   row and its optimizer state as one FP32 row ``[D + S]`` (``S``: 1 for row-wise Adagrad, ``D``
   for Adagrad, 0 for SGD), acknowledged durable by the servers;
 * an admitted id reads its row back (found: row and state restored exactly) or starts fresh
-  (:func:`~sharded_tables.dynamic_table.hashed_uniform` of ``init_std``, a pure function of the
+  (:func:`hashed_uniform` of ``init_std``, a pure function of the
   id, and zero state);
 * an id not admitted this batch (``admit_after``) pools as padding.
 
@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 from sharded_tables.collection import check_id_features
-from sharded_tables.dynamic_table import hashed_uniform
 from sharded_tables.id_transformer import IdTransformer
 from sharded_tables.interface import RemoteStats, TableHooks
 from sharded_tables.quantize import pack_rows, unpack_rows
@@ -52,6 +51,28 @@ from sharded_tables.remote.routing import RemoteTable
 from sharded_tables.remote.server_files import ServerTable, read_manifest, write_server_folder
 from sharded_tables.specs import DType
 from sharded_tables.trainable import TrainableTables
+
+_M31 = 0x7FFFFFFF
+
+
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """An avalanche hash on ``int64`` values in ``[0, 2^31)`` (products stay below 2^63)."""
+    for _ in range(2):
+        x = x ^ (x >> 16)
+        x = (x * 0x45D9F3B) & _M31
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(ids: torch.Tensor, dim: int, scale: float, seed: int = 0) -> torch.Tensor:
+    """``ids int64 [a]`` -> ``float32 [a, dim]`` uniform in ``[-scale, scale)``, a pure function
+    of ``(seed, id, column)``: an id starts from the same row whatever batch first brings it."""
+    h = _mix31((ids & _M31) ^ (seed & _M31))
+    h = _mix31(h ^ ((ids >> 31) & _M31))
+    h = _mix31(h ^ ((ids >> 62) & 3))  # [a]
+    cols = _mix31(torch.arange(1, dim + 1, dtype=torch.int64))  # [dim]
+    u = _mix31(h[:, None] ^ cols[None, :]).float() / float(1 << 31)  # [a, dim] in [0, 1)
+    return (2 * u - 1) * scale
+
 
 EXPORT_CHUNK = 1 << 16
 """Ids read from the store per call when exporting a table."""

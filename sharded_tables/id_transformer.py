@@ -2,7 +2,7 @@
 
 As in dynamic-embedding designs (TorchRec's contrib ``IDTransformer``), the local table holds only
 the ids in use; an :class:`~sharded_tables.idmap.IdMap` assigns their rows and, when the table is
-full, evicts by its policy. The caller (:class:`sharded_tables.dynamic_table.TransformedTable`)
+full, evicts by its policy. The caller (:class:`sharded_tables.hashed_training.HashedTrainingTables`)
 saves evicted rows and restores or initialises admitted ones.
 
 Admission: with ``admit_after = k > 1`` an id gets a row only once it has been seen ``k`` times

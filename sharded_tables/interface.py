@@ -100,8 +100,12 @@ class TableCollection(Protocol):
         learned, sorted by key (``{}``: none here, or they live on embedding servers)."""
         ...
 
-    def load_keyed(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Takes ``{hashed table: (keys, rows)}`` (what :meth:`keyed_rows` gives)."""
+    def load_keyed(
+        self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Takes ``{hashed table: (keys, float rows)}`` (what :meth:`keyed_rows` gives; packed
+        where the tables are) -> ``{table: (keys, packed rows)}`` of hashed tables that live on
+        embedding servers (``{}`` when none)."""
         ...
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
@@ -128,7 +132,9 @@ class TableHooks:
     def keyed_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {}
 
-    def load_keyed(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load_keyed(
+        self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         raise ValueError(f"{type(self).__name__} tables take no keyed rows (no hashed tables)")
 
     def cache_stats(self) -> dict[str, dict[str, float]]:

@@ -26,13 +26,12 @@ from torch import nn
 
 from sharded_tables.cache import HotRowCache
 from sharded_tables.collection import check_id_features
-from sharded_tables.dynamic_table import TransformedTable
 from sharded_tables.interface import RemoteStats, RowUpdateRefusedError
+from sharded_tables.keyed_bag import KeyedBag
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.remote_tier import RemoteFetcher, RemoteTier, pool_rows, present_ids
 from sharded_tables.specs import DType, TableSpec, Tier
-from sharded_tables.store import MemoryRowStore, RowStore
 from sharded_tables.tbe import LocalTable, LocalTables
 
 
@@ -105,19 +104,12 @@ class TieredEmbeddingCollection(nn.Module):
         )
         self.caches: dict[str, HotRowCache] = self.remote_tier.caches
         self._hot_remote = frozenset(self.caches)  # remote tables read through their caches
-        # Hashed tables in a local tier: an id transformer over `rows` local rows whose evicted
-        # rows go to the remote tier (or an in-process store when there are no servers).
-        self.dynamic: dict[str, TransformedTable] = {}
-        for s, p in self._placed():
-            if s.hashed and p.tier is not Tier.REMOTE:
-                store = (
-                    remote
-                    if isinstance(remote, RowStore)
-                    else MemoryRowStore({s.name: s.row_bytes(p.dtype)})
-                )
-                self.dynamic[s.name] = TransformedTable(
-                    s.name, s.rows, s.dim, store, dtype=p.dtype, device=self.device
-                )
+        # Hashed tables in a local tier: every learned id's row, packed, looked up by key
+        self.keyed: dict[str, KeyedBag] = {
+            s.name: KeyedBag(s.dim, p.dtype)
+            for s, p in self._placed()
+            if s.hashed and p.tier is not Tier.REMOTE
+        }
         self.stats = RemoteStats()
 
     # ---- placement ----------------------------------------------------------------------------
@@ -219,11 +211,8 @@ class TieredEmbeddingCollection(nn.Module):
         for s, p in self._placed():
             if p.tier is not Tier.REMOTE and not s.hashed:
                 packed[s.name] = self._local_module(s.name).packed(s.name)
-        dynamic = {
-            name: {"weight": t.weight.cpu(), **t.transformer.state_dict()}
-            for name, t in self.dynamic.items()
-        }
-        return {"plan": self.plan.to_json(), "packed": packed, "dynamic": dynamic}
+        keyed = {name: bag.get_extra_state() for name, bag in self.keyed.items()}
+        return {"plan": self.plan.to_json(), "packed": packed, "keyed": keyed}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         saved = PlacementPlan.from_json(state["plan"])
@@ -231,12 +220,8 @@ class TieredEmbeddingCollection(nn.Module):
             raise ValueError("saved table plan differs from this collection's plan")
         for name, packed in state["packed"].items():
             self._local_module(name).set_packed(name, packed)
-        for name, saved_table in state.get("dynamic", {}).items():
-            table = self.dynamic[name]
-            table.weight.copy_(saved_table["weight"])
-            table.transformer.load_state_dict(
-                {k: v for k, v in saved_table.items() if k != "weight"}
-            )
+        for name, saved_rows in state.get("keyed", {}).items():
+            self.keyed[name].set_extra_state(saved_rows)
 
     # ---- lookups ----------------------------------------------------------------------------
     def table_rows(self) -> dict[str, int | None]:
@@ -274,7 +259,7 @@ class TieredEmbeddingCollection(nn.Module):
             out.update(
                 self.remote_tier.lookup(by_table, features, self.remote, self.timeout, self.stats)
             )
-        hashed = [f for f in features if self.table_of[f] in self.dynamic]
+        hashed = [f for f in features if self.table_of[f] in self.keyed]
         if hashed:
             out.update(self._hashed_lookup({f: features[f] for f in hashed}))
         return {f: out[f].to(out_device) for f in features}
@@ -310,11 +295,11 @@ class TieredEmbeddingCollection(nn.Module):
 
     @torch.compiler.disable
     def _hashed_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Local hashed tables: unique raw ids -> id transformer rows (evictions to the store)."""
+        """Local hashed tables: unique raw ids -> their rows (zeros for ids never learned)."""
         out = {}
         for table, feats in self._group(features).items():
             u = self._unique_ids(table, [features[f] for f in feats])
-            dense = self.dynamic[table].lookup(u).to(self.device)  # [U, D]
+            dense = self.keyed[table].lookup(u)[0].to(self.device)  # [U, D]
             spec, u = self.specs[table], u.to(self.device)
             for f in feats:
                 ids = features[f].to(self.device)
@@ -337,12 +322,25 @@ class TieredEmbeddingCollection(nn.Module):
         return u
 
     def keyed_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``{}``: a tiered hashed table's rows are on the embedding servers."""
-        return {}
+        """``{table: (keys, float rows)}`` of the local hashed tables (dequantized)."""
+        return {name: (bag.keys, bag.rows) for name, bag in self.keyed.items()}
 
-    def load_keyed(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Refused: tiered hashed tables read their rows from the embedding servers."""
-        raise ValueError("the model's tables are tiered: hashed rows live on embedding servers")
+    def load_keyed(
+        self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Takes every hashed table's ``(keys, float rows)``: local ones are packed here; ->
+        ``{table: (keys, packed rows)}`` of those on embedding servers (their folders')."""
+        remote = {}
+        for name, (keys, values) in rows.items():
+            spec = self.specs.get(name)
+            if spec is None or not spec.hashed:
+                raise ValueError(f"{name!r} is not a hashed table of this collection")
+            if name in self.keyed:
+                self.keyed[name].load(keys, values)
+            else:
+                dtype = self.plan.placement(name).dtype
+                remote[name] = (keys, pack_rows(values.detach().float().cpu(), dtype))
+        return remote
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
         """``{table: counters}`` of each remote table's hot-row cache."""

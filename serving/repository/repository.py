@@ -76,7 +76,7 @@ from serving.repository.model_folder import (
     retain,
     stage_name,
 )
-from sharded_tables.export import write_server_folders
+from sharded_tables.export import RemoteRows, write_server_folders
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.tiered import RemoteFetcher
 
@@ -293,7 +293,7 @@ class ModelRepository:
         keep: int = 3,
         shards: int | None = None,
         assignment: torch.Tensor | None = None,
-        remote_rows: dict[str, torch.Tensor] | None = None,
+        remote_rows: RemoteRows | None = None,
         **config_overrides: Any,
     ) -> int:
         """Writes ``model`` as the next version of ``name``; returns the version number.
@@ -377,9 +377,7 @@ class ModelRepository:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-def _write_embeddings(
-    model: RetrievalModel, remote_rows: dict[str, torch.Tensor], out: Path
-) -> None:
+def _write_embeddings(model: RetrievalModel, remote_rows: RemoteRows, out: Path) -> None:
     """One folder per embedding server the model's table plan uses."""
     if model.config.table_plan is None:
         raise ValueError("remote_rows: the model has no table plan (its tables are not tiered)")

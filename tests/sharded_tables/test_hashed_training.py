@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from sharded_tables.collection import TableConfig
-from sharded_tables.dynamic_table import hashed_uniform
 from sharded_tables.hashed_training import (
     HashedTable,
     HashedTrainingTables,
+    hashed_uniform,
     state_width,
     store_tables,
 )

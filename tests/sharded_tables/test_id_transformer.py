@@ -1,4 +1,5 @@
-"""IdTransformer admission / eviction and TransformedTable's round trip through a RowStore."""
+"""IdTransformer admission / eviction, its sketch, and fresh rows of hashed tables (their
+round trip through the embedding servers: test_hashed_training.py)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sharded_tables.dynamic_table import TransformedTable, hashed_uniform
+from sharded_tables.hashed_training import hashed_uniform
 from sharded_tables.id_transformer import AdmissionSketch, IdTransformer
-from sharded_tables.quantize import pack_rows, unpack_rows
-from sharded_tables.specs import DType, row_bytes
-from sharded_tables.store import MemoryRowStore
 
 
 def _t(keys: list[int]) -> torch.Tensor:
     return torch.tensor(keys, dtype=torch.int64)
-
-
-def _table(capacity: int, dim: int = 4, dtype: DType = DType.FP32, **kw) -> TransformedTable:
-    store = MemoryRowStore({"t": row_bytes(dim, dtype)})
-    return TransformedTable("t", capacity, dim, store, dtype=dtype, **kw)
 
 
 def test_admission_after_k_sightings():
@@ -50,47 +43,12 @@ def test_batch_wider_than_capacity_admits_what_fits():
     assert IdTransformer(0).transform(_t([1, 2])).rows.tolist() == [-1, -1]
 
 
-def test_evicted_rows_come_back_bit_identical():
-    table = _table(capacity=3, dim=4)
-    ids = [11, 2**40 + 1, -5]
-    table.lookup(_t(ids))
-    learned = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-    learned[0, 0] = float.fromhex("0x1.000002p-126")  # a low-bit pattern fp16 would lose
-    table.weight[table.transformer.map.find(_t(ids), record=False)] = learned
-    table.lookup(_t([100, 101, 102]))  # evicts all three
-    assert not table.lookup(_t([100])).isnan().any()
-    back = table.lookup(_t(ids))  # re-admitted from the store
-    assert torch.equal(back.view(torch.int32), learned.view(torch.int32))
-
-
-def test_unseen_ids_get_zero_or_seeded_rows_without_rebuild():
-    table = _table(capacity=8, dim=4)
-    assert torch.equal(table.lookup(_t([2**62, 3])), torch.zeros(2, 4))
-    seeded = _table(capacity=8, dim=4, init_scale=0.1, seed=3)
-    a = seeded.lookup(_t([2**62, 3]))
-    b = _table(capacity=8, dim=4, init_scale=0.1, seed=3).lookup(_t([3, 2**62]))
-    assert torch.equal(a, b.flip(0))  # a pure function of (seed, id), not of batch order
+def test_fresh_rows_are_a_pure_function_of_seed_and_id():
+    a = hashed_uniform(_t([2**62, 3]), 4, 0.1, seed=3)
+    b = hashed_uniform(_t([3, 2**62]), 4, 0.1, seed=3)
+    assert torch.equal(a, b.flip(0))  # not of batch order
     assert a.abs().max() <= 0.1 and a.std() > 0.01
     assert not torch.equal(hashed_uniform(_t([3]), 4, 0.1, seed=4), a[1:])
-
-
-def test_not_admitted_ids_read_zero_rows():
-    table = _table(capacity=4, admit_after=2, init_scale=1.0)
-    assert torch.equal(table.lookup(_t([1])), torch.zeros(1, 4))
-    assert table.lookup(_t([1])).abs().sum() > 0
-
-
-def test_quantized_store_round_trip_and_flush():
-    table = _table(capacity=2, dim=4, dtype=DType.INT8)
-    table.lookup(_t([1, 2]))
-    w = torch.tensor([[0.0, 1.0, 2.0, 3.0], [4.0, 4.0, 4.0, 4.0]])
-    table.weight.copy_(w)
-    table.flush()
-    packed, found = table.store.get("t", _t([1, 2]))
-    assert found.all() and torch.equal(packed, pack_rows(w, DType.INT8))
-    table.lookup(_t([3, 4]))
-    back = table.lookup(_t([1, 2]))  # int8 in the store: equal up to the format's rounding
-    assert torch.equal(back, unpack_rows(pack_rows(w, DType.INT8), DType.INT8, 4))
 
 
 def test_state_round_trip():

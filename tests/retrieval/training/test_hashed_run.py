@@ -15,13 +15,17 @@ import torch
 from retrieval.data import SyntheticConfig, generate
 from retrieval.data.raw_user_ids import raw_user_ids
 from retrieval.model import RetrievalModel
+from retrieval.tiering import tier_model
 from retrieval.training.config import HashedConfig, ModelSection
 from retrieval.training.prepare import Prepared
 from retrieval.training.run import prepare_run
 from retrieval.training.train import CHECKPOINT_FILE, TrainConfig, Trainer
+from serving.repository import ModelRepository
 from sharded_tables import EmbeddingCollection
 from sharded_tables.hashed_training import state_width, store_folder
+from sharded_tables.placement import Budgets
 from sharded_tables.remote.server import EmbeddingServer
+from sharded_tables.specs import DType
 
 USERS = 300
 TABLE = "user_raw_id"
@@ -52,16 +56,23 @@ def config(server: str, **kw: object) -> TrainConfig:
     return TrainConfig(hashed=HashedConfig(servers=[server]), **settings)
 
 
+@pytest.fixture(scope="module")
+def trained(prep: Prepared, server: str) -> tuple[RetrievalModel, Trainer]:
+    model = fresh(prep)
+    trainer = Trainer(model, prep.train, config(server))
+    trainer.fit()
+    model.build_index(prep.train.item_features, prep.dataset.item_attributes)
+    return model.eval(), trainer
+
+
 def test_the_raw_id_feature_trains_over_a_quarter_sized_working_table(
-    prep: Prepared, server: str
+    prep: Prepared, trained: tuple[RetrievalModel, Trainer]
 ) -> None:
     assert prep.config.hashed_user_features == ("raw_id",)
     raw = prep.train.categorical[:, list(prep.config.user_features).index("raw_id")]
     assert raw.min() >= 0 and len(np.unique(raw)) == USERS and raw.max() > 2**40  # sparse ids
 
-    model = fresh(prep)
-    trainer = Trainer(model, prep.train, config(server))
-    trainer.fit()
+    model, trainer = trained
     moved = trainer.hashed.moved if trainer.hashed is not None else None
     assert moved is not None and moved.evicted > USERS and moved.restored > 0
     assert trainer.epoch_losses[-1] < trainer.epoch_losses[0]
@@ -73,7 +84,6 @@ def test_the_raw_id_feature_trains_over_a_quarter_sized_working_table(
     assert rows.abs().sum(dim=1).min() > 0
 
     # the float model looks the users up by raw id: its query vectors are the trained ones
-    model.eval()
     batch = prep.user_batch(np.arange(8))
     with torch.no_grad():
         q = model.user_vectors(batch)
@@ -81,6 +91,29 @@ def test_the_raw_id_feature_trains_over_a_quarter_sized_working_table(
         unknown[:, list(prep.config.user_features).index("raw_id")] = 12345  # never trained
         q_unknown = model.user_vectors(dataclasses.replace(batch, categorical=unknown))
     assert not torch.allclose(q, q_unknown)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_published_it_answers_like_the_trained_model(
+    prep: Prepared, trained: tuple[RetrievalModel, Trainer], dtype: str, tmp_path: Path
+) -> None:
+    model, _ = trained
+    served, remote = tier_model(model, Budgets(device=0, host=1 << 30), dtype=DType(dtype))
+    assert remote == {}  # every table fits the host tier, the hashed one too
+    repo = ModelRepository(tmp_path / "repo")
+    version = repo.publish("hashed", served)
+    loaded = repo.load("hashed", version).model
+    batch = prep.user_batch(np.arange(64))
+    with torch.no_grad():
+        want, _ = model(batch, 20)
+        got, _ = loaded(batch, 20)
+    if dtype == "fp32":
+        assert (got == want).float().mean() > 0.99  # fbgemm's sums against torch's
+    else:  # within the int8 tables' bound the other tests hold
+        overlap = [
+            len(set(a.tolist()) & set(b.tolist())) / 20 for a, b in zip(got, want, strict=True)
+        ]
+        assert float(np.mean(overlap)) > 0.85
 
 
 def test_resume_equals_an_uninterrupted_run(prep: Prepared, server: str, tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The foundation model with its item table on 2 real embedding servers: same results as local.
 
-Also: the plan's server folders feed ``recserve serve embeddings`` as written, a hashed table evicts
-rows to the servers' keyed store and gets them back, and a dead server fails the request fast.
+Also: the plan's server folders feed ``recserve serve embeddings`` as written, a hashed table's
+learned rows are served from the servers' keyed tables, and a dead server fails the request fast.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from retrieval.training.prepare import prepare
 from retrieval.training.train import TrainConfig, train
 from sharded_tables.export import remote_routing, write_server_folders
 from sharded_tables.planner import Budgets, plan
-from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables
-from sharded_tables.remote.server_files import ServerTable, write_server_folder
+from sharded_tables.remote.client import RemoteLookupError, RemoteTables
 from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.tiered import TieredEmbeddingCollection
 
@@ -81,23 +80,23 @@ def test_remote_item_table_serves_the_same_recommendations(trained, servers, tmp
     client.close()
 
 
-def test_hashed_table_evicts_to_the_servers_and_reads_back(servers, tmp_path):
-    specs = [TableSpec("query", 4, 8, DType.FP32, hashed=True)]
-    budgets = Budgets(device=0, host=1 << 20, remote_per_server=1 << 20, remote_servers=1)
+def test_a_hashed_table_on_the_servers_answers_its_learned_rows(servers, tmp_path):
+    specs = [TableSpec("query", 4, 8, DType.FP16, hashed=True)]
+    budgets = Budgets(device=0, host=0, remote_per_server=1 << 20, remote_servers=2)
     placement = plan(specs, budgets)
-    assert placement.placement("query").tier is Tier.HOST
-    # the keyed store for evicted rows: one server
-    write_server_folder(tmp_path / "kv", [ServerTable("query", DType.FP32, 8, "keyed")])
-    (proc,) = servers.start((tmp_path / "kv", 0))
-    client = RemoteTables([RemoteTable("query", DType.FP32, 8, (proc.address,), "keyed")])
-    coll = TieredEmbeddingCollection(specs, placement, remote=client)
-    raw = torch.tensor([[2**40 + 1, -(2**50), 123456789]])
-    coll({"query": raw})
-    coll.dynamic["query"].weight[:] = torch.randn(4, 8)
-    before = coll({"query": raw})["query"].clone()
-    coll({"query": torch.tensor([[10, 11, 12, 13]])})  # evicts all three to the server
-    _rows, found = client.get("query", raw.flatten())
-    assert found.all()
-    after = coll({"query": raw})["query"]
-    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert placement.placement("query").partition == "keyed"
+    keys = torch.arange(40, dtype=torch.int64) * 2**40 + 7  # sparse raw ids
+    rows = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+    coll = TieredEmbeddingCollection(specs, placement)
+    packed = coll.load_keyed({"query": (keys, rows)})
+    folders = write_server_folders(placement, specs, packed, tmp_path / "rows")
+    procs = servers.start(*((folders[i], 0) for i in sorted(folders)))
+    client = RemoteTables(remote_routing(placement, specs, [p.address for p in procs]))
+    coll.remote = client
+    ids = torch.tensor([[int(keys[3]), -1], [int(keys[39]), 5]])  # 5: never learned
+    out = coll({"query": ids})["query"]
+    q = rows.half().float()
+    torch.testing.assert_close(out[0], q[3])
+    torch.testing.assert_close(out[1], q[39] / 2)
+    assert sorted(client.keys("query").tolist()) == keys.tolist()  # each on its routed server
     client.close()
