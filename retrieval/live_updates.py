@@ -299,16 +299,20 @@ def item_tower_vectors(
     return model.item_vectors({f: t.to(device) for f, t in features.items()}).float().cpu()
 
 
-def _check_ids(ids: torch.Tensor, field: str = "ids", unique: bool = True) -> torch.Tensor:
-    """``ids [n] int64``, each >= 0, none twice (``unique``) -> the ids on the CPU."""
+def _check_ids(
+    ids: torch.Tensor, field: str = "ids", unique: bool = True, keys: bool = False
+) -> torch.Tensor:
+    """``ids [n] int64``, each >= 0 (``keys``: raw keys of a hashed table, any but -1), none
+    twice (``unique``) -> the ids on the CPU."""
     if ids.dim() != 1 or ids.dtype != torch.int64:
         raise UpdateError(field, f"expected int64 [n], got {ids.dtype} {list(ids.shape)}")
     ids = ids.cpu()
     if ids.numel() == 0:
         raise UpdateError(field, "empty: nothing to update")
-    neg = (ids < 0).nonzero().flatten()
+    neg = (ids == -1 if keys else ids < 0).nonzero().flatten()
     if neg.numel():
-        raise UpdateError(field, f"must be >= 0, got {int(ids[neg[0]])}", int(neg[0]))
+        want = "a raw key, not -1 (padding)" if keys else "must be >= 0"
+        raise UpdateError(field, f"{want}, got {int(ids[neg[0]])}", int(neg[0]))
     if not unique:
         return ids
     seen: set[int] = set()
@@ -354,12 +358,15 @@ def _prepare_rows(model: RetrievalModel, batch: UpdateEmbeddings) -> Callable[[]
     known = table_shapes(model)
     if batch.table not in known:
         raise UpdateError("table", f"unknown table {batch.table!r} (known: {', '.join(known)})")
-    rows = _check_ids(batch.rows, "rows")
-    n_rows = known[batch.table][0]
-    bad = (rows >= n_rows).nonzero().flatten()
-    if bad.numel():
-        i = int(bad[0])
-        raise UpdateError("rows", f"{int(rows[i])} is not in [0, {n_rows})", i)
+    if model.tables.table_rows()[batch.table] is None:  # hashed: rows are raw keys
+        rows = _check_ids(batch.rows, "rows", keys=True)
+    else:
+        rows = _check_ids(batch.rows, "rows")
+        n_rows = known[batch.table][0]
+        bad = (rows >= n_rows).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise UpdateError("rows", f"{int(rows[i])} is not in [0, {n_rows})", i)
     values = _check_values(batch.values, rows.numel(), known[batch.table][1])
     try:
         return model.tables.row_writer(batch.table, rows, values)

@@ -32,6 +32,7 @@ from sharded_tables.planner import PlacementPlan
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.remote_tier import RemoteFetcher, RemoteTier, pool_rows, present_ids
 from sharded_tables.specs import DType, TableSpec, Tier
+from sharded_tables.store import RowStore
 from sharded_tables.tbe import LocalTable, LocalTables
 
 
@@ -177,16 +178,15 @@ class TieredEmbeddingCollection(nn.Module):
         self, table: str, rows: torch.Tensor, values: torch.Tensor
     ) -> Callable[[], None]:
         """Re-packs ``values [n, D]`` in the table's dtype; the write puts them into ``rows [n]``
-        where the kernel reads them. Remote and hashed tables are refused."""
+        where the kernel reads them. A hashed table's ``rows`` are raw keys: inserted or
+        replaced (:meth:`_keyed_writer`). Ranged remote tables are refused."""
         spec, placement = self.specs[table], self.plan.placement(table)
+        if spec.hashed:
+            return self._keyed_writer(table, rows, values)
         if placement.tier is Tier.REMOTE:
             raise RowUpdateRefusedError(
                 f"table {table!r} lives on the remote tier (embedding servers, with hot-row "
                 "caches here): its rows are not updated in place; publish a new version"
-            )
-        if spec.hashed:
-            raise RowUpdateRefusedError(
-                f"table {table!r} is hashed (rows follow raw ids): not updated in place"
             )
         try:
             packed = pack_rows(values, placement.dtype)
@@ -203,6 +203,35 @@ class TieredEmbeddingCollection(nn.Module):
                 module.set_packed(table, whole)
                 return
             view[rows.to(view.device)] = packed.to(view.device)
+
+        return write
+
+    def _keyed_writer(
+        self, table: str, keys: torch.Tensor, values: torch.Tensor
+    ) -> Callable[[], None]:
+        """A hashed table's live write: keys ``[n]`` take ``values [n, D]`` (new keys are
+        inserted). In the process: a new packed copy; on the embedding servers: a durable put,
+        then this process's hot-row cache forgets the keys (other processes' caches keep theirs
+        until evicted)."""
+        dtype = self.plan.placement(table).dtype
+        try:
+            packed = pack_rows(values, dtype)
+        except ValueError as e:
+            raise ValueError(f"{e} (table {table!r} is {dtype.value})") from None
+        if table in self.keyed:
+            bag = self.keyed[table]
+            return lambda: bag.upsert(keys, values)
+        remote = self.remote
+        if not isinstance(remote, RowStore):
+            raise RowUpdateRefusedError(
+                f"table {table!r} lives on embedding servers this process cannot write to"
+            )
+        cache = self.caches.get(table)
+
+        def write() -> None:
+            remote.put(table, keys, packed)
+            if cache is not None:
+                cache.invalidate(keys)
 
         return write
 

@@ -14,12 +14,14 @@ import torch
 
 from retrieval.data import SyntheticConfig, generate
 from retrieval.data.raw_user_ids import raw_user_ids
+from retrieval.live_updates import UpdateError, apply_update
 from retrieval.model import RetrievalModel
 from retrieval.tiering import tier_model
 from retrieval.training.config import HashedConfig, ModelSection
 from retrieval.training.prepare import Prepared
 from retrieval.training.run import prepare_run
 from retrieval.training.train import CHECKPOINT_FILE, TrainConfig, Trainer
+from retrieval.update_batches import UpdateEmbeddings
 from serving.repository import ModelRepository
 from sharded_tables import EmbeddingCollection
 from sharded_tables.hashed_training import state_width, store_folder
@@ -152,3 +154,23 @@ def test_raw_user_ids_are_stable_distinct_and_never_padding() -> None:
     ids = raw_user_ids(ds)
     assert ids.dtype == np.int64 and (ids >= 0).all() and len(np.unique(ids)) == 50
     assert np.array_equal(ids, raw_user_ids(ds))
+
+
+def test_live_updates_write_a_served_hashed_table(
+    prep: Prepared, trained: tuple[RetrievalModel, Trainer]
+) -> None:
+    served, _ = tier_model(trained[0], Budgets(device=0, host=1 << 30), dtype=DType.INT8)
+    col = list(prep.config.user_features).index("raw_id")
+    batch = prep.user_batch(np.arange(2))
+    newcomer = batch.categorical.clone()
+    newcomer[:, col] = torch.tensor([2**62 + 1, 2**62 + 2])  # users the model never saw
+    fresh_batch = dataclasses.replace(batch, categorical=newcomer)
+    with torch.no_grad():
+        before = served.user_vectors(fresh_batch)
+    row = torch.ones(1, 32) * 0.5
+    apply_update(served, UpdateEmbeddings(TABLE, torch.tensor([2**62 + 1]), row))
+    with torch.no_grad():
+        after = served.user_vectors(fresh_batch)
+    assert not torch.allclose(after[0], before[0]) and torch.equal(after[1], before[1])
+    with pytest.raises(UpdateError, match="not -1"):
+        apply_update(served, UpdateEmbeddings(TABLE, torch.tensor([-1]), row))

@@ -99,4 +99,10 @@ def test_a_hashed_table_on_the_servers_answers_its_learned_rows(servers, tmp_pat
     torch.testing.assert_close(out[0], q[3])
     torch.testing.assert_close(out[1], q[39] / 2)
     assert sorted(client.keys("query").tolist()) == keys.tolist()  # each on its routed server
+    # a live update writes through to the servers (a new key too) and past the hot-row cache
+    new = torch.full((2, 8), 0.25)
+    coll.row_writer("query", torch.tensor([int(keys[3]), 5]), new)()
+    out = coll({"query": ids})["query"]
+    torch.testing.assert_close(out[0], new[0])
+    torch.testing.assert_close(out[1], (q[39] + new[1]) / 2)
     client.close()
