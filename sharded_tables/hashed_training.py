@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sharded_tables.collection import check_id_features
@@ -50,7 +51,6 @@ from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.remote.routing import RemoteTable
 from sharded_tables.remote.server_files import ServerTable, read_manifest, write_server_folder
 from sharded_tables.specs import DType
-from sharded_tables.trainable import TrainableTables
 
 _M31 = 0x7FFFFFFF
 
@@ -149,35 +149,78 @@ class MovedRows:
     """Admitted ids the store did not hold (initialised)."""
 
 
+class KernelTables(Protocol):
+    """What hashed tables need of the tables that train them: fbgemm's one-process
+    :class:`TrainableTables`, or TorchRec's DMP over ranks (``retrieval/training/dmp_tables``)."""
+
+    @property
+    def table_of(self) -> Mapping[str, str]: ...
+
+    def __call__(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def validate(self, features: Mapping[str, torch.Tensor]) -> None: ...
+
+    def table_rows(self) -> dict[str, int | None]: ...
+
+    def table_shapes(self) -> dict[str, tuple[int, int]]: ...
+
+    def float_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def local_table(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """Live views of a whole table's rows ``[rows, D]`` and optimizer state (``[rows]`` or
+        ``[rows, D]`` each) where this process holds it; None where another rank does."""
+        ...
+
+    def owner_rank(self, name: str) -> int:
+        """The rank holding the whole table (0 in one process)."""
+        ...
+
+    def working_state(self) -> dict[str, Any] | None:
+        """Rows and optimizer state to checkpoint with the hashed tables (None: checkpointed
+        by ``torch.distributed.checkpoint`` instead)."""
+        ...
+
+    def load_working_state(self, state: dict[str, Any] | None) -> None: ...
+
+
 class HashedTrainingTables(TableHooks, nn.Module):
-    """A :class:`TrainableTables` whose ``hashed`` tables take raw ids (see the module doc).
+    """Kernel tables whose ``hashed`` tables take raw ids (see the module doc).
 
     Args:
-        inner: the kernel tables; each hashed table has ``capacity`` rows there.
+        inner: the kernel tables; each hashed table has ``capacity`` rows there, whole on one
+            rank when sharded (table-wise).
         hashed: ``{table: HashedTable}``.
         store: the servers' client, holding :func:`store_tables` for every hashed table.
         init_std: scale of a fresh row (uniform, the same standard deviation).
         seed: seed of fresh rows and of the transformers' sketches.
+
+    Under torchrun (a process group of several ranks) every rank gathers the batch's distinct
+    raw ids of all ranks and runs the same transformer on them, so every rank maps an id to the
+    same working row; only the rank holding a table moves its rows to and from the servers.
+    Calls are then collectives: every rank calls :meth:`forward` and :meth:`keyed_rows`.
     """
 
-    inner: TrainableTables
+    inner: KernelTables
 
     def __init__(
         self,
-        inner: TrainableTables,
+        inner: KernelTables,
         hashed: Mapping[str, HashedTable],
         store: MarkedStore,
         init_std: float = 0.05,
         seed: int = 0,
     ) -> None:
         super().__init__()
+        shapes = inner.table_shapes()
         for name, h in hashed.items():
-            if name not in inner.configs:
-                raise ValueError(f"hashed table {name!r} is not one of {inner.table_names}")
-            if inner.configs[name].num_embeddings != h.capacity:
+            if name not in shapes:
+                raise ValueError(f"hashed table {name!r} is not one of {sorted(shapes)}")
+            if shapes[name][0] != h.capacity:
                 raise ValueError(
-                    f"hashed table {name!r}: the kernel table has "
-                    f"{inner.configs[name].num_embeddings} rows, its capacity is {h.capacity}"
+                    f"hashed table {name!r}: the kernel table has {shapes[name][0]} rows, "
+                    f"its capacity is {h.capacity}"
                 )
         object.__setattr__(self, "inner", inner)  # no parameters: as TrainableTables keeps it
         self.hashed = dict(hashed)
@@ -188,7 +231,10 @@ class HashedTrainingTables(TableHooks, nn.Module):
             t: IdTransformer(h.capacity, h.policy, h.admit_after, seed=seed)
             for t, h in hashed.items()
         }
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.moved = MovedRows()
+        """Rows this process moved (the owner of a table moves all of its rows)."""
         self.stats = RemoteStats()
 
     # ---- the seam ---------------------------------------------------------------------------
@@ -218,8 +264,9 @@ class HashedTrainingTables(TableHooks, nn.Module):
         return self.stats
 
     def float_weights(self) -> dict[str, torch.Tensor]:
-        """Float rows of the plain tables; a hashed table's rows are :meth:`export`'s."""
-        w = self.inner.weights()
+        """Float rows of the plain tables (a collective under torchrun); a hashed table's rows
+        are :meth:`keyed_rows`'."""
+        w = self.inner.float_weights()
         return {t: rows for t, rows in w.items() if t not in self.hashed}
 
     def load_float(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -227,20 +274,6 @@ class HashedTrainingTables(TableHooks, nn.Module):
         if bad:
             raise ValueError(f"tables {bad} are hashed: their rows follow raw ids")
         return self.inner.load_float(weights)
-
-    def row_writer(
-        self, table: str, rows: torch.Tensor, values: torch.Tensor
-    ) -> Callable[[], None]:
-        if table in self.hashed:
-            return super().row_writer(table, rows, values)
-        return self.inner.row_writer(table, rows, values)
-
-    @property
-    def learning_rate(self) -> float:
-        return self.inner.learning_rate
-
-    def set_learning_rate(self, lr: float) -> None:
-        self.inner.set_learning_rate(lr)
 
     # ---- lookups ----------------------------------------------------------------------------
     def forward(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -255,10 +288,10 @@ class HashedTrainingTables(TableHooks, nn.Module):
         for table, feats in by_table.items():
             mats = [features[f] for f in feats]
             present = torch.cat([m[m != -1] for m in mats]).cpu()
-            uniq, inverse = torch.unique(present, return_inverse=True)
             self.stats.ids += present.numel()
+            uniq = self._all_ranks(torch.unique(present))  # sorted, the same on every rank
             self.stats.unique += uniq.numel()
-            rows = self._admit(table, uniq)[inverse]  # [n] working row per present id, -1: none
+            rows = self._admit(table, uniq)[torch.searchsorted(uniq, present)]  # [n], -1: none
             start = 0
             for f, m in zip(feats, mats, strict=True):
                 out = m.new_full(m.shape, -1)
@@ -269,12 +302,29 @@ class HashedTrainingTables(TableHooks, nn.Module):
                 mapped[f] = out
         return self.inner(mapped)
 
+    def _all_ranks(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's distinct ids ``[u]`` -> every rank's, distinct and sorted."""
+        if self.world == 1:
+            return ids
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(counts, torch.tensor([len(ids)]))
+        longest = int(max(c.item() for c in counts))
+        padded = torch.full((longest,), -1, dtype=torch.int64)
+        padded[: len(ids)] = ids
+        parts = [torch.empty(longest, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(parts, padded)
+        every = torch.cat([p[: int(c.item())] for p, c in zip(parts, counts, strict=True)])
+        return torch.unique(every)
+
     @torch.no_grad()
     def _admit(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """``ids int64 [U]`` distinct -> working rows ``[U]`` (-1: not admitted)."""
+        """``ids int64 [U]`` distinct -> working rows ``[U]`` (-1: not admitted); the rank
+        holding ``table`` saves evicted rows and restores admitted ones."""
         r = self.transformers[table].transform(ids)
-        weight = self.inner.weights()[table]
-        state = self.inner.optimizer_state()[table]
+        local = self.inner.local_table(table)
+        if local is None:
+            return r.rows
+        weight, state = local
         dim = weight.shape[1]
         if len(r.evicted_ids):  # saved before the admitted ids below take their rows
             at = r.evicted_rows.to(weight.device)
@@ -300,14 +350,20 @@ class HashedTrainingTables(TableHooks, nn.Module):
     @torch.no_grad()
     def export(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Every trained row of a hashed table -> ``(ids int64 [n], rows float32 [n, D])``
-        (the store's rows, the working table's over them), sorted by id."""
-        weight = self.inner.weights()[table]
+        (the store's rows, the working table's over them), sorted by id. Only where the table
+        is held (:meth:`keyed_rows` hands them to every rank)."""
+        local = self.inner.local_table(table)
+        if local is None:
+            raise ValueError(
+                f"hashed table {table!r} is held by rank {self.inner.owner_rank(table)}"
+            )
+        weight, state = local
         dim = weight.shape[1]
         held, slots = self.transformers[table].map.keys_and_slots()
         stored = self.store.keys(table)
         away = stored[~torch.isin(stored, held)]
         parts_ids, parts_rows = [held], [weight[slots.to(weight.device)].cpu()]
-        width = dim + _width(self.inner.optimizer_state()[table], dim)
+        width = dim + _width(state, dim)
         for lo in range(0, len(away), EXPORT_CHUNK):
             ids = away[lo : lo + EXPORT_CHUNK]
             packed, _ = self.store.get(table, ids)
@@ -318,20 +374,35 @@ class HashedTrainingTables(TableHooks, nn.Module):
         return ids[order], rows[order]
 
     def keyed_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`export` of every hashed table."""
-        return {t: self.export(t) for t in self.hashed}
+        """:meth:`export` of every hashed table, on every rank (a collective under torchrun)."""
+        out = {}
+        for t in self.hashed:
+            owner = self.inner.owner_rank(t)
+            box = [self.export(t) if self.rank == owner else None]
+            if self.world > 1:
+                dist.broadcast_object_list(box, src=owner)
+            assert box[0] is not None
+            out[t] = box[0]
+        return out
 
     def clear_store(self) -> None:
         """Empties the store's tables (their logs cut to nothing): a fresh run's start."""
-        for t in self.hashed:
-            self.store.rewind(t, dict.fromkeys(self.store.marks(t), 0))
+        self._on_one_rank(lambda: [self.store.rewind(t, dict.fromkeys(self.store.marks(t), 0))
+                                   for t in self.hashed])  # fmt: skip
+
+    def _on_one_rank(self, work: Callable[[], object]) -> None:
+        """Runs ``work`` on rank 0 while the others wait (store writes no rank may race)."""
+        if self.rank == 0:
+            work()
+        if self.world > 1:
+            dist.barrier()
 
     # ---- checkpoints ------------------------------------------------------------------------
     def get_extra_state(self) -> dict[str, Any]:
-        """The working tables (rows, optimizer state), the transformers and the store's marks:
-        a snapshot (copies)."""
+        """The working tables (rows, optimizer state: unless the kernel checkpoints them
+        itself), the transformers and the store's marks: a snapshot (copies)."""
         return {
-            "tables": self.inner.get_extra_state(),
+            "tables": self.inner.working_state(),
             "transformers": {t: x.state_dict() for t, x in self.transformers.items()},
             "marks": {t: self.store.marks(t) for t in self.hashed},
         }
@@ -342,9 +413,10 @@ class HashedTrainingTables(TableHooks, nn.Module):
             raise ValueError(
                 f"saved hashed tables {sorted(state['marks'])} differ from {sorted(self.hashed)}"
             )
-        for t, marks in state["marks"].items():
-            self.store.rewind(t, marks)
-        self.inner.set_extra_state(state["tables"])
+        self._on_one_rank(
+            lambda: [self.store.rewind(t, marks) for t, marks in state["marks"].items()]
+        )
+        self.inner.load_working_state(state["tables"])
         for t, saved in state["transformers"].items():
             self.transformers[t].load_state_dict(saved)
 

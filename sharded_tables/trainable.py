@@ -161,6 +161,23 @@ class TrainableTables(TableHooks, nn.Module):
             for t, states in zip(self.table_names, splits, strict=True)
         }
 
+    def local_table(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Live views of table ``name``'s rows and optimizer state (hashed tables' kernel)."""
+        return self.weights()[name], self.optimizer_state()[name]
+
+    def owner_rank(self, name: str) -> int:
+        """0: one process holds every table."""
+        return 0
+
+    def working_state(self) -> dict[str, Any]:
+        """:meth:`get_extra_state` (rows and optimizer state, copies)."""
+        return self.get_extra_state()
+
+    def load_working_state(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            raise ValueError("saved hashed tables carry no rows (written by a torchrun job)")
+        self.set_extra_state(state)
+
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copies float rows ``{table: [rows, D]}`` into the named tables (others unchanged).

@@ -147,6 +147,34 @@ class DMPTables(TableHooks, nn.Module):
         self._dmp.load_state_dict(state["tables"])
         self._dmp.fused_optimizer.load_state_dict(state["table_optimizer"])
 
+    def local_table(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """Live views of a table held whole by this rank (table-wise): its rows ``[rows, D]``
+        and the fused optimizer's state (TorchRec's views of fbgemm's); None on other ranks."""
+        shards = self._sharded()[name].local_shards()
+        if not shards:
+            return None
+        cfg = self.configs[name]
+        whole = (cfg.num_embeddings, cfg.dim)
+        if len(shards) != 1 or tuple(shards[0].metadata.shard_sizes) != whole:
+            raise ValueError(f"table {name!r} is split over ranks: a hashed table is table-wise")
+        state = {}
+        for key, states in self._dmp.fused_optimizer.state_dict()["state"].items():
+            if key.split(".")[-2] == name:  # embedding_bags.<table>.weight
+                for state_name, sharded in states.items():  # <table>.momentum1
+                    state[state_name.split(".")[-1]] = sharded.local_shards()[0].tensor
+        return shards[0].tensor, state
+
+    def owner_rank(self, name: str) -> int:
+        """The rank holding table ``name`` (its first shard's)."""
+        return self.placement()[name][0][0]
+
+    def working_state(self) -> None:
+        """None: the rows and optimizer state are checkpointed through :meth:`sharded_state`."""
+        return None
+
+    def load_working_state(self, state: dict[str, Any] | None) -> None:
+        """Nothing: :meth:`load_sharded_state` restores the rows."""
+
     def placement(self) -> dict[str, list[tuple[int, list[int], list[int]]]]:
         """``{table: [(rank, offsets, sizes)]}`` of every shard (from the plan)."""
         out: dict[str, list[tuple[int, list[int], list[int]]]] = {}

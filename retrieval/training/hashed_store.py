@@ -1,13 +1,15 @@
 """The trainer's side of hashed tables: their working tables over ``[train.hashed]``'s servers.
 
 Checked before any step, naming the field: servers named, reachable, each holding every hashed
-table as a keyed FP32 table ``D + S`` wide (``recserve serve training-store`` makes them), one
-process (torchrun runs do not train hashed tables yet), a fused table optimizer.
+table as a keyed FP32 table ``D + S`` wide (``recserve serve training-store`` makes them), a
+working table that holds a batch's ids, a fused table optimizer (the trainer checks that).
+Under torchrun the hashed tables are table-wise (``retrieval/training/sharding.py``).
 """
 
 from __future__ import annotations
 
 from retrieval.training.config import TrainConfig
+from retrieval.training.dmp_tables import DMPTables
 from sharded_tables.hashed_training import (
     HashedTable,
     HashedTrainingTables,
@@ -19,7 +21,7 @@ from sharded_tables.specs import DType
 from sharded_tables.trainable import TrainableTables
 
 
-def hashed_tables(inner: TrainableTables, cfg: TrainConfig) -> HashedTrainingTables:
+def hashed_tables(inner: TrainableTables | DMPTables, cfg: TrainConfig) -> HashedTrainingTables:
     """Wraps ``inner``'s hashed tables (those whose configs say ``hashed``) over the servers."""
     hashed = {n: c for n, c in inner.configs.items() if c.hashed}
     servers = cfg.hashed.servers

@@ -147,9 +147,16 @@ def plan_sharding(
                 f"train.sharding.column_shard_dim: table {t.name!r} ({t.dim} wide) would split "
                 f"into shards not a multiple of {FBGEMM_DIM_STEP} wide"
             )
+    hashed = [t.name for t in tables if t.hashed]
+    if hashed and "table_wise" not in cfg.types:
+        raise ValueError(
+            f"train.sharding.types: hashed tables {hashed} are sharded table-wise (their "
+            "working rows move to and from the embedding servers on one rank): add table_wise"
+        )
     constraints = {
         t.name: ParameterConstraints(
-            sharding_types=list(cfg.types), min_partition=shard_dim(t, cfg, world)
+            sharding_types=["table_wise"] if t.hashed else list(cfg.types),
+            min_partition=shard_dim(t, cfg, world),
         )
         for t in tables
     }

@@ -98,11 +98,8 @@ class Trainer:
                 f"train.table_optimizer: hashed tables {hashed} train with a fused optimizer "
                 "(rowwise_adagrad, adagrad or sgd), not adam"
             )
-        if hashed and self.dist is not None:
-            raise ValueError(
-                f"model.hashed_user_id: hashed tables {hashed} train in one process (not under "
-                "torchrun yet)"
-            )
+        self.dmp: DMPTables | None = None
+        """Under torchrun: the tables TorchRec shards (checkpointed through DCP)."""
         self.hashed: HashedTrainingTables | None = None
         """The hashed tables' trainer, when the model has some."""
         if cfg.table_optimizer != "adam":
@@ -123,9 +120,7 @@ class Trainer:
         """The model's state after the best epoch so far (float tables), when ``stopper``."""
         self.stopped = False
         """The stopper ended the run before ``epochs``."""
-        self.sharding = (
-            self.model.tables.placement() if isinstance(self.model.tables, DMPTables) else None
-        )
+        self.sharding = self.dmp.placement() if self.dmp is not None else None
         """Under torchrun: ``{table: [(rank, offsets, sizes)]}``, where TorchRec put each shard."""
         self._evaluates = self._any_rank(evaluate is not None)
 
@@ -134,18 +129,19 @@ class Trainer:
         tables = self.model.tables
         configs = table_configs(self.model.config)
         rows = tables.float_weights()
-        trainable: TableCollection
+        kernel: TrainableTables | DMPTables
         if self.dist is not None:  # TorchRec's DMP over the plan of [train.sharding]
             sharder = make_sharder(self.cfg.table_optimizer, self.cfg.table_lr)
             plan = plan_sharding(configs, self.cfg.sharding, self.dist.world, sharder)
-            trainable = DMPTables(configs, plan, sharder, rows)
+            kernel = self.dmp = DMPTables(configs, plan, sharder, rows)
         else:
-            trainable = TrainableTables(
+            kernel = TrainableTables(
                 configs, optimizer=self.cfg.table_optimizer, learning_rate=self.cfg.table_lr
             )
-            if any(t.hashed for t in configs):
-                trainable = self.hashed = hashed_tables(trainable, self.cfg)
-            trainable.load_float(rows)
+            kernel.load_float(rows)
+        trainable: TableCollection = kernel
+        if any(t.hashed for t in configs):  # their ids go through a working table first
+            trainable = self.hashed = hashed_tables(kernel, self.cfg)
         self.float_tables = tables
         self.model.tables = trainable
 
@@ -371,8 +367,8 @@ class Trainer:
         if self.cfg.checkpoint_dir is None:
             return None
         self.cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        if isinstance(self.model.tables, DMPTables):
-            sharded = self.model.tables.sharded_state()
+        if self.dmp is not None:
+            sharded = self.dmp.sharded_state()
             return dcp_checkpoint.save(self.cfg.checkpoint_dir, self.state(), sharded)
         path = self.cfg.checkpoint_dir / CHECKPOINT_FILE
         with atomic_writer(path) as fh:
@@ -382,10 +378,10 @@ class Trainer:
     def resume(self, path: Path) -> None:
         """Continues from a checkpoint written by :meth:`checkpoint` (same model config): the
         ``checkpoint.pt`` file, or under torchrun the checkpoint folder (same world size)."""
-        if isinstance(self.model.tables, DMPTables):
-            sharded = self.model.tables.sharded_state()
+        if self.dmp is not None:
+            sharded = self.dmp.sharded_state()
             state = dcp_checkpoint.load(path, sharded)
-            self.model.tables.load_sharded_state(sharded)
+            self.dmp.load_sharded_state(sharded)
         else:
             state = torch.load(path, weights_only=True)
         self.model.load_state_dict(state["model"])

@@ -21,6 +21,7 @@ embedding_dim = 16
 hidden = [32]
 out_dim = 16
 history_len = 10
+{model}
 [train]
 epochs = 2
 batch_size = 128
@@ -42,10 +43,12 @@ def train_cmd(cfg: Path, out: Path, nproc: int, *flags: str) -> list[str]:
     return [sys.executable, *cmd]
 
 
-def write_config(tmp: Path, name: str, micro: int = 1, train: str = "", extra: str = "") -> Path:
-    """CONFIG with ``micro_batches``, extra ``[train]`` lines and extra tables."""
+def write_config(
+    tmp: Path, name: str, micro: int = 1, train: str = "", extra: str = "", model: str = ""
+) -> Path:
+    """CONFIG with ``micro_batches``, extra ``[model]`` and ``[train]`` lines and extra tables."""
     cfg = tmp / f"{name}.toml"
-    cfg.write_text(CONFIG.format(micro=micro, train=train, extra=extra))
+    cfg.write_text(CONFIG.format(micro=micro, train=train, extra=extra, model=model))
     return cfg
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sharded_tables.hashed_training import store_folder
+from sharded_tables.remote.server import EmbeddingServer
 from support.train_runs import train, train_cmd, weights, write_config
 
 pytestmark = pytest.mark.multiproc
@@ -69,3 +71,33 @@ def test_a_sharding_torchrec_refuses_stops_the_job_before_any_step(tmp_path, sha
     assert out.returncode != 0
     assert f"train: {field}: " in out.stderr and why in out.stderr
     assert not (Path(tmp_path / "bad") / "checkpoints").exists()  # no step, no checkpoint
+
+
+@pytest.mark.slow
+def test_two_processes_train_hashed_ids_like_one(tmp_path):
+    """A hashed raw-id feature (a working table of 128 rows for 400 users) under TorchRec's DMP:
+    every rank maps ids alike, the table's rank moves its rows and optimizer state to the
+    embedding server, and the result equals one process's."""
+    folder = store_folder(tmp_path / "store", {"user_raw_id": 16 + 1})  # row + row-wise Adagrad
+    server = EmbeddingServer(folder)
+    address = server.start()
+    try:
+        lines = {
+            "train": f'[train.hashed]\nservers = ["{address}"]',
+            "model": "hashed_user_id = 128",
+        }
+        one_run = train(tmp_path, "one", nproc=1, micro=2, **lines)
+        two_run = train(tmp_path, "two", nproc=2, **lines)
+    finally:
+        server.stop(grace=0)
+    one, two = weights(one_run), weights(two_run)
+    assert one.keys() == two.keys()
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4, msg=k)
+    key = "tables.tables.user_raw_id._extra_state"
+    a, b = (
+        torch.load(r / "model" / "model.pt", weights_only=True)[key] for r in (one_run, two_run)
+    )
+    assert len(a["keys"]) == 400 and torch.equal(a["keys"], b["keys"])
+    torch.testing.assert_close(b["packed"].view(torch.float32), a["packed"].view(torch.float32),
+                               atol=1e-5, rtol=1e-4)  # fmt: skip

@@ -16,13 +16,18 @@ import pytest
 import torch
 
 from retrieval.artifact import load_model
+from retrieval.training import dcp_checkpoint
 from retrieval.training.run import RunConfig, load_data, prepare_run
 from serving.repository import ModelRepository
+from sharded_tables.hashed_training import store_folder
+from sharded_tables.remote.server import EmbeddingServer
 from support.train_runs import metrics, train, train_cmd, weights, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 PUBLISH = '[publish]\nmodel_repo = "{repo}"\nname = "demo"\ntable_dtype = "fp32"'
+HASHED_STATE = "tables.tables.user_raw_id._extra_state"
+"""The float model's hashed table (keys and packed rows) in its weights file."""
 RECALL_GAP = 0.05
 """Largest test recall@50 gap allowed between 2 ranks and 1 process, and between column-wise
 and table-wise. 2 ranks train exactly like 1 process with micro_batches = 2
@@ -105,3 +110,46 @@ def test_column_wise_splits_every_table_over_both_ranks_and_trains(table_wise, t
     # column-wise row-wise Adagrad keeps a row statistic per half: not table-wise's update
     assert abs(report["test"]["recall@50"] - tw["recall@50"]) <= RECALL_GAP
     assert report["test"]["recall@50"] > report["test"]["popularity_recall@50"]
+
+
+def test_a_hashed_job_killed_mid_run_resumes_with_the_servers_rewound(tmp_path):
+    """Hashed raw ids over 2 ranks and an embedding server: kill -9 after the epoch-1
+    checkpoint (epoch 2's evictions already on the server), resume: the server's table is
+    rewound to the checkpoint's marks and the run ends bit for bit like an uninterrupted one."""
+    server = EmbeddingServer(store_folder(tmp_path / "store", {"user_raw_id": 16 + 1}))
+    address = server.start()
+    lines = {"train": f'[train.hashed]\nservers = ["{address}"]', "model": "hashed_user_id = 128"}
+    try:
+        whole = train(tmp_path, "whole", nproc=2, **lines)
+        want_rows = torch.load(whole / "model" / "model.pt", weights_only=True)[HASHED_STATE]
+        cfg = write_config(tmp_path, "killed", **lines)
+        out = tmp_path / "killed"
+        latest = out / "checkpoints" / "LATEST"
+        job = subprocess.Popen(
+            train_cmd(cfg, out, 2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not latest.exists() and job.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert latest.exists(), "no checkpoint after epoch 1"
+            time.sleep(0.5)  # epoch 2 moves rows past the checkpoint's marks
+        finally:
+            kill_job(job)
+        folder = dcp_checkpoint.latest(out / "checkpoints")
+        assert folder is not None
+        saved = torch.load(folder / dcp_checkpoint.TRAINER_FILE, weights_only=True)["model"]
+        (mark,) = saved["tables._extra_state"]["marks"]["user_raw_id"].values()
+        assert server.tables["user_raw_id"].log_bytes > mark  # type: ignore[union-attr]
+        resumed = subprocess.run(
+            train_cmd(cfg, out, 2, "--resume"), capture_output=True, text=True, timeout=240
+        )
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        server.stop(grace=0)
+    want, got = weights(whole), weights(out)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    got_rows = torch.load(out / "model" / "model.pt", weights_only=True)[HASHED_STATE]
+    assert torch.equal(got_rows["keys"], want_rows["keys"])
+    assert torch.equal(got_rows["packed"], want_rows["packed"])
