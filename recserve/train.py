@@ -111,17 +111,27 @@ def _table(console: Console, title: str, rows: list[dict[str, float]]) -> None:
 def _publish(console: Console, model: RetrievalModel, spec: PublishConfig) -> None:
     from retrieval.tiering import tier_model
     from serving.repository import ModelRepository
-    from sharded_tables.placement import Budgets
+    from sharded_tables.placement import PlanError
     from sharded_tables.specs import DType
 
     dtype = DType(spec.table_dtype)
-    served = model
-    if dtype is not DType.FP32:
-        served, _ = tier_model(model, Budgets(device=0, host=1 << 40), dtype=dtype)
+    served, remote_rows = model, None
+    hashed = bool(model.config.hashed_user_features)
+    if dtype is not DType.FP32 or hashed or spec.embedding_servers:
+        try:  # the plan of [publish]: tables in the process, the rest on embedding servers
+            served, rows = tier_model(model, spec.budgets(), dtype=dtype)
+        except PlanError as e:
+            raise ValueError(f"publish.host_budget / publish.server_budget: {e}") from None
+        remote_rows = rows or None
     shards = spec.shards or None
     repo = ModelRepository(spec.model_repo)
-    version = repo.publish(spec.name, served, shards=shards, keep=spec.keep)
+    version = repo.publish(
+        spec.name, served, shards=shards, keep=spec.keep, remote_rows=remote_rows
+    )
+    remote = sorted(remote_rows or {})
+    on_servers = f", tables {remote} on {spec.embedding_servers} embedding servers"
     console.print(
         f"published {spec.name} v{version} ({dtype.value} tables"
-        f"{f', {shards} document shards' if shards else ''}) to {repo.version_dir(spec.name, version)}"
+        f"{on_servers if remote else ''}{f', {shards} document shards' if shards else ''}) "
+        f"to {repo.version_dir(spec.name, version)}"
     )

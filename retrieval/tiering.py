@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -43,10 +44,15 @@ def tier_model(
     packed rows of remote tables (they belong in the embedding servers' shard folders). Hashed
     tables take every learned row (``keyed_rows``), packed in the plan's dtype.
     """
+    keyed = model.tables.keyed_rows()
     if placement is None:
         if budgets is None:
             raise ValueError("give budgets (to plan) or a placement plan")
-        placement = plan(table_specs(model.config, dtype, allowed), budgets)
+        specs = [  # a hashed table is as large as the rows it learned
+            dataclasses.replace(s, rows=max(1, len(keyed[s.name][0]))) if s.name in keyed else s
+            for s in table_specs(model.config, dtype, allowed)
+        ]
+        placement = plan(specs, budgets)
     cfg = copy.deepcopy(model.config)
     cfg.table_plan = placement.to_dict()
     tiered = RetrievalModel(cfg, remote=remote, table_device=device)
@@ -55,7 +61,6 @@ def tier_model(
     tiered.index = copy.deepcopy(model.index)
     tiered.id_maps = model.id_maps
     remote_rows: RemoteRows = dict(tiered.tables.load_float(float_tables(model)))
-    keyed = model.tables.keyed_rows()
     if keyed:
         remote_rows.update(tiered.tables.load_keyed(keyed))
     return tiered.eval(), remote_rows

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from retrieval.training.config import RunConfig
+from retrieval.training.config import PublishConfig, RunConfig
 from retrieval.training.pairs import batch_starts
 from retrieval.training.prepare import Prepared, SplitCounts
 
@@ -60,6 +60,8 @@ def check_run(cfg: RunConfig, prep: Prepared) -> EpochPlan:
     if counts is None:
         raise ValueError("the prepared data has no split counts (prepare() builds them)")
     _check_split(counts, cfg.evaluate.validation)
+    if cfg.publish is not None:
+        _check_publish_plan(cfg.publish, prep)
     plan = epoch_plan(counts.train_pairs, cfg.train.batch_size)
     if plan.steps < FEW_STEPS:
         log.warning(
@@ -69,6 +71,27 @@ def check_run(cfg: RunConfig, prep: Prepared) -> EpochPlan:
             max(1, plan.pairs // FEW_STEPS), FEW_STEPS,
         )  # fmt: skip
     return plan
+
+
+def _check_publish_plan(spec: PublishConfig, prep: Prepared) -> None:
+    """The served tables fit ``[publish]``'s budgets (a hashed user table counted at one row a
+    user, what it learns), else ``ValueError`` naming the budgets."""
+    from dataclasses import replace
+
+    from retrieval.model import table_specs
+    from sharded_tables.placement import PlanError
+    from sharded_tables.planner import plan
+    from sharded_tables.specs import DType
+
+    users = prep.dataset.num_users
+    specs = [
+        replace(s, rows=max(s.rows, users)) if s.hashed else s
+        for s in table_specs(prep.config, DType(spec.table_dtype))
+    ]
+    try:
+        plan(specs, spec.budgets())
+    except PlanError as e:
+        raise ValueError(f"publish.host_budget / publish.server_budget: {e}") from None
 
 
 def _check_split(counts: SplitCounts, validation: float) -> None:

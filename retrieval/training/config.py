@@ -446,6 +446,41 @@ class PublishConfig(Config):
     """The served tables' dtype (``sharded_tables.specs.DType``)."""
     keep: PositiveInt = 3
     """Versions of the model kept in the repository (older ones are removed)."""
+    host_budget: str | None = None
+    """Bytes of table rows the serving process holds (``64MiB``, ``2GiB``); the planner puts
+    the rest on ``embedding_servers`` (hashed tables by key). None: every table in the process."""
+    embedding_servers: int = Field(default=0, ge=0)
+    """Embedding servers of the version's remote tables (their folders are published with it:
+    ``recserve cluster up --embedding-servers N`` serves them)."""
+    server_budget: str = "4GiB"
+    """Bytes of rows each embedding server holds."""
+
+    @field_validator("host_budget", "server_budget")
+    @classmethod
+    def _a_size(cls, text: str | None) -> str | None:
+        from sharded_tables.placement import parse_bytes
+
+        if text is not None:
+            parse_bytes(text)
+        return text
+
+    @field_validator("embedding_servers")
+    @classmethod
+    def _servers_need_a_budget(cls, value: int, info: ValidationInfo) -> int:
+        if value and info.data.get("host_budget") is None:
+            raise ValueError("needs publish.host_budget (what stays in the serving process)")
+        return value
+
+    def budgets(self) -> Any:
+        """The planner's :class:`~sharded_tables.placement.Budgets` for the served tables."""
+        from sharded_tables.placement import Budgets, parse_bytes
+
+        host = 1 << 40 if self.host_budget is None else parse_bytes(self.host_budget)
+        per_server = parse_bytes(self.server_budget) if self.embedding_servers else 0
+        return Budgets(
+            device=0, host=host, remote_servers=self.embedding_servers,
+            remote_per_server=per_server,
+        )  # fmt: skip
 
 
 # ---- the file ----------------------------------------------------------------------------------
