@@ -115,7 +115,10 @@ class Proc:
             if self.started_at is not None and int(fields[19]) != self.started_at:
                 return False  # the pid was reused
             with open(f"/proc/{self.pid}/cmdline", "rb") as f:
-                return self.marker is None or self.marker.encode() in f.read()
+                cmdline = f.read()
+            if not cmdline and self.started_at is not None:
+                return True  # exiting (memory gone, not a zombie yet); ours by its start time
+            return self.marker is None or self.marker.encode() in cmdline
         except (OSError, IndexError, ValueError):
             return False
 
