@@ -109,7 +109,7 @@ def test_bench_runs_a_script_of_the_current_directory(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_demo_on_synthetic_data_trains_serves_and_saves(tmp_path: Path):
-    out = run("demo", "--data", "synthetic", "--epochs", "2", "--quiet", "--out", str(tmp_path))
+    out = run("demo", "--data", "synthetic", "--epochs", "1", "--quiet", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "recall@100" in out.stdout and "popularity baseline" in out.stdout
     assert "same results: True" in out.stdout

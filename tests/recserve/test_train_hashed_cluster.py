@@ -37,7 +37,7 @@ out_dim = 16
 history_len = 10
 hashed_user_id = 128
 [train]
-epochs = 2
+epochs = 1
 batch_size = 128
 progress = false
 [train.hashed]
