@@ -41,9 +41,9 @@ from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exclude import IdOrder, excluded_positions
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
-from retrieval.index.planner import make_plan
+from retrieval.index.planner import lists_for, make_plan
 from retrieval.index.probe import half_sq_norms, probe_lists, rescore
-from retrieval.index.scan import scan
+from retrieval.index.scan import plain_scan, scan
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.targets import check_targets
 
@@ -92,6 +92,8 @@ class IVFIndex(nn.Module):
         self.register_buffer("centroids", torch.zeros(0, dim))
         # ||c||^2 / 2 per list, for probing by L2 (derived from centroids at _refresh: not saved)
         self.register_buffer("half_norms", torch.zeros(0), persistent=False)
+        self.register_buffer("centroids_t", torch.zeros(dim, 0), persistent=False)
+        """``[D, nlist]``: the centroids transposed, the CPU probe's layout."""
         self.register_buffer("offsets", torch.zeros(1, dtype=torch.int64))
         self.register_buffer("item_ids", torch.zeros(0, dtype=torch.int64))
         self.register_buffer("codes", torch.zeros(0, dim, dtype=_CODE_DTYPES[config.codes]))
@@ -171,6 +173,7 @@ class IVFIndex(nn.Module):
 
     def _refresh(self) -> None:
         self.half_norms = half_sq_norms(self.centroids)
+        self.centroids_t = self.centroids.float().T.contiguous()
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
         self._ntotal = int(self.offsets[-1])
@@ -236,15 +239,26 @@ class IVFIndex(nn.Module):
         """
         q = self._check_queries(q)
         k = self._check_k(k)
-        fb = self.compile_filter(filters, q.shape[0])
-        target = None
-        if recall_target is not None:
-            target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])
-            check_targets(target, q.shape[0])
         settings = self._settings(nprobe, rerank)
-        pos, scores = self._search_positions(q, k, fb, *settings, target=target)
-        ids = torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
-        return ids, scores
+        found = None
+        if filters is None and recall_target is None:  # the common call: no filter to compile
+            found = self._plain_search(q, k, None, *settings)
+        if found is None:
+            fb = self.compile_filter(filters, q.shape[0])
+            target = None
+            if recall_target is not None:
+                target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])
+                check_targets(target, q.shape[0])
+            found = self._search_positions(q, k, fb, *settings, target=target)
+        pos, scores = found
+        return self._item_ids(pos), scores
+
+    def _item_ids(self, pos: torch.Tensor) -> torch.Tensor:
+        """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads)."""
+        if pos.device.type == "cpu" and self.item_ids.device.type == "cpu":
+            p = pos.numpy()
+            return torch.from_numpy(np.where(p >= 0, self.item_ids.numpy()[np.maximum(p, 0)], p))
+        return torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
 
     def search_plan(
         self,
@@ -316,6 +330,9 @@ class IVFIndex(nn.Module):
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
         ``exact=True`` scans every eligible item (the reference the index is measured against);
         ``target [B]``: each row's recall target (0: the index's settings)."""
+        fast = self._plain_search(q, k, fb, nprobe, rerank, exact, target)
+        if fast is not None:
+            return fast
         plan = self.plan(fb, k, nprobe, rerank, exact, q=q, target=target)
 
         def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
@@ -325,6 +342,47 @@ class IVFIndex(nn.Module):
 
         top = run_search(plan, fetch)
         return top.keys, top.scores
+
+    def _plain_search(
+        self,
+        q: torch.Tensor,
+        k: int,
+        fb: FilterBatch | None,
+        nprobe: int,
+        rerank: int,
+        exact: bool = False,
+        target: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The common search in two C++ calls: rows with no filter clause (``fb`` None: none at
+        all), no recall target, no re-rank, one count of excluded items, on the CPU. The plan,
+        the probe and the scan are the general path's (the same lists, the same results); None
+        where that path has more to do: a shape this does not cover, or a row its lists leave
+        short of ``k`` (the general path widens it). One query costs the scan and a few tens of
+        microseconds around it, where the planner and the search rounds cost ~150 us."""
+        if exact or q.device.type != "cpu" or self.ntotal == 0:
+            return None
+        if (rerank and self.keeps_exact_copy) or (target is not None and bool(target.gt(0).any())):
+            return None
+        excluded, ex = 0, None
+        if fb is not None:
+            if fb.active:
+                return None
+            if fb.exclude is not None and fb.exclude.numel():
+                counts = fb.exclude.ge(0).sum(dim=1)
+                excluded = int(counts.max())
+                if int(counts.min()) != excluded:
+                    return None  # rows of several counts plan several list counts
+                ex = self._excluding(fb).exclude
+        p = lists_for(self, 1.0, nprobe, k + excluded)
+        q = as_scored(self, q).contiguous()
+        half = self.half_norms if self.config.probe == "l2" else None
+        pos, scores = plain_scan(
+            q, self.centroids_t, half, min(p, self.nlist), self.codes, self.scales,
+            self.offsets, self.sig, ex, k,
+        )  # fmt: skip
+        if pos.numpy()[:, -1].min(initial=0) < 0:
+            return None
+        return pos, scores
 
     # ---- the steps of a search (see retrieval/index/search.py) -----------------------------
     def plan(
@@ -396,6 +454,7 @@ class IVFIndex(nn.Module):
                 self.centroids,
                 self.half_norms if self.config.probe == "l2" else None,
                 min(p_max, max(self.nlist, 1)),
+                self.centroids_t,
             )  # [b, P], best lists first
         if plan.lists is None and bool(
             (plan.nprobe != p_max).any()

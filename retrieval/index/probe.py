@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from retrieval.index.scan import topk_rows
+from retrieval.index.scan import probe_cpu, topk_rows
 
 RESCORE_FLOATS = 1 << 22
 """Float elements of the ``[b, r, D]`` temporary a re-rank builds per chunk of query rows
@@ -39,11 +39,20 @@ def half_sq_norms(centroids: torch.Tensor) -> torch.Tensor:
 
 
 def probe_lists(
-    q: torch.Tensor, centroids: torch.Tensor, half_norms: torch.Tensor | None, nprobe: int
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    half_norms: torch.Tensor | None,
+    nprobe: int,
+    centroids_t: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``nprobe`` best lists of each query -> ``(coarse [B, P] float32 = q·c of each probed
     list, lists [B, P] int64)``, best first. ``q [B, D] float32``; ``half_norms [nlist]`` from
-    :func:`half_sq_norms` ranks by L2 ("l2"), None by ``q·c`` ("ip"); ``nprobe <= nlist``."""
+    :func:`half_sq_norms` ranks by L2 ("l2"), None by ``q·c`` ("ip"); ``nprobe <= nlist``.
+    On the CPU one C++ call over ``centroids_t [D, nlist]`` (the transposed centroids; made
+    when not given): a matmul and a top-k cost ~10 us of dispatch each for one query."""
+    if q.device.type == "cpu" and centroids.dtype == torch.float32 and q.dtype == torch.float32:
+        ct = centroids.T.contiguous() if centroids_t is None else centroids_t
+        return probe_cpu(q.contiguous(), ct, half_norms, nprobe)
     ip = q @ centroids.T  # [B, nlist]
     if half_norms is None:
         return topk_rows(ip, nprobe)

@@ -26,11 +26,19 @@ from retrieval.index.exclude import is_excluded
 _SRC = Path(__file__).parent / "csrc" / "ivf_scan.cpp"
 
 
+_loaded: list[ModuleType] = []
+
+
 def _extension() -> ModuleType:
-    """Builds (once per source version, cached on disk) and loads the C++ kernel."""
-    return load_extension(
-        "recserve_ivf_scan", _SRC, ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
-    )
+    """Builds (once per source version, cached on disk) and loads the C++ kernel; later calls
+    are one list read (kernels call this per op)."""
+    if not _loaded:
+        _loaded.append(
+            load_extension(
+                "recserve_ivf_scan", _SRC, ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
+            )
+        )
+    return _loaded[0]
 
 
 ISA_ENV = "RECSERVE_SCAN_ISA"
@@ -108,6 +116,33 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(_extension().topk_rows(x.contiguous(), k))
 
 
+_NO_HALF = torch.zeros(0)
+
+
+@torch.library.custom_op("recserve::ivf_probe", mutates_args=())
+def _ivf_probe(
+    q: torch.Tensor, centroids_t: torch.Tensor, half: torch.Tensor, p: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(_extension().ivf_probe(q, centroids_t, half, p))
+
+
+@_ivf_probe.register_fake
+def _(q, centroids_t, half, p):
+    b = q.shape[0]
+    return q.new_empty((b, p)), torch.empty((b, p), dtype=torch.int64, device=q.device)
+
+
+def probe_cpu(
+    q: torch.Tensor, centroids_t: torch.Tensor, half_norms: torch.Tensor | None, nprobe: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`retrieval.index.probe.probe_lists` on the CPU in one C++ call: ``q [B, D]``,
+    ``centroids_t [D, nlist]`` contiguous float32 -> ``(coarse [B, P], lists [B, P])``."""
+    half = _NO_HALF if half_norms is None else half_norms.contiguous()
+    if torch.compiler.is_compiling():
+        return _ivf_probe(q, centroids_t, half, nprobe)
+    return tuple(_extension().ivf_probe(q, centroids_t, half, nprobe))
+
+
 def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     b = probes.shape[0]
     return probes.new_empty((b, r)), torch.empty((b, r), dtype=torch.float32, device=probes.device)
@@ -121,6 +156,42 @@ def _(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r):
 @ivf_scan_fp8.register_fake
 def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, excl, r):
     return _fake_out(probes, r)
+
+
+def plain_scan(
+    q: torch.Tensor,
+    centroids_t: torch.Tensor,
+    half_norms: torch.Tensor | None,
+    nprobe: int,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    excl: torch.Tensor | None,
+    r: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probe and scan with no filter clause, in two C++ calls on the CPU: ``q [B, D]``
+    contiguous float32, ``centroids_t [D, nlist]`` -> the best ``r`` ``(positions [B, r], scores [B, r])``, as
+    :func:`retrieval.index.probe.probe_lists` then :func:`scan` give them. ``excl [B, S]``:
+    sorted excluded rows (None: none). For the index's one-query path, where each Python-level
+    step costs as much as the scan."""
+    ext = _extension()
+    b = q.shape[0]
+    half = _NO_HALF if half_norms is None else half_norms
+    coarse, probes = ext.ivf_probe(q, centroids_t, half, nprobe)
+    masks = torch.empty((b, 0, sig.shape[1]), dtype=torch.int64)
+    negate = torch.empty((b, 0), dtype=torch.bool)
+    ex = probes.new_empty((b, 0)) if excl is None else excl
+    if codes.dtype == torch.int8:
+        out = ext.ivf_scan_int8(
+            q, probes, coarse, codes, scales, offsets, sig, masks, negate, ex, r
+        )
+    else:
+        out = ext.ivf_scan_fp8(
+            q, codes.view(torch.uint8), _FP8_LUT, probes, coarse, scales, offsets, sig, masks,
+            negate, ex, r,
+        )  # fmt: skip
+    return tuple(out)
 
 
 def scan(

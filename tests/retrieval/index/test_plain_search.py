@@ -1,0 +1,81 @@
+"""The index's plain path (no filter clause, no target, no re-rank: the probe and the scan in two
+C++ calls) answers exactly as the general path (planner, search rounds); the C++ probe picks the
+lists the matmul + top-k picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retrieval.filters import FilterBatch
+from retrieval.index import IVFConfig, IVFIndex, build_ivf
+from retrieval.index.probe import probe_lists
+
+
+@pytest.fixture(scope="module", params=[("int8", "ip"), ("int8", "l2"), ("fp8", "ip")])
+def index(request, catalog) -> IVFIndex:
+    codes, probe = request.param
+    cfg = IVFConfig(nlist=128, nprobe=8, codes=codes, probe=probe)
+    return build_ivf(
+        catalog["x"], cfg, item_attributes=catalog["attrs"], attribute_values=catalog["values"]
+    )
+
+
+def general(index: IVFIndex, q, k, fb, nprobe=8):
+    """The general path (the plain one switched off)."""
+    index._plain_search = lambda *a, **kw: None  # type: ignore[method-assign]
+    try:
+        return index._search_positions(q, k, fb, nprobe, 0)
+    finally:
+        del index._plain_search
+
+
+@pytest.mark.parametrize("k", [1, 10, 100])
+def test_the_plain_path_equals_the_general_one(index: IVFIndex, catalog, k: int) -> None:
+    q = catalog["q"]
+    for fb in (index.compile_filter(None, len(q)), None):
+        got = index._plain_search(q, k, fb, 8, 0)
+        assert got is not None
+        want = general(index, q, k, index.compile_filter(None, len(q)))
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    ids, _ = index.search(q[:1], k)  # one query through the public entry
+    assert torch.equal(ids, index.item_ids[want[0][:1]])
+
+
+def test_excluded_items_and_a_large_k(index: IVFIndex, catalog) -> None:
+    q = catalog["q"][:8]
+    seen = index.search(q, 30)[0]  # each row's own best 30
+    empty = index.compile_filter(None, len(q))
+    fb = FilterBatch(empty.masks, empty.negate, exclude=seen)
+    got = index._plain_search(q, 20, fb, 8, 0)
+    assert got is not None
+    want = general(index, q, 20, fb)
+    assert torch.equal(got[0], want[0])
+    assert not bool(torch.isin(index.item_ids[got[0]], seen).any())
+    # rows with different counts of seen items plan different list counts: the general path
+    uneven = seen.clone()
+    uneven[0, 5:] = -1
+    assert index._plain_search(q, 20, FilterBatch(fb.masks, fb.negate, uneven), 8, 0) is None
+    # a large k: the plan widens the lists to hold it, as the general plan does
+    got = index._plain_search(q, 2000, None, 1, 0)
+    assert got is not None and torch.equal(got[0], general(index, q, 2000, empty, 1)[0])
+
+
+def test_filters_targets_and_rerank_take_the_general_path(index: IVFIndex, catalog) -> None:
+    q = catalog["q"][:4]
+    fb = index.compile_filter("shard in {1, 2}", len(q))
+    assert index._plain_search(q, 10, fb, 8, 0) is None
+    assert index._plain_search(q, 10, None, 8, 0, target=torch.full((4,), 0.9)) is None
+    assert index._plain_search(q, 10, None, 8, 0, exact=True) is None
+
+
+def test_the_cpu_probe_picks_the_matmul_lists(index: IVFIndex, catalog) -> None:
+    q = catalog["q"]
+    for half in (None, index.half_norms):
+        coarse, lists = probe_lists(q, index.centroids, half, 8, index.centroids_t)
+        ip = q @ index.centroids.T
+        key = ip if half is None else ip - half
+        want = key.topk(8, dim=1).indices
+        assert torch.equal(lists, want)
+        torch.testing.assert_close(coarse, ip.gather(1, want), rtol=1e-5, atol=1e-5)
