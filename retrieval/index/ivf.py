@@ -333,6 +333,19 @@ class IVFIndex(nn.Module):
         fast = self._plain_search(q, k, fb, nprobe, rerank, exact, target)
         if fast is not None:
             return fast
+        return self._general_positions(q, k, fb, nprobe, rerank, exact, target)
+
+    def _general_positions(
+        self,
+        q: torch.Tensor,
+        k: int,
+        fb: FilterBatch,
+        nprobe: int,
+        rerank: int,
+        exact: bool = False,
+        target: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The planned search: per-row plans, the search rounds (``retrieval/index/search.py``)."""
         plan = self.plan(fb, k, nprobe, rerank, exact, q=q, target=target)
 
         def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
@@ -353,12 +366,13 @@ class IVFIndex(nn.Module):
         exact: bool = False,
         target: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The common search in two C++ calls: rows with no filter clause (``fb`` None: none at
+        """The common search with no planner: rows with no filter clause (``fb`` None: none at
         all), no recall target, no re-rank, one count of excluded items, on the CPU. The plan,
-        the probe and the scan are the general path's (the same lists, the same results); None
-        where that path has more to do: a shape this does not cover, or a row its lists leave
-        short of ``k`` (the general path widens it). One query costs the scan and a few tens of
-        microseconds around it, where the planner and the search rounds cost ~150 us."""
+        the probe and the scan are the general path's; a row its lists leave short of ``k``
+        goes through the general path alone (which widens it), so the results are that path's.
+        None where it does not apply. One query costs the probe and the scan (two C++ calls)
+        and a few tens of microseconds around them, where the planner and the search rounds
+        cost ~150 us."""
         if exact or q.device.type != "cpu" or self.ntotal == 0:
             return None
         if (rerank and self.keeps_exact_copy) or (target is not None and bool(target.gt(0).any())):
@@ -373,16 +387,22 @@ class IVFIndex(nn.Module):
                 if int(counts.min()) != excluded:
                     return None  # rows of several counts plan several list counts
                 ex = self._excluding(fb).exclude
-        p = lists_for(self, 1.0, nprobe, k + excluded)
-        q = as_scored(self, q).contiguous()
-        half = self.half_norms if self.config.probe == "l2" else None
+        p = min(lists_for(self, 1.0, nprobe, k + excluded), self.nlist)
+        scored = as_scored(self, q).contiguous()
         pos, scores = plain_scan(
-            q, self.centroids_t, half, min(p, self.nlist), self.codes, self.scales,
-            self.offsets, self.sig, ex, k,
-        )  # fmt: skip
-        if pos.numpy()[:, -1].min(initial=0) < 0:
-            return None
+            scored, self._probe, p, self.codes, self.scales, self.offsets, self.sig, ex, k
+        )
+        short = pos.numpy()[:, -1] < 0
+        if short.any():  # the general path's later rounds, for those rows only
+            rows = torch.from_numpy(np.flatnonzero(short))
+            sub = self.schema.empty(len(rows)) if fb is None else fb.rows(rows)
+            pos[rows], scores[rows] = self._general_positions(q[rows], k, sub, nprobe, rerank)
         return pos, scores
+
+    def _probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(coarse [B, P], lists [B, P])`` of ``q`` (as scored) by the index's probe rule."""
+        half = self.half_norms if self.config.probe == "l2" else None
+        return probe_lists(q, self.centroids, half, nprobe, self.centroids_t)
 
     # ---- the steps of a search (see retrieval/index/search.py) -----------------------------
     def plan(
@@ -449,13 +469,7 @@ class IVFIndex(nn.Module):
             probes = plan.lists.to(q.device)
             coarse = (q @ self.centroids.T).gather(1, probes.clamp(min=0))  # [b, P]
         else:
-            coarse, probes = probe_lists(
-                q,
-                self.centroids,
-                self.half_norms if self.config.probe == "l2" else None,
-                min(p_max, max(self.nlist, 1)),
-                self.centroids_t,
-            )  # [b, P], best lists first
+            coarse, probes = self._probe(q, min(p_max, max(self.nlist, 1)))  # best first
         if plan.lists is None and bool(
             (plan.nprobe != p_max).any()
         ):  # per-row probe counts: skip (-1) unneeded slots

@@ -27,6 +27,9 @@ import torch
 
 from retrieval.index.scan import probe_cpu, topk_rows
 
+FEW_QUERIES = 16
+"""Batches up to this many queries probe through the C++ call (:func:`probe_lists`)."""
+
 RESCORE_FLOATS = 1 << 22
 """Float elements of the ``[b, r, D]`` temporary a re-rank builds per chunk of query rows
 (16 MiB), so its memory stays bounded whatever the batch and ``r`` (it was a full ``[B, r, D]``:
@@ -48,9 +51,11 @@ def probe_lists(
     """The ``nprobe`` best lists of each query -> ``(coarse [B, P] float32 = q·c of each probed
     list, lists [B, P] int64)``, best first. ``q [B, D] float32``; ``half_norms [nlist]`` from
     :func:`half_sq_norms` ranks by L2 ("l2"), None by ``q·c`` ("ip"); ``nprobe <= nlist``.
-    On the CPU one C++ call over ``centroids_t [D, nlist]`` (the transposed centroids; made
-    when not given): a matmul and a top-k cost ~10 us of dispatch each for one query."""
-    if q.device.type == "cpu" and centroids.dtype == torch.float32 and q.dtype == torch.float32:
+    A few queries on the CPU: one C++ call over ``centroids_t [D, nlist]`` (the transposed
+    centroids; made when not given), where a matmul and a top-k cost ~10 us of dispatch each;
+    larger batches: the matmul (blocked: it reads the centroids once for many queries)."""
+    small = q.shape[0] <= FEW_QUERIES
+    if small and q.device.type == "cpu" and centroids.dtype == q.dtype == torch.float32:
         ct = centroids.T.contiguous() if centroids_t is None else centroids_t
         return probe_cpu(q.contiguous(), ct, half_norms, nprobe)
     ip = q @ centroids.T  # [B, nlist]

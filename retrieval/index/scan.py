@@ -14,6 +14,7 @@ score among those that pass the filter (positions in list-sorted order, ``-1`` w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -160,8 +161,7 @@ def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, excl,
 
 def plain_scan(
     q: torch.Tensor,
-    centroids_t: torch.Tensor,
-    half_norms: torch.Tensor | None,
+    probe: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
     nprobe: int,
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -170,15 +170,14 @@ def plain_scan(
     excl: torch.Tensor | None,
     r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probe and scan with no filter clause, in two C++ calls on the CPU: ``q [B, D]``
-    contiguous float32, ``centroids_t [D, nlist]`` -> the best ``r`` ``(positions [B, r], scores [B, r])``, as
+    """Probe and scan with no filter clause: ``q [B, D]`` contiguous float32, ``probe(q, P)``
+    the index's :func:`retrieval.index.probe.probe_lists` -> the best ``r`` ``(positions [B, r], scores [B, r])``, as
     :func:`retrieval.index.probe.probe_lists` then :func:`scan` give them. ``excl [B, S]``:
     sorted excluded rows (None: none). For the index's one-query path, where each Python-level
     step costs as much as the scan."""
     ext = _extension()
     b = q.shape[0]
-    half = _NO_HALF if half_norms is None else half_norms
-    coarse, probes = ext.ivf_probe(q, centroids_t, half, nprobe)
+    coarse, probes = probe(q, nprobe)
     masks = torch.empty((b, 0, sig.shape[1]), dtype=torch.int64)
     negate = torch.empty((b, 0), dtype=torch.bool)
     ex = probes.new_empty((b, 0)) if excl is None else excl

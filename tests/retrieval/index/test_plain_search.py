@@ -10,6 +10,7 @@ import torch
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.probe import probe_lists
+from retrieval.index.scan import plain_scan
 
 
 @pytest.fixture(scope="module", params=[("int8", "ip"), ("int8", "l2"), ("fp8", "ip")])
@@ -22,12 +23,8 @@ def index(request, catalog) -> IVFIndex:
 
 
 def general(index: IVFIndex, q, k, fb, nprobe=8):
-    """The general path (the plain one switched off)."""
-    index._plain_search = lambda *a, **kw: None  # type: ignore[method-assign]
-    try:
-        return index._search_positions(q, k, fb, nprobe, 0)
-    finally:
-        del index._plain_search
+    """The general path (planner, search rounds)."""
+    return index._general_positions(q, k, fb, nprobe, 0)
 
 
 @pytest.mark.parametrize("k", [1, 10, 100])
@@ -57,9 +54,16 @@ def test_excluded_items_and_a_large_k(index: IVFIndex, catalog) -> None:
     uneven = seen.clone()
     uneven[0, 5:] = -1
     assert index._plain_search(q, 20, FilterBatch(fb.masks, fb.negate, uneven), 8, 0) is None
-    # a large k: the plan widens the lists to hold it, as the general plan does
-    got = index._plain_search(q, 2000, None, 1, 0)
-    assert got is not None and torch.equal(got[0], general(index, q, 2000, empty, 1)[0])
+    # a large k: the plan widens the lists to hold it, as the general plan does; rows the
+    # lists leave short take the general path's later rounds
+    q = catalog["q"]
+    first, _ = plain_scan(q.contiguous(), index._probe, 2, index.codes, index.scales,
+                          index.offsets, index.sig, None, 150)  # fmt: skip
+    assert bool((first[:, -1] < 0).any())  # some rows' 2 lists hold fewer than 150 items
+    for k in (150, 2000):
+        got = index._plain_search(q, k, None, 1, 0)
+        assert got is not None and bool((got[0] >= 0).all())
+        assert torch.equal(got[0], general(index, q, k, index.compile_filter(None, len(q)), 1)[0])
 
 
 def test_filters_targets_and_rerank_take_the_general_path(index: IVFIndex, catalog) -> None:
