@@ -74,9 +74,9 @@ def kill_job(job: subprocess.Popen[str]) -> None:
     job.wait(30)
 
 
-def test_a_job_killed_after_epoch_one_resumes_to_the_uninterrupted_result(table_wise, tmp_path):
-    cfg = write_config(tmp_path, "killed")
-    out = tmp_path / "killed"
+def kill_after_epoch_one(cfg: Path, out: Path, linger_s: float = 0.0) -> None:
+    """Runs a 2-rank job of ``cfg`` into ``out`` and kills it (-9) ``linger_s`` after its
+    epoch-1 checkpoint is complete (``LATEST`` written)."""
     latest = out / "checkpoints" / "LATEST"
     job = subprocess.Popen(
         train_cmd(cfg, out, 2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -86,8 +86,15 @@ def test_a_job_killed_after_epoch_one_resumes_to_the_uninterrupted_result(table_
         while not latest.exists() and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert latest.exists(), "no checkpoint after epoch 1"
+        time.sleep(linger_s)
     finally:
         kill_job(job)
+
+
+def test_a_job_killed_after_epoch_one_resumes_to_the_uninterrupted_result(table_wise, tmp_path):
+    cfg = write_config(tmp_path, "killed")
+    out = tmp_path / "killed"
+    kill_after_epoch_one(cfg, out)
     assert not (out / "model").exists()  # killed before the end
     resumed = subprocess.run(
         train_cmd(cfg, out, 2, "--resume"), capture_output=True, text=True, timeout=240
@@ -124,18 +131,7 @@ def test_a_hashed_job_killed_mid_run_resumes_with_the_servers_rewound(tmp_path):
         want_rows = torch.load(whole / "model" / "model.pt", weights_only=True)[HASHED_STATE]
         cfg = write_config(tmp_path, "killed", **lines)
         out = tmp_path / "killed"
-        latest = out / "checkpoints" / "LATEST"
-        job = subprocess.Popen(
-            train_cmd(cfg, out, 2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not latest.exists() and job.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert latest.exists(), "no checkpoint after epoch 1"
-            time.sleep(0.5)  # epoch 2 moves rows past the checkpoint's marks
-        finally:
-            kill_job(job)
+        kill_after_epoch_one(cfg, out, linger_s=0.5)  # epoch 2 moves rows past the marks
         folder = dcp_checkpoint.latest(out / "checkpoints")
         assert folder is not None
         saved = torch.load(folder / dcp_checkpoint.TRAINER_FILE, weights_only=True)["model"]
