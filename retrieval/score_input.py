@@ -196,14 +196,18 @@ def _check_batch(
 
     widths = {"categorical": len(cfg.user_features), "dense": cfg.dense_dim}
     id_lists = [c for c in ID_LISTS if c in batch.schema.names]  # history, and seen if given
-    id_ranges = {c: [(-1, cfg.num_items)] for c in id_lists} if maps is None else {}
+    id_ranges: dict[str, list[tuple[int, int] | None]] = (
+        {c: [(-1, cfg.num_items)] for c in id_lists} if maps is None else {}
+    )
     for name in id_lists:
         unknown = None if maps is None else first_unknown(batch.column(name), maps.items)
         if unknown is not None:
             row, raw = unknown
             raise refuse(name, row, f"item {raw!r} is not in the model's catalog")
-    if cfg.table_plan is None:
-        id_ranges["categorical"] = [(-1, n) for n in cfg.user_features.values()]
+    if cfg.table_plan is None:  # a hashed feature's raw ids are any int64: not checked
+        id_ranges["categorical"] = [
+            None if f in cfg.hashed_user_features else (-1, n) for f, n in cfg.user_features.items()
+        ]
     for name in ("user_id", "categorical", "dense"):
         nulls = batch.column(name).is_null().to_numpy(zero_copy_only=False)
         if nulls.any():
@@ -236,7 +240,10 @@ def _check_batch(
                 at = int(np.argmin(finite))
                 raise refuse(name, int(rows[at]), f"{v[at]} is not a finite float32")
         step = widths.get(name, 1)  # categorical: feature j of row r is value r * F + j
-        for j, (lo, hi) in enumerate(id_ranges.get(name, [])):
+        for j, bounds in enumerate(id_ranges.get(name, [])):
+            if bounds is None:
+                continue
+            lo, hi = bounds
             ids = v[j::step]
             out = (ids >= hi) if ids.dtype.kind == "u" else (ids < lo) | (ids >= hi)
             if out.any():

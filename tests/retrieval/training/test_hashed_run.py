@@ -9,13 +9,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
+from retrieval.artifact import save_model
+from retrieval.batch_scoring import score_table, users_table
 from retrieval.data import SyntheticConfig, generate
 from retrieval.data.raw_user_ids import raw_user_ids
 from retrieval.live_updates import UpdateError, apply_update
 from retrieval.model import RetrievalModel
+from retrieval.score_input import ScoreJob, check_input
 from retrieval.tiering import tier_model
 from retrieval.training.config import HashedConfig, ModelSection
 from retrieval.training.prepare import Prepared
@@ -174,3 +178,19 @@ def test_live_updates_write_a_served_hashed_table(
     assert not torch.allclose(after[0], before[0]) and torch.equal(after[1], before[1])
     with pytest.raises(UpdateError, match="not -1"):
         apply_update(served, UpdateEmbeddings(TABLE, torch.tensor([-1]), row))
+
+
+def test_batch_scoring_takes_raw_ids(
+    prep: Prepared, trained: tuple[RetrievalModel, Trainer], tmp_path: Path
+) -> None:
+    model = trained[0]
+    save_model(model, tmp_path / "model")
+    users = np.arange(40)
+    pq.write_table(users_table(users, prep.user_batch(users)), tmp_path / "users.parquet")
+    job = ScoreJob(tmp_path / "model", 1, tmp_path / "users.parquet", tmp_path / "out",
+                   k=10, chunk_rows=20, batch_size=20, workers=1)  # fmt: skip
+    check_input(job)  # raw ids in the categorical column pass the edge check
+    got = score_table(model, pq.read_table(tmp_path / "users.parquet"), job)
+    with torch.no_grad():
+        want, _ = model(prep.user_batch(users), 10)
+    assert got.column("item_ids").to_pylist() == want.tolist()
