@@ -122,6 +122,9 @@ def score_cmd(
     version: int = typer.Option(None, help="version (default: the latest)"),
     k: int = typer.Option(100, min=1, help="recommendations per user"),
     filter: str = typer.Option(None, help="eligibility filter for every user"),
+    recall_target: float = typer.Option(
+        0.0, help="recall@K vs exact search every user asks for, in (0, 1]; 0: the index's settings"
+    ),
     workers: int = typer.Option(2, min=1, help="worker processes (each loads the model once)"),
     chunk_rows: int = typer.Option(4096, min=1, help="users per output part"),
     overwrite: bool = typer.Option(False, help="replace an existing output folder"),
@@ -150,6 +153,7 @@ def score_cmd(
             workers=workers, overwrite=overwrite,
             shards_dir=shards if shards.is_dir() else None,
             embeddings_dir=embeddings if embeddings.is_dir() else None,
+            recall_target=recall_target,
         )  # fmt: skip
         manifest = score_ray(job) if engine is ScoreEngine.ray else score(job, progress=not quiet)
     except (ScoreInputError, ValueError, FileNotFoundError) as e:

@@ -139,7 +139,7 @@ def check_output(job: ScoreJob) -> dict[str, Any]:
 def _signature(job: ScoreJob) -> dict[str, Any]:
     """What must match for a run to continue another's output."""
     stat = job.users.stat()
-    return {
+    out = {
         "users": str(job.users.resolve()),
         "users_bytes": stat.st_size,
         "version": job.version,
@@ -147,6 +147,9 @@ def _signature(job: ScoreJob) -> dict[str, Any]:
         "filter": job.filter,
         "chunk_rows": job.chunk_rows,
     }
+    if job.recall_target:  # absent at 0: outputs written before the option continue
+        out["recall_target"] = job.recall_target
+    return out
 
 
 def _remove_unfinished_parts(out: Path) -> None:
@@ -217,6 +220,8 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
             raise ValueError(f"filter (rows {s}..): {e}") from None
         if users is not None:
             batch.user = torch.from_numpy(users[sl])
+        if job.recall_target:
+            batch.recall_target = torch.full((batch.size,), job.recall_target)
         with torch.inference_mode():
             ids, scores = model(batch, job.k)
         ids_out.append(ids.numpy())

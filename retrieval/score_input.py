@@ -60,6 +60,9 @@ class ScoreJob:
     embeddings_dir: Path | None = None
     """The version's embedding-server folders (``server-<i>/``) when its plan has remote tables:
     read into each worker (no server needed)."""
+    recall_target: float = 0.0
+    """Recall@K against exact search every user asks for, in (0, 1] (1: exact); 0: the
+    model's index settings (``retrieval/index/targets.py``)."""
 
 
 class ScoreInputError(ValueError):
@@ -153,11 +156,26 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
     schema = FilterSchema(cfg.item_attributes)
     if job.filter:
         _check_filter(job.filter, schema, "--filter")
+    _check_target(job.recall_target, cfg)
     columns = [c for c in (*COLUMNS, *OPTIONAL) if c in f.schema_arrow.names]
     start = 0
     for batch in f.iter_batches(batch_size=65_536, columns=columns):
         _check_batch(batch, start, cfg, schema, maps)
         start += batch.num_rows
+
+
+def _check_target(target: float, cfg: Any) -> None:
+    """``--recall-target``: 0, or in (0, 1] with a model whose build measured a recall curve
+    (1, exact, needs none)."""
+    if not 0.0 <= target <= 1.0:
+        raise ScoreInputError(
+            f"--recall-target: must be in (0, 1] (0: the index's settings), got {target}"
+        )
+    if 0.0 < target < 1.0 and not cfg.index.recall_curve:
+        raise ScoreInputError(
+            "--recall-target: the model's index measured no recall curve at build "
+            "(IVFConfig.target_recall was 0): use 0 (its settings) or 1 (exact)"
+        )
 
 
 def check_parts(job: ScoreJob, cfg: Any) -> None:

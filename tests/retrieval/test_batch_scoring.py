@@ -409,3 +409,15 @@ def test_a_user_column_reads_the_models_seen_store(setup, tmp_path):
     pq.write_table(table.append_column("user", bad), tmp_path / "bad.parquet")
     with pytest.raises(ScoreInputError, match=r"column 'user', row 0: -5 is no user index"):
         check_input(ScoreJob(tmp_path / "stored", 1, tmp_path / "bad.parquet", tmp_path / "o3"))
+
+
+def test_a_recall_target_of_one_scores_exactly(setup):
+    root, prep, model, table = setup
+    j = job(root, "exact", recall_target=1.0)
+    check_input(j)
+    got = score_table(model, table.slice(0, 32), j)
+    with torch.inference_mode():
+        want, _ = model(prep.user_batch(np.arange(32)), K, exact=True)
+    assert got.column("item_ids").to_pylist() == want.tolist()
+    with pytest.raises(ScoreInputError, match="--recall-target: must be in"):
+        check_input(job(root, "bad", recall_target=1.5))
