@@ -1,8 +1,9 @@
 """Training hashed (unbounded-id) tables larger than the process: a working table of the hottest
 ids, and the rest, **with their optimizer state**, on the embedding servers.
 
-:class:`HashedTrainingTables` wraps :class:`~sharded_tables.trainable.TrainableTables` (fbgemm's
-fused-optimizer kernel). Each hashed table there has ``capacity`` working rows; an
+:class:`HashedTrainingTables` wraps the kernel tables that train: fbgemm's fused-optimizer
+:class:`~sharded_tables.trainable.TrainableTables` in one process, TorchRec's DMP over the ranks
+of a torchrun job (:class:`KernelTables`). Each hashed table there has ``capacity`` working rows; an
 :class:`~sharded_tables.id_transformer.IdTransformer` maps raw 64-bit ids onto them before every
 lookup, as the Tencent / TorchRec dynamic-embedding designs do:
 
@@ -10,8 +11,7 @@ lookup, as the Tencent / TorchRec dynamic-embedding designs do:
   row and its optimizer state as one FP32 row ``[D + S]`` (``S``: 1 for row-wise Adagrad, ``D``
   for Adagrad, 0 for SGD), acknowledged durable by the servers;
 * an admitted id reads its row back (found: row and state restored exactly) or starts fresh
-  (:func:`hashed_uniform` of ``init_std``, a pure function of the
-  id, and zero state);
+  (:func:`hashed_uniform` of ``init_std``, a pure function of the id, and zero state);
 * an id not admitted this batch (``admit_after``) pools as padding.
 
 So training equals training a table of every id whatever the working capacity, up to the
