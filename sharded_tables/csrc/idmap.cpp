@@ -8,9 +8,11 @@
 // tick by one, and every occurrence of a key in that call is one access at that tick. A slot whose
 // last access equals the current tick was touched by this batch and is never a victim of it.
 //
-// Victims (only when the batch's new keys outnumber the free slots) are chosen exactly: the
-// untouched occupied slots are ranked by the policy's score with nth_element (O(capacity)), ties
-// broken by slot index, so results are deterministic and match a plain reference model:
+// Victims (only when the batch's new keys outnumber the free slots) are chosen exactly, ties broken
+// by slot index, so results are deterministic and match a plain reference model. LRU keeps a queue
+// of (tick, slot) in access order (an entry goes stale when its slot is touched again or freed) and
+// pops victims from its front: O(victims) a batch, amortized. LFU and hybrid rank the untouched
+// occupied slots by their score with nth_element (O(capacity)):
 //   lru    (last access, slot)
 //   lfu    (count, last access, slot)
 //   hybrid (count >> epochs since its last access, last access, slot), epoch = tick / decay_period,
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <stdexcept>
@@ -178,6 +181,7 @@ class IdMap {
         } else if (last_[s] != now) {
           touched.emplace_back(s, last_[s]);
           last_[s] = now;
+          queue_touch(s);
         }
       }
       // Distinct new keys in first-occurrence order; o[] holds -2 - (their index) until assigned.
@@ -208,13 +212,8 @@ class IdMap {
       for (int64_t j = 0; j < from_free; ++j) assign.push_back(pop_free());
       const int64_t need = int64_t(new_keys.size()) - from_free;
       if (need > 0) {
-        ranks_.clear();
-        for (int64_t s = 0; s < capacity_; ++s)
-          if (last_[s] != kEmpty && last_[s] != now) ranks_.push_back(rank(s));
-        std::nth_element(ranks_.begin(), ranks_.begin() + need, ranks_.end());
-        std::sort(ranks_.begin(), ranks_.begin() + need);
-        for (int64_t v = 0; v < need; ++v) {
-          const int64_t s = ranks_[v].slot;
+        const std::vector<int64_t> victims = policy_ == 0 ? lru_victims(need, now) : ranked_victims(need, now);
+        for (const int64_t s : victims) {
           evicted_keys.push_back(key_[s]);
           map_.erase(key_[s]);
           assign.push_back(s);
@@ -229,6 +228,7 @@ class IdMap {
         count_[s] = occurrences[j];
         last_[s] = now;
         epoch_at_[s] = epoch_now;
+        queue_touch(s);
       }
       size_ += int64_t(new_keys.size());
       for (int64_t p : miss_pos) o[p] = assign[-2 - o[p]];
@@ -299,6 +299,8 @@ class IdMap {
       std::fill(last_.begin(), last_.end(), kEmpty);
       size_ = 0;
       reset_free();
+      queue_.clear();
+      queued_ = 0;
       throw std::invalid_argument(msg);
     };
     for (int64_t i = 0; i < n; ++i) {
@@ -316,6 +318,7 @@ class IdMap {
       ++size_;
     }
     reset_free();
+    if (policy_ == 0) rebuild_queue();
   }
 
  private:
@@ -329,7 +332,80 @@ class IdMap {
   void touch(int64_t s) {
     count_[s] = count(s) + 1;
     epoch_at_[s] = tick_ / decay_;
-    last_[s] = tick_;
+    if (last_[s] != tick_) {
+      last_[s] = tick_;
+      queue_touch(s);
+    }
+  }
+
+  // LRU's access queue: one bucket per tick, in tick order, holding the slots whose last access
+  // moved to that tick (appended as it happens); an entry is live while last_[slot] equals the
+  // bucket's tick. A bucket is sorted (and deduplicated) once, when eviction first reaches it.
+  // Rebuilt from last_ when entries outnumber slots four to one (amortized O(1) an access).
+  struct Bucket {
+    int64_t tick;
+    std::vector<int64_t> slots;
+    size_t head = 0;  // slots before head were taken or found stale
+    bool sorted = false;
+  };
+
+  void queue_touch(int64_t s) {
+    if (policy_ != 0) return;
+    if (queue_.empty() || queue_.back().tick != last_[s]) queue_.push_back(Bucket{last_[s], {}});
+    queue_.back().slots.push_back(s);
+    if (++queued_ > 4 * capacity_ + 1024) rebuild_queue();
+  }
+
+  void rebuild_queue() {
+    queue_.clear();
+    queued_ = 0;
+    std::vector<std::pair<int64_t, int64_t>> live;
+    for (int64_t s = 0; s < capacity_; ++s)
+      if (last_[s] != kEmpty) live.emplace_back(last_[s], s);
+    std::sort(live.begin(), live.end());
+    for (const auto& [t, s] : live) {
+      if (queue_.empty() || queue_.back().tick != t) queue_.push_back(Bucket{t, {}, 0, true});
+      queue_.back().slots.push_back(s);
+      ++queued_;
+    }
+  }
+
+  // The `need` least recent untouched slots, (last access, slot) ascending: bucket by bucket from
+  // the queue's front (a slot may be queued twice in one tick after a refused batch: once counts).
+  // Slots of the current tick are never victims.
+  std::vector<int64_t> lru_victims(int64_t need, int64_t now) {
+    std::vector<int64_t> out;
+    while (int64_t(out.size()) < need) {
+      if (queue_.empty()) throw std::logic_error("idmap: LRU queue ran out of victims");
+      Bucket& b = queue_.front();
+      if (b.tick >= now) throw std::logic_error("idmap: LRU victims reached the current batch");
+      if (!b.sorted) {
+        std::sort(b.slots.begin(), b.slots.end());
+        const auto end = std::unique(b.slots.begin(), b.slots.end());
+        queued_ -= int64_t(b.slots.end() - end);
+        b.slots.erase(end, b.slots.end());
+        b.sorted = true;
+      }
+      while (b.head < b.slots.size() && int64_t(out.size()) < need) {
+        const int64_t s = b.slots[b.head++];
+        --queued_;
+        if (last_[s] == b.tick) out.push_back(s);
+      }
+      if (b.head == b.slots.size()) queue_.pop_front();
+    }
+    return out;
+  }
+
+  // LFU / hybrid: the `need` smallest ranks among the untouched occupied slots, in rank order.
+  std::vector<int64_t> ranked_victims(int64_t need, int64_t now) {
+    ranks_.clear();
+    for (int64_t s = 0; s < capacity_; ++s)
+      if (last_[s] != kEmpty && last_[s] != now) ranks_.push_back(rank(s));
+    std::nth_element(ranks_.begin(), ranks_.begin() + need, ranks_.end());
+    std::sort(ranks_.begin(), ranks_.begin() + need);
+    std::vector<int64_t> out;
+    for (int64_t v = 0; v < need; ++v) out.push_back(ranks_[v].slot);
+    return out;
   }
 
   Rank rank(int64_t s) const {
@@ -354,7 +430,9 @@ class IdMap {
   FlatMap map_;
   std::vector<int64_t> key_, count_, last_, epoch_at_;  // per slot; last_ == kEmpty: slot is free
   std::vector<int64_t> free_;                           // min-heap of free slots
-  std::vector<Rank> ranks_;                             // reused victim-ranking buffer
+  std::vector<Rank> ranks_;                             // reused victim-ranking buffer (LFU, hybrid)
+  std::deque<Bucket> queue_;                            // LRU: slots by the tick of their access
+  int64_t queued_ = 0;                                  // LRU: entries in queue_
   int64_t tick_ = 0, size_ = 0;
   std::mutex mu_;
 };
