@@ -41,9 +41,10 @@ from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exclude import IdOrder, excluded_positions
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
-from retrieval.index.planner import lists_for, make_plan
+from retrieval.index.plain import plain_search
+from retrieval.index.planner import make_plan
 from retrieval.index.probe import half_sq_norms, probe_lists, rescore
-from retrieval.index.scan import plain_scan, scan
+from retrieval.index.scan import scan
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.targets import check_targets
 
@@ -240,10 +241,11 @@ class IVFIndex(nn.Module):
         q = self._check_queries(q)
         k = self._check_k(k)
         settings = self._settings(nprobe, rerank)
-        found = None
         if filters is None and recall_target is None:  # the common call: no filter to compile
-            found = self._plain_search(q, k, None, *settings)
-        if found is None:
+            found = plain_search(self, q, k, None, *settings)
+            if found is None:
+                found = self.planned_positions(q, k, self.compile_filter(None, len(q)), *settings)
+        else:
             fb = self.compile_filter(filters, q.shape[0])
             target = None
             if recall_target is not None:
@@ -330,12 +332,12 @@ class IVFIndex(nn.Module):
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
         ``exact=True`` scans every eligible item (the reference the index is measured against);
         ``target [B]``: each row's recall target (0: the index's settings)."""
-        fast = self._plain_search(q, k, fb, nprobe, rerank, exact, target)
+        fast = plain_search(self, q, k, fb, nprobe, rerank, exact, target)
         if fast is not None:
             return fast
-        return self._general_positions(q, k, fb, nprobe, rerank, exact, target)
+        return self.planned_positions(q, k, fb, nprobe, rerank, exact, target)
 
-    def _general_positions(
+    def planned_positions(
         self,
         q: torch.Tensor,
         k: int,
@@ -356,50 +358,7 @@ class IVFIndex(nn.Module):
         top = run_search(plan, fetch)
         return top.keys, top.scores
 
-    def _plain_search(
-        self,
-        q: torch.Tensor,
-        k: int,
-        fb: FilterBatch | None,
-        nprobe: int,
-        rerank: int,
-        exact: bool = False,
-        target: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The common search with no planner: rows with no filter clause (``fb`` None: none at
-        all), no recall target, no re-rank, one count of excluded items, on the CPU. The plan,
-        the probe and the scan are the general path's; a row its lists leave short of ``k``
-        goes through the general path alone (which widens it), so the results are that path's.
-        None where it does not apply. One query costs the probe and the scan (two C++ calls)
-        and a few tens of microseconds around them, where the planner and the search rounds
-        cost ~150 us."""
-        if exact or q.device.type != "cpu" or self.ntotal == 0:
-            return None
-        if (rerank and self.keeps_exact_copy) or (target is not None and bool(target.gt(0).any())):
-            return None
-        excluded, ex = 0, None
-        if fb is not None:
-            if fb.active:
-                return None
-            if fb.exclude is not None and fb.exclude.numel():
-                counts = fb.exclude.ge(0).sum(dim=1)
-                excluded = int(counts.max())
-                if int(counts.min()) != excluded:
-                    return None  # rows of several counts plan several list counts
-                ex = self._excluding(fb).exclude
-        p = min(lists_for(self, 1.0, nprobe, k + excluded), self.nlist)
-        scored = as_scored(self, q).contiguous()
-        pos, scores = plain_scan(
-            scored, self._probe, p, self.codes, self.scales, self.offsets, self.sig, ex, k
-        )
-        short = pos.numpy()[:, -1] < 0
-        if short.any():  # the general path's later rounds, for those rows only
-            rows = torch.from_numpy(np.flatnonzero(short))
-            sub = self.schema.empty(len(rows)) if fb is None else fb.rows(rows)
-            pos[rows], scores[rows] = self._general_positions(q[rows], k, sub, nprobe, rerank)
-        return pos, scores
-
-    def _probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coarse [B, P], lists [B, P])`` of ``q`` (as scored) by the index's probe rule."""
         half = self.half_norms if self.config.probe == "l2" else None
         return probe_lists(q, self.centroids, half, nprobe, self.centroids_t)
@@ -426,7 +385,7 @@ class IVFIndex(nn.Module):
         with the exact copy when the plan re-ranks. Exact rows: the best ``k`` eligible items.
         Items a row excludes (``fb.exclude``, item ids) are skipped in either."""
         b, dev = q.shape[0], q.device
-        q, fb = as_scored(self, q), self._excluding(fb)
+        q, fb = as_scored(self, q), self.excluding(fb)
         exact_rows = plan.exact.to(dev)
         if not bool(exact_rows.any()):  # every row probes lists: no scatter
             return self._list_candidates(q, plan, fb)
@@ -455,7 +414,7 @@ class IVFIndex(nn.Module):
                 vecs = q.new_zeros(*pos.shape, self.dim)
         return Candidates(ids, c.approx, c.scores, vecs)
 
-    def _excluding(self, fb: FilterBatch) -> FilterBatch:
+    def excluding(self, fb: FilterBatch) -> FilterBatch:
         """``fb`` with its excluded item ids mapped to this index's rows (once per fetch)."""
         if fb.exclude is None:
             return fb
@@ -469,7 +428,7 @@ class IVFIndex(nn.Module):
             probes = plan.lists.to(q.device)
             coarse = (q @ self.centroids.T).gather(1, probes.clamp(min=0))  # [b, P]
         else:
-            coarse, probes = self._probe(q, min(p_max, max(self.nlist, 1)))  # best first
+            coarse, probes = self.probe(q, min(p_max, max(self.nlist, 1)))  # best first
         if plan.lists is None and bool(
             (plan.nprobe != p_max).any()
         ):  # per-row probe counts: skip (-1) unneeded slots

@@ -14,7 +14,6 @@ score among those that pass the filter (positions in list-sorted order, ``-1`` w
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -157,40 +156,6 @@ def _(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r):
 @ivf_scan_fp8.register_fake
 def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, excl, r):
     return _fake_out(probes, r)
-
-
-def plain_scan(
-    q: torch.Tensor,
-    probe: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
-    nprobe: int,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    sig: torch.Tensor,
-    excl: torch.Tensor | None,
-    r: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probe and scan with no filter clause: ``q [B, D]`` contiguous float32, ``probe(q, P)``
-    the index's :func:`retrieval.index.probe.probe_lists` -> the best ``r`` ``(positions [B, r], scores [B, r])``, as
-    :func:`retrieval.index.probe.probe_lists` then :func:`scan` give them. ``excl [B, S]``:
-    sorted excluded rows (None: none). For the index's one-query path, where each Python-level
-    step costs as much as the scan."""
-    ext = _extension()
-    b = q.shape[0]
-    coarse, probes = probe(q, nprobe)
-    masks = torch.empty((b, 0, sig.shape[1]), dtype=torch.int64)
-    negate = torch.empty((b, 0), dtype=torch.bool)
-    ex = probes.new_empty((b, 0)) if excl is None else excl
-    if codes.dtype == torch.int8:
-        out = ext.ivf_scan_int8(
-            q, probes, coarse, codes, scales, offsets, sig, masks, negate, ex, r
-        )
-    else:
-        out = ext.ivf_scan_fp8(
-            q, codes.view(torch.uint8), _FP8_LUT, probes, coarse, scales, offsets, sig, masks,
-            negate, ex, r,
-        )  # fmt: skip
-    return tuple(out)
 
 
 def scan(

@@ -9,8 +9,9 @@ import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
+from retrieval.index.plain import plain_search
 from retrieval.index.probe import probe_lists
-from retrieval.index.scan import plain_scan
+from retrieval.index.scan import scan
 
 
 @pytest.fixture(scope="module", params=[("int8", "ip"), ("int8", "l2"), ("fp8", "ip")])
@@ -24,14 +25,14 @@ def index(request, catalog) -> IVFIndex:
 
 def general(index: IVFIndex, q, k, fb, nprobe=8):
     """The general path (planner, search rounds)."""
-    return index._general_positions(q, k, fb, nprobe, 0)
+    return index.planned_positions(q, k, fb, nprobe, 0)
 
 
 @pytest.mark.parametrize("k", [1, 10, 100])
 def test_the_plain_path_equals_the_general_one(index: IVFIndex, catalog, k: int) -> None:
     q = catalog["q"]
     for fb in (index.compile_filter(None, len(q)), None):
-        got = index._plain_search(q, k, fb, 8, 0)
+        got = plain_search(index, q, k, fb, 8, 0)
         assert got is not None
         want = general(index, q, k, index.compile_filter(None, len(q)))
         assert torch.equal(got[0], want[0])
@@ -45,7 +46,7 @@ def test_excluded_items_and_a_large_k(index: IVFIndex, catalog) -> None:
     seen = index.search(q, 30)[0]  # each row's own best 30
     empty = index.compile_filter(None, len(q))
     fb = FilterBatch(empty.masks, empty.negate, exclude=seen)
-    got = index._plain_search(q, 20, fb, 8, 0)
+    got = plain_search(index, q, 20, fb, 8, 0)
     assert got is not None
     want = general(index, q, 20, fb)
     assert torch.equal(got[0], want[0])
@@ -53,15 +54,17 @@ def test_excluded_items_and_a_large_k(index: IVFIndex, catalog) -> None:
     # rows with different counts of seen items plan different list counts: the general path
     uneven = seen.clone()
     uneven[0, 5:] = -1
-    assert index._plain_search(q, 20, FilterBatch(fb.masks, fb.negate, uneven), 8, 0) is None
+    assert plain_search(index, q, 20, FilterBatch(fb.masks, fb.negate, uneven), 8, 0) is None
     # a large k: the plan widens the lists to hold it, as the general plan does; rows the
     # lists leave short take the general path's later rounds
     q = catalog["q"]
-    first, _ = plain_scan(q.contiguous(), index._probe, 2, index.codes, index.scales,
-                          index.offsets, index.sig, None, 150)  # fmt: skip
+    empty = index.compile_filter(None, len(q))
+    coarse, lists = index.probe(q, 2)
+    first, _ = scan(q.contiguous(), lists, coarse, index.codes, index.scales, index.offsets,
+                    index.sig, empty.masks, empty.negate, 150, max_list=index.max_list)  # fmt: skip
     assert bool((first[:, -1] < 0).any())  # some rows' 2 lists hold fewer than 150 items
     for k in (150, 2000):
-        got = index._plain_search(q, k, None, 1, 0)
+        got = plain_search(index, q, k, None, 1, 0)
         assert got is not None and bool((got[0] >= 0).all())
         assert torch.equal(got[0], general(index, q, k, index.compile_filter(None, len(q)), 1)[0])
 
@@ -69,9 +72,9 @@ def test_excluded_items_and_a_large_k(index: IVFIndex, catalog) -> None:
 def test_filters_targets_and_rerank_take_the_general_path(index: IVFIndex, catalog) -> None:
     q = catalog["q"][:4]
     fb = index.compile_filter("shard in {1, 2}", len(q))
-    assert index._plain_search(q, 10, fb, 8, 0) is None
-    assert index._plain_search(q, 10, None, 8, 0, target=torch.full((4,), 0.9)) is None
-    assert index._plain_search(q, 10, None, 8, 0, exact=True) is None
+    assert plain_search(index, q, 10, fb, 8, 0) is None
+    assert plain_search(index, q, 10, None, 8, 0, target=torch.full((4,), 0.9)) is None
+    assert plain_search(index, q, 10, None, 8, 0, exact=True) is None
 
 
 def test_the_cpu_probe_picks_the_matmul_lists(index: IVFIndex, catalog) -> None:
