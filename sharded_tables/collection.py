@@ -95,6 +95,7 @@ class EmbeddingCollection(TableHooks, nn.Module):
                 if f in self.table_of:
                     raise ValueError(f"feature {f!r} is assigned to two tables")
                 self.table_of[f] = t.name
+        self._hashed = frozenset(t.name for t in tables if t.hashed)
 
     def bags(self) -> dict[str, nn.EmbeddingBag]:
         """``{table: its nn.EmbeddingBag}`` (weights ``[rows, D]``)."""
@@ -171,12 +172,11 @@ class EmbeddingCollection(TableHooks, nn.Module):
         gradients on CPU (serving, index builds) all features go through one fused call
         (:func:`~sharded_tables.pooled_lookup.pooled_lookup`, the same sums)."""
         out: dict[str, torch.Tensor] = {}
-        keyed = self.keyed()
-        if keyed:
+        if self._hashed:  # keyed rows: looked up by raw id (KeyedBag)
             for name, ids in features.items():
                 cfg = self.configs[self.table_of[name]]
                 if cfg.hashed:
-                    out[name] = keyed[cfg.name](ids, mean=cfg.pooling == "mean")
+                    out[name] = self.tables[cfg.name](ids, mean=cfg.pooling == "mean")
             features = {n: ids for n, ids in features.items() if n not in out}
         if not torch.is_grad_enabled() and features:
             bags = self.bags()

@@ -53,9 +53,13 @@ class KeyedBag(nn.Module):
         """Inserts or replaces float ``rows [m, D]`` under ``keys [m]`` (the last of a key
         repeated wins); new arrays, so a lookup in flight keeps the ones it read."""
         self._check(keys, rows)
+        self.upsert_packed(keys, self._pack(rows))
+
+    def upsert_packed(self, keys: torch.Tensor, packed: torch.Tensor) -> None:
+        """:meth:`upsert` of rows already packed in the bag's dtype ``uint8 [m, row_bytes]``."""
         keys = keys.cpu()
         _, last = _last_positions(keys)
-        keys, packed = keys[last], self._pack(rows[last])
+        keys, packed = keys[last], packed[last]
         kept = ~torch.isin(self.keys, keys)
         all_keys = torch.cat([self.keys[kept], keys])
         order = torch.argsort(all_keys)

@@ -220,7 +220,7 @@ class TieredEmbeddingCollection(nn.Module):
             raise ValueError(f"{e} (table {table!r} is {dtype.value})") from None
         if table in self.keyed:
             bag = self.keyed[table]
-            return lambda: bag.upsert(keys, values)
+            return lambda: bag.upsert_packed(keys, packed)
         remote = self.remote
         if not isinstance(remote, RowStore):
             raise RowUpdateRefusedError(
