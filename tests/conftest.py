@@ -13,6 +13,11 @@ from common.logs import reset_rate_limits
 
 torch.set_num_threads(2)
 
+# Triton kernels run on the CPU through Triton's interpreter where no GPU is (it is read when a
+# kernel module is imported, so before any test imports one).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # child_guard: a test that starts a child process must be marked multiproc (it fails otherwise).
 pytest_plugins = ["support.serving_fixtures", "support.child_guard", "pytester"]
 

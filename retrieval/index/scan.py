@@ -8,8 +8,10 @@ score among those that pass the filter (positions in list-sorted order, ``-1`` w
   ``torch.compile`` traces through them. Its int8 dot products pick a path per call: AVX-512 VNNI,
   AVX2 or portable loops, the best the CPU runs unless ``$RECSERVE_SCAN_ISA`` forces one
   (:func:`int8_isa`); every path returns the same scores, bit for bit.
-* CUDA, or ``reference=True``: :func:`scan_reference`, plain torch ops (gather, matmul, topk)
-  over queries in chunks. It defines what the kernel must compute and is tested against it.
+* CUDA: ``gpu_scan.py``, one Triton kernel (list-major int8/fp8 tensor-core scan, filter and
+  exclusions in the same pass) and a radix top-r.
+* ``reference=True``: :func:`scan_reference`, plain torch ops (gather, matmul, topk) over
+  queries in chunks. It defines what both kernels must compute and they are tested against it.
 """
 
 from __future__ import annotations
@@ -192,6 +194,12 @@ def scan(
     The hot path trusts its inputs: the index validates at its public entry.
     """
     excl = probes.new_empty((probes.shape[0], 0)) if excl is None else excl.contiguous()
+    if q.device.type == "cuda" and not reference:
+        from retrieval.index.gpu_scan import scan_triton  # imports triton: only where it runs
+
+        return scan_triton(
+            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list, excl
+        )
     if reference or q.device.type != "cpu":
         return scan_reference(
             q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list, excl

@@ -1,0 +1,292 @@
+"""The IVF list scan on a GPU: one Triton kernel scores, filters and blanks the probed lists.
+
+Same contract as :func:`retrieval.index.scan.scan` (the CPU kernel and :func:`scan_reference`).
+The work is list-major, as on the CPU: the batch's (query, probe) pairs are grouped by list, and
+each program takes up to ``BQ`` queries that probe one list and a tile of ``BN`` of its items,
+so a code tile is read once for all of them and scored as one int8 tensor-core product
+(``tl.dot``, exact int32 sums). In the same pass it adds the list's coarse score, tests every
+item's signature against each query's filter clauses and blanks the rows each query excludes
+(a binary search in its sorted ``excl`` row). Scores land in a ``[B, P * max_list]`` buffer
+(``-inf`` where nothing passed) and the best ``r`` of each row come from ``torch.topk`` (a radix
+select on CUDA, any ``r``: no 2,048 cap). Nothing here waits for the GPU: the grid is sized from
+shapes alone and the pair grouping is torch ops on the device.
+
+FP8 codes are decoded through a 256-entry float16 table (exact: every e4m3 value is a float16)
+and scored against the query split in two float16 halves (``q = hi + lo``), so the tensor cores
+give float32-accurate sums.
+
+CI runs the kernel on the CPU under ``TRITON_INTERPRET=1`` (``tests/conftest.py`` sets it where
+no GPU is) against :func:`scan_reference`; tests marked ``gpu`` run it compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from retrieval.index.codes import fp8_lut, quantize_int8
+
+BQ = 16
+"""Queries a program scores together (``tl.dot`` needs 16 at least)."""
+BN = 128
+"""Items of a list a program scores."""
+BUFFER_FLOATS = 1 << 26
+"""Score-buffer floats per call (256 MB): larger batches go through in query chunks."""
+
+
+@triton.jit
+def _scan_kernel(
+    q_ptr,  # [B, D] int8 queries, or float16 high halves (FP8)
+    qlo_ptr,  # [B, D] float16 low halves (FP8; unused for INT8)
+    qscale_ptr,  # [B] float32 query scales (INT8; unused for FP8)
+    codes_ptr,  # [N, D] int8, or uint8 FP8 bit patterns
+    lut_ptr,  # [256] float16 FP8 values
+    scales_ptr,  # [N] float32
+    offsets_ptr,  # [nlist + 1] int64
+    coarse_ptr,  # [B, P] float32
+    pairs_ptr,  # [B * P] int64: (query * P + slot), grouped by list
+    chunk_list_ptr,  # [G] int64: the list of each chunk of pairs, -1 none
+    chunk_first_ptr,  # [G] int64: its first pair in pairs_ptr
+    chunk_count_ptr,  # [G] int64: its pairs (<= BQ)
+    sig_ptr,  # [N, W] int64
+    fmask_ptr,  # [B, C, W] int64
+    fneg_ptr,  # [B, C] int8
+    excl_ptr,  # [B, S] int64, ascending, PAD padded
+    out_ptr,  # [B, P * L] float32, -inf filled
+    D,
+    P,
+    L,
+    C,
+    W,
+    S,
+    EXCL_STEPS,
+    FP8: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    tile = tl.program_id(1)
+    lst = tl.load(chunk_list_ptr + chunk)
+    if lst < 0:
+        return
+    start = tl.load(offsets_ptr + lst) + tile * BLOCK_N
+    end = tl.load(offsets_ptr + lst + 1)
+    if start >= end:
+        return
+    first = tl.load(chunk_first_ptr + chunk)
+    count = tl.load(chunk_count_ptr + chunk)
+
+    qi = tl.arange(0, BLOCK_Q)
+    q_ok = qi < count
+    pair = tl.load(pairs_ptr + first + qi, mask=q_ok, other=0)  # [BQ]
+    b = pair // P
+    slot = pair % P
+    items = start + tl.arange(0, BLOCK_N)  # [BN] list-sorted positions
+    i_ok = items < end
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q_at = q_ptr + b[:, None] * D + d[None, :]
+    c_at = codes_ptr + items[:, None] * D + d[None, :]
+    qc_ok = q_ok[:, None] & d_ok[None, :]
+    cc_ok = i_ok[:, None] & d_ok[None, :]
+    if FP8:
+        hi = tl.load(q_at, mask=qc_ok, other=0.0)
+        lo = tl.load(qlo_ptr + b[:, None] * D + d[None, :], mask=qc_ok, other=0.0)
+        bits = tl.load(c_at, mask=cc_ok, other=0).to(tl.int32)
+        x = tl.load(lut_ptr + bits)  # [BN, BD] float16, exact
+        xt = tl.trans(x)
+        dots = tl.dot(hi, xt, out_dtype=tl.float32) + tl.dot(lo, xt, out_dtype=tl.float32)
+    else:
+        q8 = tl.load(q_at, mask=qc_ok, other=0)
+        x8 = tl.load(c_at, mask=cc_ok, other=0)
+        qs = tl.load(qscale_ptr + b, mask=q_ok, other=0.0)
+        dots = tl.dot(q8, tl.trans(x8), out_dtype=tl.int32).to(tl.float32) * qs[:, None]
+    sc = tl.load(scales_ptr + items, mask=i_ok, other=0.0)
+    co = tl.load(coarse_ptr + b * P + slot, mask=q_ok, other=0.0)
+    score = dots * sc[None, :] + co[:, None]  # [BQ, BN]
+
+    ok = q_ok[:, None] & i_ok[None, :]
+    for c in range(C):  # every clause: (any bit of the item in the clause's mask) != negate
+        hit = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int1)
+        for w in range(W):
+            sw = tl.load(sig_ptr + items * W + w, mask=i_ok, other=0)
+            mw = tl.load(fmask_ptr + (b * C + c) * W + w, mask=q_ok, other=0)
+            hit = hit | ((sw[None, :] & mw[:, None]) != 0)
+        neg = tl.load(fneg_ptr + b * C + c, mask=q_ok, other=0) != 0
+        ok = ok & (hit != neg[:, None])
+    if S > 0:  # lower bound of each item in its query's excluded rows
+        lo_i = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int64)
+        hi_i = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int64) + S
+        for _ in range(EXCL_STEPS):
+            mid = (lo_i + hi_i) // 2
+            v = tl.load(excl_ptr + b[:, None] * S + mid, mask=ok & (mid < hi_i), other=0)
+            right = v < items[None, :]
+            lo_i = tl.where(right & (mid < hi_i), mid + 1, lo_i)
+            hi_i = tl.where(right | (mid >= hi_i), hi_i, mid)
+        hit_ex = tl.load(excl_ptr + b[:, None] * S + lo_i, mask=ok & (lo_i < S), other=-1)
+        ok = ok & (hit_ex != items[None, :])
+
+    col = slot[:, None] * L + (items - tl.load(offsets_ptr + lst))[None, :]
+    tl.store(out_ptr + b[:, None] * (P * L) + col, score, mask=ok)
+
+
+def _chunks(
+    probes: torch.Tensor, nlist: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups the ``[B, P]`` (query, slot) pairs by list and cuts each list's group into chunks
+    of :data:`BQ`. Returns ``pairs [B*P]`` (grouped) and per chunk ``list, first, count [G]``,
+    ``G = ceil(B*P / BQ) + min(nlist, B*P)`` (a bound from shapes: no host sync)."""
+    dev = probes.device
+    flat = probes.flatten()
+    n = flat.numel()
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, nlist))  # skipped slots last
+    pairs = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=nlist + 1)[:nlist]  # [nlist]
+    pair_start = torch.cumsum(counts, 0) - counts
+    per_list = (counts + BQ - 1) // BQ
+    chunk_end = torch.cumsum(per_list, 0)  # [nlist]
+    g = (n + BQ - 1) // BQ + min(nlist, n)
+    cid = torch.arange(g, device=dev)
+    lst = torch.searchsorted(chunk_end, cid, right=True)  # [G]; nlist: beyond the last chunk
+    real = lst < nlist
+    at = lst.clamp(max=max(nlist - 1, 0))
+    within = cid - (chunk_end[at] - per_list[at])
+    first = pair_start[at] + within * BQ
+    count = torch.clamp(counts[at] - within * BQ, 0, BQ)
+    lst = torch.where(real, lst, torch.full_like(lst, -1))
+    return pairs, lst, first, count
+
+
+def _queries(
+    q: torch.Tensor, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query operands: INT8 codes and scales (as the CPU kernel quantizes them), or the
+    float16 high and low halves of ``q``."""
+    if fp8:
+        hi = q.half()
+        lo = (q - hi.float()).half()
+        return hi.contiguous(), lo.contiguous(), q.new_zeros(0)
+    q8, qs = quantize_int8(q.float())
+    return q8.contiguous(), q8.new_zeros(0), qs.contiguous()
+
+
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    if device not in _LUTS:
+        _LUTS[device] = fp8_lut(device).half()
+    return _LUTS[device]
+
+
+def scan_triton(
+    q: torch.Tensor,
+    probes: torch.Tensor,
+    coarse: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    r: int,
+    max_list: int,
+    excl: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`retrieval.index.scan.scan` with the Triton kernel: ``q [B, D]``, ``probes`` and
+    ``coarse [B, P]``, ``codes [N, D]`` int8 or float8_e4m3fn, ``excl [B, S]`` ->
+    ``(positions [B, r] int64, scores [B, r] float32)``, best first, ``-1`` / ``-inf`` pads."""
+    b, p = probes.shape
+    width = max(p * max(max_list, 1), 1)
+    step = max(1, BUFFER_FLOATS // width)
+    if b > step:  # bounded score buffer: the batch in query chunks
+        parts = [
+            scan_triton(
+                q[s : s + step],
+                probes[s : s + step],
+                coarse[s : s + step],
+                codes,
+                scales,
+                offsets,
+                sig,
+                fmask[s : s + step],
+                fneg[s : s + step],
+                r,
+                max_list,
+                excl[s : s + step],
+            )
+            for s in range(0, b, step)
+        ]
+        return torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
+    return _scan_batch(
+        q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max(max_list, 1), excl
+    )
+
+
+def _scan_batch(
+    q: torch.Tensor,
+    probes: torch.Tensor,
+    coarse: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    r: int,
+    lmax: int,
+    excl: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, p = probes.shape
+    dev = q.device
+    d = q.shape[1]
+    nlist = offsets.numel() - 1
+    fp8 = codes.dtype == torch.float8_e4m3fn
+    out = torch.full((b, p * lmax), float("-inf"), device=dev)
+    if b and p and nlist > 0:
+        qa, qlo, qs = _queries(q, fp8)
+        pairs, lst, first, count = _chunks(probes, nlist)
+        s = excl.shape[1]
+        grid = (lst.numel(), triton.cdiv(lmax, BN))
+        _scan_kernel[grid](
+            qa,
+            qlo if fp8 else qa,
+            qs if not fp8 else coarse,
+            codes.view(torch.uint8) if fp8 else codes,
+            _lut(dev) if fp8 else scales,
+            scales,
+            offsets,
+            coarse,
+            pairs,
+            lst,
+            first,
+            count,
+            sig,
+            fmask,
+            fneg.to(torch.int8),
+            excl,
+            out,
+            d,
+            p,
+            lmax,
+            fmask.shape[1],
+            sig.shape[1],
+            s,
+            max(s, 1).bit_length(),
+            FP8=fp8,
+            BLOCK_Q=BQ,
+            BLOCK_N=BN,
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
+        )
+    kk = min(r, out.shape[1])
+    top, idx = out.topk(kk, dim=1)
+    slot, j = idx // lmax, idx % lmax
+    lists = probes.gather(1, slot).clamp(min=0)
+    pos = torch.where(top > float("-inf"), offsets[lists] + j, torch.full_like(idx, -1))
+    if kk < r:
+        pos = torch.nn.functional.pad(pos, (0, r - kk), value=-1)
+        top = torch.nn.functional.pad(top, (0, r - kk), value=float("-inf"))
+    return pos, top
