@@ -6,10 +6,12 @@ each program takes up to ``BQ`` queries that probe one list and a tile of ``BN``
 so a code tile is read once for all of them and scored as one int8 tensor-core product
 (``tl.dot``, exact int32 sums). In the same pass it adds the list's coarse score, tests every
 item's signature against each query's filter clauses and blanks the rows each query excludes
-(a binary search in its sorted ``excl`` row). Scores land in a ``[B, P * max_list]`` buffer
-(``-inf`` where nothing passed) and the best ``r`` of each row come from ``torch.topk`` (a radix
-select on CUDA, any ``r``: no 2,048 cap). Nothing here waits for the GPU: the grid is sized from
-shapes alone and the pair grouping is torch ops on the device.
+(a binary search in its sorted ``excl`` row). A program walks its list tile by tile, so the grid
+is one program per chunk of pairs. Scores land in a ``[B, width]`` buffer, each query's probed
+lists side by side (``-inf`` where nothing passed; ``width``: the ``P`` longest lists, known on
+the host), and the best ``r`` of each row come from ``torch.topk`` (a radix select on CUDA, any
+``r``: no 2,048 cap). Nothing here waits for the GPU: the grid is sized from shapes alone and
+the pair grouping is torch ops on the device.
 
 FP8 codes are decoded through a 256-entry float16 table (exact: every e4m3 value is a float16)
 and scored against the query split in two float16 halves (``q = hi + lo``), so the tensor cores
@@ -20,6 +22,8 @@ no GPU is) against :func:`scan_reference`; tests marked ``gpu`` run it compiled.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import triton
@@ -45,6 +49,7 @@ def _scan_kernel(
     scales_ptr,  # [N] float32
     offsets_ptr,  # [nlist + 1] int64
     coarse_ptr,  # [B, P] float32
+    col_ptr,  # [B, P] int64: where each probed list's scores start in its query's row
     pairs_ptr,  # [B * P] int64: (query * P + slot), grouped by list
     chunk_list_ptr,  # [G] int64: the list of each chunk of pairs, -1 none
     chunk_first_ptr,  # [G] int64: its first pair in pairs_ptr
@@ -53,10 +58,10 @@ def _scan_kernel(
     fmask_ptr,  # [B, C, W] int64
     fneg_ptr,  # [B, C] int8
     excl_ptr,  # [B, S] int64, ascending, PAD padded
-    out_ptr,  # [B, P * L] float32, -inf filled
+    out_ptr,  # [B, width] float32, -inf filled
     D,
     P,
-    L,
+    width,
     C,
     W,
     S,
@@ -67,70 +72,73 @@ def _scan_kernel(
     BLOCK_D: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    tile = tl.program_id(1)
     lst = tl.load(chunk_list_ptr + chunk)
     if lst < 0:
         return
-    start = tl.load(offsets_ptr + lst) + tile * BLOCK_N
-    end = tl.load(offsets_ptr + lst + 1)
-    if start >= end:
-        return
     first = tl.load(chunk_first_ptr + chunk)
     count = tl.load(chunk_count_ptr + chunk)
+    list_start = tl.load(offsets_ptr + lst)
+    list_end = tl.load(offsets_ptr + lst + 1)
 
+    # this chunk's queries, loaded once for every tile of the list
     qi = tl.arange(0, BLOCK_Q)
     q_ok = qi < count
     pair = tl.load(pairs_ptr + first + qi, mask=q_ok, other=0)  # [BQ]
     b = pair // P
     slot = pair % P
-    items = start + tl.arange(0, BLOCK_N)  # [BN] list-sorted positions
-    i_ok = items < end
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-
-    q_at = q_ptr + b[:, None] * D + d[None, :]
-    c_at = codes_ptr + items[:, None] * D + d[None, :]
     qc_ok = q_ok[:, None] & d_ok[None, :]
-    cc_ok = i_ok[:, None] & d_ok[None, :]
+    q_at = b[:, None] * D + d[None, :]
     if FP8:
-        hi = tl.load(q_at, mask=qc_ok, other=0.0)
-        lo = tl.load(qlo_ptr + b[:, None] * D + d[None, :], mask=qc_ok, other=0.0)
-        bits = tl.load(c_at, mask=cc_ok, other=0).to(tl.int32)
-        x = tl.load(lut_ptr + bits)  # [BN, BD] float16, exact
-        xt = tl.trans(x)
-        dots = tl.dot(hi, xt, out_dtype=tl.float32) + tl.dot(lo, xt, out_dtype=tl.float32)
+        hi = tl.load(q_ptr + q_at, mask=qc_ok, other=0.0)
+        lo = tl.load(qlo_ptr + q_at, mask=qc_ok, other=0.0)
+        qs = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     else:
-        q8 = tl.load(q_at, mask=qc_ok, other=0)
-        x8 = tl.load(c_at, mask=cc_ok, other=0)
+        q8 = tl.load(q_ptr + q_at, mask=qc_ok, other=0)
         qs = tl.load(qscale_ptr + b, mask=q_ok, other=0.0)
-        dots = tl.dot(q8, tl.trans(x8), out_dtype=tl.int32).to(tl.float32) * qs[:, None]
-    sc = tl.load(scales_ptr + items, mask=i_ok, other=0.0)
     co = tl.load(coarse_ptr + b * P + slot, mask=q_ok, other=0.0)
-    score = dots * sc[None, :] + co[:, None]  # [BQ, BN]
+    col = tl.load(col_ptr + b * P + slot, mask=q_ok, other=0)  # [BQ]
 
-    ok = q_ok[:, None] & i_ok[None, :]
-    for c in range(C):  # every clause: (any bit of the item in the clause's mask) != negate
-        hit = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int1)
-        for w in range(W):
-            sw = tl.load(sig_ptr + items * W + w, mask=i_ok, other=0)
-            mw = tl.load(fmask_ptr + (b * C + c) * W + w, mask=q_ok, other=0)
-            hit = hit | ((sw[None, :] & mw[:, None]) != 0)
-        neg = tl.load(fneg_ptr + b * C + c, mask=q_ok, other=0) != 0
-        ok = ok & (hit != neg[:, None])
-    if S > 0:  # lower bound of each item in its query's excluded rows
-        lo_i = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int64)
-        hi_i = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int64) + S
-        for _ in range(EXCL_STEPS):
-            mid = (lo_i + hi_i) // 2
-            v = tl.load(excl_ptr + b[:, None] * S + mid, mask=ok & (mid < hi_i), other=0)
-            right = v < items[None, :]
-            lo_i = tl.where(right & (mid < hi_i), mid + 1, lo_i)
-            hi_i = tl.where(right | (mid >= hi_i), hi_i, mid)
-        hit_ex = tl.load(excl_ptr + b[:, None] * S + lo_i, mask=ok & (lo_i < S), other=-1)
-        ok = ok & (hit_ex != items[None, :])
+    for tile in range(0, tl.cdiv(list_end - list_start, BLOCK_N)):
+        items = list_start + tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] list-sorted
+        i_ok = items < list_end
+        c_at = codes_ptr + items[:, None] * D + d[None, :]
+        cc_ok = i_ok[:, None] & d_ok[None, :]
+        if FP8:
+            bits = tl.load(c_at, mask=cc_ok, other=0).to(tl.int32)
+            xt = tl.trans(tl.load(lut_ptr + bits))  # [BD, BN] float16, exact
+            dots = tl.dot(hi, xt, out_dtype=tl.float32) + tl.dot(lo, xt, out_dtype=tl.float32)
+        else:
+            x8 = tl.load(c_at, mask=cc_ok, other=0)
+            dots = tl.dot(q8, tl.trans(x8), out_dtype=tl.int32).to(tl.float32) * qs[:, None]
+        sc = tl.load(scales_ptr + items, mask=i_ok, other=0.0)
+        score = dots * sc[None, :] + co[:, None]  # [BQ, BN]
 
-    col = slot[:, None] * L + (items - tl.load(offsets_ptr + lst))[None, :]
-    tl.store(out_ptr + b[:, None] * (P * L) + col, score, mask=ok)
+        ok = q_ok[:, None] & i_ok[None, :]
+        for c in range(C):  # every clause: (any bit of the item in the clause's mask) != negate
+            hit = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int1)
+            for w in range(W):
+                sw = tl.load(sig_ptr + items * W + w, mask=i_ok, other=0)
+                mw = tl.load(fmask_ptr + (b * C + c) * W + w, mask=q_ok, other=0)
+                hit = hit | ((sw[None, :] & mw[:, None]) != 0)
+            neg = tl.load(fneg_ptr + b * C + c, mask=q_ok, other=0) != 0
+            ok = ok & (hit != neg[:, None])
+        if S > 0:  # lower bound of each item in its query's excluded rows
+            lo_i = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int64)
+            hi_i = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int64) + S
+            for _ in range(EXCL_STEPS):
+                mid = (lo_i + hi_i) // 2
+                live = mid < hi_i
+                v = tl.load(excl_ptr + b[:, None] * S + mid, mask=ok & live, other=0)
+                right = v < items[None, :]
+                lo_i = tl.where(right & live, mid + 1, lo_i)
+                hi_i = tl.where(right | ~live, hi_i, mid)
+            hit_ex = tl.load(excl_ptr + b[:, None] * S + lo_i, mask=ok & (lo_i < S), other=-1)
+            ok = ok & (hit_ex != items[None, :])
+        at = col[:, None] + (items - list_start)[None, :]
+        # within the row even if the host's bound were stale: candidates lost, never memory
+        tl.store(out_ptr + b[:, None] * width + at, score, mask=ok & (at < width))
 
 
 def _chunks(
@@ -182,6 +190,25 @@ def _lut(device: torch.device) -> torch.Tensor:
     return _LUTS[device]
 
 
+_PREFIX: dict[int, tuple[weakref.ref[torch.Tensor], int, list[int]]] = {}
+
+
+def width_bound(offsets: torch.Tensor, p: int) -> int:
+    """Score columns a query probing ``p`` lists can need: the sum of the ``p`` longest lists.
+    Read once per index state (this ``offsets`` tensor at this version: one device sync then,
+    none in later searches), so the buffer is sized from host numbers alone."""
+    held = _PREFIX.get(id(offsets))
+    if held is None or held[0]() is not offsets or held[1] != offsets._version:
+        sizes = (offsets[1:] - offsets[:-1]).sort(descending=True).values
+        prefix = [0, *sizes.cumsum(0).tolist()]
+        for key in [k for k, v in _PREFIX.items() if v[0]() is None]:  # freed tensors
+            del _PREFIX[key]
+        held = (weakref.ref(offsets), offsets._version, prefix)
+        _PREFIX[id(offsets)] = held
+    prefix = held[2]
+    return max(prefix[min(p, len(prefix) - 1)], 1)
+
+
 def scan_triton(
     q: torch.Tensor,
     probes: torch.Tensor,
@@ -198,13 +225,14 @@ def scan_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`retrieval.index.scan.scan` with the Triton kernel: ``q [B, D]``, ``probes`` and
     ``coarse [B, P]``, ``codes [N, D]`` int8 or float8_e4m3fn, ``excl [B, S]`` ->
-    ``(positions [B, r] int64, scores [B, r] float32)``, best first, ``-1`` / ``-inf`` pads."""
+    ``(positions [B, r] int64, scores [B, r] float32)``, best first, ``-1`` / ``-inf`` pads.
+    (``max_list`` is the reference path's; this one sizes its rows by :func:`width_bound`.)"""
     b, p = probes.shape
-    width = max(p * max(max_list, 1), 1)
+    width = width_bound(offsets, p)
     step = max(1, BUFFER_FLOATS // width)
     if b > step:  # bounded score buffer: the batch in query chunks
         parts = [
-            scan_triton(
+            _scan_batch(
                 q[s : s + step],
                 probes[s : s + step],
                 coarse[s : s + step],
@@ -215,15 +243,13 @@ def scan_triton(
                 fmask[s : s + step],
                 fneg[s : s + step],
                 r,
-                max_list,
+                width,
                 excl[s : s + step],
             )
             for s in range(0, b, step)
         ]
         return torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
-    return _scan_batch(
-        q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max(max_list, 1), excl
-    )
+    return _scan_batch(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, width, excl)
 
 
 def _scan_batch(
@@ -237,21 +263,25 @@ def _scan_batch(
     fmask: torch.Tensor,
     fneg: torch.Tensor,
     r: int,
-    lmax: int,
+    width: int,
     excl: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One bounded batch: each query's probed lists side by side in a row of ``width`` columns
+    (``col [B, P]`` where each starts), the kernel, then the best ``r`` of each row."""
     b, p = probes.shape
     dev = q.device
-    d = q.shape[1]
     nlist = offsets.numel() - 1
     fp8 = codes.dtype == torch.float8_e4m3fn
-    out = torch.full((b, p * lmax), float("-inf"), device=dev)
+    listed = probes >= 0
+    lists = probes.clamp(min=0)
+    lens = torch.where(listed, offsets[lists + 1] - offsets[lists], 0)  # [B, P]
+    col = torch.cumsum(lens, dim=1) - lens  # [B, P]
+    out = torch.full((b, width), float("-inf"), device=dev)
     if b and p and nlist > 0:
         qa, qlo, qs = _queries(q, fp8)
         pairs, lst, first, count = _chunks(probes, nlist)
         s = excl.shape[1]
-        grid = (lst.numel(), triton.cdiv(lmax, BN))
-        _scan_kernel[grid](
+        _scan_kernel[(lst.numel(),)](
             qa,
             qlo if fp8 else qa,
             qs if not fp8 else coarse,
@@ -260,6 +290,7 @@ def _scan_batch(
             scales,
             offsets,
             coarse,
+            col,
             pairs,
             lst,
             first,
@@ -269,9 +300,9 @@ def _scan_batch(
             fneg.to(torch.int8),
             excl,
             out,
-            d,
+            q.shape[1],
             p,
-            lmax,
+            width,
             fmask.shape[1],
             sig.shape[1],
             s,
@@ -279,13 +310,13 @@ def _scan_batch(
             FP8=fp8,
             BLOCK_Q=BQ,
             BLOCK_N=BN,
-            BLOCK_D=max(16, triton.next_power_of_2(d)),
+            BLOCK_D=max(16, triton.next_power_of_2(q.shape[1])),
         )
-    kk = min(r, out.shape[1])
+    kk = min(r, width)
     top, idx = out.topk(kk, dim=1)
-    slot, j = idx // lmax, idx % lmax
-    lists = probes.gather(1, slot).clamp(min=0)
-    pos = torch.where(top > float("-inf"), offsets[lists] + j, torch.full_like(idx, -1))
+    slot = (torch.searchsorted(col, idx, right=True) - 1).clamp(min=0)  # the list holding idx
+    at = offsets[lists.gather(1, slot)] + idx - col.gather(1, slot)
+    pos = torch.where(top > float("-inf"), at, torch.full_like(idx, -1))
     if kk < r:
         pos = torch.nn.functional.pad(pos, (0, r - kk), value=-1)
         top = torch.nn.functional.pad(top, (0, r - kk), value=float("-inf"))

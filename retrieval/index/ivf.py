@@ -418,7 +418,8 @@ class IVFIndex(nn.Module):
         """``fb`` with its excluded item ids mapped to this index's rows (once per fetch)."""
         if fb.exclude is None:
             return fb
-        return FilterBatch(fb.masks, fb.negate, excluded_positions(self.id_order, fb.exclude))
+        rows = excluded_positions(self.id_order, fb.exclude)  # the id order lives on the CPU
+        return FilterBatch(fb.masks, fb.negate, rows.to(fb.masks.device))
 
     def _list_candidates(self, q: torch.Tensor, plan: SearchPlan, fb: FilterBatch) -> Candidates:
         """Probe, scan (filter and exclusions inside the scan), and re-score the survivors

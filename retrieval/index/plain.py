@@ -1,8 +1,9 @@
 """The plain search: the common call without the planner.
 
-Rows with no filter clause, no recall target, no re-rank, one count of excluded items, on the
-CPU: their plan is "``lists_for`` lists each" (``retrieval/index/planner.py``), so the search is
-the probe and the scan (two C++ calls), with the planned path's lists and results. A row its
+Rows with no filter clause, no recall target, no re-rank, one count of excluded items: their
+plan is "``lists_for`` lists each" (``retrieval/index/planner.py``), so the search is the probe
+and the scan (two C++ calls on the CPU; a matmul and the Triton scan on a GPU, with one wait for
+the answer), with the planned path's lists and results. A row its
 lists leave short of ``k`` goes through the planned path alone (which widens it). One query costs
 the probe, the scan and a few tens of microseconds around them, where the planner and the search
 rounds cost ~150 us (``bench/RESULTS.md``).
@@ -48,7 +49,7 @@ def plain_search(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(positions [B, k], scores [B, k])`` of ``q [B, D]`` as the planned search gives them
     (``fb`` None: no filter at all); None where the plain search does not apply."""
-    if exact or q.device.type != "cpu" or index.ntotal == 0:
+    if exact or index.ntotal == 0:
         return None
     if (rerank and index.keeps_exact_copy) or (target is not None and bool(target.gt(0).any())):
         return None
@@ -66,14 +67,18 @@ def plain_search(
     scored = as_scored(index, q).contiguous()
     coarse, probes = index.probe(scored, p)
     b, w = q.shape[0], index.sig.shape[1]
-    no_clause = torch.empty((b, 0, w), dtype=torch.int64), torch.empty((b, 0), dtype=torch.bool)
+    dev = q.device
+    no_clause = (
+        torch.empty((b, 0, w), dtype=torch.int64, device=dev),
+        torch.empty((b, 0), dtype=torch.bool, device=dev),
+    )
     pos, scores = scan(
         scored, probes, coarse, index.codes, index.scales, index.offsets, index.sig,
         *no_clause, k, max_list=index.max_list, excl=ex,
     )  # fmt: skip
-    short = pos.numpy()[:, -1] < 0
+    short = pos[:, -1].lt(0).cpu().numpy()  # on a GPU: the search's one wait
     if short.any():  # the planned path's later rounds, for those rows only
-        rows = torch.from_numpy(np.flatnonzero(short))
+        rows = torch.from_numpy(np.flatnonzero(short)).to(dev)
         sub = index.schema.empty(len(rows)) if fb is None else fb.rows(rows)
         pos[rows], scores[rows] = index.planned_positions(q[rows], k, sub, nprobe, rerank)
     return pos, scores

@@ -16,6 +16,7 @@ score among those that pass the filter (positions in list-sorted order, ``-1`` w
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -42,6 +43,11 @@ def _extension() -> ModuleType:
         )
     return _loaded[0]
 
+
+KERNEL_ENV = "RECSERVE_SCAN_KERNEL"
+"""Forces the list scan's kernel: ``triton`` (also on CPU tensors, where it needs Triton's
+interpreter, ``TRITON_INTERPRET=1``: how CI runs whole searches through it) or ``reference``
+(:func:`scan_reference` on any device). ``auto`` or unset: C++ on the CPU, Triton on CUDA."""
 
 ISA_ENV = "RECSERVE_SCAN_ISA"
 """Forces the int8 scan's path: ``portable``, ``avx2`` or ``vnni`` (``auto`` or unset: the best
@@ -194,7 +200,9 @@ def scan(
     The hot path trusts its inputs: the index validates at its public entry.
     """
     excl = probes.new_empty((probes.shape[0], 0)) if excl is None else excl.contiguous()
-    if q.device.type == "cuda" and not reference:
+    kernel = os.environ.get(KERNEL_ENV, "auto")
+    reference = reference or kernel == "reference"
+    if (q.device.type == "cuda" or kernel == "triton") and not reference:
         from retrieval.index.gpu_scan import scan_triton  # imports triton: only where it runs
 
         return scan_triton(

@@ -188,6 +188,7 @@ class Candidates:
     def put(self, rows: torch.Tensor, other: Candidates) -> None:
         """Writes ``other``'s columns into ``rows`` (``other`` may be narrower: the rest pads)."""
         w = other.width
+        rows = rows.to(self.keys.device)
         self.keys[rows] = -1
         self.approx[rows] = NEG_INF
         self.scores[rows] = NEG_INF
@@ -234,14 +235,14 @@ def run_search(plan: SearchPlan, fetch: Fetch) -> Candidates:
     top = select(first, plan)
     if plan.check is not None:
         _second_round(plan, plan.check, fetch, first, top)
-    short = ~plan.exact & top.keys[:, -1].lt(0)  # results fill each row from the front
+    short = ~plan.exact & top.keys[:, -1].lt(0).cpu()  # results fill each row from the front
     if not bool(short.any()):
         return top
     if plan.lists is None:  # lists chosen by count: probe 4x as many first
         rows = short.nonzero().flatten()
         sub = replace(plan.rows(rows), nprobe=plan.nprobe[rows] * WIDEN, check=None)
         top.put(rows, select(fetch(sub, rows), sub))
-        short = ~plan.exact & top.keys[:, -1].lt(0)
+        short = ~plan.exact & top.keys[:, -1].lt(0).cpu()
     if bool(short.any()):
         rows = short.nonzero().flatten()
         sub = plan.rows(rows).all_exact()

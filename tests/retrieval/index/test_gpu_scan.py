@@ -172,3 +172,53 @@ def test_index_on_cuda_finds_what_the_cpu_index_finds(codes, catalog):
     torch.testing.assert_close(gs.cpu(), ws, rtol=1e-4, atol=1e-4)
     overlap = (got.cpu().unsqueeze(2) == want.unsqueeze(1)).any(2).float().mean()
     assert overlap > 0.99
+
+
+@pytest.fixture
+def small_index(catalog):
+    from retrieval.index import IVFConfig, build_ivf
+
+    return build_ivf(
+        catalog["x"][:6000],
+        IVFConfig(nlist=32, nprobe=4, rerank=0, exact_copy="none", filter_bound=0.0),
+        item_attributes={a: v[:6000] for a, v in catalog["attrs"].items()},
+        attribute_values=catalog["values"],
+    )
+
+
+@pytest.mark.parametrize(
+    "filters, seen, k",
+    [
+        (None, 0, 50),  # the plain path
+        (None, 20, 50),  # the plain path, excluding seen items
+        ("shard in {0,1,2,3,4,5,6,7} and not bucket = 3", 10, 40),  # the planned path
+        (None, 0, 1500),  # more than the probed lists hold: the planned path widens
+    ],
+)
+def test_index_searches_through_the_triton_kernel(small_index, catalog, monkeypatch, filters, seen, k):
+    """Whole searches with the scan forced onto the Triton kernel (interpreted here) answer as
+    the C++ kernel does."""
+    from retrieval.filters import FilterBatch
+    from retrieval.index.scan import KERNEL_ENV
+
+    q = catalog["q"][:8]
+    fb = small_index.compile_filter(filters, len(q))
+    if seen:
+        ids = torch.randint(0, 6000, (len(q), seen), generator=torch.Generator().manual_seed(0))
+        fb = FilterBatch(fb.masks, fb.negate, ids)
+    want, ws = small_index.search(q, k, fb)
+    monkeypatch.setenv(KERNEL_ENV, "triton")
+    got, gs = small_index.search(q, k, fb)
+    torch.testing.assert_close(gs, ws, rtol=1e-4, atol=1e-4)
+    same = (got.unsqueeze(2) == want.unsqueeze(1)).any(2) | (want < 0)
+    assert float(same.float().mean()) > 0.99
+
+
+def test_width_bound_follows_the_offsets_it_was_read_for():
+    offsets = torch.tensor([0, 5, 12, 14])  # lists of 5, 7, 2
+    assert gpu_scan.width_bound(offsets, 1) == 7
+    assert gpu_scan.width_bound(offsets, 2) == 12
+    assert gpu_scan.width_bound(offsets, 9) == 14
+    offsets[3] = 40  # an in-place change (a live update): read again
+    assert gpu_scan.width_bound(offsets, 1) == 28
+    assert gpu_scan.width_bound(torch.tensor([0, 3, 4]), 1) == 3  # another tensor

@@ -1,0 +1,312 @@
+"""The index on a GPU: our fused Triton search vs exact search as one GEMM + ``torch.topk`` on the
+same GPU (the brute-force ceiling faiss-gpu's flat index rests on) vs our CPU path.
+
+For each catalog size (clustered synthetic vectors, 64-d by default) it builds one IVF index
+(INT8 codes, no exact copy) and, for every batch size, K and filter (none, and attributes passing
+50 / 5 / 0.5 % of the items), times whole searches (``index.search``: plan, probe, fused scan and
+filter, top-K, ids; synchronised) and reports q/s, p50 / p99 per batch, recall@K against exact
+float32 search, and the index's bytes per item on the device. nprobe is the smallest of
+``--nprobes`` reaching ``--target`` recall@100 unfiltered at the largest batch.
+
+Before timing, ``--check`` runs the Triton kernel against the torch reference (``scan_reference``)
+on the device, over random lists, filters and exclusions, and stops on any difference.
+
+    python bench/gpu.py --device cuda --out gpu_h100.json          # on a GPU machine
+    python bench/gpu.py --device cpu --sizes 1000000 --batches 1,16,128 --out gpu_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from retrieval.index import IVFConfig, IVFIndex, build_ivf  # noqa: E402
+from retrieval.index.scan import KERNEL_ENV, scan_reference  # noqa: E402
+
+FILTERS = {1.0: None, 0.5: "a50 = 0", 0.05: "a5 = 0", 0.005: "a05 = 0"}
+"""Selectivity -> the filter passing that share of the items (attribute values are uniform)."""
+VALUES = {"a50": 2, "a5": 20, "a05": 200}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda or cpu (our CPU path)")
+    p.add_argument("--sizes", default="1000000,10000000", help="catalog sizes, comma-separated")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batches", default="1,16,128,1024", help="batch sizes, comma-separated")
+    p.add_argument("--ks", default="100,1000", help="K values, comma-separated")
+    p.add_argument("--selectivities", default="1,0.5,0.05,0.005", help="filters by selectivity")
+    p.add_argument("--nprobes", default="16,32,64,128,256", help="nprobe candidates")
+    p.add_argument("--target", type=float, default=0.95, help="recall@100 nprobe is chosen for")
+    p.add_argument("--budget-s", type=float, default=0.4, help="seconds of timed runs per cell")
+    p.add_argument("--no-brute", action="store_true", help="skip the GEMM + topk baseline")
+    p.add_argument("--check", action="store_true", help="check the kernel on the device first")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def clustered(n: int, d: int, seed: int, device: str) -> torch.Tensor:
+    """``[n, d]`` float32: Gaussian centres (x3) plus unit noise, made on ``device`` in chunks."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    centres = torch.randn(max(16, n // 1000), d, generator=g, device=device) * 3
+    out = torch.empty(n, d, device=device)
+    for s in range(0, n, 1 << 22):
+        m = min(1 << 22, n - s)
+        pick = torch.randint(0, centres.shape[0], (m,), generator=g, device=device)
+        out[s : s + m] = centres[pick] + torch.randn(m, d, generator=g, device=device)
+    return out
+
+
+def time_calls(fn: Callable[[], object], device: str, budget_s: float) -> list[float]:
+    """Seconds per call: one warm-up, then at least 5 calls or ``budget_s`` of them."""
+    fn()
+    sync(device)
+    runs: list[float] = []
+    start = time.perf_counter()
+    while len(runs) < 5 or (time.perf_counter() - start < budget_s and len(runs) < 2000):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        runs.append(time.perf_counter() - t0)
+    return runs
+
+
+def summary(runs: list[float], b: int) -> dict:
+    s = sorted(runs)
+    med = statistics.median(s)
+    return {
+        "qps": b / med,
+        "p50_ms": med * 1e3,
+        "p99_ms": s[min(len(s) - 1, round(0.99 * (len(s) - 1)))] * 1e3,
+        "runs": len(s),
+    }
+
+
+def recall(found: torch.Tensor, truth: torch.Tensor) -> float:
+    """Mean |found ∩ truth| / |truth| per row (``-1`` ignored), on the device."""
+    f, t = found.long(), truth.long()
+    hit = (f.unsqueeze(2) == t.unsqueeze(1)) & (t.unsqueeze(1) >= 0)
+    return float(hit.any(1).sum() / (t >= 0).sum().clamp(min=1))
+
+
+class Brute:
+    """Exact search as GEMM + topk over ``x`` in float16 on the device, in query chunks
+    (the score block stays under ~2 GB); a filter is a mask over the items."""
+
+    def __init__(self, x: torch.Tensor, dtype: torch.dtype):
+        self.x = x.to(dtype)
+        self.chunk = max(1, (1 << 29) // x.shape[0])
+
+    def search(self, q: torch.Tensor, k: int, mask: torch.Tensor | None) -> torch.Tensor:
+        out = []
+        for s in range(0, q.shape[0], self.chunk):
+            scores = (q[s : s + self.chunk].to(self.x.dtype) @ self.x.T).float()
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
+            top, idx = scores.topk(k, dim=1)
+            out.append(torch.where(top > float("-inf"), idx, torch.full_like(idx, -1)))
+        return torch.cat(out)
+
+
+def check_kernel(device: str) -> dict:
+    """The Triton scan against ``scan_reference`` on ``device``: random lists (empty ones,
+    ones longer than a tile), INT8 and FP8, filter clauses and exclusions."""
+    from retrieval.index.codes import quantize
+    from retrieval.index.exclude import PAD
+    from retrieval.index.gpu_scan import scan_triton
+
+    g = torch.Generator().manual_seed(0)
+    cases = 0
+    for kind in ("int8", "fp8"):
+        for clauses, excluded, b, r in ((0, 0, 1, 10), (2, 7, 37, 200), (1, 0, 300, 1000)):
+            lengths = [0, 5, 300, 1111, 129, 64, 2000, 17]
+            n, nlist, d, w = sum(lengths), len(lengths), 64, 2
+            codes, scales = quantize(torch.randn(n, d, generator=g), kind)
+            offsets = torch.tensor([0, *np.cumsum(lengths).tolist()])
+            q = torch.randn(b, d, generator=g)
+            probes = torch.stack([torch.randperm(nlist, generator=g)[:4] for _ in range(b)])
+            probes[torch.rand(b, 4, generator=g) < 0.2] = -1
+            coarse = torch.randn(b, 4, generator=g)
+            sig = torch.randint(0, 2**62, (n, w), generator=g)
+            fmask = torch.randint(0, 2**62, (b, clauses, w), generator=g)
+            fmask &= torch.randint(0, 2**62, (b, clauses, w), generator=g)
+            fneg = torch.rand(b, clauses, generator=g) < 0.3
+            excl = torch.randint(0, n, (b, excluded), generator=g).sort(dim=1).values
+            if excluded:
+                excl[:, -1] = PAD
+            args = [q, probes, coarse, codes, scales, offsets, sig, fmask, fneg]
+            args = [a.to(device) for a in args]
+            ml = max(lengths)
+            rp, rs = scan_reference(*args, r, ml, excl.to(device))
+            gp, gs = scan_triton(*args, r, ml, excl.to(device))
+            fin = torch.isfinite(rs)
+            assert torch.equal(torch.isfinite(gs), fin), f"{kind}: passing items differ"
+            torch.testing.assert_close(gs[fin], rs[fin], rtol=1e-5, atol=1e-5)
+            same = (gp.unsqueeze(2) == rp.unsqueeze(1)).any(2) | (rp < 0)
+            assert float(same.float().mean()) > 0.999, f"{kind}: items differ"
+            cases += 1
+    return {"cases": cases, "index": check_index(device), "ok": True}
+
+
+def check_index(device: str) -> float:
+    """A filtered search excluding seen items on ``device``: the Triton scan's answers against
+    the same search through ``scan_reference`` -> the share of ids they agree on."""
+    from retrieval.filters import FilterBatch
+
+    n, d = 50_000, 64
+    x = clustered(n, d, seed=5, device="cpu")
+    rng = np.random.default_rng(0)
+    attrs = {a: rng.integers(0, v, n) for a, v in VALUES.items()}
+    values = {a: [str(i) for i in range(v)] for a, v in VALUES.items()}
+    cfg = IVFConfig(nlist=128, nprobe=8, rerank=0, exact_copy="none", filter_bound=0.0)
+    index = build_ivf(x, cfg, item_attributes=attrs, attribute_values=values).to(device)
+    q = clustered(64, d, seed=6, device="cpu").to(device)
+    fb = index.compile_filter("a5 in {0,1,2,3} and not a50 = 1", 64)
+    seen = torch.randint(0, n, (64, 50), generator=torch.Generator().manual_seed(1))
+    fb = FilterBatch(fb.masks, fb.negate, seen.to(device))
+    got, gs = index.search(q, 100, fb)
+    os.environ[KERNEL_ENV] = "reference"
+    try:
+        want, ws = index.search(q, 100, fb)
+    finally:
+        del os.environ[KERNEL_ENV]
+    assert not (got.unsqueeze(2) == seen.to(device).unsqueeze(1)).any(), "a seen item came back"
+    torch.testing.assert_close(gs, ws, rtol=1e-4, atol=1e-4)
+    agree = float((got.unsqueeze(2) == want.unsqueeze(1)).any(2).float().mean())
+    assert agree > 0.99, f"index answers agree on {agree:.4f} of ids"
+    return agree
+
+
+def build(n: int, d: int, device: str) -> tuple[IVFIndex, torch.Tensor, dict, float]:
+    """The index (built on the CPU, moved to ``device``), the vectors on ``device``, the
+    attribute columns, and the build seconds."""
+    gen_dev = device if device.startswith("cuda") else "cpu"
+    x = clustered(n, d, seed=1, device=gen_dev)
+    rng = np.random.default_rng(2)
+    attrs = {a: rng.integers(0, v, n) for a, v in VALUES.items()}
+    values = {a: [str(i) for i in range(v)] for a, v in VALUES.items()}
+    nlist = 1 << round(math.log2(max(1.0, math.sqrt(n))))
+    cfg = IVFConfig(nlist=nlist, codes="int8", rerank=0, exact_copy="none", filter_bound=0.0)
+    t0 = time.perf_counter()
+    index = build_ivf(x.cpu(), cfg, item_attributes=attrs, attribute_values=values)
+    seconds = time.perf_counter() - t0
+    return index.to(device), x, attrs, seconds
+
+
+def run_size(n: int, args: argparse.Namespace) -> dict:
+    dev, d = args.device, args.dim
+    index, x, attrs, build_s = build(n, d, dev)
+    print(f"[{n:,}] built in {build_s:.1f}s: nlist {index.nlist}, max list {index.max_list}")
+    mem = index.memory_bytes()
+    batches, ks = ints(args.batches), ints(args.ks)
+    qn = max(batches)
+    q = clustered(qn, d, seed=3, device=x.device.type).to(dev)
+    masks = {
+        s: None if f is None else torch.from_numpy(attrs[f.split()[0]] == 0).to(x.device)
+        for s, f in FILTERS.items()
+        if s in [float(v) for v in args.selectivities.split(",")]
+    }
+    exact = Brute(x, torch.float32)
+    truth = {(s, k): exact.search(q, k, m) for s, m in masks.items() for k in ks}
+    # nprobe: the smallest reaching the target recall@100 unfiltered
+    chosen, sweep = None, []
+    for nprobe in ints(args.nprobes):
+        ids, _ = index.search(q, 100, nprobe=nprobe)
+        rec = recall(ids.to(x.device), truth[(1.0, 100)] if 100 in ks else exact.search(q, 100, None))
+        sweep.append({"nprobe": nprobe, "recall@100": rec})
+        print(f"[{n:,}] nprobe {nprobe}: recall@100 {rec:.4f}")
+        if rec >= args.target:
+            chosen = nprobe
+            break
+    chosen = chosen or ints(args.nprobes)[-1]
+    brute = None if args.no_brute or not dev.startswith("cuda") else Brute(x, torch.float16)
+    rows = []
+    for sel, mask in masks.items():
+        text = FILTERS[sel]
+        for k in ks:
+            for b in batches:
+                qb = q[:b]
+                row = {"n": n, "selectivity": sel, "k": k, "batch": b}
+                found: list[torch.Tensor] = []
+
+                def ours(qb=qb, k=k, text=text, found=found) -> None:
+                    ids, _ = index.search(qb, k, text, nprobe=chosen)
+                    found.append(ids)
+
+                row["ours"] = summary(time_calls(ours, dev, args.budget_s), b)
+                if b == qn:
+                    row["ours"]["recall"] = recall(found[0].to(x.device), truth[(sel, k)])
+                if brute is not None:
+                    out: list[torch.Tensor] = []
+
+                    def flat(qb=qb, k=k, mask=mask, out=out) -> None:
+                        out.append(brute.search(qb, k, mask))
+
+                    row["brute"] = summary(time_calls(flat, dev, args.budget_s), b)
+                    if b == qn:
+                        row["brute"]["recall"] = recall(out[0], truth[(sel, k)])
+                    row["speedup"] = row["ours"]["qps"] / row["brute"]["qps"]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return {
+        "n": n,
+        "nlist": index.nlist,
+        "nprobe": chosen,
+        "sweep": sweep,
+        "build_s": build_s,
+        "bytes_per_item": sum(mem.values()) / n,
+        "bytes": mem,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("gpu.py: --device cuda, but torch sees no CUDA device")
+    report: dict = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    if args.check:
+        report["check"] = check_kernel(args.device)
+        print("kernel check:", report["check"], flush=True)
+    report["sizes"] = []
+    for n in ints(args.sizes):
+        report["sizes"].append(run_size(n, args))
+        if args.out is not None:  # after every size: a later one that fails keeps these
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
+            print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
