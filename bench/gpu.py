@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval.index import IVFConfig, IVFIndex, build_ivf  # noqa: E402
-from retrieval.index.scan import KERNEL_ENV, scan_reference  # noqa: E402
+from retrieval.index import IVFConfig, IVFIndex, build_ivf
+from retrieval.index.scan import KERNEL_ENV, scan_reference
 
 FILTERS = {1.0: None, 0.5: "a50 = 0", 0.05: "a5 = 0", 0.005: "a05 = 0"}
 """Selectivity -> the filter passing that share of the items (attribute values are uniform)."""

@@ -132,8 +132,12 @@ def score_cmd(
     engine: ScoreEngine = typer.Option(
         ScoreEngine.local, help="local (worker processes, resumable) or ray (Ray Data; RAY_ADDRESS)"
     ),
+    device: str = typer.Option(
+        "cpu", help="where each worker runs the model: cpu, cuda or cuda:N (one worker per GPU)"
+    ),
 ) -> None:
     """Score a parquet file of users offline with a published model (continues a killed run)."""
+    from common.devices import check_device
     from retrieval.batch_scoring import ScoreInputError, ScoreJob, score, score_ray
     from serving.repository.repository import (
         ARTIFACT_DIR,
@@ -143,6 +147,7 @@ def score_cmd(
     )
 
     try:
+        check_device(device, "--device")
         name = only_model(model_repo, model)
         vdir = ModelRepository(model_repo).verified_dir(name, version)
         # a sharded / tiered version is scored whole: each worker merges its shards and reads
@@ -153,7 +158,7 @@ def score_cmd(
             workers=workers, overwrite=overwrite,
             shards_dir=shards if shards.is_dir() else None,
             embeddings_dir=embeddings if embeddings.is_dir() else None,
-            recall_target=recall_target,
+            recall_target=recall_target, device=device,
         )  # fmt: skip
         manifest = score_ray(job) if engine is ScoreEngine.ray else score(job, progress=not quiet)
     except (ScoreInputError, ValueError, FileNotFoundError) as e:

@@ -79,6 +79,7 @@ def serve_model(
     torch_threads: int = _opt("torch_threads"),
     processes: int = _opt("processes"),
     state_dir: Path = _opt("state_dir"),
+    device: str = _opt("device"),
     token_file: Path = _sec("token_file"),
     token_env: str = _sec("token_env"),
     auth_serving: bool = _sec("auth_serving"),
@@ -123,6 +124,7 @@ def serve_router(
     torch_threads: int = _opt("torch_threads"),
     processes: int = _opt("processes"),
     state_dir: Path = _opt("state_dir"),
+    device: str = _opt("device"),
     token_file: Path = _sec("token_file"),
     token_env: str = _sec("token_env"),
     auth_serving: bool = _sec("auth_serving"),
@@ -192,8 +194,11 @@ def serve_shard_cmd(
 def _run_shard(cfg: ShardServerConfig, security: Any) -> None:
     import torch
 
+    from common.devices import check_device
+
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
+    check_device(cfg.device)  # a GPU torch cannot see: refused before anything loads
 
     from serving.repository.repository import ModelRepository
     from serving.sharding.shard_server import ShardServer, serve_shard

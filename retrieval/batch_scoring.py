@@ -179,7 +179,7 @@ def load_job_model(job: ScoreJob) -> Any:
     """The job's model, all-local (shards merged, remote rows read from their folders)."""
     from retrieval.artifact import load_whole_model
 
-    return load_whole_model(job.model_dir, job.shards_dir, job.embeddings_dir)
+    return load_whole_model(job.model_dir, job.shards_dir, job.embeddings_dir, job.device)
 
 
 def _load_worker(job: ScoreJob, threads: int) -> None:
@@ -208,6 +208,7 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
     seen, seen_lengths = _seen(table, model)  # [n, S] -1 padded, [n]
     users = _users(table)  # [n] or None
     schema = model.index.schema
+    device = model.index.centroids.device
     ids_out: list[np.ndarray] = []
     scores_out = []
     for s in range(0, n, job.batch_size):
@@ -223,9 +224,9 @@ def score_table(model: Any, table: pa.Table, job: ScoreJob) -> pa.Table:
         if job.recall_target:
             batch.recall_target = torch.full((batch.size,), job.recall_target)
         with torch.inference_mode():
-            ids, scores = model(batch, job.k)
-        ids_out.append(ids.numpy())
-        scores_out.extend(scores.numpy().tolist())
+            ids, scores = model(batch.to(device), job.k)
+        ids_out.append(ids.cpu().numpy())
+        scores_out.extend(scores.cpu().numpy().tolist())
     return pa.table(
         {
             "user_id": table.column("user_id"),

@@ -63,15 +63,25 @@ class UserBatch:
         )
 
     def to(self, device: torch.device | str) -> UserBatch:
+        """This batch on ``device``. To a GPU, host tensors go through pinned memory with
+        asynchronous copies: the forward queues behind them instead of waiting for each."""
+        dev = torch.device(device)
+        gpu = dev.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if gpu and t.device.type == "cpu":
+                return t.pin_memory().to(dev, non_blocking=True)
+            return t.to(dev)
+
         return UserBatch(
-            self.history.to(device),
-            self.categorical.to(device),
-            self.dense.to(device),
-            self.filter_masks.to(device),
-            self.filter_negate.to(device),
-            None if self.seen is None else self.seen.to(device),
-            None if self.recall_target is None else self.recall_target.to(device),
-            None if self.user is None else self.user.to(device),
+            move(self.history),
+            move(self.categorical),
+            move(self.dense),
+            move(self.filter_masks),
+            move(self.filter_negate),
+            None if self.seen is None else move(self.seen),
+            None if self.recall_target is None else move(self.recall_target),
+            None if self.user is None else move(self.user),
         )
 
 

@@ -63,6 +63,9 @@ class ScoreJob:
     recall_target: float = 0.0
     """Recall@K against exact search every user asks for, in (0, 1] (1: exact); 0: the
     model's index settings (``retrieval/index/targets.py``)."""
+    device: str = "cpu"
+    """Where each worker runs the model (``cpu``, ``cuda``, ``cuda:N``); on a GPU one worker
+    is usually enough (``recserve score --device cuda --workers 1``)."""
 
 
 class ScoreInputError(ValueError):

@@ -47,6 +47,7 @@ from typing import Annotated, Any, ClassVar, Self
 
 from pydantic import Field
 
+from common.devices import DEVICE_PATTERN, check_device
 from common.config import MAX_WAIT_S, Config, ConfigError, PathValue, Port, WaitMs, WaitS
 from common.security import SecurityConfig
 from serving.engine.batching import BatchPolicy
@@ -141,6 +142,7 @@ class ServeConfig(Config):
         "torch_threads": "--torch-threads",
         "processes": "--processes",
         "state_dir": "--state-dir",
+        "device": "--device",
     }
 
     model_repo: PathValue | None = None
@@ -172,6 +174,10 @@ class ServeConfig(Config):
     torch_threads: int = Field(default=0, ge=0, le=MAX_C_INT)
     """Intra-op threads of the forward (0: torch's default; in a group of ``processes``, the
     cores divided among them)."""
+    device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
+    """Where the model runs: ``cpu``, ``cuda`` or ``cuda:N`` (towers, local table tiers, and the
+    index when this process holds it: a router's index search runs on its shards, each with its
+    own ``--device``). Checked at start: a GPU torch cannot see is refused."""
     processes: int = Field(default=1, ge=1, le=MAX_PROCESSES)
     """Serving processes sharing the gRPC and HTTP ports (``serving/app/processes.py``), each with
     its own model copy, batcher and Python interpreter lock: more of them use more cores for
@@ -221,6 +227,10 @@ class ServeConfig(Config):
                 "would apply an update to its own copy, and an update log has one writer"
             )
         self.batching.validate()
+        try:
+            check_device(self.device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.router is not None:
             self.router.validate()
         self.security.validate()

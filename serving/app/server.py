@@ -121,7 +121,7 @@ class Server:
             from serving.repository.repository import ModelRepository
 
             assert config.model_repo is not None
-            repo = ModelRepository(config.model_repo)
+            repo = ModelRepository(config.model_repo, device=config.device)
         self.extra_servicers = (
             discover_grpc_plugins() if extra_servicers is None else list(extra_servicers)
         )

@@ -141,8 +141,11 @@ class LoadedModel:
 class ModelRepository:
     """Reads and writes ``root`` (see the module docstring for the layout)."""
 
-    def __init__(self, root: Path | str):
+    def __init__(self, root: Path | str, device: str | torch.device = "cpu"):
+        """``device``: where :meth:`load` puts a model unless told otherwise (a server's
+        ``--device``)."""
         self.root = Path(root)
+        self.device = device
 
     # ---- paths --------------------------------------------------------------------------------
     def model_dir(self, name: str) -> Path:
@@ -228,7 +231,7 @@ class ModelRepository:
         self,
         name: str,
         version: int | None = None,
-        map_location: str | torch.device = "cpu",
+        map_location: str | torch.device | None = None,
         remote: RemoteFetcher | None = None,
     ) -> LoadedModel:
         """Verifies then loads ``version`` (default: the latest complete one); ``remote``: the
@@ -245,7 +248,8 @@ class ModelRepository:
             else parse_own_config(own, vdir / CONFIG_FILE)
         )
         self.repair_config(name)  # a killed publish's model-level config heals here
-        model = load_model(vdir / ARTIFACT_DIR, map_location=map_location, remote=remote)
+        where = self.device if map_location is None else map_location
+        model = load_model(vdir / ARTIFACT_DIR, map_location=where, remote=remote)
         model.eval()
         return LoadedModel(
             name, int(vdir.name), model, cfg, vdir, ShardMap.read(vdir / ARTIFACT_DIR)

@@ -8,6 +8,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from common.config import Config, ConfigError, PathValue, Port, WaitMs, WaitS
+from common.devices import DEVICE_PATTERN
 
 Address = Annotated[str, Field(min_length=1, pattern=r"\S")]
 """``host:port`` of a server (not blank)."""
@@ -116,7 +117,8 @@ class ShardServerConfig(Config):
     """Seconds between repository checks for a new version (0: never)."""
     keep: int = Field(default=2, ge=1)
     """Versions kept loaded (a rollout needs 2: the old one answers until the new is ready)."""
-    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
-    """Where the index lives: cpu or cuda."""
+    device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
+    """Where the index lives: ``cpu``, ``cuda`` or ``cuda:N`` (on a GPU the list scan is the
+    Triton kernel, ``retrieval/index/gpu_scan.py``). Checked at start."""
     torch_threads: int = Field(default=0, ge=0, le=2**31 - 1)
     """Intra-op threads (0: torch's default)."""

@@ -132,3 +132,19 @@ def test_a_request_checked_by_this_runner_is_not_checked_again_but_another_runne
     (second,) = other.run([req])  # a hot swap between the edge and the batch: checked again
     assert calls == [other]
     assert np.array_equal(first.item_ids, second.item_ids)
+
+
+@pytest.mark.gpu
+def test_a_model_on_the_gpu_answers_as_on_the_cpu(tiny):
+    """`serve --device cuda`: requests go up through pinned memory, the tower, tables and the
+    Triton scan run on the GPU, and the answers equal the CPU model's."""
+    import copy
+
+    gpu = ModelRunner(copy.deepcopy(tiny.model).to("cuda"), "demo", 3)
+    assert gpu.device.type == "cuda"
+    reqs = [tiny.request(i, k=20) for i in range(8)]
+    want = ModelRunner(tiny.model, "demo", 3).run(reqs)
+    for got, ref in zip(gpu.run(reqs), want, strict=True):
+        assert isinstance(got, RecResult) and isinstance(ref, RecResult)
+        np.testing.assert_allclose(got.scores, ref.scores, rtol=1e-4, atol=1e-4)
+        assert len(set(got.item_ids) & set(ref.item_ids)) >= 19
