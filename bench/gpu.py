@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-brute", action="store_true", help="skip the GEMM + topk baseline")
     p.add_argument("--check", action="store_true", help="check the kernel on the device first")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="write torch.profiler tables of unfiltered searches (B = 1 and the largest) here",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -235,13 +241,17 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
     chosen, sweep = None, []
     for nprobe in ints(args.nprobes):
         ids, _ = index.search(q, 100, nprobe=nprobe)
-        rec = recall(ids.to(x.device), truth[(1.0, 100)] if 100 in ks else exact.search(q, 100, None))
+        rec = recall(
+            ids.to(x.device), truth[(1.0, 100)] if 100 in ks else exact.search(q, 100, None)
+        )
         sweep.append({"nprobe": nprobe, "recall@100": rec})
         print(f"[{n:,}] nprobe {nprobe}: recall@100 {rec:.4f}")
         if rec >= args.target:
             chosen = nprobe
             break
     chosen = chosen or ints(args.nprobes)[-1]
+    if args.profile is not None:
+        profile(index, q, chosen, batches, args.profile.with_suffix(f".{n}.txt"))
     brute = None if args.no_brute or not dev.startswith("cuda") else Brute(x, torch.float16)
     rows = []
     for sel, mask in masks.items():
@@ -281,6 +291,35 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
         "bytes": mem,
         "rows": rows,
     }
+
+
+def profile(index: IVFIndex, q: torch.Tensor, nprobe: int, batches: list[int], path: Path) -> None:
+    """torch.profiler tables (by device time, by host time) of 20 unfiltered searches at the
+    smallest and largest batch: where a search's time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU]
+    if q.device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    parts = []
+    for b in (min(batches), max(batches)):
+        for _ in range(3):
+            index.search(q[:b], 100, nprobe=nprobe)
+        with torch_profile(activities=acts) as prof:
+            for _ in range(20):
+                index.search(q[:b], 100, nprobe=nprobe)
+            sync(q.device.type)
+        table = prof.key_averages()
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            if key == "self_device_time_total" and q.device.type != "cuda":
+                continue
+            parts.append(
+                f"## batch {b}, 20 searches, by {key}\n{table.table(sort_by=key, row_limit=25)}"
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(parts))
+    print(f"wrote {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

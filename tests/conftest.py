@@ -37,6 +37,9 @@ def _fresh_log_rate_limits() -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
+        for item in items:  # Triton's first compile in a process starts a helper process
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.multiproc)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -152,7 +152,9 @@ def _chunks(
     n = flat.numel()
     key = torch.where(flat >= 0, flat, torch.full_like(flat, nlist))  # skipped slots last
     pairs = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=nlist + 1)[:nlist]  # [nlist]
+    # [nlist]; a scatter, not torch.bincount, which reads the largest key back to the host
+    counts = torch.zeros(nlist + 1, dtype=torch.int64, device=dev)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:nlist]
     pair_start = torch.cumsum(counts, 0) - counts
     per_list = (counts + BQ - 1) // BQ
     chunk_end = torch.cumsum(per_list, 0)  # [nlist]

@@ -209,9 +209,13 @@ def test_updates_of_a_cuda_index_stay_on_the_device_and_match_the_cpu(built):
         ids[1:],
         sig[:1],
     )
+    derived = {"half_norms", "centroids_t"}  # recomputed on the device: float sums may differ
     for name, buf in gpu.named_buffers():
         assert buf.device.type == "cuda", name
-        assert torch.equal(buf.cpu(), getattr(cpu, name)), name
+        if name in derived:
+            torch.testing.assert_close(buf.cpu(), getattr(cpu, name), rtol=1e-6, atol=1e-5)
+        else:
+            assert torch.equal(buf.cpu(), getattr(cpu, name)), name
     q = x[:8].cuda()
     same = gpu.search(q, 10)[0].cpu() == cpu.search(q.cpu(), 10)[0]
     assert same.float().mean() > 0.95  # torch ops on CUDA vs the C++ kernel: ties may swap
