@@ -13,6 +13,7 @@ on the device, over random lists, filters and exclusions, and stops on any diffe
 
     python bench/gpu.py --device cuda --out gpu_h100.json          # on a GPU machine
     python bench/gpu.py --device cpu --sizes 1000000 --batches 1,16,128 --out gpu_cpu.json
+    python bench/gpu.py --render bench/results/gpu_h200.json    # the tables of bench/RESULTS.md
 """
 
 from __future__ import annotations
@@ -322,7 +323,39 @@ def profile(index: IVFIndex, q: torch.Tensor, nprobe: int, batches: list[int], p
     print(f"wrote {path}", flush=True)
 
 
+def render(report: dict) -> str:
+    """Markdown tables of a report (``--render``): per size, q/s and p50 of ours and of the
+    GEMM + topk baseline, their ratio, and recall at the largest batch."""
+    out = [f"{report['device']}, torch {report['torch']}, {report['cpu_threads']} CPU threads"]
+    for s in report["sizes"]:
+        sweep = ", ".join(f"{x['nprobe']}: {x['recall@100']:.3f}" for x in s["sweep"])
+        out += [
+            "",
+            f"**{s['n']:,} items** x {report['args']['dim']}: nlist {s['nlist']}, nprobe "
+            f"{s['nprobe']} (recall@100 by nprobe: {sweep}); {s['bytes_per_item']:.1f} bytes "
+            f"per item on the GPU; built in {s['build_s']:.0f} s on the CPU",
+            "",
+            "| filter passes | K | batch | ours q/s | ours p50 / p99 ms | GEMM+topk q/s "
+            "| GEMM+topk p50 ms | ours / GEMM | recall ours / GEMM (fp16) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in s["rows"]:
+            o, b = r["ours"], r.get("brute", {})
+            rec = (
+                f"{o['recall']:.3f} / {b.get('recall', float('nan')):.3f}" if "recall" in o else ""
+            )
+            out.append(
+                f"| {r['selectivity']:.1%} | {r['k']} | {r['batch']} | {o['qps']:,.0f} "
+                f"| {o['p50_ms']:.2f} / {o['p99_ms']:.2f} | {b.get('qps', 0):,.0f} "
+                f"| {b.get('p50_ms', 0):.2f} | {r.get('speedup', 0):.2f}x | {rec} |"
+            )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--render":
+        print(render(json.loads(Path(sys.argv[2]).read_text())))
+        return
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

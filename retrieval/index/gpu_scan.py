@@ -170,9 +170,7 @@ def _chunks(
     return pairs, lst, first, count
 
 
-def _queries(
-    q: torch.Tensor, fp8: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _queries(q: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The query operands: INT8 codes and scales (as the CPU kernel quantizes them), or the
     float16 high and low halves of ``q``."""
     if fp8:

@@ -18,6 +18,7 @@ import torch
 
 from retrieval.filters import FilterBatch, FilterSchema
 from retrieval.index.bound import as_scored
+from retrieval.index.cuda_graphs import run_graphed
 from retrieval.index.planner import PlannedIndex, lists_for
 from retrieval.index.scan import scan
 
@@ -64,18 +65,26 @@ def plain_search(
                 return None  # rows of several counts plan several list counts
             ex = index.excluding(fb).exclude
     p = min(lists_for(index, 1.0, nprobe, k + excluded), index.nlist)
-    scored = as_scored(index, q).contiguous()
-    coarse, probes = index.probe(scored, p)
-    b, w = q.shape[0], index.sig.shape[1]
+
+    def probe_and_scan(qq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scored = as_scored(index, qq).contiguous()
+        coarse, probes = index.probe(scored, p)
+        b, w, d = qq.shape[0], index.sig.shape[1], qq.device
+        no_clause = (
+            torch.empty((b, 0, w), dtype=torch.int64, device=d),
+            torch.empty((b, 0), dtype=torch.bool, device=d),
+        )
+        return scan(
+            scored, probes, coarse, index.codes, index.scales, index.offsets, index.sig,
+            *no_clause, k, max_list=index.max_list, excl=ex,
+        )  # fmt: skip
+
     dev = q.device
-    no_clause = (
-        torch.empty((b, 0, w), dtype=torch.int64, device=dev),
-        torch.empty((b, 0), dtype=torch.bool, device=dev),
-    )
-    pos, scores = scan(
-        scored, probes, coarse, index.codes, index.scales, index.offsets, index.sig,
-        *no_clause, k, max_list=index.max_list, excl=ex,
-    )  # fmt: skip
+    if ex is None:  # a fixed shape: on a GPU, one graph replay (retrieval/index/cuda_graphs.py)
+        held = (index.centroids, index.codes, index.scales, index.offsets, index.sig)
+        pos, scores = run_graphed(index, ("plain", k, p), probe_and_scan, q, held)
+    else:
+        pos, scores = probe_and_scan(q)
     short = pos[:, -1].lt(0).cpu().numpy()  # on a GPU: the search's one wait
     if short.any():  # the planned path's later rounds, for those rows only
         rows = torch.from_numpy(np.flatnonzero(short)).to(dev)

@@ -17,7 +17,9 @@ def test_cpu_is_always_there():
 @no_gpu
 @pytest.mark.parametrize("name", ["cuda", "cuda:1"])
 def test_a_gpu_torch_cannot_see_is_refused_naming_the_field(name):
-    with pytest.raises(ValueError, match=rf"^serve.device: {name} asked for, but torch .* sees no GPU"):
+    with pytest.raises(
+        ValueError, match=rf"^serve.device: {name} asked for, but torch .* sees no GPU"
+    ):
         check_device(name, "serve.device")
 
 
@@ -34,9 +36,28 @@ def test_a_device_index_beyond_the_machine_is_refused():
     "args",
     [
         ("serve", "model", "--model-repo", "{repo}", "--device", "cuda"),
-        ("serve", "router", "--model-repo", "{repo}", "--shards", "127.0.0.1:1", "--device", "cuda"),
+        (
+            "serve",
+            "router",
+            "--model-repo",
+            "{repo}",
+            "--shards",
+            "127.0.0.1:1",
+            "--device",
+            "cuda",
+        ),
         ("serve", "shard", "--model-repo", "{repo}", "--shard", "0", "--device", "cuda"),
-        ("score", "--model-repo", "{repo}", "--users", "u.parquet", "--out", "o", "--device", "cuda"),
+        (
+            "score",
+            "--model-repo",
+            "{repo}",
+            "--users",
+            "u.parquet",
+            "--out",
+            "o",
+            "--device",
+            "cuda",
+        ),
     ],
 )
 def test_every_device_flag_refuses_a_gpu_it_cannot_use_before_loading(args, tmp_path):

@@ -46,9 +46,13 @@ def test_dockerfile_installs_the_pinned_cpu_project_as_a_non_root_recserve() -> 
     copied = {src for op, a in steps if op == "COPY" for src in a.split()[:-1]}
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = {p.rstrip("*") for p in include["packages"]["find"]["include"]}
-    assert packages | {"pyproject.toml", "constraints.txt", "README.md"} <= copied
+    assert (
+        packages | {"pyproject.toml", "constraints.txt", "constraints-gpu.txt", "README.md"}
+        <= copied
+    )
     pips = [s for op, a in steps if op == "RUN" for s in a.split("&&") if "pip install" in s]
-    assert pips and all("-c constraints.txt" in s for s in pips), pips
+    locks = ("-c constraints.txt", "-c constraints-gpu.txt")
+    assert pips and all(any(lock in s for lock in locks) for s in pips), pips
     assert any(
         "--extra-index-url https://download.pytorch.org/whl/cpu" in s and s.split()[-1] == "."
         for s in pips
@@ -56,6 +60,32 @@ def test_dockerfile_installs_the_pinned_cpu_project_as_a_non_root_recserve() -> 
     (user,) = [a for op, a in steps if op == "USER"]
     uids = {pod_spec(w)["securityContext"]["runAsUser"] for w in of_kind(*WORKLOADS)}
     assert uids == {int(user.split(":")[0])}
+
+
+def test_the_gpu_image_installs_the_cuda_builds_under_its_own_lock(tmp_path, monkeypatch) -> None:
+    """`--build-arg VARIANT=gpu`: the lock is constraints.txt but for fbgemm-gpu's CUDA build;
+    the requirements the Dockerfile writes are the project's dependencies with that swap (its
+    own one-liner, run here); torch stays 2.13.0 (PyPI's wheel is the CUDA build) and triton is
+    the version that wheel pins."""
+    import contextlib
+    import io
+
+    cpu = [ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln[:1] != "#"]
+    gpu = [ln for ln in (ROOT / "constraints-gpu.txt").read_text().splitlines() if ln[:1] != "#"]
+    swapped = ["fbgemm-gpu==1.8.0" if ln == "fbgemm_gpu-cpu==1.8.0" else ln for ln in cpu]
+    assert gpu == swapped and "fbgemm-gpu==1.8.0" in gpu
+    assert "torch==2.13.0" in gpu and "triton==3.7.1" in gpu
+    (run,) = [a for op, a in dockerfile() if op == "RUN" and "VARIANT" in a]
+    code = re.search(r'python -c "(.+?)" > /tmp/requirements-gpu.txt', run)
+    assert code is not None, run
+    monkeypatch.chdir(ROOT)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code[1], {})
+    wanted = out.getvalue().split()
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "fbgemm-gpu==1.8.0" in wanted and "fbgemm-gpu-cpu==1.8.0" not in wanted
+    assert len(wanted) == len(deps) and "triton==3.7.1" in wanted
 
 
 def dockerignored(path: str, patterns: list[str]) -> bool:
@@ -84,6 +114,7 @@ def test_dockerignore_sends_sources_but_never_data() -> None:
     for kept in (
         "pyproject.toml",
         "constraints.txt",
+        "constraints-gpu.txt",
         "retrieval/index/csrc/ivf_scan.cpp",
         "sharded_tables/csrc/idmap.cpp",
         "serving/app/config.py",

@@ -325,7 +325,7 @@ def test_gpu_overlay_adds_gpus_to_router_and_shards() -> None:
             assert device(base) in (None, "cpu")
             if gpus(c) >= 1:
                 with_gpu.add(component(target))
-                assert device({**base, "env": list(env.values())}) in (None, "cuda"), p["path"]
+                assert device({**base, "env": list(env.values())}) == "cuda", p["path"]
         keys = {t["key"] for t in pod_spec(patch).get("tolerations", [])}
         assert "nvidia.com/gpu" in keys, p["path"]
     assert with_gpu == {"router", "shard"}
@@ -358,7 +358,7 @@ def test_kustomize_renders_config_and_gpus(folder: Path) -> None:
     with_gpu = {component(w) for w in ws for c in pod_spec(w)["containers"] if gpus(c)}
     assert with_gpu == ({"router", "shard"} if folder == GPU else set())
     for c in (c for w in ws for c in pod_spec(w)["containers"]):
-        assert device(c) in (None, "cuda" if gpus(c) else "cpu"), c["name"]
+        assert device(c) in ((None, "cpu") if not gpus(c) else ("cuda",)), c["name"]
 
 
 def test_the_batch_scoring_rayjob_runs_a_real_score_command_on_the_pinned_ray() -> None:

@@ -146,9 +146,7 @@ def test_real_filters_compiled_by_the_schema():
     schema = FilterSchema({"genre": ["a", "b", "c"], "lang": ["x", "y"]})
     n = 300
     rng = np.random.default_rng(0)
-    sig = schema.signatures(
-        {"genre": rng.integers(0, 3, n), "lang": rng.integers(0, 2, n)}, n
-    )
+    sig = schema.signatures({"genre": rng.integers(0, 3, n), "lang": rng.integers(0, 2, n)}, n)
     fb = schema.compile(["genre in {a, b} and lang = x", "not genre = c", "", "lang = y"])
     c = case([100, 120, 80], 4, 3, 16, "int8", 1, 1, 0, seed=4)
     c.update(sig=sig, fmask=fb.masks, fneg=fb.negate)
@@ -195,7 +193,9 @@ def small_index(catalog):
         (None, 0, 1500),  # more than the probed lists hold: the planned path widens
     ],
 )
-def test_index_searches_through_the_triton_kernel(small_index, catalog, monkeypatch, filters, seen, k):
+def test_index_searches_through_the_triton_kernel(
+    small_index, catalog, monkeypatch, filters, seen, k
+):
     """Whole searches with the scan forced onto the Triton kernel (interpreted here) answer as
     the C++ kernel does."""
     from retrieval.filters import FilterBatch
@@ -222,3 +222,44 @@ def test_width_bound_follows_the_offsets_it_was_read_for():
     offsets[3] = 40  # an in-place change (a live update): read again
     assert gpu_scan.width_bound(offsets, 1) == 28
     assert gpu_scan.width_bound(torch.tensor([0, 3, 4]), 1) == 3  # another tensor
+
+
+def test_graph_buckets_are_powers_of_two():
+    from retrieval.index.cuda_graphs import bucket
+
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 17, 32)] == [1, 2, 4, 4, 8, 32, 32]
+
+
+def test_without_a_gpu_the_search_runs_eagerly(small_index, catalog):
+    from retrieval.index.cuda_graphs import run_graphed
+
+    calls = []
+
+    def fn(q):
+        calls.append(q.shape[0])
+        return (q * 2,)
+
+    (out,) = run_graphed(small_index, "k", fn, catalog["q"][:3], (small_index.codes,))
+    assert calls == [3] and torch.equal(out, catalog["q"][:3] * 2)
+
+
+@pytest.mark.gpu
+def test_graphed_searches_equal_eager_ones_and_follow_updates(small_index, catalog, monkeypatch):
+    """One-query and small-batch searches replay CUDA graphs: the same answers as without them,
+    for every batch size of a bucket, and a live update (new items) is searched at once."""
+    from retrieval.index.cuda_graphs import GRAPHS_ENV
+    from retrieval.index.update import add_items
+
+    gpu = small_index.to("cuda")
+    q = catalog["q"][:5].cuda()
+    for b in (1, 3, 4, 5):
+        got = gpu.search(q[:b], 20)
+        monkeypatch.setenv(GRAPHS_ENV, "0")
+        want = gpu.search(q[:b], 20)
+        monkeypatch.delenv(GRAPHS_ENV)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # new items equal to the queries (scaled up): each query's best answer is its new item
+    ids = torch.arange(10_000, 10_005)
+    updated = add_items(gpu, ids, catalog["q"][:5] * 4, gpu.sig[:5].cpu())
+    top = updated.search(q, 1)[0].cpu().flatten()
+    assert torch.equal(top, ids)

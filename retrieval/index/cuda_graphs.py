@@ -1,0 +1,111 @@
+"""CUDA graphs of a search's fixed-shape part on a GPU: one launch instead of ~90.
+
+A one-query search on a GPU is a few hundred microseconds of kernels behind ~90 kernel launches
+of host time (probe, query quantization, grouping the pairs, the scan, top-K). A graph records
+them once per (batch bucket, shape key, index state) and replays them as one launch:
+:func:`run_graphed` pads the batch to its bucket (1, 2, 4, ... up to :data:`MAX_BATCH`), copies
+it into the graph's input, replays, and returns copies of the outputs.
+
+Graphs are kept per index (a weak map: not in the module, so copies and saves never see them;
+at most :data:`MAX_GRAPHS`) and keyed by
+the index's tensors (storage and version), so a live update, a reload or a move records anew.
+A capture that fails (an op that cannot be captured) is remembered and that key runs eagerly.
+``RECSERVE_CUDA_GRAPHS=0`` turns graphs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GRAPHS_ENV = "RECSERVE_CUDA_GRAPHS"
+MAX_BATCH = 32
+"""Largest batch a graph records (larger batches are few launches per query anyway, and each
+graph keeps its intermediate buffers)."""
+MAX_GRAPHS = 16
+
+Outputs = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph, or None: the capture failed, run eagerly
+    q: torch.Tensor | None = None
+    outs: Outputs = ()
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_CACHES: weakref.WeakKeyDictionary[Any, dict[Hashable, _Graph]] = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+
+
+def bucket(b: int) -> int:
+    """The batch size a graph of ``b`` rows is recorded at: the next power of two."""
+    return 1 << max(0, (b - 1).bit_length())
+
+
+def _state(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((t.data_ptr(), t._version) for t in tensors)
+
+
+def run_graphed(
+    owner: Any,
+    key: Hashable,
+    fn: Callable[[torch.Tensor], Outputs],
+    q: torch.Tensor,
+    tensors: tuple[torch.Tensor, ...],
+) -> Outputs:
+    """``fn(q)`` for ``q [B, D]``, replayed from a CUDA graph where it can be: ``fn`` must map
+    a batch to outputs whose first dimension is the batch, with shapes fixed by ``key`` and
+    ``B``, reading only ``q`` and ``tensors`` (the index's buffers) on the GPU."""
+    b = q.shape[0]
+    if q.device.type != "cuda" or b > MAX_BATCH or os.environ.get(GRAPHS_ENV) == "0":
+        return fn(q)
+    size = bucket(b)
+    full_key = (key, size, q.dtype, q.shape[1], _state(tensors))
+    with _CACHES_LOCK:  # one capture at a time
+        cache = _CACHES.setdefault(owner, {})
+        entry = cache.get(full_key)
+        if entry is None:
+            if len(cache) >= MAX_GRAPHS:
+                cache.clear()  # an old index state's graphs: their buffers go with them
+            entry = cache[full_key] = _capture(fn, q, size)
+    if entry.graph is None:
+        return fn(q)
+    assert entry.q is not None
+    with entry.lock:  # one replay at a time: the input and outputs are the graph's own
+        entry.q[:b].copy_(q)
+        if b < size:
+            entry.q[b:].zero_()
+        entry.graph.replay()
+        return tuple(o[:b].clone() for o in entry.outs)
+
+
+def _capture(fn: Callable[[torch.Tensor], Outputs], q: torch.Tensor, size: int) -> _Graph:
+    """Warms ``fn`` up on a side stream (kernels compiled, host caches filled), then records it."""
+    q_in = torch.zeros(size, q.shape[1], dtype=q.dtype, device=q.device)
+    q_in[: q.shape[0]].copy_(q)
+    try:
+        side = torch.cuda.Stream(q.device)
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(q_in)
+        torch.cuda.current_stream(q.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = fn(q_in)
+        return _Graph(graph, q_in, tuple(outs))
+    except Exception as e:  # any capture failure: this key runs eagerly
+        log.warning("CUDA graph capture failed, searching without one: %s", e)
+        torch.cuda.synchronize(q.device)
+        return _Graph(None)
