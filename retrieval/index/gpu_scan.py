@@ -141,6 +141,13 @@ def _scan_kernel(
         tl.store(out_ptr + b[:, None] * width + at, score, mask=ok & (at < width))
 
 
+def block_d(d: int) -> int:
+    """The kernel's tile over the D dimensions: a power of two, 32 at least (an int8 ``tl.dot``
+    compiled for a GPU needs K >= 32; the interpreter takes less, so this is tested directly);
+    the padding is masked to zero."""
+    return max(32, triton.next_power_of_2(d))
+
+
 def _chunks(
     probes: torch.Tensor, nlist: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -310,7 +317,7 @@ def _scan_batch(
             FP8=fp8,
             BLOCK_Q=BQ,
             BLOCK_N=BN,
-            BLOCK_D=max(16, triton.next_power_of_2(q.shape[1])),
+            BLOCK_D=block_d(q.shape[1]),
         )
     kk = min(r, width)
     top, idx = out.topk(kk, dim=1)

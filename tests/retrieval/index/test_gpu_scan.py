@@ -224,6 +224,11 @@ def test_width_bound_follows_the_offsets_it_was_read_for():
     assert gpu_scan.width_bound(torch.tensor([0, 3, 4]), 1) == 3  # another tensor
 
 
+def test_the_d_tile_is_what_an_int8_dot_compiles_for():
+    """An H200 refused K = 16 for int8 `tl.dot` (the interpreter does not): D = 16 pads to 32."""
+    assert [gpu_scan.block_d(d) for d in (1, 16, 32, 33, 64, 100)] == [32, 32, 32, 64, 64, 128]
+
+
 def test_graph_buckets_are_powers_of_two():
     from retrieval.index.cuda_graphs import bucket
 
