@@ -2,16 +2,17 @@
 
 Same contract as :func:`retrieval.index.scan.scan` (the CPU kernel and :func:`scan_reference`).
 The work is list-major, as on the CPU: the batch's (query, probe) pairs are grouped by list, and
-each program takes up to ``BQ`` queries that probe one list and a tile of ``BN`` of its items,
-so a code tile is read once for all of them and scored as one int8 tensor-core product
+each program takes up to ``BQ`` queries that probe one list and walks its items in tiles of
+``BN``, so a code tile is read once for all of them and scored as one int8 tensor-core product
 (``tl.dot``, exact int32 sums). In the same pass it adds the list's coarse score, tests every
 item's signature against each query's filter clauses and blanks the rows each query excludes
-(a binary search in its sorted ``excl`` row). A program walks its list tile by tile, so the grid
-is one program per chunk of pairs. Scores land in a ``[B, width]`` buffer, each query's probed
+(a binary search in its sorted ``excl`` row). The grid is one program per chunk of pairs.
+Scores land in a ``[B, width]`` buffer, each query's probed
 lists side by side (``-inf`` where nothing passed; ``width``: the ``P`` longest lists, known on
 the host), and the best ``r`` of each row come from ``torch.topk`` (a radix select on CUDA, any
-``r``: no 2,048 cap). Nothing here waits for the GPU: the grid is sized from shapes alone and
-the pair grouping is torch ops on the device.
+``r``: no 2,048 cap). Nothing here waits for the GPU (but the first call on an index state,
+which reads its list sizes): the grid is sized from shapes alone and the pair grouping is torch
+ops on the device, so a search can be recorded as a CUDA graph (``cuda_graphs.py``).
 
 FP8 codes are decoded through a 256-entry float16 table (exact: every e4m3 value is a float16)
 and scored against the query split in two float16 halves (``q = hi + lo``), so the tensor cores
@@ -34,7 +35,7 @@ from retrieval.index.codes import fp8_lut, quantize_int8
 BQ = 16
 """Queries a program scores together (``tl.dot`` needs 16 at least)."""
 BN = 128
-"""Items of a list a program scores."""
+"""Items of a list a program scores at once (a tile)."""
 BUFFER_FLOATS = 1 << 26
 """Score-buffer floats per call (256 MB): larger batches go through in query chunks."""
 
@@ -237,26 +238,28 @@ def scan_triton(
     b, p = probes.shape
     width = width_bound(offsets, p)
     step = max(1, BUFFER_FLOATS // width)
-    if b > step:  # bounded score buffer: the batch in query chunks
-        parts = [
-            _scan_batch(
-                q[s : s + step],
-                probes[s : s + step],
-                coarse[s : s + step],
-                codes,
-                scales,
-                offsets,
-                sig,
-                fmask[s : s + step],
-                fneg[s : s + step],
-                r,
-                width,
-                excl[s : s + step],
-            )
-            for s in range(0, b, step)
-        ]
-        return torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
-    return _scan_batch(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, width, excl)
+    if b <= step:
+        return _scan_batch(
+            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, width, excl
+        )
+    parts = [  # a bounded score buffer: the batch in query chunks
+        _scan_batch(
+            q[sl],
+            probes[sl],
+            coarse[sl],
+            codes,
+            scales,
+            offsets,
+            sig,
+            fmask[sl],
+            fneg[sl],
+            r,
+            width,
+            excl[sl],
+        )
+        for sl in (slice(s, s + step) for s in range(0, b, step))
+    ]
+    return torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
 
 
 def _scan_batch(
