@@ -47,8 +47,8 @@ from typing import Annotated, Any, ClassVar, Self
 
 from pydantic import Field
 
-from common.devices import DEVICE_PATTERN, check_device
 from common.config import MAX_WAIT_S, Config, ConfigError, PathValue, Port, WaitMs, WaitS
+from common.devices import DEVICE_PATTERN, check_device
 from common.security import SecurityConfig
 from serving.engine.batching import BatchPolicy
 from serving.limits import LimitsConfig
