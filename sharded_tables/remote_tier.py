@@ -88,7 +88,7 @@ def pool_rows(
     present = present_ids(spec, ids)
     if dense.shape[0] == 0:
         return torch.zeros(ids.shape[0], spec.dim, device=dense.device)
-    pos = torch.searchsorted(u, ids).clamp_(max=len(u) - 1)  # absent ids: any row, weight 0
+    pos = torch.searchsorted(u, ids.contiguous()).clamp_(max=len(u) - 1)  # absent: weight 0
     weights = present.float()
     if mean:
         weights /= present.sum(dim=1, keepdim=True).clamp(min=1)
