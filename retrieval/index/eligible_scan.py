@@ -29,7 +29,7 @@ class SignedIndex(Protocol):
     def posting_offsets(self) -> list[int]: ...
     @property
     def ntotal(self) -> int: ...
-    def vectors_at(self, pos: torch.Tensor) -> torch.Tensor: ...
+    def scores_at(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
 
 
 def exact_search(
@@ -58,7 +58,7 @@ def exact_search(
         else:
             subset = torch.arange(index.ntotal, device=q.device)
         ex = None if excl is None else excl[rows]
-        p, s = exact_topk(q[rows], k, subset, index.vectors_at, excl=ex)  # none eligible: empty
+        p, s = exact_topk(q[rows], k, subset, index.scores_at, excl=ex)  # none eligible: empty
         pos[rows], scores[rows] = p, s
     return pos, scores
 
@@ -85,4 +85,4 @@ def eligible_positions(
     )
     if len(parts) > 1:
         cand = cand.unique()  # a multi-valued attribute may list an item under several values
-    return cand[eligible(index.sig[cand], masks, negate)]
+    return cand[eligible(index.sig.index_select(0, cand), masks, negate)]

