@@ -106,4 +106,4 @@ def test_tiered_model_on_cuda_matches_cpu(trained):
     overlap = sum(
         len(set(a) & set(b)) for a, b in zip(got.cpu().tolist(), want.tolist(), strict=True)
     )
-    assert overlap / want.numel() >= 0.97  # the CUDA index scan is the torch reference path
+    assert overlap / want.numel() >= 0.97  # int8 tables; the CUDA index scan is the Triton kernel
