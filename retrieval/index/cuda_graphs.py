@@ -102,7 +102,9 @@ def _capture(fn: Callable[[torch.Tensor], Outputs], q: torch.Tensor, size: int) 
                 fn(q_in)
         torch.cuda.current_stream(q.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a server's other threads keep running their batches during the capture
+        # (the default, "global", would fail their CUDA calls while this one records)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outs = fn(q_in)
         return _Graph(graph, q_in, tuple(outs))
     except Exception as e:  # any capture failure: this key runs eagerly

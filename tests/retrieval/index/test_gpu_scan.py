@@ -268,3 +268,23 @@ def test_graphed_searches_equal_eager_ones_and_follow_updates(small_index, catal
     updated = add_items(gpu, ids, catalog["q"][:5] * 4, gpu.sig[:5].cpu())
     top = updated.search(q, 1)[0].cpu().flatten()
     assert torch.equal(top, ids)
+
+
+@pytest.mark.gpu
+def test_graphs_record_and_replay_while_other_threads_search(small_index, catalog, monkeypatch):
+    """A server's threads search at once: some record a graph while others replay or run
+    eagerly; every answer equals the eager search."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from retrieval.index.cuda_graphs import GRAPHS_ENV
+
+    gpu = small_index.to("cuda")
+    q = catalog["q"][:32].cuda()
+    sizes = [1, 2, 3, 5, 8, 13, 21, 32] * 4
+    monkeypatch.setenv(GRAPHS_ENV, "0")
+    want = {b: gpu.search(q[:b], 10) for b in set(sizes)}
+    monkeypatch.delenv(GRAPHS_ENV)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda b: (b, gpu.search(q[:b], 10)), sizes))
+    for b, (ids, scores) in got:
+        assert torch.equal(ids, want[b][0]) and torch.equal(scores, want[b][1]), b
