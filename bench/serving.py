@@ -36,6 +36,9 @@ Run from the repository root::
 
     .venv/bin/python bench/serving.py --small     # 20k items, ~2 min
     .venv/bin/python bench/serving.py             # 100k items + 1M sizes, ~6 min on 2 cores
+    # serving on a GPU vs on the CPU, same model and load (issue 20): once per device
+    .venv/bin/python bench/serving.py --small --systems ours-1proc --device cuda --out gpu.json
+    .venv/bin/python bench/serving.py --small --systems ours-1proc --device cpu --out cpu.json
 
 Writes ``--out`` (default ``bench/results/serving.json``, ``serving_small.json`` with
 ``--small``) and prints markdown tables. Every server process is stopped in a ``finally`` (its
@@ -125,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ours' serving processes and Triton's model instances (default: the cores)",
     )
     p.add_argument("--grpc-workers", type=int, default=64, help="gRPC threads (ours' default)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where ours runs the model (`recserve serve --device`: cpu, cuda, cuda:N); run the "
+        "bench once per device for the GPU-vs-CPU comparison of issue 20",
+    )
     p.add_argument("--sizes", type=int_list, help="extra catalog sizes for ours (default 1M)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
     p.add_argument("--check-users", type=int, default=4, help="users checked vs in-process")
@@ -172,7 +181,7 @@ def server(system: str, repo: Path, tmp: Path, args: argparse.Namespace) -> Iter
         run = start(cmd, log)
     elif system in ("ours", "ours-kserve", "ours-1proc"):
         cmd = [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(repo)]
-        cmd += ["--model", MODEL, "--grpc-port", "0"]
+        cmd += ["--model", MODEL, "--grpc-port", "0", "--device", args.device]
         if system == "ours-1proc":
             cmd += ["--torch-threads", str(args.threads)]
         else:
