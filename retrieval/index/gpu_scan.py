@@ -238,10 +238,6 @@ def scan_triton(
     b, p = probes.shape
     width = width_bound(offsets, p)
     step = max(1, BUFFER_FLOATS // width)
-    if b <= step:
-        return _scan_batch(
-            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, width, excl
-        )
     parts = [  # a bounded score buffer: the batch in query chunks
         _scan_batch(
             q[sl],
@@ -257,8 +253,10 @@ def scan_triton(
             width,
             excl[sl],
         )
-        for sl in (slice(s, s + step) for s in range(0, b, step))
+        for sl in (slice(s, s + step) for s in range(0, max(b, 1), step))  # B = 0: one empty
     ]
+    if len(parts) == 1:
+        return parts[0]
     return torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
 
 

@@ -241,18 +241,12 @@ class IVFIndex(nn.Module):
         q = self._check_queries(q)
         k = self._check_k(k)
         settings = self._settings(nprobe, rerank)
-        if filters is None and recall_target is None:  # the common call: no filter to compile
-            found = plain_search(self, q, k, None, *settings)
-            if found is None:
-                found = self.planned_positions(q, k, self.compile_filter(None, len(q)), *settings)
-        else:
-            fb = self.compile_filter(filters, q.shape[0])
-            target = None
-            if recall_target is not None:
-                target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])
-                check_targets(target, q.shape[0])
-            found = self._search_positions(q, k, fb, *settings, target=target)
-        pos, scores = found
+        fb = None if filters is None else self.compile_filter(filters, q.shape[0])
+        target = None
+        if recall_target is not None:
+            target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])
+            check_targets(target, q.shape[0])
+        pos, scores = self._search_positions(q, k, fb, *settings, target=target)
         return self._item_ids(pos), scores
 
     def _item_ids(self, pos: torch.Tensor) -> torch.Tensor:
@@ -323,18 +317,20 @@ class IVFIndex(nn.Module):
         self,
         q: torch.Tensor,
         k: int,
-        fb: FilterBatch,
+        fb: FilterBatch | None,
         nprobe: int,
         rerank: int,
         exact: bool = False,
         target: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
-        ``exact=True`` scans every eligible item (the reference the index is measured against);
-        ``target [B]``: each row's recall target (0: the index's settings)."""
+        ``fb`` None: no filter (the plain search needs none compiled); ``exact=True`` scans
+        every eligible item (the reference the index is measured against); ``target [B]``:
+        each row's recall target (0: the index's settings)."""
         fast = plain_search(self, q, k, fb, nprobe, rerank, exact, target)
         if fast is not None:
             return fast
+        fb = self.compile_filter(None, q.shape[0]) if fb is None else fb
         return self.planned_positions(q, k, fb, nprobe, rerank, exact, target)
 
     def planned_positions(
