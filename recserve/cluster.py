@@ -84,6 +84,9 @@ class ClusterSpec:
     router_http_port: int = 0
     router_processes: int = 1
     """Serving processes of the router (``recserve serve router --processes``)."""
+    batches_in_flight: int = 1
+    """The router's batches at once (``serve router --batches-in-flight``): 1, since here the
+    shards compute on the router's own cores (``RouterConfig.batches_in_flight``)."""
     state_dir: Path | None = None
     """The router's update log folder (``serve router --state-dir``): live updates through the
     router to every shard; None: off."""
@@ -241,7 +244,8 @@ def _up(
             "--grpc-port", str(spec.router_grpc_port), "--http-port", str(spec.router_http_port),
             "--metrics-port", "0", "--shards", shards,
             "--shard-deadline-ms", str(spec.shard_deadline_ms),
-            "--hedge-after-ms", str(spec.hedge_after_ms), "--torch-threads", threads, *secure,
+            "--hedge-after-ms", str(spec.hedge_after_ms), "--torch-threads", threads,
+            "--batches-in-flight", str(spec.batches_in_flight), *secure,
         ]  # fmt: skip
         if spec.router_processes > 1:
             args += ["--processes", str(spec.router_processes)]

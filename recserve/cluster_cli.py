@@ -30,6 +30,12 @@ def cluster_up(
     http_port: int = typer.Option(0, min=0, max=65535, help="router HTTP port (0: any free)"),
     shard_deadline_ms: float = field_option(RouterConfig, "shard_deadline_ms"),
     hedge_after_ms: float = field_option(RouterConfig, "hedge_after_ms"),
+    batches_in_flight: int = typer.Option(
+        1,
+        min=1,
+        help="router: batches routed at once (serve router --batches-in-flight); 1 here, where "
+        "the shards share the router's cores",
+    ),
     router_processes: int = typer.Option(
         1, min=1, help="router: serving processes sharing its ports (serve router --processes)"
     ),
@@ -59,6 +65,7 @@ def cluster_up(
         router_grpc_port=grpc_port,
         router_http_port=http_port,
         router_processes=router_processes,
+        batches_in_flight=batches_in_flight,
         state_dir=state_dir,
         auth_token_file=auth_token_file,
         tls_cert=tls_cert,

@@ -108,6 +108,7 @@ def serve_router(
     ),
     shard_deadline_ms: float = _route("shard_deadline_ms"),
     hedge_after_ms: float = _route("hedge_after_ms"),
+    batches_in_flight: int = _route("batches_in_flight"),
     embedding_servers: str = typer.Option(
         None,
         "--embedding-servers",
@@ -143,6 +144,7 @@ def serve_router(
         "shards": parse_shards(shards) if shards is not None else None,
         "shard_deadline_ms": flags.pop("shard_deadline_ms"),
         "hedge_after_ms": flags.pop("hedge_after_ms"),
+        "batches_in_flight": flags.pop("batches_in_flight"),
         "embedding_servers": [a.strip() for a in embedding_servers.split(",") if a.strip()]
         if embedding_servers is not None
         else None,

@@ -22,6 +22,7 @@ class RouterConfig(Config):
         "shard_deadline_ms": "--shard-deadline-ms",
         "hedge_after_ms": "--hedge-after-ms",
         "embedding_servers": "--embedding-servers",
+        "batches_in_flight": "--batches-in-flight",
     }
 
     shards: list[Annotated[list[Address], Field(min_length=1)]] = Field(default_factory=list)
@@ -56,8 +57,13 @@ class RouterConfig(Config):
     """Addresses of embedding servers 0, 1, ... for the version's remote tables."""
     embedding_timeout_ms: Annotated[WaitMs, Field(gt=0)] = 500.0
     """Deadline of one remote-row fetch."""
-    batches_in_flight: int = Field(default=4, ge=1)
-    """Batches routed at once: while one waits on the shards the next runs its tower."""
+    batches_in_flight: int = Field(default=2, ge=1)
+    """Batches routed at once: while one waits on the shards the next runs its tower. Each
+    batch is one call to every shard, whose cost is mostly per call, so more in flight means
+    smaller batches and more calls per request: 2 keeps a router on a host of its own busy;
+    where the shards share the router's cores (``recserve cluster up``) 1 is fastest (at 8
+    clients, 1 shard, 2 cores: 0.70x / 0.85x / 0.97x ``recserve serve``'s q/s at 4 / 2 / 1,
+    ``bench/RESULTS.md``)."""
 
     def validate(self) -> None:  # type: ignore[override]  # see Config.validate
         """What the fields cannot say alone: a router needs shards, lower bounds are not above

@@ -110,6 +110,14 @@ def test_the_router_is_a_group_whose_processes_both_answer(cluster):
     assert {p for p, n in counts if float(n) > 0} == {"0", "1"}
 
 
+def test_the_router_routes_one_batch_at_a_time_on_the_shards_cores(cluster):
+    # the shards compute on the router's cores here: a second batch in flight only halves
+    # the batches (more shard calls per request), RouterConfig.batches_in_flight
+    _, _, d = cluster
+    argv = Path(f"/proc/{Cluster.load(d).router.pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--batches-in-flight") + 1] == b"1"
+
+
 def test_status_reports_every_process_healthy(cluster):
     _, _, d = cluster
     out = recserve("cluster", "status", "--directory", str(d))
