@@ -1,7 +1,9 @@
 """The serving benchmark's baseline servers, each its own process (``bench/serving.py`` starts
 them): (a) ``noop``, a grpcio ``Recommend`` servicer with a fixed empty answer; (b) ``naive``, one
-forward per request, unbatched. Run as ``python bench/serving_baselines.py KIND --repo DIR``;
-prints the ready line (``common/ready.py``, role ``baseline``) and serves until SIGTERM."""
+forward per request, unbatched; (c) ``noop-shard`` (``bench/sharding.py``), a grpcio ``Shard``
+servicer whose ``Search`` answers a fixed ``--answer-width``-candidate answer: what the hop from
+a router to a shard costs with no search. Run as ``python bench/serving_baselines.py KIND --repo
+DIR``; prints the ready line (``common/ready.py``, role ``baseline``) and serves until SIGTERM."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving_workload import MODEL
 
 from common.ready import announce
-from serving.protos import recommend_pb2, recommend_pb2_grpc
+from serving.protos import recommend_pb2, recommend_pb2_grpc, shard_pb2, shard_pb2_grpc
 
 
 class NoopServicer(recommend_pb2_grpc.RecommenderServicer):
@@ -31,6 +33,18 @@ class NoopServicer(recommend_pb2_grpc.RecommenderServicer):
 
     def Recommend(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self.RESPONSE
+
+
+class NoopShardServicer(shard_pb2_grpc.ShardServicer):
+    """(c): one query's answer of ``width`` candidates (the bytes a real shard sends), fixed."""
+
+    def __init__(self, width: int):
+        self.response = shard_pb2.SearchResponse(
+            width=width, ids=bytes(8 * width), approx=bytes(4 * width), scores=bytes(4 * width)
+        )
+
+    def Search(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.response
 
 
 class NaiveServicer(recommend_pb2_grpc.RecommenderServicer):
@@ -58,9 +72,12 @@ def serve_baseline(args: argparse.Namespace) -> None:
     """Runs (a) or (b) on a free port: prints the ready line (``common/ready.py``, role
     ``baseline``), serves until SIGTERM."""
     torch.set_num_threads(args.threads)
-    servicer = NoopServicer() if args.serve == "noop" else NaiveServicer(args.repo)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.grpc_workers))
-    recommend_pb2_grpc.add_RecommenderServicer_to_server(servicer, server)
+    if args.serve == "noop-shard":
+        shard_pb2_grpc.add_ShardServicer_to_server(NoopShardServicer(args.answer_width), server)
+    else:
+        servicer = NoopServicer() if args.serve == "noop" else NaiveServicer(args.repo)
+        recommend_pb2_grpc.add_RecommenderServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     done = threading.Event()
@@ -74,10 +91,11 @@ def serve_baseline(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("serve", choices=["noop", "naive"], help="which baseline")
+    p.add_argument("serve", choices=["noop", "naive", "noop-shard"], help="which baseline")
     p.add_argument("--repo", type=Path, help="the model repository (naive)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--grpc-workers", type=int, default=64, help="gRPC threads")
+    p.add_argument("--answer-width", type=int, default=100, help="noop-shard: candidates")
     serve_baseline(p.parse_args(argv))
 
 

@@ -12,6 +12,9 @@ train`` does (``bench/sharding_workload.py``). Measured, in this order, on the s
   (default: what the 1-shard cluster's router and shard server get together), gRPC
   ``Recommend`` from a load generator in a separate process, closed loop with C clients
   (``--concurrency``) for ``--seconds``: q/s, p50, p99, partial answers and errors;
+* the shard hop floor: the router's own ``Search`` requests from one client to a grpcio server
+  that answers each with a fixed answer of a real one's size (no search): what one hop to a
+  shard costs by itself, which the routed p50 at 1 client pays over serve's;
 * per shard count S (``--shards``), the version published with ``shards=S``:
 
   - local merge: the router's own ``RouterRunner.forward`` with the S shard indexes called in
@@ -71,6 +74,7 @@ from sharding_load import (
     check_equal,
     cluster,
     cluster_threads,
+    hop_floor_case,
     leftover_shard_servers,
     load_cases,
     serve_model,
@@ -284,6 +288,7 @@ def run_all(work: Workload, tmp: Path, args: argparse.Namespace, results: dict[s
         results["inprocess"] = inprocess_cases(work, args)
         for kind, rows in serve_cases(tmp, work, pool, loadgen_pid, args).items():
             results.setdefault(kind, []).extend(rows)
+        results["hop_floor"] = hop_floor_case(work, tmp, pool, args)
         for s in args.shards:
             for kind, rows in shard_count_cases(s, tmp, work, pool, loadgen_pid, args).items():
                 results.setdefault(kind, []).extend(rows)

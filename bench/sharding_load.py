@@ -26,11 +26,11 @@ import numpy as np
 from loadgen import closed_loop
 from server_procs import Running, processes_mentioning, start, stop, wait_ready
 from sharding_report import SCORE_ATOL
-from sharding_workload import MODEL, Workload
+from sharding_workload import MODEL, NO_FILTER, Workload
 from timing import OtherLoad
 
 from recserve.cluster import Cluster
-from serving.protos import recommend_pb2, recommend_pb2_grpc
+from serving.protos import recommend_pb2, recommend_pb2_grpc, shard_pb2, shard_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_SERVER_PATTERN = "recserve serve shard"
@@ -177,6 +177,46 @@ def run_load(
         partial=lambda response: bool(response.partial),
         cpu_pids=cpu_pids,
     )
+
+
+def run_search_load(
+    address: str, payloads: list[bytes], warmup_s: float, seconds: float, cpu_pids: dict[str, int]
+) -> dict[str, Any]:
+    """The load generator process: ``Shard.Search`` from one client in a closed loop."""
+    return closed_loop(
+        address,
+        lambda channel: shard_pb2_grpc.ShardStub(channel).Search,
+        [shard_pb2.SearchRequest.FromString(b) for b in payloads],
+        1,
+        warmup_s,
+        seconds,
+        cpu_pids=cpu_pids,
+    )
+
+
+def hop_floor_case(
+    work: Workload, tmp: Path, pool: ProcessPoolExecutor, args: argparse.Namespace
+) -> dict[str, Any]:
+    """What the router's call to a shard costs with no search: the router's own ``Search``
+    requests (one user each, unfiltered), one client, to a grpcio server that answers each
+    with a fixed answer of a real one's size (``bench/serving_baselines.py noop-shard``). The
+    routed p50 cannot beat serve's by less than this hop minus serve's own search."""
+    payloads = work.search_payloads(NO_FILTER)
+    width = shard_pb2.SearchRequest.FromString(payloads[0]).r
+    cmd = [sys.executable, str(ROOT / "bench" / "serving_baselines.py"), "noop-shard"]
+    run = start([*cmd, "--answer-width", str(width)], tmp / "noop-shard.log")
+    try:
+        wait_ready(run, args.startup_timeout_s)
+        pids = {"noop-shard": run.proc.pid}
+        got = pool.submit(
+            run_search_load, run.address, payloads, args.warmup_s, args.seconds, pids
+        ).result()
+    finally:
+        stop(run)
+    row = {"case": "hop floor", "filter": NO_FILTER, **got}
+    row["cpu_ms_per_request"] = cpu_per_request(got["cpu_s"], round(got["qps"] * args.seconds))
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def cpu_per_request(cpu_s: dict[str, float | None], answered: int) -> dict[str, float | None]:

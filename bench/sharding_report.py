@@ -107,9 +107,24 @@ def render(results: dict[str, Any]) -> str:
             f"{_met(v['p50_met'])} | {cell(v['servers_cpu_ms'], '.2f')} | "
             f"{cell(v['loadgen_cpu_ms'], '.2f')} |"
         )
+    lines += render_hop_floor(results)
     lines += ["", *render_cases(results), "", *render_breakdown(results)]
     lines += ["", render_checks(results), *render_remote(results)]
     return "\n".join(lines)
+
+
+def render_hop_floor(results: dict[str, Any]) -> list[str]:
+    """One line: the no-op shard hop at 1 client (``hop_floor_case``), when it ran."""
+    h = results.get("hop_floor")
+    if not h:
+        return []
+    cpu = h["cpu_ms_per_request"]
+    return [
+        "",
+        f"Shard hop floor (the router's Search, 1 client, to a no-op grpcio shard): p50 "
+        f"{h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms; CPU per call: that server "
+        f"{cell(cpu.get('noop-shard'), '.2f')} ms, the client {cell(cpu.get('loadgen'), '.2f')} ms.",
+    ]
 
 
 def _cpu_cell(cpu: dict[str, float | None]) -> str:

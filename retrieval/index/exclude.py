@@ -41,26 +41,31 @@ class IdOrder:
         sorted_ids, rows = item_ids.sort()
         return cls(sorted_ids, rows)
 
-    def positions(self, ids: torch.Tensor, missing: int = -1) -> torch.Tensor:
+    def positions(
+        self, ids: torch.Tensor, missing: int = -1, ascending: bool = False
+    ) -> torch.Tensor:
         """Rows of ``ids [...] int64`` -> same shape, ``missing`` where an id is not in the
-        index. On CPU in NumPy: a request's few ids cost ~5x less than in torch ops."""
+        index; ``ascending``: each last-dimension row sorted. On CPU in NumPy: a request's few
+        ids cost ~5x less than in torch ops (a torch sort of 50 ids alone is ~20 us)."""
         n = self.sorted_ids.numel()
         if n == 0:
             return torch.full_like(ids, missing)
         ids = ids.to(self.sorted_ids.device)
         if ids.device.type == "cpu":
             s, x = self.sorted_ids.numpy(), ids.numpy()
-            i = np.searchsorted(s, x).clip(max=n - 1)
-            return torch.from_numpy(np.where(s[i] == x, self.rows.numpy()[i], missing))
+            i = np.minimum(np.searchsorted(s, x), n - 1)
+            rows = np.where(s[i] == x, self.rows.numpy()[i], missing)
+            return torch.from_numpy(np.sort(rows, axis=-1) if ascending else rows)
         at = torch.searchsorted(self.sorted_ids, ids.contiguous()).clamp(max=n - 1)
         found = self.sorted_ids[at] == ids
-        return torch.where(found, self.rows[at], torch.full_like(ids, missing))
+        rows_t = torch.where(found, self.rows[at], torch.full_like(ids, missing))
+        return rows_t.sort(dim=-1).values if ascending else rows_t
 
 
 def excluded_positions(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:
     """Item ids ``exclude [B, S]`` (``-1`` pads; ids the index does not hold are ignored) ->
     the rows they sit in, ``[B, S] int64`` ascending per row, :data:`PAD` padded at the end."""
-    return order.positions(exclude, missing=PAD).sort(dim=1).values
+    return order.positions(exclude, missing=PAD, ascending=True)
 
 
 def is_excluded(pos: torch.Tensor, excl: torch.Tensor) -> torch.Tensor:
