@@ -169,8 +169,8 @@ def render_checks(results: dict[str, Any]) -> str:
     users = max((c["users"] for c in results.get("checks", [])), default=0)
     parts = ", ".join(f"{name} equal: {str(ok).lower()}" for name, ok in by.items())
     return (
-        f"Answers == in-process forward ({users} users x every filter; ids equal, scores within "
-        f"{SCORE_ATOL:g}): {parts or 'not checked'}"
+        f"Answers == in-process forward ({users} users x every filter; ids equal but the order "
+        f"of tied items, scores within {SCORE_ATOL:g}): {parts or 'not checked'}"
     )
 
 
