@@ -214,3 +214,71 @@ def test_several_workers_run_batches_at_once_and_all_stop():
     assert b.stop(timeout=WAIT)
     with pytest.raises(ValueError, match="workers"):
         DynamicBatcher(BatchPolicy(1, 0.0, 0), slow, workers=0)
+
+
+def test_a_lone_request_on_an_idle_batcher_runs_in_its_callers_thread():
+    threads: list[str] = []
+    waits: list[list[float]] = []
+
+    def run(reqs: list[RecRequest]) -> list[object]:
+        threads.append(threading.current_thread().name)
+        return [r.k for r in reqs]
+
+    b = DynamicBatcher(BatchPolicy(8, 0.0, 0), run, on_batch=waits.append)
+    fut = b.submit(req(7), alone=True)
+    assert fut.done() and fut.result() == 7  # answered before submit returned
+    assert threads == [threading.current_thread().name]
+    assert len(waits) == 1 and len(waits[0]) == 1 and waits[0][0] < WAIT
+    assert b.batches == 1
+    queued = b.submit(req(8))  # a row of a call with several: the worker batches it
+    assert queued.result(WAIT) == 8 and threads[-1].startswith("batcher")
+    assert b.stop(timeout=WAIT)
+
+
+@pytest.mark.parametrize("why", ["queue delay", "rows waiting", "gate closed"])
+def test_a_lone_request_is_queued_when_it_would_not_go_alone_at_once(why):
+    policy = BatchPolicy(8, 0.05 if why == "queue delay" else 0.0, 0)
+    b, _ = gated(policy)
+    if why != "gate closed":
+        earlier = b.submit(req(1)) if why == "rows waiting" else None
+        b.gate.set()
+        if earlier is not None:
+            b.gate.clear()
+            earlier.result(WAIT)
+            earlier = b.submit(req(1))  # waits behind the closed gate
+    fut = b.submit(req(2), alone=True)
+    assert not fut.done()
+    b.gate.set()
+    assert fut.result(WAIT) == 2
+    b.stop(timeout=WAIT)
+
+
+def test_lone_requests_and_workers_never_run_more_batches_than_slots():
+    running, most, lock = 0, 0, threading.Lock()
+
+    def run(reqs: list[RecRequest]) -> list[object]:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.002)
+        with lock:
+            running -= 1
+        return [r.k for r in reqs]
+
+    b = DynamicBatcher(BatchPolicy(4, 0.0, 0), run, workers=2)
+    out: dict[int, object] = {}
+
+    def client(c: int) -> None:
+        for i in range(20):
+            n = c * 100 + i
+            out[n] = b.submit(req(n), alone=True).result(WAIT)
+
+    clients = [threading.Thread(target=client, args=(c,)) for c in range(6)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(WAIT)
+    assert out == {n: n for n in out} and len(out) == 120
+    assert most <= 2
+    assert b.stop(timeout=WAIT)
