@@ -29,36 +29,42 @@ PAD = torch.iinfo(torch.int64).max
 
 @dataclass(frozen=True)
 class IdOrder:
-    """An index's item ids in ascending order, ``sorted_ids [N]``, and the row each sits in,
-    ``rows [N]``: the lookup from item id to row (built when the index's items change)."""
+    """The lookup from item id to row: an index's ``item_ids [N] int64`` (row -> item id, the
+    index's own buffer) and ``perm [N] int64``, its rows in ascending id order (built when the
+    index's items change). A binary search through ``perm`` finds an id: 8 bytes an item, where
+    a sorted copy of the ids beside it would take 16."""
 
-    sorted_ids: torch.Tensor
-    rows: torch.Tensor
+    item_ids: torch.Tensor
+    perm: torch.Tensor
 
     @classmethod
     def of(cls, item_ids: torch.Tensor) -> IdOrder:
         """From an index's ``item_ids [N] int64`` (row -> item id)."""
-        sorted_ids, rows = item_ids.sort()
-        return cls(sorted_ids, rows)
+        return cls(item_ids, item_ids.argsort())
+
+    @property
+    def nbytes(self) -> int:
+        """What the lookup adds to the index (``perm``; the ids are the index's own)."""
+        return self.perm.numel() * self.perm.element_size()
 
     def positions(
         self, ids: torch.Tensor, missing: int = -1, ascending: bool = False
     ) -> torch.Tensor:
         """Rows of ``ids [...] int64`` -> same shape, ``missing`` where an id is not in the
         index; ``ascending``: each last-dimension row sorted. On CPU in NumPy: a request's few
-        ids cost ~5x less than in torch ops (a torch sort of 50 ids alone is ~20 us)."""
-        n = self.sorted_ids.numel()
+        ids cost ~5x less than in torch ops (a torch sort of 50 ids alone is ~8 us)."""
+        n = self.item_ids.numel()
         if n == 0:
             return torch.full_like(ids, missing)
-        ids = ids.to(self.sorted_ids.device)
+        ids = ids.to(self.item_ids.device)
         if ids.device.type == "cpu":
-            s, x = self.sorted_ids.numpy(), ids.numpy()
-            i = np.minimum(np.searchsorted(s, x), n - 1)
-            rows = np.where(s[i] == x, self.rows.numpy()[i], missing)
+            s, perm, x = self.item_ids.numpy(), self.perm.numpy(), ids.numpy()
+            row = perm[np.minimum(np.searchsorted(s, x, sorter=perm), n - 1)]
+            rows = np.where(s[row] == x, row, missing)
             return torch.from_numpy(np.sort(rows, axis=-1) if ascending else rows)
-        at = torch.searchsorted(self.sorted_ids, ids.contiguous()).clamp(max=n - 1)
-        found = self.sorted_ids[at] == ids
-        rows_t = torch.where(found, self.rows[at], torch.full_like(ids, missing))
+        at = torch.searchsorted(self.item_ids, ids.contiguous(), sorter=self.perm)
+        row = self.perm[at.clamp(max=n - 1)]
+        rows_t = torch.where(self.item_ids[row] == ids, row, torch.full_like(ids, missing))
         return rows_t.sort(dim=-1).values if ascending else rows_t
 
 

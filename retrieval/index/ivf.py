@@ -184,8 +184,10 @@ class IVFIndex(nn.Module):
         self.id_order = IdOrder.of(self.item_ids)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held per buffer (sum / ntotal = bytes per item)."""
-        return {name: b.numel() * b.element_size() for name, b in self.named_buffers()}
+        """Bytes held per buffer and per derived lookup (sum / ntotal = bytes per item)."""
+        out = {name: b.numel() * b.element_size() for name, b in self.named_buffers()}
+        out["id_order"] = self.id_order.nbytes  # rebuilt on load: no buffer, still memory
+        return out
 
     # ---- search ------------------------------------------------------------------------------
     def compile_filter(self, filters: FilterArg, batch: int) -> FilterBatch:
