@@ -151,6 +151,40 @@ def probe_cpu(
     return tuple(_extension().ivf_probe(q, centroids_t, half, nprobe))
 
 
+def search_ids_cpu(
+    q: torch.Tensor,
+    centroids_t: torch.Tensor,
+    half: torch.Tensor | None,
+    nprobe: int,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    excl_ids: torch.Tensor,
+    item_ids: torch.Tensor,
+    perm: torch.Tensor,
+    r: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A plain int8 search on the CPU keyed by item id, in one C++ call: the item ids each query
+    excludes (``excl_ids [B, S]``, ``-1`` pads) mapped to rows through the index's id order
+    (``item_ids``, ``perm``: ``exclude.IdOrder``), :func:`probe_cpu`'s lists, :func:`scan`, and
+    the rows found mapped to item ids -> ``(ids [B, r], scores [B, r])``, ``-1`` / ``-inf``
+    padded. None where it does not apply (not int8, a forced kernel, inside a trace): the caller
+    takes the step-by-step path, which gives the same answer."""
+    if codes.dtype != torch.int8 or torch.compiler.is_compiling():
+        return None
+    if os.environ.get(KERNEL_ENV, "auto") != "auto":
+        return None
+    no_half = q.new_empty(0) if half is None else half
+    index = (codes, scales, offsets, sig)
+    found = _extension().ivf_search_ids_int8(
+        q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r
+    )
+    return tuple(found)
+
+
 def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     b = probes.shape[0]
     return probes.new_empty((b, r)), torch.empty((b, r), dtype=torch.float32, device=probes.device)

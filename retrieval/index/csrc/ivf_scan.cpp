@@ -700,6 +700,49 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
   return {coarse, probes};
 }
 
+// A plain search keyed by item id, in one call (what a document shard answers most): the item ids
+// each query excludes (excl_ids [B, S], -1 pads) -> their rows through the index's id order (a
+// binary search over item_ids in perm order; ascending per query, absent ids and pads last as
+// INT64_MAX), then ivf_probe and ivf_scan_int8, then the rows found -> item ids (-1 pads stay).
+// The same steps as a dozen tensor ops around the two kernels, which cost a one-query search
+// more than the kernels do.
+std::tuple<at::Tensor, at::Tensor> ivf_search_ids_int8(
+    const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& half, int64_t p,
+    const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
+    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl_ids,
+    const at::Tensor& item_ids, const at::Tensor& perm, int64_t r) {
+  const int64_t b_count = q.size(0), n = item_ids.numel();
+  TORCH_CHECK(excl_ids.dim() == 2 && excl_ids.size(0) == b_count && excl_ids.scalar_type() == at::kLong &&
+              excl_ids.is_contiguous(), "excluded ids must be contiguous int64 [B, S]");
+  TORCH_CHECK(item_ids.dim() == 1 && n == codes.size(0) && perm.sizes() == item_ids.sizes() &&
+              item_ids.scalar_type() == at::kLong && perm.scalar_type() == at::kLong &&
+              item_ids.is_contiguous() && perm.is_contiguous(), "item_ids and perm must be contiguous int64 [N]");
+  const int64_t s = excl_ids.size(1);
+  auto excl = at::empty_like(excl_ids);
+  const int64_t* ids = item_ids.data_ptr<int64_t>();
+  const int64_t* order = perm.data_ptr<int64_t>();
+  const int64_t* x = excl_ids.data_ptr<int64_t>();
+  int64_t* rows = excl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b_count * s; ++i) {
+    const int64_t want = x[i];
+    int64_t lo = 0, hi = n;  // first place in id order whose id is >= want
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (ids[order[mid]] < want) lo = mid + 1; else hi = mid;
+    }
+    rows[i] = lo < n && ids[order[lo]] == want ? order[lo] : std::numeric_limits<int64_t>::max();
+  }
+  for (int64_t b = 0; b < b_count; ++b) std::sort(rows + b * s, rows + (b + 1) * s);
+  auto probed = ivf_probe(q, centroids_t, half, p);
+  auto found = ivf_scan_int8(q, std::get<1>(probed), std::get<0>(probed), codes, scales, offsets, sig,
+                             fmask, fneg, excl, r);
+  at::Tensor pos = std::get<0>(found);
+  int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i)
+    if (pp[i] >= 0) pp[i] = ids[pp[i]];
+  return {pos, std::get<1>(found)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch only tensors: other Python threads (a server's gRPC threads) run meanwhile.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -709,5 +752,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter", nogil);
   m.def("int8_isa", [] { return std::string(isa_name(int8_isa())); },
         "The int8 scan's path for the next call: portable, avx2 or vnni ($RECSERVE_SCAN_ISA, else the CPU's best)");
+  m.def("ivf_search_ids_int8", &ivf_search_ids_int8,
+        "Exclusions by id -> rows, probe, int8 scan, rows -> ids: a plain search in one call", nogil);
   m.def("ivf_scan_fp8", &ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter", nogil);
 }
