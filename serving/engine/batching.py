@@ -50,12 +50,6 @@ __all__ = [
 
 log = limit_rate(logging.getLogger(__name__))
 
-LONE_BATCHES = 1.05
-"""A lone request runs in its caller's thread only while batches average at most this many
-requests (smoothed by ``BATCH_SMOOTHING``): one client, or a few far apart."""
-BATCH_SMOOTHING = 0.25
-"""Weight of the newest batch in the smoothed requests per batch."""
-
 QueueState = Sequence[tuple[float, float | None]]
 """``(enqueue_time, deadline or None)`` per waiting request, oldest first (monotonic seconds)."""
 
@@ -165,7 +159,6 @@ class DynamicBatcher:
         self._stopping = False
         self._drain = True
         self._busy = 0  # batches running (on a worker, or a lone request in its caller's thread)
-        self._mean_batch = 1.0  # requests per batch, smoothed over the last several batches
         self.batches = 0
         self._threads = [
             threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
@@ -188,14 +181,10 @@ class DynamicBatcher:
         """Queues ``req``; the future gets its result or error. Raises :class:`QueueFullError`
         at once when the queue is full, :class:`UnavailableError` once stopping.
 
-        ``alone``: the caller sends no other row with it (one ``Recommend``). On an idle
-        batcher (nothing queued or running, recent batches of one request: a lone client) where
-        the policy would send a batch of one now anyway, the request runs in the caller's
-        thread and the future returned is done: no hand-off to a worker and back, which a lone
-        request would otherwise wait out (~0.15 ms a request). Under load requests arrive in
-        bursts as a batch's callers get their answers; the first of a burst running alone would
-        split the batch (more, smaller batches: a router's shard calls per request double at 4
-        clients), so there they queue as before.
+        ``alone``: the caller sends no other row with it (one ``Recommend``). When nothing is
+        queued, a batch slot is free and the policy would send a batch of one now anyway, the
+        request runs in the caller's thread and the future returned is done: no hand-off to a
+        worker and back, which a lone request would otherwise wait out (~0.15 ms a request).
         """
         fut: Future[Any] = Future()
         now = self.clock()
@@ -217,10 +206,9 @@ class DynamicBatcher:
         return fut
 
     def _runs_alone(self, req: RecRequest, now: float) -> bool:
-        """Takes a batch slot for ``req`` alone when it would go at once as a batch of one and
-        the batcher is idle (see :meth:`submit`)."""
+        """Takes a batch slot for ``req`` alone when it would go at once as a batch of one."""
         with self._cond:
-            if self._stopping or self._queue or self._busy or self._mean_batch > LONE_BATCHES:
+            if self._stopping or self._queue or self._busy >= self.workers:
                 return False
             if not self.gate.is_set():
                 return False
@@ -300,7 +288,6 @@ class DynamicBatcher:
         finally:
             with self._cond:
                 self._busy -= 1
-                self._mean_batch += BATCH_SMOOTHING * (len(entries) - self._mean_batch)
                 self._cond.notify()
 
     def _run(self, entries: list[_Entry]) -> None:

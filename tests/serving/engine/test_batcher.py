@@ -282,24 +282,3 @@ def test_lone_requests_and_workers_never_run_more_batches_than_slots():
     assert out == {n: n for n in out} and len(out) == 120
     assert most <= 2
     assert b.stop(timeout=WAIT)
-
-
-def test_after_batches_of_several_a_lone_request_queues_until_batches_shrink_again():
-    threads: list[str] = []
-
-    def run(reqs: list[RecRequest]) -> list[object]:
-        threads.append(threading.current_thread().name)
-        return [r.k for r in reqs]
-
-    b, _ = gated(BatchPolicy(8, 0.0, 0), run)
-    burst = [b.submit(req(i)) for i in range(4)]  # clients of a loaded server: one batch
-    b.gate.set()
-    assert [f.result(WAIT) for f in burst] == [0, 1, 2, 3]
-    me = threading.current_thread().name
-    alone = []
-    for i in range(16):  # the first of a burst would split it: queued while batches were big
-        assert b.submit(req(10 + i), alone=True).result(WAIT) == 10 + i
-        alone.append(threads[-1] == me)
-    assert alone[0] is False and alone[-1] is True  # batches of one bring it back
-    assert alone == sorted(alone)
-    assert b.stop(timeout=WAIT)
