@@ -153,12 +153,10 @@ class DynamicBatcher:
         self.policy, self.run_batch, self.on_batch, self.clock = policy, run_batch, on_batch, clock
         self.gate = threading.Event()
         self.gate.set()
-        self.workers = workers
         self._queue: deque[_Entry] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._drain = True
-        self._busy = 0  # batches running (on a worker, or a lone request in its caller's thread)
         self.batches = 0
         self._threads = [
             threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
@@ -177,20 +175,10 @@ class DynamicBatcher:
         with self._cond:
             return len(self._queue)
 
-    def submit(self, req: RecRequest, alone: bool = False) -> Future[Any]:
+    def submit(self, req: RecRequest) -> Future[Any]:
         """Queues ``req``; the future gets its result or error. Raises :class:`QueueFullError`
-        at once when the queue is full, :class:`UnavailableError` once stopping.
-
-        ``alone``: the caller sends no other row with it (one ``Recommend``). When nothing is
-        queued, a batch slot is free and the policy would send a batch of one now anyway, the
-        request runs in the caller's thread and the future returned is done: no hand-off to a
-        worker and back, which a lone request would otherwise wait out (~0.15 ms a request).
-        """
+        at once when the queue is full, :class:`UnavailableError` once stopping."""
         fut: Future[Any] = Future()
-        now = self.clock()
-        if alone and self._runs_alone(req, now):
-            self._execute([_Entry(req, fut, now)])
-            return fut
         with self._cond:
             if self._stopping:
                 raise UnavailableError("server is draining: not accepting new requests")
@@ -204,18 +192,6 @@ class DynamicBatcher:
             self._queue.append(_Entry(req, fut, self.clock()))
             self._cond.notify()
         return fut
-
-    def _runs_alone(self, req: RecRequest, now: float) -> bool:
-        """Takes a batch slot for ``req`` alone when it would go at once as a batch of one."""
-        with self._cond:
-            if self._stopping or self._queue or self._busy >= self.workers:
-                return False
-            if not self.gate.is_set():
-                return False
-            if self.policy.next_batch([(now, req.deadline)], now).take != 1:
-                return False  # a queue delay to wait out, or a deadline already passed
-            self._busy += 1
-            return True
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> bool:
         """Refuses new requests; with ``drain`` runs what is queued (no delay), otherwise fails
@@ -266,13 +242,8 @@ class DynamicBatcher:
         take = plan.take
         if take == 0 and self._stopping and live:  # draining: no reason to wait for more
             take = min(len(live), self.policy.max_batch_size)
-        if take and self._busy >= self.workers:  # lone requests hold every slot: wait for one
-            self._queue = deque(live)
-            self._cond.wait()
-            return None
         self._queue = deque(live[take:])
         if take:
-            self._busy += 1
             return live[:take]
         if self._stopping:
             return "done"
@@ -281,16 +252,6 @@ class DynamicBatcher:
         return None
 
     def _execute(self, entries: list[_Entry]) -> None:
-        """Runs one batch in its slot (taken by :meth:`_step` or :meth:`_runs_alone`), then
-        frees the slot."""
-        try:
-            self._run(entries)
-        finally:
-            with self._cond:
-                self._busy -= 1
-                self._cond.notify()
-
-    def _run(self, entries: list[_Entry]) -> None:
         entries = [e for e in entries if e.future.set_running_or_notify_cancel()]
         if not entries:
             return

@@ -109,11 +109,10 @@ class ServingState:
         """A call arrived: close the :class:`Call` once it is answered or refused."""
         return Call(self.metrics, self.host)
 
-    def submit(self, req: RecRequest, alone: bool = False) -> Future[RecResult]:
+    def submit(self, req: RecRequest) -> Future[RecResult]:
         """Checks one row at the edge and queues it; raises the serving errors of
         ``serving.types`` at once (bad input, unknown model, queue full, draining). Records no
-        request metric: the caller's :class:`Call` does, once for all its rows. ``alone``: the
-        call's only row (it may run in this thread: :meth:`DynamicBatcher.submit`)."""
+        request metric: the caller's :class:`Call` does, once for all its rows."""
         if self.draining.is_set():
             raise UnavailableError("server is draining: not accepting new requests")
         self.limits.check_filter_text(req.filter)  # O(1) mostly: before any parsing
@@ -123,7 +122,7 @@ class ServingState:
         self.host.check_target(req.model, req.version)
         runner = self.host.current()
         req.checked = (runner, runner.check(req, self.limits))  # parses within the limits
-        return self.batcher.submit(req, alone)
+        return self.batcher.submit(req)
 
     def recommend(self, req: RecRequest, timeout: float | None = None) -> RecResult:
         """One row as a whole call (counted in the metrics): :meth:`submit`, then waits until
@@ -131,7 +130,7 @@ class ServingState:
         :class:`DeadlineExceededError`)."""
         call = self.call()
         try:
-            result = self.wait(self.submit(req, alone=True), req.deadline, timeout)
+            result = self.wait(self.submit(req), req.deadline, timeout)
         except BaseException as e:
             call.failed(e)
             raise

@@ -144,9 +144,7 @@ class RecommendServicer(pb_grpc.RecommenderServicer):
         deadline = None if no_deadline else time.monotonic() + remaining
         call = self.state.call()  # counted once: answered, or refused (while parsing too)
         try:
-            fut = self.state.submit(
-                parse_recommend(request, deadline, self.state.limits), alone=True
-            )
+            fut = self.state.submit(parse_recommend(request, deadline, self.state.limits))
             context.add_callback(fut.cancel)  # a caller that goes away leaves the queue
             result = self.state.wait(fut, deadline)
         except Exception as e:
