@@ -41,10 +41,10 @@ from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exclude import IdOrder, excluded_positions
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
-from retrieval.index.plain import plain_search
+from retrieval.index.plain import plain_item_candidates, plain_search
 from retrieval.index.planner import make_plan
-from retrieval.index.probe import FEW_QUERIES, half_sq_norms, probe_lists, rescore
-from retrieval.index.scan import scan, search_ids_cpu
+from retrieval.index.probe import half_sq_norms, probe_lists, rescore
+from retrieval.index.scan import scan
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.targets import check_targets
 
@@ -356,10 +356,14 @@ class IVFIndex(nn.Module):
         top = run_search(plan, fetch)
         return top.keys, top.scores
 
+    @property
+    def probe_half(self) -> torch.Tensor | None:
+        """The probe rule as the probe kernels take it: ``half_norms`` ("l2"), None ("ip")."""
+        return self.half_norms if self.config.probe == "l2" else None
+
     def probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coarse [B, P], lists [B, P])`` of ``q`` (as scored) by the index's probe rule."""
-        half = self.half_norms if self.config.probe == "l2" else None
-        return probe_lists(q, self.centroids, half, nprobe, self.centroids_t)
+        return probe_lists(q, self.centroids, self.probe_half, nprobe, self.centroids_t)
 
     # ---- the steps of a search (see retrieval/index/search.py) -----------------------------
     def plan(
@@ -402,7 +406,7 @@ class IVFIndex(nn.Module):
     ) -> Candidates:
         """:meth:`candidates` keyed by item id (what a document shard answers), with the
         candidates' vectors ``[B, r, D]`` when ``with_vectors`` (for a scoring head)."""
-        if not with_vectors and (fast := self._plain_item_candidates(q, fb, plan)) is not None:
+        if not with_vectors and (fast := plain_item_candidates(self, q, fb, plan)) is not None:
             return fast
         c = self.candidates(q, fb, plan)
         pos = c.keys.clamp(min=0)
@@ -413,35 +417,6 @@ class IVFIndex(nn.Module):
             if vecs is None:
                 vecs = q.new_zeros(*pos.shape, self.dim)
         return Candidates(ids, c.approx, c.scores, vecs)
-
-    def _plain_item_candidates(
-        self, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan
-    ) -> Candidates | None:
-        """:meth:`item_candidates` in one C++ call on the CPU (``scan.search_ids_cpu``) for a
-        plan that only probes: no exact row, no second round's lists, one list count, no
-        re-rank. None otherwise (or where that call does not apply)."""
-        b = q.shape[0]
-        if q.device.type != "cpu" or plan.lists is not None or plan.reranks or not self.ntotal:
-            return None
-        if not 0 < b <= FEW_QUERIES:  # more: the probe as one matmul is faster (probe_lists)
-            return None
-        exact, nprobe = plan.exact.numpy(), plan.nprobe.numpy()  # a few values: no torch ops
-        if exact.any() or not (nprobe == nprobe[0]).all():
-            return None
-        excl = fb.exclude if fb.exclude is not None else q.new_empty((b, 0), dtype=torch.int64)
-        found = search_ids_cpu(
-            as_scored(self, q).contiguous(),
-            self.centroids_t,
-            self.half_norms if self.config.probe == "l2" else None,
-            min(int(nprobe[0]), self.nlist),
-            self.codes, self.scales, self.offsets, self.sig,
-            fb.masks.contiguous(), fb.negate.contiguous(), excl.contiguous(),
-            self.id_order.item_ids, self.id_order.perm, plan.r,
-        )  # fmt: skip
-        if found is None:
-            return None
-        ids, scores = found
-        return Candidates(ids, scores, scores)
 
     def excluding(self, fb: FilterBatch) -> FilterBatch:
         """``fb`` with its excluded item ids mapped to this index's rows (once per fetch)."""

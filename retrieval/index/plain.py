@@ -7,6 +7,9 @@ the answer), with the planned path's lists and results. A row its
 lists leave short of ``k`` goes through the planned path alone (which widens it). One query costs
 the probe, the scan and a few tens of microseconds around them, where the planner and the search
 rounds cost ~150 us (``bench/RESULTS.md``).
+
+A document shard's plain plan (:func:`plain_item_candidates`: lists only, one list count, no
+re-rank) keyed by item id is one C++ call on the CPU: exclusions mapped, probe, scan, ids.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import torch
 from retrieval.filters import FilterBatch, FilterSchema
 from retrieval.index.bound import as_scored
 from retrieval.index.cuda_graphs import run_graphed
+from retrieval.index.exclude import IdOrder
 from retrieval.index.planner import PlannedIndex, lists_for
-from retrieval.index.scan import scan
+from retrieval.index.probe import FEW_QUERIES
+from retrieval.index.scan import scan, search_ids_cpu
+from retrieval.index.search import Candidates, SearchPlan
 
 
 class PlainIndex(PlannedIndex, Protocol):
@@ -30,6 +36,11 @@ class PlainIndex(PlannedIndex, Protocol):
     sig: torch.Tensor
     schema: FilterSchema
     max_list: int
+    centroids_t: torch.Tensor
+    id_order: IdOrder
+
+    @property
+    def probe_half(self) -> torch.Tensor | None: ...
 
     def probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def excluding(self, fb: FilterBatch) -> FilterBatch: ...
@@ -91,3 +102,34 @@ def plain_search(
         sub = index.schema.empty(len(rows)) if fb is None else fb.rows(rows)
         pos[rows], scores[rows] = index.planned_positions(q[rows], k, sub, nprobe, rerank)
     return pos, scores
+
+
+def plain_item_candidates(
+    index: PlainIndex, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan
+) -> Candidates | None:
+    """A shard's candidates keyed by item id, ``[B, r]``, in one C++ call on the CPU
+    (``scan.search_ids_cpu``) for a plan that only probes: no exact row, no second round's
+    lists, one list count, no re-rank. None otherwise, or where that call does not apply (the
+    index's step-by-step path then answers the same)."""
+    b = q.shape[0]
+    if q.device.type != "cpu" or plan.lists is not None or plan.reranks or not index.ntotal:
+        return None
+    if not 0 < b <= FEW_QUERIES:  # more: the probe as one matmul is faster (probe_lists)
+        return None
+    exact, nprobe = plan.exact.numpy(), plan.nprobe.numpy()  # a few values: no torch ops
+    if exact.any() or not (nprobe == nprobe[0]).all():
+        return None
+    excl = fb.exclude if fb.exclude is not None else q.new_empty((b, 0), dtype=torch.int64)
+    found = search_ids_cpu(
+        as_scored(index, q).contiguous(),
+        index.centroids_t,
+        index.probe_half,
+        min(int(nprobe[0]), index.nlist),
+        index.codes, index.scales, index.offsets, index.sig,
+        fb.masks.contiguous(), fb.negate.contiguous(), excl.contiguous(),
+        index.id_order.item_ids, index.id_order.perm, plan.r,
+    )  # fmt: skip
+    if found is None:
+        return None
+    ids, scores = found
+    return Candidates(ids, scores, scores)

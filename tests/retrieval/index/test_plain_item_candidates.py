@@ -1,4 +1,4 @@
-"""A shard's plain search in one C++ call (``IVFIndex._plain_item_candidates``) answers exactly
+"""A shard's plain search in one C++ call (``plain.plain_item_candidates``) answers exactly
 what the step-by-step path (exclusions mapped, probe, scan, rows -> ids) answers."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
-from retrieval.index import ivf as ivf_module
+from retrieval.index import plain as plain_module
+from retrieval.index.plain import plain_item_candidates
 from retrieval.index.probe import FEW_QUERIES
 from retrieval.index.search import Candidates, SearchPlan
 
@@ -51,7 +52,7 @@ def test_one_call_equals_the_steps(index, catalog, b, nprobe, r, text, seen, see
         fb = FilterBatch(fb.masks, fb.negate, ex)
     p = min(nprobe, index.nlist)
     plan = SearchPlan(r, r, torch.full((b,), p), torch.zeros(b, dtype=torch.bool), None)
-    fast = index._plain_item_candidates(q, fb, plan)
+    fast = plain_item_candidates(index, q, fb, plan)
     assert fast is not None  # the one call applies to this plan
     want = step_by_step(index, q, fb, plan)
     assert torch.equal(fast.keys, want.keys)
@@ -62,9 +63,9 @@ def test_one_call_equals_the_steps(index, catalog, b, nprobe, r, text, seen, see
 
 def test_item_candidates_takes_the_one_call_only_where_it_applies(index, catalog, monkeypatch):
     calls = []
-    real = ivf_module.search_ids_cpu
+    real = plain_module.search_ids_cpu
     monkeypatch.setattr(
-        ivf_module, "search_ids_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        plain_module, "search_ids_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
     q, b = catalog["q"][:3], 3
     fb = index.compile_filter(None, b)
