@@ -169,6 +169,15 @@ def check_equal(address: str, work: Workload, users: np.ndarray) -> list[dict[st
 
 
 # ---- load ---------------------------------------------------------------------------------------
+SERVICES: dict[str, tuple[Any, Any]] = {  # name -> (channel -> unary method, request type)
+    "recommend": (
+        lambda channel: recommend_pb2_grpc.RecommenderStub(channel).Recommend,
+        recommend_pb2.RecommendRequest,
+    ),
+    "search": (lambda channel: shard_pb2_grpc.ShardStub(channel).Search, shard_pb2.SearchRequest),
+}
+
+
 def run_load(
     address: str,
     payloads: list[bytes],
@@ -176,32 +185,20 @@ def run_load(
     warmup_s: float,
     seconds: float,
     cpu_pids: dict[str, int],
+    service: str = "recommend",
 ) -> dict[str, Any]:
-    """The load generator process: ``Recommend`` in a closed loop (``bench/loadgen.py``), with
-    the CPU of ``cpu_pids`` and of itself over the measured window."""
+    """The load generator process: ``Recommend`` (``service`` "recommend") or ``Shard.Search``
+    ("search") in a closed loop (``bench/loadgen.py``), with the CPU of ``cpu_pids`` and of
+    itself over the measured window."""
+    send, message = SERVICES[service]
     return closed_loop(
         address,
-        lambda channel: recommend_pb2_grpc.RecommenderStub(channel).Recommend,
-        [recommend_pb2.RecommendRequest.FromString(b) for b in payloads],
+        send,
+        [message.FromString(b) for b in payloads],
         concurrency,
         warmup_s,
         seconds,
-        partial=lambda response: bool(response.partial),
-        cpu_pids=cpu_pids,
-    )
-
-
-def run_search_load(
-    address: str, payloads: list[bytes], warmup_s: float, seconds: float, cpu_pids: dict[str, int]
-) -> dict[str, Any]:
-    """The load generator process: ``Shard.Search`` from one client in a closed loop."""
-    return closed_loop(
-        address,
-        lambda channel: shard_pb2_grpc.ShardStub(channel).Search,
-        [shard_pb2.SearchRequest.FromString(b) for b in payloads],
-        1,
-        warmup_s,
-        seconds,
+        partial=lambda response: bool(getattr(response, "partial", False)),
         cpu_pids=cpu_pids,
     )
 
@@ -221,7 +218,7 @@ def hop_floor_case(
         wait_ready(run, args.startup_timeout_s)
         pids = {"noop-shard": run.proc.pid}
         got = pool.submit(
-            run_search_load, run.address, payloads, args.warmup_s, args.seconds, pids
+            run_load, run.address, payloads, 1, args.warmup_s, args.seconds, pids, "search"
         ).result()
     finally:
         stop(run)

@@ -20,6 +20,7 @@ from retrieval.tiering import tier_model
 from retrieval.training.prepare import Prepared
 from serving.protos import recommend_pb2
 from serving.repository.repository import ModelRepository
+from serving.sharding.router import first_round
 from serving.sharding.wire import encode_request
 from serving.types import RecRequest
 from sharded_tables.placement import Budgets
@@ -74,16 +75,14 @@ class Workload:
         return [self.message(int(u), label).SerializeToString() for u in self.users]
 
     def search_payloads(self, label: str) -> list[bytes]:
-        """Every request user's ``Shard.Search`` as a router sends it for this model (one user,
-        the unsharded index's plan), serialized."""
+        """Every request user's first ``Shard.Search`` as a router sends it for this model
+        (one user; ``serving/sharding/router.py``'s ``first_round``), serialized."""
         out = []
-        idx = self.model.index
         with torch.inference_mode():
             for u in self.users:
                 b = self.batch(np.array([u]), label)
                 q = self.model.user_vectors(b)
-                r, fb = self.model.candidate_budget(b, self.k)
-                rounds = idx.plan(fb, r, idx.config.nprobe, idx.config.rerank, q=q)
+                fb, rounds = first_round(self.model, b, q, self.k)
                 msg = encode_request(MODEL, 1, q, fb, rounds, self.model.head is not None)
                 out.append(msg.SerializeToString())
         return out

@@ -37,7 +37,8 @@ from common.grpc_util import ClientAuth
 from retrieval.artifact import CONFIG_FILE
 from retrieval.config import ModelConfig
 from retrieval.features import UserBatch
-from retrieval.index.search import Candidates, run_search
+from retrieval.filters import FilterBatch
+from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.model import RetrievalModel, table_specs
 from serving.engine.runner import ModelRunner
 from serving.repository.repository import ARTIFACT_DIR, LoadedModel, ModelRepository
@@ -49,6 +50,19 @@ from sharded_tables.export import remote_routing
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.remote.client import EmbeddingVersions, RemoteTables
 from sharded_tables.specs import Tier
+
+
+def first_round(
+    model: RetrievalModel, batch: UserBatch, q: torch.Tensor, k: int
+) -> tuple[FilterBatch, SearchPlan]:
+    """What a routed batch asks every shard first: the filters (seen items excluded on every
+    shard) and the plan, made here from the whole catalog's statistics. ``q [B, D]``: the
+    batch's user vectors (bounds for a second round); recall targets give each row its own
+    nprobe and bound slack."""
+    r, fb = model.candidate_budget(batch, k)
+    icfg = model.index.config
+    plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank, q=q, target=batch.recall_target)
+    return fb, plan
 
 
 class RouterRunner(ModelRunner):
@@ -75,10 +89,7 @@ class RouterRunner(ModelRunner):
         model = self.model
         with self._tower:
             q = model.user_vectors(batch)  # [B, D]
-        r, fb = model.candidate_budget(batch, k)  # fb excludes the seen items on every shard
-        icfg = model.index.config
-        # q: bounds (a second round); recall targets: each row's own nprobe and bound slack
-        plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank, q=q, target=batch.recall_target)
+        fb, plan = first_round(model, batch, q, k)
         with_vectors = model.head is not None
         until = time.monotonic() + self.client.timeout(deadline)  # one deadline for all rounds
         failed: dict[int, str] = {}
