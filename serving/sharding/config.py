@@ -61,9 +61,8 @@ class RouterConfig(Config):
     """Batches routed at once: while one waits on the shards the next runs its tower. Each
     batch is one call to every shard, whose cost is mostly per call, so more in flight means
     smaller batches and more calls per request: 2 keeps a router on a host of its own busy;
-    where the shards share the router's cores (``recserve cluster up``) 1 is fastest (at 8
-    clients, 1 shard, 2 cores: 0.70x / 0.85x / 0.97x ``recserve serve``'s q/s at 4 / 2 / 1,
-    ``bench/RESULTS.md``)."""
+    where the shards share the router's cores (``recserve cluster up``) 1 is fastest (measured
+    in ``bench/RESULTS.md``, "Production path, fourth session")."""
 
     def validate(self) -> None:  # type: ignore[override]  # see Config.validate
         """What the fields cannot say alone: a router needs shards, lower bounds are not above

@@ -297,8 +297,8 @@ class ShardClient:
                 self.metrics.probes.labels(self.metrics.model, str(s), probe).inc()
                 self.call(s, probe, request, timeout, None)
         calls = list(pending.values())
-        # This thread makes the last call itself (no hand-off to a pool thread, ~0.2 ms of CPU)
-        # when no earlier call can need it meanwhile: none hedges or fails over to a replica.
+        # This thread makes the last call itself (no hand-off to a pool thread and back) when
+        # no earlier call can need it meanwhile: none hedges or fails over to a replica.
         if calls and math.isinf(calls[-1].hedge_at):
             calls[-1].inline = all(len(c.order) == 1 and math.isinf(c.hedge_at) for c in calls[:-1])
         for call in calls:
