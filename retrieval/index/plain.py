@@ -8,12 +8,15 @@ lists leave short of ``k`` goes through the planned path alone (which widens it)
 the probe, the scan and a few tens of microseconds around them, where the planner and the search
 rounds cost ~150 us (``bench/RESULTS.md``).
 
-A document shard's plain plan (:func:`plain_item_candidates`: lists only, one list count, no
-re-rank) keyed by item id is one C++ call on the CPU: exclusions mapped, probe, scan, ids.
+Keyed by item id, a few queries on the CPU are one C++ call (exclusions mapped, probe, scan,
+ids): a document shard's plain plan (:func:`plain_item_candidates`: lists only, one list count,
+no re-rank) and ``IVFIndex.search``'s plain search (:func:`plain_search_ids`), where Python
+around two calls cost more than the calls.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import numpy as np
@@ -104,6 +107,40 @@ def plain_search(
     return pos, scores
 
 
+def plain_search_ids(
+    index: PlainIndex,
+    q: torch.Tensor,
+    k: int,
+    fb: FilterBatch | None,
+    nprobe: int,
+    rerank: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:meth:`IVFIndex.search`'s plain search for a few queries on the CPU, keyed by item id in
+    one C++ call -> ``(ids [B, k], scores [B, k])``, what :func:`plain_search` and the id
+    mapping answer. None where it does not apply (filter clauses, re-rank, excluded counts that
+    differ between rows, more than ``FEW_QUERIES`` rows, a GPU), or where a row's lists hold
+    fewer than ``k`` items (the planned path widens them)."""
+    b = q.shape[0]
+    if q.device.type != "cpu" or not 0 < b <= FEW_QUERIES or not index.ntotal:
+        return None
+    if rerank and index.keeps_exact_copy:
+        return None
+    excluded = 0
+    if fb is not None:
+        if fb.active:
+            return None
+        if fb.exclude is not None and fb.exclude.numel():
+            counts = fb.exclude.ge(0).sum(dim=1).tolist()
+            if min(counts) != max(counts):
+                return None  # rows of several counts plan several list counts
+            excluded = counts[0]
+    p = min(lists_for(index, 1.0, nprobe, k + excluded), index.nlist)
+    found = _search_ids(index, q, p, fb, k)
+    if found is None or found[2]:
+        return None
+    return found[0], found[1]
+
+
 def plain_item_candidates(
     index: PlainIndex, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan
 ) -> Candidates | None:
@@ -119,17 +156,40 @@ def plain_item_candidates(
     exact, nprobe = plan.exact.numpy(), plan.nprobe.numpy()  # a few values: no torch ops
     if exact.any() or not (nprobe == nprobe[0]).all():
         return None
-    excl = fb.exclude if fb.exclude is not None else q.new_empty((b, 0), dtype=torch.int64)
-    found = search_ids_cpu(
+    found = _search_ids(index, q, min(int(nprobe[0]), index.nlist), fb, plan.r)
+    if found is None:
+        return None
+    ids, scores, _short = found
+    return Candidates(ids, scores, scores)
+
+
+def _search_ids(
+    index: PlainIndex, q: torch.Tensor, nprobe: int, fb: FilterBatch | None, r: int
+) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """``scan.search_ids_cpu`` over this index: ``nprobe`` lists a row, its filter (None: no
+    clause) and excluded item ids inside the scan -> ``(ids [B, r], scores [B, r], short)``."""
+    b, sig = q.shape[0], index.sig
+    fmask, fneg, excl = _no_filter(b, sig.shape[1])
+    if fb is not None:
+        fmask, fneg = fb.masks.contiguous(), fb.negate.contiguous()
+        excl = excl if fb.exclude is None else fb.exclude.contiguous()
+    return search_ids_cpu(
         as_scored(index, q).contiguous(),
         index.centroids_t,
         index.probe_half,
-        min(int(nprobe[0]), index.nlist),
-        index.codes, index.scales, index.offsets, index.sig,
-        fb.masks.contiguous(), fb.negate.contiguous(), excl.contiguous(),
-        index.id_order.item_ids, index.id_order.perm, plan.r,
+        nprobe,
+        index.codes, index.scales, index.offsets, sig,
+        fmask, fneg, excl,
+        index.id_order.item_ids, index.id_order.perm, r,
     )  # fmt: skip
-    if found is None:
-        return None
-    ids, scores = found
-    return Candidates(ids, scores, scores)
+
+
+@functools.cache
+def _no_filter(b: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(masks [b, 0, w], negate [b, 0], exclude [b, 0])``: no clause, nothing excluded. Empty
+    tensors, so one set per shape serves every call (a search costs ~2 us per allocation)."""
+    return (
+        torch.empty((b, 0, w), dtype=torch.int64),
+        torch.empty((b, 0), dtype=torch.bool),
+        torch.empty((b, 0), dtype=torch.int64),
+    )

@@ -166,23 +166,23 @@ def search_ids_cpu(
     item_ids: torch.Tensor,
     perm: torch.Tensor,
     r: int,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """A plain int8 search on the CPU keyed by item id, in one C++ call: the item ids each query
     excludes (``excl_ids [B, S]``, ``-1`` pads) mapped to rows through the index's id order
     (``item_ids``, ``perm``: ``exclude.IdOrder``), :func:`probe_cpu`'s lists, :func:`scan`, and
-    the rows found mapped to item ids -> ``(ids [B, r], scores [B, r])``, ``-1`` / ``-inf``
-    padded. None where it does not apply (not int8, a forced kernel, inside a trace): the caller
+    the rows found mapped to item ids -> ``(ids [B, r], scores [B, r], short)``, ``-1`` /
+    ``-inf`` padded, ``short``: some row found fewer than ``r``. None where it does not apply (not int8, a forced kernel, inside a trace): the caller
     takes the step-by-step path, which gives the same answer."""
     if codes.dtype != torch.int8 or torch.compiler.is_compiling():
         return None
     if os.environ.get(KERNEL_ENV, "auto") != "auto":
         return None
-    no_half = q.new_empty(0) if half is None else half
+    no_half = _NO_HALF if half is None else half
     index = (codes, scales, offsets, sig)
-    found = _extension().ivf_search_ids_int8(
+    ids, scores, short = _extension().ivf_search_ids_int8(
         q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r
     )
-    return tuple(found)
+    return ids, scores, short
 
 
 def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -703,10 +703,11 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
 // A plain search keyed by item id, in one call (what a document shard answers most): the item ids
 // each query excludes (excl_ids [B, S], -1 pads) -> their rows through the index's id order (a
 // binary search over item_ids in perm order; ascending per query, absent ids and pads last as
-// INT64_MAX), then ivf_probe and ivf_scan_int8, then the rows found -> item ids (-1 pads stay).
+// INT64_MAX), then ivf_probe and ivf_scan_int8, then the rows found -> item ids (-1 pads stay),
+// and whether any row found fewer than r.
 // The same steps as a dozen tensor ops around the two kernels, which cost a one-query search
 // more than the kernels do.
-std::tuple<at::Tensor, at::Tensor> ivf_search_ids_int8(
+std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& half, int64_t p,
     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
     const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl_ids,
@@ -738,9 +739,12 @@ std::tuple<at::Tensor, at::Tensor> ivf_search_ids_int8(
                              fmask, fneg, excl, r);
   at::Tensor pos = std::get<0>(found);
   int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < pos.numel(); ++i)
+  bool short_row = false;  // a row that found fewer than r: its caller widens it
+  for (int64_t i = 0; i < pos.numel(); ++i) {
     if (pp[i] >= 0) pp[i] = ids[pp[i]];
-  return {pos, std::get<1>(found)};
+    else short_row = true;
+  }
+  return {pos, std::get<1>(found), short_row};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

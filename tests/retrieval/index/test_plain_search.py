@@ -9,8 +9,9 @@ import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
+from retrieval.index import plain as plain_module
 from retrieval.index.plain import plain_search
-from retrieval.index.probe import probe_lists
+from retrieval.index.probe import FEW_QUERIES, probe_lists
 from retrieval.index.scan import scan
 
 
@@ -86,3 +87,25 @@ def test_the_cpu_probe_picks_the_matmul_lists(index: IVFIndex, catalog) -> None:
         want = key.topk(8, dim=1).indices
         assert torch.equal(lists, want)
         torch.testing.assert_close(coarse, ip.gather(1, want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 100, 2000])
+def test_a_few_queries_search_in_one_call_as_the_general_path(index, catalog, monkeypatch, k):
+    """``search`` on a few CPU queries (``plain.plain_search_ids``): one C++ call keyed by id for
+    int8 codes, the same ids and scores as the general path; rows its lists leave short (k =
+    2000 at nprobe 1) and fp8 codes fall back to the steps, with the same answer."""
+    calls: list[int] = []
+    real = plain_module.search_ids_cpu
+    monkeypatch.setattr(
+        plain_module, "search_ids_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    q = catalog["q"][:FEW_QUERIES]
+    seen = index.search(q, 5)[0]
+    empty = index.compile_filter(None, len(q))
+    for fb in (None, FilterBatch(empty.masks, empty.negate, exclude=seen)):
+        calls.clear()
+        ids, scores = index.search(q, k, fb, nprobe=1)
+        pos, want = general(index, q, k, empty if fb is None else fb, 1)
+        assert torch.equal(ids, torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos))
+        torch.testing.assert_close(scores, want, rtol=0, atol=0)
+        assert len(calls) == 1  # int8 answers in the call; fp8 and short rows go on after it
