@@ -43,7 +43,7 @@ import torch
 from retrieval.filters import FilterBatch
 from retrieval.index.codes import dequantize, quantize
 from retrieval.index.config import IVFConfig
-from retrieval.index.scan import topk_rows
+from retrieval.index.scan import scan, topk_rows
 from retrieval.index.search import BoundCheck, SearchPlan
 
 
@@ -55,6 +55,7 @@ class ListedIndex(Protocol):
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
+    sig: torch.Tensor
     half_norms: torch.Tensor
     list_radius: torch.Tensor
     list_bits: torch.Tensor
@@ -141,27 +142,31 @@ def measure_slack(
 ) -> list[float]:
     """Each of ``quantiles`` of ``max_x q·r_x / (|q| rmax_l)`` over sample ``queries [Q, D]``
     and the ``lists`` lists nearest each (after its first, which every search probes) -> a
-    slack in ``[0, 1]`` per quantile; a quantile ``>= 1`` -> 1.0 (the proof)."""
+    slack in ``[0, 1]`` per quantile; a quantile ``>= 1`` -> 1.0 (the proof).
+
+    ``q·r_x`` is the scan's own score of the residual code (every (query, list) pair is a row
+    of one scan that probes that list with a zero coarse score, keeping its best item): what a
+    search ranks by, at ~40x less time than decoding the lists' residuals."""
     if index.nlist < 2:
         return [1.0 for _ in quantiles]
     q = as_scored(index, queries.float().cpu())
     centroids, radius, offsets = index.centroids.cpu(), index.list_radius.cpu(), index.offsets.cpu()
     near = topk_rows(_probe_key(index, q @ centroids.T), min(lists + 1, index.nlist))[1][:, 1:]
-    share = []
-    for s in range(0, q.shape[0], 16):  # [16 queries x their lists' items] at a time
-        qs, ls = q[s : s + 16], near[s : s + 16]
-        pair = torch.arange(ls.numel()).view_as(ls)  # (query, list) pairs
-        sizes = (offsets[ls + 1] - offsets[ls]).flatten()
-        item_pair = torch.repeat_interleave(pair.flatten(), sizes)  # [M]
-        start = torch.repeat_interleave(offsets[ls].flatten() - sizes.cumsum(0) + sizes, sizes)
-        pos = start + torch.arange(item_pair.numel())  # the items of every pair's list
-        res = dequantize(index.codes.cpu()[pos], index.scales.cpu()[pos])  # [M, D]
-        dots = (res * qs[item_pair // ls.shape[1]]).sum(dim=1)
-        best = torch.full((pair.numel(),), NEG_INF).scatter_reduce(0, item_pair, dots, "amax")
-        scale = qs.norm(dim=1)[:, None] * radius[ls]  # [16, lists]
-        ok = (sizes > 0) & (scale.flatten() > 0)
-        share.append((best[ok] / scale.flatten()[ok]).clamp(0.0, 1.0))
-    found = torch.cat(share)
+    pairs = near.reshape(-1, 1).contiguous()  # [Q*L, 1]: one list a row
+    rows = q.repeat_interleave(near.shape[1], dim=0).contiguous()  # [Q*L, D]
+    w = index.sig.shape[1]
+    no_clause = (
+        torch.zeros(len(rows), 0, w, dtype=torch.int64),
+        torch.zeros(len(rows), 0, dtype=torch.bool),
+    )
+    sizes = offsets[1:] - offsets[:-1]
+    _, best = scan(
+        rows, pairs, torch.zeros(pairs.shape), index.codes.cpu(), index.scales.cpu(), offsets,
+        index.sig.cpu(), *no_clause, 1, max_list=int(sizes.max()),
+    )  # fmt: skip
+    scale = (q.norm(dim=1)[:, None] * radius[near]).flatten()  # [Q*L]
+    ok = (sizes[near].flatten() > 0) & (scale > 0)
+    found = (best[:, 0][ok] / scale[ok]).clamp(0.0, 1.0)
     return [
         float(torch.quantile(found, q)) if q < 1.0 and found.numel() else 1.0 for q in quantiles
     ]

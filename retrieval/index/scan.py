@@ -273,6 +273,27 @@ def scan(
 _FP8_LUT = fp8_lut()
 
 
+def bit_index_cpu(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sig [N, W]`` int64 -> ``(counts [W*64] int64, postings [nnz] int32)``: how many items set
+    each bit, and the items of every bit, bit after bit, ascending (one C++ counting sort)."""
+    counts, postings = _extension().bit_index(sig.cpu().contiguous())
+    return counts, postings
+
+
+def encode_int8_cpu(
+    x: torch.Tensor, order: torch.Tensor, lists: torch.Tensor, centroids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The build's int8 codes in one C++ pass: row ``i`` is item ``order[i]`` of ``x [N, D]``
+    float32, in list ``lists[i]``; its residual to ``centroids [L, D]`` quantized as
+    ``codes.quantize_int8`` does, bit for bit -> ``(codes [N, D] int8, scales [N] float32,
+    norms [N] float32)``, ``norms`` = max(|residual|, |decoded residual|) rounded up (a bound:
+    ``bound.residual_norms``'s figure, never below it by rounding)."""
+    codes, scales, norms = _extension().encode_int8(
+        x.contiguous(), order.contiguous(), lists.contiguous(), centroids.float().contiguous()
+    )
+    return codes, scales, norms
+
+
 def filter_mask(sig: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor) -> torch.Tensor:
     """Items passing one request's filter: ``sig [N, W]``, ``fmask [C, W]``, ``fneg [C]`` ->
     ``[N] bool`` (the kernel's rule, in one parallel pass on CPU)."""

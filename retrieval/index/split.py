@@ -25,8 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from retrieval.filters import bit_counts
-from retrieval.index.build import postings
+from retrieval.index.build import bit_index
 from retrieval.index.ivf import IVFIndex
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -112,8 +111,7 @@ def _subset(index: IVFIndex, rows: torch.Tensor, lists: torch.Tensor) -> IVFInde
     out.codes, out.scales = index.codes[rows].clone(), index.scales[rows].clone()
     out.exact = index.exact[rows].clone() if index.exact.shape[0] else index.exact.clone()
     out.sig = index.sig[rows].clone()
-    out.bit_counts = bit_counts(out.sig) if out.sig.shape[1] else index.bit_counts.clone()
-    out.postings = postings(out.sig.cpu()).to(out.sig.device)
+    out.bit_counts, out.postings = (t.to(out.sig.device) for t in bit_index(out.sig.cpu()))
     _copy_bounds(out, index)  # the catalog's: still bounds for a part of it
     out._refresh()
     return out
@@ -200,8 +198,7 @@ def merge_shards(
     has_exact = any(p.exact.shape[0] for p in parts)  # else no exact copy: [0, D] everywhere
     out.exact = _scatter([p.exact for p in parts], dest, n) if has_exact else parts[0].exact.clone()
     out.sig = _scatter([p.sig for p in parts], dest, n)
-    out.bit_counts = bit_counts(out.sig) if out.sig.shape[1] else router.bit_counts.clone()
-    out.postings = postings(out.sig.cpu()).to(out.sig.device)
+    out.bit_counts, out.postings = (t.to(out.sig.device) for t in bit_index(out.sig.cpu()))
     _copy_bounds(out, router)
     out._refresh()
     return out

@@ -29,9 +29,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from retrieval.filters import bit_counts
 from retrieval.index.bound import grown
-from retrieval.index.build import postings
+from retrieval.index.build import bit_index
 from retrieval.index.codes import quantize
 from retrieval.index.inputs import as_tensor
 from retrieval.index.ivf import EXACT_DTYPES, IVFIndex
@@ -138,10 +137,7 @@ def _has_exact(index: IVFIndex) -> bool:
 def _set_signatures(index: IVFIndex, sig: torch.Tensor) -> None:
     """Installs ``sig [N, W]`` with its per-bit counts and postings, then refreshes."""
     index.sig = sig
-    index.bit_counts = (
-        bit_counts(sig) if sig.shape[1] else torch.zeros(0, dtype=torch.int64, device=sig.device)
-    )
-    index.postings = postings(sig.cpu()).to(sig.device)
+    index.bit_counts, index.postings = (t.to(sig.device) for t in bit_index(sig.cpu()))
     index._refresh()
 
 

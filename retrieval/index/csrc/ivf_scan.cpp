@@ -568,6 +568,87 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
   return {c.out_pos, c.out_score};
 }
 
+// The build's codes in one pass, with no float copy of the catalog: row i of the index is item
+// order[i] of x [N, D] f32, in list lists[i] (list-sorted); its residual to centroids[lists[i]] is
+// quantized as codes.quantize_int8 does (absmax / 127, round half to even, clamp), bit for bit
+// -> codes [N, D] int8, scales [N] f32, and norms [N] f32 = max(|r|, |decoded r|) summed in double
+// and rounded up to a float (list_radius is a bound: no rounding may shrink it).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, const at::Tensor& order,
+                                                           const at::Tensor& lists, const at::Tensor& centroids) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [N, D]");
+  TORCH_CHECK(centroids.dim() == 2 && centroids.size(1) == x.size(1) && centroids.scalar_type() == at::kFloat &&
+              centroids.is_contiguous(), "centroids must be contiguous float32 [L, D] with x's D");
+  TORCH_CHECK(order.dim() == 1 && lists.sizes() == order.sizes() && order.scalar_type() == at::kLong &&
+              lists.scalar_type() == at::kLong && order.is_contiguous() && lists.is_contiguous(),
+              "order and lists must be contiguous int64 [N]");
+  const int64_t n = order.numel(), d = x.size(1), nx = x.size(0), nlist = centroids.size(0);
+  const int64_t* op = order.data_ptr<int64_t>();
+  const int64_t* lp = lists.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(op[i] >= 0 && op[i] < nx && lp[i] >= 0 && lp[i] < nlist, "order or lists out of range at ", i);
+  auto codes = at::empty({n, d}, x.options().dtype(at::kChar));
+  auto scales = at::empty({n}, x.options());
+  auto norms = at::empty({n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = centroids.data_ptr<float>();
+  int8_t* out = codes.data_ptr<int8_t>();
+  float* sp = scales.data_ptr<float>();
+  float* np_ = norms.data_ptr<float>();
+  at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
+    std::vector<float> r(d);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xi = xp + op[i] * d;
+      const float* c = cp + lp[i] * d;
+      float amax = 0.f;
+      double exact = 0.0;
+      for (int64_t j = 0; j < d; ++j) {
+        r[j] = xi[j] - c[j];
+        amax = std::max(amax, std::fabs(r[j]));
+        exact += double(r[j]) * r[j];
+      }
+      const float scale = amax / 127.0f;
+      const float safe = scale > 0.f ? scale : 1.f;
+      double decoded = 0.0;
+      int8_t* code = out + i * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(r[j] / safe)));
+        code[j] = static_cast<int8_t>(v);
+        const float back = v * scale;
+        decoded += double(back) * back;
+      }
+      const double norm = std::sqrt(std::max(exact, decoded));
+      float up = static_cast<float>(norm);
+      if (double(up) < norm) up = std::nextafter(up, std::numeric_limits<float>::infinity());
+      sp[i] = scale;
+      np_[i] = up;
+    }
+  });
+  return {codes, scales, norms};
+}
+
+// The inverted index over filter bits: sig [N, W] int64 -> counts [W*64] int64 (items setting each
+// bit) and postings [nnz] int32 (the items of bit 0, then bit 1, ..., each ascending). Two passes
+// over the words: count, then place (a counting sort by bit).
+std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig) {
+  TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous() && sig.device().is_cpu(),
+              "sig must be contiguous CPU int64 [N, W]");
+  const int64_t n = sig.size(0), w = sig.size(1), bits = w * 64;
+  TORCH_CHECK(n < (int64_t(1) << 31), "postings hold int32 positions: at most 2**31 - 1 items");
+  const uint64_t* sp = reinterpret_cast<const uint64_t*>(sig.data_ptr<int64_t>());
+  auto counts = at::zeros({bits}, sig.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n * w; ++i)
+    for (uint64_t word = sp[i]; word; word &= word - 1) ++cp[(i % w) * 64 + __builtin_ctzll(word)];
+  std::vector<int64_t> next(bits + 1, 0);
+  for (int64_t b = 0; b < bits; ++b) next[b + 1] = next[b] + cp[b];
+  auto postings = at::empty({next[bits]}, sig.options().dtype(at::kInt));
+  int32_t* pp = postings.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < w; ++j)
+      for (uint64_t word = sp[i * w + j]; word; word &= word - 1) pp[next[j * 64 + __builtin_ctzll(word)]++] = int32_t(i);
+  return {counts, postings};
+}
+
 // Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C] -> bool [N].
 at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg) {
   TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
@@ -753,6 +834,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap", nogil);
   m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
+  m.def("bit_index", &bit_index, "Per-bit item counts and postings of the filter signatures", nogil);
+  m.def("encode_int8", &encode_int8, "The build's int8 residual codes, scales and norms in list-sorted order", nogil);
   m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter", nogil);
   m.def("int8_isa", [] { return std::string(isa_name(int8_isa())); },
         "The int8 scan's path for the next call: portable, avx2 or vnni ($RECSERVE_SCAN_ISA, else the CPU's best)");
