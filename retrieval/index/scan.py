@@ -17,32 +17,12 @@ score among those that pass the filter (positions in list-sorted order, ``-1`` w
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from types import ModuleType
 
 import torch
 
-from common.cpp_extension import load_extension
 from retrieval.index.codes import fp8_lut, quantize_int8
 from retrieval.index.exclude import is_excluded
-
-_SRC = Path(__file__).parent / "csrc" / "ivf_scan.cpp"
-
-
-_loaded: list[ModuleType] = []
-
-
-def _extension() -> ModuleType:
-    """Builds (once per source version, cached on disk) and loads the C++ kernel; later calls
-    are one list read (kernels call this per op)."""
-    if not _loaded:
-        _loaded.append(
-            load_extension(
-                "recserve_ivf_scan", _SRC, ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
-            )
-        )
-    return _loaded[0]
-
+from retrieval.index.kernels import extension as _extension
 
 KERNEL_ENV = "RECSERVE_SCAN_KERNEL"
 """Forces the list scan's kernel: ``triton`` (also on CPU tensors, where it needs Triton's

@@ -781,6 +781,44 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
   return {coarse, probes};
 }
 
+// The rows of item ids through an index's id order: item_ids [N] int64 (row -> id) and perm [N]
+// int32 (rows in ascending id order: 4 bytes an item); a binary search per id. ids [B, S] int64
+// -> rows [B, S] int64, `missing` where the index holds no such id (a -1 pad included), each
+// row sorted when `ascending` (the scan's exclusions: missing = INT64_MAX sorts last).
+void check_id_order(const at::Tensor& item_ids, const at::Tensor& perm) {
+  TORCH_CHECK(item_ids.dim() == 1 && perm.sizes() == item_ids.sizes() && item_ids.scalar_type() == at::kLong &&
+              perm.scalar_type() == at::kInt && item_ids.is_contiguous() && perm.is_contiguous() &&
+              item_ids.device().is_cpu() && perm.device().is_cpu(),
+              "item_ids (int64) and perm (int32) must be contiguous CPU [N]");
+}
+
+void rows_of_ids(const int64_t* ids, const int32_t* order, int64_t n, const int64_t* want, int64_t count,
+                 int64_t missing, int64_t* rows) {
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t lo = 0, hi = n;  // first place in id order whose id is >= want[i]
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (ids[order[mid]] < want[i]) lo = mid + 1; else hi = mid;
+    }
+    rows[i] = lo < n && ids[order[lo]] == want[i] ? order[lo] : missing;
+  }
+}
+
+at::Tensor id_rows(const at::Tensor& item_ids, const at::Tensor& perm, const at::Tensor& ids, int64_t missing,
+                   bool ascending) {
+  check_id_order(item_ids, perm);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.device().is_cpu(),
+              "ids must be contiguous CPU int64");
+  auto rows = at::empty_like(ids);
+  int64_t* out = rows.data_ptr<int64_t>();
+  rows_of_ids(item_ids.data_ptr<int64_t>(), perm.data_ptr<int32_t>(), item_ids.numel(), ids.data_ptr<int64_t>(),
+              ids.numel(), missing, out);
+  const int64_t s = ids.dim() ? ids.size(-1) : 1;
+  if (ascending && s > 1)
+    for (int64_t i = 0; i < ids.numel(); i += s) std::sort(out + i, out + i + s);
+  return rows;
+}
+
 // A plain search keyed by item id, in one call (what a document shard answers most): the item ids
 // each query excludes (excl_ids [B, S], -1 pads) -> their rows through the index's id order (a
 // binary search over item_ids in perm order; ascending per query, absent ids and pads last as
@@ -793,28 +831,11 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
     const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl_ids,
     const at::Tensor& item_ids, const at::Tensor& perm, int64_t r) {
-  const int64_t b_count = q.size(0), n = item_ids.numel();
-  TORCH_CHECK(excl_ids.dim() == 2 && excl_ids.size(0) == b_count && excl_ids.scalar_type() == at::kLong &&
+  TORCH_CHECK(excl_ids.dim() == 2 && excl_ids.size(0) == q.size(0) && excl_ids.scalar_type() == at::kLong &&
               excl_ids.is_contiguous(), "excluded ids must be contiguous int64 [B, S]");
-  TORCH_CHECK(item_ids.dim() == 1 && n == codes.size(0) && perm.sizes() == item_ids.sizes() &&
-              item_ids.scalar_type() == at::kLong && perm.scalar_type() == at::kLong &&
-              item_ids.is_contiguous() && perm.is_contiguous(), "item_ids and perm must be contiguous int64 [N]");
-  const int64_t s = excl_ids.size(1);
-  auto excl = at::empty_like(excl_ids);
+  TORCH_CHECK(item_ids.numel() == codes.size(0), "item_ids must be [N] with the codes' N");
+  const at::Tensor excl = id_rows(item_ids, perm, excl_ids, std::numeric_limits<int64_t>::max(), true);
   const int64_t* ids = item_ids.data_ptr<int64_t>();
-  const int64_t* order = perm.data_ptr<int64_t>();
-  const int64_t* x = excl_ids.data_ptr<int64_t>();
-  int64_t* rows = excl.data_ptr<int64_t>();
-  for (int64_t i = 0; i < b_count * s; ++i) {
-    const int64_t want = x[i];
-    int64_t lo = 0, hi = n;  // first place in id order whose id is >= want
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (ids[order[mid]] < want) lo = mid + 1; else hi = mid;
-    }
-    rows[i] = lo < n && ids[order[lo]] == want ? order[lo] : std::numeric_limits<int64_t>::max();
-  }
-  for (int64_t b = 0; b < b_count; ++b) std::sort(rows + b * s, rows + (b + 1) * s);
   auto probed = ivf_probe(q, centroids_t, half, p);
   auto found = ivf_scan_int8(q, std::get<1>(probed), std::get<0>(probed), codes, scales, offsets, sig,
                              fmask, fneg, excl, r);
@@ -834,6 +855,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap", nogil);
   m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
+  m.def("id_rows", &id_rows, "Rows of item ids through the index's id order (missing where absent)", nogil);
   m.def("bit_index", &bit_index, "Per-bit item counts and postings of the filter signatures", nogil);
   m.def("encode_int8", &encode_int8, "The build's int8 residual codes, scales and norms in list-sorted order", nogil);
   m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter", nogil);

@@ -31,11 +31,11 @@ def test_the_default_keeps_no_exact_copy(lean, catalog):
     per_item = sum(lean.memory_bytes().values()) / lean.ntotal
     with_copy = build_ivf(catalog["x"][:5000], IVFConfig(nlist=16, rerank=100))
     assert with_copy.config.exact_copy == "float16" and with_copy.exact.dtype == torch.float16
-    # codes (D) + scale (4) + id (8) + the id -> row lookup (8) + signature words (8 each),
+    # codes (D) + scale (4) + id (8) + the id -> row lookup (4) + signature words (8 each),
     # + centroids and postings
     words = lean.sig.shape[1]
-    assert lean.memory_bytes()["id_order"] == 8 * lean.ntotal
-    assert per_item < lean.dim + 4 + 8 + 8 + 8 * words + 16
+    assert lean.memory_bytes()["id_order"] == 4 * lean.ntotal
+    assert per_item < lean.dim + 4 + 8 + 4 + 8 * words + 16
     assert lean.memory_bytes()["exact"] == 0
 
 
