@@ -138,11 +138,6 @@ def bit_index(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bit_index_cpu(sig)
 
 
-def postings(sig: torch.Tensor) -> torch.Tensor:
-    """Items of every signature bit, bit after bit: ``sig [N, W]`` -> ``[nnz] int32``."""
-    return bit_index(sig)[1]
-
-
 Vectors = tuple[torch.Tensor, torch.Tensor]
 """``(x [N, D] float32, ids [N] int64)``: the vectors an index was built from and their item ids."""
 

@@ -68,16 +68,10 @@ def plain_search(
         return None
     if (rerank and index.keeps_exact_copy) or (target is not None and bool(target.gt(0).any())):
         return None
-    excluded, ex = 0, None
-    if fb is not None:
-        if fb.active:
-            return None
-        if fb.exclude is not None and fb.exclude.numel():
-            counts = fb.exclude.ge(0).sum(dim=1)
-            excluded = int(counts.max())
-            if int(counts.min()) != excluded:
-                return None  # rows of several counts plan several list counts
-            ex = index.excluding(fb).exclude
+    excluded = _excluded_count(fb)
+    if excluded is None:
+        return None
+    ex = index.excluding(fb).exclude if excluded and fb is not None else None
     p = min(lists_for(index, 1.0, nprobe, k + excluded), index.nlist)
 
     def probe_and_scan(qq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,20 +119,28 @@ def plain_search_ids(
         return None
     if rerank and index.keeps_exact_copy:
         return None
-    excluded = 0
-    if fb is not None:
-        if fb.active:
-            return None
-        if fb.exclude is not None and fb.exclude.numel():
-            counts = fb.exclude.ge(0).sum(dim=1).tolist()
-            if min(counts) != max(counts):
-                return None  # rows of several counts plan several list counts
-            excluded = counts[0]
+    excluded = _excluded_count(fb)
+    if excluded is None:
+        return None
     p = min(lists_for(index, 1.0, nprobe, k + excluded), index.nlist)
     found = _search_ids(index, q, p, fb, k)
     if found is None or found[2]:
         return None
     return found[0], found[1]
+
+
+def _excluded_count(fb: FilterBatch | None) -> int | None:
+    """The items each row excludes, where the plain search applies to ``fb`` (None: no filter):
+    no clause, and one count for every row (rows of several counts plan several list counts);
+    else None."""
+    if fb is None:
+        return 0
+    if fb.active:
+        return None
+    if fb.exclude is None or not fb.exclude.numel():
+        return 0
+    counts = fb.exclude.ge(0).sum(dim=1).tolist()
+    return counts[0] if min(counts) == max(counts) else None
 
 
 def plain_item_candidates(

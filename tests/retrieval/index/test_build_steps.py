@@ -1,6 +1,7 @@
 """The build's one-pass steps answer what the torch ops they replaced answer: the int8 residual
-codes (``scan.encode_int8_cpu``), the bit counts and postings (``build.bit_index``), and the
-slack read off the scan's scores (``bound.measure_slack``)."""
+codes (``scan.encode_int8_cpu``) and the slack read off the scan's scores
+(``bound.measure_slack``). The bit counts and postings (``build.bit_index``) are checked against
+a bit-by-bit build in ``tests/retrieval/test_filters.py``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval.filters import bit_counts
 from retrieval.index import IVFConfig, build_ivf
 from retrieval.index.bound import as_scored, measure_slack, residual_norms
-from retrieval.index.build import bit_index
 from retrieval.index.codes import dequantize, quantize_int8
 from retrieval.index.scan import encode_int8_cpu
 
@@ -44,20 +43,6 @@ def test_encoded_codes_equal_quantized_residuals(n, d, nlist, scale, seed):
     assert bool((norms.double() >= true).all())  # a bound: never rounded below the true norm
     want = residual_norms(residuals, want_codes, want_scales)  # the torch figure, float sums
     torch.testing.assert_close(norms, want, rtol=2e-6, atol=0)
-
-
-def test_bit_index_counts_and_postings():
-    g = np.random.default_rng(0)
-    for words in (0, 1, 3):
-        flags = g.random((500, words * 64)) < 0.05
-        sig = torch.from_numpy(
-            np.packbits(flags, axis=1, bitorder="little").view("<u8").view(np.int64).copy()
-        ).reshape(500, words)
-        counts, postings = bit_index(sig)
-        assert np.array_equal(counts.numpy(), flags.sum(axis=0))
-        if words:
-            assert torch.equal(counts, bit_counts(sig))
-        assert np.array_equal(postings.numpy(), np.argwhere(flags.T)[:, 1])  # by bit, then item
 
 
 def _decoded_slack(index, queries, quantiles, lists=32):

@@ -12,7 +12,7 @@ import torch
 
 from retrieval.filters import bit_counts, eligible
 from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search
-from retrieval.index.build import postings
+from retrieval.index.build import bit_index
 from retrieval.index.kmeans import assign
 from retrieval.index.update import (
     REBUILD_IMBALANCE,
@@ -71,7 +71,7 @@ def assert_consistent(index: IVFIndex) -> None:
     assert index.exact.shape[0] in (0, n)
     assert torch.unique(index.item_ids).numel() == n
     assert torch.equal(index.bit_counts, bit_counts(index.sig))
-    assert torch.equal(index.postings, postings(index.sig))
+    assert torch.equal(index.postings, bit_index(index.sig)[1])
     sizes = index.offsets[1:] - index.offsets[:-1]
     assert index.max_list == int(sizes.max())
 
