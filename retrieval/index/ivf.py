@@ -43,8 +43,8 @@ from retrieval.index.exclude import IdOrder, excluded_positions
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
 from retrieval.index.plain import plain_item_candidates, plain_search, plain_search_ids
 from retrieval.index.planner import make_plan
-from retrieval.index.probe import half_sq_norms, probe_lists, rescore
-from retrieval.index.scan import scan
+from retrieval.index.probe import FEW_QUERIES, half_sq_norms, probe_lists, rescore
+from retrieval.index.scan import scan, score_rows_cpu
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.targets import check_targets
 
@@ -467,6 +467,10 @@ class IVFIndex(nn.Module):
         ``index_select`` and never decoded to float vectors: ~6x less time than decoding)."""
         if self.exact.shape[0]:
             return q @ self.exact.index_select(0, pos).float().T
+        if q.device.type == "cpu" and self.codes.dtype == torch.int8 and len(q) <= FEW_QUERIES:
+            # a few queries: one C++ pass, no [M, D] float copy (more: a matmul reuses the copy)
+            coarse_all = q @ self.centroids.T
+            return score_rows_cpu(q, pos, self.codes, self.scales, self.offsets, coarse_all)
         lists = torch.searchsorted(self.offsets, pos, right=True) - 1
         dots = q @ self.codes.index_select(0, pos).float().T  # [B, M]
         coarse = (q @ self.centroids.T).index_select(1, lists)  # [B, M]

@@ -253,6 +253,22 @@ def scan(
 _FP8_LUT = fp8_lut()
 
 
+def score_rows_cpu(
+    q: torch.Tensor,
+    pos: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    coarse: torch.Tensor,
+) -> torch.Tensor:
+    """``q [B, D]`` float32 scored against int8 rows ``pos [M]`` in one C++ pass ->
+    ``[B, M]``: ``(q · code) * scale + coarse[:, list]`` with ``coarse [B, L]`` = q·centroids
+    (``IVFIndex.scores_at`` without the gathered float copy of the codes)."""
+    return _extension().score_rows_int8(
+        q.contiguous(), pos.contiguous(), codes, scales, offsets, coarse.contiguous()
+    )
+
+
 def bit_index_cpu(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sig [N, W]`` int64 -> ``(counts [W*64] int64, postings [nnz] int32)``: how many items set
     each bit, and the items of every bit, bit after bit, ascending (one C++ counting sort)."""

@@ -649,6 +649,50 @@ std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig) {
   return {counts, postings};
 }
 
+// Exact-plan scores of chosen rows, read off the int8 codes without decoding them: q [B, D] f32,
+// pos [M] int64 (list-sorted rows), coarse [B, L] = q·centroids -> [B, M] f32,
+//     score[b, m] = (q[b] · code[pos[m]]) * scale[pos[m]] + coarse[b, list of pos[m]]
+// (the float query against the codes, as IVFIndex.scores_at's torch ops compute it, with no
+// [M, D] float copy of the gathered codes). Parallel over the rows.
+at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
+                           const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& coarse) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == q.size(1) && codes.is_contiguous(),
+              "codes must be contiguous int8 [N, D] with the query's D");
+  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous(), "pos must be contiguous int64 [M]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kFloat &&
+              scales.is_contiguous(), "scales must be contiguous float32 [N]");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+              "offsets must be contiguous int64 [L + 1]");
+  const int64_t b_count = q.size(0), d = q.size(1), m = pos.numel(), n = codes.size(0), nlist = offsets.size(0) - 1;
+  TORCH_CHECK(coarse.dim() == 2 && coarse.size(0) == b_count && coarse.size(1) == nlist &&
+              coarse.scalar_type() == at::kFloat && coarse.is_contiguous(), "coarse must be contiguous float32 [B, L]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < n, "pos out of range at ", i);
+  auto out = at::empty({b_count, m}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* co = coarse.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = pp[i];
+      const int64_t list = std::upper_bound(off, off + nlist + 1, row) - off - 1;
+      const int8_t* c = cp + row * d;
+      for (int64_t b = 0; b < b_count; ++b) {
+        const float* qb = qp + b * d;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < d; ++j) acc += qb[j] * float(c[j]);
+        op[b * m + i] = acc * sp[row] + co[b * nlist + list];
+      }
+    }
+  });
+  return out;
+}
+
 // Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C] -> bool [N].
 at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg) {
   TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
@@ -856,6 +900,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
   m.def("id_rows", &id_rows, "Rows of item ids through the index's id order (missing where absent)", nogil);
+  m.def("score_rows_int8", &score_rows_int8, "Scores of chosen rows off the int8 codes (the exact plan)", nogil);
   m.def("bit_index", &bit_index, "Per-bit item counts and postings of the filter signatures", nogil);
   m.def("encode_int8", &encode_int8, "The build's int8 residual codes, scales and norms in list-sorted order", nogil);
   m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter", nogil);
