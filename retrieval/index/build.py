@@ -40,6 +40,12 @@ def build_ivf(
     With ``config.target_recall`` set, nprobe is tuned on ``tune_queries [Q, D]`` (default: a
     sample of the vectors themselves). With ``config.metric = "cosine"`` the vectors are
     L2-normalised first.
+
+    With ``probe`` and ``assign`` both "auto" on unit-norm vectors, a build tuned on real
+    queries (``tune_queries`` and ``target_recall``) builds its lists both by L2 and by inner
+    product and keeps the one that reaches the target with fewer lists (L2 on a tie): queries
+    drawn like the items favour L2, a model's users, who sit away from the items, favoured
+    inner product (64 lists instead of 128 for recall 0.97: ``bench/RESULTS.md``).
     """
     config = config or IVFConfig()
     config.validate()
@@ -48,17 +54,51 @@ def build_ivf(
         raise ValueError(
             f"vectors must be floats [N >= 1, D], got {tuple(vectors.shape)} {vectors.dtype}"
         )
-    n, d = vectors.shape
+    n = vectors.shape[0]
     x = vectors.detach().cpu().float().contiguous()
     if config.metric == "cosine":
         x = torch.nn.functional.normalize(x, dim=1)
     ids = _item_ids(item_ids, n)
     if item_attributes and not attribute_values:
         raise ValueError("attribute_values is required with item_attributes")
-    index = IVFIndex(config, d, attribute_values)
-    nlist = min(config.nlist, n)
     probe = config.probe if config.probe != "auto" else ("l2" if unit_norm(x) else "ip")
     by = probe if config.assign == "auto" else config.assign  # lists as queries probe them
+    sample = (
+        x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
+        if tune_queries is None
+        else as_tensor(tune_queries, "tune_queries").float().cpu()
+    )
+    rules = [(probe, by)]
+    if (
+        tune_queries is not None
+        and config.target_recall > 0
+        and (config.probe, config.assign, probe) == ("auto", "auto", "l2")
+    ):
+        rules.append(("ip", "ip"))  # the queries' own recall picks the rule
+    best: IVFIndex | None = None
+    for probe_, by_ in rules:
+        index = _lists_index(x, ids, config, probe_, by_, item_attributes, attribute_values)
+        _calibrate(index, sample, (x, ids))
+        if best is None or index.config.nprobe < best.config.nprobe:
+            best = index
+    assert best is not None
+    return best
+
+
+def _lists_index(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    config: IVFConfig,
+    probe: str,
+    by: str,
+    item_attributes: Mapping[str, np.ndarray] | None,
+    attribute_values: Mapping[str, Sequence[AttributeValue]] | None,
+) -> IVFIndex:
+    """The index of ``x [N, D]`` (ids ``[N]``) with lists built by ``by`` and probed by
+    ``probe``: k-means, assignment, codes, signatures, postings and each list's bounds."""
+    n, d = x.shape
+    index = IVFIndex(config, d, attribute_values)
+    nlist = min(config.nlist, n)
     centroids = train_centroids(
         x,
         nlist,
@@ -86,19 +126,21 @@ def build_ivf(
     index.list_radius = list_radius(ls, norms, nlist)
     index.list_bits = list_bits(ls, sig, nlist)
     index._refresh()
-    sample = (
-        x[torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:256]]
-        if tune_queries is None
-        else as_tensor(tune_queries, "tune_queries").float().cpu()
-    )
+    return index
+
+
+def _calibrate(index: IVFIndex, sample: torch.Tensor, vectors: Vectors) -> None:
+    """The build's measurements on ``sample [Q, D]`` queries: the filter bound's slack (unless
+    the config sets one) and, with ``target_recall``, nprobe (against exact search over
+    ``vectors``)."""
+    config = index.config
     if config.filter_bound > 0 and config.filter_bound_slack == 0:
         qs = (*SLACK_QUANTILES, config.filter_bound)
         slacks = measure_slack(index, sample, qs)
         curve = tuple((q, s) for q, s in zip(qs[:-1], slacks[:-1], strict=True))
         index.config = replace(index.config, filter_bound_slack=slacks[-1], slack_curve=curve)
     if config.target_recall > 0:
-        tune_nprobe(index, sample, (x, ids))
-    return index
+        tune_nprobe(index, sample, vectors)
 
 
 def _item_ids(item_ids: torch.Tensor | np.ndarray | None, n: int) -> torch.Tensor:

@@ -85,3 +85,28 @@ def test_an_index_saved_before_the_probe_option_keeps_probing_by_ip(catalog):
     assert fresh.config.probe == "ip" and fresh.config.metric == "ip"
     q = catalog["q"][:8]
     assert torch.equal(fresh.search(q, 10, nprobe=2)[0], index.search(q, 10, nprobe=2)[0])
+
+
+@pytest.mark.parametrize(("seed", "target", "winner"), [(1, 0.95, "l2"), (3, 0.42, "ip")])
+def test_a_build_tuned_on_queries_keeps_the_rule_that_needs_fewer_lists(seed, target, winner):
+    """Unit vectors, ``target_recall`` and real ``tune_queries``: the build tries L2 lists and
+    inner-product lists and keeps whichever reaches the target with fewer (L2 on a tie: seed 1
+    needs 32 lists either way; on seed 3 inner product reaches 0.42 at 1 list, L2 at 4).
+    Without tune queries the rule stays L2."""
+    x, _ = unit_clusters(6_000, 32, 40, seed=seed)
+    g = torch.Generator().manual_seed(2)
+    away = torch.nn.functional.normalize(torch.randn(128, 32, generator=g), dim=1)
+    cfg = IVFConfig(nlist=32, target_recall=target)
+    chosen = build_ivf(x, cfg, tune_queries=away)
+    fixed = {
+        rule: build_ivf(
+            x, IVFConfig(nlist=32, target_recall=target, probe=rule, assign=rule), tune_queries=away
+        )
+        for rule in ("l2", "ip")
+    }
+    fewest = min(f.config.nprobe for f in fixed.values())
+    assert chosen.config.nprobe == fewest
+    want = "l2" if fixed["l2"].config.nprobe == fewest else "ip"
+    assert want == winner  # the data exercises the branch it is meant to
+    assert chosen.config.probe == chosen.config.assign == want
+    assert build_ivf(x, cfg).config.probe == "l2"  # no tune queries: one build, the L2 rule
