@@ -347,31 +347,6 @@ def pack_bits(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(packed.view("<u8").astype(np.uint64).view(np.int64).reshape(m, words))
 
 
-def set_bits(sig: torch.Tensor, chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
-    """Every set bit of ``sig [N, W] int64``: ``(items [nnz], bits [nnz]) int64``, by item then
-    bit. Only the non-zero words are unpacked (an item sets a few bits of many words), ``chunk``
-    words at a time (``chunk x 64`` bytes)."""
-    words = sig.detach().cpu().numpy().astype("<i8", copy=False)
-    rows, cols = np.nonzero(words)  # by item, then word
-    items, bits = [], []
-    for s in range(0, rows.size, chunk):
-        r, c = rows[s : s + chunk], cols[s : s + chunk]
-        flags = np.unpackbits(words[r, c].view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
-        k, b = np.nonzero(flags)  # by word, then bit
-        items.append(r[k])
-        bits.append(c[k] * WORD_BITS + b)
-    if not items:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(items).astype(np.int64), np.concatenate(bits).astype(np.int64)
-
-
-def bit_counts(sig: torch.Tensor) -> torch.Tensor:
-    """How many items have each bit set: ``sig [N, W]`` -> ``[W*64] int64``."""
-    _, bits = set_bits(sig)
-    counts = np.bincount(bits, minlength=sig.shape[1] * WORD_BITS)
-    return torch.from_numpy(counts.astype(np.int64)).to(sig.device)
-
-
 def estimate_selectivity(fb: FilterBatch, counts: torch.Tensor, num_items: int) -> torch.Tensor:
     """Fraction of items each request admits, assuming clauses are independent -> ``[B] float32``.
 

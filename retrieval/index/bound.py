@@ -146,7 +146,7 @@ def measure_slack(
 
     ``q·r_x`` is the scan's own score of the residual code (every (query, list) pair is a row
     of one scan that probes that list with a zero coarse score, keeping its best item): what a
-    search ranks by, at ~40x less time than decoding the lists' residuals."""
+    search ranks by, without decoding the lists' residuals (``bench/RESULTS.md``, 10M x 64)."""
     if index.nlist < 2:
         return [1.0 for _ in quantiles]
     q = as_scored(index, queries.float().cpu())

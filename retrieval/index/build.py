@@ -45,7 +45,7 @@ def build_ivf(
     queries (``tune_queries`` and ``target_recall``) builds its lists both by L2 and by inner
     product and keeps the one that reaches the target with fewer lists (L2 on a tie): queries
     drawn like the items favour L2, a model's users, who sit away from the items, favoured
-    inner product (64 lists instead of 128 for recall 0.97: ``bench/RESULTS.md``).
+    inner product (``bench/RESULTS.md``, serve vs no-op re-measured).
     """
     config = config or IVFConfig()
     config.validate()
@@ -160,8 +160,8 @@ def encode(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual codes of ``x [N, D]`` float32 in list-sorted ``order`` (rows in ``lists``) ->
     ``(codes [N, D], scales [N], norms [N])``, norms for ``list_radius``
-    (:func:`~retrieval.index.bound.residual_norms`). INT8 is one C++ pass (no float copy of the
-    catalog: at 4M x 64 it was 10 s of torch ops); FP8 takes the torch ops."""
+    (:func:`~retrieval.index.bound.residual_norms`). INT8 is one C++ pass with no float copy of
+    the catalog (the torch ops' time: ``bench/RESULTS.md``, 10M x 64); FP8 takes the torch ops."""
     if kind == "int8":
         return encode_int8_cpu(x, order, lists, centroids)
     residuals = x[order] - centroids[lists]
@@ -172,7 +172,7 @@ def encode(
 def bit_index(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bit_counts [W*64] int64, postings [nnz] int32)`` of ``sig [N, W]``: how many items set
     each bit, and the items of every bit, bit after bit (``scan.bit_index_cpu``: a counting sort
-    in C++, where unpacking the bits with NumPy took 3 s at 4M items)."""
+    in C++, not a NumPy unpacking of every bit)."""
     if sig.shape[1] == 0:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
     if sig.shape[0] >= 2**31:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval.filters import bit_counts, eligible
+from retrieval.filters import eligible
 from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search
 from retrieval.index.build import bit_index
 from retrieval.index.kmeans import assign
@@ -70,7 +70,8 @@ def assert_consistent(index: IVFIndex) -> None:
     assert index.scales.shape[0] == index.sig.shape[0] == n
     assert index.exact.shape[0] in (0, n)
     assert torch.unique(index.item_ids).numel() == n
-    assert torch.equal(index.bit_counts, bit_counts(index.sig))
+    flags = (index.sig.unsqueeze(-1) >> torch.arange(64)) & 1  # [N, W, 64], bit by bit
+    assert torch.equal(index.bit_counts, flags.sum(dim=0).flatten())
     assert torch.equal(index.postings, bit_index(index.sig)[1])
     sizes = index.offsets[1:] - index.offsets[:-1]
     assert index.max_list == int(sizes.max())
