@@ -14,7 +14,7 @@ import torch
 
 from retrieval.filters import eligible
 from retrieval.index.exact import exact_topk
-from retrieval.index.scan import filter_mask
+from retrieval.index.scan import eligible_rows_cpu, filter_mask
 
 
 class SignedIndex(Protocol):
@@ -72,6 +72,8 @@ def eligible_positions(
     candidates, and only they are checked against every clause. Cost grows with that
     clause's items, not with the catalog; with no selective clause, every item is checked.
     """
+    if index.sig.device.type == "cpu":  # one C++ call, the same rule
+        return eligible_rows_cpu(index.sig, masks, negate, index.bit_counts, index.postings)
     shifts = torch.arange(64, device=masks.device)
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
     counts = (bits.long() * index.bit_counts).sum(dim=1).masked_fill(negate, index.ntotal + 1)

@@ -39,8 +39,14 @@ def exact_topk(
         scores = scores_at(qf, part)  # [B, m]
         if excl is not None and excl.shape[1]:
             scores = scores.masked_fill(is_excluded(part.expand(b, -1), excl), NEG_INF)
-        all_s = torch.cat([best_s, scores], dim=1)
-        all_p = torch.cat([best_p, part.expand(b, -1)], dim=1)
+        if s == 0:  # the first chunk needs no merge with the empty best
+            all_s, all_p = scores, part.expand(b, -1)
+        else:
+            all_s = torch.cat([best_s, scores], dim=1)
+            all_p = torch.cat([best_p, part.expand(b, -1)], dim=1)
+        if all_s.shape[1] < k:  # fewer items than k so far: pad
+            all_s = torch.cat([all_s, best_s[:, : k - all_s.shape[1]]], dim=1)
+            all_p = torch.cat([all_p, best_p[:, : k - all_p.shape[1]]], dim=1)
         # the bounded heap wins when k is a small part of the row; a sort when it is not
         best_s, idx = topk_rows(all_s, k) if 8 * k < all_s.shape[1] else all_s.topk(k, dim=1)
         best_p = all_p.gather(1, idx)

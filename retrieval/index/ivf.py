@@ -463,18 +463,17 @@ class IVFIndex(nn.Module):
 
     def scores_at(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``q [B, D]`` float32 scored against rows ``pos [M]`` -> ``[B, M]``: with the exact
-        copy, else read off the codes as ``q·code * scale + q·centroid`` (rows gathered with
-        ``index_select`` and never decoded to float vectors: ~6x less time than decoding)."""
+        copy, else read off the codes as ``q·code * scale + q·centroid`` (a few CPU queries: one
+        C++ pass over the codes; more: the rows decoded once, then a matmul)."""
         if self.exact.shape[0]:
             return q @ self.exact.index_select(0, pos).float().T
         if q.device.type == "cpu" and self.codes.dtype == torch.int8 and len(q) <= FEW_QUERIES:
             # a few queries: one C++ pass, no [M, D] float copy (more: a matmul reuses the copy)
             coarse_all = q @ self.centroids.T
             return score_rows_cpu(q, pos, self.codes, self.scales, self.offsets, coarse_all)
-        lists = torch.searchsorted(self.offsets, pos, right=True) - 1
-        dots = q @ self.codes.index_select(0, pos).float().T  # [B, M]
-        coarse = (q @ self.centroids.T).index_select(1, lists)  # [B, M]
-        return dots * self.scales.index_select(0, pos) + coarse
+        # more: decode the M rows once (centroid + scale * code) and take one matmul, rather
+        # than scaling and shifting [B, M] scores (B x M > M x D once B passes D)
+        return q @ self.vectors_at(pos).T
 
     def vectors_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""

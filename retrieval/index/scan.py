@@ -300,6 +300,21 @@ def filter_mask(sig: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor) -> t
     return _extension().filter_mask(sig, fmask.contiguous(), fneg.contiguous())
 
 
+def eligible_rows_cpu(
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    bit_counts: torch.Tensor,
+    postings: torch.Tensor,
+) -> torch.Tensor:
+    """Rows passing one filter (``sig [N, W]``, ``fmask [C, W]``, ``fneg [C]``) -> ``[M]``
+    int64 ascending, in one C++ call: the postings of the most selective clause are the
+    candidates (``eligible_scan.eligible_positions`` says how it chooses)."""
+    return _extension().eligible_rows(
+        sig, fmask.contiguous(), fneg.contiguous(), bit_counts, postings
+    )
+
+
 def scan_reference(
     q: torch.Tensor,
     probes: torch.Tensor,

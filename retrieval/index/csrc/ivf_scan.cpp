@@ -199,6 +199,42 @@ void transpose_codes(const int8_t* codes, int64_t n, int64_t d, std::vector<uint
   }
 }
 
+// Float query against int8 codes (the exact plan's scores, no quantized query): the portable loop,
+// and AVX2 + FMA, 16 codes widened to floats per step. Summation orders differ, so the two paths
+// agree to rounding, not bitwise (tests compare with a tolerance).
+inline float dot_f32_i8_portable(const float* __restrict q, const int8_t* __restrict c, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < d; ++j) acc += q[j] * float(c[j]);
+  return acc;
+}
+
+#ifdef RECSERVE_X86
+RECSERVE_TARGET("avx2,fma") inline float dot_f32_i8_avx2(const float* q, const int8_t* c, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), lo, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), hi, a1);
+  }
+  if (j + 8 <= d) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j));
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), a0);
+    j += 8;
+  }
+  const __m256 a = _mm256_add_ps(a0, a1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float sum = _mm_cvtss_f32(s);
+  for (; j < d; ++j) sum += q[j] * float(c[j]);
+  return sum;
+}
+#endif
+
 // The one place where integer dots become scores, shared by every path so that they agree bitwise.
 inline void dots_to_scores(const int32_t* dots, int64_t n, const float* scales, float qscale, float base, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = base + scales[i] * qscale * float(dots[i]);
@@ -676,6 +712,9 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
   const float* sp = scales.data_ptr<float>();
   const float* co = coarse.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#ifdef RECSERVE_X86
+  const bool avx2 = int8_isa() != Isa::kPortable && __builtin_cpu_supports("fma");
+#endif
   at::parallel_for(0, m, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = pp[i];
@@ -683,9 +722,11 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
       const int8_t* c = cp + row * d;
       for (int64_t b = 0; b < b_count; ++b) {
         const float* qb = qp + b * d;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < d; ++j) acc += qb[j] * float(c[j]);
+#ifdef RECSERVE_X86
+        const float acc = avx2 ? dot_f32_i8_avx2(qb, c, d) : dot_f32_i8_portable(qb, c, d);
+#else
+        const float acc = dot_f32_i8_portable(qb, c, d);
+#endif
         op[b * m + i] = acc * sp[row] + co[b * nlist + list];
       }
     }
@@ -721,6 +762,65 @@ at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at:
 }
 
 // q: float32 [B, D]; codes: float8_e4m3fn [N, D] passed as its uint8 bytes, decoded by lut [256].
+// Rows passing one filter (sig [N, W], fmask [C, W], fneg [C]) -> int64 [M] ascending. The most
+// selective non-negated clause drives: the postings of its bits (bit_counts [W * 64], postings: each
+// bit's rows, bit after bit, ascending) are the only candidates, and only they are checked against
+// every clause. With no clause under a quarter of the catalog (or no postings), every row is checked.
+at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
+                         const at::Tensor& bit_counts, const at::Tensor& postings) {
+  TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
+  TORCH_CHECK(fmask.dim() == 2 && fmask.size(1) == sig.size(1) && fmask.scalar_type() == at::kLong && fmask.is_contiguous(),
+              "fmask must be contiguous int64 [C, W]");
+  TORCH_CHECK(fneg.dim() == 1 && fneg.size(0) == fmask.size(0) && fneg.scalar_type() == at::kBool && fneg.is_contiguous(),
+              "fneg must be bool [C]");
+  const int64_t n = sig.size(0), w = sig.size(1), c_count = fmask.size(0), bits = w * 64;
+  TORCH_CHECK(bit_counts.dim() == 1 && bit_counts.size(0) == bits && bit_counts.scalar_type() == at::kLong &&
+              bit_counts.is_contiguous(), "bit_counts must be contiguous int64 [W * 64]");
+  TORCH_CHECK(postings.dim() == 1 && postings.scalar_type() == at::kInt && postings.is_contiguous(),
+              "postings must be contiguous int32 [nnz]");
+  const int64_t* counts = bit_counts.data_ptr<int64_t>();
+  const int64_t* mp = fmask.data_ptr<int64_t>();
+  const bool* np = fneg.data_ptr<bool>();
+  auto set = [&](int64_t c, int64_t bit) { return (mp[c * w + bit / 64] >> (bit % 64)) & 1; };
+  int64_t best = -1, best_count = n / 4 + 1;
+  for (int64_t c = 0; c < c_count; ++c) {
+    if (np[c]) continue;
+    int64_t count = 0;
+    for (int64_t bit = 0; bit < bits; ++bit) count += set(c, bit) ? counts[bit] : 0;
+    if (count < best_count) best = c, best_count = count;
+  }
+  int64_t nnz = 0;
+  for (int64_t bit = 0; bit < bits; ++bit) nnz += counts[bit];
+  if (best < 0 || postings.numel() != nnz) return filter_mask(sig, fmask, fneg).nonzero().flatten();
+  const int32_t* post = postings.data_ptr<int32_t>();
+  const int64_t* sp = sig.data_ptr<int64_t>();
+  // One bit's postings are ascending rows. Several bits' are merged through a bitmap of the
+  // catalog (an item of a multi-valued attribute may sit under more than one), read back in order.
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  int64_t start = 0;
+  for (int64_t bit = 0; bit < bits; ++bit) {
+    if (set(best, bit) && counts[bit] > 0) runs.emplace_back(start, start + counts[bit]);
+    start += counts[bit];
+  }
+  std::vector<int64_t> rows;
+  rows.reserve(best_count);
+  if (runs.size() == 1) {
+    for (int64_t i = runs[0].first; i < runs[0].second; ++i) rows.push_back(post[i]);
+  } else if (runs.size() > 1) {
+    std::vector<uint64_t> seen((n + 63) / 64, 0);
+    for (const auto& [i0, i1] : runs)
+      for (int64_t i = i0; i < i1; ++i) seen[post[i] / 64] |= uint64_t(1) << (post[i] % 64);
+    for (int64_t word = 0; word < (int64_t)seen.size(); ++word)
+      for (uint64_t m = seen[word]; m; m &= m - 1) rows.push_back(word * 64 + __builtin_ctzll(m));
+  }
+  int64_t kept = 0;
+  for (int64_t r : rows)
+    if (passes(sp + r * w, mp, np, c_count, w)) rows[kept++] = r;
+  auto out = at::empty({kept}, sig.options());
+  std::copy(rows.begin(), rows.begin() + kept, out.data_ptr<int64_t>());
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> ivf_scan_fp8(
     const at::Tensor& q, const at::Tensor& codes_u8, const at::Tensor& lut, const at::Tensor& probes,
     const at::Tensor& coarse, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
@@ -899,6 +999,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap", nogil);
   m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
+  m.def("eligible_rows", &eligible_rows, "Rows passing one filter, driven by its most selective clause's postings", nogil);
   m.def("id_rows", &id_rows, "Rows of item ids through the index's id order (missing where absent)", nogil);
   m.def("score_rows_int8", &score_rows_int8, "Scores of chosen rows off the int8 codes (the exact plan)", nogil);
   m.def("bit_index", &bit_index, "Per-bit item counts and postings of the filter signatures", nogil);
