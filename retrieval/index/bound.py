@@ -43,6 +43,7 @@ import torch
 from retrieval.filters import FilterBatch
 from retrieval.index.codes import dequantize, quantize
 from retrieval.index.config import IVFConfig
+from retrieval.index.costs import exact_codes, on_cpu
 from retrieval.index.scan import scan, topk_rows
 from retrieval.index.search import BoundCheck, SearchPlan
 
@@ -227,7 +228,7 @@ def with_bounds(
     full[rows.to(dev)] = bounds
     lists = torch.full((b, first.shape[1]), -1, dtype=torch.int64, device=dev)
     lists[rows.to(dev)] = first
-    budget = sel.to(dev) * index.ntotal * index.config.exact_cost
+    budget = exact_codes(index.config, index.ntotal, sel.cpu(), b, on_cpu(index)).to(dev)
     check = BoundCheck(full, sizes, budget.float())
     return replace(plan, lists=lists.cpu(), check=check)
 

@@ -13,6 +13,7 @@ import torch
 
 from retrieval.filters import AttributeValue
 from retrieval.index.bound import list_bits, list_radius, measure_slack, residual_norms
+from retrieval.index.calibrate import calibrates, measure_coverage, measure_plan_costs
 from retrieval.index.codes import quantize
 from retrieval.index.exact import exact_search, recall_at_k
 from retrieval.index.inputs import as_tensor
@@ -131,8 +132,8 @@ def _lists_index(
 
 def _calibrate(index: IVFIndex, sample: torch.Tensor, vectors: Vectors) -> None:
     """The build's measurements on ``sample [Q, D]`` queries: the filter bound's slack (unless
-    the config sets one) and, with ``target_recall``, nprobe (against exact search over
-    ``vectors``)."""
+    the config sets one), with ``target_recall`` nprobe (against exact search over
+    ``vectors``), and the filtered plan's costs on this machine (``calibrate.py``)."""
     config = index.config
     if config.filter_bound > 0 and config.filter_bound_slack == 0:
         qs = (*SLACK_QUANTILES, config.filter_bound)
@@ -141,6 +142,9 @@ def _calibrate(index: IVFIndex, sample: torch.Tensor, vectors: Vectors) -> None:
         index.config = replace(index.config, filter_bound_slack=slacks[-1], slack_curve=curve)
     if config.target_recall > 0:
         tune_nprobe(index, sample, vectors)
+    if config.measure_costs and not config.plan_costs and calibrates(index):
+        index.config = replace(index.config, coverage_curve=measure_coverage(index, sample))
+        index.config = replace(index.config, plan_costs=measure_plan_costs(index, sample))
 
 
 def _item_ids(item_ids: torch.Tensor | np.ndarray | None, n: int) -> torch.Tensor:

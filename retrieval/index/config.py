@@ -55,8 +55,19 @@ class IVFConfig:
     kmeans_max_points_per_centroid: int = 256
     seed: int = 0
     exact_cost: float = 2.0
-    """Cost of scoring one eligible item exactly, relative to one code in a list. A filtered
-    request is scanned exactly when (eligible items x exact_cost) <= (codes in its probed lists)."""
+    """Cost of scoring one eligible item exactly, relative to one code in a list, where the build
+    measured none (``plan_costs``). A filtered request is scanned exactly when (eligible items x
+    exact_cost) <= (codes in the lists it must probe) (``retrieval/index/costs.py``)."""
+    measure_costs: bool = True
+    """The build measures ``plan_costs`` and ``coverage_curve`` on its machine (an index with
+    filter attributes, on the CPU; ``retrieval/index/calibrate.py``). False: the constant
+    ``exact_cost`` and ``nprobe`` alone decide, the same on every machine."""
+    plan_costs: tuple[tuple[float, float, float], ...] = ()
+    """``(batch, selectivity, exact_cost)`` measured by the build: one eligible item's exact-scan
+    time over one code's filtered list-scan time, for one query and for a batch."""
+    coverage_curve: tuple[tuple[int, float], ...] = ()
+    """``(m, lists)`` measured by the build: lists, in probe order, holding 95 % of a sample
+    query's best ``m`` items; what a filtered row must probe at selectivity ``k / m``."""
     filter_nprobe_exponent: float = 0.5
     """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists (its
     first round; ``filter_bound`` may add a second)."""

@@ -44,7 +44,7 @@ from retrieval.index.inputs import as_count, as_optional_count, as_tensor
 from retrieval.index.plain import plain_item_candidates, plain_search, plain_search_ids
 from retrieval.index.planner import make_plan
 from retrieval.index.probe import FEW_QUERIES, half_sq_norms, probe_lists, rescore
-from retrieval.index.scan import scan, score_rows_cpu
+from retrieval.index.scan import decode_rows_cpu, scan, score_rows_cpu
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.targets import check_targets
 
@@ -479,6 +479,8 @@ class IVFIndex(nn.Module):
         """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""
         if self.exact.shape[0]:
             return self.exact.index_select(0, pos).float()
+        if pos.device.type == "cpu" and self.codes.dtype == torch.int8:
+            return decode_rows_cpu(pos, self.codes, self.scales, self.offsets, self.centroids)
         lists = torch.searchsorted(self.offsets, pos, right=True) - 1
         codes, scales = self.codes.index_select(0, pos), self.scales.index_select(0, pos)
         return self.centroids.index_select(0, lists) + dequantize(codes, scales)

@@ -7,7 +7,11 @@ Reads only an index's statistics (``ntotal``, ``nlist``, ``bit_counts``, ``list_
     lists_b  = max(base_b * sel_b ** -exponent,                  widened as the filter narrows
                    2 (r + S_b) / (items per list * sel_b))         enough to hold the candidates
                                                                    and the S_b items it excludes
-    exact_b  = sel_b * N * exact_cost <= lists_b * items per list  (or its target asks for 1)
+    exact_b  = sel_b * N * exact_cost <= max(lists_b, lists to hold its best r / sel_b)
+                                         * items per list  (or its target asks for 1)
+
+``exact_cost`` and the lists that hold a query's best items are measured by the build on its
+machine (``retrieval/index/costs.py``); an index without them uses the constant and ``lists_b``.
 
 ``sel_b`` is the filter's estimated selectivity. With the queries, filtered rows that probe lists
 skip the lists their filter rules out and get a bound check for a second round
@@ -23,6 +27,7 @@ import torch
 
 from retrieval.filters import FilterBatch, estimate_selectivity
 from retrieval.index.bound import ListedIndex, with_bounds
+from retrieval.index.costs import exact_codes, lists_to_hold, on_cpu
 from retrieval.index.search import SearchPlan
 from retrieval.index.targets import row_settings
 
@@ -69,9 +74,12 @@ def make_plan(
     p = torch.tensor([lists[key] for key in keys], dtype=torch.int64)
     if not fb.active and not exact and rows is None:  # the common case
         return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
-    per_list = index.ntotal / max(index.nlist, 1)
-    scan_exact = sel.double() * index.ntotal * cfg.exact_cost <= p.double() * per_list
-    scan_exact = scan_exact if fb.active else torch.zeros(b, dtype=torch.bool)
+    scan_exact = (
+        exact_codes(cfg, index.ntotal, sel, b, on_cpu(index))
+        <= list_codes(index, p, sel, [r + e for e in excluded])
+        if fb.active
+        else torch.zeros(b, dtype=torch.bool)
+    )
     if exact:
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
@@ -80,6 +88,19 @@ def make_plan(
     if q is None or cfg.filter_bound <= 0 or not fb.active:
         return plan
     return with_bounds(index, q, fb, plan, sel, None if rows is None else rows.slack)
+
+
+def list_codes(
+    index: PlannedIndex, lists: torch.Tensor, sel: torch.Tensor, need: list[int]
+) -> torch.Tensor:
+    """``[B] float64``: codes a row's list plan reads: its ``lists [B]``, or the lists that hold
+    its best ``need / sel`` items by the build's coverage curve, whichever is more."""
+    curve, nlist = index.config.coverage_curve, max(index.nlist, 1)
+    keys = list(zip(need, sel.tolist(), strict=True))  # few distinct in a batch: one each
+    hold = {key: lists_to_hold(curve, key[0] / max(key[1], 1e-9), nlist) for key in set(keys)}
+    held = [hold[key] for key in keys]
+    probed = torch.maximum(lists.double(), torch.tensor(held, dtype=torch.float64))
+    return probed * (index.ntotal / nlist)
 
 
 def lists_for(index: PlannedIndex, sel: float, base: int, need: int) -> int:

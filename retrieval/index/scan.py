@@ -300,6 +300,18 @@ def filter_mask(sig: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor) -> t
     return _extension().filter_mask(sig, fmask.contiguous(), fneg.contiguous())
 
 
+def decode_rows_cpu(
+    pos: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    centroids: torch.Tensor,
+) -> torch.Tensor:
+    """Rows ``pos [M]`` of int8 ``codes`` decoded to ``[M, D]`` float32 (centroid + scale *
+    code) in one C++ pass."""
+    return _extension().decode_rows_int8(pos.contiguous(), codes, scales, offsets, centroids)
+
+
 def eligible_rows_cpu(
     sig: torch.Tensor,
     fmask: torch.Tensor,

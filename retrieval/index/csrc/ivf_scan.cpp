@@ -199,14 +199,27 @@ void transpose_codes(const int8_t* codes, int64_t n, int64_t d, std::vector<uint
   }
 }
 
-// Float query against int8 codes (the exact plan's scores, no quantized query): the portable loop,
-// and AVX2 + FMA, 16 codes widened to floats per step. Summation orders differ, so the two paths
-// agree to rounding, not bitwise (tests compare with a tolerance).
+// Float query against int8 codes (the exact plan's scores, no quantized query). The portable loop
+// follows the AVX2 path's order exactly (16 lanes of fused multiply-adds, the same pairwise sums,
+// the same scalar tail), so the two return the same bits, as the int8 scan's paths do.
 inline float dot_f32_i8_portable(const float* __restrict q, const int8_t* __restrict c, int64_t d) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < d; ++j) acc += q[j] * float(c[j]);
-  return acc;
+  float a0[8] = {0.f}, a1[8] = {0.f};
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16)
+    for (int l = 0; l < 8; ++l) {
+      a0[l] = std::fma(q[j + l], float(c[j + l]), a0[l]);
+      a1[l] = std::fma(q[j + 8 + l], float(c[j + 8 + l]), a1[l]);
+    }
+  if (j + 8 <= d) {
+    for (int l = 0; l < 8; ++l) a0[l] = std::fma(q[j + l], float(c[j + l]), a0[l]);
+    j += 8;
+  }
+  float a[8], s4[4];
+  for (int l = 0; l < 8; ++l) a[l] = a0[l] + a1[l];
+  for (int l = 0; l < 4; ++l) s4[l] = a[l] + a[l + 4];
+  float sum = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  for (; j < d; ++j) sum = std::fma(q[j], float(c[j]), sum);
+  return sum;
 }
 
 #ifdef RECSERVE_X86
@@ -230,7 +243,7 @@ RECSERVE_TARGET("avx2,fma") inline float dot_f32_i8_avx2(const float* q, const i
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   float sum = _mm_cvtss_f32(s);
-  for (; j < d; ++j) sum += q[j] * float(c[j]);
+  for (; j < d; ++j) sum = std::fma(q[j], float(c[j]), sum);
   return sum;
 }
 #endif
@@ -734,6 +747,43 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
   return out;
 }
 
+// Float vectors of chosen rows, decoded in one pass: pos [M] int64, codes [N, D] int8, scales [N],
+// offsets [L + 1], centroids [L, D] f32 -> [M, D] f32, row m = centroid[list] + scale * code (the
+// exact plan's rows for a batch of queries, which then takes one matmul).
+at::Tensor decode_rows_int8(const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& offsets, const at::Tensor& centroids) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "codes must be contiguous int8 [N, D]");
+  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous(), "pos must be contiguous int64 [M]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kFloat &&
+              scales.is_contiguous(), "scales must be contiguous float32 [N]");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+              "offsets must be contiguous int64 [L + 1]");
+  const int64_t d = codes.size(1), m = pos.numel(), n = codes.size(0), nlist = offsets.size(0) - 1;
+  TORCH_CHECK(centroids.dim() == 2 && centroids.size(0) == nlist && centroids.size(1) == d &&
+              centroids.scalar_type() == at::kFloat && centroids.is_contiguous(), "centroids must be contiguous float32 [L, D]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < n, "pos out of range at ", i);
+  auto out = at::empty({m, d}, centroids.options());
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* ce = centroids.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = pp[i];
+      const int64_t list = std::upper_bound(off, off + nlist + 1, row) - off - 1;
+      const int8_t* c = cp + row * d;
+      const float* cen = ce + list * d;
+      const float s = sp[row];
+      float* o = op + i * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) o[j] = cen[j] + s * float(c[j]);
+    }
+  });
+  return out;
+}
+
 // Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C] -> bool [N].
 at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg) {
   TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
@@ -999,6 +1049,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap", nogil);
   m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
+  m.def("decode_rows_int8", &decode_rows_int8, "Float vectors of chosen rows off the int8 codes, one pass", nogil);
   m.def("eligible_rows", &eligible_rows, "Rows passing one filter, driven by its most selective clause's postings", nogil);
   m.def("id_rows", &id_rows, "Rows of item ids through the index's id order (missing where absent)", nogil);
   m.def("score_rows_int8", &score_rows_int8, "Scores of chosen rows off the int8 codes (the exact plan)", nogil);

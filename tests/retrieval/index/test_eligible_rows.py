@@ -52,7 +52,11 @@ def test_rows_from_postings_equal_the_full_check(vocabs, multi, n, picks, seed):
         j %= len(vocabs)
         values = [v for v in range(vocabs[j]) if rng.random() < share] or [0]
         clauses.append((j, values))
-    masks = masks_of(schema, clauses) if clauses else torch.zeros(0, schema.num_words, dtype=torch.int64)
+    masks = (
+        masks_of(schema, clauses)
+        if clauses
+        else torch.zeros(0, schema.num_words, dtype=torch.int64)
+    )
     negate = torch.tensor([neg for _j, _s, neg in picks], dtype=torch.bool)
     want = eligible(sig, masks, negate).nonzero().flatten()
     got = eligible_rows_cpu(sig, masks, negate, counts, postings)

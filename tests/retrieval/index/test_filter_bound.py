@@ -55,8 +55,12 @@ def test_filtered_recall_holds_at_every_selectivity(data, index, selectivity):
 def test_the_first_round_alone_misses_on_this_data(data, index):
     """Without the check (filter_bound = 0) the plan's lists hold K eligible items that are not
     the best: the data is the case the check is for."""
-    off = with_config(index, filter_bound=0.0)
+    off = with_config(index, filter_bound=0.0, **UNMEASURED)
     assert min(recall(data, off, s) for s in (0.5, 0.2)) < 0.9
+
+
+UNMEASURED = {"plan_costs": (), "coverage_curve": ()}
+"""Settings that drop the build's measured plan costs: ``exact_cost`` and ``nprobe`` decide."""
 
 
 def with_config(index: IVFIndex, **changes) -> IVFIndex:
@@ -70,7 +74,7 @@ def with_config(index: IVFIndex, **changes) -> IVFIndex:
 def provable(index: IVFIndex) -> IVFIndex:
     """``index`` with slack 1 (the proof) that never trades lists for an exact scan, so its
     answers are comparable, score for score, with a scan of every list."""
-    return with_config(index, filter_bound_slack=1.0, exact_cost=1e9)
+    return with_config(index, filter_bound_slack=1.0, exact_cost=1e9, **UNMEASURED)
 
 
 def misses_nothing(index: IVFIndex, q: np.ndarray, texts: list[str]) -> torch.Tensor:
@@ -128,7 +132,17 @@ def test_the_bounds_stay_bounds_after_live_updates(data, index):
 
 @pytest.mark.parametrize("num_shards", [1, 3])
 def test_routed_answers_equal_local_ones(data, index, num_shards):
-    """A router plans with the statistics only and asks its shards for the second round's lists."""
+    """A router plans with the statistics only and asks its shards for the second round's lists
+    (with the plan costs the build measured, and without them: lists then at 50 %)."""
+    for measured in (True, False):
+        routed_equal_local(
+            data, index if measured else with_config(index, **UNMEASURED), num_shards, measured
+        )
+
+
+def routed_equal_local(
+    data: AntiCorrelated, index: IVFIndex, num_shards: int, measured: bool
+) -> None:
     stats, shards = split_index(index, shard_of(index.item_ids, num_shards), num_shards)
     q = torch.from_numpy(data.q[:40])
     for s in (0.5, 0.2, 0.01):
@@ -147,7 +161,7 @@ def test_routed_answers_equal_local_ones(data, index, num_shards):
         top = run_search(plan, fetch)
         want_ids, want_scores = index.search(q, K, texts)
         assert_same_topk(top.keys, top.scores, want_ids, want_scores)
-        if s == 0.5:  # the first round's lists, then a second round's, went to the shards
+        if s == 0.5 and not measured:  # the first round's lists, then a second round's
             assert asked[0].lists is not None and len(asked) > 1 and asked[1].lists is not None
 
 

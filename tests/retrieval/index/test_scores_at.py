@@ -51,3 +51,16 @@ def test_any_dimension_scores_like_the_torch_formula(d):
     q, pos = torch.randn(2, d, generator=g), torch.randperm(400, generator=g)[:50]
     got = score_rows_cpu(q, pos, index.codes, index.scales, index.offsets, q @ index.centroids.T)
     torch.testing.assert_close(got, torch_scores(index, q, pos), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("d", [7, 24, 784])
+def test_the_simd_path_returns_the_portable_bits(d, monkeypatch):
+    """The AVX2 + FMA scorer and the portable loop sum in the same order: the same floats."""
+    g = torch.Generator().manual_seed(d)
+    index = build_ivf(torch.randn(300, d, generator=g), IVFConfig(nlist=4, codes="int8"))
+    q, pos = torch.randn(3, d, generator=g), torch.arange(300)
+    args = (q, pos, index.codes, index.scales, index.offsets, q @ index.centroids.T)
+    monkeypatch.setenv(ISA_ENV, "portable")
+    portable = score_rows_cpu(*args)
+    monkeypatch.setenv(ISA_ENV, "auto")
+    assert torch.equal(score_rows_cpu(*args), portable)
