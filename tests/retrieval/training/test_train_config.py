@@ -315,7 +315,9 @@ def test_model_mirrors_model_config():
 
 
 def test_index_mirrors_ivf_config():
-    measured = {"filter_bound_slack", "recall_curve", "slack_curve"}  # the build measures them
+    measured = {  # the build measures them
+        "filter_bound_slack", "recall_curve", "slack_curve", "plan_costs", "coverage_curve"
+    }  # fmt: skip
     assert set(IndexSection.model_fields) == {f.name for f in fields(IVFConfig)} - measured
     built = IndexSection().build(num_items=10_000)
     assert (built.nlist, built.nprobe, built.target_recall) == (100, 12, 0.97)
