@@ -166,8 +166,10 @@ FILTERS: dict[str, FilterSpec] = {
     f.label: f
     for f in (
         FilterSpec("50%", tuple(range(16))),
+        FilterSpec("20%", tuple(range(13)), tuple(range(16))),  # 13/32 * 16/32 ~= 20.3 % (issue 21)
         FilterSpec("10%", tuple(range(13)), tuple(range(8))),  # 13/32 * 8/32 ~= 10.2 % (issue 21)
         FilterSpec("5%", tuple(range(13)), tuple(range(4))),  # 13/32 * 4/32 ~= 5.1 %
+        FilterSpec("1%", tuple(range(10)), (0,)),  # 10/1024 ~= 0.98 % (issue 21)
         FilterSpec("0.5%", tuple(range(5)), (0,)),  # 5/1024 ~= 0.49 %
         FilterSpec("0.1%", (0,), (0,)),  # 1/1024 ~= 0.098 %
     )

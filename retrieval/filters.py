@@ -356,9 +356,12 @@ def estimate_selectivity(fb: FilterBatch, counts: torch.Tensor, num_items: int) 
     """
     if not fb.active:
         return torch.ones(fb.masks.shape[0])
-    masks, negate = fb.masks.cpu(), fb.negate.cpu()  # planning runs on the host
-    shifts = torch.arange(WORD_BITS, dtype=torch.int64)
-    bits = ((masks.unsqueeze(-1) >> shifts) & 1).reshape(*masks.shape[:2], -1).float()
-    frac = (bits @ counts.float().cpu() / max(num_items, 1)).clamp(max=1.0)  # [B, C]
-    frac = torch.where(negate, 1.0 - frac, frac)
-    return frac.prod(dim=1)
+    # NumPy on the host, where planning runs: a handful of torch ops cost ~80 us for one row
+    masks, negate = fb.masks.cpu().numpy(), fb.negate.cpu().numpy()
+    b, c = masks.shape[:2]
+    as_bytes = np.ascontiguousarray(masks).view(np.uint8).reshape(b, c, -1)  # little-endian words
+    bits = np.unpackbits(as_bytes, axis=2, bitorder="little")  # [B, C, W*64]
+    per_bit = counts.cpu().numpy().astype(np.float64) / max(num_items, 1)
+    frac = np.minimum(bits @ per_bit, 1.0)  # [B, C]
+    frac = np.where(negate, 1.0 - frac, frac)
+    return torch.from_numpy(frac.prod(axis=1).astype(np.float32))

@@ -228,8 +228,10 @@ def with_bounds(
     full[rows.to(dev)] = bounds
     lists = torch.full((b, first.shape[1]), -1, dtype=torch.int64, device=dev)
     lists[rows.to(dev)] = first
-    budget = exact_codes(index.config, index.ntotal, sel.cpu(), b, on_cpu(index)).to(dev)
-    check = BoundCheck(full, sizes, budget.float())
+    keys = sel.tolist()  # few distinct: one each
+    cost = {s: exact_codes(index.config, index.ntotal, s, b, on_cpu(index)) for s in set(keys)}
+    budget = torch.tensor([cost[s] for s in keys], dtype=torch.float32, device=dev)
+    check = BoundCheck(full, sizes, budget)
     return replace(plan, lists=lists.cpu(), check=check)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from retrieval.filters import AttributeValue
 from retrieval.index.bound import list_bits, list_radius, measure_slack, residual_norms
-from retrieval.index.calibrate import calibrates, measure_coverage, measure_plan_costs
+from retrieval.index.calibrate import calibrates, measure_plan_costs
 from retrieval.index.codes import quantize
 from retrieval.index.exact import exact_search, recall_at_k
 from retrieval.index.inputs import as_tensor
@@ -143,7 +143,6 @@ def _calibrate(index: IVFIndex, sample: torch.Tensor, vectors: Vectors) -> None:
     if config.target_recall > 0:
         tune_nprobe(index, sample, vectors)
     if config.measure_costs and not config.plan_costs and calibrates(index):
-        index.config = replace(index.config, coverage_curve=measure_coverage(index, sample))
         index.config = replace(index.config, plan_costs=measure_plan_costs(index, sample))
 
 

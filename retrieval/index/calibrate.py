@@ -1,17 +1,13 @@
-"""The build's measurements of the filtered plan's costs (``costs.py`` reads them), taken on
-the machine that builds, with the index's own kernels, codes and dimension:
+"""The build's measurement of the filtered plan's costs (``costs.py`` reads them), taken on
+the machine that builds, with the index's own kernels, codes and dimension.
 
-* :func:`measure_plan_costs`: for one query and for a batch, at a few selectivities, the time
-  of the list plan per code the cost model charges it, and of the exact plan (eligible rows
-  from postings, their scores off the codes, top-k) per eligible item; the planner uses the
-  ratio. Both run end to end under a synthetic filter, a random share of the catalog on one
-  signature bit, so the measurement needs no attribute of the user's data.
-* :func:`measure_coverage`: how many lists, in probe order, hold 95 % of a sample query's best
-  ``m`` items, for ``m = k, 2k, 4k, ...``: the lists a list plan must reach at selectivity
-  ``k / m``.
-
-Both take well under a second at 60k x 784 and at 10M x 64; an index without filter attributes
-skips them (its rows never choose between the plans).
+For one query and for a batch of :data:`BATCH`, at each of :data:`SELECTIVITIES`, both plans
+run end to end on sample queries, as a search runs them (``run_search``: the plan, its bound
+check and second rounds; and the exact scan: eligible rows from postings, their scores off the
+codes, top-k), under a synthetic filter: one signature bit, set on a random share of the
+catalog, installed on a copy of the index. So the measurement needs no attribute of the user's
+data, and costs ~0.3-0.5 s at 60k x 784 (``bench/RESULTS.md``). An index without filter
+attributes skips it: its rows never choose between the plans.
 """
 
 from __future__ import annotations
@@ -29,21 +25,16 @@ from retrieval.filters import FilterBatch
 from retrieval.index.bound import as_scored
 from retrieval.index.config import IVFConfig
 from retrieval.index.costs import BATCHED
-from retrieval.index.exact import exact_topk
 from retrieval.index.ivf import IVFIndex
-from retrieval.index.planner import list_codes
 from retrieval.index.scan import bit_index_cpu
+from retrieval.index.search import Candidates, SearchPlan, run_search
 
-SELECTIVITIES = (0.5, 0.1, 0.02)
+SELECTIVITIES = (0.5, 0.1, 0.02, 0.004)
 """Where the costs are measured (the planner interpolates between them in log scale)."""
 BATCH = 32
 """Rows of the batch measurement (above ``costs.BATCHED``)."""
 MAX_EXACT = 1 << 13
 """Eligible items of a timed exact scan at most (its cost per item is flat past a few thousand)."""
-COVERAGE_QUERIES = 16
-COVERAGE_SHARE = 0.95
-COVERAGE_SPAN = 64
-"""The coverage curve reaches ``m = COVERAGE_SPAN * k`` (selectivity ``1 / COVERAGE_SPAN``)."""
 
 
 def calibrates(index: IVFIndex) -> bool:
@@ -56,17 +47,10 @@ def calibrates(index: IVFIndex) -> bool:
     )
 
 
-def measure_plan_costs(
-    index: IVFIndex, sample: torch.Tensor
-) -> tuple[tuple[float, float, float], ...]:
-    """``(batch, selectivity, ratio)`` rows: one exact-scan item's time over one list-plan
-    code's, for ``batch`` 1 and :data:`BATCH` query rows of ``sample [Q, D]``.
-
-    Both plans run end to end (``planned_positions``: the plan, its rounds and the bound
-    check) under a synthetic filter installed on a copy of the index. The list plan's time is
-    divided by the codes the cost model charges it (``costs.py``: its lists, or those that hold
-    its best ``k / sel`` items by the coverage curve, so measure that first), the exact plan's
-    by its eligible items."""
+def measure_plan_costs(index: IVFIndex, sample: torch.Tensor) -> tuple[tuple[float, ...], ...]:
+    """``IVFConfig.plan_costs`` rows (``costs.py``): ``(batch, selectivity, exact seconds per
+    eligible item, list plan seconds per query, its first round's lists, codes its rounds
+    scanned per query)`` for ``batch`` 1 and :data:`BATCH` rows of ``sample [Q, D]``."""
     n, k, nprobe = index.ntotal, min(index.config.tune_k, index.ntotal), index.config.nprobe
     q = as_scored(index, sample.float().cpu())
     gen = torch.Generator().manual_seed(index.config.seed)
@@ -75,22 +59,41 @@ def measure_plan_costs(
     for sel in SELECTIVITIES:
         lists = _filtered(index, torch.rand(n, generator=gen) < sel, listed)
         m = max(k, min(int(sel * n), MAX_EXACT))
-        chosen = torch.zeros(n, dtype=torch.bool).index_fill_(
-            0, torch.randperm(n, generator=gen)[:m], True
+        chosen = torch.zeros(n, dtype=torch.bool)
+        exact = _filtered(
+            index, chosen.index_fill_(0, torch.randperm(n, generator=gen)[:m], True), index.config
         )
-        exact = _filtered(index, chosen, index.config)
         for batch in (1, BATCH):
             qb = q[:batch] if len(q) >= batch else q.repeat(math.ceil(batch / len(q)), 1)[:batch]
             fb = FilterBatch(
                 torch.ones(batch, 1, 1, dtype=torch.int64), torch.zeros(batch, 1, dtype=torch.bool)
             )
-            plan = lists.plan(fb, k, nprobe, 0)
-            codes = list_codes(index, plan.nprobe, torch.full((batch,), sel), [k] * batch)
-            list_s = _best_of(partial(lists.planned_positions, qb, k, fb, nprobe, 0))
+            scanned: list[int] = []
+            list_s = _best_of(partial(_list_plan, lists, qb, k, fb, nprobe, scanned))
             exact_s = _best_of(partial(exact.planned_positions, qb, k, fb, nprobe, 0, exact=True))
-            per_code = list_s / float(codes.sum())
-            out.append((float(batch), sel, (exact_s / (batch * m)) / per_code))
+            first = float(lists.plan(fb, k, nprobe, 0).nprobe.double().mean())
+            codes = scanned[-1] / batch
+            out.append((float(batch), sel, exact_s / (batch * m), list_s / batch, first, codes))
     return tuple(out)
+
+
+def _list_plan(
+    index: IVFIndex, q: torch.Tensor, k: int, fb: FilterBatch, nprobe: int, scanned: list[int]
+) -> None:
+    """``planned_positions`` of a list plan, appending the codes its rounds scanned."""
+    plan = index.plan(fb, k, nprobe, 0, q=q)
+    sizes, codes = index.offsets.diff(), 0
+
+    def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
+        nonlocal codes
+        qq, f = (q, fb) if rows is None else (q[rows], fb.rows(rows))
+        widest = min(int(p.nprobe.max()), index.nlist)  # a short row asks for WIDEN x its lists
+        probed = p.lists if p.lists is not None else index.probe(qq, widest)[1]
+        codes += int(sizes[probed.clamp(min=0)].masked_fill(probed < 0, 0).sum())
+        return index.candidates(qq, f, p)
+
+    run_search(plan, fetch)
+    scanned.append(codes)
 
 
 def _filtered(index: IVFIndex, passing: torch.Tensor, config: IVFConfig) -> IVFIndex:
@@ -106,28 +109,6 @@ def _filtered(index: IVFIndex, passing: torch.Tensor, config: IVFConfig) -> IVFI
     return copy
 
 
-def measure_coverage(index: IVFIndex, sample: torch.Tensor) -> tuple[tuple[int, float], ...]:
-    """``(m, lists)``: the mean over sample queries of the lists, in each query's probe order,
-    that hold :data:`COVERAGE_SHARE` of its best ``m`` items (scores off the codes), for ``m``
-    = k, 2k, 4k, ... up to ``COVERAGE_SPAN * k`` or the catalog."""
-    n, k = index.ntotal, min(index.config.tune_k, index.ntotal)
-    q = as_scored(index, sample[:COVERAGE_QUERIES].float().cpu())
-    top_m = min(n, COVERAGE_SPAN * k)
-    pos, _ = exact_topk(q, top_m, torch.arange(n), index.scores_at)  # [Q, M], best first
-    lists = torch.searchsorted(index.offsets, pos.clamp(min=0), right=True) - 1
-    order = index.probe(q, index.nlist)[1]  # [Q, nlist], best first
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(index.nlist).expand_as(order))
-    ranks = rank.gather(1, lists)  # [Q, M]: each of the best items' list's probe rank
-    curve, m = [], k
-    while True:
-        first = ranks[:, :m].sort(dim=1).values
-        need = first[:, max(0, math.ceil(COVERAGE_SHARE * m) - 1)] + 1
-        curve.append((m, round(float(need.double().mean()), 2)))
-        if m >= top_m:
-            return tuple(curve)
-        m = min(2 * m, top_m)
-
-
 def _best_of(run: Callable[[], object], repeats: int = 2) -> float:
     run()  # warm: scratch buffers, thread pool
     best = math.inf
@@ -138,4 +119,4 @@ def _best_of(run: Callable[[], object], repeats: int = 2) -> float:
     return best
 
 
-assert BATCH > BATCHED  # the batch measurement must cost batches
+assert BATCH > BATCHED  # the batch measurement must price batches

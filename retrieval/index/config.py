@@ -56,18 +56,16 @@ class IVFConfig:
     seed: int = 0
     exact_cost: float = 2.0
     """Cost of scoring one eligible item exactly, relative to one code in a list, where the build
-    measured none (``plan_costs``). A filtered request is scanned exactly when (eligible items x
-    exact_cost) <= (codes in the lists it must probe) (``retrieval/index/costs.py``)."""
+    measured none (``plan_costs``): a filtered request is then scanned exactly when (eligible
+    items x exact_cost) <= (codes in its probed lists)."""
     measure_costs: bool = True
-    """The build measures ``plan_costs`` and ``coverage_curve`` on its machine (an index with
-    filter attributes, on the CPU; ``retrieval/index/calibrate.py``). False: the constant
-    ``exact_cost`` and ``nprobe`` alone decide, the same on every machine."""
-    plan_costs: tuple[tuple[float, float, float], ...] = ()
-    """``(batch, selectivity, exact_cost)`` measured by the build: one eligible item's exact-scan
-    time over one code's filtered list-scan time, for one query and for a batch."""
-    coverage_curve: tuple[tuple[int, float], ...] = ()
-    """``(m, lists)`` measured by the build: lists, in probe order, holding 95 % of a sample
-    query's best ``m`` items; what a filtered row must probe at selectivity ``k / m``."""
+    """The build times the filtered plan's two ways on its machine (an index with filter
+    attributes, on the CPU; ``retrieval/index/calibrate.py``) into ``plan_costs``. False: the
+    constant ``exact_cost`` decides, the same on every machine."""
+    plan_costs: tuple[tuple[float, ...], ...] = ()
+    """``(batch, selectivity, exact seconds per eligible item, list plan seconds per query, its
+    first round's lists, codes its rounds scanned)`` measured by the build, for one query and
+    for a batch (``retrieval/index/costs.py``)."""
     filter_nprobe_exponent: float = 0.5
     """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists (its
     first round; ``filter_bound`` may add a second)."""

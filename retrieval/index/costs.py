@@ -1,26 +1,32 @@
-"""The filtered plan's cost model: what the planner weighs when it picks, per query row, lists
-or an exact scan of the row's eligible items (``planner.py``, and the bound check's second
-round in ``bound.py``). Both costs are counted in *codes scanned by a list plan*:
+"""The filtered plan's cost model: what the planner weighs when it picks, per query row, its
+lists or an exact scan of the row's eligible items (``planner.py``), and what the bound check
+weighs when it picks a second round of lists or the exact scan (``bound.py``).
 
-    lists  = max(nprobe, lists_to_hold(need / sel)) * items per list
-    exact  = sel * N * exact_cost(sel, batch)
+The build times both plans on its own machine, at its dimension, with its kernels
+(``calibrate.py``), for one query and for a batch, at a few selectivities; each
+``IVFConfig.plan_costs`` row is ``(batch, selectivity, exact seconds per eligible item, list
+plan seconds per query, the lists its first round probed, the codes its rounds scanned)``.
+A row of selectivity ``s`` wanting its first round to probe ``p`` lists then costs::
 
-``lists_to_hold(m)`` reads the build's ``coverage_curve``: how many lists, in probe order, hold
-95 % of a query's best ``m`` items. A filter admitting ``sel`` of the catalog at random keeps
-about ``sel * m`` of them, so a row wanting ``need`` results must reach its best ``need / sel``
-before its results are the true ones; probing fewer lists sends it to a second round.
-``exact_cost(sel, batch)``: the time of one eligible item in an exact scan over the time of one
-code in a filtered list scan, both *measured* at build on this machine at this dimension
-(``calibrate.py``) for one query and for a batch, at a few selectivities, and interpolated in
-``log(sel)``. An index built without them (or searched on another device than it was
-measured on) uses the constant ``IVFConfig.exact_cost`` and ``nprobe`` alone, as it did.
+    exact = s * N * (seconds per eligible item at s)
+    lists = (list plan seconds per query at s) * max(1, p / (first-round lists at s))
+
+read off the rows of its batch regime (one query, or more than :data:`BATCHED`), interpolated
+in ``log s`` (times in log scale too) and clamped to the measured range. The list plan's time
+is what it took end to end, its bound check and second rounds included, so a filter that sends
+most rows to a second round is priced as such. The bound check prices the exact scan in codes
+of a list scan: the exact time over the list plan's seconds per code it scanned.
+
+An index without measurements (``measure_costs = False``, no filter attributes, an index saved
+before them, or one searched on another device than the CPU it was measured on) compares
+``s * N * exact_cost`` with ``p`` lists' codes, as it always did.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -28,8 +34,11 @@ import torch
 from retrieval.index.config import IVFConfig
 
 BATCHED = 16
-"""Rows above this many a search are costed by the batch measurements (the exact plan's scores
+"""Rows above this many a search are priced by the batch measurements (the exact plan's scores
 become one matmul above ``probe.FEW_QUERIES`` = 16 rows; fewer are scored row by row)."""
+
+BATCH, SEL, EXACT_ITEM_S, LIST_QUERY_S, LIST_FIRST, LIST_CODES = range(6)
+"""Columns of an ``IVFConfig.plan_costs`` row."""
 
 
 class _Placed(Protocol):
@@ -42,53 +51,54 @@ def on_cpu(index: _Placed) -> bool:
     return index.centroids.device.type == "cpu"
 
 
-def exact_codes(
-    config: IVFConfig, ntotal: int, sel: torch.Tensor, batch: int, measured: bool = True
-) -> torch.Tensor:
-    """``[B] float64``: each row's exact scan of its eligible items (``sel [B]`` of ``ntotal``)
-    in list-scan codes, for a search of ``batch`` rows; ``measured`` False (another device than
-    the build measured on): the constant ``exact_cost``."""
-    costs = config.plan_costs if measured else ()
-    return sel.double() * ntotal * exact_cost(costs, config.exact_cost, sel, batch)
-
-
-def exact_cost(
-    costs: Sequence[Sequence[float]], constant: float, sel: torch.Tensor, batch: int
-) -> torch.Tensor:
-    """Per row: one eligible item's exact-scan time in list-scan codes. ``costs``: the build's
-    ``(batch, selectivity, ratio)`` rows (empty: ``constant`` for every row); ``sel [B]``."""
-    rows = [(s, r) for b, s, r in costs if (b > BATCHED) == (batch > BATCHED)]
+def plan_seconds(
+    config: IVFConfig, ntotal: int, sel: float, first: float, batch: int, measured: bool = True
+) -> tuple[float, float] | None:
+    """``(exact, lists)`` seconds of one row of a search of ``batch`` rows: selectivity ``sel``,
+    a first round of ``first`` lists. None where the index has no measurements (or
+    ``measured`` is False: another device). Python floats: a batch has few distinct rows."""
+    rows = _regime(config.plan_costs, batch) if measured else ()
     if not rows:
-        return torch.full(sel.shape, float(constant), dtype=torch.float64)
-    rows.sort()
-    xs = torch.tensor([math.log(s) for s, _ in rows], dtype=torch.float64)
-    ys = torch.tensor([r for _, r in rows], dtype=torch.float64)
-    x = sel.double().clamp(min=1e-9).log().clamp(float(xs[0]), float(xs[-1]))
-    return _interp(x, xs, ys)
+        return None
+    exact = sel * ntotal * _read(rows, EXACT_ITEM_S, sel)
+    scale = max(1.0, first / _read(rows, LIST_FIRST, sel))
+    return exact, _read(rows, LIST_QUERY_S, sel) * scale
 
 
-def lists_to_hold(curve: Sequence[Sequence[float]], m: float, nlist: int) -> float:
-    """Lists a query probes, best first, to hold 95 % of its best ``m`` items, read off the
-    build's ``(m, lists)`` coverage curve (interpolated in ``log m``); past the curve's last
-    point, every list unless that point already was the whole catalog. 0 without a curve."""
-    if not curve:
-        return 0.0
-    ms = [float(a) for a, _ in curve]
-    ls = [float(b) for _, b in curve]
-    if m <= ms[0]:
-        return ls[0]
-    if m > ms[-1]:
-        return float(nlist)
-    i = bisect.bisect_left(ms, m)  # ms[i - 1] < m <= ms[i]
-    w = (math.log(m) - math.log(ms[i - 1])) / (math.log(ms[i]) - math.log(ms[i - 1]))
-    return ls[i - 1] + w * (ls[i] - ls[i - 1])
+def exact_codes(
+    config: IVFConfig, ntotal: int, sel: float, batch: int, measured: bool = True
+) -> float:
+    """One row's exact scan of its eligible items (``sel`` of ``ntotal``) in codes of a list
+    scan: measured seconds over the list plan's seconds per code, else ``sel * N *
+    exact_cost``."""
+    rows = _regime(config.plan_costs, batch) if measured else ()
+    if not rows:
+        return sel * ntotal * float(config.exact_cost)
+    per_code = _read(rows, LIST_QUERY_S, sel) / max(_read(rows, LIST_CODES, sel), 1.0)
+    return sel * ntotal * _read(rows, EXACT_ITEM_S, sel) / per_code
 
 
-def _interp(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """Piecewise-linear ``ys`` over ascending ``xs`` at ``x`` (clamped to the ends)."""
-    if len(xs) == 1:
-        return ys.expand(x.shape).clone()
-    i = torch.searchsorted(xs, x).clamp(1, len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    w = ((x - x0) / (x1 - x0).clamp(min=1e-12)).clamp(0.0, 1.0)
-    return y0 + w * (y1 - y0)
+@functools.lru_cache(maxsize=64)
+def _regime(costs: tuple[tuple[float, ...], ...], batch: int) -> tuple[tuple[float, ...], ...]:
+    """The rows measured in ``batch``'s regime (one query, or a batch), by selectivity, with
+    every value in log scale."""
+    rows = [c for c in costs if len(c) > LIST_CODES and (c[BATCH] > BATCHED) == (batch > BATCHED)]
+    return tuple(
+        tuple(math.log(max(v, 1e-15)) for v in c) for c in sorted(rows, key=lambda c: c[SEL])
+    )
+
+
+def _read(rows: tuple[tuple[float, ...], ...], column: int, sel: float) -> float:
+    """Column ``column`` at selectivity ``sel``: piecewise linear in log-log, clamped to the
+    measured selectivities."""
+    x = min(max(math.log(max(sel, 1e-12)), rows[0][SEL]), rows[-1][SEL])
+    i = (
+        min(max(bisect.bisect_left([r[SEL] for r in rows], x), 1), len(rows) - 1)
+        if len(rows) > 1
+        else 0
+    )
+    if len(rows) == 1:
+        return math.exp(rows[0][column])
+    x0, x1 = rows[i - 1][SEL], rows[i][SEL]
+    w = 0.0 if x1 <= x0 else min(max((x - x0) / (x1 - x0), 0.0), 1.0)
+    return math.exp(rows[i - 1][column] + w * (rows[i][column] - rows[i - 1][column]))

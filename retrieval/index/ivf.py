@@ -40,6 +40,7 @@ from retrieval.index.bound import as_scored
 from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
+from retrieval.index.exact_ids import exact_search_ids
 from retrieval.index.exclude import IdOrder, excluded_positions
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
 from retrieval.index.plain import plain_item_candidates, plain_search, plain_search_ids
@@ -247,6 +248,8 @@ class IVFIndex(nn.Module):
         fb = None if filters is None else self.compile_filter(filters, q.shape[0])
         if recall_target is None and (found := plain_search_ids(self, q, k, fb, *settings)):
             return found  # a few queries on the CPU: one C++ call (retrieval/index/plain.py)
+        if recall_target is None and (found := exact_search_ids(self, q, k, fb, *settings)):
+            return found  # a selective filter's exact scan (retrieval/index/exact_ids.py)
         target = None
         if recall_target is not None:
             target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])

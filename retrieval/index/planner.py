@@ -7,11 +7,10 @@ Reads only an index's statistics (``ntotal``, ``nlist``, ``bit_counts``, ``list_
     lists_b  = max(base_b * sel_b ** -exponent,                  widened as the filter narrows
                    2 (r + S_b) / (items per list * sel_b))         enough to hold the candidates
                                                                    and the S_b items it excludes
-    exact_b  = sel_b * N * exact_cost <= max(lists_b, lists to hold its best r / sel_b)
-                                         * items per list  (or its target asks for 1)
-
-``exact_cost`` and the lists that hold a query's best items are measured by the build on its
-machine (``retrieval/index/costs.py``); an index without them uses the constant and ``lists_b``.
+    exact_b  = the exact scan of its eligible items costs no more than its list plan, by the
+               times the build measured on this machine (``retrieval/index/costs.py``; an index
+               without them: sel_b * N * exact_cost <= lists_b * items per list), or its target
+               asks for 1
 
 ``sel_b`` is the filter's estimated selectivity. With the queries, filtered rows that probe lists
 skip the lists their filter rules out and get a bound check for a second round
@@ -27,7 +26,7 @@ import torch
 
 from retrieval.filters import FilterBatch, estimate_selectivity
 from retrieval.index.bound import ListedIndex, with_bounds
-from retrieval.index.costs import exact_codes, lists_to_hold, on_cpu
+from retrieval.index.costs import exact_codes, on_cpu, plan_seconds
 from retrieval.index.search import SearchPlan
 from retrieval.index.targets import row_settings
 
@@ -74,12 +73,7 @@ def make_plan(
     p = torch.tensor([lists[key] for key in keys], dtype=torch.int64)
     if not fb.active and not exact and rows is None:  # the common case
         return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
-    scan_exact = (
-        exact_codes(cfg, index.ntotal, sel, b, on_cpu(index))
-        <= list_codes(index, p, sel, [r + e for e in excluded])
-        if fb.active
-        else torch.zeros(b, dtype=torch.bool)
-    )
+    scan_exact = cheaper_exact(index, sel, p, b) if fb.active else torch.zeros(b, dtype=torch.bool)
     if exact:
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
@@ -90,17 +84,24 @@ def make_plan(
     return with_bounds(index, q, fb, plan, sel, None if rows is None else rows.slack)
 
 
-def list_codes(
-    index: PlannedIndex, lists: torch.Tensor, sel: torch.Tensor, need: list[int]
+def cheaper_exact(
+    index: PlannedIndex, sel: torch.Tensor, lists: torch.Tensor, batch: int
 ) -> torch.Tensor:
-    """``[B] float64``: codes a row's list plan reads: its ``lists [B]``, or the lists that hold
-    its best ``need / sel`` items by the build's coverage curve, whichever is more."""
-    curve, nlist = index.config.coverage_curve, max(index.nlist, 1)
-    keys = list(zip(need, sel.tolist(), strict=True))  # few distinct in a batch: one each
-    hold = {key: lists_to_hold(curve, key[0] / max(key[1], 1e-9), nlist) for key in set(keys)}
-    held = [hold[key] for key in keys]
-    probed = torch.maximum(lists.double(), torch.tensor(held, dtype=torch.float64))
-    return probed * (index.ntotal / nlist)
+    """``[B] bool``: rows (selectivity ``sel [B]``, first round of ``lists [B]``) whose exact
+    scan costs no more than their list plan, by the times the build measured on this machine
+    (``retrieval/index/costs.py``), else by ``exact_cost`` against the lists' codes."""
+    cfg, n, measured = index.config, index.ntotal, on_cpu(index)
+    per_list = n / max(index.nlist, 1)
+
+    def cheaper(s: float, p: int) -> bool:
+        times = plan_seconds(cfg, n, s, p, batch, measured)
+        if times is not None:
+            return times[0] <= times[1]
+        return exact_codes(cfg, n, s, batch, measured=False) <= p * per_list
+
+    keys = list(zip(sel.tolist(), lists.tolist(), strict=True))  # few distinct: one each
+    answer = {key: cheaper(*key) for key in set(keys)}
+    return torch.tensor([answer[key] for key in keys], dtype=torch.bool)
 
 
 def lists_for(index: PlannedIndex, sel: float, base: int, need: int) -> int:

@@ -312,6 +312,31 @@ def decode_rows_cpu(
     return _extension().decode_rows_int8(pos.contiguous(), codes, scales, offsets, centroids)
 
 
+def exact_search_ids_cpu(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    sig: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    bit_counts: torch.Tensor,
+    postings: torch.Tensor,
+    item_ids: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A few queries ``q [B, D]`` scanned exactly over the rows passing one filter (``fmask
+    [C, W]``, ``fneg [C]``) in one C++ call -> ``(ids [B, k], scores [B, k])``, ``-1`` /
+    ``-inf`` padded: :func:`eligible_rows_cpu`, :func:`score_rows_cpu`, the top ``k`` as
+    ``exact.exact_topk`` picks it, and the rows' item ids."""
+    ids, scores = _extension().exact_search_ids_int8(
+        q.contiguous(), centroids, codes, scales, offsets, sig, fmask.contiguous(),
+        fneg.contiguous(), bit_counts, postings, item_ids, k,
+    )  # fmt: skip
+    return ids, scores
+
+
 def eligible_rows_cpu(
     sig: torch.Tensor,
     fmask: torch.Tensor,

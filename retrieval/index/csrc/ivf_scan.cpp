@@ -902,14 +902,31 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   const float* xp = x.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
+  // Where k is a large share of the row (m <= 16 k), most items would pass through the heap:
+  // a selection (nth_element, then a sort of the best k) costs less. Both keep the lower index
+  // among equal scores at the cut, and -inf never counts as a result.
+  const bool select = m <= 16 * k;
+  const auto better = [](const Cand& a, const Cand& c) {
+    return a.first > c.first || (a.first == c.first && a.second < c.second);
+  };
   at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
     std::vector<Cand> heap;
-    heap.reserve(std::min(k, m));
+    heap.reserve(select ? m : std::min(k, m));
     for (int64_t b = b0; b < b1; ++b) {
       heap.clear();
-      float worst = kNegInf;
-      push_scores(xp + b * m, m, 0, k, heap, worst);
-      std::sort_heap(heap.begin(), heap.end(), MinFirst());
+      if (select) {
+        const float* row = xp + b * m;
+        for (int64_t i = 0; i < m; ++i)
+          if (row[i] > kNegInf) heap.emplace_back(row[i], i);
+        const int64_t kk = std::min<int64_t>(k, (int64_t)heap.size());
+        if (kk < (int64_t)heap.size()) std::nth_element(heap.begin(), heap.begin() + kk, heap.end(), better);
+        heap.resize(kk);
+        std::sort(heap.begin(), heap.end(), better);
+      } else {
+        float worst = kNegInf;
+        push_scores(xp + b * m, m, 0, k, heap, worst);
+        std::sort_heap(heap.begin(), heap.end(), MinFirst());
+      }
       for (int64_t j = 0; j < k; ++j) {
         const bool have = j < (int64_t)heap.size();
         vp[b * k + j] = have ? heap[j].first : kNegInf;
@@ -918,6 +935,30 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
     }
   });
   return {values, indices};
+}
+
+// A selective filter's exact search for a few queries in one call: the rows passing one filter
+// (eligible_rows), their scores off the codes against the float queries (score_rows_int8, with
+// coarse = q @ centroids^T as torch computes it), the best k (topk_rows, as exact.exact_topk
+// picks them) and the rows' item ids ->
+// (ids [B, k], scores [B, k]), -1 / -inf padded. The same answer as the planned path's exact scan.
+std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
+    const at::Tensor& q, const at::Tensor& centroids, const at::Tensor& codes, const at::Tensor& scales,
+    const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
+    const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k) {
+  TORCH_CHECK(k >= 1, "k must be >= 1");
+  TORCH_CHECK(item_ids.dim() == 1 && item_ids.size(0) == codes.size(0) && item_ids.scalar_type() == at::kLong,
+              "item_ids must be int64 [N]");
+  const at::Tensor rows = eligible_rows(sig, fmask, fneg, bit_counts, postings);
+  const int64_t b_count = q.size(0), m = rows.numel();
+  const at::Tensor coarse = at::matmul(q, centroids.t()).contiguous();
+  const at::Tensor scores = score_rows_int8(q, rows, codes, scales, offsets, coarse);  // [B, M]
+  auto [best, idx] = topk_rows(scores, k);  // pads -1 / -inf where fewer than k rows pass
+  const at::Tensor have = best > kNegInf;
+  const at::Tensor safe = idx.clamp_max(std::max<int64_t>(m - 1, 0)).masked_fill(~have, 0);
+  at::Tensor ids = at::full({b_count, k}, -1, item_ids.options());
+  if (m > 0) ids = at::where(have, item_ids.index_select(0, rows.index_select(0, safe.flatten())).view({b_count, k}), ids);
+  return {ids, best};
 }
 
 // The lists each query probes: q [B, D], centroids_t [D, L] (the centroids transposed, float32) ->
@@ -1050,6 +1091,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
   m.def("decode_rows_int8", &decode_rows_int8, "Float vectors of chosen rows off the int8 codes, one pass", nogil);
+  m.def("exact_search_ids_int8", &exact_search_ids_int8,
+        "A selective filter's exact search for a few queries: eligible rows, scores, top-k, ids", nogil);
   m.def("eligible_rows", &eligible_rows, "Rows passing one filter, driven by its most selective clause's postings", nogil);
   m.def("id_rows", &id_rows, "Rows of item ids through the index's id order (missing where absent)", nogil);
   m.def("score_rows_int8", &score_rows_int8, "Scores of chosen rows off the int8 codes (the exact plan)", nogil);

@@ -1,49 +1,54 @@
-"""The filtered plan's cost model (``retrieval/index/costs.py``) and the build's measurement of
-it (``calibrate.py``): the model's arithmetic, what the build records, and that the planner
-picks the plan the recorded costs say is cheaper. Which plan is faster on a machine is measured
-in ``bench/ann.py``, never timed here."""
+"""The filtered plan's cost model (``retrieval/index/costs.py``), the build's measurement of it
+(``calibrate.py``) and the exact search it leads to (``exact_ids.py``): the model's arithmetic,
+what the build records, that the planner picks the plan the recorded costs say is cheaper, and
+that the exact search without the planner answers what the planned path answers. Which plan is
+faster on a machine is measured in ``bench/ann.py``, never timed here."""
 
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 
-from retrieval.filters import estimate_selectivity
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.calibrate import BATCH, SELECTIVITIES
-from retrieval.index.costs import exact_codes, exact_cost, lists_to_hold
+from retrieval.index.costs import exact_codes, plan_seconds
+from retrieval.index.exact_ids import exact_search_ids
 
-COSTS = ((1.0, 0.5, 2.0), (1.0, 0.05, 8.0), (32.0, 0.5, 4.0), (32.0, 0.05, 16.0))
-
-
-def test_exact_cost_reads_the_batch_regime_and_interpolates_in_log_selectivity():
-    sel = torch.tensor([0.5, 0.05, 0.5**0.5 * 0.05**0.5, 0.9, 0.001])
-    one = exact_cost(COSTS, 99.0, sel, 1)
-    torch.testing.assert_close(one, torch.tensor([2.0, 8.0, 5.0, 2.0, 8.0], dtype=torch.float64))
-    many = exact_cost(COSTS, 99.0, sel, 64)
-    torch.testing.assert_close(
-        many, torch.tensor([4.0, 16.0, 10.0, 4.0, 16.0], dtype=torch.float64)
-    )
-    assert bool((exact_cost((), 3.0, sel, 1) == 3.0).all())  # unmeasured: the constant
+# (batch, selectivity, exact s per item, list s per query, first-round lists, codes per query)
+COSTS = (
+    (1.0, 0.5, 1e-7, 1e-3, 10.0, 1000.0),
+    (1.0, 0.02, 4e-7, 4e-3, 40.0, 8000.0),
+    (32.0, 0.5, 1e-8, 1e-4, 10.0, 1000.0),
+    (32.0, 0.02, 4e-8, 4e-4, 40.0, 8000.0),
+)
 
 
-def test_exact_codes_use_the_constant_off_the_measured_device():
-    cfg = IVFConfig(plan_costs=COSTS, exact_cost=1.0)
-    sel = torch.tensor([0.05])
-    assert float(exact_codes(cfg, 1000, sel, 1)[0]) == pytest.approx(0.05 * 1000 * 8.0)
-    assert float(exact_codes(cfg, 1000, sel, 1, measured=False)[0]) == pytest.approx(50.0)
+def test_plan_seconds_read_the_regime_and_interpolate_in_log_log():
+    cfg = IVFConfig(plan_costs=COSTS)
+    exact, lists = plan_seconds(cfg, 1_000_000, 0.5, 10, 1)
+    assert exact == pytest.approx(0.5 * 1e6 * 1e-7) and lists == pytest.approx(1e-3)
+    mid = math.sqrt(0.5 * 0.02)  # halfway in log: the geometric mean of the times
+    exact, lists = plan_seconds(cfg, 1_000_000, mid, 1, 1)
+    assert exact == pytest.approx(mid * 1e6 * 2e-7) and lists == pytest.approx(2e-3)
+    _, batched = plan_seconds(cfg, 1_000_000, 0.5, 10, 64)
+    assert batched == pytest.approx(1e-4)
+    _, wider = plan_seconds(cfg, 1_000_000, 0.5, 30, 1)  # 3x the first round's lists
+    assert wider == pytest.approx(3e-3)
+    _, clamped = plan_seconds(cfg, 1_000_000, 0.001, 1, 1)
+    assert clamped == pytest.approx(4e-3)
+    assert plan_seconds(cfg, 1_000_000, 0.5, 10, 1, measured=False) is None
+    assert plan_seconds(IVFConfig(), 1_000_000, 0.5, 10, 1) is None
 
 
-def test_lists_to_hold_reads_the_coverage_curve():
-    curve = ((100, 10.0), (400, 30.0), (1600, 60.0))
-    assert lists_to_hold(curve, 50, 256) == 10.0
-    assert lists_to_hold(curve, 200, 256) == pytest.approx(20.0)  # halfway in log m
-    assert lists_to_hold(curve, 1600, 256) == 60.0
-    assert lists_to_hold(curve, 1601, 256) == 256.0  # past the curve: every list
-    assert lists_to_hold((), 10_000, 256) == 0.0
+def test_exact_codes_price_the_exact_scan_in_list_codes():
+    cfg = IVFConfig(plan_costs=COSTS, exact_cost=3.0)
+    per_code = 1e-3 / 1000.0
+    assert exact_codes(cfg, 1000, 0.5, 1) == pytest.approx(0.5 * 1000 * 1e-7 / per_code)
+    assert exact_codes(cfg, 1000, 0.5, 1, measured=False) == pytest.approx(0.5 * 1000 * 3.0)
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +61,12 @@ def index(catalog) -> IVFIndex:
     )
 
 
-def test_the_build_measures_costs_and_coverage(index):
-    cfg = index.config
-    assert sorted({(b, s) for b, s, _ in cfg.plan_costs}) == sorted(
+def test_the_build_measures_both_plans(index):
+    rows = index.config.plan_costs
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
         (float(b), s) for b in (1, BATCH) for s in SELECTIVITIES
     )
-    assert all(r > 0 for _, _, r in cfg.plan_costs)
-    ms = [m for m, _ in cfg.coverage_curve]
-    lists = [n for _, n in cfg.coverage_curve]
-    assert ms == sorted(ms) and ms[0] == cfg.tune_k
-    assert lists == sorted(lists) and lists[0] >= 1 and lists[-1] <= index.nlist
+    assert all(len(r) == 6 and min(r[2:]) > 0 for r in rows)
 
 
 def test_costs_survive_save_and_load(index):
@@ -75,34 +76,63 @@ def test_costs_survive_save_and_load(index):
     loaded = IVFIndex(IVFConfig(nlist=64), index.dim, index.schema.attribute_values)
     loaded.load_state_dict(torch.load(buf, weights_only=False))
     assert loaded.config.plan_costs == index.config.plan_costs
-    assert loaded.config.coverage_curve == index.config.coverage_curve
 
 
 def test_nothing_is_measured_without_attributes_or_when_told_not_to(catalog):
     plain = build_ivf(catalog["x"][:3000], IVFConfig(nlist=16))
-    assert plain.config.plan_costs == () and plain.config.coverage_curve == ()
+    assert plain.config.plan_costs == ()
     off = build_ivf(
         catalog["x"][:3000],
         IVFConfig(nlist=16, measure_costs=False),
         item_attributes={k: v[:3000] for k, v in catalog["attrs"].items()},
         attribute_values=catalog["values"],
     )
-    assert off.config.plan_costs == () and off.config.coverage_curve == ()
+    assert off.config.plan_costs == ()
 
 
-@pytest.mark.parametrize("ratio", [0.5, 4.0, 40.0])
-def test_the_plan_takes_the_cheaper_plan_by_the_recorded_costs(index, ratio):
-    """``shard in 0..3``: ~12.5 % of the catalog. Exact costs sel * N * ratio codes; lists
-    cost the more of nprobe and the coverage curve's lists, times the items per list."""
-    costs = tuple((b, s, ratio) for b, s, _ in index.config.plan_costs)
-    curve = ((100, 8.0), (800, 24.0), (6400, 48.0))
-    idx = IVFIndex(index.config, index.dim, index.schema.attribute_values)
-    idx.load_state_dict(index.state_dict())
-    idx.config = replace(index.config, plan_costs=costs, coverage_curve=curve)
-    fb = idx.compile_filter("shard in {0, 1, 2, 3}", 1)
-    plan = idx.plan(fb, 100, 4, 0)
-    sel = float(estimate_selectivity(fb, idx.bit_counts, idx.ntotal)[0])  # ~1/8
-    lists = max(float(plan.nprobe[0]), lists_to_hold(curve, 100 / sel, idx.nlist))
-    cheaper_exact = sel * idx.ntotal * ratio <= lists * idx.ntotal / idx.nlist
-    assert bool(plan.exact[0]) == cheaper_exact
-    assert cheaper_exact == (ratio < 3.0)  # 24 of 64 lists against N / 8 x ratio: both answers
+def with_costs(index: IVFIndex, exact_item_s: float, list_query_s: float) -> IVFIndex:
+    """A copy of ``index`` whose recorded costs are flat: these seconds at every selectivity."""
+    rows = tuple(
+        (b, s, exact_item_s, list_query_s, 1.0, 1000.0) for b in (1.0, 32.0) for s in (0.5, 0.01)
+    )
+    out = IVFIndex(index.config, index.dim, index.schema.attribute_values)
+    out.load_state_dict(index.state_dict())
+    out.config = replace(index.config, plan_costs=rows)
+    return out
+
+
+@pytest.mark.parametrize("list_query_s", [1e-6, 1e-2])
+def test_the_plan_takes_the_plan_the_recorded_costs_price_lower(index, list_query_s):
+    """``shard in 0..3``: ~1/8 of 20k items, 2,500 x 1e-7 s = 0.25 ms exact; lists cost
+    ``list_query_s`` times their first round over the recorded one."""
+    idx = with_costs(index, 1e-7, list_query_s)
+    plan = idx.search_plan(100, "shard in {0, 1, 2, 3}", nprobe=4)
+    assert bool(plan.exact[0]) == (list_query_s > 1e-3)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 40])
+@pytest.mark.parametrize("text", ["shard in {0, 1, 2, 3}", "shard = 0 and bucket in {0, 1}"])
+def test_the_exact_search_answers_what_the_planned_path_does(index, catalog, batch, text):
+    """One C++ call for a few queries, torch ops for more, the planned path's rounds: the same
+    ids and scores (the second filter admits ~40 items, fewer than k: padded alike)."""
+    idx = with_costs(index, 1e-9, 1.0)  # the exact scan, whatever the machine measured
+    q = catalog["q"][:batch]
+    fb = idx.compile_filter(text, batch)
+    got = exact_search_ids(idx, q, 100, fb, 4, 0)
+    assert got is not None
+    pos, scores = idx.planned_positions(q, 100, fb, 4, 0)
+    want = torch.where(pos >= 0, idx.item_ids[pos.clamp(min=0)], pos)
+    assert torch.equal(got[0], want)
+    torch.testing.assert_close(got[1], scores, rtol=0, atol=0)
+    ids, s = idx.search(q, 100, text)
+    assert torch.equal(ids, want) and torch.equal(s, scores)
+
+
+def test_the_exact_search_leaves_lists_and_mixed_batches_to_the_planner(index, catalog):
+    q = catalog["q"][:2]
+    lists = with_costs(index, 1.0, 1e-9)
+    assert exact_search_ids(lists, q, 100, lists.compile_filter("shard = 0", 2), 4, 0) is None
+    exact = with_costs(index, 1e-9, 1.0)
+    mixed = exact.compile_filter(["shard = 0", "shard = 1"], 2)
+    assert exact_search_ids(exact, q, 100, mixed, 4, 0) is None
+    assert exact_search_ids(exact, q, 100, None, 4, 0) is None

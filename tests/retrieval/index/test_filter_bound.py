@@ -59,7 +59,7 @@ def test_the_first_round_alone_misses_on_this_data(data, index):
     assert min(recall(data, off, s) for s in (0.5, 0.2)) < 0.9
 
 
-UNMEASURED = {"plan_costs": (), "coverage_curve": ()}
+UNMEASURED = {"plan_costs": ()}
 """Settings that drop the build's measured plan costs: ``exact_cost`` and ``nprobe`` decide."""
 
 

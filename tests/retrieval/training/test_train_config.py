@@ -316,7 +316,7 @@ def test_model_mirrors_model_config():
 
 def test_index_mirrors_ivf_config():
     measured = {  # the build measures them
-        "filter_bound_slack", "recall_curve", "slack_curve", "plan_costs", "coverage_curve"
+        "filter_bound_slack", "recall_curve", "slack_curve", "plan_costs"
     }  # fmt: skip
     assert set(IndexSection.model_fields) == {f.name for f in fields(IVFConfig)} - measured
     built = IndexSection().build(num_items=10_000)

@@ -1,0 +1,77 @@
+"""A filtered search whose plan scans every row exactly, without the planner's rounds.
+
+Rows that share one filter, with no recall target, no exclusions and no re-rank, all get the
+same plan: when it is the exact scan of their eligible items (``planner.cheaper_exact``: a
+selective filter), the planned path would plan, fetch, scan, select and check for short rows,
+~0.5 ms of Python around a scan that may take 50 us. Here the same decision is made once for
+the one filter, and the same scan answers every row (``eligible_scan``: rows from postings,
+scores off the codes, top-k; for a few CPU queries over int8 codes, one C++ call), so the
+results are the planned path's, id for id.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from retrieval.filters import FilterBatch, estimate_selectivity
+from retrieval.index.bound import as_scored
+from retrieval.index.eligible_scan import SignedIndex, eligible_positions
+from retrieval.index.exact import exact_topk
+from retrieval.index.planner import PlannedIndex, cheaper_exact, lists_for
+from retrieval.index.probe import FEW_QUERIES
+from retrieval.index.scan import KERNEL_ENV, exact_search_ids_cpu
+
+
+class ExactIndex(PlannedIndex, SignedIndex, Protocol):
+    """What this search reads of an index (:class:`~retrieval.index.ivf.IVFIndex`)."""
+
+    centroids: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    item_ids: torch.Tensor
+    exact: torch.Tensor
+
+
+def exact_search_ids(
+    index: ExactIndex, q: torch.Tensor, k: int, fb: FilterBatch | None, nprobe: int, rerank: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(item_ids [B, k], scores [B, k])`` of rows ``q [B, D]`` sharing one filter ``fb``
+    whose plan is the exact scan, ``-1`` / ``-inf`` padded; None where that does not apply (no
+    filter clause, rows with different filters or exclusions, a re-rank, a GPU, or a plan that
+    probes lists)."""
+    if fb is None or not fb.active or fb.exclude is not None or q.device.type != "cpu":
+        return None
+    if rerank and index.keeps_exact_copy:
+        return None
+    masks, negate = fb.masks, fb.negate
+    if masks.shape[0] > 1 and not (
+        bool((masks == masks[:1]).all()) and bool((negate == negate[:1]).all())
+    ):
+        return None
+    sel = estimate_selectivity(FilterBatch(masks[:1], negate[:1]), index.bit_counts, index.ntotal)
+    lists = torch.tensor([lists_for(index, float(sel[0]), nprobe, k)])
+    if not bool(cheaper_exact(index, sel, lists, q.shape[0])[0]):
+        return None
+    q = as_scored(index, q)
+    if _one_call(index, q):
+        return exact_search_ids_cpu(
+            q, index.centroids, index.codes, index.scales, index.offsets, index.sig, masks[0],
+            negate[0], index.bit_counts, index.postings, index.item_ids, k,
+        )  # fmt: skip
+    pos, scores = exact_topk(q, k, eligible_positions(index, masks[0], negate[0]), index.scores_at)
+    return torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos), scores
+
+
+def _one_call(index: ExactIndex, q: torch.Tensor) -> bool:
+    """The C++ call scores what ``scores_at`` would: int8 codes, no exact copy, a few queries."""
+    return (
+        len(q) <= FEW_QUERIES
+        and index.codes.dtype == torch.int8
+        and not index.exact.shape[0]
+        and os.environ.get(KERNEL_ENV, "auto") == "auto"
+        and not torch.compiler.is_compiling()
+    )
