@@ -109,7 +109,7 @@ def _filtered(index: IVFIndex, passing: torch.Tensor, config: IVFConfig) -> IVFI
     return copy
 
 
-def _best_of(run: Callable[[], object], repeats: int = 2) -> float:
+def _best_of(run: Callable[[], object], repeats: int = 1) -> float:
     run()  # warm: scratch buffers, thread pool
     best = math.inf
     for _ in range(repeats):

@@ -5,7 +5,7 @@ same plan: when it is the exact scan of their eligible items (``planner.cheaper_
 selective filter), the planned path would plan, fetch, scan, select and check for short rows,
 ~0.5 ms of Python around a scan that may take 50 us. Here the same decision is made once for
 the one filter, and the same scan answers every row (``eligible_scan``: rows from postings,
-scores off the codes, top-k; for a few CPU queries over int8 codes, one C++ call), so the
+scores off the codes, top-k; over int8 codes on the CPU, one C++ call), so the
 results are the planned path's, id for id.
 """
 
@@ -23,6 +23,9 @@ from retrieval.index.exact import exact_topk
 from retrieval.index.planner import PlannedIndex, cheaper_exact, lists_for
 from retrieval.index.probe import FEW_QUERIES
 from retrieval.index.scan import KERNEL_ENV, exact_search_ids_cpu
+
+MAX_SCORES = 1 << 24
+"""Scores (B x eligible rows) the one C++ call holds at most (64 MiB); past it, chunks."""
 
 
 class ExactIndex(PlannedIndex, SignedIndex, Protocol):
@@ -57,20 +60,22 @@ def exact_search_ids(
     if not bool(cheaper_exact(index, sel, lists, q.shape[0])[0]):
         return None
     q = as_scored(index, q)
-    if _one_call(index, q):
-        return exact_search_ids_cpu(
-            q, index.centroids, index.codes, index.scales, index.offsets, index.sig, masks[0],
-            negate[0], index.bit_counts, index.postings, index.item_ids, k,
-        )  # fmt: skip
+    if _one_call(index):
+        index_args = (index.centroids, index.codes, index.scales, index.offsets, index.sig)
+        filter_args = (masks[0], negate[0], index.bit_counts, index.postings)
+        found = exact_search_ids_cpu(
+            q, *index_args, *filter_args, index.item_ids, k, FEW_QUERIES, MAX_SCORES
+        )
+        if found is not None:
+            return found
     pos, scores = exact_topk(q, k, eligible_positions(index, masks[0], negate[0]), index.scores_at)
     return torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos), scores
 
 
-def _one_call(index: ExactIndex, q: torch.Tensor) -> bool:
-    """The C++ call scores what ``scores_at`` would: int8 codes, no exact copy, a few queries."""
+def _one_call(index: ExactIndex) -> bool:
+    """The C++ call scores what ``scores_at`` would: int8 codes, no exact copy."""
     return (
-        len(q) <= FEW_QUERIES
-        and index.codes.dtype == torch.int8
+        index.codes.dtype == torch.int8
         and not index.exact.shape[0]
         and os.environ.get(KERNEL_ENV, "auto") == "auto"
         and not torch.compiler.is_compiling()

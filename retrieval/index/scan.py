@@ -325,16 +325,20 @@ def exact_search_ids_cpu(
     postings: torch.Tensor,
     item_ids: torch.Tensor,
     k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A few queries ``q [B, D]`` scanned exactly over the rows passing one filter (``fmask
-    [C, W]``, ``fneg [C]``) in one C++ call -> ``(ids [B, k], scores [B, k])``, ``-1`` /
-    ``-inf`` padded: :func:`eligible_rows_cpu`, :func:`score_rows_cpu`, the top ``k`` as
-    ``exact.exact_topk`` picks it, and the rows' item ids."""
+    few: int,
+    max_scores: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Queries ``q [B, D]`` scanned exactly over the rows passing one filter (``fmask [C, W]``,
+    ``fneg [C]``) in one C++ call -> ``(ids [B, k], scores [B, k])``, ``-1`` / ``-inf``
+    padded: :func:`eligible_rows_cpu`, the scores as ``IVFIndex.scores_at`` computes them (up to
+    ``few`` queries row by row, more by decoded rows and a matmul), the top ``k`` as
+    ``exact.exact_topk`` picks it, and the rows' item ids. None where ``B x M`` scores would
+    pass ``max_scores`` (the caller scans in chunks)."""
     ids, scores = _extension().exact_search_ids_int8(
         q.contiguous(), centroids, codes, scales, offsets, sig, fmask.contiguous(),
-        fneg.contiguous(), bit_counts, postings, item_ids, k,
+        fneg.contiguous(), bit_counts, postings, item_ids, k, few, max_scores,
     )  # fmt: skip
-    return ids, scores
+    return None if ids is None else (ids, scores)
 
 
 def eligible_rows_cpu(

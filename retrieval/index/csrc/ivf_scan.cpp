@@ -942,17 +942,24 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
 // coarse = q @ centroids^T as torch computes it), the best k (topk_rows, as exact.exact_topk
 // picks them) and the rows' item ids ->
 // (ids [B, k], scores [B, k]), -1 / -inf padded. The same answer as the planned path's exact scan.
+// Undefined tensors where B x M would pass max_scores (the caller then scans in chunks).
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids, const at::Tensor& codes, const at::Tensor& scales,
     const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
-    const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k) {
+    const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
+    int64_t few, int64_t max_scores) {
   TORCH_CHECK(k >= 1, "k must be >= 1");
   TORCH_CHECK(item_ids.dim() == 1 && item_ids.size(0) == codes.size(0) && item_ids.scalar_type() == at::kLong,
               "item_ids must be int64 [N]");
   const at::Tensor rows = eligible_rows(sig, fmask, fneg, bit_counts, postings);
   const int64_t b_count = q.size(0), m = rows.numel();
-  const at::Tensor coarse = at::matmul(q, centroids.t()).contiguous();
-  const at::Tensor scores = score_rows_int8(q, rows, codes, scales, offsets, coarse);  // [B, M]
+  if (b_count * m > max_scores) return {at::Tensor(), at::Tensor()};  // the caller scans in chunks
+  // IVFIndex.scores_at's two ways, so that the scores are its bits: up to `few` queries row by
+  // row off the codes; more, the rows decoded once and one matmul
+  const at::Tensor scores =
+      b_count <= few
+          ? score_rows_int8(q, rows, codes, scales, offsets, at::matmul(q, centroids.t()).contiguous())
+          : at::matmul(q, decode_rows_int8(rows, codes, scales, offsets, centroids).t()).contiguous();
   auto [best, idx] = topk_rows(scores, k);  // pads -1 / -inf where fewer than k rows pass
   const at::Tensor have = best > kNegInf;
   const at::Tensor safe = idx.clamp_max(std::max<int64_t>(m - 1, 0)).masked_fill(~have, 0);

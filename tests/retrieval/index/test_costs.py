@@ -136,3 +136,15 @@ def test_the_exact_search_leaves_lists_and_mixed_batches_to_the_planner(index, c
     mixed = exact.compile_filter(["shard = 0", "shard = 1"], 2)
     assert exact_search_ids(exact, q, 100, mixed, 4, 0) is None
     assert exact_search_ids(exact, q, 100, None, 4, 0) is None
+
+
+def test_more_scores_than_one_call_holds_take_the_chunked_scan(index, catalog, monkeypatch):
+    import retrieval.index.exact_ids as exact_ids
+
+    idx = with_costs(index, 1e-9, 1.0)
+    q, fb = catalog["q"][:20], idx.compile_filter("shard in {0, 1, 2, 3}", 20)
+    one_call = exact_search_ids(idx, q, 100, fb, 4, 0)
+    monkeypatch.setattr(exact_ids, "MAX_SCORES", 1)
+    chunked = exact_search_ids(idx, q, 100, fb, 4, 0)
+    assert one_call is not None and chunked is not None
+    assert torch.equal(one_call[0], chunked[0]) and torch.equal(one_call[1], chunked[1])
