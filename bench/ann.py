@@ -103,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="our rerank depths to sweep (0: approximate scores are final, like SQ8)",
     )
     p.add_argument(
+        "--filter-bound",
+        default="0.9",
+        help="our filtered plan's bound check to sweep (IVFConfig.filter_bound: the quantile of "
+        "the slack the build measured, 0.5-0.99; 0: off), e.g. 0.9,0",
+    )
+    p.add_argument(
         "--filter-strings",
         action="store_true",
         help="time our filter parsing too (default: compiled outside timing, like faiss's bitmap)",
@@ -137,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad_probe or not args.probe:
         p.error(f"--probe: expected some of auto,l2,ip, got {args.probe}")
     args.rerank = [int(r) for r in args.rerank.split(",") if r]
+    args.filter_bound = [float(b) for b in args.filter_bound.split(",") if b]
     args.isa = [i for i in args.isa.split(",") if i]
     bad_isa = [i for i in args.isa if i not in ("portable", "avx2", "vnni")]
     if bad_isa:
@@ -282,8 +289,15 @@ def run_ours(data: AnnData, cases: list[Case], args, builds: dict, errors: dict)
                         )
 
                     settings = nprobe_settings(args.nlist, {"rerank": rerank})
-                    # The index is young: a failing setting is reported and the sweep goes on.
-                    points += sweep(name, settings, make, case, bpi, args, errors=errors)
+                    # One sweep per bound check setting (each stops at its own recall), the
+                    # first under the system's own name; unfiltered searches have no check.
+                    bounds = args.filter_bound if case.expression else args.filter_bound[:1]
+                    for b in bounds:
+                        ours.set_filter_bound(b)
+                        swept = name if b == args.filter_bound[0] else f"{name}-bound{b:g}"
+                        # The index is young: a failing setting is reported and the sweep goes on.
+                        points += sweep(swept, settings, make, case, bpi, args, errors=errors)
+                    ours.set_filter_bound(args.filter_bound[0])
             os.environ.pop(ISA_ENV, None)
     return points
 

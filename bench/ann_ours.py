@@ -63,6 +63,21 @@ class Ours:
                 return True
         return rerank == self._rerank
 
+    def set_filter_bound(self, bound: float) -> bool:
+        """Switch the filtered plan's bound check (``IVFConfig.filter_bound``: the quantile the
+        build measured its slack at; 0: off) for later searches; False if it cannot."""
+        cfg = getattr(self.index, "config", None)
+        if cfg is None or not dataclasses.is_dataclass(cfg) or not hasattr(cfg, "filter_bound"):
+            return False
+        if not hasattr(self, "_built_config"):
+            self._built_config = cfg
+        built = self._built_config
+        slack = dict(getattr(built, "slack_curve", ())).get(bound, built.filter_bound_slack)
+        self.index.config = dataclasses.replace(
+            built, filter_bound=bound, filter_bound_slack=slack if bound > 0 else 0.0
+        )
+        return True
+
     def _filter_arg(self, filter: str | None, batch: int) -> Any:
         if filter is None or not self._precompile:
             return filter
