@@ -6,7 +6,7 @@ run end to end on sample queries, as a search runs them (``run_search``: the pla
 check and second rounds; and the exact scan: eligible rows from postings, their scores off the
 codes, top-k), under a synthetic filter: one signature bit, set on a random share of the
 catalog, installed on a copy of the index. So the measurement needs no attribute of the user's
-data, and costs ~0.3-0.5 s at 60k x 784 (``bench/RESULTS.md``). An index without filter
+data, and costs ~0.1-0.2 s at 60k x 784 and 100k x 64. An index without filter
 attributes skips it: its rows never choose between the plans.
 """
 
