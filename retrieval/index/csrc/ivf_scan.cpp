@@ -698,6 +698,21 @@ std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig) {
   return {counts, postings};
 }
 
+// The checks shared by the calls that read chosen rows of the int8 codes: pos [M] int64 rows in
+// range, codes [N, D] int8, scales [N] f32, offsets [L + 1] int64, all contiguous.
+void check_rows_of_codes(const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& offsets) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "codes must be contiguous int8 [N, D]");
+  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous(), "pos must be contiguous int64 [M]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kFloat &&
+              scales.is_contiguous(), "scales must be contiguous float32 [N]");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+              "offsets must be contiguous int64 [L + 1]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t n = codes.size(0);
+  for (int64_t i = 0; i < pos.numel(); ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < n, "pos out of range at ", i);
+}
+
 // Exact-plan scores of chosen rows, read off the int8 codes without decoding them: q [B, D] f32,
 // pos [M] int64 (list-sorted rows), coarse [B, L] = q·centroids -> [B, M] f32,
 //     score[b, m] = (q[b] · code[pos[m]]) * scale[pos[m]] + coarse[b, list of pos[m]]
@@ -706,19 +721,13 @@ std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig) {
 at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
                            const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& coarse) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == q.size(1) && codes.is_contiguous(),
-              "codes must be contiguous int8 [N, D] with the query's D");
-  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous(), "pos must be contiguous int64 [M]");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kFloat &&
-              scales.is_contiguous(), "scales must be contiguous float32 [N]");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
-              "offsets must be contiguous int64 [L + 1]");
-  const int64_t b_count = q.size(0), d = q.size(1), m = pos.numel(), n = codes.size(0), nlist = offsets.size(0) - 1;
+  check_rows_of_codes(pos, codes, scales, offsets);
+  TORCH_CHECK(codes.size(1) == q.size(1), "codes must have the query's D");
+  const int64_t b_count = q.size(0), d = q.size(1), m = pos.numel(), nlist = offsets.size(0) - 1;
   TORCH_CHECK(coarse.dim() == 2 && coarse.size(0) == b_count && coarse.size(1) == nlist &&
               coarse.scalar_type() == at::kFloat && coarse.is_contiguous(), "coarse must be contiguous float32 [B, L]");
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
-  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < n, "pos out of range at ", i);
   auto out = at::empty({b_count, m}, q.options());
   const float* qp = q.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
@@ -752,17 +761,11 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
 // exact plan's rows for a batch of queries, which then takes one matmul).
 at::Tensor decode_rows_int8(const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
                             const at::Tensor& offsets, const at::Tensor& centroids) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "codes must be contiguous int8 [N, D]");
-  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous(), "pos must be contiguous int64 [M]");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kFloat &&
-              scales.is_contiguous(), "scales must be contiguous float32 [N]");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
-              "offsets must be contiguous int64 [L + 1]");
-  const int64_t d = codes.size(1), m = pos.numel(), n = codes.size(0), nlist = offsets.size(0) - 1;
+  check_rows_of_codes(pos, codes, scales, offsets);
+  const int64_t d = codes.size(1), m = pos.numel(), nlist = offsets.size(0) - 1;
   TORCH_CHECK(centroids.dim() == 2 && centroids.size(0) == nlist && centroids.size(1) == d &&
               centroids.scalar_type() == at::kFloat && centroids.is_contiguous(), "centroids must be contiguous float32 [L, D]");
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < n, "pos out of range at ", i);
   auto out = at::empty({m, d}, centroids.options());
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int8_t* cp = codes.data_ptr<int8_t>();
