@@ -31,8 +31,6 @@ def exact_topk(
     (``-inf`` there), best first.
     """
     b = q.shape[0]
-    if k <= positions.numel() <= chunk and (excl is None or not excl.shape[1]):
-        return _one_chunk(q.float(), k, positions, scores_at)
     best_s = torch.full((b, k), NEG_INF, device=q.device)
     best_p = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
     qf = q.float()
@@ -51,20 +49,6 @@ def exact_topk(
             all_p = torch.cat([all_p, best_p[:, : k - all_p.shape[1]]], dim=1)
         best_s, idx = topk_rows(all_s, k)  # -1 where a row has fewer than k finite scores
         best_p = all_p.gather(1, idx.clamp(min=0))
-    return torch.where(best_s > NEG_INF, best_p, torch.full_like(best_p, -1)), best_s
-
-
-def _one_chunk(
-    q: torch.Tensor,
-    k: int,
-    positions: torch.Tensor,
-    scores_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`exact_topk` of at least ``k`` items scored at once, nothing excluded: one top-k
-    (a one-query search spends more on the merge's ops than on its scores)."""
-    scores = scores_at(q, positions)
-    best_s, idx = topk_rows(scores, k)
-    best_p = positions[idx.clamp(min=0)]
     return torch.where(best_s > NEG_INF, best_p, torch.full_like(best_p, -1)), best_s
 
 
