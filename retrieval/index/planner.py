@@ -73,7 +73,14 @@ def make_plan(
     p = torch.tensor([lists[key] for key in keys], dtype=torch.int64)
     if not fb.active and not exact and rows is None:  # the common case
         return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
-    scan_exact = cheaper_exact(index, sel, p, b) if fb.active else torch.zeros(b, dtype=torch.bool)
+    # rows no clause narrows take lists, as they do alone (plain.py): a row's plan, and so its
+    # scores (the scan's int8 query against the exact scan's floats), must not hinge on whether
+    # a filtered request shares its batch
+    scan_exact = (
+        cheaper_exact(index, sel, p, b) & (sel < 1.0)
+        if fb.active
+        else torch.zeros(b, dtype=torch.bool)
+    )
     if exact:
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:

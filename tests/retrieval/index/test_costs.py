@@ -128,6 +128,19 @@ def test_the_exact_search_answers_what_the_planned_path_does(index, catalog, bat
     assert torch.equal(ids, want) and torch.equal(s, scores)
 
 
+def test_a_row_no_clause_narrows_answers_as_it_does_alone_beside_filtered_rows(index, catalog):
+    """Even where the costs price the exact scan lower, an unfiltered row takes lists in a
+    batch with filtered rows, as it does alone: its scores (the scan's int8 query) do not depend
+    on what shares its batch (a served request's answer did, under a concurrent filtered one)."""
+    idx = with_costs(index, 1e-12, 1.0)
+    q = catalog["q"][:3]
+    alone = idx.search(q[:1], 50)
+    mixed = idx.search(q, 50, ["", "shard = 0", "shard in {1, 2}"])
+    assert torch.equal(mixed[0][:1], alone[0]) and torch.equal(mixed[1][:1], alone[1])
+    plan = idx.search_plan(50, ["", "shard = 0"])
+    assert plan.exact.tolist() == [False, True]
+
+
 def test_the_exact_search_leaves_lists_and_mixed_batches_to_the_planner(index, catalog):
     q = catalog["q"][:2]
     lists = with_costs(index, 1.0, 1e-9)
