@@ -314,6 +314,8 @@ class FilterSchema:
         Each distinct filter is parsed and compiled once (a batch of B rows sharing one text
         parses it once; parsing costs tens of microseconds a filter), then copied to its rows.
         """
+        if not any(filters):  # no request filters (the common batch): nothing to compile
+            return self.empty(len(filters))
         row_of: dict[str | tuple[Clause, ...], int] = {}
         rows = [row_of.setdefault(_filter_key(f), len(row_of)) for f in filters]  # [B]
         parsed = [parse_filter(f) if isinstance(f, str) else list(f) for f in row_of]

@@ -1,7 +1,7 @@
 """The plain search: the common call without the planner.
 
-Rows with no filter clause, no recall target, no re-rank, one count of excluded items: their
-plan is "``lists_for`` lists each" (``retrieval/index/planner.py``), so the search is the probe
+Rows with no filter clause, no recall target, no re-rank, one list count (whatever each row
+excludes): their plan is "``lists_for`` lists each" (``retrieval/index/planner.py``), so the search is the probe
 and the scan (two C++ calls on the CPU; a matmul and the Triton scan on a GPU, with one wait for
 the answer), with the planned path's lists and results. A row its
 lists leave short of ``k`` goes through the planned path alone (which widens it). One query costs
@@ -68,11 +68,11 @@ def plain_search(
         return None
     if (rerank and index.keeps_exact_copy) or (target is not None and bool(target.gt(0).any())):
         return None
-    excluded = _excluded_count(fb)
-    if excluded is None:
+    plain = _plain_lists(index, fb, k, nprobe)
+    if plain is None:
         return None
+    p, excluded = plain
     ex = index.excluding(fb).exclude if excluded and fb is not None else None
-    p = min(lists_for(index, 1.0, nprobe, k + excluded), index.nlist)
 
     def probe_and_scan(qq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scored = as_scored(index, qq).contiguous()
@@ -119,28 +119,33 @@ def plain_search_ids(
         return None
     if rerank and index.keeps_exact_copy:
         return None
-    excluded = _excluded_count(fb)
-    if excluded is None:
+    plain = _plain_lists(index, fb, k, nprobe)
+    if plain is None:
         return None
-    p = min(lists_for(index, 1.0, nprobe, k + excluded), index.nlist)
-    found = _search_ids(index, q, p, fb, k)
+    found = _search_ids(index, q, plain[0], fb, k)
     if found is None or found[2]:
         return None
     return found[0], found[1]
 
 
-def _excluded_count(fb: FilterBatch | None) -> int | None:
-    """The items each row excludes, where the plain search applies to ``fb`` (None: no filter):
-    no clause, and one count for every row (rows of several counts plan several list counts);
-    else None."""
-    if fb is None:
-        return 0
-    if fb.active:
+def _plain_lists(
+    index: PlainIndex, fb: FilterBatch | None, k: int, nprobe: int
+) -> tuple[int, bool] | None:
+    """``(lists every row probes, whether any row excludes items)`` where the plain search
+    applies to ``fb`` (None: no filter): no clause, and one planned list count for every row.
+    Rows excluding different numbers of items usually share it (the count moves the lists only
+    when ``k`` plus it outgrows ``nprobe`` lists), so a batch of users whose histories differ in
+    length stays plain. Else None (the planner gives each row its own count)."""
+    if fb is not None and fb.active:
         return None
-    if fb.exclude is None or not fb.exclude.numel():
-        return 0
-    counts = fb.exclude.ge(0).sum(dim=1).tolist()
-    return counts[0] if min(counts) == max(counts) else None
+    least = most = 0
+    if fb is not None and fb.exclude is not None and fb.exclude.numel():
+        counts = (fb.exclude.cpu().numpy() >= 0).sum(axis=1)  # [B], NumPy: no torch op
+        least, most = int(counts.min()), int(counts.max())
+    p = min(lists_for(index, 1.0, nprobe, k + most), index.nlist)
+    if least != most and min(lists_for(index, 1.0, nprobe, k + least), index.nlist) != p:
+        return None  # lists grow with the count: equal at both ends, equal between
+    return p, most > 0
 
 
 def plain_item_candidates(

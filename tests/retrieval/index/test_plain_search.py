@@ -11,6 +11,7 @@ from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index import plain as plain_module
 from retrieval.index.plain import plain_search
+from retrieval.index.planner import lists_for
 from retrieval.index.probe import FEW_QUERIES, probe_lists
 from retrieval.index.scan import scan
 
@@ -52,10 +53,22 @@ def test_excluded_items_and_a_large_k(index: IVFIndex, catalog) -> None:
     want = general(index, q, 20, fb)
     assert torch.equal(got[0], want[0])
     assert not bool(torch.isin(index.item_ids[got[0]], seen).any())
-    # rows with different counts of seen items plan different list counts: the general path
+    # rows with different counts of seen items: plain while their planned list counts agree
+    # (as here: 20 + 30 items fit in 8 lists either way), the general path once they differ
     uneven = seen.clone()
     uneven[0, 5:] = -1
-    assert plain_search(index, q, 20, FilterBatch(fb.masks, fb.negate, uneven), 8, 0) is None
+    fb_uneven = FilterBatch(fb.masks, fb.negate, uneven)
+    got = plain_search(index, q, 20, fb_uneven, 8, 0)
+    assert got is not None
+    want = general(index, q, 20, fb_uneven)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not bool(torch.isin(index.item_ids[got[0][1:]], seen[1:]).any())
+    k_wide = next(
+        k
+        for k in range(20, 2000)
+        if lists_for(index, 1.0, 1, k + 5) != lists_for(index, 1.0, 1, k + 30)
+    )
+    assert plain_search(index, q, k_wide, fb_uneven, 1, 0) is None
     # a large k: the plan widens the lists to hold it, as the general plan does; rows the
     # lists leave short take the general path's later rounds
     q = catalog["q"]
