@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.logs import limit_rate, safe
+from common.torch_threads import use_process_threads
 from serving.types import (
     DeadlineExceededError,
     QueueFullError,
@@ -209,6 +210,7 @@ class DynamicBatcher:
 
     # ---- worker -----------------------------------------------------------------------------
     def _loop(self) -> None:
+        use_process_threads()  # the forward runs here: the process's intra-op thread count
         while True:
             self.gate.wait()  # a closed gate holds the worker before it forms a batch
             with self._cond:

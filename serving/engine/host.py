@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
+from common.torch_threads import use_process_threads
 from serving.engine.metrics import ServingMetrics
 from serving.engine.runner import ModelRunner
 from serving.repository.repository import LoadedModel
@@ -249,6 +250,7 @@ class ModelHost:
         return runner
 
     def _poll_loop(self) -> None:
+        use_process_threads()  # loading a version computes (index checks, warm-up)
         while not self._stop.wait(self.poll_s):
             try:
                 self.poll_once()

@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.grpc_util import MalformedMessage, add_service, bind_port, format_address
 from common.logs import limit_rate
 from common.security import NO_SECURITY, OnRefused, Security
+from common.torch_threads import use_process_threads
 from serving.engine.state import ServingState
 from serving.limits import LimitsConfig
 from serving.protos import recommend_pb2 as pb
@@ -181,7 +182,9 @@ class GrpcServer:
         self.security = security
         self.health = health.HealthServicer()
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="grpc", initializer=use_process_threads
+            ),
             interceptors=security.interceptors(on_refused),
             options=[
                 ("grpc.max_receive_message_length", max_receive_message_bytes),

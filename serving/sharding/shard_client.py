@@ -26,6 +26,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from common.grpc_util import ClientAuth, open_channel
+from common.torch_threads import use_process_threads
 from serving.protos import shard_pb2 as pb
 from serving.protos import shard_pb2_grpc as pb_grpc
 from serving.sharding.config import RouterConfig
@@ -120,7 +121,9 @@ class ShardClient:
         # channel-polling thread whenever its channel was idle (every call of a lone client),
         # ~0.3 ms of CPU and a thread hand-off each; a blocking call polls in its own thread.
         self._pool = ThreadPoolExecutor(
-            max_workers=CALL_THREADS_PER_REPLICA * len(addresses), thread_name_prefix="shard-call"
+            max_workers=CALL_THREADS_PER_REPLICA * len(addresses),
+            thread_name_prefix="shard-call",
+            initializer=use_process_threads,
         )
         self._turn = itertools.count()  # rotates which replica goes first
         self.metrics = RouterMetrics(model, registry)

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from common.grpc_util import add_service, bind_port, format_address, serve_until_signal
 from common.ready import ReadyLine, ready_line
 from common.security import NO_SECURITY, Security
+from common.torch_threads import use_process_threads
 from retrieval.index.ivf import IVFIndex
 from serving.protos import shard_pb2 as pb
 from serving.protos import shard_pb2_grpc as pb_grpc
@@ -240,7 +241,7 @@ class ShardServer:
         self.health = health.HealthServicer()
         self.security = security
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers),
+            futures.ThreadPoolExecutor(max_workers=workers, initializer=use_process_threads),
             interceptors=security.interceptors(),
             options=GRPC_OPTIONS,
         )
@@ -289,6 +290,7 @@ class ShardServer:
         return None
 
     def _poll_loop(self) -> None:
+        use_process_threads()  # loading a version computes
         while not self._stop.wait(self.poll_s):
             try:
                 self.poll_once()

@@ -40,6 +40,7 @@ import torch
 from prometheus_client import Counter
 
 from common.grpc_util import ClientAuth, open_channel
+from common.torch_threads import use_process_threads
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.routing import RemoteTable, route, server_of, splitmix64
@@ -131,7 +132,9 @@ class RemoteTables(RowStore):
         self._metrics = {a: (LOOKUPS.labels(a), LOOKUP_IDS.labels(a)) for a in addresses}
         # calls to all servers but one run here (one call runs in the caller's thread)
         self._calls = ThreadPoolExecutor(
-            max_workers=max(1, len(addresses) - 1), thread_name_prefix="embed-call"
+            max_workers=max(1, len(addresses) - 1),
+            thread_name_prefix="embed-call",
+            initializer=use_process_threads,
         )
 
     def _count(self, kind: str, address: str, n: int) -> None:

@@ -45,6 +45,7 @@ from prometheus_client import Counter
 
 from common.grpc_util import add_service, bind_port, format_address, serve_until_signal
 from common.ready import ReadyLine, ready_line
+from common.torch_threads import use_process_threads
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.server_tables import (
@@ -288,7 +289,7 @@ class EmbeddingServer:
         self.servicer = EmbeddingServicer(name or str(self.folder), loaded, memory_budget, version)
         self.health = health.HealthServicer()
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers),
+            futures.ThreadPoolExecutor(max_workers=workers, initializer=use_process_threads),
             interceptors=list(interceptors),
             options=GRPC_OPTIONS,
         )
@@ -333,6 +334,7 @@ class EmbeddingServer:
         return version
 
     def _poll_loop(self) -> None:
+        use_process_threads()  # loading a version computes
         while not self._stopping.wait(self.poll_s):
             self.poll()
 
