@@ -1,11 +1,11 @@
 """The plain search: the common call without the planner.
 
 Rows with no filter clause, no recall target, no re-rank, one list count (whatever each row
-excludes): their plan is "``lists_for`` lists each" (``retrieval/index/planner.py``), so the search is the probe
-and the scan (two C++ calls on the CPU; a matmul and the Triton scan on a GPU, with one wait for
-the answer), with the planned path's lists and results. A row its
-lists leave short of ``k`` goes through the planned path alone (which widens it). One query costs
-the probe, the scan and a few tens of microseconds around them, where the planner and the search
+excludes): their plan is "``lists_for`` lists each" (``retrieval/index/planner.py``), so the
+search is the probe and the scan (two C++ calls on the CPU; a matmul and the Triton scan on a
+GPU, with one wait for the answer), with the planned path's lists and results. A row its lists
+leave short of ``k`` goes through the planned path alone (which widens it). One query costs the
+probe, the scan and a few tens of microseconds around them, where the planner and the search
 rounds cost ~150 us (``bench/RESULTS.md``).
 
 Keyed by item id, a few queries on the CPU are one C++ call (exclusions mapped, probe, scan,
