@@ -73,14 +73,7 @@ def make_plan(
     p = torch.tensor([lists[key] for key in keys], dtype=torch.int64)
     if not fb.active and not exact and rows is None:  # the common case
         return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
-    # rows no clause narrows take lists, as they do alone (plain.py): a row's plan, and so its
-    # scores (the scan's int8 query against the exact scan's floats), must not hinge on whether
-    # a filtered request shares its batch
-    scan_exact = (
-        cheaper_exact(index, sel, p, b) & (sel < 1.0)
-        if fb.active
-        else torch.zeros(b, dtype=torch.bool)
-    )
+    scan_exact = cheaper_exact(index, sel, p, b) if fb.active else torch.zeros(b, dtype=torch.bool)
     if exact:
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
@@ -96,11 +89,16 @@ def cheaper_exact(
 ) -> torch.Tensor:
     """``[B] bool``: rows (selectivity ``sel [B]``, first round of ``lists [B]``) whose exact
     scan costs no more than their list plan, by the times the build measured on this machine
-    (``retrieval/index/costs.py``), else by ``exact_cost`` against the lists' codes."""
+    (``retrieval/index/costs.py``), else by ``exact_cost`` against the lists' codes. A row
+    admitting every item takes lists, as it does alone (``plain.py``): its plan, and so its
+    scores (the scan's int8 query, the exact scan's floats), must not hinge on whether a
+    filtered request shares its batch."""
     cfg, n, measured = index.config, index.ntotal, on_cpu(index)
     per_list = n / max(index.nlist, 1)
 
     def cheaper(s: float, p: int) -> bool:
+        if s >= 1.0:
+            return False
         times = plan_seconds(cfg, n, s, p, batch, measured)
         if times is not None:
             return times[0] <= times[1]
