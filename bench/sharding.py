@@ -11,7 +11,10 @@ train`` does (``bench/sharding_workload.py``). Measured, in this order, on the s
 * ``recserve serve model`` (the baseline): one process with ``--serve-threads`` torch threads
   (default: what the 1-shard cluster's router and shard server get together), gRPC
   ``Recommend`` from a load generator in a separate process, closed loop with C clients
-  (``--concurrency``) for ``--seconds``: q/s, p50, p99, partial answers and errors;
+  (``--concurrency``) for ``--seconds``: q/s, p50, p99, partial answers and errors. It stays
+  up for the whole run, and every configuration below is loaded in turns with it (serve at C,
+  the configuration at C, serve at the next C, ...): this machine's speed drifts by up to 1.5x
+  over minutes, which a serve run measured once, first, would put into every ratio;
 * the shard hop floor: the router's own ``Search`` requests from one client to a grpcio server
   that answers each with a fixed answer of a real one's size (no search): what one hop to a
   shard costs by itself, which the routed p50 at 1 client pays over serve's;
@@ -59,7 +62,9 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +84,7 @@ from sharding_load import (
     load_cases,
     serve_model,
 )
-from sharding_report import add_ratios, render, summarize
+from sharding_report import add_ratios, config_name, render, summarize
 from sharding_workload import MODEL, Workload, build_workload, publish_remote
 from timing import OtherLoad, int_list
 
@@ -193,10 +198,16 @@ def _idle_other_load(seconds: float = 1.0) -> float:
 
 
 # ---- 3. the production path under load: `recserve serve model` and `recserve cluster up` --------
-def serve_cases(
-    tmp: Path, work: Workload, pool: ProcessPoolExecutor, loadgen_pid: int, args: argparse.Namespace
-) -> dict[str, list[dict[str, Any]]]:
-    """The baseline: the unsharded version under ``recserve serve model``, checked, then loaded."""
+Target = tuple[dict[str, Any], str, dict[str, int]]
+"""A server under load: ``(case, address, pids)`` (``sharding_load.load_cases``)."""
+
+
+@contextmanager
+def serve_target(
+    tmp: Path, work: Workload, args: argparse.Namespace, results: dict[str, Any]
+) -> Iterator[Target]:
+    """The baseline, up for the whole run: the unsharded version under ``recserve serve
+    model``, checked; each configuration's load cases take turns with it."""
     root = tmp / "repo-serve"
     ModelRepository(root).publish(MODEL, work.model)
     case = {"system": "serve", "shards": 0, "embedding_servers": 0}
@@ -205,24 +216,25 @@ def serve_cases(
         startup_s = time.perf_counter() - started
         print(f"recserve serve model up in {startup_s:.1f} s at {run.address}", flush=True)
         checks = check_equal(run.address, work, work.users[: args.check_users])
-        rows = load_cases(case, run.address, {"serve": run.proc.pid}, work, pool, loadgen_pid, args)
-    return {
-        "checks": [{**case, "startup_s": startup_s, **c} for c in checks],
-        "load": rows,
-    }
+        results.setdefault("checks", []).extend(
+            {**case, "startup_s": startup_s, **c} for c in checks
+        )
+        yield case, run.address, {"serve": run.proc.pid}
 
 
 def cluster_cases(
     root: Path,
     shards: int,
     embedding_servers: int,
+    serve: Target,
     tmp: Path,
     work: Workload,
     pool: ProcessPoolExecutor,
     loadgen_pid: int,
     args: argparse.Namespace,
 ) -> dict[str, list[dict[str, Any]]]:
-    """``recserve cluster up`` on the version in ``root``, checked, then loaded."""
+    """``recserve cluster up`` on the version in ``root``, checked, then loaded in turns with
+    ``serve`` (its rows name this configuration in ``pair``)."""
     case = {"system": "cluster", "shards": shards, "embedding_servers": embedding_servers}
     started = time.perf_counter()
     name = f"cluster-{shards}-{embedding_servers}"
@@ -234,7 +246,10 @@ def cluster_cases(
         for c in checks:
             print(json.dumps({"case": "check", **case, **c}), flush=True)
         pids = {p.name: p.pid for p in running.processes}
-        rows = load_cases(case, address, pids, work, pool, loadgen_pid, args)
+        serve_case, serve_address, serve_pids = serve
+        paired = {**serve_case, "pair": config_name(shards, embedding_servers)}
+        targets = [(paired, serve_address, serve_pids), (case, address, pids)]
+        rows = load_cases(targets, work, pool, loadgen_pid, args)
     return {
         "checks": [{**case, "startup_s": startup_s, **c} for c in checks],
         "load": rows,
@@ -243,6 +258,7 @@ def cluster_cases(
 
 def shard_count_cases(
     shards: int,
+    serve: Target,
     tmp: Path,
     work: Workload,
     pool: ProcessPoolExecutor,
@@ -258,12 +274,13 @@ def shard_count_cases(
     }
     if not args.no_inprocess_router:
         out["inprocess_router"] = inprocess_router_cases(root, shards, work, args)
-    out.update(cluster_cases(root, shards, 0, tmp, work, pool, loadgen_pid, args))
+    out.update(cluster_cases(root, shards, 0, serve, tmp, work, pool, loadgen_pid, args))
     return out
 
 
 def remote_cases(
     shards: int,
+    serve: Target,
     tmp: Path,
     work: Workload,
     pool: ProcessPoolExecutor,
@@ -274,27 +291,30 @@ def remote_cases(
     root = tmp / f"repo-{shards}-remote"
     published = publish_remote(root, work, shards)
     print(f"{shards} shards, remote tables {published['remote_tables']}", flush=True)
-    out = cluster_cases(root, shards, 1, tmp, work, pool, loadgen_pid, args)
+    out = cluster_cases(root, shards, 1, serve, tmp, work, pool, loadgen_pid, args)
     out["remote_tables"] = [{"shards": shards, "tables": published["remote_tables"]}]
     return out
 
 
 # ---- main ---------------------------------------------------------------------------------------
 def run_all(work: Workload, tmp: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
-    """The in-process baseline, serve, then every shard count and remote case."""
+    """The in-process baseline and the hop floor, then every shard count and remote case, each
+    in turns with serve."""
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
         loadgen_pid = pool.submit(ready).result()  # exists before any timing
         results["inprocess"] = inprocess_cases(work, args)
-        for kind, rows in serve_cases(tmp, work, pool, loadgen_pid, args).items():
-            results.setdefault(kind, []).extend(rows)
         results["hop_floor"] = hop_floor_case(work, tmp, pool, args)
-        for s in args.shards:
-            for kind, rows in shard_count_cases(s, tmp, work, pool, loadgen_pid, args).items():
-                results.setdefault(kind, []).extend(rows)
-        for s in args.remote_shards:
-            for kind, rows in remote_cases(s, tmp, work, pool, loadgen_pid, args).items():
-                results.setdefault(kind, []).extend(rows)
+        with serve_target(tmp, work, args, results) as serve:
+            for s in args.shards:
+                cases = shard_count_cases(s, serve, tmp, work, pool, loadgen_pid, args)
+                for kind, rows in cases.items():
+                    results.setdefault(kind, []).extend(rows)
+            for s in args.remote_shards:
+                for kind, rows in remote_cases(
+                    s, serve, tmp, work, pool, loadgen_pid, args
+                ).items():
+                    results.setdefault(kind, []).extend(rows)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -240,28 +240,31 @@ def cpu_per_request(cpu_s: dict[str, float | None], answered: int) -> dict[str, 
 
 
 def load_cases(
-    case: dict[str, Any],
-    address: str,
-    pids: dict[str, int],
+    targets: list[tuple[dict[str, Any], str, dict[str, int]]],
     work: Workload,
     pool: ProcessPoolExecutor,
     loadgen_pid: int,
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
-    """Every (filter, concurrency) load case against the server at ``address`` whose processes
-    are ``pids`` (name -> pid); each row starts with ``case`` (what was measured)."""
+    """Every (filter, concurrency) load case against each target ``(case, address, pids)``:
+    ``case`` starts each row (what was measured), ``address`` is the server's, ``pids`` its
+    processes (name -> pid). The targets take turns inside each (filter, concurrency) case, so
+    a configuration and the serve run it is compared with are measured seconds apart (this
+    machine's speed drifts by 1.5x over minutes: measured one after the other, the later
+    system would pay for it)."""
     rows = []
     for label in work.filters:
         payloads = work.payloads(label)
         for c in args.concurrency:
-            load = OtherLoad({os.getpid(), loadgen_pid, *pids.values()})
-            load.start()
-            got = pool.submit(
-                run_load, address, payloads, c, args.warmup_s, args.seconds, pids
-            ).result()
-            answered = round(got["qps"] * args.seconds)
-            row = {**case, "concurrency": c, "filter": label, **got}
-            row["cpu_ms_per_request"] = cpu_per_request(got["cpu_s"], answered)
-            rows.append({**row, "other_load": load.stop()})
-            print(json.dumps(rows[-1]), flush=True)
+            for case, address, pids in targets:
+                load = OtherLoad({os.getpid(), loadgen_pid, *pids.values()})
+                load.start()
+                got = pool.submit(
+                    run_load, address, payloads, c, args.warmup_s, args.seconds, pids
+                ).result()
+                answered = round(got["qps"] * args.seconds)
+                row = {**case, "concurrency": c, "filter": label, **got}
+                row["cpu_ms_per_request"] = cpu_per_request(got["cpu_s"], answered)
+                rows.append({**row, "other_load": load.stop()})
+                print(json.dumps(rows[-1]), flush=True)
     return rows

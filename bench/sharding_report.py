@@ -47,7 +47,9 @@ def summarize(results: dict[str, Any], budget_ms: float) -> list[dict[str, Any]]
                 for r in load
                 if (r["shards"], r["embedding_servers"], r["filter"]) == (shards, es, label)
             ]
-            base = [r for r in load if r["system"] == "serve" and r["filter"] == label]
+            if shards == 0 and _paired(load):
+                continue  # serve is each configuration's baseline, in its own turns
+            base = _serve_rows(load, label, config_name(shards, es))
             best, base_best = best_under_budget(rows, budget_ms), best_under_budget(base, budget_ms)
             one, base_one = _at(rows, 1), _at(base, 1)
             ratio = best["qps"] / base_best["qps"] if best and base_best else None
@@ -56,7 +58,7 @@ def summarize(results: dict[str, Any], budget_ms: float) -> list[dict[str, Any]]
             cpu = (best or {}).get("cpu_ms_per_request", {})
             row = {"config": config_name(shards, es), "shards": shards}
             row |= {"embedding_servers": es, "filter": label, "best": best}
-            row |= {"qps_vs_serve": ratio, "qps_target": qps_target}
+            row |= {"serve_best": base_best, "qps_vs_serve": ratio, "qps_target": qps_target}
             row["qps_met"] = None if ratio is None or qps_target is None else ratio >= qps_target
             row |= {"p50_c1_ms": one and one["p50_ms"], "p50_minus_serve_ms": dp50}
             row["p50_target_ms"] = p50_target
@@ -66,17 +68,40 @@ def summarize(results: dict[str, Any], budget_ms: float) -> list[dict[str, Any]]
     return out
 
 
+def _paired(load: list[dict[str, Any]]) -> bool:
+    """Whether serve ran in turns with each configuration (rows with ``pair``)."""
+    return any("pair" in r for r in load)
+
+
+def _serve_rows(load: list[dict[str, Any]], label: str, config: str) -> list[dict[str, Any]]:
+    """Serve's rows at ``label`` measured in turns with ``config`` (results from before the
+    turns: every serve row)."""
+    paired = _paired(load)
+    return [
+        r
+        for r in load
+        if r["system"] == "serve"
+        and r["filter"] == label
+        and (not paired or r.get("pair") == config)
+    ]
+
+
 def add_ratios(results: dict[str, Any]) -> None:
-    """Per load row: q/s vs serve's at the same filter and concurrency, p50 vs the in-process
-    single call and q/s vs in-process batched throughput (same filter)."""
+    """Per load row: q/s vs serve's at the same filter and concurrency (the serve row of its
+    turns), p50 vs the in-process single call and q/s vs in-process batched throughput."""
     base = {r["filter"]: r for r in results["inprocess"]}
+    load = results.get("load", [])
+    paired = _paired(load)
     serve = {
-        (r["filter"], r["concurrency"]): r["qps"]
-        for r in results.get("load", [])
+        (r.get("pair"), r["filter"], r["concurrency"]): r["qps"]
+        for r in load
         if r["system"] == "serve"
     }
-    for r in results.get("load", []):
-        ref = serve.get((r["filter"], r["concurrency"]))
+    for r in load:
+        pair = r.get("pair")
+        if paired and r["system"] != "serve":
+            pair = config_name(r["shards"], r["embedding_servers"])
+        ref = serve.get((pair, r["filter"], r["concurrency"]))
         r["qps_vs_serve"] = r["qps"] / ref if ref else None
         r["p50_vs_inprocess"] = r["p50_ms"] / base[r["filter"]]["p50_ms"]
         r["qps_vs_inprocess_batched"] = r["qps"] / base[r["filter"]]["batched_qps"]
@@ -90,16 +115,18 @@ def render(results: dict[str, Any]) -> str:
     """Markdown: verdicts, every load case with CPU per request, breakdown at 1 client, checks."""
     budget = results["config"]["p99_ms"]
     lines = [
-        f"| configuration | filter | max q/s at p99 ≤ {budget:g} ms | at C | q/s / serve | "
+        f"| configuration | filter | max q/s at p99 ≤ {budget:g} ms | at C | serve's (its turns) "
+        "| q/s / serve | "
         "target | met | p50 at C=1 ms | − serve's | target | met | "
         "servers' CPU ms/request (at max) | load generator's |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in results.get("summary", []):
-        b = v["best"]
+        b, sb = v["best"], v.get("serve_best")
         lines.append(
             f"| {v['config']} | {v['filter']} | {cell(b and b['qps'], '.0f') if b else 'none fits'}"
-            f" | {b['concurrency'] if b else '—'} | {cell(v['qps_vs_serve'], '.2f')} | "
+            f" | {b['concurrency'] if b else '—'} | {cell(sb and sb['qps'], '.0f')} | "
+            f"{cell(v['qps_vs_serve'], '.2f')} | "
             f"{'≥ ' + format(v['qps_target'], 'g') + '×' if v['qps_target'] else '—'} | "
             f"{_met(v['qps_met'])} | {cell(v['p50_c1_ms'], '.2f')} | "
             f"{cell(v['p50_minus_serve_ms'], '+.2f')} | "
@@ -151,8 +178,11 @@ def render_cases(results: dict[str, Any]) -> list[str]:
         )
     for r in results.get("load", []):
         cpu = r["cpu_ms_per_request"]
+        name = config_name(r["shards"], r["embedding_servers"])
+        if "pair" in r:
+            name += f" (turns with {r['pair']})"
         lines.append(
-            f"| {config_name(r['shards'], r['embedding_servers'])} | {r['concurrency']} | "
+            f"| {name} | {r['concurrency']} | "
             f"{r['filter']} | {r['qps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
             f"{r['partial']} | {sum(r['errors'].values())} | {cell(r.get('qps_vs_serve'), '.2f')}"
             f" | {_cpu_cell(cpu)} | {cell(cpu.get('servers'), '.2f')} | {r['other_load']:.0%} |"
@@ -193,7 +223,7 @@ def render_breakdown(results: dict[str, Any]) -> list[str]:
             if (
                 r["shards"] == s
                 and r["filter"] == label
-                and all(r[k] == v for k, v in match.items())
+                and all(r.get(k) == v for k, v in match.items())
             ):
                 return r["p50_ms"]
         return None
@@ -207,7 +237,8 @@ def render_breakdown(results: dict[str, Any]) -> list[str]:
     for s in results["config"]["shards"]:
         for label, b in base.items():
             c = p50("load", s, label, concurrency=1, embedding_servers=0)
-            sv = p50("load", 0, label, concurrency=1)
+            pair = config_name(s, 0) if _paired(results.get("load", [])) else None
+            sv = p50("load", 0, label, concurrency=1, pair=pair)
             lines.append(
                 f"| {s} | {label} | {b:.2f} | {cell(sv, '.2f')} | "
                 f"{cell(p50('local_merge', s, label), '.2f')} | "
