@@ -24,7 +24,9 @@ The load generator is a separate process: closed loop, C clients (``--concurrenc
 thread with its own channel and connection, sending the next request as soon as the last answers; 1 query per
 request, K = 100, unfiltered, the same users in the same order for every system. Reported per
 (system, C): q/s, p50, p99, errors, and the share of the 2 cores used by processes outside this
-run. The headline is each system's max q/s at p99 <= ``--p99-ms`` (the highest q/s among the
+run. All systems are up at once and take turns at each C (noop, naive, triton, ours at C = 1,
+then at the next C): this machine's speed drifts over minutes, and systems measured one after
+the other would carry that drift into their ratios. The headline is each system's max q/s at p99 <= ``--p99-ms`` (the highest q/s among the
 concurrency levels whose p99 is within it) and ours / each of them against the targets
 (>= 0.5x noop, >= 3x naive, >= 1.0x Triton). Answers of naive, Triton and ours are checked
 against the in-process forward (ids equal) for a few users.
@@ -292,33 +294,55 @@ def load_cases(
     return rows
 
 
-def system_cases(
+def start_system(
+    stack: contextlib.ExitStack,
     system: str,
+    repo: Path,
+    tmp: Path,
+    work: Workload,
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], Running | None]:
+    """Starts ``system`` (stopped when ``stack`` closes) and checks its answers -> (its result
+    so far, the running server). Never raises for a system that cannot run: the result says
+    why it was skipped, and the server is None."""
+    started = time.perf_counter()
+    try:
+        run = stack.enter_context(server(system, repo, tmp, args))
+        out: dict[str, Any] = {"startup_s": time.perf_counter() - started, **run.extra}
+        print(f"{system} up at {run.address} in {out['startup_s']:.1f} s", flush=True)
+        if system != "noop":
+            out["ids_equal"] = check_ids(system, run.address, work, work.users[: args.check_users])
+        return {**out, "rows": []}, run
+    except Unavailable as e:
+        print(f"{system} skipped: {e}", file=sys.stderr, flush=True)
+        return {"skipped": str(e)[-2000:], "rows": []}, None
+
+
+def systems_in_turns(
     repo: Path,
     tmp: Path,
     work: Workload,
     pool: ProcessPoolExecutor,
     loadgen_pid: int,
     args: argparse.Namespace,
-) -> dict[str, Any]:
-    """Start ``system``, check its answers, run the load levels, stop it. Never raises for a
-    system that cannot run: the result says why it was skipped."""
-    started = time.perf_counter()
-    try:
-        with server(system, repo, tmp, args) as run:
-            out: dict[str, Any] = {"startup_s": time.perf_counter() - started, **run.extra}
-            print(f"{system} up at {run.address} in {out['startup_s']:.1f} s", flush=True)
-            if system != "noop":
-                out["ids_equal"] = check_ids(
-                    system, run.address, work, work.users[: args.check_users]
-                )
-            out["rows"] = load_cases(system, run, work, args.concurrency, pool, loadgen_pid, args)
-            if system == "triton":
-                out["triton_stats"] = triton_stats(run.address, MODEL)
-            return out
-    except Unavailable as e:
-        print(f"{system} skipped: {e}", file=sys.stderr, flush=True)
-        return {"skipped": str(e)[-2000:], "rows": []}
+) -> dict[str, dict[str, Any]]:
+    """Every system of ``--systems`` up at once, then each concurrency level against each
+    system in turn (noop at C, ours at C, ..., then the next C): this machine's speed drifts
+    by up to 1.5x over minutes, which systems measured one after the other would carry into
+    their ratios. An idle server's own CPU shows in "CPU used by others"."""
+    systems: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        running: dict[str, Running] = {}
+        for s in args.systems:
+            systems[s], run = start_system(stack, s, repo, tmp, work, args)
+            if run is not None:
+                running[s] = run
+        for c in args.concurrency:
+            for s, run in running.items():
+                systems[s]["rows"] += load_cases(s, run, work, [c], pool, loadgen_pid, args)
+        if "triton" in running:
+            systems["triton"]["triton_stats"] = triton_stats(running["triton"].address, MODEL)
+    return systems
 
 
 def size_cases(
@@ -393,9 +417,7 @@ def run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
             repo = publish(work, tmp / "repo", args)
             inproc = inprocess_latency(work)
             results["inprocess"] = inproc
-            results["systems"] = {}
-            for s in args.systems:
-                results["systems"][s] = system_cases(s, repo, tmp, work, pool, loadgen_pid, args)
+            results["systems"] = systems_in_turns(repo, tmp, work, pool, loadgen_pid, args)
             ours = results["systems"].get("ours", {}).get("rows", [])
             results["sizes"] = [size_row(args.items, build_s, inproc, ours, work)] if ours else []
             del work
