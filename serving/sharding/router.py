@@ -65,6 +65,12 @@ def first_round(
     return fb, plan
 
 
+WARMUP_ROUND_S = 120.0
+"""How long a warm-up round waits for the shards. A warm-up batch (8 rows, filtered ones too)
+on a large catalog can outlast the user-facing shard deadline (10M items on 2 cores: a 200 ms
+deadline missed), and a miss would refuse the version; the warm-up is no user's request."""
+
+
 class RouterRunner(ModelRunner):
     """A :class:`ModelRunner` whose index search runs on the shards."""
 
@@ -82,6 +88,16 @@ class RouterRunner(ModelRunner):
         # Batches overlap only while they wait on shards: the tables' hot-row caches are not
         # safe for two forwards at once, so the tower runs one batch at a time.
         self._tower = threading.Lock()
+        self._round_s: float | None = None  # set while warming up: WARMUP_ROUND_S
+
+    def warmup(self, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
+        """:meth:`ModelRunner.warmup` with each round given ``WARMUP_ROUND_S`` (runs before the
+        version serves, so no request shares this runner meanwhile)."""
+        self._round_s = WARMUP_ROUND_S
+        try:
+            super().warmup(batch_sizes)
+        finally:
+            self._round_s = None
 
     def forward(
         self, batch: UserBatch, k: int, deadline: float | None
@@ -91,7 +107,8 @@ class RouterRunner(ModelRunner):
             q = model.user_vectors(batch)  # [B, D]
         fb, plan = first_round(model, batch, q, k)
         with_vectors = model.head is not None
-        until = time.monotonic() + self.client.timeout(deadline)  # one deadline for all rounds
+        wait = self._round_s or self.client.timeout(deadline)
+        until = time.monotonic() + wait  # one deadline for all rounds
         failed: dict[int, str] = {}
 
         def fetch(p: Any, rows: torch.Tensor | None) -> Candidates:

@@ -15,7 +15,7 @@ from retrieval.index.ivf import IVFIndex
 from serving.app.config import RouterConfig, ServeConfig
 from serving.app.server import Server
 from serving.repository.repository import ModelRepository
-from serving.sharding.shard_server import ShardServer
+from serving.sharding.shard_server import ShardServer, ShardServicer
 from serving.types import RecResult, RequestError, UnavailableError
 from support.topk_check import assert_same_topk
 
@@ -127,6 +127,33 @@ def test_a_dead_shard_makes_answers_partial_within_the_deadline(wide, tmp_path, 
         # an expected failure of a routed batch: one line, no traceback
         (line,) = [r for r in caplog.records if r.name == "serving.engine.batching"]
         assert line.exc_info is None and "no shard answered" in line.getMessage()
+    finally:
+        c.close()
+
+
+def test_a_router_warms_up_on_shards_slower_than_its_deadline_and_then_holds_requests_to_it(
+    wide, tmp_path, monkeypatch
+):
+    """A big catalog's warm-up batch can outlast the shard deadline (10M items on 2 cores): the
+    warm-up waits for it, and requests after it keep the deadline."""
+    real, slow = ShardServicer.Search, {0, 1}
+
+    def search(self, request, context):
+        if self.server.shard in slow:
+            time.sleep(0.4)
+        return real(self, request, context)
+
+    monkeypatch.setattr(ShardServicer, "Search", search)
+    c = Cluster(tmp_path, wide, shards=2, shard_deadline_ms=150.0)  # warms up on the slow one
+    try:
+        assert c.state.host.version == c.version
+        slow.discard(0)
+        start = time.monotonic()
+        res = c.state.recommend(wide.request(0, 20))
+        assert time.monotonic() - start < 0.4 and res.partial and res.missing == ["shard-1"]
+        slow.clear()
+        res = c.state.recommend(wide.request(0, 20))
+        assert not res.partial
     finally:
         c.close()
 
