@@ -29,6 +29,9 @@ import numpy as np
 import torch
 
 WORD_BITS = 64
+COMPILED_FILTERS = 4096
+"""Distinct filters a :class:`FilterSchema` keeps compiled: served traffic repeats a few texts,
+and parsing one costs tens of microseconds a request; past this many the memo starts over."""
 
 AttributeValue = str | int | bool | np.integer | np.bool_
 """A vocabulary entry: text, or an integer / boolean that stands for its text."""
@@ -256,6 +259,8 @@ class FilterSchema:
                 self.bit_of[(attr, v)] = len(self.bit_of)
         self.num_bits = len(self.bit_of)
         self.num_words = (self.num_bits + WORD_BITS - 1) // WORD_BITS
+        # filter -> (masks [C, W], negate [C]); the schema never changes, so neither do they
+        self._compiled: dict[str | tuple[Clause, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def to_dict(self) -> dict[str, list[str]]:
         return {a: list(v) for a, v in self.attribute_values.items()}
@@ -311,23 +316,37 @@ class FilterSchema:
     def compile(self, filters: Sequence[str | Sequence[Clause] | None]) -> FilterBatch:
         """One filter per request (text, parsed clauses, or None) -> :class:`FilterBatch`.
 
-        Each distinct filter is parsed and compiled once (a batch of B rows sharing one text
-        parses it once; parsing costs tens of microseconds a filter), then copied to its rows.
+        Each distinct filter is parsed and compiled once and kept (up to
+        ``COMPILED_FILTERS`` of them: parsing costs tens of microseconds a filter, and served
+        requests repeat a few texts), then copied to its rows.
         """
         if not any(filters):  # no request filters (the common batch): nothing to compile
             return self.empty(len(filters))
         row_of: dict[str | tuple[Clause, ...], int] = {}
         rows = [row_of.setdefault(_filter_key(f), len(row_of)) for f in filters]  # [B]
-        parsed = [parse_filter(f) if isinstance(f, str) else list(f) for f in row_of]
-        c_max = max((len(p) for p in parsed), default=0)
-        masks = np.zeros((len(parsed), c_max, self.num_words), dtype=np.int64)
-        negate = np.ones((len(parsed), c_max), dtype=bool)  # padding: "not (nothing)" is true
-        for u, clauses in enumerate(parsed):
-            for c, clause in enumerate(clauses):
-                masks[u, c] = self.clause_mask(clause)
-                negate[u, c] = clause.negate
+        compiled = [self._compile_one(key) for key in row_of]
+        c_max = max((len(n) for _, n in compiled), default=0)
+        masks = np.zeros((len(compiled), c_max, self.num_words), dtype=np.int64)
+        negate = np.ones((len(compiled), c_max), dtype=bool)  # padding: "not (nothing)" is true
+        for u, (m, n) in enumerate(compiled):
+            masks[u, : len(n)], negate[u, : len(n)] = m, n
         take = np.asarray(rows, dtype=np.int64)
         return FilterBatch(torch.from_numpy(masks[take]), torch.from_numpy(negate[take]))
+
+    def _compile_one(self, key: str | tuple[Clause, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """One filter (text or clauses) -> ``(masks [C, W] int64, negate [C] bool)``, kept."""
+        hit = self._compiled.get(key)
+        if hit is not None:
+            return hit
+        clauses = parse_filter(key) if isinstance(key, str) else key
+        masks = np.zeros((len(clauses), self.num_words), dtype=np.int64)
+        for c, clause in enumerate(clauses):
+            masks[c] = self.clause_mask(clause)
+        out = (masks, np.array([c.negate for c in clauses], dtype=bool))
+        if len(self._compiled) >= COMPILED_FILTERS:
+            self._compiled.clear()  # bounded; a served mix refills the texts it uses
+        self._compiled[key] = out
+        return out
 
     def empty(self, batch: int) -> FilterBatch:
         """A batch with no clauses (everything eligible)."""

@@ -58,6 +58,11 @@ class LimitsConfig(Config):
     is refused with HTTP 408 and its connection closed (a body that never finishes would hold
     the connection forever)."""
 
+    @property
+    def filter_limits(self) -> tuple[int, int, int]:
+        """The limits a filter text is parsed within (a key for texts already checked)."""
+        return self.max_filter_bytes, self.max_filter_clauses, self.max_filter_set_values
+
     def check_filter_bytes(self, size: int, row: str = "") -> None:
         """Refuses a filter of ``size`` bytes over ``max_filter_bytes`` (``row``: where it is,
         e.g. `` (batch row 3)``)."""

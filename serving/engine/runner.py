@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from retrieval.features import UserBatch
-from retrieval.filters import Clause, parse_filter
+from retrieval.filters import COMPILED_FILTERS, Clause, parse_filter
 from retrieval.model import RetrievalModel
 from retrieval.seen import pad_lists
 from serving.limits import LimitsConfig
@@ -69,6 +69,7 @@ class ModelRunner:
         self.id_limits = _id_limits(model, self.features)
         self.item_map = None if model.id_maps is None else model.id_maps.items
         """The raw item ids answers are rendered with (None: a model without id maps)."""
+        self._checked_filters: dict[tuple[str, tuple[int, int, int] | None], list[Clause]] = {}
 
     # ---- edge -------------------------------------------------------------------------------
     def check(self, req: RecRequest, limits: LimitsConfig | None = None) -> list[Clause]:
@@ -132,8 +133,13 @@ class ModelRunner:
             raise RequestError(f"categorical: {e}") from None
 
     def _clauses(self, text: str | None, limits: LimitsConfig | None) -> list[Clause]:
+        """``text``'s clauses, checked against the limits and this model's attributes; a text
+        that passed is kept (per limits), so a repeated filter is not parsed again."""
         if not text:
             return []
+        key = (text, None if limits is None else limits.filter_limits)
+        if (hit := self._checked_filters.get(key)) is not None:
+            return hit
         try:
             clauses = parse_filter(text) if limits is None else limits.parse_filter(text)
             for c in clauses:
@@ -141,6 +147,9 @@ class ModelRunner:
         except ValueError as e:
             msg = str(e)
             raise RequestError(msg if msg.startswith("filter") else f"filter: {msg}") from None
+        if len(self._checked_filters) >= COMPILED_FILTERS:
+            self._checked_filters.clear()  # bounded, as the schema's compiled filters are
+        self._checked_filters[key] = clauses
         return clauses
 
     # ---- execute ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import retrieval.filters as filters_module
 from retrieval.filters import (
     Clause,
     FilterSchema,
@@ -118,6 +119,34 @@ def test_unknown_attribute_or_value_is_named(schema_and_items):
         schema.compile(["colour = red"])
     with pytest.raises(ValueError, match=r"'es'.*language"):
         schema.compile(["language = es"])
+
+
+def test_a_filter_is_parsed_once_then_kept_compiled_within_a_bound(schema_and_items, monkeypatch):
+    schema, _, _ = schema_and_items
+    first = schema.compile(["language = de", "available and not genre = horror"])
+    parsed = []
+    real = filters_module.parse_filter
+    monkeypatch.setattr(
+        filters_module, "parse_filter", lambda text, **kw: parsed.append(text) or real(text, **kw)
+    )
+    again = schema.compile(["available and not genre = horror", None, "language = de"])
+    assert parsed == []  # both texts were kept
+    assert torch.equal(again.masks[0], first.masks[1]) and torch.equal(
+        again.masks[2, :1], first.masks[0, :1]
+    )
+    assert torch.equal(again.negate[0], first.negate[1])
+    again.masks.zero_()  # the rows are copies: the kept masks stay
+    assert torch.equal(schema.compile(["language = de"]).masks, first.masks[:1, :1])
+    with pytest.raises(ValueError, match="klingon"):  # a bad text is not kept: refused each time
+        schema.compile(["language = klingon"])
+    with pytest.raises(ValueError, match="klingon"):
+        schema.compile(["language = klingon"])
+    parsed.clear()
+    monkeypatch.setattr(filters_module, "COMPILED_FILTERS", 3)
+    for text in ["language = en", "language = fr", "genre = drama", "genre = comedy"]:
+        schema.compile([text])
+        assert len(schema._compiled) <= 3
+    assert parsed == ["language = en", "language = fr", "genre = drama", "genre = comedy"]
 
 
 def test_selectivity_estimate_is_exact_for_single_valued(schema_and_items):

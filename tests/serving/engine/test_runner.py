@@ -115,6 +115,28 @@ def test_unknown_model_or_version_is_not_found(tiny):
     runner.check(tiny.request(0, model="demo", version=2))
 
 
+def test_a_checked_filter_text_is_not_parsed_again_but_other_limits_check_it_afresh(
+    tiny, monkeypatch
+):
+    import serving.engine.runner as runner_module
+    from serving.limits import LimitsConfig
+
+    runner = ModelRunner(tiny.model, "demo", 1)
+    text = "language in {en, fr} and available"
+    parsed = []
+    real = runner_module.parse_filter
+    monkeypatch.setattr(runner_module, "parse_filter", lambda t: parsed.append(t) or real(t))
+    first = runner.check(tiny.request(0, filter=text))
+    assert runner.check(tiny.request(1, filter=text)) == first and parsed == [text]
+    with pytest.raises(RequestError, match="max_filter_clauses"):  # its own limits: parsed again
+        runner.check(tiny.request(2, filter=text), LimitsConfig(max_filter_clauses=1))
+    bad = tiny.request(3, filter="language = klingon")
+    for _ in range(2):  # a refused text is not kept
+        with pytest.raises(RequestError, match="klingon"):
+            runner.check(bad)
+    assert parsed == [text, "language = klingon", "language = klingon"]
+
+
 def test_warmup_runs(tiny):
     ModelRunner(tiny.model, "demo", 1).warmup((1, 3))
 
