@@ -137,6 +137,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads in this process")
     p.add_argument(
+        "--shard-threads",
+        type=int,
+        default=0,
+        help="`cluster up --shard-threads`: torch threads of each shard server (0: its default)",
+    )
+    p.add_argument(
         "--serve-threads",
         type=int,
         help="`recserve serve model --torch-threads` (default: what `cluster up --shards 1` "

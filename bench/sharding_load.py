@@ -29,7 +29,7 @@ from sharding_report import SCORE_ATOL
 from sharding_workload import MODEL, NO_FILTER, Workload
 from timing import OtherLoad
 
-from recserve.cluster import Cluster
+from recserve.cluster import Cluster, ClusterSpec, thread_split
 from serving.protos import recommend_pb2, recommend_pb2_grpc, shard_pb2, shard_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +37,9 @@ SHARD_SERVER_PATTERN = "recserve serve shard"
 
 
 def cluster_threads(shards: int) -> int:
-    """Torch threads ``recserve cluster up`` gives the router and each shard server
-    (``recserve/cluster.py``: the cores shared out over the S shards and the router)."""
-    return max(1, (os.cpu_count() or 1) // (shards + 1))
+    """Torch threads ``recserve cluster up`` gives the router and, unless ``--shard-threads``
+    says otherwise, each shard server (``recserve.cluster.thread_split``)."""
+    return thread_split(ClusterSpec(Path("."), shards=shards), os.cpu_count() or 1)[0]
 
 
 # ---- processes ----------------------------------------------------------------------------------
@@ -69,6 +69,7 @@ def cluster(
             "cluster", "up", "--model-repo", str(repo_root), "--model", MODEL,
             "--shards", str(shards), "--embedding-servers", str(embedding_servers),
             "--shard-deadline-ms", str(args.shard_deadline_ms), "--directory", str(directory),
+            "--shard-threads", str(args.shard_threads),
             timeout=args.startup_timeout_s,
         )  # fmt: skip
         if up.returncode != 0:

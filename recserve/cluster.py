@@ -66,6 +66,7 @@ __all__ = [
     "restart",
     "status",
     "stop",
+    "thread_split",
     "up",
 ]
 
@@ -84,6 +85,9 @@ class ClusterSpec:
     router_http_port: int = 0
     router_processes: int = 1
     """Serving processes of the router (``recserve serve router --processes``)."""
+    shard_threads: int = 0
+    """Torch threads of each shard server; 0: the cores shared out over the shard servers and
+    the router, as the router gets (``thread_split``)."""
     batches_in_flight: int = 1
     """The router's batches at once (``serve router --batches-in-flight``): 1, since here the
     shards compute on the router's own cores (``RouterConfig.batches_in_flight``)."""
@@ -117,6 +121,15 @@ class ClusterSpec:
 
 
 # ---- up -------------------------------------------------------------------------------------
+def thread_split(spec: ClusterSpec, cores: int) -> tuple[int, int]:
+    """(the router's, each shard server's) torch threads on ``cores``: processes that compute
+    share the cores instead of each taking all of them, so each gets ``cores // (shard servers
+    + 1)``; ``spec.shard_threads`` overrides the shards' (a catalog whose scans dominate, where
+    the router's tower and merge are small beside them)."""
+    shared = max(1, cores // (spec.shards * spec.replicas + 1))
+    return shared, spec.shard_threads or shared
+
+
 def _recserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "recserve", *args]
 
@@ -179,8 +192,7 @@ def _up(
     for old in logs.glob("*.log"):  # a new cluster starts with new logs
         old.unlink()
     repo = str(spec.model_repo)
-    # processes that compute share the cores instead of each taking all of them
-    threads = str(max(1, (os.cpu_count() or 1) // (spec.shards * spec.replicas + 1)))
+    router_threads, shard_threads = (str(t) for t in thread_split(spec, os.cpu_count() or 1))
     cluster = Cluster(model, version, tls_ca=str(ca or ""))
     try:
         started = [
@@ -222,7 +234,7 @@ def _up(
                     "--metrics-port",
                     "0",
                     "--torch-threads",
-                    threads,
+                    shard_threads,
                     *secure,
                 ),
                 logs,
@@ -244,7 +256,7 @@ def _up(
             "--grpc-port", str(spec.router_grpc_port), "--http-port", str(spec.router_http_port),
             "--metrics-port", "0", "--shards", shards,
             "--shard-deadline-ms", str(spec.shard_deadline_ms),
-            "--hedge-after-ms", str(spec.hedge_after_ms), "--torch-threads", threads,
+            "--hedge-after-ms", str(spec.hedge_after_ms), "--torch-threads", router_threads,
             "--batches-in-flight", str(spec.batches_in_flight), *secure,
         ]  # fmt: skip
         if spec.router_processes > 1:

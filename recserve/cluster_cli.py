@@ -30,6 +30,12 @@ def cluster_up(
     http_port: int = typer.Option(0, min=0, max=65535, help="router HTTP port (0: any free)"),
     shard_deadline_ms: float = field_option(RouterConfig, "shard_deadline_ms"),
     hedge_after_ms: float = field_option(RouterConfig, "hedge_after_ms"),
+    shard_threads: int = typer.Option(
+        0,
+        min=0,
+        help="torch threads of each shard server (0: the cores shared out over the shard "
+        "servers and the router); more where the index scan dominates (large catalogs)",
+    ),
     batches_in_flight: int = typer.Option(
         1,
         min=1,
@@ -65,6 +71,7 @@ def cluster_up(
         router_grpc_port=grpc_port,
         router_http_port=http_port,
         router_processes=router_processes,
+        shard_threads=shard_threads,
         batches_in_flight=batches_in_flight,
         state_dir=state_dir,
         auth_token_file=auth_token_file,

@@ -64,11 +64,26 @@ def cluster(tmp_path_factory):
     up = recserve(
         "cluster", "up", "--model-repo", str(root / "repo"), "--shards", "2",
         "--embedding-servers", "1", "--shard-deadline-ms", str(DEADLINE_MS), "--directory", str(d),
-        "--router-processes", "2",
+        "--router-processes", "2", "--shard-threads", "2",
     )  # fmt: skip
     assert up.returncode == 0, up.stderr + up.stdout
     yield model.eval(), Tiny(prep, model), d
     recserve("cluster", "down", "--directory", str(d))
+
+
+def torch_threads(pid: int) -> str:
+    """The ``--torch-threads`` a process of the cluster was started with."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("--torch-threads") + 1]
+
+
+def test_shard_servers_get_the_threads_asked_and_the_router_its_share(cluster):
+    _, _, d = cluster
+    running = Cluster.load(d)
+    shards = [p for p in running.processes if p.name.startswith("shard-")]
+    assert len(shards) == 2 and all(torch_threads(p.pid) == "2" for p in shards)
+    router = max(1, (os.cpu_count() or 1) // 3)
+    assert torch_threads(running.router.pid) == str(router)
 
 
 def stub(d: Path) -> recommend_pb2_grpc.RecommenderStub:
