@@ -44,7 +44,7 @@ shard"``).
 
 Run from the repository root::
 
-    .venv/bin/python bench/sharding.py --small        # 20k items, S=1,2, ~5 min on 2 cores
+    .venv/bin/python bench/sharding.py --small        # 20k items, S=1,2, ~9 min on 2 cores
     .venv/bin/python bench/sharding.py                # 200k items, S=1,2,4
 
 Writes ``--out`` (default ``bench/results/sharding.json``, ``sharding_small.json`` with
@@ -119,7 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-remote", action="store_true", help="skip the embedding-server cases")
     p.add_argument(
-        "--concurrency", type=int_list, default=[1, 4, 8, 16], help="closed-loop clients"
+        "--concurrency",
+        type=int_list,
+        default=[1, 4, 6, 8, 10, 12, 16],
+        help="closed-loop clients (a fine grid: the verdicts take the best level under the "
+        "p99 budget, and a coarse one puts a configuration just over the line a whole level down)",
     )
     p.add_argument("--p99-ms", type=float, default=20.0, help="latency budget of the verdicts")
     p.add_argument("--k", type=int, default=100, help="results per request")
