@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
 from retrieval.index.search import SearchPlan
@@ -32,3 +34,54 @@ def test_bad_lists_name_the_field():
     msg.lists = msg.lists[:-4]
     with pytest.raises(ValueError, match="lists"):
         decode_request(msg)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 4),
+    d=st.integers(1, 6),
+    c=st.integers(0, 3),
+    w=st.integers(1, 2),
+    list_width=st.integers(0, 3),
+    exclude_width=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_request_round_trips_with_every_field_its_dtype(
+    b, d, c, w, list_width, exclude_width, seed
+):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, d, generator=g)
+    masks = torch.randint(-(2**62), 2**62, (b, c, w), generator=g)
+    negate = torch.randint(0, 2, (b, c), generator=g).bool()
+    exclude = torch.randint(-1, 10**12, (b, exclude_width), generator=g) if exclude_width else None
+    lists = torch.randint(-1, 1000, (b, list_width), generator=g) if list_width else None
+    nprobe = torch.randint(1, 50, (b,), generator=g)
+    exact = torch.randint(0, 2, (b,), generator=g).bool()
+    plan = SearchPlan(3, 5, nprobe, exact, lists)
+    got_q, got_fb, got = decode_request(
+        encode_request("m", 1, q, FilterBatch(masks, negate, exclude), plan, with_vectors=False)
+    )
+    assert torch.equal(got_q, q) and torch.equal(got_fb.masks, masks)
+    assert torch.equal(got_fb.negate, negate) and got_fb.negate.dtype == torch.bool
+    assert (got.k, got.r) == (3, 5) and torch.equal(got.nprobe, nprobe)
+    assert torch.equal(got.exact, exact) and got.exact.dtype == torch.bool
+    for sent, back in ((lists, got.lists), (exclude, got_fb.exclude)):
+        assert (back is None) == (sent is None)
+        if sent is not None:
+            assert back is not None and back.dtype == torch.int64 and torch.equal(back, sent)
+    got_q.add_(1)  # each tensor owns its memory: the message's bytes are read-only
+    got.nprobe.add_(1)
+    got_fb.masks.add_(1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("nprobe", torch.tensor([2, 0])), ("exclude", torch.tensor([[5], [-2]]))]
+)
+def test_out_of_range_values_name_their_field(field, value):
+    q = torch.randn(2, 4)
+    fb = FilterBatch(torch.ones(2, 1, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.bool))
+    nprobe = value if field == "nprobe" else torch.tensor([2, 7])
+    fb = FilterBatch(fb.masks, fb.negate, value if field == "exclude" else None)
+    plan = SearchPlan(3, 5, nprobe, torch.tensor([False, True]), None)
+    with pytest.raises(ValueError, match=field):
+        decode_request(encode_request("m", 1, q, fb, plan, with_vectors=False))
