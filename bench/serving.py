@@ -26,8 +26,8 @@ request, K = 100, unfiltered, the same users in the same order for every system.
 (system, C): q/s, p50, p99, errors, and the share of the 2 cores used by processes outside this
 run. All systems are up at once and take turns at each C (noop, naive, triton, ours at C = 1,
 then at the next C): this machine's speed drifts over minutes, and systems measured one after
-the other would carry that drift into their ratios. The headline is each system's max q/s at p99 <= ``--p99-ms`` (the highest q/s among the
-concurrency levels whose p99 is within it) and ours / each of them against the targets
+the other would carry that drift into their ratios. The headline is each system's max q/s at
+p99 <= ``--p99-ms`` (the highest q/s among the concurrency levels whose p99 is within it) and ours / each of them against the targets
 (>= 0.5x noop, >= 3x naive, >= 1.0x Triton). Answers of naive, Triton and ours are checked
 against the in-process forward (ids equal) for a few users.
 

@@ -39,6 +39,7 @@ def summarize(results: dict[str, Any], budget_ms: float) -> list[dict[str, Any]]
     """One verdict per (configuration, filter): its best row under the budget, q/s / serve's
     and p50 at 1 client - serve's against the targets, and the servers' CPU per request there."""
     load = results.get("load", [])
+    paired = _paired(load)
     out = []
     for shards, es in _configs(load):
         for label in dict.fromkeys(r["filter"] for r in load):
@@ -47,9 +48,9 @@ def summarize(results: dict[str, Any], budget_ms: float) -> list[dict[str, Any]]
                 for r in load
                 if (r["shards"], r["embedding_servers"], r["filter"]) == (shards, es, label)
             ]
-            if shards == 0 and _paired(load):
+            if shards == 0 and paired:
                 continue  # serve is each configuration's baseline, in its own turns
-            base = _serve_rows(load, label, config_name(shards, es))
+            base = _serve_rows(load, label, config_name(shards, es) if paired else None)
             best, base_best = best_under_budget(rows, budget_ms), best_under_budget(base, budget_ms)
             one, base_one = _at(rows, 1), _at(base, 1)
             ratio = best["qps"] / base_best["qps"] if best and base_best else None
@@ -73,16 +74,15 @@ def _paired(load: list[dict[str, Any]]) -> bool:
     return any("pair" in r for r in load)
 
 
-def _serve_rows(load: list[dict[str, Any]], label: str, config: str) -> list[dict[str, Any]]:
-    """Serve's rows at ``label`` measured in turns with ``config`` (results from before the
-    turns: every serve row)."""
-    paired = _paired(load)
+def _serve_rows(load: list[dict[str, Any]], label: str, config: str | None) -> list[dict[str, Any]]:
+    """Serve's rows at ``label`` measured in turns with ``config`` (None, for results from
+    before the turns: every serve row)."""
     return [
         r
         for r in load
         if r["system"] == "serve"
         and r["filter"] == label
-        and (not paired or r.get("pair") == config)
+        and (config is None or r.get("pair") == config)
     ]
 
 
