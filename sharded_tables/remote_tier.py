@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from common.compile_boundary import eager_under_compile
 from sharded_tables.cache import HotRowCache
 from sharded_tables.interface import RemoteStats
 from sharded_tables.planner import PlacementPlan, TablePlacement
@@ -146,7 +147,7 @@ class RemoteTier:
         self._copy_lock = threading.Lock()
 
     # ---- whole copies -------------------------------------------------------------------------
-    @torch.compiler.disable  # I/O, once
+    @eager_under_compile  # I/O, once
     def copy_whole(self, remote: RemoteFetcher | None, timeout: float | None) -> None:
         """Copies every whole table from ``remote`` unless its rows came from it already (with
         no ``remote``, a copy made before keeps answering)."""
@@ -183,7 +184,7 @@ class RemoteTier:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     # ---- hot rows -----------------------------------------------------------------------------
-    @torch.compiler.disable  # data-dependent: cache slots, fetches
+    @eager_under_compile  # data-dependent: cache slots, fetches
     def lookup(
         self,
         by_table: Mapping[str, list[str]],

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.compile_boundary import eager_under_compile
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.specs import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS, DType, row_bytes
 
@@ -349,7 +350,7 @@ class LocalTables(nn.Module):
             fp8_exponent_bias=t.fp8_exponent_bias,
         )
 
-    @torch.compiler.disable
+    @eager_under_compile
     def _cuda_module(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """fbgemm's module on CUDA (UVM caching keeps prefetch state between calls)."""
         assert self._tbe is not None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.compile_boundary import eager_under_compile
 from sharded_tables.cache import HotRowCache
 from sharded_tables.collection import check_id_features
 from sharded_tables.interface import RemoteStats, RowUpdateRefusedError
@@ -322,7 +323,7 @@ class TieredEmbeddingCollection(nn.Module):
         out = self(padded)
         return torch.cat([out[k] for k in keys], dim=1)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def _hashed_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Local hashed tables: unique raw ids -> their rows (zeros for ids never learned)."""
         out = {}

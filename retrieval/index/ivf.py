@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from common.compile_boundary import eager_under_compile
 from retrieval.filters import (
     AttributeValue,
     FilterBatch,
@@ -492,4 +493,4 @@ class IVFIndex(nn.Module):
     # The plan branches on data (which rows are exact, how many lists each probes), so under
     # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
     # heavy part, the scan, is one C++ op either way. Direct searches skip the wrapper.
-    search_positions = torch.compiler.disable(_search_positions)
+    search_positions = eager_under_compile(_search_positions)

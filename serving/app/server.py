@@ -293,9 +293,9 @@ class Server:
             self._uvicorn.should_exit = True
             self._http_thread.join(left())
         self.metrics.stop_http()
+        if self._router is not None:  # cancels a version poll waiting on a shard that left too
+            self._router.close()
         self.host.stop(timeout=left())
         if self.updates is not None:
             self.updates.close()
-        if self._router is not None:
-            self._router.close()
         return clean

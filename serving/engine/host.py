@@ -255,7 +255,8 @@ class ModelHost:
             try:
                 self.poll_once()
             except Exception:  # a broken repository read must not kill the poll thread
-                log.exception("model %s: polling the repository failed", self.name)
+                if not self._stop.is_set():  # on stop: a read cut short by closing channels
+                    log.exception("model %s: polling the repository failed", self.name)
 
     def _try_load(self, version: int) -> bool:
         """Load + warm up ``version`` beside the served one, then swap; False on failure."""
