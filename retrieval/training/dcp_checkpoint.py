@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from common.atomic import atomic_writer
 
@@ -53,6 +52,8 @@ def save(checkpoint_dir: Path, trainer_state: dict[str, Any], sharded: dict[str,
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    import torch.distributed.checkpoint as dcp  # 1 s of imports (DTensor, sympy): only to save
+
     dcp.save(sharded, checkpoint_id=folder)
     if rank == 0:
         with atomic_writer(folder / TRAINER_FILE) as fh:
@@ -78,5 +79,7 @@ def load(folder: Path, sharded: dict[str, Any]) -> dict[str, Any]:
             f"--resume: {folder} was written by {state['world']} ranks, this job has {world} "
             "(resume with the same --nproc_per_node)"
         )
+    import torch.distributed.checkpoint as dcp  # (as in save)
+
     dcp.load(sharded, checkpoint_id=folder)
     return state
