@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from retrieval.index.codes import fp8_lut, quantize_int8
+from retrieval.index.codes import fp8_lut, quantize_query_int8
 
 BQ = 16
 """Queries a program scores together (``tl.dot`` needs 16 at least)."""
@@ -47,7 +47,7 @@ def _scan_kernel(
     qscale_ptr,  # [B] float32 query scales (INT8; unused for FP8)
     codes_ptr,  # [N, D] int8, or uint8 FP8 bit patterns
     lut_ptr,  # [256] float16 FP8 values
-    scales_ptr,  # [N] float32
+    scales_ptr,  # [N] float16
     offsets_ptr,  # [nlist + 1] int64
     coarse_ptr,  # [B, P] float32
     col_ptr,  # [B, P] int64: where each probed list's scores start in its query's row
@@ -113,7 +113,7 @@ def _scan_kernel(
         else:
             x8 = tl.load(c_at, mask=cc_ok, other=0)
             dots = tl.dot(q8, tl.trans(x8), out_dtype=tl.int32).to(tl.float32) * qs[:, None]
-        sc = tl.load(scales_ptr + items, mask=i_ok, other=0.0)
+        sc = tl.load(scales_ptr + items, mask=i_ok, other=0.0).to(tl.float32)
         score = dots * sc[None, :] + co[:, None]  # [BQ, BN]
 
         ok = q_ok[:, None] & i_ok[None, :]
@@ -185,7 +185,7 @@ def _queries(q: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, to
         hi = q.half()
         lo = (q - hi.float()).half()
         return hi.contiguous(), lo.contiguous(), q.new_zeros(0)
-    q8, qs = quantize_int8(q.float())
+    q8, qs = quantize_query_int8(q.float())
     return q8.contiguous(), q8.new_zeros(0), qs.contiguous()
 
 

@@ -38,7 +38,7 @@ from retrieval.filters import (
     FilterSchema,
 )
 from retrieval.index.bound import as_scored
-from retrieval.index.codes import dequantize
+from retrieval.index.codes import check_scales, dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exact_ids import exact_search_ids
@@ -60,7 +60,7 @@ class IVFIndex(nn.Module):
     """IVF index held as buffers. Build with :func:`build_ivf`; search with :meth:`search`.
 
     Buffers (N items, D dims, W signature words): ``centroids [nlist, D] f32``, ``offsets
-    [nlist+1] i64``, ``item_ids [N] i64``, ``codes [N, D] int8|fp8``, ``scales [N] f32``,
+    [nlist+1] i64``, ``item_ids [N] i64``, ``codes [N, D] int8|fp8``, ``scales [N] f16``,
     ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``,
     ``postings [sum(bit_counts)] i32`` (the items of each bit: an inverted index over attributes),
     ``list_radius [nlist] f32`` and ``list_bits [nlist, W] i64`` (each list's largest residual and
@@ -101,7 +101,7 @@ class IVFIndex(nn.Module):
         self.register_buffer("offsets", torch.zeros(1, dtype=torch.int64))
         self.register_buffer("item_ids", torch.zeros(0, dtype=torch.int64))
         self.register_buffer("codes", torch.zeros(0, dim, dtype=_CODE_DTYPES[config.codes]))
-        self.register_buffer("scales", torch.zeros(0))
+        self.register_buffer("scales", torch.zeros(0, dtype=torch.float16))
         self.register_buffer("exact", torch.zeros(0, dim, dtype=exact_dtype))
         self.register_buffer("sig", torch.zeros(0, w, dtype=torch.int64))
         self.register_buffer("bit_counts", torch.zeros(w * 64, dtype=torch.int64))
@@ -155,7 +155,9 @@ class IVFIndex(nn.Module):
             saved = state_dict.get(prefix + name)
             if saved is None or buf is None:
                 continue
-            adoptable = name == "exact" and saved.dtype in (torch.float16, torch.float32)
+            adoptable = (name == "exact" and saved.dtype in (torch.float16, torch.float32)) or (
+                name == "scales" and saved.dtype == torch.float32  # saved before half scales
+            )
             if (saved.dtype != buf.dtype and not adoptable) or (
                 saved.shape[1:] != buf.shape[1:]
                 and name not in ("sig", "bit_counts", "postings", "list_bits")
@@ -173,7 +175,25 @@ class IVFIndex(nn.Module):
             if prefix + name not in state_dict and prefix + name in missing_keys:
                 missing_keys.remove(prefix + name)
                 setattr(self, name, getattr(self, name)[:0])
+        if self.scales.dtype == torch.float32:
+            self._halve_scales()
         self._refresh()
+
+    def _halve_scales(self) -> None:
+        """An index saved with float32 scales: round them to halves, and widen each list's
+        radius to the decoded residuals the rounding moved (it must stay a bound)."""
+        if not bool(torch.isfinite(self.scales.half()).all()):
+            raise check_scales(self.scales.half())
+        self.scales = self.scales.half()
+        if self.list_radius.numel() and self.codes.shape[0]:
+            norms = torch.zeros(self.codes.shape[0], device=self.codes.device)
+            for s in range(0, self.codes.shape[0], 65536):  # no [N, D] float copy at once
+                e = s + 65536
+                norms[s:e] = dequantize(self.codes[s:e], self.scales[s:e]).norm(dim=1)
+            sizes = self.offsets[1:] - self.offsets[:-1]
+            lists = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes)
+            widened = self.list_radius.clone().scatter_reduce_(0, lists, norms, "amax")
+            self.list_radius = torch.nextafter(widened, torch.full_like(widened, float("inf")))
 
     def _refresh(self) -> None:
         self.half_norms = half_sq_norms(self.centroids)

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from retrieval.index.codes import fp8_lut, quantize_int8
+from retrieval.index.codes import check_scales, fp8_lut, quantize_query_int8
 from retrieval.index.exclude import is_excluded
 from retrieval.index.kernels import extension as _extension
 
@@ -281,12 +281,14 @@ def encode_int8_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The build's int8 codes in one C++ pass: row ``i`` is item ``order[i]`` of ``x [N, D]``
     float32, in list ``lists[i]``; its residual to ``centroids [L, D]`` quantized as
-    ``codes.quantize_int8`` does, bit for bit -> ``(codes [N, D] int8, scales [N] float32,
+    ``codes.quantize_int8`` does, bit for bit -> ``(codes [N, D] int8, scales [N] float16,
     norms [N] float32)``, ``norms`` = max(|residual|, |decoded residual|) rounded up (a bound:
     ``bound.residual_norms``'s figure, never below it by rounding)."""
     codes, scales, norms = _extension().encode_int8(
         x.contiguous(), order.contiguous(), lists.contiguous(), centroids.float().contiguous()
     )
+    if not bool(torch.isfinite(scales).all()):
+        raise check_scales(scales)
     return codes, scales, norms
 
 
@@ -385,14 +387,16 @@ def scan_reference(
         valid = (pos < end.unsqueeze(-1)) & (pr >= 0).unsqueeze(-1)
         pos = torch.where(valid, pos, torch.zeros_like(pos)).flatten(1)  # [b, P*Lmax]
         if codes.dtype == torch.int8:  # the kernel's integer arithmetic: int8 query, exact int dot
-            q8, q_scale = quantize_int8(qc.float())
+            q8, q_scale = quantize_query_int8(qc.float())
             dots = (
                 torch.einsum("bd,bmd->bm", q8.double(), codes[pos].double()).float()
                 * q_scale[:, None]
             )
         else:
             dots = torch.einsum("bd,bmd->bm", qc.float(), codes[pos].float())
-        score = dots * scales[pos] + co.repeat_interleave(max(max_list, 1), dim=1)  # [b, P*Lmax]
+        score = dots * scales[pos].float() + co.repeat_interleave(
+            max(max_list, 1), dim=1
+        )  # [b, P*Lmax]
         valid = valid.flatten(1)
         if fmask.shape[1] > 0:
             valid &= eligible(sig[pos], fmask[s : s + chunk], fneg[s : s + chunk])

@@ -248,9 +248,14 @@ RECSERVE_TARGET("avx2,fma") inline float dot_f32_i8_avx2(const float* q, const i
 }
 #endif
 
+// Per-row scales are stored in half precision (2 bytes an item; the int8 step is 1/127 of a row's
+// range, so a half's 2**-11 relative rounding is far below it). The build rounds each scale to a
+// half before it quantizes the row, so codes and scale agree exactly.
+using Scale = at::Half;
+
 // The one place where integer dots become scores, shared by every path so that they agree bitwise.
-inline void dots_to_scores(const int32_t* dots, int64_t n, const float* scales, float qscale, float base, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = base + scales[i] * qscale * float(dots[i]);
+inline void dots_to_scores(const int32_t* dots, int64_t n, const Scale* scales, float qscale, float base, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = base + float(scales[i]) * qscale * float(dots[i]);
 }
 
 inline float dot_f8(const float* __restrict q, const uint8_t* __restrict c, const float* lut, int64_t d) {
@@ -271,7 +276,7 @@ inline bool passes(const int64_t* sig, const int64_t* mask, const bool* neg, int
 }
 
 struct Index {
-  const float* scales; const int64_t* offsets; int64_t nlist;
+  const Scale* scales; const int64_t* offsets; int64_t nlist;
   const int64_t* sig; int64_t w;
 };
 struct Batch {  // one chunk of queries [b0, b1)
@@ -383,7 +388,7 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
 // AMD EPYC (d = 64 and 784), its 5 instructions per 32 bytes leaving the horizontal sum cheap.
 // Any D: tails are padded (VNNI) or looped (AVX2).
 struct Int8Scorer {
-  const int8_t* codes; const float* scales; int64_t d;
+  const int8_t* codes; const Scale* scales; int64_t d;
   const int8_t* q; int64_t qstride;  // queries zero-padded to qstride >= round_up(D, 4) bytes
   const float* qscale; const int32_t* qsum;
   Isa isa;
@@ -444,17 +449,17 @@ struct Int8Scorer {
 };
 
 struct Fp8Scorer {
-  const uint8_t* codes; const float* scales; int64_t d;
+  const uint8_t* codes; const Scale* scales; int64_t d;
   const float* q; const float* lut;
   void prepare(int64_t, int64_t, int64_t) {}
   void score(int64_t b, int64_t i0, int64_t i1, float base, float* out) const {
-    for (int64_t i = i0; i < i1; ++i) out[i - i0] = base + scales[i] * dot_f8(q + b * d, codes + i * d, lut, d);
+    for (int64_t i = i0; i < i1; ++i) out[i - i0] = base + float(scales[i]) * dot_f8(q + b * d, codes + i * d, lut, d);
   }
   double sparse_share() const { return 1.0; }  // per item either way: score only what passes
   void score_some(int64_t b, int64_t i0, const int64_t* some, int64_t m, float base, float* out) const {
     for (int64_t k = 0; k < m; ++k) {
       const int64_t i = i0 + some[k];
-      out[some[k]] = base + scales[i] * dot_f8(q + b * d, codes + i * d, lut, d);
+      out[some[k]] = base + float(scales[i]) * dot_f8(q + b * d, codes + i * d, lut, d);
     }
   }
 };
@@ -555,7 +560,7 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
   TORCH_CHECK(r >= 1, "r must be >= 1");
   TORCH_CHECK(probes.dim() == 2 && probes.size(0) == b_count && probes.scalar_type() == at::kLong, "probes must be int64 [B, P]");
   TORCH_CHECK(coarse.sizes() == probes.sizes() && coarse.scalar_type() == at::kFloat, "coarse must be float32 [B, P]");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.scalar_type() == at::kFloat, "scales must be float32 [N]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.scalar_type() == at::kHalf, "scales must be float16 [N]");
   TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong, "offsets must be int64 [nlist + 1]");
   TORCH_CHECK(sig.dim() == 2 && sig.size(0) == n && sig.scalar_type() == at::kLong, "sig must be int64 [N, W]");
   TORCH_CHECK(fmask.dim() == 3 && fmask.size(0) == b_count && fmask.size(2) == sig.size(1) && fmask.scalar_type() == at::kLong,
@@ -572,7 +577,7 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
   const int64_t* pp = probes.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(pp, pp + probes.numel(), [nlist](int64_t l) { return l < nlist; }),
               "probe ids must be < nlist");
-  Checked c{Index{scales.data_ptr<float>(), offsets.data_ptr<int64_t>(), nlist, sig.data_ptr<int64_t>(), sig.size(1)},
+  Checked c{Index{scales.data_ptr<Scale>(), offsets.data_ptr<int64_t>(), nlist, sig.data_ptr<int64_t>(), sig.size(1)},
             Batch{0, b_count, probes.size(1), probes.data_ptr<int64_t>(), coarse.data_ptr<float>(),
                   fmask.data_ptr<int64_t>(), fneg.data_ptr<bool>(), fmask.size(1),
                   excl.data_ptr<int64_t>(), excl.size(1)},
@@ -611,7 +616,7 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
     }
   }
   const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* sc = c.ix.scales;
+  const Scale* sc = c.ix.scales;
   scan(c.ix, c.bt, r, c.out_pos.data_ptr<int64_t>(), c.out_score.data_ptr<float>(),
        [&] { return Int8Scorer{cp, sc, d, q8.data(), qstride, qs.data(), qsum.data(), isa, {}, {}, false}; });
   return {c.out_pos, c.out_score};
@@ -620,7 +625,8 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
 // The build's codes in one pass, with no float copy of the catalog: row i of the index is item
 // order[i] of x [N, D] f32, in list lists[i] (list-sorted); its residual to centroids[lists[i]] is
 // quantized as codes.quantize_int8 does (absmax / 127, round half to even, clamp), bit for bit
-// -> codes [N, D] int8, scales [N] f32, and norms [N] f32 = max(|r|, |decoded r|) summed in double
+// -> codes [N, D] int8, scales [N] f16 (rounded to a half first: the codes use the stored scale),
+// and norms [N] f32 = max(|r|, |decoded r|) summed in double
 // and rounded up to a float (list_radius is a bound: no rounding may shrink it).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, const at::Tensor& order,
                                                            const at::Tensor& lists, const at::Tensor& centroids) {
@@ -636,12 +642,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, 
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(op[i] >= 0 && op[i] < nx && lp[i] >= 0 && lp[i] < nlist, "order or lists out of range at ", i);
   auto codes = at::empty({n, d}, x.options().dtype(at::kChar));
-  auto scales = at::empty({n}, x.options());
+  auto scales = at::empty({n}, x.options().dtype(at::kHalf));
   auto norms = at::empty({n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* cp = centroids.data_ptr<float>();
   int8_t* out = codes.data_ptr<int8_t>();
-  float* sp = scales.data_ptr<float>();
+  Scale* sp = scales.data_ptr<Scale>();
   float* np_ = norms.data_ptr<float>();
   at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
     std::vector<float> r(d);
@@ -655,7 +661,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, 
         amax = std::max(amax, std::fabs(r[j]));
         exact += double(r[j]) * r[j];
       }
-      const float scale = amax / 127.0f;
+      const Scale stored(amax / 127.0f);  // inf when amax > 127 * 65504: the caller refuses it
+      const float scale = float(stored);
       const float safe = scale > 0.f ? scale : 1.f;
       double decoded = 0.0;
       int8_t* code = out + i * d;
@@ -668,7 +675,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, 
       const double norm = std::sqrt(std::max(exact, decoded));
       float up = static_cast<float>(norm);
       if (double(up) < norm) up = std::nextafter(up, std::numeric_limits<float>::infinity());
-      sp[i] = scale;
+      sp[i] = stored;
       np_[i] = up;
     }
   });
@@ -699,13 +706,13 @@ std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig) {
 }
 
 // The checks shared by the calls that read chosen rows of the int8 codes: pos [M] int64 rows in
-// range, codes [N, D] int8, scales [N] f32, offsets [L + 1] int64, all contiguous.
+// range, codes [N, D] int8, scales [N] f16, offsets [L + 1] int64, all contiguous.
 void check_rows_of_codes(const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
                          const at::Tensor& offsets) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "codes must be contiguous int8 [N, D]");
   TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous(), "pos must be contiguous int64 [M]");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kFloat &&
-              scales.is_contiguous(), "scales must be contiguous float32 [N]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kHalf &&
+              scales.is_contiguous(), "scales must be contiguous float16 [N]");
   TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
               "offsets must be contiguous int64 [L + 1]");
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -731,7 +738,7 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
   auto out = at::empty({b_count, m}, q.options());
   const float* qp = q.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
+  const Scale* sp = scales.data_ptr<Scale>();
   const float* co = coarse.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #ifdef RECSERVE_X86
@@ -749,7 +756,7 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
 #else
         const float acc = dot_f32_i8_portable(qb, c, d);
 #endif
-        op[b * m + i] = acc * sp[row] + co[b * nlist + list];
+        op[b * m + i] = acc * float(sp[row]) + co[b * nlist + list];
       }
     }
   });
@@ -769,7 +776,7 @@ at::Tensor decode_rows_int8(const at::Tensor& pos, const at::Tensor& codes, cons
   auto out = at::empty({m, d}, centroids.options());
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
+  const Scale* sp = scales.data_ptr<Scale>();
   const float* ce = centroids.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, m, 64, [&](int64_t i0, int64_t i1) {
@@ -778,7 +785,7 @@ at::Tensor decode_rows_int8(const at::Tensor& pos, const at::Tensor& codes, cons
       const int64_t list = std::upper_bound(off, off + nlist + 1, row) - off - 1;
       const int8_t* c = cp + row * d;
       const float* cen = ce + list * d;
-      const float s = sp[row];
+      const float s = float(sp[row]);
       float* o = op + i * d;
 #pragma omp simd
       for (int64_t j = 0; j < d; ++j) o[j] = cen[j] + s * float(c[j]);
@@ -887,7 +894,7 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_fp8(
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = codes_u8.data_ptr<uint8_t>();
   const float* lp = lut.data_ptr<float>();
-  const float* sc = c.ix.scales;
+  const Scale* sc = c.ix.scales;
   scan(c.ix, c.bt, r, c.out_pos.data_ptr<int64_t>(), c.out_score.data_ptr<float>(),
        [&] { return Fp8Scorer{cp, sc, d, qp, lp}; });
   return {c.out_pos, c.out_score};

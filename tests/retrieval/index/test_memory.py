@@ -1,5 +1,6 @@
 """Memory defaults (issue 21): no exact copy unless re-rank is on, every reader of the vectors
-correct without it, old indexes with a copy still load, re-rank in bounded chunks."""
+correct without it, old indexes with a copy still load, re-rank in bounded chunks; row scales in
+half precision (old float32 ones load), and a clear error for rows too large for them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search, recall_at_k
+from retrieval.index.codes import dequantize
 from retrieval.index.eligible_scan import eligible_positions
 from retrieval.index.probe import rescore
 
@@ -31,11 +33,12 @@ def test_the_default_keeps_no_exact_copy(lean, catalog):
     per_item = sum(lean.memory_bytes().values()) / lean.ntotal
     with_copy = build_ivf(catalog["x"][:5000], IVFConfig(nlist=16, rerank=100))
     assert with_copy.config.exact_copy == "float16" and with_copy.exact.dtype == torch.float16
-    # codes (D) + scale (4) + id (8) + the id -> row lookup (4) + signature words (8 each),
+    # codes (D) + scale (2) + id (8) + the id -> row lookup (4) + signature words (8 each),
     # + centroids and postings
     words = lean.sig.shape[1]
     assert lean.memory_bytes()["id_order"] == 4 * lean.ntotal
-    assert per_item < lean.dim + 4 + 8 + 4 + 8 * words + 16
+    assert lean.memory_bytes()["scales"] == 2 * lean.ntotal and lean.scales.dtype == torch.float16
+    assert per_item < lean.dim + 2 + 8 + 4 + 8 * words + 16
     assert lean.memory_bytes()["exact"] == 0
 
 
@@ -70,6 +73,33 @@ def test_an_index_saved_with_a_copy_loads_into_a_default_config(catalog):
     assert fresh.config.exact_copy == "float16" and torch.equal(fresh.exact, old.exact)
     q = catalog["q"][:8]
     assert torch.equal(fresh.search(q, 20, rerank=50)[0], old.search(q, 20, rerank=50)[0])
+
+
+def test_an_index_saved_with_float32_scales_loads_with_halves_and_bounds_that_hold(lean, catalog):
+    """An index saved before half scales: its float32 scales (here nudged off the halves, as a
+    float32 build made them) load as halves, and every list's radius still bounds the residuals
+    the new scales decode to (the filtered plan's bound check relies on it)."""
+    state = lean.state_dict()
+    state["scales"] = state["scales"].float() * (1 + 3e-4)  # between halves, and larger
+    fresh = IVFIndex(IVFConfig(), lean.dim)
+    fresh.load_state_dict(state)
+    assert fresh.scales.dtype == torch.float16
+    assert torch.equal(fresh.scales, state["scales"].half())
+    norms = dequantize(fresh.codes, fresh.scales).norm(dim=1)
+    sizes = (fresh.offsets[1:] - fresh.offsets[:-1]).tolist()
+    for radius, part in zip(fresh.list_radius.tolist(), norms.split(sizes), strict=True):
+        assert part.numel() == 0 or float(part.max()) <= radius
+    assert (fresh.list_radius > lean.list_radius).any()  # the nudge widened some lists
+    ids, _ = fresh.search(catalog["q"][:16], 10)
+    assert recall_at_k(ids, lean.search(catalog["q"][:16], 10)[0]) >= 0.95
+
+
+@pytest.mark.parametrize("codes", ["int8", "fp8"])
+def test_rows_too_large_for_half_scales_are_refused_naming_the_fix(codes):
+    x = torch.randn(200, 8)
+    x[7] *= 1e8  # |value| ~1e8: a scale above a half's 65504
+    with pytest.raises(ValueError, match="normalise or rescale"):
+        build_ivf(x, IVFConfig(nlist=4, codes=codes))
 
 
 @settings(max_examples=30, deadline=None)
