@@ -42,6 +42,8 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// A query's candidates up to this multiple of r are selected (nth_element), more go through the heap.
+constexpr int64_t kSelectShare = 16;
 constexpr int64_t kMaxBufferFloats = int64_t(1) << 25;  // 128 MiB of pair scores per chunk
 
 using Cand = std::pair<float, int64_t>;  // (score, position in list-sorted order)
@@ -497,19 +499,44 @@ inline void push_scores(const float* s, int64_t n, int64_t pos0, int64_t r, std:
 // Phase 2: each query's best r over its pairs' scores.
 void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* buf, int64_t r,
                 int64_t* out_pos, float* out_score) {
+  // Where a query's candidates are few for r (at most kSelectShare * r: one query probing a few
+  // short lists for K = 100), most would pass through the heap: a selection (nth_element, then a
+  // sort of the best r) costs less, as in topk_rows. Equal scores: the lower row first.
+  const auto better = [](const Cand& a, const Cand& c) {
+    return a.first > c.first || (a.first == c.first && a.second < c.second);
+  };
   at::parallel_for(bt.b0, bt.b1, 1, [&](int64_t q0, int64_t q1) {
     std::vector<Cand> heap;
     heap.reserve(std::min<int64_t>(r, 1 << 16));
     for (int64_t b = q0; b < q1; ++b) {
       heap.clear();
-      float worst = kNegInf;
+      int64_t candidates = 0;
       for (int64_t p = 0; p < bt.p; ++p) {
-        const int64_t off = pl.buf_off[(b - bt.b0) * bt.p + p];
-        if (off < 0) continue;
-        const int64_t l = bt.probes[b * bt.p + p], i0 = ix.offsets[l];
-        push_scores(buf + off, ix.offsets[l + 1] - i0, i0, r, heap, worst);
+        const int64_t l = bt.probes[b * bt.p + p];
+        if (pl.buf_off[(b - bt.b0) * bt.p + p] >= 0) candidates += ix.offsets[l + 1] - ix.offsets[l];
       }
-      std::sort_heap(heap.begin(), heap.end(), MinFirst());  // best first
+      if (candidates <= kSelectShare * r) {
+        for (int64_t p = 0; p < bt.p; ++p) {
+          const int64_t off = pl.buf_off[(b - bt.b0) * bt.p + p];
+          if (off < 0) continue;
+          const int64_t l = bt.probes[b * bt.p + p], i0 = ix.offsets[l], n = ix.offsets[l + 1] - i0;
+          for (int64_t i = 0; i < n; ++i)
+            if (buf[off + i] > kNegInf) heap.emplace_back(buf[off + i], i0 + i);
+        }
+        const int64_t kept = std::min<int64_t>(r, (int64_t)heap.size());
+        if (kept < (int64_t)heap.size()) std::nth_element(heap.begin(), heap.begin() + kept, heap.end(), better);
+        heap.resize(kept);
+        std::sort(heap.begin(), heap.end(), better);
+      } else {
+        float worst = kNegInf;
+        for (int64_t p = 0; p < bt.p; ++p) {
+          const int64_t off = pl.buf_off[(b - bt.b0) * bt.p + p];
+          if (off < 0) continue;
+          const int64_t l = bt.probes[b * bt.p + p], i0 = ix.offsets[l];
+          push_scores(buf + off, ix.offsets[l + 1] - i0, i0, r, heap, worst);
+        }
+        std::sort_heap(heap.begin(), heap.end(), MinFirst());  // best first
+      }
       for (int64_t k = 0; k < r; ++k) {
         const bool have = k < (int64_t)heap.size();
         out_pos[b * r + k] = have ? heap[k].second : -1;

@@ -108,6 +108,32 @@ def test_simd_scan_equals_portable_bitwise(isa, d, lengths, b, shared, seed):
     torch.testing.assert_close(ssc, rsc, rtol=1e-5, atol=1e-4)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    d=st.sampled_from([8, 64]),
+    lengths=st.lists(st.integers(0, 60), min_size=1, max_size=6).filter(lambda ls: sum(ls) > 0),
+    b=st.integers(1, 4),
+    shared=st.booleans(),
+    seed=st.integers(0, 99),
+    share=st.floats(0.0, 1.0),
+)
+def test_the_best_r_are_the_head_of_the_whole_ranking_heap_or_selection(
+    d, lengths, b, shared, seed, share
+):
+    """Small r goes through the bounded heap, r near the candidates' count through a selection
+    (nth_element): either way the best r scores, best first, are the whole ranking's head, and
+    each position returned scores what the whole ranking gave it."""
+    args, max_list = lists_case(d, lengths, b, shared, seed, integer=False)
+    full_pos, full_sc = scan(*args, max_list=max_list)  # r = N: every candidate, ranked
+    r = max(1, round(share * sum(lengths)))
+    pos, sc = scan(*args[:-1], r, max_list=max_list)
+    assert torch.equal(sc, full_sc[:, :r])
+    for row in range(pos.shape[0]):
+        given_score = dict(zip(full_pos[row].tolist(), full_sc[row].tolist(), strict=True))
+        for p, v in zip(pos[row].tolist(), sc[row].tolist(), strict=True):
+            assert p == -1 or given_score[p] == v
+
+
 @pytest.mark.parametrize("isa", ["portable", *SIMD])
 @settings(max_examples=25, deadline=None)
 @given(
