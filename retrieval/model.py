@@ -267,13 +267,17 @@ class RetrievalModel(nn.Module):
         # index, with the request's filter and its seen items applied inside the scan
         r, fb = self.candidate_budget(batch, k)
         icfg = self.index.config  # as built (nprobe may be tuned)
+        settings = (icfg.nprobe, icfg.rerank)
+        if self.head is None:  # ids and scores are the answer: no positions needed
+            ids, dot = self.index.search_ids(
+                q, r, fb, *settings, exact=exact, target=batch.recall_target
+            )  # [B, R]
+            return self.rank(q, ids, dot, None, k)
         pos, dot = self.index.search_positions(
-            q, r, fb, icfg.nprobe, icfg.rerank, exact=exact, target=batch.recall_target
+            q, r, fb, *settings, exact=exact, target=batch.recall_target
         )  # [B, R]
         ids = torch.where(pos >= 0, self.index.item_ids[pos.clamp(min=0)], pos)
-        vecs = None
-        if self.head is not None:
-            vecs = self.index.vectors_at(pos.clamp(min=0).flatten()).view(*pos.shape, -1)
+        vecs = self.index.vectors_at(pos.clamp(min=0).flatten()).view(*pos.shape, -1)
         return self.rank(q, ids, dot, vecs, k)
 
     def candidate_budget(self, batch: UserBatch, k: int) -> tuple[int, FilterBatch]:

@@ -362,6 +362,27 @@ class IVFIndex(nn.Module):
         fb = self.compile_filter(None, q.shape[0]) if fb is None else fb
         return self.planned_positions(q, k, fb, nprobe, rerank, exact, target)
 
+    def _search_ids(
+        self,
+        q: torch.Tensor,
+        k: int,
+        fb: FilterBatch | None,
+        nprobe: int,
+        rerank: int,
+        exact: bool = False,
+        target: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_search_positions` keyed by item id -> ``(ids [B, k], scores [B, k])``: a few
+        plain queries on the CPU are one C++ call from the query to ids (exclusions mapped
+        inside it), the others the positions mapped. For a caller that needs no positions (the
+        model's forward without a scoring head)."""
+        if not exact and (target is None or not bool(target.gt(0).any())):
+            found = plain_search_ids(self, q, k, fb, nprobe, rerank)
+            if found is not None:
+                return found
+        pos, scores = self._search_positions(q, k, fb, nprobe, rerank, exact, target)
+        return self._item_ids(pos), scores
+
     def planned_positions(
         self,
         q: torch.Tensor,
@@ -514,3 +535,4 @@ class IVFIndex(nn.Module):
     # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
     # heavy part, the scan, is one C++ op either way. Direct searches skip the wrapper.
     search_positions = eager_under_compile(_search_positions)
+    search_ids = eager_under_compile(_search_ids)

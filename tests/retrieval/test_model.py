@@ -65,6 +65,27 @@ def test_forward_excludes_history_and_respects_filters(trained):
 
 
 @pytest.mark.slow  # the trained fixture
+@pytest.mark.parametrize("b", [1, 5, 40])
+def test_forward_without_a_head_answers_what_the_positions_give(trained, b):
+    """The forward keyed by item id (one C++ call for a few plain rows; the positions mapped
+    otherwise: 40 rows, more than FEW_QUERIES) answers what the index's positions, mapped to
+    ids and ranked, give: the path a scoring head takes."""
+    prep, model, _ = trained
+    assert model.head is None
+    batch = prep.user_batch(np.arange(b) * 7)
+    with torch.inference_mode():
+        ids, scores = model(batch, 30)
+        q = model.user_vectors(batch)
+        r, fb = model.candidate_budget(batch, 30)
+        cfg = model.index.config
+        pos, dot = model.index.search_positions(q, r, fb, cfg.nprobe, cfg.rerank)
+        want = model.rank(
+            q, torch.where(pos >= 0, model.index.item_ids[pos.clamp(min=0)], pos), dot, None, 30
+        )
+    assert torch.equal(ids, want[0]) and torch.equal(scores, want[1])
+
+
+@pytest.mark.slow  # the trained fixture
 def test_index_recall_against_exact_search(trained):
     prep, model, _ = trained
     batch = prep.user_batch(np.arange(200))
