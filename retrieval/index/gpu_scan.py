@@ -47,7 +47,7 @@ def _scan_kernel(
     qscale_ptr,  # [B] float32 query scales (INT8; unused for FP8)
     codes_ptr,  # [N, D] int8, or uint8 FP8 bit patterns
     lut_ptr,  # [256] float16 FP8 values
-    scales_ptr,  # [N] float16
+    scales_ptr,  # [N] bfloat16
     offsets_ptr,  # [nlist + 1] int64
     coarse_ptr,  # [B, P] float32
     col_ptr,  # [B, P] int64: where each probed list's scores start in its query's row

@@ -38,7 +38,7 @@ from retrieval.filters import (
     FilterSchema,
 )
 from retrieval.index.bound import as_scored
-from retrieval.index.codes import check_scales, dequantize
+from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exact_ids import exact_search_ids
@@ -60,7 +60,7 @@ class IVFIndex(nn.Module):
     """IVF index held as buffers. Build with :func:`build_ivf`; search with :meth:`search`.
 
     Buffers (N items, D dims, W signature words): ``centroids [nlist, D] f32``, ``offsets
-    [nlist+1] i64``, ``item_ids [N] i64``, ``codes [N, D] int8|fp8``, ``scales [N] f16``,
+    [nlist+1] i64``, ``item_ids [N] i64``, ``codes [N, D] int8|fp8``, ``scales [N] bf16``,
     ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``,
     ``postings [sum(bit_counts)] i32`` (the items of each bit: an inverted index over attributes),
     ``list_radius [nlist] f32`` and ``list_bits [nlist, W] i64`` (each list's largest residual and
@@ -101,7 +101,7 @@ class IVFIndex(nn.Module):
         self.register_buffer("offsets", torch.zeros(1, dtype=torch.int64))
         self.register_buffer("item_ids", torch.zeros(0, dtype=torch.int64))
         self.register_buffer("codes", torch.zeros(0, dim, dtype=_CODE_DTYPES[config.codes]))
-        self.register_buffer("scales", torch.zeros(0, dtype=torch.float16))
+        self.register_buffer("scales", torch.zeros(0, dtype=torch.bfloat16))
         self.register_buffer("exact", torch.zeros(0, dim, dtype=exact_dtype))
         self.register_buffer("sig", torch.zeros(0, w, dtype=torch.int64))
         self.register_buffer("bit_counts", torch.zeros(w * 64, dtype=torch.int64))
@@ -156,7 +156,7 @@ class IVFIndex(nn.Module):
             if saved is None or buf is None:
                 continue
             adoptable = (name == "exact" and saved.dtype in (torch.float16, torch.float32)) or (
-                name == "scales" and saved.dtype == torch.float32  # saved before half scales
+                name == "scales" and saved.dtype == torch.float32  # saved before 2-byte scales
             )
             if (saved.dtype != buf.dtype and not adoptable) or (
                 saved.shape[1:] != buf.shape[1:]
@@ -176,15 +176,13 @@ class IVFIndex(nn.Module):
                 missing_keys.remove(prefix + name)
                 setattr(self, name, getattr(self, name)[:0])
         if self.scales.dtype == torch.float32:
-            self._halve_scales()
+            self._narrow_scales()
         self._refresh()
 
-    def _halve_scales(self) -> None:
-        """An index saved with float32 scales: round them to halves, and widen each list's
+    def _narrow_scales(self) -> None:
+        """An index saved with float32 scales: round them to bfloat16, and widen each list's
         radius to the decoded residuals the rounding moved (it must stay a bound)."""
-        if not bool(torch.isfinite(self.scales.half()).all()):
-            raise check_scales(self.scales.half())
-        self.scales = self.scales.half()
+        self.scales = self.scales.bfloat16()
         if self.list_radius.numel() and self.codes.shape[0]:
             norms = torch.zeros(self.codes.shape[0], device=self.codes.device)
             for s in range(0, self.codes.shape[0], 65536):  # no [N, D] float copy at once

@@ -250,10 +250,10 @@ RECSERVE_TARGET("avx2,fma") inline float dot_f32_i8_avx2(const float* q, const i
 }
 #endif
 
-// Per-row scales are stored in half precision (2 bytes an item; the int8 step is 1/127 of a row's
-// range, so a half's 2**-11 relative rounding is far below it). The build rounds each scale to a
-// half before it quantizes the row, so codes and scale agree exactly.
-using Scale = at::Half;
+// Per-row scales are stored as bfloat16: 2 bytes an item and float32's range. The build rounds
+// each scale before it quantizes the row with it, so codes and scale agree exactly and the
+// rounding costs no precision (the row's largest value lands within a quarter step of 127).
+using Scale = at::BFloat16;
 
 // The one place where integer dots become scores, shared by every path so that they agree bitwise.
 inline void dots_to_scores(const int32_t* dots, int64_t n, const Scale* scales, float qscale, float base, float* out) {
@@ -497,14 +497,25 @@ inline void push_scores(const float* s, int64_t n, int64_t pos0, int64_t r, std:
 }
 
 // Phase 2: each query's best r over its pairs' scores.
+// Better first: the higher score, then the lower position (the order at ties of a selection).
+inline bool better(const Cand& a, const Cand& c) {
+  return a.first > c.first || (a.first == c.first && a.second < c.second);
+}
+
+// The best r of cands, best first: nth_element, then a sort of those kept. Cheaper than the
+// bounded heap where most candidates would enter it (r a large share of them).
+inline void keep_best(std::vector<Cand>& cands, int64_t r) {
+  const int64_t kept = std::min<int64_t>(r, (int64_t)cands.size());
+  if (kept < (int64_t)cands.size()) std::nth_element(cands.begin(), cands.begin() + kept, cands.end(), better);
+  cands.resize(kept);
+  std::sort(cands.begin(), cands.end(), better);
+}
+
 void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* buf, int64_t r,
                 int64_t* out_pos, float* out_score) {
   // Where a query's candidates are few for r (at most kSelectShare * r: one query probing a few
-  // short lists for K = 100), most would pass through the heap: a selection (nth_element, then a
-  // sort of the best r) costs less, as in topk_rows. Equal scores: the lower row first.
-  const auto better = [](const Cand& a, const Cand& c) {
-    return a.first > c.first || (a.first == c.first && a.second < c.second);
-  };
+  // short lists for K = 100), most would pass through the heap: keep_best costs less, as in
+  // topk_rows. Equal scores: the lower row first.
   at::parallel_for(bt.b0, bt.b1, 1, [&](int64_t q0, int64_t q1) {
     std::vector<Cand> heap;
     heap.reserve(std::min<int64_t>(r, 1 << 16));
@@ -523,10 +534,7 @@ void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* b
           for (int64_t i = 0; i < n; ++i)
             if (buf[off + i] > kNegInf) heap.emplace_back(buf[off + i], i0 + i);
         }
-        const int64_t kept = std::min<int64_t>(r, (int64_t)heap.size());
-        if (kept < (int64_t)heap.size()) std::nth_element(heap.begin(), heap.begin() + kept, heap.end(), better);
-        heap.resize(kept);
-        std::sort(heap.begin(), heap.end(), better);
+        keep_best(heap, r);
       } else {
         float worst = kNegInf;
         for (int64_t p = 0; p < bt.p; ++p) {
@@ -587,7 +595,7 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
   TORCH_CHECK(r >= 1, "r must be >= 1");
   TORCH_CHECK(probes.dim() == 2 && probes.size(0) == b_count && probes.scalar_type() == at::kLong, "probes must be int64 [B, P]");
   TORCH_CHECK(coarse.sizes() == probes.sizes() && coarse.scalar_type() == at::kFloat, "coarse must be float32 [B, P]");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.scalar_type() == at::kHalf, "scales must be float16 [N]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.scalar_type() == at::kBFloat16, "scales must be bfloat16 [N]");
   TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong, "offsets must be int64 [nlist + 1]");
   TORCH_CHECK(sig.dim() == 2 && sig.size(0) == n && sig.scalar_type() == at::kLong, "sig must be int64 [N, W]");
   TORCH_CHECK(fmask.dim() == 3 && fmask.size(0) == b_count && fmask.size(2) == sig.size(1) && fmask.scalar_type() == at::kLong,
@@ -652,7 +660,7 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
 // The build's codes in one pass, with no float copy of the catalog: row i of the index is item
 // order[i] of x [N, D] f32, in list lists[i] (list-sorted); its residual to centroids[lists[i]] is
 // quantized as codes.quantize_int8 does (absmax / 127, round half to even, clamp), bit for bit
-// -> codes [N, D] int8, scales [N] f16 (rounded to a half first: the codes use the stored scale),
+// -> codes [N, D] int8, scales [N] bf16 (rounded first: the codes use the stored scale),
 // and norms [N] f32 = max(|r|, |decoded r|) summed in double
 // and rounded up to a float (list_radius is a bound: no rounding may shrink it).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, const at::Tensor& order,
@@ -669,7 +677,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, 
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(op[i] >= 0 && op[i] < nx && lp[i] >= 0 && lp[i] < nlist, "order or lists out of range at ", i);
   auto codes = at::empty({n, d}, x.options().dtype(at::kChar));
-  auto scales = at::empty({n}, x.options().dtype(at::kHalf));
+  auto scales = at::empty({n}, x.options().dtype(at::kBFloat16));
   auto norms = at::empty({n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* cp = centroids.data_ptr<float>();
@@ -688,7 +696,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, 
         amax = std::max(amax, std::fabs(r[j]));
         exact += double(r[j]) * r[j];
       }
-      const Scale stored(amax / 127.0f);  // inf when amax > 127 * 65504: the caller refuses it
+      const Scale stored(amax / 127.0f);  // round to nearest even, as torch's .bfloat16()
       const float scale = float(stored);
       const float safe = scale > 0.f ? scale : 1.f;
       double decoded = 0.0;
@@ -733,13 +741,13 @@ std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig) {
 }
 
 // The checks shared by the calls that read chosen rows of the int8 codes: pos [M] int64 rows in
-// range, codes [N, D] int8, scales [N] f16, offsets [L + 1] int64, all contiguous.
+// range, codes [N, D] int8, scales [N] bf16, offsets [L + 1] int64, all contiguous.
 void check_rows_of_codes(const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
                          const at::Tensor& offsets) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "codes must be contiguous int8 [N, D]");
   TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous(), "pos must be contiguous int64 [M]");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kHalf &&
-              scales.is_contiguous(), "scales must be contiguous float16 [N]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kBFloat16 &&
+              scales.is_contiguous(), "scales must be contiguous bfloat16 [N]");
   TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
               "offsets must be contiguous int64 [L + 1]");
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -942,10 +950,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   // Where k is a large share of the row (m <= 16 k), most items would pass through the heap:
   // a selection (nth_element, then a sort of the best k) costs less. Both keep the lower index
   // among equal scores at the cut, and -inf never counts as a result.
-  const bool select = m <= 16 * k;
-  const auto better = [](const Cand& a, const Cand& c) {
-    return a.first > c.first || (a.first == c.first && a.second < c.second);
-  };
+  const bool select = m <= kSelectShare * k;
   at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
     std::vector<Cand> heap;
     heap.reserve(select ? m : std::min(k, m));
@@ -955,10 +960,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
         const float* row = xp + b * m;
         for (int64_t i = 0; i < m; ++i)
           if (row[i] > kNegInf) heap.emplace_back(row[i], i);
-        const int64_t kk = std::min<int64_t>(k, (int64_t)heap.size());
-        if (kk < (int64_t)heap.size()) std::nth_element(heap.begin(), heap.begin() + kk, heap.end(), better);
-        heap.resize(kk);
-        std::sort(heap.begin(), heap.end(), better);
+        keep_best(heap, k);
       } else {
         float worst = kNegInf;
         push_scores(xp + b * m, m, 0, k, heap, worst);

@@ -1,6 +1,6 @@
 """Memory defaults (issue 21): no exact copy unless re-rank is on, every reader of the vectors
 correct without it, old indexes with a copy still load, re-rank in bounded chunks; row scales in
-half precision (old float32 ones load), and a clear error for rows too large for them."""
+bfloat16 (old float32 ones load), any finite row's range kept."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search, recall_at_k
-from retrieval.index.codes import dequantize
+from retrieval.index.codes import dequantize, quantize
 from retrieval.index.eligible_scan import eligible_positions
 from retrieval.index.probe import rescore
 
@@ -37,7 +37,7 @@ def test_the_default_keeps_no_exact_copy(lean, catalog):
     # + centroids and postings
     words = lean.sig.shape[1]
     assert lean.memory_bytes()["id_order"] == 4 * lean.ntotal
-    assert lean.memory_bytes()["scales"] == 2 * lean.ntotal and lean.scales.dtype == torch.float16
+    assert lean.memory_bytes()["scales"] == 2 * lean.ntotal and lean.scales.dtype == torch.bfloat16
     assert per_item < lean.dim + 2 + 8 + 4 + 8 * words + 16
     assert lean.memory_bytes()["exact"] == 0
 
@@ -75,16 +75,16 @@ def test_an_index_saved_with_a_copy_loads_into_a_default_config(catalog):
     assert torch.equal(fresh.search(q, 20, rerank=50)[0], old.search(q, 20, rerank=50)[0])
 
 
-def test_an_index_saved_with_float32_scales_loads_with_halves_and_bounds_that_hold(lean, catalog):
-    """An index saved before half scales: its float32 scales (here nudged off the halves, as a
-    float32 build made them) load as halves, and every list's radius still bounds the residuals
-    the new scales decode to (the filtered plan's bound check relies on it)."""
+def test_an_index_saved_with_float32_scales_loads_with_bfloat16_and_bounds_that_hold(lean, catalog):
+    """An index saved before 2-byte scales: its float32 scales (here nudged off the bfloat16
+    grid, as a float32 build made them) load rounded, and every list's radius still bounds the
+    residuals the new scales decode to (the filtered plan's bound check relies on it)."""
     state = lean.state_dict()
-    state["scales"] = state["scales"].float() * (1 + 3e-4)  # between halves, and larger
+    state["scales"] = state["scales"].float() * (1 + 3e-3)  # off the grid, and larger
     fresh = IVFIndex(IVFConfig(), lean.dim)
     fresh.load_state_dict(state)
-    assert fresh.scales.dtype == torch.float16
-    assert torch.equal(fresh.scales, state["scales"].half())
+    assert fresh.scales.dtype == torch.bfloat16
+    assert torch.equal(fresh.scales, state["scales"].bfloat16())
     norms = dequantize(fresh.codes, fresh.scales).norm(dim=1)
     sizes = (fresh.offsets[1:] - fresh.offsets[:-1]).tolist()
     for radius, part in zip(fresh.list_radius.tolist(), norms.split(sizes), strict=True):
@@ -95,11 +95,21 @@ def test_an_index_saved_with_float32_scales_loads_with_halves_and_bounds_that_ho
 
 
 @pytest.mark.parametrize("codes", ["int8", "fp8"])
-def test_rows_too_large_for_half_scales_are_refused_naming_the_fix(codes):
-    x = torch.randn(200, 8)
-    x[7] *= 1e8  # |value| ~1e8: a scale above a half's 65504
-    with pytest.raises(ValueError, match="normalise or rescale"):
-        build_ivf(x, IVFConfig(nlist=4, codes=codes))
+def test_rows_of_any_finite_range_decode_within_their_code_step(codes):
+    """Scales keep float32's range: rows of 1e-30 and 1e30 (values a half could not scale)
+    decode as closely as rows near 1, and an index of rows near 1e15 ranks as exact search."""
+    x = torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    x[:100] *= 1e-30
+    x[100:200] *= 1e30
+    packed, scales = quantize(x, codes)
+    err = (dequantize(packed, scales) - x).abs().amax(dim=1) / x.abs().amax(dim=1)
+    assert scales.dtype == torch.bfloat16 and float(err.max()) < (
+        0.005 if codes == "int8" else 0.07
+    )
+    big = x[200:] * 1e15
+    index = build_ivf(big, IVFConfig(nlist=4, codes=codes))
+    truth, _ = exact_search(big, big[:20], 5)
+    assert recall_at_k(index.search(big[:20], 5, nprobe=4)[0], truth) >= 0.9
 
 
 @settings(max_examples=30, deadline=None)

@@ -55,10 +55,10 @@ def lists_case(d: int, lengths: list[int], b: int, shared: bool, seed: int, inte
     if integer:
         q = torch.randint(-127, 128, (b, d), generator=g).float()
         q[torch.arange(b), torch.randint(0, d, (b,), generator=g)] = 127.0
-        scales = torch.ones(n, dtype=torch.float16)
+        scales = torch.ones(n, dtype=torch.bfloat16)
     else:
         q = torch.randn(b, d, generator=g)
-        scales = (torch.rand(n, generator=g) + 0.01).half()
+        scales = (torch.rand(n, generator=g) + 0.01).bfloat16()
     if shared:
         probes = torch.arange(nlist).repeat(b, 1)
     else:

@@ -65,7 +65,9 @@ def fingerprint(server: Server) -> str:
     for name, t in server.host.current().model.state_dict().items():
         if isinstance(t, torch.Tensor):
             digest.update(name.encode())
-            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+            digest.update(
+                t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+            )
     return digest.hexdigest()
 
 
