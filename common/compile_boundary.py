@@ -23,7 +23,7 @@ def eager_under_compile(fn: F) -> F:
     from a compiled graph is a graph break that runs ``fn`` eagerly), minus the import cost."""
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
-        return dynamo.disable(fn)  # type: ignore[no-any-return]
+        return dynamo.disable(fn)
     disabled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
