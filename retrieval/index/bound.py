@@ -80,12 +80,32 @@ def residual_norms(
     """``max(|r|, |decoded r|)`` per item -> ``[N] float32`` (the bound must hold for the exact
     scores of a re-rank and for the approximate scores of the codes alike). ``residuals [N, D]``
     floats, ``codes [N, D]``, ``scales [N]``."""
-    out = torch.empty(residuals.shape[0])
+    exact = torch.empty(residuals.shape[0])
     for s in range(0, residuals.shape[0], _CHUNK):
+        exact[s : s + _CHUNK] = residuals[s : s + _CHUNK].float().norm(dim=1).cpu()
+    return torch.maximum(exact, decoded_norms(codes, scales))
+
+
+def decoded_norms(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``|decoded r|`` per item -> ``[N] float32`` on the CPU, ``_CHUNK`` rows at a time."""
+    out = torch.empty(codes.shape[0])
+    for s in range(0, codes.shape[0], _CHUNK):
         e = s + _CHUNK
-        exact = residuals[s:e].float().norm(dim=1)
-        out[s:e] = torch.maximum(exact, dequantize(codes[s:e], scales[s:e]).norm(dim=1)).cpu()
+        out[s:e] = dequantize(codes[s:e], scales[s:e]).norm(dim=1).cpu()
     return out
+
+
+def widened_radius(
+    radius: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """``radius [nlist]`` widened to every list's decoded residuals under new ``scales`` (an
+    index saved with float32 scales, loaded with 2-byte ones), one float step up: it must stay
+    a bound. ``offsets [nlist + 1]`` delimit the lists in the row order of ``codes``."""
+    sizes = (offsets[1:] - offsets[:-1]).cpu()
+    lists = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
+    within = list_radius(lists, decoded_norms(codes, scales), sizes.numel())
+    widened = torch.maximum(radius.cpu(), within)
+    return torch.nextafter(widened, torch.full_like(widened, float("inf"))).to(radius.device)
 
 
 def list_radius(lists: torch.Tensor, norms: torch.Tensor, nlist: int) -> torch.Tensor:

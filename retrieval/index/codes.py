@@ -45,17 +45,22 @@ def quantize_query_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _int8_codes(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``round(x / scale)`` per row (half to even), clamped to +-127; scale 0 keeps zeros."""
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(x.float() / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return (
+        torch.round(x.float() / _divisors(scales)[:, None])
+        .clamp_(-INT8_MAX, INT8_MAX)
+        .to(torch.int8)
+    )
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [N, D]`` -> ``(codes [N, D] float8_e4m3fn, scales [N] bfloat16)``."""
     assert x.dim() == 2, f"x must be [N, D], got {tuple(x.shape)}"
     scales = stored_scales(x.abs().amax(dim=1), FP8_MAX)
-    s = scales.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = (x.float() / safe[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    codes = (
+        (x.float() / _divisors(scales.float())[:, None])
+        .clamp_(-FP8_MAX, FP8_MAX)
+        .to(torch.float8_e4m3fn)
+    )
     return codes, scales
 
 
@@ -71,6 +76,11 @@ def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``codes [N, D]``, ``scales [N]`` -> ``[N, D] float32``."""
     return codes.float() * scales.float()[:, None]
+
+
+def _divisors(scales: torch.Tensor) -> torch.Tensor:
+    """``scales [N]`` float32 with 0 (an all-zero row) replaced by 1, to divide by."""
+    return torch.where(scales > 0, scales, torch.ones_like(scales))
 
 
 def fp8_lut(device: torch.device | str = "cpu") -> torch.Tensor:

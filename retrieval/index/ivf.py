@@ -37,7 +37,7 @@ from retrieval.filters import (
     FilterBatch,
     FilterSchema,
 )
-from retrieval.index.bound import as_scored
+from retrieval.index.bound import as_scored, widened_radius
 from retrieval.index.codes import dequantize
 from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
@@ -184,14 +184,9 @@ class IVFIndex(nn.Module):
         radius to the decoded residuals the rounding moved (it must stay a bound)."""
         self.scales = self.scales.bfloat16()
         if self.list_radius.numel() and self.codes.shape[0]:
-            norms = torch.zeros(self.codes.shape[0], device=self.codes.device)
-            for s in range(0, self.codes.shape[0], 65536):  # no [N, D] float copy at once
-                e = s + 65536
-                norms[s:e] = dequantize(self.codes[s:e], self.scales[s:e]).norm(dim=1)
-            sizes = self.offsets[1:] - self.offsets[:-1]
-            lists = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes)
-            widened = self.list_radius.clone().scatter_reduce_(0, lists, norms, "amax")
-            self.list_radius = torch.nextafter(widened, torch.full_like(widened, float("inf")))
+            self.list_radius = widened_radius(
+                self.list_radius, self.codes, self.scales, self.offsets
+            )
 
     def _refresh(self) -> None:
         self.half_norms = half_sq_norms(self.centroids)
@@ -265,16 +260,11 @@ class IVFIndex(nn.Module):
         k = self._check_k(k)
         settings = self._settings(nprobe, rerank)
         fb = None if filters is None else self.compile_filter(filters, q.shape[0])
-        if recall_target is None and (found := plain_search_ids(self, q, k, fb, *settings)):
-            return found  # a few queries on the CPU: one C++ call (retrieval/index/plain.py)
-        if recall_target is None and (found := exact_search_ids(self, q, k, fb, *settings)):
-            return found  # a selective filter's exact scan (retrieval/index/exact_ids.py)
         target = None
         if recall_target is not None:
             target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])
             check_targets(target, q.shape[0])
-        pos, scores = self._search_positions(q, k, fb, *settings, target=target)
-        return self._item_ids(pos), scores
+        return self._search_ids(q, k, fb, *settings, target=target)
 
     def _item_ids(self, pos: torch.Tensor) -> torch.Tensor:
         """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads)."""
@@ -370,12 +360,15 @@ class IVFIndex(nn.Module):
         exact: bool = False,
         target: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_search_positions` keyed by item id -> ``(ids [B, k], scores [B, k])``: a few
-        plain queries on the CPU are one C++ call from the query to ids (exclusions mapped
-        inside it), the others the positions mapped. For a caller that needs no positions (the
-        model's forward without a scoring head)."""
+        """:meth:`_search_positions` keyed by item id -> ``(ids [B, k], scores [B, k])``, for
+        callers that need no positions (:meth:`search`, the model's forward without a scoring
+        head): a few plain queries on the CPU are one C++ call from the query to ids, exclusions
+        mapped inside it (``retrieval/index/plain.py``); rows sharing a selective filter, its
+        exact scan (``retrieval/index/exact_ids.py``); the others, the positions mapped."""
         if not exact and (target is None or not bool(target.gt(0).any())):
-            found = plain_search_ids(self, q, k, fb, nprobe, rerank)
+            found = plain_search_ids(self, q, k, fb, nprobe, rerank) or exact_search_ids(
+                self, q, k, fb, nprobe, rerank
+            )
             if found is not None:
                 return found
         pos, scores = self._search_positions(q, k, fb, nprobe, rerank, exact, target)

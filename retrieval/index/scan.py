@@ -392,9 +392,8 @@ def scan_reference(
             )
         else:
             dots = torch.einsum("bd,bmd->bm", qc.float(), codes[pos].float())
-        score = dots * scales[pos].float() + co.repeat_interleave(
-            max(max_list, 1), dim=1
-        )  # [b, P*Lmax]
+        coarse_rows = co.repeat_interleave(max(max_list, 1), dim=1)  # [b, P*Lmax]
+        score = dots * scales[pos].float() + coarse_rows
         valid = valid.flatten(1)
         if fmask.shape[1] > 0:
             valid &= eligible(sig[pos], fmask[s : s + chunk], fneg[s : s + chunk])
