@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -74,9 +75,12 @@ def kill_job(job: subprocess.Popen[str]) -> None:
     job.wait(30)
 
 
-def kill_after_epoch_one(cfg: Path, out: Path, linger_s: float = 0.0) -> None:
-    """Runs a 2-rank job of ``cfg`` into ``out`` and kills it (-9) ``linger_s`` after its
-    epoch-1 checkpoint is complete (``LATEST`` written)."""
+def kill_after_epoch_one(
+    cfg: Path, out: Path, until: Callable[[], bool] = lambda: True
+) -> None:
+    """Runs a 2-rank job of ``cfg`` into ``out`` and kills it (-9) once its epoch-1
+    checkpoint is complete (``LATEST`` written) and ``until()`` holds (polled, 120 s at most:
+    a wait on what the job did, not on a clock that a slow machine outruns)."""
     latest = out / "checkpoints" / "LATEST"
     job = subprocess.Popen(
         train_cmd(cfg, out, 2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -86,7 +90,9 @@ def kill_after_epoch_one(cfg: Path, out: Path, linger_s: float = 0.0) -> None:
         while not latest.exists() and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert latest.exists(), "no checkpoint after epoch 1"
-        time.sleep(linger_s)
+        while not until() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert until(), "the job ended or stalled before the awaited state"
     finally:
         kill_job(job)
 
@@ -131,7 +137,14 @@ def test_a_hashed_job_killed_mid_run_resumes_with_the_servers_rewound(tmp_path):
         want_rows = torch.load(whole / "model" / "model.pt", weights_only=True)[HASHED_STATE]
         cfg = write_config(tmp_path, "killed", **lines)
         out = tmp_path / "killed"
-        kill_after_epoch_one(cfg, out, linger_s=0.5)  # epoch 2 moves rows past the marks
+        table = server.tables["user_raw_id"]
+        at_checkpoint: list[int] = []
+
+        def epoch_two_evicted() -> bool:  # rows logged past the checkpoint's marks
+            at_checkpoint[:] = at_checkpoint or [table.log_bytes]  # type: ignore[union-attr]
+            return table.log_bytes > at_checkpoint[0]  # type: ignore[union-attr]
+
+        kill_after_epoch_one(cfg, out, until=epoch_two_evicted)
         folder = dcp_checkpoint.latest(out / "checkpoints")
         assert folder is not None
         saved = torch.load(folder / dcp_checkpoint.TRAINER_FILE, weights_only=True)["model"]
