@@ -220,7 +220,7 @@ class ModelRunner:
             _targets(reqs),
             _users(reqs),
         )
-        return batch.to(self.device)
+        return batch if self.device.type == "cpu" else batch.to(self.device)  # built on the host
 
     def warmup(self, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
         """Runs dummy batches (with and without a filter and a seen list) so the first real

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from recserve.cli import app
 from sharded_tables.hashed_training import store_folder
 from sharded_tables.remote.server import EmbeddingServer
 from support.train_runs import train, train_cmd, weights, write_config
@@ -19,9 +21,9 @@ pytestmark = pytest.mark.multiproc
 
 
 @pytest.mark.slow
-def test_two_processes_train_the_same_model_as_one(tmp_path):
+def test_two_processes_train_the_same_model_as_one(table_wise, tmp_path):
     one = weights(train(tmp_path, "one", nproc=1, micro=2))
-    two = weights(train(tmp_path, "two", nproc=2))
+    two = weights(table_wise)  # 2 ranks, table-wise (conftest)
     assert any(k.startswith("tables.") for k in one)
     assert one.keys() == two.keys()
     for k in one:
@@ -40,11 +42,35 @@ def test_two_processes_train_the_same_model_as_one(tmp_path):
         ("evaluate", "k = 100", "evaluate.k"),  # more than the 60 items: known once data loads
     ],
 )
-def test_a_bad_config_is_refused_at_start_naming_the_field(tmp_path, table, line, field):
+def bad_config(folder: Path, table: str, line: str) -> Path:
+    """A 50-user, 60-item run config with ``line`` added to ``[table]``."""
     tables: dict[str, list[str]] = {"data": ["num_users = 50", "num_items = 60"], table: []}
     tables[table].append(line)
-    cfg = tmp_path / "bad.toml"
+    cfg = folder / "bad.toml"
     cfg.write_text("".join(f"[{t}]\n" + "\n".join(lines) + "\n" for t, lines in tables.items()))
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("table", "line", "field"),
+    [
+        ("model", 'user_features = ["age_bucket", "shoe_size"]', "model.user_features"),
+        ("model", "out_dimension = 8", "model.out_dimension"),
+        ("train", "batch_size = 0", "train.batch_size"),
+        ("data", 'source = "kaggle"', "data.source"),
+        ("evaluate", "k = 100", "evaluate.k"),  # more than the 60 items: known once data loads
+    ],
+)
+def test_a_bad_config_is_refused_at_start_naming_the_field(tmp_path, table, line, field):
+    # the command in this process (typer's runner); the next test runs it as a process
+    cfg = bad_config(tmp_path, table, line)
+    res = CliRunner().invoke(app, ["train", "--config", str(cfg), "--out", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    assert field in res.stderr
+
+
+def test_a_bad_config_exits_2_from_the_command_line(tmp_path):
+    cfg = bad_config(tmp_path, "train", "batch_size = 0")
     out = subprocess.run(
         [sys.executable, "-m", "recserve", "train", "--config", str(cfg), "--out", str(tmp_path)],
         capture_output=True,
@@ -52,7 +78,7 @@ def test_a_bad_config_is_refused_at_start_naming_the_field(tmp_path, table, line
         timeout=120,
     )
     assert out.returncode == 2
-    assert field in out.stderr
+    assert "train.batch_size" in out.stderr
 
 
 @pytest.mark.slow

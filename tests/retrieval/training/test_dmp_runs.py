@@ -26,7 +26,6 @@ from support.train_runs import metrics, train, train_cmd, weights, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-PUBLISH = '[publish]\nmodel_repo = "{repo}"\nname = "demo"\ntable_dtype = "fp32"'
 HASHED_STATE = "tables.tables.user_raw_id._extra_state"
 """The float model's hashed table (keys and packed rows) in its weights file."""
 RECALL_GAP = 0.05
@@ -37,13 +36,6 @@ negatives (64 positives a softmax instead of 128) does to a 2-epoch run scored o
 another trajectory, not a worse one. Measured over train seeds 0, 1, 2: 1 process 0.413 /
 0.410 / 0.398, 2 ranks 0.380 / 0.437 / 0.382 (gaps -0.033, +0.027, -0.017), column-wise 0.387 /
 0.435 / 0.390 (within 0.01 of table-wise). The runs are deterministic: the test runs seed 0."""
-
-
-@pytest.fixture(scope="module")
-def table_wise(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-rank table-wise run that publishes (fp32 tables) into ``<run>/../repo``."""
-    tmp = tmp_path_factory.mktemp("tw")
-    return train(tmp, "two", nproc=2, extra=PUBLISH.format(repo=tmp / "repo"))
 
 
 def test_the_gathered_model_publishes_answers_and_recalls_like_one_process(table_wise, tmp_path):
@@ -75,9 +67,7 @@ def kill_job(job: subprocess.Popen[str]) -> None:
     job.wait(30)
 
 
-def kill_after_epoch_one(
-    cfg: Path, out: Path, until: Callable[[], bool] = lambda: True
-) -> None:
+def kill_after_epoch_one(cfg: Path, out: Path, until: Callable[[], bool] = lambda: True) -> None:
     """Runs a 2-rank job of ``cfg`` into ``out`` and kills it (-9) once its epoch-1
     checkpoint is complete (``LATEST`` written) and ``until()`` holds (polled, 120 s at most:
     a wait on what the job did, not on a clock that a slow machine outruns)."""
