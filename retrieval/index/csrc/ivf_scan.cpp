@@ -1090,15 +1090,59 @@ void check_id_order(const at::Tensor& item_ids, const at::Tensor& perm) {
               "item_ids (int64) and perm (int32) must be contiguous CPU [N]");
 }
 
+// The first place in id order whose id is >= w, searched from a guess: the place w would take if the
+// ids were spread evenly between the smallest and the largest (exact for a contiguous range of ids,
+// the common catalog; near for ids spread evenly, a document shard's). From the guess the search
+// gallops to bracket w, then bisects the bracket. A plain bisection over the whole order takes
+// ~17 dependent loads from ids and order for 100k items, most of them cache misses (~2 us an id
+// from a cold cache); a good guess takes two.
+inline int64_t first_at_least(const int64_t* ids, const int32_t* order, int64_t n, double slope, int64_t w) {
+  const auto at = [&](int64_t j) { return ids[order[j]]; };
+  const int64_t lo_id = at(0);
+  const int64_t g = std::min<int64_t>(n - 1, std::max<int64_t>(0, int64_t(double(w - lo_id) * slope)));
+  int64_t lo, hi;  // the answer lies in [lo, hi]: at(lo - 1) < w (or lo == 0), at(hi) >= w (or hi == n)
+  if (at(g) < w) {
+    int64_t below = g, step = 1;
+    hi = g + 1;
+    while (hi < n && at(hi) < w) {
+      below = hi;
+      step <<= 1;
+      hi = std::min(n, below + step);
+    }
+    lo = below + 1;
+  } else {
+    int64_t below = g - 1, step = 1;
+    hi = g;
+    while (below >= 0 && at(below) >= w) {
+      hi = below;
+      step <<= 1;
+      below = std::max<int64_t>(-1, hi - step);
+    }
+    lo = below + 1;
+  }
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (at(mid) < w) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
 void rows_of_ids(const int64_t* ids, const int32_t* order, int64_t n, const int64_t* want, int64_t count,
                  int64_t missing, int64_t* rows) {
+  if (n == 0) {
+    std::fill(rows, rows + count, missing);
+    return;
+  }
+  const int64_t lo_id = ids[order[0]], hi_id = ids[order[n - 1]];
+  const double slope = hi_id > lo_id ? double(n - 1) / (double(hi_id) - double(lo_id)) : 0.0;
   for (int64_t i = 0; i < count; ++i) {
-    int64_t lo = 0, hi = n;  // first place in id order whose id is >= want[i]
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (ids[order[mid]] < want[i]) lo = mid + 1; else hi = mid;
+    const int64_t w = want[i];
+    if (w < lo_id || w > hi_id) {  // a -1 pad, or an id outside the index's range
+      rows[i] = missing;
+      continue;
     }
-    rows[i] = lo < n && ids[order[lo]] == want[i] ? order[lo] : missing;
+    const int64_t j = first_at_least(ids, order, n, slope, w);
+    rows[i] = j < n && ids[order[j]] == w ? order[j] : missing;
   }
 }
 

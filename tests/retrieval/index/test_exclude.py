@@ -122,3 +122,33 @@ def test_bad_exclusions_are_refused(index, catalog):
     ]:
         with pytest.raises(ValueError, match=match):
             index.search(q, 5, FilterBatch(fb.masks, fb.negate, bad))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.one_of(
+        st.integers(1, 300).map(lambda n: list(range(n))),  # a contiguous catalog: the guess hits
+        st.builds(
+            lambda n, s, o: [o + s * i for i in range(n)],  # a shard's evenly spread ids
+            st.integers(1, 200),
+            st.integers(2, 9),
+            st.integers(0, 5),
+        ),
+        st.lists(st.integers(0, 2**62), min_size=1, max_size=200, unique=True),  # far apart
+        st.lists(  # clusters: the guess lands far off and the search gallops
+            st.one_of(st.integers(0, 50), st.integers(10**12, 10**12 + 50)),
+            min_size=1,
+            max_size=100,
+            unique=True,
+        ),
+    ),
+    seed=st.integers(0, 2**16),
+    asked=st.lists(st.integers(-1, 2**62), max_size=30),
+)
+def test_positions_find_every_held_id_and_only_those(ids, seed, asked):
+    rows = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))
+    item_ids = torch.tensor(ids)[rows]  # row -> id, in no particular order
+    row_of = {int(i): r for r, i in enumerate(item_ids.tolist())}
+    want_ids = asked + [ids[j % len(ids)] for j in range(0, 3 * len(ids), 7)]  # held ones too
+    got = IdOrder.of(item_ids).positions(torch.tensor(want_ids, dtype=torch.int64), missing=-5)
+    assert got.tolist() == [row_of.get(i, -5) for i in want_ids]
