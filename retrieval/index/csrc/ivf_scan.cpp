@@ -132,8 +132,39 @@ RECSERVE_TARGET("avx2") inline int32_t dot_i8_avx2(const int8_t* q, const int8_t
   return sum;
 }
 
+// Lane i of the result = the sum of the 8 lanes of v[i] (as sum_lanes16 below, on 8 rows).
+RECSERVE_TARGET("avx2") inline __m256i sum_lanes8(const __m256i* v) {
+  __m256i w[4], x[2];
+  for (int k = 0; k < 4; ++k)
+    w[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+                            _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 2; ++k)  // 128-bit lane L: rows 4k .. 4k + 3, each summed over L
+    x[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(w[2 * k], w[2 * k + 1]),
+                            _mm256_unpackhi_epi64(w[2 * k], w[2 * k + 1]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(x[0], x[1], 0x20),
+                          _mm256_permute2x128_si256(x[0], x[1], 0x31));
+}
+
+// 8 rows at a time, summed together by sum_lanes8, where each row is whole 32-byte words (D a
+// multiple of 32: 64, 256, ...); other rows, and the last n % 8, one by one. The same integer dots.
 RECSERVE_TARGET("avx2") void row_dots_avx2(const int8_t* q, const int8_t* codes, int64_t n, int64_t d, int32_t* dots) {
-  for (int64_t i = 0; i < n; ++i) dots[i] = dot_i8_avx2(q, codes + i * d, d);
+  int64_t i = 0;
+  if (d % 32 == 0) {
+    for (; i + 8 <= n; i += 8) {
+      const int8_t* c = codes + i * d;
+      __m256i acc[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) {
+        __m256i a = _mm256_setzero_si256();
+        for (int64_t j = 0; j < d; j += 32)
+          a = madd_i8_avx2(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * d + j)));
+        acc[r] = a;
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots + i), sum_lanes8(acc));
+    }
+  }
+  for (; i < n; ++i) dots[i] = dot_i8_avx2(q, codes + i * d, d);
 }
 
 // AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and adds groups of 4 into s32 without
