@@ -44,7 +44,12 @@ from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exact_ids import exact_search_ids
 from retrieval.index.exclude import IdOrder, excluded_positions
 from retrieval.index.inputs import as_count, as_optional_count, as_tensor
-from retrieval.index.plain import plain_item_candidates, plain_search, plain_search_ids
+from retrieval.index.plain import (
+    KernelTensors,
+    plain_item_candidates,
+    plain_search,
+    plain_search_ids,
+)
 from retrieval.index.planner import make_plan
 from retrieval.index.probe import FEW_QUERIES, half_sq_norms, probe_lists, rescore
 from retrieval.index.scan import decode_rows_cpu, scan, score_rows_cpu
@@ -399,6 +404,14 @@ class IVFIndex(nn.Module):
     def probe_half(self) -> torch.Tensor | None:
         """The probe rule as the probe kernels take it: ``half_norms`` ("l2"), None ("ip")."""
         return self.half_norms if self.config.probe == "l2" else None
+
+    def kernel_tensors(self) -> KernelTensors:
+        """``(centroids_t, probe_half, codes, scales, offsets, sig)``, read from the module's
+        buffer dict: a buffer read as an attribute goes through ``nn.Module.__getattr__``
+        (~1 us each), and a one-query search reads six."""
+        b = self._buffers
+        half = b["half_norms"] if self.config.probe == "l2" else None
+        return b["centroids_t"], half, b["codes"], b["scales"], b["offsets"], b["sig"]  # type: ignore[return-value]
 
     def probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coarse [B, P], lists [B, P])`` of ``q`` (as scored) by the index's probe rule."""

@@ -31,6 +31,12 @@ from retrieval.index.probe import FEW_QUERIES
 from retrieval.index.scan import scan, search_ids_cpu
 from retrieval.index.search import Candidates, SearchPlan
 
+KernelTensors = tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]
+"""``(centroids_t, probe_half, codes, scales, offsets, sig)``: what the CPU kernels read of an
+index (``IVFIndex.kernel_tensors``)."""
+
 
 class PlainIndex(PlannedIndex, Protocol):
     """What the plain search uses of an index (:class:`~retrieval.index.ivf.IVFIndex`; a protocol,
@@ -44,6 +50,8 @@ class PlainIndex(PlannedIndex, Protocol):
 
     @property
     def probe_half(self) -> torch.Tensor | None: ...
+
+    def kernel_tensors(self) -> KernelTensors: ...
 
     def probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def excluding(self, fb: FilterBatch) -> FilterBatch: ...
@@ -140,8 +148,12 @@ def _plain_lists(
         return None
     least = most = 0
     if fb is not None and fb.exclude is not None and fb.exclude.numel():
-        counts = (fb.exclude.cpu().numpy() >= 0).sum(axis=1)  # [B], NumPy: no torch op
-        least, most = int(counts.min()), int(counts.max())
+        held = fb.exclude.cpu().numpy() >= 0  # [B, S], NumPy: no torch op
+        if held.shape[0] == 1:  # one row: one count (each NumPy reduction costs ~3 us)
+            least = most = int(np.count_nonzero(held))
+        else:
+            counts = held.sum(axis=1)  # [B]
+            least, most = int(counts.min()), int(counts.max())
     p = min(lists_for(index, 1.0, nprobe, k + most), index.nlist)
     if least != most and min(lists_for(index, 1.0, nprobe, k + least), index.nlist) != p:
         return None  # lists grow with the count: equal at both ends, equal between
@@ -175,17 +187,15 @@ def _search_ids(
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """``scan.search_ids_cpu`` over this index: ``nprobe`` lists a row, its filter (None: no
     clause) and excluded item ids inside the scan -> ``(ids [B, r], scores [B, r], short)``."""
-    b, sig = q.shape[0], index.sig
-    fmask, fneg, excl = _no_filter(b, sig.shape[1])
+    centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
+    fmask, fneg, excl = _no_filter(q.shape[0], sig.shape[1])
     if fb is not None:
         fmask, fneg = fb.masks.contiguous(), fb.negate.contiguous()
         excl = excl if fb.exclude is None else fb.exclude.contiguous()
     return search_ids_cpu(
         as_scored(index, q).contiguous(),
-        index.centroids_t,
-        index.probe_half,
-        nprobe,
-        index.codes, index.scales, index.offsets, sig,
+        centroids_t, half, nprobe,
+        codes, scales, offsets, sig,
         fmask, fneg, excl,
         index.id_order.item_ids, index.id_order.perm, r,
     )  # fmt: skip
