@@ -128,7 +128,7 @@ class IVFIndex(nn.Module):
 
     @property
     def nlist(self) -> int:
-        return int(self.centroids.shape[0])
+        return int(self._buffers["centroids"].shape[0])  # type: ignore[union-attr]  # no __getattr__
 
     def get_extra_state(self) -> dict[str, Any]:
         return {

@@ -123,7 +123,7 @@ def plain_search_ids(
     differ between rows, more than ``FEW_QUERIES`` rows, a GPU), or where a row's lists hold
     fewer than ``k`` items (the planned path widens them)."""
     b = q.shape[0]
-    if q.device.type != "cpu" or not 0 < b <= FEW_QUERIES or not index.ntotal:
+    if not q.is_cpu or not 0 < b <= FEW_QUERIES or not index.ntotal:
         return None
     if rerank and index.keeps_exact_copy:
         return None
@@ -168,7 +168,7 @@ def plain_item_candidates(
     lists, one list count, no re-rank. None otherwise, or where that call does not apply (the
     index's step-by-step path then answers the same)."""
     b = q.shape[0]
-    if q.device.type != "cpu" or plan.lists is not None or plan.reranks or not index.ntotal:
+    if not q.is_cpu or plan.lists is not None or plan.reranks or not index.ntotal:
         return None
     if not 0 < b <= FEW_QUERIES:  # more: the probe as one matmul is faster (probe_lists)
         return None
