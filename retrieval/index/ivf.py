@@ -308,7 +308,10 @@ class IVFIndex(nn.Module):
                 f"q: expected floats [B, {self.dim}], got {tuple(q.shape)} {q.dtype}"
                 + (" (cast with .float() / .astype(np.float32))" if q.dim() == 2 else "")
             )
-        return q.to(self.centroids.device, torch.float32)
+        cent = self._buffers["centroids"]
+        if q.dtype is torch.float32 and q.is_cpu and cent.is_cpu:  # type: ignore[union-attr]
+            return q  # as it is (a no-op .to() costs ~2 us of a one-query search)
+        return q.to(cent.device, torch.float32)  # type: ignore[union-attr]
 
     def _check_k(self, k: int) -> int:
         k = as_count(k, "k", 1)
