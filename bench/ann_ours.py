@@ -89,6 +89,15 @@ class Ours:
     @torch.inference_mode()
     def search(self, q: torch.Tensor, k: int, nprobe: int, filter: str | None = None) -> np.ndarray:
         """``q [B, D] float32`` -> ids ``[B, K] int64`` (-1 pads); ``filter`` applies to every row."""
+        ids = self.search_native(q, k, nprobe, filter)
+        return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+
+    def search_native(
+        self, q: torch.Tensor, k: int, nprobe: int, filter: str | None = None
+    ) -> torch.Tensor:
+        """:meth:`search` as a user calls the index for one query: the index's own ids tensor
+        (faiss returns its NumPy array), no inference-mode context (~9 us a call; the search
+        needs no autograd state)."""
         kwargs: dict[str, Any] = {"nprobe": nprobe}
         if self._rerank_kwarg:
             kwargs["rerank"] = self._rerank
@@ -97,7 +106,7 @@ class Ours:
                 raise TypeError("our index's search() takes no filter argument")
             kwargs[self._filter_kwarg] = self._filter_arg(filter, q.shape[0])
         ids, _scores = self.index.search(q, k, **kwargs)
-        return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+        return ids
 
     def bytes_per_item(self) -> float:
         return sum(int(v) for v in self.index.memory_bytes().values()) / self.n
