@@ -599,8 +599,8 @@ inline bool better(const Cand& a, const Cand& c) {
 
 // A candidate as one integer that sorts in `better`'s order: the score's bits made order-preserving
 // and flipped (higher first) above the position (lower first). Integer compares have no branch on
-// ties, so the selection below runs ~2x faster than on (score, position) pairs. -0 is keyed as +0,
-// which compares equal to it. Positions must be below 2^32.
+// ties (perf: the pair selection was 19 % of a one-query scan). -0 is keyed as +0, which compares
+// equal to it. Positions must be below 2^32.
 inline uint64_t best_first_key(float score, int64_t pos) {
   uint32_t bits;
   const float s = score + 0.0f;  // -0 -> +0

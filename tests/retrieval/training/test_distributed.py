@@ -32,16 +32,6 @@ def test_two_processes_train_the_same_model_as_one(table_wise, tmp_path):
         torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
-@pytest.mark.parametrize(
-    ("table", "line", "field"),
-    [
-        ("model", 'user_features = ["age_bucket", "shoe_size"]', "model.user_features"),
-        ("model", "out_dimension = 8", "model.out_dimension"),
-        ("train", "batch_size = 0", "train.batch_size"),
-        ("data", 'source = "kaggle"', "data.source"),
-        ("evaluate", "k = 100", "evaluate.k"),  # more than the 60 items: known once data loads
-    ],
-)
 def bad_config(folder: Path, table: str, line: str) -> Path:
     """A 50-user, 60-item run config with ``line`` added to ``[table]``."""
     tables: dict[str, list[str]] = {"data": ["num_users = 50", "num_items = 60"], table: []}
