@@ -12,12 +12,14 @@ results are the planned path's, id for id.
 from __future__ import annotations
 
 import os
-from typing import Protocol
+import weakref
+from typing import Any, Protocol
 
 import torch
 
-from retrieval.filters import FilterBatch, estimate_selectivity
+from retrieval.filters import COMPILED_FILTERS, FilterBatch, estimate_selectivity
 from retrieval.index.bound import as_scored
+from retrieval.index.costs import BATCHED
 from retrieval.index.eligible_scan import SignedIndex, eligible_positions
 from retrieval.index.exact import exact_topk
 from retrieval.index.planner import PlannedIndex, cheaper_exact, lists_for
@@ -32,6 +34,7 @@ class ExactIndex(PlannedIndex, SignedIndex, Protocol):
     """What this search reads of an index (:class:`~retrieval.index.ivf.IVFIndex`)."""
 
     centroids: torch.Tensor
+    centroids_t: torch.Tensor
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
@@ -55,13 +58,18 @@ def exact_search_ids(
         bool((masks == masks[:1]).all()) and bool((negate == negate[:1]).all())
     ):
         return None
-    sel = estimate_selectivity(FilterBatch(masks[:1], negate[:1]), index.bit_counts, index.ntotal)
-    lists = torch.tensor([lists_for(index, float(sel[0]), nprobe, k)])
-    if not bool(cheaper_exact(index, sel, lists, q.shape[0])[0]):
+    if not _exact_plan(index, masks[:1], negate[:1], k, nprobe, q.shape[0]):
         return None
     q = as_scored(index, q)
     if _one_call(index):
-        index_args = (index.centroids, index.codes, index.scales, index.offsets, index.sig)
+        index_args = (
+            index.centroids,
+            index.centroids_t,
+            index.codes,
+            index.scales,
+            index.offsets,
+            index.sig,
+        )
         filter_args = (masks[0], negate[0], index.bit_counts, index.postings)
         found = exact_search_ids_cpu(
             q, *index_args, *filter_args, index.item_ids, k, FEW_QUERIES, MAX_SCORES
@@ -70,6 +78,45 @@ def exact_search_ids(
             return found
     pos, scores = exact_topk(q, k, eligible_positions(index, masks[0], negate[0]), index.scores_at)
     return torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos), scores
+
+
+_plans: weakref.WeakKeyDictionary[ExactIndex, tuple[tuple[Any, ...], dict[Any, bool]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per index: what its kept plan choices read (:func:`_reads`), and the choices by filter."""
+
+
+def _exact_plan(
+    index: ExactIndex, masks: torch.Tensor, negate: torch.Tensor, k: int, nprobe: int, batch: int
+) -> bool:
+    """Whether rows sharing the filter ``masks [1, C, W]``, ``negate [1, C]`` scan exactly:
+    ``planner.cheaper_exact`` on the filter's estimated selectivity, as the planner decides.
+    The choice is kept per distinct filter (served requests repeat a few), since estimating and
+    pricing cost ~80 us a call, ~200 us inside a search whose scan leaves the caches cold. The
+    kept choices are dropped whenever anything they read changes (:func:`_reads`)."""
+    reads = _reads(index)
+    kept = _plans.get(index)
+    if kept is None or kept[0] != reads or len(kept[1]) >= COMPILED_FILTERS:
+        kept = (reads, {})
+        _plans[index] = kept
+    key = (masks.numpy().tobytes(), negate.numpy().tobytes(), k, nprobe, batch > BATCHED)
+    choice = kept[1].get(key)
+    if choice is None:
+        sel = estimate_selectivity(FilterBatch(masks, negate), index.bit_counts, index.ntotal)
+        lists = torch.tensor([lists_for(index, float(sel[0]), nprobe, k)])
+        choice = bool(cheaper_exact(index, sel, lists, batch)[0])
+        kept[1][key] = choice
+    return choice
+
+
+def _reads(index: ExactIndex) -> tuple[Any, ...]:
+    """What a plan choice reads of ``index`` besides the filter: the config's pricing, the
+    catalog's size and lists, the bit counts (by identity and in-place version) and the device."""
+    cfg, counts = index.config, index.bit_counts
+    return (
+        id(cfg), id(cfg.plan_costs), cfg.exact_cost, cfg.filter_nprobe_exponent,
+        index.ntotal, index.nlist, id(counts), counts._version, counts.device.type,
+    )  # fmt: skip
 
 
 def _one_call(index: ExactIndex) -> bool:

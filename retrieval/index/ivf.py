@@ -52,7 +52,7 @@ from retrieval.index.plain import (
 )
 from retrieval.index.planner import make_plan
 from retrieval.index.probe import FEW_QUERIES, half_sq_norms, probe_lists, rescore
-from retrieval.index.scan import decode_rows_cpu, scan, score_rows_cpu
+from retrieval.index.scan import centroid_dots_cpu, decode_rows_cpu, scan, score_rows_cpu
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.targets import check_targets
 
@@ -522,7 +522,7 @@ class IVFIndex(nn.Module):
             return q @ self.exact.index_select(0, pos).float().T
         if q.device.type == "cpu" and self.codes.dtype == torch.int8 and len(q) <= FEW_QUERIES:
             # a few queries: one C++ pass, no [M, D] float copy (more: a matmul reuses the copy)
-            coarse_all = q @ self.centroids.T
+            coarse_all = centroid_dots_cpu(q, self.centroids_t)  # as the exact C++ call's
             return score_rows_cpu(q, pos, self.codes, self.scales, self.offsets, coarse_all)
         # more: decode the M rows once (centroid + scale * code) and take one matmul, rather
         # than scaling and shifting [B, M] scores (B x M > M x D once B passes D)

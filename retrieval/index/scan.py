@@ -253,6 +253,12 @@ def scan(
 _FP8_LUT = fp8_lut()
 
 
+def centroid_dots_cpu(q: torch.Tensor, centroids_t: torch.Tensor) -> torch.Tensor:
+    """``q [B, D]`` · every centroid -> ``[B, L]`` float32, as the probe computes it (``centroids_t
+    [D, L]``), in one C++ call that starts no thread team for a few queries."""
+    return _extension().centroid_dots(q.contiguous(), centroids_t)
+
+
 def score_rows_cpu(
     q: torch.Tensor,
     pos: torch.Tensor,
@@ -315,6 +321,7 @@ def decode_rows_cpu(
 def exact_search_ids_cpu(
     q: torch.Tensor,
     centroids: torch.Tensor,
+    centroids_t: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor,
@@ -335,7 +342,7 @@ def exact_search_ids_cpu(
     ``exact.exact_topk`` picks it, and the rows' item ids. None where ``B x M`` scores would
     pass ``max_scores`` (the caller scans in chunks)."""
     ids, scores = _extension().exact_search_ids_int8(
-        q.contiguous(), centroids, codes, scales, offsets, sig, fmask.contiguous(),
+        q.contiguous(), centroids, centroids_t, codes, scales, offsets, sig, fmask.contiguous(),
         fneg.contiguous(), bit_counts, postings, item_ids, k, few, max_scores,
     )  # fmt: skip
     return None if ids is None else (ids, scores)

@@ -906,7 +906,8 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
 #ifdef RECSERVE_X86
   const bool avx2 = int8_isa() != Isa::kPortable && __builtin_cpu_supports("fma");
 #endif
-  at::parallel_for(0, m, 256, [&](int64_t i0, int64_t i1) {
+  // ~50 ns a row and query: a thread team (woken, then spinning after) pays off past ~4k rows
+  at::parallel_for(0, m, std::max<int64_t>(1, 4096 / std::max<int64_t>(b_count, 1)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = pp[i];
       const int64_t list = std::upper_bound(off, off + nlist + 1, row) - off - 1;
@@ -1109,8 +1110,11 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
 // picks them) and the rows' item ids ->
 // (ids [B, k], scores [B, k]), -1 / -inf padded. The same answer as the planned path's exact scan.
 // Undefined tensors where B x M would pass max_scores (the caller then scans in chunks).
+at::Tensor centroid_dots(const at::Tensor& q, const at::Tensor& centroids_t);
+
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
-    const at::Tensor& q, const at::Tensor& centroids, const at::Tensor& codes, const at::Tensor& scales,
+    const at::Tensor& q, const at::Tensor& centroids, const at::Tensor& centroids_t, const at::Tensor& codes,
+    const at::Tensor& scales,
     const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
     const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
     int64_t few, int64_t max_scores) {
@@ -1124,7 +1128,7 @@ std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
   // row off the codes; more, the rows decoded once and one matmul
   const at::Tensor scores =
       b_count <= few
-          ? score_rows_int8(q, rows, codes, scales, offsets, at::matmul(q, centroids.t()).contiguous())
+          ? score_rows_int8(q, rows, codes, scales, offsets, centroid_dots(q, centroids_t))
           : at::matmul(q, decode_rows_int8(rows, codes, scales, offsets, centroids).t()).contiguous();
   auto [best, idx] = topk_rows(scores, k);  // pads -1 / -inf where fewer than k rows pass
   const at::Tensor have = best > kNegInf;
@@ -1204,6 +1208,26 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
     }
   });
   return {coarse, probes};
+}
+
+// q [B, D] · every centroid -> [B, L] f32, by probe_dots over centroids_t [D, L] (what ivf_probe
+// ranks lists by: the same bits). A few queries run on the calling thread: a matmul of one query
+// against the centroids woke a second thread, which then spun through the rest of the search.
+at::Tensor centroid_dots(const at::Tensor& q, const at::Tensor& centroids_t) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
+              "q must be a contiguous CPU float32 [B, D]");
+  TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(0) == q.size(1) &&
+              centroids_t.scalar_type() == at::kFloat && centroids_t.is_contiguous(),
+              "centroids_t must be contiguous float32 [D, L] with the query's D");
+  const int64_t b_count = q.size(0), d = q.size(1), nlist = centroids_t.size(1);
+  auto out = at::empty({b_count, nlist}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* ct = centroids_t.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) probe_dots(qp + b * d, ct, d, nlist, op + b * nlist);
+  });
+  return out;
 }
 
 // The rows of item ids through an index's id order: item_ids [N] int64 (row -> id) and perm [N]
@@ -1329,6 +1353,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A selective filter's exact search for a few queries: eligible rows, scores, top-k, ids", nogil);
   m.def("eligible_rows", &eligible_rows, "Rows passing one filter, driven by its most selective clause's postings", nogil);
   m.def("id_rows", &id_rows, "Rows of item ids through the index's id order (missing where absent)", nogil);
+  m.def("centroid_dots", &centroid_dots, "q · every centroid, as the probe computes it", nogil);
   m.def("score_rows_int8", &score_rows_int8, "Scores of chosen rows off the int8 codes (the exact plan)", nogil);
   m.def("bit_index", &bit_index, "Per-bit item counts and postings of the filter signatures", nogil);
   m.def("encode_int8", &encode_int8, "The build's int8 residual codes, scales and norms in list-sorted order", nogil);
