@@ -17,6 +17,7 @@ from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.calibrate import BATCH, SELECTIVITIES
 from retrieval.index.costs import exact_codes, plan_seconds
 from retrieval.index.exact_ids import exact_search_ids
+from retrieval.index.scan import bit_index_cpu
 
 # (batch, selectivity, exact s per item, list s per query, first-round lists, codes per query)
 COSTS = (
@@ -161,3 +162,23 @@ def test_more_scores_than_one_call_holds_take_the_chunked_scan(index, catalog, m
     chunked = exact_search_ids(idx, q, 100, fb, 4, 0)
     assert one_call is not None and chunked is not None
     assert torch.equal(one_call[0], chunked[0]) and torch.equal(one_call[1], chunked[1])
+
+
+def test_a_kept_plan_choice_follows_the_costs_and_the_catalog(index, catalog):
+    """The exact search keeps its plan choice per filter; a new config, or new signatures (the
+    bit counts the selectivity is read from), decide again."""
+    q = catalog["q"][:1]
+    idx = with_costs(index, 1e-9, 1.0)
+    fb = idx.compile_filter("shard = 0", 1)
+    assert exact_search_ids(idx, q, 100, fb, 4, 0) is not None  # exact: kept
+    cheap_lists = with_costs(index, 1.0, 1e-9).config
+    idx.config = cheap_lists
+    assert exact_search_ids(idx, q, 100, fb, 4, 0) is None  # the new costs price lists lower
+    idx.config = replace(cheap_lists, plan_costs=with_costs(index, 1e-9, 1.0).config.plan_costs)
+    assert exact_search_ids(idx, q, 100, fb, 4, 0) is not None
+    everyone = torch.full_like(
+        idx.sig, -1
+    )  # every item now holds every value: shard = 0 passes all
+    idx.bit_counts, idx.postings = bit_index_cpu(everyone)
+    idx.sig = everyone
+    assert exact_search_ids(idx, q, 100, fb, 4, 0) is None  # admits all: lists, as alone
