@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TypeVar
 
 import faiss
 import numpy as np
@@ -189,7 +190,7 @@ def run_faiss(
     data: AnnData, flat: faiss.Index, cases: list[Case], args, builds: dict
 ) -> list[Point]:
     q, k = data.q, args.k
-    rows = [q[i : i + 1] for i in range(args.single)]  # single queries, sliced outside timing
+    rows = single_rows(q, args.single)
     flat_bpi = bytes_per_item(flat, args.n)
     points = sweep(
         "faiss-Flat",
@@ -228,10 +229,13 @@ def run_faiss(
     return points
 
 
-def single_rows(qt: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """The first ``n`` queries as ``[1, D]`` views, sliced before timing as NumPy rows are for
-    faiss: a torch slice costs ~8 us, an eighth of one query's search."""
-    return [qt[i : i + 1] for i in range(n)]
+T = TypeVar("T", np.ndarray, torch.Tensor)
+
+
+def single_rows(q: T, n: int) -> list[T]:
+    """The first ``n`` queries as ``[1, D]`` views (NumPy or torch), sliced before the
+    single-query timing: a torch slice costs ~8 us, an eighth of one query's search."""
+    return [q[i : i + 1] for i in range(n)]
 
 
 def run_exact_eligible(data: AnnData, case: Case, args) -> list[Point]:

@@ -406,15 +406,14 @@ class IVFIndex(nn.Module):
     @property
     def probe_half(self) -> torch.Tensor | None:
         """The probe rule as the probe kernels take it: ``half_norms`` ("l2"), None ("ip")."""
-        return self.half_norms if self.config.probe == "l2" else None
+        return self._buffers["half_norms"] if self.config.probe == "l2" else None
 
     def kernel_tensors(self) -> KernelTensors:
         """``(centroids_t, probe_half, codes, scales, offsets, sig)``, read from the module's
         buffer dict: a buffer read as an attribute goes through ``nn.Module.__getattr__``
         (~1 us each), and a one-query search reads six."""
         b = self._buffers
-        half = b["half_norms"] if self.config.probe == "l2" else None
-        return b["centroids_t"], half, b["codes"], b["scales"], b["offsets"], b["sig"]  # type: ignore[return-value]
+        return b["centroids_t"], self.probe_half, b["codes"], b["scales"], b["offsets"], b["sig"]  # type: ignore[return-value]
 
     def probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coarse [B, P], lists [B, P])`` of ``q`` (as scored) by the index's probe rule."""

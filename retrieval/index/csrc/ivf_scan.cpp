@@ -1247,9 +1247,9 @@ void check_id_order(const at::Tensor& item_ids, const at::Tensor& perm) {
 // gallops to bracket w, then bisects the bracket. A plain bisection over the whole order takes
 // ~17 dependent loads from ids and order for 100k items, most of them cache misses (~2 us an id
 // from a cold cache); a good guess takes two.
-inline int64_t first_at_least(const int64_t* ids, const int32_t* order, int64_t n, double slope, int64_t w) {
+inline int64_t first_at_least(const int64_t* ids, const int32_t* order, int64_t n, int64_t lo_id, double slope,
+                              int64_t w) {
   const auto at = [&](int64_t j) { return ids[order[j]]; };
-  const int64_t lo_id = at(0);
   const int64_t g = std::min<int64_t>(n - 1, std::max<int64_t>(0, int64_t(double(w - lo_id) * slope)));
   int64_t lo, hi;  // the answer lies in [lo, hi]: at(lo - 1) < w (or lo == 0), at(hi) >= w (or hi == n)
   if (at(g) < w) {
@@ -1292,7 +1292,7 @@ void rows_of_ids(const int64_t* ids, const int32_t* order, int64_t n, const int6
       rows[i] = missing;
       continue;
     }
-    const int64_t j = first_at_least(ids, order, n, slope, w);
+    const int64_t j = first_at_least(ids, order, n, lo_id, slope, w);
     rows[i] = j < n && ids[order[j]] == w ? order[j] : missing;
   }
 }
