@@ -57,7 +57,7 @@ BUILD_DIR_ENV = "RECSERVE_BUILD_DIR"
 LOCK_TIMEOUT_ENV = "RECSERVE_BUILD_LOCK_TIMEOUT_S"
 """Longest wait, in seconds, for another process's build of the same kernel."""
 DEFAULT_LOCK_TIMEOUT_S = 600.0
-"""A build takes about a minute; ten leave room for a busy machine building all three."""
+"""A build takes about a minute; ten leave room for a busy machine building all four."""
 KEY_FORMAT = 1
 """Hashed into every key: bump it when the way we build changes what a folder holds."""
 

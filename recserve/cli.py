@@ -176,17 +176,19 @@ app.add_typer(data_app, name="data")
 
 @app.command("kernels")
 def kernels_cmd() -> None:
-    """Compile the C++ kernels (IVF scan, pooled lookup, id map) for this machine now, so that
-    no first search or request waits for a compiler (`make` runs it at install; a container
+    """Compile the C++ kernels (IVF scan, nearest centroid, pooled lookup, id map) for this
+    machine now, so that no build, search or request waits for a compiler (`make` runs it at install; a container
     built elsewhere compiles them at its first start, for its own CPU)."""
     import time
 
+    from retrieval.index.kmeans import build_kernel as build_nearest
     from retrieval.index.scan import int8_isa
     from sharded_tables.idmap import build_kernel as build_idmap
     from sharded_tables.pooled_lookup import build_kernel as build_lookup
 
     for name, build in (
         ("IVF scan", int8_isa),
+        ("nearest centroid", build_nearest),
         ("pooled lookup", build_lookup),
         ("id map", build_idmap),
     ):

@@ -1,4 +1,12 @@
-"""Coarse quantizer training and assignment (faiss k-means on CPU).
+"""Coarse quantizer training and assignment: k-means and the nearest centroid of every item.
+
+On a CPU with AVX-512 VNNI both run on our kernel (``csrc/nearest_centroid.cpp``): int8 scores of
+every centroid, the few within their error bound of the best scored exactly, so each row gets its
+exact nearest centroid at ~4x the multiply-adds per instruction of faiss's float search (the
+build's time: ``bench/RESULTS.md``, 10M x 64). Elsewhere (or with ``$RECSERVE_SCAN_ISA`` set to
+another path) faiss's ``Clustering`` and ``IndexFlat`` do it. The k-means loop is faiss's:
+points sampled up to ``max_points_per_centroid`` per list, centroids started at random points,
+each iteration assigns and takes means, and an empty list takes half of a large one.
 
 faiss asks for at least ``MIN_POINTS_PER_CENTROID`` (39) points per centroid and prints a
 "please provide at least N training points" line on stderr for every smaller training set.
@@ -11,16 +19,25 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
+from types import ModuleType
 
 import faiss
 import numpy as np
 import torch
+
+from common.cpp_extension import load_extension
+from retrieval.index.scan import int8_isa
 
 log = logging.getLogger(__name__)
 
 MIN_POINTS_PER_CENTROID = 39
 """faiss's ``ClusteringParameters.min_points_per_centroid``: fewer points per centroid warn."""
 _explained: set[tuple[int, int]] = set()
+_SRC = Path(__file__).parent / "csrc" / "nearest_centroid.cpp"
+SPLIT_EPS = 1.0 / 1024
+"""An empty list takes a copy of a large list's centroid; the two move apart by this share per
+dimension (faiss's ``EPS`` in its ``split_clusters``)."""
 
 
 def default_nlist(num_items: int) -> int:
@@ -42,8 +59,10 @@ def train_centroids(
     iteration assigns points by ``by``: "l2" (nearest), "ip" (largest x·c, as faiss trains an
     inner-product IVF)."""
     assert x.dim() == 2, f"x must be [N, D], got {tuple(x.shape)}"
-    xn = np.ascontiguousarray(x.detach().cpu().float().numpy())
-    _explain_small(len(xn), nlist)
+    _explain_small(len(x), nlist)
+    if int8_assigns():
+        return _lloyd(_as_rows(x), nlist, iters, seed, max_points_per_centroid, by)
+    xn = _as_rows(x).numpy()
     cp = faiss.ClusteringParameters()
     cp.niter, cp.seed, cp.verbose = iters, seed, False
     cp.max_points_per_centroid = max_points_per_centroid
@@ -52,6 +71,70 @@ def train_centroids(
     clustering.train(xn, _flat(xn.shape[1], by))
     centroids = faiss.vector_to_array(clustering.centroids).reshape(nlist, xn.shape[1])
     return torch.from_numpy(np.ascontiguousarray(centroids)).float()
+
+
+def int8_assigns() -> bool:
+    """Whether k-means and assignment run on the int8 kernel: the int8 scan's path is VNNI
+    (this CPU has it and ``$RECSERVE_SCAN_ISA`` does not force another)."""
+    return int8_isa() == "vnni"
+
+
+def build_kernel() -> None:
+    """Compiles the nearest-centroid kernel now, if not cached (``recserve kernels``)."""
+    _extension()
+
+
+def _extension() -> ModuleType:
+    return load_extension(
+        "recserve_nearest_centroid", _SRC, ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
+    )
+
+
+def nearest(x: torch.Tensor, centroids: torch.Tensor, by: str) -> tuple[torch.Tensor, int]:
+    """``(labels [N] int64, exact scores taken)`` of ``x [N, D]`` against ``centroids [K, D]``
+    (float32 CPU) on the int8 kernel: the exact best by ``by`` ("l2" or "ip") of every row."""
+    labels, scored = _extension().nearest_centroids(x, centroids, by == "l2")
+    return labels, int(scored)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().cpu().float().contiguous()
+
+
+def _lloyd(
+    x: torch.Tensor, nlist: int, iters: int, seed: int, max_points_per_centroid: int, by: str
+) -> torch.Tensor:
+    """faiss's k-means loop on the int8 kernel: ``x [N, D]`` -> ``[nlist, D]`` float32."""
+    gen = torch.Generator().manual_seed(seed)
+    if len(x) > nlist * max_points_per_centroid:
+        x = x[torch.randperm(len(x), generator=gen)[: nlist * max_points_per_centroid]]
+    centroids = x[torch.randperm(len(x), generator=gen)[:nlist]].clone()
+    rng = np.random.default_rng(seed)
+    for _ in range(iters):
+        labels, _ = nearest(x, centroids, by)
+        counts = torch.bincount(labels, minlength=nlist)
+        sums = torch.zeros_like(centroids).index_add_(0, labels, x)
+        filled = counts > 0
+        centroids[filled] = sums[filled] / counts[filled, None].float()
+        if not bool(filled.all()):
+            _split_empty(centroids, counts.numpy().copy(), rng)
+    return centroids
+
+
+def _split_empty(centroids: torch.Tensor, counts: np.ndarray, rng: np.random.Generator) -> None:
+    """Gives every empty list (``counts [K]``) a centroid of its own, in place, as faiss's
+    ``split_clusters`` does: a list drawn with odds by its size beyond one lends a copy of its
+    centroid, and the two move apart by ``SPLIT_EPS`` in alternate directions per dimension."""
+    sign = torch.ones(centroids.shape[1])
+    sign[1::2] = -1
+    counts = counts.astype(np.float64)
+    for ci in np.flatnonzero(counts == 0):
+        spare = np.maximum(counts - 1, 0)
+        cj = int(rng.choice(len(counts), p=spare / spare.sum()))
+        centroids[ci] = centroids[cj] * (1 + SPLIT_EPS * sign)
+        centroids[cj] *= 1 - SPLIT_EPS * sign
+        counts[ci] = counts[cj] // 2
+        counts[cj] -= counts[ci]
 
 
 def _flat(d: int, by: str) -> faiss.Index:
@@ -74,7 +157,9 @@ def _explain_small(n: int, nlist: int) -> None:
 def assign(x: torch.Tensor, centroids: torch.Tensor, by: str = "l2") -> torch.Tensor:
     """The list of every row by ``by`` ("l2": nearest centroid, "ip": largest x·c):
     ``x [N, D]`` -> ``[N] int64``."""
+    if int8_assigns():
+        return nearest(_as_rows(x), _as_rows(centroids), by)[0]
     quantizer = _flat(centroids.shape[1], by)
-    quantizer.add(np.ascontiguousarray(centroids.cpu().float().numpy()))
-    _, nearest = quantizer.search(np.ascontiguousarray(x.detach().cpu().float().numpy()), 1)
-    return torch.from_numpy(nearest[:, 0]).long()
+    quantizer.add(_as_rows(centroids).numpy())
+    _, nearest_ = quantizer.search(_as_rows(x).numpy(), 1)
+    return torch.from_numpy(nearest_[:, 0]).long()
