@@ -597,21 +597,77 @@ inline bool better(const Cand& a, const Cand& c) {
   return a.first > c.first || (a.first == c.first && a.second < c.second);
 }
 
-// A candidate as one integer that sorts in `better`'s order: the score's bits made order-preserving
-// and flipped (higher first) above the position (lower first). Integer compares have no branch on
-// ties (perf: the pair selection was 19 % of a one-query scan). -0 is keyed as +0, which compares
-// equal to it. Positions must be below 2^32.
-inline uint64_t best_first_key(float score, int64_t pos) {
-  uint32_t bits;
-  const float s = score + 0.0f;  // -0 -> +0
-  std::memcpy(&bits, &s, 4);
-  const uint32_t ascending = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
-  return (uint64_t(~ascending) << 32) | uint64_t(pos);
+#ifdef RECSERVE_AVX512_BUILD
+// The kept-th largest of asc[0..n) (1 <= kept <= n): the largest t with at least kept values >= t,
+// found bit by bit from the top, each bit one branch-free counting pass (nth_element's partitions
+// mispredicted about every other element: ~30 % of a batched scan at 300 candidates a query).
+inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
+  const __mmask16 last = __mmask16((1u << (n % 16)) - 1);
+  uint32_t t = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t c = t | (1u << bit);
+    const __m512i cv = _mm512_set1_epi32(static_cast<int>(c));
+    int64_t count = 0, i = 0;
+    for (; i + 16 <= n; i += 16)
+      count += __builtin_popcount(_mm512_cmpge_epu32_mask(_mm512_loadu_si512(asc + i), cv));
+    if (i < n) count += __builtin_popcount(_mm512_mask_cmpge_epu32_mask(last, _mm512_maskz_loadu_epi32(last, asc + i), cv));
+    if (count >= kept) t = c;
+  }
+  return t;
 }
 
-// The best r of cands, best first: nth_element, then a sort of those kept. Cheaper than the
-// bounded heap where most candidates would enter it (r a large share of them).
-inline void keep_best(std::vector<Cand>& cands, int64_t r) {
+// keys[0..n), all distinct, into out in ascending order: each key's rank is the count of smaller
+// keys (n^2 / 8 compares, no branch on the data; below kRankSortMax it beats std::sort's mispredicts).
+constexpr int64_t kRankSortMax = 160;
+inline void rank_sort(const uint64_t* keys, int64_t n, uint64_t* out) {
+  const __mmask8 last = __mmask8((1u << (n % 8)) - 1);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512i ki = _mm512_set1_epi64(static_cast<long long>(keys[i]));
+    int64_t rank = 0, j = 0;
+    for (; j + 8 <= n; j += 8) rank += __builtin_popcount(_mm512_cmplt_epu64_mask(_mm512_loadu_si512(keys + j), ki));
+    if (j < n) rank += __builtin_popcount(_mm512_mask_cmplt_epu64_mask(last, _mm512_maskz_loadu_epi64(last, keys + j), ki));
+    out[rank] = keys[i];
+  }
+}
+#endif
+
+// The score's bits, order-preserving as an unsigned integer (higher score, higher key); -0 as +0.
+inline uint32_t ascending_bits(float score) {
+  uint32_t bits;
+  const float s = score + 0.0f;
+  std::memcpy(&bits, &s, 4);
+  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+
+// A candidate as one integer that sorts in `better`'s order: the score's ascending bits flipped
+// (higher first) above the position (lower first). Integer compares have no branch on ties (perf:
+// the pair selection was 19 % of a one-query scan). Positions must be below 2^32.
+inline uint64_t best_first_key(float score, int64_t pos) {
+  return (uint64_t(~ascending_bits(score)) << 32) | uint64_t(pos);
+}
+
+// The candidate a best_first_key stands for, its score bit for bit (a -0 reads as +0: the same value).
+inline Cand from_key(uint64_t key) {
+  const uint32_t ascending = ~uint32_t(key >> 32);
+  const uint32_t bits = ascending & 0x80000000u ? ascending & 0x7FFFFFFFu : ~ascending;
+  float score;
+  std::memcpy(&score, &bits, 4);
+  return Cand(score, int64_t(key & 0xFFFFFFFFu));
+}
+
+// The best r of cands, best first. Cheaper than the bounded heap where most candidates would enter
+// it (r a large share of them). With AVX-512: the r-th best score by kth_largest, the candidates
+// above it and the lowest positions at it (the ties a selection keeps), then rank_sort of those
+// kept. Elsewhere: nth_element, then a sort. Both give the same candidates in the same order.
+// Scratch of keep_best, owned by the caller's thread (a thread_local in this library is looked up
+// again through __tls_get_addr inside every loop that calls out: 13 % of a one-query select).
+struct SelectScratch {
+  std::vector<uint64_t> keys, sorted;
+  std::vector<uint32_t> asc;
+  std::vector<int64_t> ties;
+};
+
+inline void keep_best(std::vector<Cand>& cands, int64_t r, SelectScratch& scratch) {
   const int64_t n = (int64_t)cands.size(), kept = std::min<int64_t>(r, n);
   if (std::any_of(cands.begin(), cands.end(), [](const Cand& c) { return uint64_t(c.second) >> 32; })) {
     if (kept < n) std::nth_element(cands.begin(), cands.begin() + kept, cands.end(), better);
@@ -619,21 +675,37 @@ inline void keep_best(std::vector<Cand>& cands, int64_t r) {
     std::sort(cands.begin(), cands.end(), better);
     return;
   }
-  static thread_local std::vector<uint64_t> keys;
+  std::vector<uint64_t>&keys = scratch.keys, &sorted = scratch.sorted;
   keys.resize(n);
+#ifdef RECSERVE_AVX512_BUILD
+  if (kept >= 1 && kept <= kRankSortMax) {
+    std::vector<uint32_t>& asc = scratch.asc;
+    std::vector<int64_t>& ties = scratch.ties;
+    asc.resize(n);
+    for (int64_t i = 0; i < n; ++i) asc[i] = ascending_bits(cands[i].first);
+    const uint32_t t = kth_largest(asc.data(), n, kept);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {  // those above t, without a branch on each
+      keys[m] = (uint64_t(~asc[i]) << 32) | uint64_t(cands[i].second);
+      m += asc[i] > t;
+    }
+    ties.clear();
+    for (int64_t i = 0; i < n; ++i)
+      if (asc[i] == t) ties.push_back(cands[i].second);
+    std::sort(ties.begin(), ties.end());  // at the cut, the lower positions
+    for (int64_t i = 0; m < kept; ++i) keys[m++] = (uint64_t(~t) << 32) | uint64_t(ties[i]);
+    sorted.resize(kept);
+    rank_sort(keys.data(), kept, sorted.data());
+    cands.resize(kept);
+    for (int64_t i = 0; i < kept; ++i) cands[i] = from_key(sorted[i]);
+    return;
+  }
+#endif
   for (int64_t i = 0; i < n; ++i) keys[i] = best_first_key(cands[i].first, cands[i].second);
   if (kept < n) std::nth_element(keys.begin(), keys.begin() + kept, keys.end());
   std::sort(keys.begin(), keys.begin() + kept);
   cands.resize(kept);
-  for (int64_t i = 0; i < kept; ++i) {
-    const int64_t pos = int64_t(keys[i] & 0xFFFFFFFFu);
-    // the score back from its key, bit for bit (a +0 that was -0 reads as +0: the same value)
-    const uint32_t ascending = ~uint32_t(keys[i] >> 32);
-    const uint32_t bits = ascending & 0x80000000u ? ascending & 0x7FFFFFFFu : ~ascending;
-    float score;
-    std::memcpy(&score, &bits, 4);
-    cands[i] = Cand(score, pos);
-  }
+  for (int64_t i = 0; i < kept; ++i) cands[i] = from_key(keys[i]);
 }
 
 void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* buf, int64_t r,
@@ -643,6 +715,7 @@ void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* b
   // topk_rows. Equal scores: the lower row first.
   at::parallel_for(bt.b0, bt.b1, 1, [&](int64_t q0, int64_t q1) {
     std::vector<Cand> heap;
+    SelectScratch scratch;
     heap.reserve(std::min<int64_t>(r, 1 << 16));
     for (int64_t b = q0; b < q1; ++b) {
       heap.clear();
@@ -659,7 +732,7 @@ void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* b
           for (int64_t i = 0; i < n; ++i)
             if (buf[off + i] > kNegInf) heap.emplace_back(buf[off + i], i0 + i);
         }
-        keep_best(heap, r);
+        keep_best(heap, r, scratch);
       } else {
         float worst = kNegInf;
         for (int64_t p = 0; p < bt.p; ++p) {
@@ -1081,6 +1154,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   const bool select = m <= kSelectShare * k;
   at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
     std::vector<Cand> heap;
+    SelectScratch scratch;
     heap.reserve(select ? m : std::min(k, m));
     for (int64_t b = b0; b < b1; ++b) {
       heap.clear();
@@ -1088,7 +1162,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
         const float* row = xp + b * m;
         for (int64_t i = 0; i < m; ++i)
           if (row[i] > kNegInf) heap.emplace_back(row[i], i);
-        keep_best(heap, k);
+        keep_best(heap, k, scratch);
       } else {
         float worst = kNegInf;
         push_scores(xp + b * m, m, 0, k, heap, worst);

@@ -201,3 +201,33 @@ def test_topk_rows_matches_torch_topk(rows, cols, k, seed):
     tv, _ = x.topk(k, dim=1)
     torch.testing.assert_close(v, tv)
     torch.testing.assert_close(x.gather(1, i), v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 400),
+    k=st.integers(1, 200),
+    levels=st.integers(1, 6),
+    seed=st.integers(0, 999),
+)
+def test_topk_rows_keeps_the_lower_index_at_ties(rows, cols, k, levels, seed):
+    """Few distinct scores (ties at the cut), -inf entries (never results) and -0 beside +0:
+    the best k by score, the lower indices kept at the cut, -1 / -inf padded. The selection
+    (k a large share of the row) also orders equal scores by index; the heap (long rows) keeps
+    the same set."""
+    from retrieval.index.scan import topk_rows
+
+    k = min(k, cols)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, cols), generator=g).float() - 1.0
+    x[torch.rand(rows, cols, generator=g) < 0.3] = -0.0
+    x[torch.rand(rows, cols, generator=g) < 0.1] = float("-inf")
+    v, i = topk_rows(x, k)
+    want_v, want_i = torch.sort(x, dim=1, descending=True, stable=True)
+    want_v, want_i = want_v[:, :k], want_i[:, :k].masked_fill(want_v[:, :k] == float("-inf"), -1)
+    assert torch.equal(v, want_v)
+    if cols <= 16 * k:  # kSelectShare
+        assert torch.equal(i, want_i)
+    else:
+        assert torch.equal(i.sort(1).values, want_i.sort(1).values)
