@@ -1213,11 +1213,11 @@ std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
 }
 
 // q · every centroid: acc[l] = sum over j of q[j] * ct[j, l], j ascending (one fused multiply-add
-// per term). Blocks of kProbeBlock lists keep their sums in registers across the D terms; one
-// pass of the whole acc row per term was bound by its stores (half the probe's time).
+// per term), so every path gives the same bits. Blocks of lists keep their sums in registers
+// across the D terms; one pass of the whole acc row per term was bound by its stores.
 constexpr int64_t kProbeBlock = 32;
-inline void probe_dots(const float* __restrict q, const float* __restrict ct, int64_t d, int64_t nlist,
-                       float* __restrict acc) {
+inline void probe_dots_portable(const float* __restrict q, const float* __restrict ct, int64_t d, int64_t nlist,
+                                float* __restrict acc) {
   int64_t l0 = 0;
   for (; l0 + kProbeBlock <= nlist; l0 += kProbeBlock) {
     float sum[kProbeBlock] = {};
@@ -1234,6 +1234,52 @@ inline void probe_dots(const float* __restrict q, const float* __restrict ct, in
     for (int64_t j = 0; j < d; ++j) sum = std::fma(q[j], ct[j * nlist + l], sum);
     acc[l] = sum;
   }
+}
+
+#ifdef RECSERVE_X86
+// AVX-512: 128 lists at a time in eight 16-lane sums, enough independent FMAs to hide their
+// latency. The portable loop's compiled form kept its sums on the stack (GCC's 256-bit default):
+// a store-forward per term, ~5 us of a one-query probe over 1024 lists at 64-d.
+RECSERVE_TARGET("avx512f")
+void probe_dots_avx512(const float* __restrict q, const float* __restrict ct, int64_t d, int64_t nlist,
+                       float* __restrict acc) {
+  int64_t l0 = 0;
+  for (; l0 + 128 <= nlist; l0 += 128) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    for (int64_t j = 0; j < d; ++j) {
+      const __m512 qj = _mm512_set1_ps(q[j]);
+      const float* row = ct + j * nlist + l0;
+      s0 = _mm512_fmadd_ps(qj, _mm512_loadu_ps(row), s0);
+      s1 = _mm512_fmadd_ps(qj, _mm512_loadu_ps(row + 16), s1);
+      s2 = _mm512_fmadd_ps(qj, _mm512_loadu_ps(row + 32), s2);
+      s3 = _mm512_fmadd_ps(qj, _mm512_loadu_ps(row + 48), s3);
+      s4 = _mm512_fmadd_ps(qj, _mm512_loadu_ps(row + 64), s4);
+      s5 = _mm512_fmadd_ps(qj, _mm512_loadu_ps(row + 80), s5);
+      s6 = _mm512_fmadd_ps(qj, _mm512_loadu_ps(row + 96), s6);
+      s7 = _mm512_fmadd_ps(qj, _mm512_loadu_ps(row + 112), s7);
+    }
+    float* out = acc + l0;
+    _mm512_storeu_ps(out, s0), _mm512_storeu_ps(out + 16, s1), _mm512_storeu_ps(out + 32, s2);
+    _mm512_storeu_ps(out + 48, s3), _mm512_storeu_ps(out + 64, s4), _mm512_storeu_ps(out + 80, s5);
+    _mm512_storeu_ps(out + 96, s6), _mm512_storeu_ps(out + 112, s7);
+  }
+  for (; l0 < nlist; l0 += 16) {
+    const __mmask16 m = nlist - l0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nlist - l0)) - 1);
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; ++j)
+      s = _mm512_fmadd_ps(_mm512_set1_ps(q[j]), _mm512_maskz_loadu_ps(m, ct + j * nlist + l0), s);
+    _mm512_mask_storeu_ps(acc + l0, m, s);
+  }
+}
+#endif
+
+inline void probe_dots(const float* __restrict q, const float* __restrict ct, int64_t d, int64_t nlist,
+                       float* __restrict acc) {
+#ifdef RECSERVE_X86
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) return probe_dots_avx512(q, ct, d, nlist, acc);
+#endif
+  probe_dots_portable(q, ct, d, nlist, acc);
 }
 
 // The lists each query probes: q [B, D], centroids_t [D, L] (the centroids transposed, float32) ->
