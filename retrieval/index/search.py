@@ -64,8 +64,13 @@ class BoundCheck:
         codes = (need.long() * self.sizes.to(need.device)).sum(dim=1).float()
         exact = todo & (codes > self.budget.to(need.device))
         p = int(count[todo & ~exact].max()) if bool((todo & ~exact).any()) else 1
-        order = torch.argsort((~need).to(torch.uint8), dim=1, stable=True)[:, :p]  # needed first
-        slot = torch.arange(p, device=need.device)
+        # needed lists first, by list index: the p smallest of (index, or nlist + index where not
+        # needed); a top-p, not a stable sort of every [B, nlist] entry (7 ms of a 1000-row batch)
+        nlist = need.shape[1]
+        idx = torch.arange(nlist, device=need.device)
+        key = torch.where(need, idx, idx + nlist)
+        order = torch.topk(key, min(p, nlist), dim=1, largest=False, sorted=True).indices
+        slot = torch.arange(order.shape[1], device=need.device)
         lists = torch.where(slot < count[:, None], order, torch.full_like(order, -1))
         return todo, exact, lists
 
