@@ -422,13 +422,35 @@ Plan plan_chunk(const Index& ix, const Batch& bt) {
   return pl;
 }
 
-// A filtered pair's items that pass its filter, as offsets in the list -> `some`.
-void passing(const Index& ix, const Batch& bt, int64_t b, int64_t i0, int64_t i1, std::vector<int64_t>& some) {
+// A filtered pair's items that pass its filter, as offsets in the list -> `some`. One clause over
+// one word (the common filter) is branch-free and also fills keep[i - i0] (whether item i passes):
+// an offset written always and kept by its count, where a branch per item mispredicted about every
+// other item at 50 %; returns true then. Several clauses keep passes()'s early out, which a
+// selective first clause makes predictable (a branch-free loop measured 1.3-1.8x slower there).
+bool passing(const Index& ix, const Batch& bt, int64_t b, int64_t i0, int64_t i1, std::vector<int64_t>& some,
+             std::vector<uint8_t>& keep) {
   const int64_t* fm = bt.fmask + b * bt.c_count * ix.w;
   const bool* fn = bt.fneg + b * bt.c_count;
+  const int64_t n = i1 - i0;
+  if (bt.c_count == 1 && ix.w == 1) {
+    const int64_t mask = fm[0];
+    const bool neg = fn[0];
+    some.resize(n);
+    keep.resize(n);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool ok = ((ix.sig[i0 + i] & mask) != 0) != neg;
+      keep[i] = ok;
+      some[m] = i;
+      m += ok;
+    }
+    some.resize(m);
+    return true;
+  }
   some.clear();
   for (int64_t i = i0; i < i1; ++i)
     if (passes(ix.sig + i * ix.w, fm, fn, bt.c_count, ix.w)) some.push_back(i - i0);
+  return false;
 }
 
 // Phase 1: every pair's scores, list by list. A scorer writes `base + scaled dot` for a list's items
@@ -443,6 +465,7 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
   at::parallel_for(0, (int64_t)pl.active.size(), 16, [&](int64_t a0, int64_t a1) {
     auto scorer = make_scorer();
     std::vector<int64_t> some;
+    std::vector<uint8_t> keep;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t l = pl.active[a];
       const int64_t i0 = ix.offsets[l], i1 = ix.offsets[l + 1], n = i1 - i0;
@@ -456,16 +479,20 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
         if (bt.c_count == 0) {
           scorer.score(b, i0, i1, base, out);
         } else {
-          passing(ix, bt, b, i0, i1, some);
+          const bool kept = passing(ix, bt, b, i0, i1, some, keep);
           const int64_t m = (int64_t)some.size();
           if (m < scorer.sparse_share() * n) {
             std::fill(out, out + n, kNegInf);
             scorer.score_some(b, i0, some.data(), m, base, out);
           } else {
             scorer.score(b, i0, i1, base, out);
-            for (int64_t i = 0, next = 0; i < n; ++i) {
-              if (next < m && some[next] == i) ++next;
-              else out[i] = kNegInf;
+            if (kept) {
+              for (int64_t i = 0; i < n; ++i) out[i] = keep[i] ? out[i] : kNegInf;  // a select, no branch
+            } else {
+              for (int64_t i = 0, next = 0; i < n; ++i) {
+                if (next < m && some[next] == i) ++next;
+                else out[i] = kNegInf;
+              }
             }
           }
         }
