@@ -107,6 +107,41 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 _NO_HALF = torch.zeros(0)
 
 
+def list_bounds_cpu(
+    ip: torch.Tensor,
+    half: torch.Tensor | None,
+    reach: torch.Tensor,
+    sizes: torch.Tensor,
+    nprobe: torch.Tensor,
+    factor: torch.Tensor,
+    radius: torch.Tensor,
+    check: torch.Tensor,
+    p: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filtered plan's first-round lists and bounds in one C++ pass a row (``bound.py``'s
+    ``_list_bounds`` in torch ops gives the same): ``ip [B, L]`` = q·c, ``half [L]`` (the L2
+    probe's ``|c|^2 / 2``; None: inner product), ``reach [B, L]`` lists that may hold an item
+    the row admits, ``sizes [L]``, ``nprobe [B]``, ``factor [B]`` (slack x the query's norm
+    bound), ``radius [L]``, ``check [B]`` -> ``(first [B, p]`` the best ``nprobe`` reachable
+    non-empty lists, ``-1`` padded, ``bounds [B, L]`` = ip + factor x radius, ``-inf`` for lists
+    probed first, out of reach, or rows without a check)."""
+    no_half = _NO_HALF if half is None else half
+    ext = _extension()
+    out = ext.list_bounds(ip, no_half, reach, sizes, nprobe, factor, radius, check, p)
+    return out[0], out[1]
+
+
+def second_round_cpu(
+    bounds: torch.Tensor, kth: torch.Tensor, sizes: torch.Tensor, budget: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``search.BoundCheck.second_round`` in one C++ pass a row (the same answer)."""
+    return tuple(
+        _extension().second_round_lists(
+            bounds.contiguous(), kth.float().contiguous(), sizes.contiguous(), budget.contiguous()
+        )
+    )
+
+
 @torch.library.custom_op("recserve::ivf_probe", mutates_args=())
 def _ivf_probe(
     q: torch.Tensor, centroids_t: torch.Tensor, half: torch.Tensor, p: int

@@ -1165,6 +1165,22 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_fp8(
 
 // Best k of every row of x [B, M] (float32) -> values [B, k] best first, indices [B, k] (-1 pads).
 // The same bounded heap as the scan: far cheaper than a full sort when k << M.
+// The best k of row[0..m) into heap, best first (the lower index first among equal scores at the
+// cut; -inf never counts): a selection where k is a large share of the row (m <= 16 k), where most
+// items would pass through the heap, else the bounded heap.
+inline void row_topk(const float* row, int64_t m, int64_t k, std::vector<Cand>& heap, SelectScratch& scratch) {
+  heap.clear();
+  if (m <= kSelectShare * k) {
+    for (int64_t i = 0; i < m; ++i)
+      if (row[i] > kNegInf) heap.emplace_back(row[i], i);
+    keep_best(heap, k, scratch);
+  } else {
+    float worst = kNegInf;
+    push_scores(row, m, 0, k, heap, worst);
+    std::sort_heap(heap.begin(), heap.end(), MinFirst());
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous CPU float32 [B, M]");
@@ -1175,26 +1191,11 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   const float* xp = x.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
-  // Where k is a large share of the row (m <= 16 k), most items would pass through the heap:
-  // a selection (nth_element, then a sort of the best k) costs less. Both keep the lower index
-  // among equal scores at the cut, and -inf never counts as a result.
-  const bool select = m <= kSelectShare * k;
   at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
     std::vector<Cand> heap;
     SelectScratch scratch;
-    heap.reserve(select ? m : std::min(k, m));
     for (int64_t b = b0; b < b1; ++b) {
-      heap.clear();
-      if (select) {
-        const float* row = xp + b * m;
-        for (int64_t i = 0; i < m; ++i)
-          if (row[i] > kNegInf) heap.emplace_back(row[i], i);
-        keep_best(heap, k, scratch);
-      } else {
-        float worst = kNegInf;
-        push_scores(xp + b * m, m, 0, k, heap, worst);
-        std::sort_heap(heap.begin(), heap.end(), MinFirst());
-      }
+      row_topk(xp + b * m, m, k, heap, scratch);
       for (int64_t j = 0; j < k; ++j) {
         const bool have = j < (int64_t)heap.size();
         vp[b * k + j] = have ? heap[j].first : kNegInf;
@@ -1203,6 +1204,123 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
     }
   });
   return {values, indices};
+}
+
+// The filtered first round's lists and the bound check's bounds (retrieval/index/bound.py,
+// with_bounds), one pass per row of ip [B, L] = q·c: key = ip - half (the L2 probe; half empty:
+// ip) over the lists that may hold an item the row admits (reach [B, L], and not empty: sizes [L]);
+// the best nprobe[b] of them, as topk_rows picks them -> first [B, P] (-1 padded); bounds [B, L] =
+// ip + factor[b] * radius[l] (the product rounded, then the sum, as torch computes it) where
+// check[b], -inf for the lists probed first, out of reach, or of a row without a check.
+__attribute__((optimize("fp-contract=off")))
+std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::Tensor& half, const at::Tensor& reach,
+                                               const at::Tensor& sizes, const at::Tensor& nprobe,
+                                               const at::Tensor& factor, const at::Tensor& radius,
+                                               const at::Tensor& check, int64_t p) {
+  TORCH_CHECK(ip.dim() == 2 && ip.scalar_type() == at::kFloat && ip.is_contiguous() && ip.device().is_cpu(),
+              "ip must be a contiguous CPU float32 [B, L]");
+  const int64_t b_count = ip.size(0), nlist = ip.size(1);
+  TORCH_CHECK(p >= 1 && p <= nlist, "p must be in [1, L]");
+  TORCH_CHECK(half.numel() == 0 || (half.numel() == nlist && half.scalar_type() == at::kFloat && half.is_contiguous()),
+              "half must be float32 [L] or empty");
+  TORCH_CHECK(reach.sizes() == ip.sizes() && reach.scalar_type() == at::kBool && reach.is_contiguous(), "reach: bool [B, L]");
+  TORCH_CHECK(sizes.numel() == nlist && sizes.scalar_type() == at::kLong && sizes.is_contiguous(), "sizes: int64 [L]");
+  TORCH_CHECK(radius.numel() == nlist && radius.scalar_type() == at::kFloat && radius.is_contiguous(), "radius: float32 [L]");
+  TORCH_CHECK(nprobe.numel() == b_count && nprobe.scalar_type() == at::kLong && nprobe.is_contiguous(), "nprobe: int64 [B]");
+  TORCH_CHECK(factor.numel() == b_count && factor.scalar_type() == at::kFloat && factor.is_contiguous(), "factor: float32 [B]");
+  TORCH_CHECK(check.numel() == b_count && check.scalar_type() == at::kBool && check.is_contiguous(), "check: bool [B]");
+  auto first = at::empty({b_count, p}, ip.options().dtype(at::kLong));
+  auto bounds = at::empty({b_count, nlist}, ip.options());
+  const float* ipp = ip.data_ptr<float>();
+  const float* hp = half.numel() ? half.data_ptr<float>() : nullptr;
+  const bool* rp = reach.data_ptr<bool>();
+  const int64_t* sp = sizes.data_ptr<int64_t>();
+  const int64_t* np_ = nprobe.data_ptr<int64_t>();
+  const float* fp = factor.data_ptr<float>();
+  const float* radp = radius.data_ptr<float>();
+  const bool* cp = check.data_ptr<bool>();
+  int64_t* firstp = first.data_ptr<int64_t>();
+  float* bp = bounds.data_ptr<float>();
+  at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<float> key(nlist);
+    std::vector<Cand> heap;
+    SelectScratch scratch;
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* row = ipp + b * nlist;
+      const bool* ok = rp + b * nlist;
+      for (int64_t l = 0; l < nlist; ++l)
+        key[l] = ok[l] && sp[l] > 0 ? (hp ? row[l] - hp[l] : row[l]) : kNegInf;
+      row_topk(key.data(), nlist, p, heap, scratch);
+      float* out = bp + b * nlist;
+      if (cp[b]) {
+        const float f = fp[b];
+        for (int64_t l = 0; l < nlist; ++l) {
+          const float reach_ = radp[l] * f;  // factor * radius, rounded, then added (no FMA)
+          out[l] = key[l] > kNegInf ? row[l] + reach_ : kNegInf;
+        }
+      } else {
+        std::fill(out, out + nlist, kNegInf);
+      }
+      for (int64_t j = 0; j < p; ++j) {
+        const bool have = j < (int64_t)heap.size() && j < np_[b];
+        firstp[b * p + j] = have ? heap[j].second : -1;
+        if (have) out[heap[j].second] = kNegInf;  // probed in the first round
+      }
+    }
+  });
+  return {first, bounds};
+}
+
+// The bound check's second round (retrieval/index/search.py, BoundCheck.second_round): per row of
+// bounds [B, L], the lists that could still beat kth [B] (bounds > kth) -> todo [B] (some list
+// could), exact [B] (todo and their codes, sum of sizes [L], above budget [B]: the exact scan costs
+// less) and lists [B, P]: the first P needed lists by index, -1 padded, P = the most a row that
+// probes them needs (1 when none does).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> second_round_lists(const at::Tensor& bounds, const at::Tensor& kth,
+                                                                  const at::Tensor& sizes, const at::Tensor& budget) {
+  TORCH_CHECK(bounds.dim() == 2 && bounds.scalar_type() == at::kFloat && bounds.is_contiguous() &&
+              bounds.device().is_cpu(), "bounds must be a contiguous CPU float32 [B, L]");
+  const int64_t b_count = bounds.size(0), nlist = bounds.size(1);
+  TORCH_CHECK(kth.numel() == b_count && kth.scalar_type() == at::kFloat && kth.is_contiguous(), "kth: float32 [B]");
+  TORCH_CHECK(budget.numel() == b_count && budget.scalar_type() == at::kFloat && budget.is_contiguous(), "budget: float32 [B]");
+  TORCH_CHECK(sizes.numel() == nlist && sizes.scalar_type() == at::kLong && sizes.is_contiguous(), "sizes: int64 [L]");
+  auto todo = at::empty({b_count}, bounds.options().dtype(at::kBool));
+  auto exact = at::empty({b_count}, bounds.options().dtype(at::kBool));
+  std::vector<int64_t> count(b_count);
+  const float* bp = bounds.data_ptr<float>();
+  const float* kp = kth.data_ptr<float>();
+  const float* gp = budget.data_ptr<float>();
+  const int64_t* sp = sizes.data_ptr<int64_t>();
+  bool* tp = todo.data_ptr<bool>();
+  bool* ep = exact.data_ptr<bool>();
+  at::parallel_for(0, b_count, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* row = bp + b * nlist;
+      int64_t n = 0, codes = 0;
+      for (int64_t l = 0; l < nlist; ++l) {
+        const bool need = row[l] > kp[b];
+        n += need;
+        codes += need ? sp[l] : 0;
+      }
+      count[b] = n;
+      tp[b] = n > 0;
+      ep[b] = n > 0 && float(codes) > gp[b];
+    }
+  });
+  int64_t p = 0;
+  for (int64_t b = 0; b < b_count; ++b)
+    if (tp[b] && !ep[b]) p = std::max(p, count[b]);
+  p = std::max<int64_t>(p, 1);
+  auto lists = at::full({b_count, p}, -1, bounds.options().dtype(at::kLong));
+  int64_t* lp = lists.data_ptr<int64_t>();
+  at::parallel_for(0, b_count, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* row = bp + b * nlist;
+      for (int64_t l = 0, j = 0; l < nlist && j < p; ++l)
+        if (row[l] > kp[b]) lp[b * p + j++] = l;
+    }
+  });
+  return {todo, exact, lists};
 }
 
 // A selective filter's exact search for a few queries in one call: the rows passing one filter
@@ -1493,6 +1611,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch only tensors: other Python threads (a server's gRPC threads) run meanwhile.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap", nogil);
+  m.def("list_bounds", &list_bounds, "A filtered first round's lists and the bound check's bounds", nogil);
+  m.def("second_round_lists", &second_round_lists, "The bound check's second-round rows and lists", nogil);
   m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
   m.def("decode_rows_int8", &decode_rows_int8, "Float vectors of chosen rows off the int8 codes, one pass", nogil);

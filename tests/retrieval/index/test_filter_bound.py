@@ -9,13 +9,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from retrieval.data.anticorrelated import SELECTIVITIES, AntiCorrelated, anticorrelated
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
+from retrieval.index.bound import _list_bounds
 from retrieval.index.codes import dequantize
 from retrieval.index.exact import recall_at_k
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.scan import list_bounds_cpu, second_round_cpu
+from retrieval.index.search import BoundCheck, Candidates, SearchPlan, run_search
 from retrieval.index.split import shard_of, split_index
 from retrieval.index.update import add_items, remove_items
 from support.anticorrelated_truth import filtered_truth
@@ -180,3 +184,42 @@ def test_an_index_saved_before_the_bounds_loads_without_the_check(data, index):
     assert old.plan(fb, K, 8, 0, q=torch.from_numpy(data.q)).check is None
     want = with_config(index, filter_bound=0.0).search(data.q, K, texts)
     assert torch.equal(old.search(data.q, K, texts)[0], want[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 12),
+    nlist=st.integers(1, 300),
+    l2=st.booleans(),
+    seed=st.integers(0, 999),
+)
+def test_the_cpu_bound_kernels_equal_their_torch_ops(b, nlist, l2, seed):
+    """``list_bounds_cpu`` and ``second_round_cpu`` (one C++ pass a row) give exactly what the
+    torch ops a GPU runs give: first lists, bounds, and the second round's rows and lists."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = IVFConfig(nlist=nlist, probe="l2" if l2 else "ip")
+    index = IVFIndex(cfg, 4)
+    index.half_norms = torch.rand(nlist, generator=g)
+    index.list_radius = torch.rand(nlist, generator=g)
+    ip = torch.randn(b, nlist, generator=g)
+    ip[:, ::7] = ip[:, :1].clone()  # equal keys in a row
+    reach = torch.rand(b, nlist, generator=g) < 0.7
+    sizes = torch.randint(0, 4, (nlist,), generator=g)
+    nprobe = torch.randint(1, nlist + 1, (b,), generator=g)
+    factor = torch.rand(b, generator=g) * 2
+    mine = torch.rand(b, generator=g) < 0.8
+    p = int(nprobe.max())
+    half = index.half_norms if l2 else None
+    first, bounds = list_bounds_cpu(
+        ip, half, reach, sizes, nprobe, factor, index.list_radius, mine, p
+    )
+    want_first, want_bounds = _list_bounds(index, ip, reach & (sizes > 0), nprobe, factor, mine, p)
+    assert torch.equal(first, want_first)
+    assert torch.equal(bounds, want_bounds)
+    check = BoundCheck(bounds, sizes, torch.rand(b, generator=g) * 8)
+    kth = torch.randn(b, generator=g)
+    kth[0] = float("-inf")  # a row short of k: every list it can reach is needed
+    got = second_round_cpu(bounds, kth, sizes, check.budget)
+    want = check.second_round_torch(kth)
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
