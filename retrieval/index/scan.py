@@ -110,7 +110,9 @@ _NO_HALF = torch.zeros(0)
 def list_bounds_cpu(
     ip: torch.Tensor,
     half: torch.Tensor | None,
-    reach: torch.Tensor,
+    list_bits: torch.Tensor,
+    masks: torch.Tensor,
+    negate: torch.Tensor,
     sizes: torch.Tensor,
     nprobe: torch.Tensor,
     factor: torch.Tensor,
@@ -127,7 +129,9 @@ def list_bounds_cpu(
     probed first, out of reach, or rows without a check)."""
     no_half = _NO_HALF if half is None else half
     ext = _extension()
-    out = ext.list_bounds(ip, no_half, reach, sizes, nprobe, factor, radius, check, p)
+    out = ext.list_bounds(
+        ip, no_half, list_bits, masks, negate, sizes, nprobe, factor, radius, check, p
+    )
     return out[0], out[1]
 
 

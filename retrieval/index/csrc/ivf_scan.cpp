@@ -1206,14 +1206,40 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   return {values, indices};
 }
 
+// Whether rows a and b of masks [B, C, W] / negate [B, C] hold the same filter.
+inline bool same_filter(const int64_t* masks, const bool* negate, int64_t c_count, int64_t w, int64_t a, int64_t b) {
+  return std::equal(masks + a * c_count * w, masks + (a + 1) * c_count * w, masks + b * c_count * w) &&
+         std::equal(negate + a * c_count, negate + (a + 1) * c_count, negate + b * c_count);
+}
+
+// out[l] = whether list l may hold an item the filter (mask [C, W], neg [C]) admits: every
+// non-negated clause shares a bit with list_bits[l] (a negated clause rules no list out).
+inline void lists_admitting(const int64_t* list_bits, int64_t nlist, int64_t w, const int64_t* mask, const bool* neg,
+                            int64_t c_count, uint8_t* out) {
+  for (int64_t l = 0; l < nlist; ++l) {
+    const int64_t* bits = list_bits + l * w;
+    bool ok = true;
+    for (int64_t c = 0; c < c_count; ++c) {
+      if (neg[c]) continue;
+      int64_t hit = 0;
+      for (int64_t k = 0; k < w; ++k) hit |= bits[k] & mask[c * w + k];
+      ok &= hit != 0;
+    }
+    out[l] = ok;
+  }
+}
+
 // The filtered first round's lists and the bound check's bounds (retrieval/index/bound.py,
 // with_bounds), one pass per row of ip [B, L] = q·c: key = ip - half (the L2 probe; half empty:
-// ip) over the lists that may hold an item the row admits (reach [B, L], and not empty: sizes [L]);
+// ip) over the lists that may hold an item the row admits (not empty: sizes [L]; and for a row with
+// check[b], every non-negated clause of masks [B, C, W] / negate [B, C] shares a bit with the list's
+// list_bits [L, W]: bound.py's _may_hold, reused while consecutive rows share a filter);
 // the best nprobe[b] of them, as topk_rows picks them -> first [B, P] (-1 padded); bounds [B, L] =
 // ip + factor[b] * radius[l] (the product rounded, then the sum, as torch computes it) where
 // check[b], -inf for the lists probed first, out of reach, or of a row without a check.
 __attribute__((optimize("fp-contract=off")))
-std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::Tensor& half, const at::Tensor& reach,
+std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::Tensor& half, const at::Tensor& list_bits,
+                                               const at::Tensor& masks, const at::Tensor& negate,
                                                const at::Tensor& sizes, const at::Tensor& nprobe,
                                                const at::Tensor& factor, const at::Tensor& radius,
                                                const at::Tensor& check, int64_t p) {
@@ -1223,7 +1249,15 @@ std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::T
   TORCH_CHECK(p >= 1 && p <= nlist, "p must be in [1, L]");
   TORCH_CHECK(half.numel() == 0 || (half.numel() == nlist && half.scalar_type() == at::kFloat && half.is_contiguous()),
               "half must be float32 [L] or empty");
-  TORCH_CHECK(reach.sizes() == ip.sizes() && reach.scalar_type() == at::kBool && reach.is_contiguous(), "reach: bool [B, L]");
+  TORCH_CHECK(masks.dim() == 3 && masks.size(0) == b_count && masks.scalar_type() == at::kLong && masks.is_contiguous(),
+              "masks: int64 [B, C, W]");
+  TORCH_CHECK(negate.dim() == 2 && negate.size(0) == b_count && negate.size(1) == masks.size(1) &&
+              negate.scalar_type() == at::kBool && negate.is_contiguous(), "negate: bool [B, C]");
+  const int64_t c_count = masks.size(1), w = masks.size(2);
+  const bool has_bits = list_bits.numel() > 0 && c_count > 0 && w > 0;
+  TORCH_CHECK(!has_bits || (list_bits.dim() == 2 && list_bits.size(0) == nlist && list_bits.size(1) == w &&
+                            list_bits.scalar_type() == at::kLong && list_bits.is_contiguous()),
+              "list_bits: int64 [L, W] with the masks' W");
   TORCH_CHECK(sizes.numel() == nlist && sizes.scalar_type() == at::kLong && sizes.is_contiguous(), "sizes: int64 [L]");
   TORCH_CHECK(radius.numel() == nlist && radius.scalar_type() == at::kFloat && radius.is_contiguous(), "radius: float32 [L]");
   TORCH_CHECK(nprobe.numel() == b_count && nprobe.scalar_type() == at::kLong && nprobe.is_contiguous(), "nprobe: int64 [B]");
@@ -1233,7 +1267,9 @@ std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::T
   auto bounds = at::empty({b_count, nlist}, ip.options());
   const float* ipp = ip.data_ptr<float>();
   const float* hp = half.numel() ? half.data_ptr<float>() : nullptr;
-  const bool* rp = reach.data_ptr<bool>();
+  const int64_t* lbp = has_bits ? list_bits.data_ptr<int64_t>() : nullptr;
+  const int64_t* mp = masks.data_ptr<int64_t>();
+  const bool* ngp = negate.data_ptr<bool>();
   const int64_t* sp = sizes.data_ptr<int64_t>();
   const int64_t* np_ = nprobe.data_ptr<int64_t>();
   const float* fp = factor.data_ptr<float>();
@@ -1243,13 +1279,19 @@ std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::T
   float* bp = bounds.data_ptr<float>();
   at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
     std::vector<float> key(nlist);
+    std::vector<uint8_t> reach(nlist, 1);
+    int64_t reach_of = -1;  // the row whose filter `reach` was computed for
     std::vector<Cand> heap;
     SelectScratch scratch;
     for (int64_t b = b0; b < b1; ++b) {
       const float* row = ipp + b * nlist;
-      const bool* ok = rp + b * nlist;
+      const bool filtered = has_bits && cp[b];
+      if (filtered && !(reach_of >= 0 && same_filter(mp, ngp, c_count, w, reach_of, b))) {
+        lists_admitting(lbp, nlist, w, mp + b * c_count * w, ngp + b * c_count, c_count, reach.data());
+        reach_of = b;
+      }
       for (int64_t l = 0; l < nlist; ++l)
-        key[l] = ok[l] && sp[l] > 0 ? (hp ? row[l] - hp[l] : row[l]) : kNegInf;
+        key[l] = (!filtered || reach[l]) && sp[l] > 0 ? (hp ? row[l] - hp[l] : row[l]) : kNegInf;
       row_topk(key.data(), nlist, p, heap, scratch);
       float* out = bp + b * nlist;
       if (cp[b]) {

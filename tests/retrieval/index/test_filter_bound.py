@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from retrieval.data.anticorrelated import SELECTIVITIES, AntiCorrelated, anticorrelated
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
-from retrieval.index.bound import _list_bounds
+from retrieval.index.bound import _list_bounds, _may_hold
 from retrieval.index.codes import dequantize
 from retrieval.index.exact import recall_at_k
 from retrieval.index.scan import list_bounds_cpu, second_round_cpu
@@ -199,11 +199,15 @@ def test_the_cpu_bound_kernels_equal_their_torch_ops(b, nlist, l2, seed):
     g = torch.Generator().manual_seed(seed)
     cfg = IVFConfig(nlist=nlist, probe="l2" if l2 else "ip")
     index = IVFIndex(cfg, 4)
+    index.centroids = torch.zeros(nlist, 4)
     index.half_norms = torch.rand(nlist, generator=g)
     index.list_radius = torch.rand(nlist, generator=g)
     ip = torch.randn(b, nlist, generator=g)
     ip[:, ::7] = ip[:, :1].clone()  # equal keys in a row
-    reach = torch.rand(b, nlist, generator=g) < 0.7
+    index.list_bits = torch.randint(0, 16, (nlist, 2), generator=g)
+    masks = torch.randint(0, 16, (b, 3, 2), generator=g)
+    masks[1::2] = masks[:1].clone()  # rows sharing a filter
+    negate = torch.rand(b, 3, generator=g) < 0.3
     sizes = torch.randint(0, 4, (nlist,), generator=g)
     nprobe = torch.randint(1, nlist + 1, (b,), generator=g)
     factor = torch.rand(b, generator=g) * 2
@@ -211,8 +215,11 @@ def test_the_cpu_bound_kernels_equal_their_torch_ops(b, nlist, l2, seed):
     p = int(nprobe.max())
     half = index.half_norms if l2 else None
     first, bounds = list_bounds_cpu(
-        ip, half, reach, sizes, nprobe, factor, index.list_radius, mine, p
+        ip, half, index.list_bits, masks, negate, sizes, nprobe, factor, index.list_radius, mine, p
     )
+    reach = torch.ones(b, nlist, dtype=torch.bool)
+    if bool(mine.any()):
+        reach[mine] = _may_hold(index, masks[mine], negate[mine])
     want_first, want_bounds = _list_bounds(index, ip, reach & (sizes > 0), nprobe, factor, mine, p)
     assert torch.equal(first, want_first)
     assert torch.equal(bounds, want_bounds)
