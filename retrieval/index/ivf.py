@@ -508,6 +508,7 @@ class IVFIndex(nn.Module):
             plan.r,
             max_list=self.max_list,
             excl=fb.exclude,
+            floor=None if plan.reranks else plan.floor,  # re-ranked: approximate scores differ
         )
         if not plan.reranks:
             return Candidates(cand, approx, approx)

@@ -55,7 +55,7 @@ def ivf_scan_int8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(
         _extension().ivf_scan_int8(
-            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r
+            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r, _NO_FLOOR
         )
     )
 
@@ -105,6 +105,7 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _NO_HALF = torch.zeros(0)
+_NO_FLOOR = torch.zeros(0)
 
 
 def list_bounds_cpu(
@@ -233,6 +234,7 @@ def scan(
     *,
     max_list: int,
     excl: torch.Tensor | None = None,
+    floor: torch.Tensor | None = None,
     reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best ``r`` approximate scores over the probed lists.
@@ -247,6 +249,9 @@ def scan(
         max_list: the longest list (only the reference path needs it).
         excl: ``[B, S] int64`` rows each query excludes, ascending, ``exclude.PAD`` padded
             (``retrieval/index/exclude.py``); None: none.
+        floor: ``[B] float32``: candidates scoring below it may be left out (a second round's
+            K-th score so far: they cannot change its answer). The CPU int8 kernel skips them
+            inside its selection; other paths return them, which merges to the same answer.
     Returns:
         ``positions [B, r] int64`` (``-1`` pads) and ``scores [B, r] float32`` (``-inf`` pads),
         best first.
@@ -268,8 +273,13 @@ def scan(
     # Eager callers skip the op dispatcher (tens of microseconds a call); traced code needs the ops.
     eager = not torch.compiler.is_compiling()
     if codes.dtype == torch.int8:
-        op = _extension().ivf_scan_int8 if eager else ivf_scan_int8
-        return tuple(op(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r))
+        if not eager:
+            return tuple(
+                ivf_scan_int8(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r)
+            )
+        fl = _NO_FLOOR if floor is None else floor.float().contiguous()
+        args = (q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r, fl)
+        return tuple(_extension().ivf_scan_int8(*args))
     op8 = _extension().ivf_scan_fp8 if eager else ivf_scan_fp8
     return tuple(
         op8(

@@ -103,6 +103,9 @@ class SearchPlan:
     rules out; a second round probes what the bound check asks for). Sent to the shards."""
     check: BoundCheck | None = None
     """Bounds on the lists the first round leaves out (the planner's alone: never sent)."""
+    floor: torch.Tensor | None = None
+    """``[B] float32``: a second round's K-th score so far; candidates below it cannot change
+    the answer, and a scan may leave them out (the planner's alone: never sent)."""
 
     def rows(self, rows: torch.Tensor) -> SearchPlan:
         """The plan of a subset of rows (``rows [b] int64``)."""
@@ -112,11 +115,12 @@ class SearchPlan:
             exact=self.exact[rows],
             lists=None if self.lists is None else self.lists[rows],
             check=None if self.check is None else self.check.rows(rows),
+            floor=None if self.floor is None else self.floor[rows],
         )
 
     def all_exact(self) -> SearchPlan:
         """The same rows, each scanned exactly."""
-        return replace(self, exact=torch.ones_like(self.exact), lists=None, check=None)
+        return replace(self, exact=torch.ones_like(self.exact), lists=None, check=None, floor=None)
 
     @property
     def reranks(self) -> bool:
@@ -276,7 +280,10 @@ def _second_round(
     if not bool(todo.any()):
         return
     rows = todo.nonzero().flatten()
-    sub = replace(plan.rows(rows), exact=exact.cpu()[rows], lists=lists.cpu()[rows], check=None)
+    kth = top.scores[rows.to(top.scores.device), -1]  # what a list's candidate must reach
+    sub = replace(
+        plan.rows(rows), exact=exact.cpu()[rows], lists=lists.cpu()[rows], check=None, floor=kth
+    )
     more = fetch(sub, rows)
     # list rows: the best of both rounds (what one round over all their lists gives);
     # exact rows: the scan alone

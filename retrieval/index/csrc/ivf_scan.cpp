@@ -374,6 +374,7 @@ struct Batch {  // one chunk of queries [b0, b1)
   const int64_t* probes; const float* coarse;
   const int64_t* fmask; const bool* fneg; int64_t c_count;
   const int64_t* excl; int64_t s;  // excl [B, s]: rows each query excludes, ascending (int64 max pads)
+  const float* floor = nullptr;     // [B]: keep no candidate scoring below it (a second round's K-th)
 };
 
 // Pairs of the chunk grouped by list: active[a] is the a-th probed list (ascending), its pairs are
@@ -746,6 +747,8 @@ void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* b
     heap.reserve(std::min<int64_t>(r, 1 << 16));
     for (int64_t b = q0; b < q1; ++b) {
       heap.clear();
+      // Below the floor nothing can change the answer; at it, a lower position still can.
+      const float floor_ = bt.floor ? bt.floor[b] : kNegInf;
       int64_t candidates = 0;
       for (int64_t p = 0; p < bt.p; ++p) {
         const int64_t l = bt.probes[b * bt.p + p];
@@ -757,11 +760,11 @@ void select_top(const Index& ix, const Batch& bt, const Plan& pl, const float* b
           if (off < 0) continue;
           const int64_t l = bt.probes[b * bt.p + p], i0 = ix.offsets[l], n = ix.offsets[l + 1] - i0;
           for (int64_t i = 0; i < n; ++i)
-            if (buf[off + i] > kNegInf) heap.emplace_back(buf[off + i], i0 + i);
+            if (buf[off + i] > kNegInf && buf[off + i] >= floor_) heap.emplace_back(buf[off + i], i0 + i);
         }
         keep_best(heap, r, scratch);
       } else {
-        float worst = kNegInf;
+        float worst = floor_ > kNegInf ? std::nextafter(floor_, kNegInf) : kNegInf;
         for (int64_t p = 0; p < bt.p; ++p) {
           const int64_t off = pl.buf_off[(b - bt.b0) * bt.p + p];
           if (off < 0) continue;
@@ -854,12 +857,16 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
 std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
     const at::Tensor& q, const at::Tensor& probes, const at::Tensor& coarse, const at::Tensor& codes,
     const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask,
-    const at::Tensor& fneg, const at::Tensor& excl, int64_t r) {
+    const at::Tensor& fneg, const at::Tensor& excl, int64_t r, const at::Tensor& floor) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == q.size(1) && codes.is_contiguous(),
               "codes must be contiguous int8 [N, D] with the query's D");
   const int64_t b_count = q.size(0), d = q.size(1);
   auto c = check(b_count, codes.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, excl, r);
+  const bool floored = floor.defined() && floor.numel() > 0;  // undefined or empty: no floor
+  TORCH_CHECK(!floored || (floor.numel() == b_count && floor.scalar_type() == at::kFloat && floor.is_contiguous()),
+              "floor must be float32 [B] or empty");
+  if (floored) c.bt.floor = floor.data_ptr<float>();
   const Isa isa = int8_isa();
   const int64_t qstride = ((d + 63) / 64) * 64;  // zero-padded rows: SIMD tails read whole words
   std::vector<int8_t> q8(b_count * qstride, 0);
@@ -1638,7 +1645,7 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
   const int64_t* ids = item_ids.data_ptr<int64_t>();
   auto probed = ivf_probe(q, centroids_t, half, p);
   auto found = ivf_scan_int8(q, std::get<1>(probed), std::get<0>(probed), codes, scales, offsets, sig,
-                             fmask, fneg, excl, r);
+                             fmask, fneg, excl, r, at::Tensor());
   at::Tensor pos = std::get<0>(found);
   int64_t* pp = pos.data_ptr<int64_t>();
   bool short_row = false;  // a row that found fewer than r: its caller widens it

@@ -231,3 +231,30 @@ def test_topk_rows_keeps_the_lower_index_at_ties(rows, cols, k, levels, seed):
         assert torch.equal(i, want_i)
     else:
         assert torch.equal(i.sort(1).values, want_i.sort(1).values)
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+@pytest.mark.parametrize("r", [100, 2000])  # the heap (many candidates a slot), the selection
+def test_a_scan_floor_leaves_out_only_what_scores_below_it(catalog, filtered, r):
+    """A second round's floor: the scan returns exactly the candidates it returns without one
+    that score at or above the floor (ties at it kept), best first, -1 / -inf after them."""
+    from retrieval.index.scan import scan
+
+    index = build_ivf(
+        catalog["x"], IVFConfig(nlist=64), item_attributes=catalog["attrs"],
+        attribute_values=catalog["values"],
+    )  # fmt: skip
+    q = catalog["q"][:40]
+    fb = index.compile_filter("shard in {0, 1}" if filtered else None, len(q))
+    coarse, lists = index.probe(q, 16)
+    args = (q.contiguous(), lists, coarse, index.codes, index.scales, index.offsets, index.sig,
+            fb.masks.contiguous(), fb.negate.contiguous(), r)  # fmt: skip
+    pos, s = scan(*args, max_list=index.max_list)
+    floor = s[:, r // 2].clone()  # a mid-result score per row
+    floor[::3] = s[::3, 5]
+    fpos, fs = scan(*args, max_list=index.max_list, floor=floor)
+    for row in range(len(q)):
+        kept = int((s[row] >= floor[row]).sum())
+        assert torch.equal(fpos[row, :kept], pos[row, :kept])
+        assert torch.equal(fs[row, :kept], s[row, :kept])
+        assert bool((fpos[row, kept:] == -1).all()) and bool(torch.isinf(fs[row, kept:]).all())
