@@ -47,6 +47,7 @@ from retrieval.index.inputs import as_count, as_optional_count, as_tensor
 from retrieval.index.plain import (
     KernelTensors,
     plain_item_candidates,
+    plain_query_ids,
     plain_search,
     plain_search_ids,
 )
@@ -261,6 +262,12 @@ class IVFIndex(nn.Module):
         (``retrieval/index/targets.py``); 1 scans exactly.
         :meth:`search_plan` tells, per row, how many lists the search will probe.
         """
+        tried = False  # a few plain CPU queries: one C++ call, before any other check
+        if filters is None and rerank is None and recall_target is None:
+            fast = plain_query_ids(self, q, k, nprobe)
+            if not isinstance(fast, bool):
+                return fast
+            tried = fast  # it ran, and a row came up short
         q = self._check_queries(q)
         k = self._check_k(k)
         settings = self._settings(nprobe, rerank)
@@ -269,7 +276,7 @@ class IVFIndex(nn.Module):
         if recall_target is not None:
             target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])
             check_targets(target, q.shape[0])
-        return self._search_ids(q, k, fb, *settings, target=target)
+        return self._search_ids(q, k, fb, *settings, target=target, plain=not tried)
 
     def _item_ids(self, pos: torch.Tensor) -> torch.Tensor:
         """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads)."""
@@ -367,15 +374,17 @@ class IVFIndex(nn.Module):
         rerank: int,
         exact: bool = False,
         target: torch.Tensor | None = None,
+        plain: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_search_positions` keyed by item id -> ``(ids [B, k], scores [B, k])``, for
         callers that need no positions (:meth:`search`, the model's forward without a scoring
         head): a few plain queries on the CPU are one C++ call from the query to ids, exclusions
-        mapped inside it (``retrieval/index/plain.py``); rows sharing a selective filter, its
-        exact scan (``retrieval/index/exact_ids.py``); the others, the positions mapped."""
+        mapped inside it (``retrieval/index/plain.py``; ``plain=False``: that call ran already
+        and came up short); rows sharing a selective filter, its exact scan
+        (``retrieval/index/exact_ids.py``); the others, the positions mapped."""
         if not exact and (target is None or not bool(target.gt(0).any())):
-            found = plain_search_ids(self, q, k, fb, nprobe, rerank) or exact_search_ids(
-                self, q, k, fb, nprobe, rerank
+            found = (plain and plain_search_ids(self, q, k, fb, nprobe, rerank)) or (
+                exact_search_ids(self, q, k, fb, nprobe, rerank)
             )
             if found is not None:
                 return found

@@ -45,6 +45,7 @@ class PlainIndex(PlannedIndex, Protocol):
     sig: torch.Tensor
     schema: FilterSchema
     max_list: int
+    dim: int
     centroids_t: torch.Tensor
     id_order: IdOrder
 
@@ -136,6 +137,41 @@ def plain_search_ids(
     return found[0], found[1]
 
 
+def plain_query_ids(
+    index: PlainIndex, q: object, k: object, nprobe: object
+) -> tuple[torch.Tensor, torch.Tensor] | bool:
+    """:meth:`IVFIndex.search` of a few unfiltered CPU queries with the index's re-rank setting
+    (none) straight from its public arguments -> ``(ids [B, k], scores [B, k])``: the same C++
+    call as :func:`plain_search_ids`, after checks of the plainest inputs only (a float32 CPU
+    tensor, ``int`` k and nprobe in range, int8 codes on the CPU). False for anything else: the
+    full path then checks, explains refusals and answers. True where the call ran and a row's
+    lists came up short: the planned path answers, without calling again. One query's Python
+    around the C++ call was ~25 us of ~48 (``bench/RESULTS.md``)."""
+    if (
+        type(q) is not torch.Tensor
+        or type(k) is not int
+        or not (nprobe is None or type(nprobe) is int)
+    ):
+        return False
+    cfg = index.config
+    b = q.shape[0] if q.dim() == 2 else 0
+    if not (
+        q.dtype is torch.float32 and q.is_cpu and 0 < b <= FEW_QUERIES and q.shape[1] == index.dim
+    ):
+        return False
+    probe = cfg.nprobe if nprobe is None else nprobe
+    if not 0 < k <= index.ntotal or probe < 1 or (cfg.rerank and index.keeps_exact_copy):
+        return False
+    tensors = index.kernel_tensors()
+    if not tensors[0].is_cpu or tensors[2].dtype != torch.int8:  # a GPU index; fp8 codes
+        return False
+    p = min(lists_for(index, 1.0, probe, k), index.nlist)
+    found = _search_ids(index, q, p, None, k, tensors)
+    if found is None:
+        return False
+    return True if found[2] else (found[0], found[1])
+
+
 def _plain_lists(
     index: PlainIndex, fb: FilterBatch | None, k: int, nprobe: int
 ) -> tuple[int, bool] | None:
@@ -183,11 +219,17 @@ def plain_item_candidates(
 
 
 def _search_ids(
-    index: PlainIndex, q: torch.Tensor, nprobe: int, fb: FilterBatch | None, r: int
+    index: PlainIndex,
+    q: torch.Tensor,
+    nprobe: int,
+    fb: FilterBatch | None,
+    r: int,
+    tensors: KernelTensors | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """``scan.search_ids_cpu`` over this index: ``nprobe`` lists a row, its filter (None: no
-    clause) and excluded item ids inside the scan -> ``(ids [B, r], scores [B, r], short)``."""
-    centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
+    clause) and excluded item ids inside the scan -> ``(ids [B, r], scores [B, r], short)``.
+    ``tensors``: the index's :meth:`kernel_tensors`, when the caller read them already."""
+    centroids_t, half, codes, scales, offsets, sig = tensors or index.kernel_tensors()
     fmask, fneg, excl = _no_filter(q.shape[0], sig.shape[1])
     if fb is not None:
         fmask, fneg = fb.masks.contiguous(), fb.negate.contiguous()
