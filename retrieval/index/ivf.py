@@ -263,8 +263,9 @@ class IVFIndex(nn.Module):
         :meth:`search_plan` tells, per row, how many lists the search will probe.
         """
         tried = False  # a few plain CPU queries: one C++ call, before any other check
-        if filters is None and rerank is None and recall_target is None:
-            fast = plain_query_ids(self, q, k, nprobe)
+        no_rerank = rerank is None or (type(rerank) is int and rerank == 0)
+        if filters is None and recall_target is None and no_rerank:
+            fast = plain_query_ids(self, q, k, nprobe, rerank)
             if not isinstance(fast, bool):
                 return fast
             tried = fast  # it ran, and a row came up short

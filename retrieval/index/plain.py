@@ -138,10 +138,10 @@ def plain_search_ids(
 
 
 def plain_query_ids(
-    index: PlainIndex, q: object, k: object, nprobe: object
+    index: PlainIndex, q: object, k: object, nprobe: object, rerank: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | bool:
-    """:meth:`IVFIndex.search` of a few unfiltered CPU queries with the index's re-rank setting
-    (none) straight from its public arguments -> ``(ids [B, k], scores [B, k])``: the same C++
+    """:meth:`IVFIndex.search` of a few unfiltered CPU queries without re-rank (``rerank`` 0, or
+    None where the index's setting re-ranks nothing) straight from its public arguments -> ``(ids [B, k], scores [B, k])``: the same C++
     call as :func:`plain_search_ids`, after checks of the plainest inputs only (a float32 CPU
     tensor, ``int`` k and nprobe in range, int8 codes on the CPU). False for anything else: the
     full path then checks, explains refusals and answers. True where the call ran and a row's
@@ -160,7 +160,8 @@ def plain_query_ids(
     ):
         return False
     probe = cfg.nprobe if nprobe is None else nprobe
-    if not 0 < k <= index.ntotal or probe < 1 or (cfg.rerank and index.keeps_exact_copy):
+    reranks = rerank is None and cfg.rerank and index.keeps_exact_copy
+    if not 0 < k <= index.ntotal or probe < 1 or reranks:
         return False
     tensors = index.kernel_tensors()
     if not tensors[0].is_cpu or tensors[2].dtype != torch.int8:  # a GPU index; fp8 codes

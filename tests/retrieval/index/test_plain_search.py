@@ -9,6 +9,7 @@ import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
+from retrieval.index import ivf as ivf_module
 from retrieval.index import plain as plain_module
 from retrieval.index.plain import plain_search
 from retrieval.index.planner import lists_for
@@ -124,3 +125,31 @@ def test_a_few_queries_search_in_one_call_as_the_general_path(index, catalog, mo
         assert torch.equal(ids, torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos))
         torch.testing.assert_close(scores, want, rtol=0, atol=0)
         assert len(calls) == 1  # int8 answers in the call; fp8 and short rows go on after it
+
+
+def test_the_public_fast_lane_answers_as_the_full_path(catalog, monkeypatch):
+    """``search`` sends a few plain CPU queries to the C++ call before its full checks
+    (``plain.plain_query_ids``): the same answer as the full path, an explicit ``rerank=0`` on a
+    re-ranking index included; the index's own re-rank, and anything but the plainest
+    arguments, take the full path (which explains refusals)."""
+    index = build_ivf(catalog["x"], IVFConfig(nlist=64, nprobe=4, rerank=50))
+    q = catalog["q"][:3]
+    lanes: list[object] = []
+    real = plain_module.plain_query_ids
+    monkeypatch.setattr(
+        plain_module, "plain_query_ids", lambda *a: lanes.append(out := real(*a)) or out
+    )
+    monkeypatch.setattr(ivf_module, "plain_query_ids", plain_module.plain_query_ids)
+    ids, scores = index.search(q, 20, rerank=0)
+    assert isinstance(lanes[-1], tuple)
+    want = index._search_ids(q, 20, None, 4, 0, plain=False)
+    assert torch.equal(ids, want[0]) and torch.equal(scores, want[1])
+    lanes.clear()
+    reranked = index.search(q, 20)  # the index re-ranks: the full path
+    assert lanes == [False]
+    assert torch.equal(reranked[0], index._search_ids(q, 20, None, 4, 50)[0])
+    for bad in ({"k": 0}, {"k": 10**9}, {"nprobe": 0}):
+        with pytest.raises(ValueError):
+            index.search(q, **{"k": 20, **bad})
+    np_ids, _ = index.search(q.numpy(), 20, rerank=0)  # NumPy: the full path, the same answer
+    assert torch.equal(np_ids, ids)
