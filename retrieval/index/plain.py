@@ -141,9 +141,10 @@ def plain_query_ids(
     index: PlainIndex, q: object, k: object, nprobe: object, rerank: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | bool:
     """:meth:`IVFIndex.search` of a few unfiltered CPU queries without re-rank (``rerank`` 0, or
-    None where the index's setting re-ranks nothing) straight from its public arguments -> ``(ids [B, k], scores [B, k])``: the same C++
-    call as :func:`plain_search_ids`, after checks of the plainest inputs only (a float32 CPU
-    tensor, ``int`` k and nprobe in range, int8 codes on the CPU). False for anything else: the
+    None where the index's setting re-ranks nothing) straight from its public arguments ->
+    ``(ids [B, k], scores [B, k])``: the same C++ call as :func:`plain_search_ids`, after checks
+    of the plainest inputs only (a float32 CPU tensor, ``int`` k and nprobe in range, int8 codes
+    on the CPU). False for anything else: the
     full path then checks, explains refusals and answers. True where the call ran and a row's
     lists came up short: the planned path answers, without calling again. One query's Python
     around the C++ call was ~25 us of ~48 (``bench/RESULTS.md``)."""
