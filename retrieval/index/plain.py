@@ -154,22 +154,32 @@ def plain_query_ids(
         or not (nprobe is None or type(nprobe) is int)
     ):
         return False
-    cfg = index.config
-    b = q.shape[0] if q.dim() == 2 else 0
+    cfg, shape = index.config, q.shape
     if not (
-        q.dtype is torch.float32 and q.is_cpu and 0 < b <= FEW_QUERIES and q.shape[1] == index.dim
+        len(shape) == 2
+        and 0 < shape[0] <= FEW_QUERIES
+        and shape[1] == index.dim
+        and q.dtype is torch.float32
+        and q.is_cpu
     ):
         return False
     probe = cfg.nprobe if nprobe is None else nprobe
     reranks = rerank is None and cfg.rerank and index.keeps_exact_copy
     if not 0 < k <= index.ntotal or probe < 1 or reranks:
         return False
-    tensors = index.kernel_tensors()
-    if not tensors[0].is_cpu or tensors[2].dtype != torch.int8:  # a GPU index; fp8 codes
+    if cfg.metric == "cosine":
+        q = as_scored(index, q)  # unit rows, as the index scores them
+    centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
+    if not centroids_t.is_cpu or codes.dtype != torch.int8:  # a GPU index (q moves); fp8 codes
         return False
     p = min(lists_for(index, 1.0, probe, k), index.nlist)
-    found = _search_ids(index, q, p, None, k, tensors)
-    if found is None:
+    fmask, fneg, excl = _no_filter(shape[0], sig.shape[1])
+    order = index.id_order
+    found = search_ids_cpu(
+        q, centroids_t, half, p, codes, scales, offsets, sig, fmask, fneg, excl,
+        order.item_ids, order.perm, k,
+    )  # fmt: skip
+    if found is None:  # a forced kernel, a trace
         return False
     return True if found[2] else (found[0], found[1])
 
