@@ -122,9 +122,10 @@ def list_bounds_cpu(
     p: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A filtered plan's first-round lists and bounds in one C++ pass a row (``bound.py``'s
-    ``_list_bounds`` in torch ops gives the same): ``ip [B, L]`` = q·c, ``half [L]`` (the L2
-    probe's ``|c|^2 / 2``; None: inner product), ``reach [B, L]`` lists that may hold an item
-    the row admits, ``sizes [L]``, ``nprobe [B]``, ``factor [B]`` (slack x the query's norm
+    ``_list_bounds`` after ``_may_hold`` gives the same): ``ip [B, L]`` = q·c, ``half [L]`` (the
+    L2 probe's ``|c|^2 / 2``; None: inner product), ``list_bits [L, W]`` with each row's filter
+    ``masks [B, C, W]`` / ``negate [B, C]`` (a checked row reaches the lists that may hold an
+    item it admits), ``sizes [L]``, ``nprobe [B]``, ``factor [B]`` (slack x the query's norm
     bound), ``radius [L]``, ``check [B]`` -> ``(first [B, p]`` the best ``nprobe`` reachable
     non-empty lists, ``-1`` padded, ``bounds [B, L]`` = ip + factor x radius, ``-inf`` for lists
     probed first, out of reach, or rows without a check)."""

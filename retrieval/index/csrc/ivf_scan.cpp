@@ -683,10 +683,6 @@ inline Cand from_key(uint64_t key) {
   return Cand(score, int64_t(key & 0xFFFFFFFFu));
 }
 
-// The best r of cands, best first. Cheaper than the bounded heap where most candidates would enter
-// it (r a large share of them). With AVX-512: the r-th best score by kth_largest, the candidates
-// above it and the lowest positions at it (the ties a selection keeps), then rank_sort of those
-// kept. Elsewhere: nth_element, then a sort. Both give the same candidates in the same order.
 // Scratch of keep_best, owned by the caller's thread (a thread_local in this library is looked up
 // again through __tls_get_addr inside every loop that calls out: 13 % of a one-query select).
 struct SelectScratch {
@@ -695,6 +691,10 @@ struct SelectScratch {
   std::vector<int64_t> ties;
 };
 
+// The best r of cands, best first. Cheaper than the bounded heap where most candidates would enter
+// it (r a large share of them). With AVX-512: the r-th best score by kth_largest, the candidates
+// above it and the lowest positions at it (the ties a selection keeps), then rank_sort of those
+// kept. Elsewhere: nth_element, then a sort. Both give the same candidates in the same order.
 inline void keep_best(std::vector<Cand>& cands, int64_t r, SelectScratch& scratch) {
   const int64_t n = (int64_t)cands.size(), kept = std::min<int64_t>(r, n);
   if (std::any_of(cands.begin(), cands.end(), [](const Cand& c) { return uint64_t(c.second) >> 32; })) {
