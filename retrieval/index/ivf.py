@@ -53,7 +53,13 @@ from retrieval.index.plain import (
 )
 from retrieval.index.planner import make_plan
 from retrieval.index.probe import FEW_QUERIES, half_sq_norms, probe_lists, rescore
-from retrieval.index.scan import centroid_dots_cpu, decode_rows_cpu, scan, score_rows_cpu
+from retrieval.index.scan import (
+    centroid_dots_cpu,
+    decode_rows_cpu,
+    many_rows_cpu,
+    scan,
+    score_rows_cpu,
+)
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.targets import check_targets
 
@@ -219,8 +225,12 @@ class IVFIndex(nn.Module):
             fb = self.schema.empty(batch)
         elif isinstance(filters, FilterBatch):
             fb = filters
-        elif isinstance(filters, str):
-            fb = self.schema.compile([filters] * batch)
+        elif isinstance(filters, str):  # one filter for every row: compiled once, copied
+            one = self.schema.compile([filters])
+            fb = FilterBatch(
+                one.masks.expand(batch, -1, -1).contiguous(),
+                one.negate.expand(batch, -1).contiguous(),
+            )
         else:
             fb = self.schema.compile(list(filters))
         if (
@@ -526,16 +536,21 @@ class IVFIndex(nn.Module):
 
     def scores_at(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``q [B, D]`` float32 scored against rows ``pos [M]`` -> ``[B, M]``: with the exact
-        copy, else read off the codes as ``q·code * scale + q·centroid`` (a few CPU queries: one
-        C++ pass over the codes; more: the rows decoded once, then a matmul)."""
+        copy, else read off the codes as ``q·code * scale + q·centroid``. On the CPU over int8
+        codes: a few queries in one C++ pass over the codes with the float query; more, from 1024
+        rows (and 128 dimensions) the list scan's scores (the query quantized) from one int8 GEMM
+        (:func:`~retrieval.index.scan.many_rows_cpu`). Otherwise the rows decoded once, then a
+        matmul."""
         if self.exact.shape[0]:
             return q @ self.exact.index_select(0, pos).float().T
-        if q.device.type == "cpu" and self.codes.dtype == torch.int8 and len(q) <= FEW_QUERIES:
-            # a few queries: one C++ pass, no [M, D] float copy (more: a matmul reuses the copy)
-            coarse_all = centroid_dots_cpu(q, self.centroids_t)  # as the exact C++ call's
+        if q.device.type == "cpu" and self.codes.dtype == torch.int8:  # as the exact C++ call's
+            if len(q) > FEW_QUERIES:
+                cent = (self.centroids, self.centroids_t)
+                return many_rows_cpu(q, pos, self.codes, self.scales, self.offsets, *cent)
+            coarse_all = centroid_dots_cpu(q, self.centroids_t)
             return score_rows_cpu(q, pos, self.codes, self.scales, self.offsets, coarse_all)
-        # more: decode the M rows once (centroid + scale * code) and take one matmul, rather
-        # than scaling and shifting [B, M] scores (B x M > M x D once B passes D)
+        # decode the M rows once (centroid + scale * code) and take one matmul, rather than
+        # scaling and shifting [B, M] scores (B x M > M x D once B passes D)
         return q @ self.vectors_at(pos).T
 
     def vectors_at(self, pos: torch.Tensor) -> torch.Tensor:

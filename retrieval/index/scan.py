@@ -368,6 +368,25 @@ def decode_rows_cpu(
     return _extension().decode_rows_int8(pos.contiguous(), codes, scales, offsets, centroids)
 
 
+def many_rows_cpu(
+    q: torch.Tensor,
+    pos: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    centroids: torch.Tensor,
+    centroids_t: torch.Tensor,
+) -> torch.Tensor:
+    """Many queries ``q [B, D]`` scored against rows ``pos [M]`` of int8 ``codes`` -> ``[B, M]``
+    float32. From 1024 rows and 128 dimensions, the list scan's scores (q·c of the row's list +
+    scale x the quantized query's scale x the integer dot), every dot from one int8 GEMM
+    (``torch._int_mm``: 3-4x the float matmul of decoded rows); else the rows decoded and one
+    float matmul."""
+    return _extension().many_rows_int8(
+        q.contiguous(), pos.contiguous(), codes, scales, offsets, centroids, centroids_t
+    )
+
+
 def exact_search_ids_cpu(
     q: torch.Tensor,
     centroids: torch.Tensor,
@@ -388,7 +407,7 @@ def exact_search_ids_cpu(
     """Queries ``q [B, D]`` scanned exactly over the rows passing one filter (``fmask [C, W]``,
     ``fneg [C]``) in one C++ call -> ``(ids [B, k], scores [B, k])``, ``-1`` / ``-inf``
     padded: :func:`eligible_rows_cpu`, the scores as ``IVFIndex.scores_at`` computes them (up to
-    ``few`` queries row by row, more by decoded rows and a matmul), the top ``k`` as
+    ``few`` queries row by row, more by :func:`many_rows_cpu`), the top ``k`` as
     ``exact.exact_topk`` picks it, and the rows' item ids. None where ``B x M`` scores would
     pass ``max_scores`` (the caller scans in chunks)."""
     ids, scores = _extension().exact_search_ids_int8(

@@ -1,5 +1,7 @@
 """The exact plan's scores read off int8 codes: a few CPU queries take one C++ pass
-(``scan.score_rows_cpu``), more take the torch ops; both answer ``q·code * scale + q·centroid``."""
+(``scan.score_rows_cpu``), more take decoded rows and a matmul; both answer
+``q·code * scale + q·centroid``. Many queries over many wide rows take one int8 GEMM
+(``scan.many_rows_cpu``), which answers the list scan's formula, the query quantized."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ import pytest
 import torch
 
 from retrieval.index import IVFConfig, build_ivf
-from retrieval.index.scan import ISA_ENV, score_rows_cpu
+from retrieval.index.codes import quantize_query_int8
+from retrieval.index.exact_ids import exact_search_ids
+from retrieval.index.probe import FEW_QUERIES
+from retrieval.index.scan import ISA_ENV, many_rows_cpu, score_rows_cpu
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +69,68 @@ def test_the_simd_path_returns_the_portable_bits(d, monkeypatch):
     portable = score_rows_cpu(*args)
     monkeypatch.setenv(ISA_ENV, "auto")
     assert torch.equal(score_rows_cpu(*args), portable)
+
+
+def list_scan_scores(index, q, pos):
+    """The list scan's formula: q·c of the row's list + scale x the query's scale x the dot of
+    the int8 query and code."""
+    q8, qs = quantize_query_int8(q)
+    lists = torch.searchsorted(index.offsets, pos, right=True) - 1
+    dots = (q8.int() @ index.codes.index_select(0, pos).int().T).float()
+    scale = index.scales.index_select(0, pos).float()
+    return (q @ index.centroids.T).index_select(1, lists) + scale[None, :] * qs[:, None] * dots
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """160-d: past the GEMM's 128 dimensions; 3,000 items, half of them in group 0. No measured
+    costs and a tiny exact cost: a filtered row's plan is the exact scan."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3000, 160, generator=g)
+    group = torch.arange(3000) % 2
+    return build_ivf(
+        x,
+        IVFConfig(nlist=16, codes="int8", rerank=0, measure_costs=False, exact_cost=1e-6),
+        item_attributes={"group": group},
+        attribute_values={"group": [0, 1]},
+    )
+
+
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+def test_many_queries_over_many_wide_rows_score_as_the_list_scan(wide, order):
+    """20 queries (more than FEW_QUERIES) x 1,500 rows (past 1,024) at 160-d: the int8 GEMM,
+    rows in list order (one run a list) or in any order."""
+    g = torch.Generator().manual_seed(1)
+    pos = torch.randperm(wide.ntotal, generator=g)[:1500]
+    pos = pos.sort().values if order == "ascending" else pos
+    q = torch.randn(FEW_QUERIES + 4, 160, generator=g)
+    got = wide.scores_at(q, pos)
+    torch.testing.assert_close(got, list_scan_scores(wide, q, pos), rtol=1e-5, atol=1e-4)
+
+
+def test_the_gemm_and_the_float_matmul_split_at_1024_rows(wide):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(FEW_QUERIES + 4, 160, generator=g)
+    few, many = torch.arange(1023), torch.arange(1024)
+    args = (wide.codes, wide.scales, wide.offsets, wide.centroids, wide.centroids_t)
+    torch.testing.assert_close(
+        many_rows_cpu(q, few, *args), torch_scores(wide, q, few), rtol=1e-5, atol=1e-4
+    )
+    torch.testing.assert_close(
+        many_rows_cpu(q, many, *args), list_scan_scores(wide, q, many), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_the_one_call_exact_search_answers_the_planned_path_over_the_gemm(wide):
+    """The one C++ call (its scores in a buffer it keeps) and the planned path's exact rows
+    (``scores_at``): the same ids and scores, twice over (the buffer reused)."""
+    g = torch.Generator().manual_seed(3)
+    for batch in (FEW_QUERIES + 4, 40):
+        q = torch.randn(batch, 160, generator=g)
+        fb = wide.compile_filter("group = 0", batch)
+        plan_exact = wide.search_plan(100, "group = 0", batch=batch, nprobe=16)
+        got = exact_search_ids(wide, q, 100, fb, 16, 0)
+        pos, scores = wide.planned_positions(q, 100, fb, 16, 0)
+        want = torch.where(pos >= 0, wide.item_ids[pos.clamp(min=0)], pos)
+        assert bool(plan_exact.exact.all()) and got is not None
+        assert torch.equal(got[0], want) and torch.equal(got[1], scores)
