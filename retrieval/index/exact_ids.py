@@ -63,7 +63,6 @@ def exact_search_ids(
     q = as_scored(index, q)
     if _one_call(index):
         index_args = (
-            index.centroids,
             index.centroids_t,
             index.codes,
             index.scales,

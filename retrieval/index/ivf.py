@@ -201,8 +201,12 @@ class IVFIndex(nn.Module):
             )
 
     def _refresh(self) -> None:
-        self.half_norms = half_sq_norms(self.centroids)
         self.centroids_t = self.centroids.float().T.contiguous()
+        if self.centroids.dtype == torch.float32 and self.centroids.is_cpu:
+            # one copy: [nlist, D] as a view of the probe's [D, nlist] (the C++ kernels read
+            # only that layout; torch ops take either)
+            self.centroids = self.centroids_t.T
+        self.half_norms = half_sq_norms(self.centroids)  # from the layout a load sees too
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
         self._ntotal = int(self.offsets[-1])
@@ -212,8 +216,14 @@ class IVFIndex(nn.Module):
         self.id_order = IdOrder.of(self.item_ids)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held per buffer and per derived lookup (sum / ntotal = bytes per item)."""
-        out = {name: b.numel() * b.element_size() for name, b in self.named_buffers()}
+        """Bytes held per buffer and per derived lookup (sum / ntotal = bytes per item); a buffer
+        viewing another's storage (``centroids`` of ``centroids_t`` on the CPU) counts once."""
+        out, held = {}, set()
+        for name, b in self.named_buffers():
+            where = (b.device, b.untyped_storage().data_ptr())
+            out[name] = 0 if where in held else b.untyped_storage().nbytes()
+            if b.numel():
+                held.add(where)
         out["id_order"] = self.id_order.nbytes  # rebuilt on load: no buffer, still memory
         return out
 
@@ -545,8 +555,7 @@ class IVFIndex(nn.Module):
             return q @ self.exact.index_select(0, pos).float().T
         if q.device.type == "cpu" and self.codes.dtype == torch.int8:  # as the exact C++ call's
             if len(q) > FEW_QUERIES:
-                cent = (self.centroids, self.centroids_t)
-                return many_rows_cpu(q, pos, self.codes, self.scales, self.offsets, *cent)
+                return many_rows_cpu(q, pos, self.codes, self.scales, self.offsets, self.centroids_t)
             coarse_all = centroid_dots_cpu(q, self.centroids_t)
             return score_rows_cpu(q, pos, self.codes, self.scales, self.offsets, coarse_all)
         # decode the M rows once (centroid + scale * code) and take one matmul, rather than
@@ -558,7 +567,7 @@ class IVFIndex(nn.Module):
         if self.exact.shape[0]:
             return self.exact.index_select(0, pos).float()
         if pos.device.type == "cpu" and self.codes.dtype == torch.int8:
-            return decode_rows_cpu(pos, self.codes, self.scales, self.offsets, self.centroids)
+            return decode_rows_cpu(pos, self.codes, self.scales, self.offsets, self.centroids_t)
         lists = torch.searchsorted(self.offsets, pos, right=True) - 1
         codes, scales = self.codes.index_select(0, pos), self.scales.index_select(0, pos)
         return self.centroids.index_select(0, lists) + dequantize(codes, scales)

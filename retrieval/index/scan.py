@@ -361,11 +361,11 @@ def decode_rows_cpu(
     codes: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor,
-    centroids: torch.Tensor,
+    centroids_t: torch.Tensor,
 ) -> torch.Tensor:
     """Rows ``pos [M]`` of int8 ``codes`` decoded to ``[M, D]`` float32 (centroid + scale *
-    code) in one C++ pass."""
-    return _extension().decode_rows_int8(pos.contiguous(), codes, scales, offsets, centroids)
+    code) in one C++ pass; ``centroids_t [D, L]``: the centroids in the probe's layout."""
+    return _extension().decode_rows_int8(pos.contiguous(), codes, scales, offsets, centroids_t)
 
 
 def many_rows_cpu(
@@ -374,7 +374,6 @@ def many_rows_cpu(
     codes: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor,
-    centroids: torch.Tensor,
     centroids_t: torch.Tensor,
 ) -> torch.Tensor:
     """Many queries ``q [B, D]`` scored against rows ``pos [M]`` of int8 ``codes`` -> ``[B, M]``
@@ -383,13 +382,12 @@ def many_rows_cpu(
     (``torch._int_mm``: 3-4x the float matmul of decoded rows); else the rows decoded and one
     float matmul."""
     return _extension().many_rows_int8(
-        q.contiguous(), pos.contiguous(), codes, scales, offsets, centroids, centroids_t
+        q.contiguous(), pos.contiguous(), codes, scales, offsets, centroids_t
     )
 
 
 def exact_search_ids_cpu(
     q: torch.Tensor,
-    centroids: torch.Tensor,
     centroids_t: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -411,7 +409,7 @@ def exact_search_ids_cpu(
     ``exact.exact_topk`` picks it, and the rows' item ids. None where ``B x M`` scores would
     pass ``max_scores`` (the caller scans in chunks)."""
     ids, scores = _extension().exact_search_ids_int8(
-        q.contiguous(), centroids, centroids_t, codes, scales, offsets, sig, fmask.contiguous(),
+        q.contiguous(), centroids_t, codes, scales, offsets, sig, fmask.contiguous(),
         fneg.contiguous(), bit_counts, postings, item_ids, k, few, max_scores,
     )  # fmt: skip
     return None if ids is None else (ids, scores)

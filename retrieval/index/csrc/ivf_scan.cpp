@@ -1238,27 +1238,34 @@ at::Tensor gemm_rows_int8_into(const at::Tensor& q, const at::Tensor& pos, const
 
 
 // Float vectors of chosen rows, decoded in one pass: pos [M] int64, codes [N, D] int8, scales [N],
-// offsets [L + 1], centroids [L, D] f32 -> [M, D] f32, row m = centroid[list] + scale * code (the
-// exact plan's rows for a batch of queries, which then takes one matmul).
+// offsets [L + 1], centroids_t [D, L] f32 (the index keeps its centroids in the probe's layout
+// only) -> [M, D] f32, row m = centroid[list] + scale * code. A list's centroid is gathered once
+// per run of its rows (pos ascending: once per list a thread meets).
 at::Tensor decode_rows_int8(const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
-                            const at::Tensor& offsets, const at::Tensor& centroids) {
+                            const at::Tensor& offsets, const at::Tensor& centroids_t) {
   check_rows_of_codes(pos, codes, scales, offsets);
   const int64_t d = codes.size(1), m = pos.numel(), nlist = offsets.size(0) - 1;
-  TORCH_CHECK(centroids.dim() == 2 && centroids.size(0) == nlist && centroids.size(1) == d &&
-              centroids.scalar_type() == at::kFloat && centroids.is_contiguous(), "centroids must be contiguous float32 [L, D]");
+  TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(1) == nlist && centroids_t.size(0) == d &&
+              centroids_t.scalar_type() == at::kFloat && centroids_t.is_contiguous(),
+              "centroids_t must be contiguous float32 [D, L]");
   const int64_t* pp = pos.data_ptr<int64_t>();
-  auto out = at::empty({m, d}, centroids.options());
+  auto out = at::empty({m, d}, centroids_t.options());
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const Scale* sp = scales.data_ptr<Scale>();
-  const float* ce = centroids.data_ptr<float>();
+  const float* ct = centroids_t.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, m, 64, [&](int64_t i0, int64_t i1) {
+    std::vector<float> cen(d);
+    int64_t have = -1;  // the list whose centroid cen holds
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = pp[i];
       const int64_t list = std::upper_bound(off, off + nlist + 1, row) - off - 1;
+      if (list != have) {
+        for (int64_t j = 0; j < d; ++j) cen[j] = ct[j * nlist + list];
+        have = list;
+      }
       const int8_t* c = cp + row * d;
-      const float* cen = ce + list * d;
       const float s = float(sp[row]);
       float* o = op + i * d;
 #pragma omp simd
@@ -1278,10 +1285,11 @@ constexpr int64_t kGemmRows = 1024, kGemmDims = 128;
 // pos [M] -> [B, M] f32, by gemm_rows_int8_into from kGemmRows rows and kGemmDims dimensions
 // (into: as it takes it), else q @ decode_rows_int8(pos)^T.
 at::Tensor many_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
-                          const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids,
-                          const at::Tensor& centroids_t, const at::Tensor& into) {
-  if (pos.numel() >= kGemmRows && q.size(1) >= kGemmDims) return gemm_rows_int8_into(q, pos, codes, scales, offsets, centroids_t, into);
-  return at::matmul(q, decode_rows_int8(pos, codes, scales, offsets, centroids).t()).contiguous();
+                          const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t,
+                          const at::Tensor& into) {
+  if (pos.numel() >= kGemmRows && q.size(1) >= kGemmDims)
+    return gemm_rows_int8_into(q, pos, codes, scales, offsets, centroids_t, into);
+  return at::matmul(q, decode_rows_int8(pos, codes, scales, offsets, centroids_t).t()).contiguous();
 }
 
 // Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C] -> bool [N].
@@ -1609,8 +1617,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> second_round_lists(const at::Tens
 at::Tensor centroid_dots(const at::Tensor& q, const at::Tensor& centroids_t);
 
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
-    const at::Tensor& q, const at::Tensor& centroids, const at::Tensor& centroids_t, const at::Tensor& codes,
-    const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
+    const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& codes, const at::Tensor& scales,
+    const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
     const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
     int64_t few, int64_t max_scores) {
   TORCH_CHECK(k >= 1, "k must be >= 1");
@@ -1627,7 +1635,7 @@ std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
                        q.options().dtype(at::kInt));
   const at::Tensor scores =
       b_count <= few ? score_rows_int8(q, rows, codes, scales, offsets, centroid_dots(q, centroids_t))
-                     : many_rows_int8(q, rows, codes, scales, offsets, centroids, centroids_t, buffer);
+                     : many_rows_int8(q, rows, codes, scales, offsets, centroids_t, buffer);
   auto [best, idx] = topk_rows(scores, k);  // pads -1 / -inf where fewer than k rows pass
   // the positions' item ids in place (six [B, k] tensor ops took ~0.7 ms at B = 1000, k = 100)
   int64_t* ip = idx.data_ptr<int64_t>();
@@ -1899,8 +1907,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
   m.def("many_rows_int8",
         [](const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
-           const at::Tensor& offsets, const at::Tensor& centroids, const at::Tensor& centroids_t) {
-          return many_rows_int8(q, pos, codes, scales, offsets, centroids, centroids_t, at::Tensor());
+           const at::Tensor& offsets, const at::Tensor& centroids_t) {
+          return many_rows_int8(q, pos, codes, scales, offsets, centroids_t, at::Tensor());
         },
         "Many queries' scores of chosen rows: one int8 GEMM of quantized queries, or decoded rows and a matmul", nogil);
   m.def("decode_rows_int8", &decode_rows_int8, "Float vectors of chosen rows off the int8 codes, one pass", nogil);
