@@ -555,7 +555,9 @@ class IVFIndex(nn.Module):
             return q @ self.exact.index_select(0, pos).float().T
         if q.device.type == "cpu" and self.codes.dtype == torch.int8:  # as the exact C++ call's
             if len(q) > FEW_QUERIES:
-                return many_rows_cpu(q, pos, self.codes, self.scales, self.offsets, self.centroids_t)
+                return many_rows_cpu(
+                    q, pos, self.codes, self.scales, self.offsets, self.centroids_t
+                )
             coarse_all = centroid_dots_cpu(q, self.centroids_t)
             return score_rows_cpu(q, pos, self.codes, self.scales, self.offsets, coarse_all)
         # decode the M rows once (centroid + scale * code) and take one matmul, rather than
