@@ -467,12 +467,14 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
     auto scorer = make_scorer();
     std::vector<int64_t> some;
     std::vector<uint8_t> keep;
+    const int64_t fw = bt.c_count * ix.w;  // a row's filter: fw mask words and c_count negations
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t l = pl.active[a];
       const int64_t i0 = ix.offsets[l], i1 = ix.offsets[l + 1], n = i1 - i0;
       const int64_t nq = pl.active_start[a + 1] - pl.active_start[a];
       if (nq == 0 || i1 == i0) continue;
       scorer.prepare(i0, i1, nq);
+      int64_t passed_for = -1;  // the row whose filter `some` / `keep` hold for this list
       for (int64_t k = pl.active_start[a]; k < pl.active_start[a + 1]; ++k) {
         const int64_t bp = pl.pairs[k], b = bt.b0 + bp / bt.p;
         const float base = bt.coarse[b * bt.p + bp % bt.p];
@@ -480,21 +482,26 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
         if (bt.c_count == 0) {
           scorer.score(b, i0, i1, base, out);
         } else {
-          const bool kept = passing(ix, bt, b, i0, i1, some, keep);
+          // the rows probing a list often share a filter (a batch of one request's pages, a
+          // benchmark's): its items are tested once (22 % of a 1000-row batch at 20 %)
+          const bool same = passed_for >= 0 &&
+                            std::equal(bt.fmask + b * fw, bt.fmask + (b + 1) * fw, bt.fmask + passed_for * fw) &&
+                            std::equal(bt.fneg + b * bt.c_count, bt.fneg + (b + 1) * bt.c_count,
+                                       bt.fneg + passed_for * bt.c_count);
+          if (!same) {
+            if (!passing(ix, bt, b, i0, i1, some, keep)) {  // several clauses: keep from some
+              keep.assign(n, 0);
+              for (const int64_t i : some) keep[i] = 1;
+            }
+            passed_for = b;
+          }
           const int64_t m = (int64_t)some.size();
           if (m < scorer.sparse_share() * n) {
             std::fill(out, out + n, kNegInf);
             scorer.score_some(b, i0, some.data(), m, base, out);
           } else {
             scorer.score(b, i0, i1, base, out);
-            if (kept) {
-              for (int64_t i = 0; i < n; ++i) out[i] = keep[i] ? out[i] : kNegInf;  // a select, no branch
-            } else {
-              for (int64_t i = 0, next = 0; i < n; ++i) {
-                if (next < m && some[next] == i) ++next;
-                else out[i] = kNegInf;
-              }
-            }
+            for (int64_t i = 0; i < n; ++i) out[i] = keep[i] ? out[i] : kNegInf;  // a select, no branch
           }
         }
         if (bt.s > 0) {  // the list's excluded rows are one run of the sorted exclusions

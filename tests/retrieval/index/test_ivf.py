@@ -169,6 +169,30 @@ def test_kernel_equals_torch_reference(index, catalog, batch):
     assert (pos == rpos).float().mean() > 0.99  # ties may swap
 
 
+@pytest.mark.parametrize(
+    "texts",
+    [
+        ["shard in {0,1,2}", "shard in {0,1,2}", "shard = 5", "shard in {0,1,2}", "shard = 5"],
+        ["shard in {0,1,2,3} and not bucket = 3"] * 2 + ["shard = 1 and bucket in {0,1}"] * 2,
+    ],
+)
+def test_rows_sharing_lists_each_get_their_own_filter(index, catalog, texts):
+    """The kernel tests a list's items once for consecutive rows with the same filter; rows with
+    another filter in between (one clause, or several) still get theirs: every row of the batch
+    answers as it does alone over the same lists."""
+    rows = len(texts) * 4
+    q = catalog["q"][:rows]
+    coarse, probes = (q @ index.centroids.T).topk(8, dim=1)
+    fb = index.compile_filter([texts[i % len(texts)] for i in range(rows)], rows)
+    tensors = (index.codes, index.scales, index.offsets, index.sig)
+    pos, sc = scan(q, probes, coarse, *tensors, fb.masks, fb.negate, 50, max_list=index.max_list)
+    for b in range(rows):
+        one = slice(b, b + 1)
+        args = (q[one], probes[one], coarse[one], *tensors, fb.masks[one], fb.negate[one], 50)
+        alone = scan(*args, max_list=index.max_list)
+        assert torch.equal(pos[one], alone[0]) and torch.equal(sc[one], alone[1])
+
+
 def test_memory_is_reported_per_buffer(index):
     mem = index.memory_bytes()
     assert mem["codes"] == index.ntotal * index.dim
