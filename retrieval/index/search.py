@@ -105,7 +105,7 @@ class SearchPlan:
     """Bounds on the lists the first round leaves out (the planner's alone: never sent)."""
     floor: torch.Tensor | None = None
     """``[B] float32``: a second round's K-th score so far; candidates below it cannot change
-    the answer, and a scan may leave them out (the planner's alone: never sent)."""
+    the answer, and a scan may leave them out. Sent to the shards."""
 
     def rows(self, rows: torch.Tensor) -> SearchPlan:
         """The plan of a subset of rows (``rows [b] int64``)."""

@@ -47,11 +47,11 @@ def encode_request(
     sequence: int = 0,
 ) -> pb.SearchRequest:
     """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` / ``exclude [B, S]``
-    and the plan (its ``lists [B, P]`` when a second round gives them), against ``version``
-    after ``sequence`` live updates."""
+    and the plan (its ``lists [B, P]`` and ``floor [B]`` when a second round gives them),
+    against ``version`` after ``sequence`` live updates."""
     b, d = q.shape
     _, c, w = fb.masks.shape
-    lists, ex = plan.lists, fb.exclude
+    lists, ex, floor = plan.lists, fb.exclude, plan.floor
     return pb.SearchRequest(
         model=model,
         version=version,
@@ -72,6 +72,7 @@ def encode_request(
         lists=b"" if lists is None else tensor_bytes(lists, np.int32),
         exclude_width=0 if ex is None else int(ex.shape[1]),
         exclude=b"" if ex is None else tensor_bytes(ex, np.int64),
+        floor=b"" if floor is None else tensor_bytes(floor, np.float32),
     )
 
 
@@ -104,12 +105,18 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         exclude = bytes_array(msg.exclude, np.int64, (b, msg.exclude_width), "exclude")
         if (exclude < -1).any():
             raise ValueError("exclude: every entry must be an item id (>= 0) or -1")
+    floor = None
+    if msg.floor:
+        floor = bytes_array(msg.floor, np.float32, (b,), "floor")
+        if np.isnan(floor).any():
+            raise ValueError("floor: every row's floor must be a number (-inf: none)")
     plan = SearchPlan(
         msg.k,
         msg.r,
         torch.from_numpy(nprobe.copy()),
         torch.from_numpy(exact != 0),
         None if lists is None else torch.from_numpy(lists.astype(np.int64)),
+        floor=None if floor is None else torch.from_numpy(floor.copy()),
     )
     fb = FilterBatch(
         masks,

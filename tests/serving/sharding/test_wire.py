@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
-from retrieval.index.search import SearchPlan
+from retrieval.index import IVFConfig, build_ivf
+from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.split import shard_of, split_index
 from serving.sharding.wire import decode_request, encode_request
+from support.topk_check import assert_same_topk
 
 
 def request(lists: torch.Tensor | None):
@@ -44,10 +48,11 @@ def test_bad_lists_name_the_field():
     w=st.integers(1, 2),
     list_width=st.integers(0, 3),
     exclude_width=st.integers(0, 3),
+    floored=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_a_request_round_trips_with_every_field_its_dtype(
-    b, d, c, w, list_width, exclude_width, seed
+    b, d, c, w, list_width, exclude_width, floored, seed
 ):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, d, generator=g)
@@ -57,7 +62,10 @@ def test_a_request_round_trips_with_every_field_its_dtype(
     lists = torch.randint(-1, 1000, (b, list_width), generator=g) if list_width else None
     nprobe = torch.randint(1, 50, (b,), generator=g)
     exact = torch.randint(0, 2, (b,), generator=g).bool()
-    plan = SearchPlan(3, 5, nprobe, exact, lists)
+    floor = torch.randn(b, generator=g) if floored else None
+    if floor is not None:
+        floor[0] = float("-inf")  # a row with nothing to beat yet
+    plan = SearchPlan(3, 5, nprobe, exact, lists, floor=floor)
     got_q, got_fb, got = decode_request(
         encode_request("m", 1, q, FilterBatch(masks, negate, exclude), plan, with_vectors=False)
     )
@@ -69,6 +77,22 @@ def test_a_request_round_trips_with_every_field_its_dtype(
         assert (back is None) == (sent is None)
         if sent is not None:
             assert back is not None and back.dtype == torch.int64 and torch.equal(back, sent)
+    assert (got.floor is None) == (floor is None)
+    if floor is not None:
+        assert got.floor is not None and got.floor.dtype == torch.float32
+        assert torch.equal(got.floor, floor)
+
+
+def test_a_bad_floor_names_the_field():
+    plan = SearchPlan(3, 5, torch.tensor([2, 2]), torch.zeros(2, dtype=torch.bool))
+    fb = FilterBatch(torch.zeros(2, 0, 1, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.bool))
+    msg = encode_request("m", 1, torch.randn(2, 4), fb, plan, with_vectors=False)
+    msg.floor = np.array([0.5, np.nan], np.float32).tobytes()
+    with pytest.raises(ValueError, match="floor"):
+        decode_request(msg)
+    msg.floor = msg.floor[:4]
+    with pytest.raises(ValueError, match="floor"):
+        decode_request(msg)
 
 
 @pytest.mark.parametrize(
@@ -82,3 +106,34 @@ def test_out_of_range_values_name_their_field(field, value):
     plan = SearchPlan(3, 5, nprobe, torch.tensor([False, True]), None)
     with pytest.raises(ValueError, match=field):
         decode_request(encode_request("m", 1, q, fb, plan, with_vectors=False))
+
+
+def test_second_rounds_through_the_wire_send_their_floor_and_answer_as_unsharded(catalog):
+    """The router's loop over two shards, every round's plan through the wire as the router
+    sends it: rows whose bound check asks for more lists carry their K-th score so far
+    (``SearchPlan.floor``), the shards' scans leave out what cannot reach it, and the merged
+    answer is the unsharded index's."""
+    index = build_ivf(
+        catalog["x"],
+        IVFConfig(nlist=64, nprobe=2, rerank=0, measure_costs=False),  # no timing decides
+        item_attributes=catalog["attrs"],
+        attribute_values=catalog["values"],
+    )
+    stats, shards = split_index(index, shard_of(index.item_ids, 2), 2)
+    # k = 500 at nprobe 1: every row's first round leaves lists a bound says could beat it
+    q, k, text = catalog["q"][:32], 500, "not shard in {0,1,2} and bucket != 5"
+    fb = stats.compile_filter(text, q.shape[0])
+    plan = stats.plan(fb, k, 1, 0, q=q)
+    floors: list[torch.Tensor] = []
+
+    def fetch(p: SearchPlan, rows):
+        qq, f = (q, fb) if rows is None else (q[rows], fb.rows(rows))
+        sent_q, sent_fb, sent = decode_request(encode_request("m", 1, qq, f, p, False))
+        if sent.floor is not None:
+            floors.append(sent.floor)
+        return Candidates.concat([s.item_candidates(sent_q, sent_fb, sent) for s in shards])
+
+    top = run_search(plan, fetch)
+    want_ids, want_scores = index.search(q, k, text, nprobe=1)
+    assert_same_topk(top.keys, top.scores, want_ids, want_scores)
+    assert floors and all(bool(torch.isfinite(f).all()) for f in floors)
