@@ -123,6 +123,9 @@ class IVFIndex(nn.Module):
         self.register_buffer("list_bits", torch.zeros(0, w, dtype=torch.int64))
         self.max_list = 0
         self._ntotal = 0
+        self.plain_lists: dict[tuple[int, int], int] = {}
+        """Lists a plain query probes by ``(nprobe, k)`` (``plain.plain_query_ids``): they read
+        only ``nlist`` and ``ntotal``, so they are kept until :meth:`_refresh`."""
         self.posting_offsets: list[int] = [0]
         self.id_order = IdOrder.of(self.item_ids)
 
@@ -210,6 +213,7 @@ class IVFIndex(nn.Module):
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
         self._ntotal = int(self.offsets[-1])
+        self.plain_lists = {}
         self.posting_offsets = torch.cat(
             [self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]
         ).tolist()

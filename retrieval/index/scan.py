@@ -196,14 +196,12 @@ def search_ids_cpu(
     takes the step-by-step path, which gives the same answer."""
     if codes.dtype != torch.int8 or torch.compiler.is_compiling():
         return None
-    if os.environ.get(KERNEL_ENV, "auto") != "auto":
-        return None
     no_half = _NO_HALF if half is None else half
     index = (codes, scales, offsets, sig)
     ids, scores, short = _extension().ivf_search_ids_int8(
         q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r
     )
-    return ids, scores, short
+    return None if ids is None else (ids, scores, short)  # None: $RECSERVE_SCAN_KERNEL forced
 
 
 def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1878,7 +1878,7 @@ at::Tensor id_rows(const at::Tensor& item_ids, const at::Tensor& perm, const at:
 // each query excludes (excl_ids [B, S], -1 pads) -> their rows through the index's id order (a
 // binary search over item_ids in perm order; ascending per query, absent ids and pads last as
 // INT64_MAX), then ivf_probe and ivf_scan_int8, then the rows found -> item ids (-1 pads stay),
-// and whether any row found fewer than r.
+// and whether any row found fewer than r (undefined tensors where a kernel is forced).
 // The same steps as a dozen tensor ops around the two kernels, which cost a one-query search
 // more than the kernels do.
 std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
@@ -1886,6 +1886,11 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
     const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl_ids,
     const at::Tensor& item_ids, const at::Tensor& perm, int64_t r) {
+  // A kernel forced by $RECSERVE_SCAN_KERNEL (retrieval.index.scan.KERNEL_ENV: set, and not
+  // "auto"): not this call's to answer, undefined tensors back (the caller takes the step-by-step
+  // path through the forced kernel). Read here, ~50 ns, where os.environ took ~1 us a query.
+  if (const char* forced = std::getenv("RECSERVE_SCAN_KERNEL"); forced && std::strcmp(forced, "auto") != 0)
+    return {at::Tensor(), at::Tensor(), false};
   TORCH_CHECK(excl_ids.dim() == 2 && excl_ids.size(0) == q.size(0) && excl_ids.scalar_type() == at::kLong &&
               excl_ids.is_contiguous(), "excluded ids must be contiguous int64 [B, S]");
   TORCH_CHECK(item_ids.numel() == codes.size(0), "item_ids must be [N] with the codes' N");

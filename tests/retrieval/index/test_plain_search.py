@@ -153,3 +153,27 @@ def test_the_public_fast_lane_answers_as_the_full_path(catalog, monkeypatch):
             index.search(q, **{"k": 20, **bad})
     np_ids, _ = index.search(q.numpy(), 20, rerank=0)  # NumPy: the full path, the same answer
     assert torch.equal(np_ids, ids)
+
+
+def test_a_forced_kernel_leaves_the_one_call_to_the_steps(catalog, monkeypatch):
+    """$RECSERVE_SCAN_KERNEL set (read by the C++ call itself): the one call declines, and the
+    search answers through the forced kernel as the C++ one does; the kept list count of a
+    plain query is worked out again after a change of the index's lists."""
+    from retrieval.index.scan import KERNEL_ENV, search_ids_cpu
+
+    index = build_ivf(catalog["x"], IVFConfig(nlist=64, nprobe=4, rerank=0))
+    q = catalog["q"][:2]
+    want = index.search(q, 20)
+    assert index.plain_lists  # the lane kept its list count
+    centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
+    fmask, fneg = torch.zeros(2, 0, sig.shape[1], dtype=torch.int64), torch.zeros(2, 0).bool()
+    args = (q, centroids_t, half, 4, codes, scales, offsets, sig, fmask, fneg)
+    order = (torch.zeros(2, 0, dtype=torch.int64), index.id_order.item_ids, index.id_order.perm)
+    assert search_ids_cpu(*args, *order, 20) is not None
+    monkeypatch.setenv(KERNEL_ENV, "reference")
+    assert search_ids_cpu(*args, *order, 20) is None
+    got = index.search(q, 20)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    index._refresh()
+    assert not index.plain_lists
