@@ -174,7 +174,7 @@ def plain_query_ids(
     if not centroids_t.is_cpu or codes.dtype != torch.int8:  # a GPU index (q moves); fp8 codes
         return False
     p = index.plain_lists.get((probe, k))
-    if p is None:  # ~2 us of a ~40 us query to work out again
+    if p is None:  # worked out again, ~5 us of a ~35 us query in a loop
         p = min(lists_for(index, 1.0, probe, k), index.nlist)
         if len(index.plain_lists) >= 1024:
             index.plain_lists.clear()
