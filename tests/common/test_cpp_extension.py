@@ -265,3 +265,34 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return "\nState:\tZ" not in status
+
+
+def test_the_native_kernels_compile_for_a_cpu_without_avx512(tmp_path):
+    """The kernels built with ``-march=native`` compile for an AVX2-only CPU (``-march=haswell``,
+    at -O0, in parallel): their AVX-512 code sits in target-attributed functions or behind the
+    build's macros. A lambda inside a target-attributed function does not inherit the target,
+    and once broke exactly this build (an AVX-512 machine never noticed)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    root = Path(__file__).resolve().parents[2]
+    sources = [
+        root / "retrieval/index/csrc/ivf_scan.cpp",
+        root / "retrieval/index/csrc/nearest_centroid.cpp",
+        root / "sharded_tables/csrc/pooled_lookup.cpp",
+    ]
+    includes = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
+    flags = ["-std=c++17", "-O0", "-march=haswell", "-fopenmp", "-DTORCH_EXTENSION_NAME=t"]
+    builds = [
+        subprocess.Popen(
+            ["c++", *flags, *includes, "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o")],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for src in sources
+    ]
+    for src, build in zip(sources, builds, strict=True):
+        _, err = build.communicate(timeout=300)
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert build.returncode == 0, f"{src.name}: {errors[:3]}"

@@ -187,6 +187,14 @@ int32_t dot_i8_vnni(const int8_t* q, const int8_t* c, int64_t d, int32_t qsum) {
 
 // Lane i of the result = the sum of the 16 lanes of v[i]: four rounds of interleave-and-add, so 16
 // rows share ~45 shuffles and adds where a horizontal sum each takes ~9 (most on the shuffle port).
+// [a.L0+a.L1, a.L2+a.L3, b.L0+b.L1, b.L2+b.L3] of 128-bit lanes. A function of its own, with its
+// target: a lambda inside sum_lanes16 does not inherit the target attribute, so a build for a CPU
+// without AVX-512 (-march=haswell) failed to compile it.
+RECSERVE_TARGET("avx512f") inline __m512i pair_lanes(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // Integer sums: the same result in any order.
 RECSERVE_TARGET("avx512f,avx512bw,avx512vnni") inline __m512i sum_lanes16(const __m512i* v) {
   __m512i w[8], x[4];
@@ -196,11 +204,7 @@ RECSERVE_TARGET("avx512f,avx512bw,avx512vnni") inline __m512i sum_lanes16(const 
   for (int k = 0; k < 4; ++k)  // 128-bit lane L: rows 4k .. 4k + 3, each summed over L
     x[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(w[2 * k], w[2 * k + 1]),
                             _mm512_unpackhi_epi64(w[2 * k], w[2 * k + 1]));
-  const auto pair = [](__m512i a, __m512i b) {  // [a.L0+a.L1, a.L2+a.L3, b.L0+b.L1, b.L2+b.L3]
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  return pair(pair(x[0], x[1]), pair(x[2], x[3]));  // 128-bit lane k: rows 4k .. 4k + 3
+  return pair_lanes(pair_lanes(x[0], x[1]), pair_lanes(x[2], x[3]));  // 128-bit lane k: rows 4k .. 4k + 3
 }
 
 // 16 rows at a time, each with an accumulator of its own, summed together by sum_lanes16; the last
