@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from retrieval.filters import FilterBatch
+
 
 def as_tensor(value: Any, field: str) -> torch.Tensor:
     """A ``torch.Tensor`` or ``np.ndarray`` -> ``torch.Tensor`` (same dtype and shape)."""
@@ -46,3 +48,33 @@ def as_count(value: Any, field: str, minimum: int, hint: str = "") -> int:
 def as_optional_count(value: Any, field: str, minimum: int, default: int, hint: str = "") -> int:
     """:func:`as_count`, with ``None`` meaning ``default`` (the index's configured value)."""
     return default if value is None else as_count(value, field, minimum, hint)
+
+
+def as_queries(q: Any, dim: int, device: torch.device) -> torch.Tensor:
+    """Queries ``[B, dim]`` floats (tensor or NumPy) -> float32 on ``device``."""
+    q = as_tensor(q, "q")
+    if q.dim() != 2 or q.shape[1] != dim or not q.is_floating_point():
+        raise ValueError(
+            f"q: expected floats [B, {dim}], got {tuple(q.shape)} {q.dtype}"
+            + (" (cast with .float() / .astype(np.float32))" if q.dim() == 2 else "")
+        )
+    if q.dtype is torch.float32 and q.is_cpu and device.type == "cpu":
+        return q  # as it is (a no-op .to() costs ~2 us of a one-query search)
+    return q.to(device, torch.float32)
+
+
+def check_filter_batch(fb: FilterBatch, batch: int, words: int) -> None:
+    """A compiled filter for ``batch`` rows over ``words`` signature words: ``masks [B, C, W]``
+    and, when given, ``exclude [B, S]`` int64 item ids (``-1`` pads); ``ValueError`` otherwise."""
+    if fb.masks.dim() != 3 or fb.masks.shape[0] != batch or fb.masks.shape[2] != words:
+        raise ValueError(
+            f"filters: expected masks [B={batch}, C, W={words}], got {tuple(fb.masks.shape)}"
+        )
+    ex = fb.exclude
+    if ex is not None and (ex.dim() != 2 or ex.shape[0] != batch or ex.dtype != torch.int64):
+        raise ValueError(
+            f"filters.exclude: expected int64 item ids [B={batch}, S], got {ex.dtype} "
+            f"{tuple(ex.shape)}"
+        )
+    if ex is not None and ex.numel() and int(ex.min()) < -1:
+        raise ValueError(f"filters.exclude: item ids are >= 0 (-1 pads), got {int(ex.min())}")

@@ -43,7 +43,12 @@ from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exact_ids import exact_search_ids
 from retrieval.index.exclude import IdOrder, excluded_positions
-from retrieval.index.inputs import as_count, as_optional_count, as_tensor
+from retrieval.index.inputs import (
+    as_count,
+    as_optional_count,
+    as_queries,
+    check_filter_batch,
+)
 from retrieval.index.plain import (
     KernelTensors,
     plain_item_candidates,
@@ -123,7 +128,7 @@ class IVFIndex(nn.Module):
         self.register_buffer("list_bits", torch.zeros(0, w, dtype=torch.int64))
         self.max_list = 0
         self._ntotal = 0
-        self.plain_lists: dict[tuple[int, int], int] = {}
+        self.lane_lists: dict[tuple[int, int], int] = {}
         """Lists a plain query probes by ``(nprobe, k)`` (``plain.plain_query_ids``): they read
         only ``nlist`` and ``ntotal``, so they are kept until :meth:`_refresh`."""
         self.posting_offsets: list[int] = [0]
@@ -213,7 +218,7 @@ class IVFIndex(nn.Module):
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
         self._ntotal = int(self.offsets[-1])
-        self.plain_lists = {}
+        self.lane_lists = {}
         self.posting_offsets = torch.cat(
             [self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]
         ).tolist()
@@ -247,21 +252,7 @@ class IVFIndex(nn.Module):
             )
         else:
             fb = self.schema.compile(list(filters))
-        if (
-            fb.masks.dim() != 3
-            or fb.masks.shape[0] != batch
-            or fb.masks.shape[2] != self.schema.num_words
-        ):
-            raise ValueError(
-                f"filters: expected masks [B={batch}, C, W={self.schema.num_words}], got {tuple(fb.masks.shape)}"
-            )
-        ex = fb.exclude
-        if ex is not None and (ex.dim() != 2 or ex.shape[0] != batch or ex.dtype != torch.int64):
-            raise ValueError(
-                f"filters.exclude: expected int64 item ids [B={batch}, S], got {ex.dtype} {tuple(ex.shape)}"
-            )
-        if ex is not None and ex.numel() and int(ex.min()) < -1:
-            raise ValueError(f"filters.exclude: item ids are >= 0 (-1 pads), got {int(ex.min())}")
+        check_filter_batch(fb, batch, self.schema.num_words)
         return fb.to(self.centroids.device)
 
     def search(
@@ -334,16 +325,7 @@ class IVFIndex(nn.Module):
 
     def _check_queries(self, q: torch.Tensor | np.ndarray) -> torch.Tensor:
         """The public edge for queries: ``[B, D]`` floats -> float32 on this index's device."""
-        q = as_tensor(q, "q")
-        if q.dim() != 2 or q.shape[1] != self.dim or not q.is_floating_point():
-            raise ValueError(
-                f"q: expected floats [B, {self.dim}], got {tuple(q.shape)} {q.dtype}"
-                + (" (cast with .float() / .astype(np.float32))" if q.dim() == 2 else "")
-            )
-        cent = self._buffers["centroids"]
-        if q.dtype is torch.float32 and q.is_cpu and cent.is_cpu:  # type: ignore[union-attr]
-            return q  # as it is (a no-op .to() costs ~2 us of a one-query search)
-        return q.to(cent.device, torch.float32)  # type: ignore[union-attr]
+        return as_queries(q, self.dim, self._buffers["centroids"].device)  # type: ignore[union-attr]
 
     def _check_k(self, k: int) -> int:
         k = as_count(k, "k", 1)

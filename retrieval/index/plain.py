@@ -48,7 +48,7 @@ class PlainIndex(PlannedIndex, Protocol):
     dim: int
     centroids_t: torch.Tensor
     id_order: IdOrder
-    plain_lists: dict[tuple[int, int], int]
+    lane_lists: dict[tuple[int, int], int]
 
     @property
     def probe_half(self) -> torch.Tensor | None: ...
@@ -147,8 +147,8 @@ def plain_query_ids(
     of the plainest inputs only (a float32 CPU tensor, ``int`` k and nprobe in range, int8 codes
     on the CPU). False for anything else: the
     full path then checks, explains refusals and answers. True where the call ran and a row's
-    lists came up short: the planned path answers, without calling again. One query's Python
-    around the C++ call was ~25 us of ~48 (``bench/RESULTS.md``)."""
+    lists came up short: the planned path answers, without calling again. The list count is
+    kept per ``(nprobe, k)`` in ``index.lane_lists`` until the index's lists change."""
     if (
         type(q) is not torch.Tensor
         or type(k) is not int
@@ -173,12 +173,12 @@ def plain_query_ids(
     centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
     if not centroids_t.is_cpu or codes.dtype != torch.int8:  # a GPU index (q moves); fp8 codes
         return False
-    p = index.plain_lists.get((probe, k))
+    p = index.lane_lists.get((probe, k))
     if p is None:  # worked out again, ~5 us of a ~35 us query in a loop
         p = min(lists_for(index, 1.0, probe, k), index.nlist)
-        if len(index.plain_lists) >= 1024:
-            index.plain_lists.clear()
-        index.plain_lists[(probe, k)] = p
+        if len(index.lane_lists) >= 1024:
+            index.lane_lists.clear()
+        index.lane_lists[(probe, k)] = p
     fmask, fneg, excl = _no_filter(shape[0], sig.shape[1])
     order = index.id_order
     found = search_ids_cpu(
@@ -237,17 +237,11 @@ def plain_item_candidates(
 
 
 def _search_ids(
-    index: PlainIndex,
-    q: torch.Tensor,
-    nprobe: int,
-    fb: FilterBatch | None,
-    r: int,
-    tensors: KernelTensors | None = None,
+    index: PlainIndex, q: torch.Tensor, nprobe: int, fb: FilterBatch | None, r: int
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """``scan.search_ids_cpu`` over this index: ``nprobe`` lists a row, its filter (None: no
-    clause) and excluded item ids inside the scan -> ``(ids [B, r], scores [B, r], short)``.
-    ``tensors``: the index's :meth:`kernel_tensors`, when the caller read them already."""
-    centroids_t, half, codes, scales, offsets, sig = tensors or index.kernel_tensors()
+    clause) and excluded item ids inside the scan -> ``(ids [B, r], scores [B, r], short)``."""
+    centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
     fmask, fneg, excl = _no_filter(q.shape[0], sig.shape[1])
     if fb is not None:
         fmask, fneg = fb.masks.contiguous(), fb.negate.contiguous()

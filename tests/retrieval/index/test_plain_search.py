@@ -164,7 +164,7 @@ def test_a_forced_kernel_leaves_the_one_call_to_the_steps(catalog, monkeypatch):
     index = build_ivf(catalog["x"], IVFConfig(nlist=64, nprobe=4, rerank=0))
     q = catalog["q"][:2]
     want = index.search(q, 20)
-    assert index.plain_lists  # the lane kept its list count
+    assert index.lane_lists  # the lane kept its list count
     centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
     fmask, fneg = torch.zeros(2, 0, sig.shape[1], dtype=torch.int64), torch.zeros(2, 0).bool()
     args = (q, centroids_t, half, 4, codes, scales, offsets, sig, fmask, fneg)
@@ -176,4 +176,4 @@ def test_a_forced_kernel_leaves_the_one_call_to_the_steps(catalog, monkeypatch):
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     index._refresh()
-    assert not index.plain_lists
+    assert not index.lane_lists
