@@ -6,10 +6,15 @@ accept is ``common/security.py``'s business; this module only speaks gRPC."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
+import os
 import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +24,11 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from common.ready import ReadyLine, print_ready
+
+log = logging.getLogger(__name__)
+
+EXIT_MARGIN_S = 5.0
+"""Seconds a server may take past its drain's grace before :func:`exit_if_stuck` ends it."""
 
 
 def format_address(host: str, port: int) -> str:
@@ -264,3 +274,19 @@ def serve_until_signal(start: Callable[[], ReadyLine]) -> None:
     print_ready(line)
     while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
         pass
+
+
+def exit_if_stuck(after_s: float, what: str = "the drain") -> None:
+    """Ends the process with status 1 when it is still alive ``after_s`` seconds from now: a
+    drain stuck in gRPC's shutdown, or the interpreter's exit waiting on a handler thread that
+    never returns, would otherwise leave a server deaf to SIGTERM until a SIGKILL. Before
+    exiting it logs every thread's stack (where it was stuck). Call it when the drain starts."""
+
+    def watchdog() -> None:
+        time.sleep(after_s)
+        log.error("%s did not finish within %.1f s; exiting anyway (stacks follow)", what, after_s)
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()

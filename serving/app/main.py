@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from common.grpc_util import serve_until_signal
+from common.grpc_util import EXIT_MARGIN_S, exit_if_stuck, serve_until_signal
 from common.ready import ReadyLine
 from serving.app.config import ServeConfig
 from serving.app.processes import serve_processes
@@ -40,6 +40,7 @@ def serve(
 
     serve_until_signal(start)
     log.info("draining (up to %.1f s)", config.drain_timeout_s)
+    exit_if_stuck(config.drain_timeout_s + EXIT_MARGIN_S, "the drain or the exit after it")
     if not server.drain_and_stop():
         log.error("drain did not finish within %.1f s; exiting anyway", config.drain_timeout_s)
         sys.stderr.flush()

@@ -34,7 +34,14 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from common.grpc_util import add_service, bind_port, format_address, serve_until_signal
+from common.grpc_util import (
+    EXIT_MARGIN_S,
+    add_service,
+    bind_port,
+    exit_if_stuck,
+    format_address,
+    serve_until_signal,
+)
 from common.ready import ReadyLine, ready_line
 from common.security import NO_SECURITY, Security
 from common.torch_threads import use_process_threads
@@ -365,4 +372,5 @@ def serve_shard(server: ShardServer, grace: float = 5.0) -> None:
         return server.ready()
 
     serve_until_signal(start)
+    exit_if_stuck(grace + EXIT_MARGIN_S)
     server.stop(grace)
