@@ -90,10 +90,23 @@ def _extension() -> ModuleType:
     )
 
 
-def nearest(x: torch.Tensor, centroids: torch.Tensor, by: str) -> tuple[torch.Tensor, int]:
+QuantizedRows = tuple[torch.Tensor, torch.Tensor]
+"""``(q [N, ceil(D/4)*4] int8, meta [N, 4] float64)``: rows as the int8 kernel quantizes them."""
+
+
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """``x [N, D]`` float32 quantized once for every :func:`nearest` call against it (k-means
+    assigns the same sample each iteration: re-quantizing it was a third of each call)."""
+    return _extension().quantize_rows(x)
+
+
+def nearest(
+    x: torch.Tensor, centroids: torch.Tensor, by: str, rows: QuantizedRows | None = None
+) -> tuple[torch.Tensor, int]:
     """``(labels [N] int64, exact scores taken)`` of ``x [N, D]`` against ``centroids [K, D]``
-    (float32 CPU) on the int8 kernel: the exact best by ``by`` ("l2" or "ip") of every row."""
-    labels, scored = _extension().nearest_centroids(x, centroids, by == "l2")
+    (float32 CPU) on the int8 kernel: the exact best by ``by`` ("l2" or "ip") of every row.
+    ``rows``: :func:`quantize_rows` of ``x`` (None: quantized in the call)."""
+    labels, scored = _extension().nearest_centroids(x, centroids, by == "l2", rows)
     return labels, int(scored)
 
 
@@ -110,8 +123,9 @@ def _lloyd(
         x = x[torch.randperm(len(x), generator=gen)[: nlist * max_points_per_centroid]]
     centroids = x[torch.randperm(len(x), generator=gen)[:nlist]].clone()
     rng = np.random.default_rng(seed)
+    rows = quantize_rows(x)
     for _ in range(iters):
-        labels, _ = nearest(x, centroids, by)
+        labels, _ = nearest(x, centroids, by, rows)
         counts = torch.bincount(labels, minlength=nlist)
         sums = torch.zeros_like(centroids).index_add_(0, labels, x)
         filled = counts > 0

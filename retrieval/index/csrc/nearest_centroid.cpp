@@ -153,14 +153,25 @@ void tile_scores(const Centroids& c, const int8_t* q, const Quant* rows, float* 
   for (int i = 0; i < kRows; ++i) best[i] = _mm512_reduce_max_ps(top[i]);
 }
 
-// x·c in double, 8 lanes of fused multiply-adds (the candidates' exact scores).
+// acc + x[t:t+8]·c[t:t+8] in double, lane by lane. (A function, not a lambda: a lambda does not
+// inherit its caller's target attribute, so builds for CPUs without AVX-512 would fail.)
+__attribute__((target("avx512f")))
+inline __m512d fma8(const float* x, const float* c, int64_t t, __m512d acc) {
+  return _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + t)), _mm512_cvtps_pd(_mm256_loadu_ps(c + t)), acc);
+}
+
+// x·c in double, 8 lanes of fused multiply-adds (the candidates' exact scores). Four
+// accumulators: one chain of dependent FMAs waited on their latency (a third of an assignment).
 __attribute__((target("avx512f")))
 double dot_double(const float* x, const float* c, int64_t d) {
-  __m512d acc = _mm512_setzero_pd();
+  __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
   int64_t t = 0;
-  for (; t + 8 <= d; t += 8)
-    acc = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + t)), _mm512_cvtps_pd(_mm256_loadu_ps(c + t)), acc);
-  double s = _mm512_reduce_add_pd(acc);
+  for (; t + 32 <= d; t += 32) {
+    a0 = fma8(x, c, t, a0), a1 = fma8(x, c, t + 8, a1);
+    a2 = fma8(x, c, t + 16, a2), a3 = fma8(x, c, t + 24, a3);
+  }
+  for (; t + 8 <= d; t += 8) a0 = fma8(x, c, t, a0);
+  double s = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
   for (; t < d; ++t) s += double(x[t]) * c[t];
   return s;
 }
@@ -192,9 +203,32 @@ std::pair<int64_t, int64_t> exact_best(const Centroids& c, const float* x, const
 
 }  // namespace
 
+// Rows quantized once for every assignment against them (k-means assigns the same sample each
+// iteration): q [N, groups * 4] int8 (bytes past d zero) and meta [N, 4] float64 = (scale, sum of
+// the bytes, |x - x̂|, |x|), as quantize_row gives them, in parallel.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"), "quantize_rows needs AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [N, D]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t n = xc.size(0), d = xc.size(1), stride = (d + 3) / 4 * 4;
+  at::Tensor q = at::zeros({n, stride}, at::kChar), meta = at::empty({n, 4}, at::kDouble);
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  double* mp = meta.data_ptr<double>();
+  at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const Quant v = quantize_row(xp + r * d, d, qp + r * stride);
+      mp[4 * r] = v.scale, mp[4 * r + 1] = v.sum, mp[4 * r + 2] = v.err, mp[4 * r + 3] = v.norm;
+    }
+  });
+  return {q, meta};
+}
+
 // labels [N] int64 of x [N, D] float32 against centroids [K, D] float32 (l2: nearest; else largest
-// inner product), and the number of exact scores taken (>= N; the bound's looseness).
-std::tuple<at::Tensor, int64_t> nearest_centroids(const at::Tensor& x, const at::Tensor& centroids, bool l2) {
+// inner product), and the number of exact scores taken (>= N; the bound's looseness). rows: x as
+// quantize_rows gave it (undefined: quantized here, tile by tile).
+std::tuple<at::Tensor, int64_t> nearest_centroids(const at::Tensor& x, const at::Tensor& centroids, bool l2,
+                                                  const c10::optional<std::tuple<at::Tensor, at::Tensor>>& rows_q) {
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
               "nearest_centroids needs AVX-512 VNNI (callers check int8_isa() first)");
   TORCH_CHECK(x.dim() == 2 && centroids.dim() == 2 && x.size(1) == centroids.size(1),
@@ -204,26 +238,49 @@ std::tuple<at::Tensor, int64_t> nearest_centroids(const at::Tensor& x, const at:
   const at::Tensor xc = x.contiguous(), cc = centroids.contiguous();
   const int64_t n = xc.size(0), d = xc.size(1);
   const Centroids c = quantize_centroids(cc.data_ptr<float>(), cc.size(0), d, l2);
+  const int64_t stride = c.groups * 4;
+  const int8_t* pre = nullptr;
+  const double* meta = nullptr;
+  if (rows_q.has_value()) {
+    const auto& [q, m] = *rows_q;
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() == 2 && q.size(0) == n &&
+                    q.size(1) == stride && m.scalar_type() == at::kDouble && m.is_contiguous() &&
+                    m.dim() == 2 && m.size(0) == n && m.size(1) == 4,
+                "rows: not quantize_rows(x) of this x");
+    pre = q.data_ptr<int8_t>(), meta = m.data_ptr<double>();
+  }
   at::Tensor labels = at::empty({n}, at::kLong);
   const float* xp = xc.data_ptr<float>();
   int64_t* lp = labels.data_ptr<int64_t>();
   const int64_t tiles = (n + kRows - 1) / kRows;
   std::atomic<int64_t> scored{0}, bad{-1};
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int8_t> q(kRows * c.groups * 4);
+    std::vector<int8_t> q(kRows * stride);
     std::vector<float> scores(kRows * c.kpad);
     Quant rows[kRows];
     float best[kRows];
     int64_t local = 0;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = t * kRows, count = std::min<int64_t>(kRows, n - r0);
-      std::fill(q.begin(), q.end(), 0);
+      const int8_t* tile = q.data();
+      if (pre != nullptr && count == kRows) {
+        tile = pre + r0 * stride;  // kRows consecutive rows of stride bytes: the tile's layout
+      } else {
+        std::fill(q.begin(), q.end(), 0);
+      }
       for (int i = 0; i < kRows; ++i) {
         rows[i] = Quant();
         if (i >= count) continue;  // a zero row: its scores are computed and ignored
-        rows[i] = quantize_row(xp + (r0 + i) * d, d, q.data() + i * c.groups * 4);
+        if (pre == nullptr) {
+          rows[i] = quantize_row(xp + (r0 + i) * d, d, q.data() + i * stride);
+          continue;
+        }
+        const double* mr = meta + 4 * (r0 + i);
+        rows[i].scale = static_cast<float>(mr[0]), rows[i].sum = static_cast<int32_t>(mr[1]);
+        rows[i].err = mr[2], rows[i].norm = mr[3];
+        if (tile == q.data()) std::memcpy(q.data() + i * stride, pre + (r0 + i) * stride, stride);
       }
-      tile_scores(c, q.data(), rows, scores.data(), best);
+      tile_scores(c, tile, rows, scores.data(), best);
       for (int i = 0; i < count; ++i) {
         const auto [label, k] = exact_best(c, xp + (r0 + i) * d, rows[i], scores.data() + i * c.kpad, best[i]);
         lp[r0 + i] = label;
@@ -240,5 +297,8 @@ std::tuple<at::Tensor, int64_t> nearest_centroids(const at::Tensor& x, const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nearest_centroids", &nearest_centroids,
         "Nearest centroid of every row: int8 VNNI scores, candidates within the bound scored exactly",
+        pybind11::arg("x"), pybind11::arg("centroids"), pybind11::arg("l2"), pybind11::arg("rows") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quantize_rows", &quantize_rows, "Rows quantized once for nearest_centroids (k-means' sample)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

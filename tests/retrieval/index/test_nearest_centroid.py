@@ -11,7 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval.index.kmeans import _split_empty, assign, int8_assigns, nearest, train_centroids
+from retrieval.index.kmeans import (
+    _split_empty,
+    assign,
+    int8_assigns,
+    nearest,
+    quantize_rows,
+    train_centroids,
+)
 from retrieval.index.scan import ISA_ENV
 
 needs_vnni = pytest.mark.skipif(not int8_assigns(), reason="this CPU has no AVX-512 VNNI")
@@ -45,7 +52,7 @@ def assert_best(labels: torch.Tensor, x: torch.Tensor, c: torch.Tensor, by: str)
 )
 def test_labels_are_the_exact_best(n, d, k, by, scale, seed):
     """Any shape (D and K off the tile's multiples) and magnitude: the exact argmax, not the int8
-    one."""
+    one; rows quantized once (k-means' sample) give the same labels and exact scores."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g) * scale
     c = torch.randn(k, d, generator=g) * scale * 0.5
@@ -53,6 +60,8 @@ def test_labels_are_the_exact_best(n, d, k, by, scale, seed):
     assert labels.dtype == torch.int64 and labels.shape == (n,)
     assert n <= scored <= n * k
     assert_best(labels, x, c, by)
+    again, scored_again = nearest(x, c, by, quantize_rows(x))
+    assert torch.equal(again, labels) and scored_again == scored
 
 
 @needs_vnni
@@ -78,11 +87,13 @@ def test_near_ties_go_to_the_exact_winner(by):
 
 
 @needs_vnni
-def test_a_non_finite_row_is_refused():
+def test_a_non_finite_row_is_refused_and_rows_of_another_x_too():
     x = torch.randn(10, 8)
     x[7, 3] = float("nan")
     with pytest.raises(RuntimeError, match="row 7 of x has a non-finite value"):
         nearest(x, torch.randn(4, 8), "l2")
+    with pytest.raises(RuntimeError, match=r"rows: not quantize_rows\(x\) of this x"):
+        nearest(torch.randn(10, 8), torch.randn(4, 8), "l2", quantize_rows(torch.randn(9, 8)))
 
 
 def inertia(x: torch.Tensor, c: torch.Tensor) -> float:
