@@ -70,7 +70,9 @@ def measure_plan_costs(index: IVFIndex, sample: torch.Tensor) -> tuple[tuple[flo
                 torch.ones(batch, 1, 1, dtype=torch.int64), torch.zeros(batch, 1, dtype=torch.bool)
             )
             scanned: list[int] = []
-            list_s = _timed(partial(_list_plan, lists, qb, k, fb, nprobe, scanned), warmed, (batch, "list"))
+            list_s = _timed(
+                partial(_list_plan, lists, qb, k, fb, nprobe, scanned), warmed, (batch, "list")
+            )
             exact_s = _timed(
                 partial(exact.planned_positions, qb, k, fb, nprobe, 0, exact=True),
                 warmed, (batch, "exact"),
