@@ -188,9 +188,14 @@ def measure_slack(
     scale = (q.norm(dim=1)[:, None] * radius[near]).flatten()  # [Q*L]
     ok = (sizes[near].flatten() > 0) & (scale > 0)
     found = (best[:, 0][ok] / scale[ok]).clamp(0.0, 1.0)
-    return [
-        float(torch.quantile(found, q)) if q < 1.0 and found.numel() else 1.0 for q in quantiles
-    ]
+    below = [q for q in quantiles if q < 1.0]
+    at = (  # one sort for all of them
+        torch.quantile(found, torch.tensor(below, dtype=found.dtype)).tolist()
+        if below and found.numel()
+        else []
+    )
+    got = dict(zip(below, at, strict=True)) if at else {}
+    return [got.get(q, 1.0) for q in quantiles]
 
 
 def as_scored(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
