@@ -90,6 +90,12 @@ def _extension() -> ModuleType:
     )
 
 
+SUM_PARTS = 16
+"""Fixed parts k-means' sums are taken in (each summed in row order, then the parts in order):
+fixed, so no thread count changes the centroids."""
+SUM_PARTS_BYTES = 256 << 20
+"""The parts' buffers (``SUM_PARTS x nlist x D`` floats) at most; more lists sum by ``index_add_``."""
+
 QuantizedRows = tuple[torch.Tensor, torch.Tensor]
 """``(q [N, ceil(D/4)*4] int8, meta [N, 4] float64)``: rows as the int8 kernel quantizes them."""
 
@@ -106,8 +112,22 @@ def nearest(
     """``(labels [N] int64, exact scores taken)`` of ``x [N, D]`` against ``centroids [K, D]``
     (float32 CPU) on the int8 kernel: the exact best by ``by`` ("l2" or "ip") of every row.
     ``rows``: :func:`quantize_rows` of ``x`` (None: quantized in the call)."""
-    labels, scored = _extension().nearest_centroids(x, centroids, by == "l2", rows)
+    labels, scored, _ = _extension().nearest_centroids(x, centroids, by == "l2", rows)
     return labels, int(scored)
+
+
+def _assign_and_sum(
+    x: torch.Tensor, centroids: torch.Tensor, by: str, rows: QuantizedRows
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k-means' step: ``(labels [N], sums [K, D] float32 of x's rows by label)``. The kernel
+    sums each row while its exact check has it in cache, in :data:`SUM_PARTS` fixed parts,
+    when their buffers fit :data:`SUM_PARTS_BYTES`; else ``index_add_`` (a pass of its own)."""
+    k, d = centroids.shape
+    if SUM_PARTS * k * d * 4 <= SUM_PARTS_BYTES:
+        labels, _, sums = _extension().nearest_centroids(x, centroids, by == "l2", rows, SUM_PARTS)
+        return labels, sums
+    labels, _ = nearest(x, centroids, by, rows)
+    return labels, torch.zeros_like(centroids).index_add_(0, labels, x)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -125,9 +145,8 @@ def _lloyd(
     rng = np.random.default_rng(seed)
     rows = quantize_rows(x)
     for _ in range(iters):
-        labels, _ = nearest(x, centroids, by, rows)
+        labels, sums = _assign_and_sum(x, centroids, by, rows)
         counts = torch.bincount(labels, minlength=nlist)
-        sums = torch.zeros_like(centroids).index_add_(0, labels, x)
         filled = counts > 0
         centroids[filled] = sums[filled] / counts[filled, None].float()
         if not bool(filled.all()):

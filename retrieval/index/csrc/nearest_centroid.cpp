@@ -225,10 +225,15 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
 }
 
 // labels [N] int64 of x [N, D] float32 against centroids [K, D] float32 (l2: nearest; else largest
-// inner product), and the number of exact scores taken (>= N; the bound's looseness). rows: x as
-// quantize_rows gave it (undefined: quantized here, tile by tile).
-std::tuple<at::Tensor, int64_t> nearest_centroids(const at::Tensor& x, const at::Tensor& centroids, bool l2,
-                                                  const c10::optional<std::tuple<at::Tensor, at::Tensor>>& rows_q) {
+// inner product), the number of exact scores taken (>= N; the bound's looseness), and with
+// sum_parts > 0 the sums [K, D] float32 of the rows by label (k-means' update; undefined
+// otherwise). rows: x as quantize_rows gave it (undefined: quantized here, tile by tile).
+// The sums are taken while the exact check has each row in cache (a second pass over x had been
+// a fifth of an iteration): the rows split into sum_parts fixed parts, each summed in row order
+// into its own buffer, the parts then added in order, so no thread count changes a bit.
+std::tuple<at::Tensor, int64_t, at::Tensor> nearest_centroids(
+    const at::Tensor& x, const at::Tensor& centroids, bool l2,
+    const c10::optional<std::tuple<at::Tensor, at::Tensor>>& rows_q, int64_t sum_parts) {
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
               "nearest_centroids needs AVX-512 VNNI (callers check int8_isa() first)");
   TORCH_CHECK(x.dim() == 2 && centroids.dim() == 2 && x.size(1) == centroids.size(1),
@@ -252,15 +257,20 @@ std::tuple<at::Tensor, int64_t> nearest_centroids(const at::Tensor& x, const at:
   at::Tensor labels = at::empty({n}, at::kLong);
   const float* xp = xc.data_ptr<float>();
   int64_t* lp = labels.data_ptr<int64_t>();
-  const int64_t tiles = (n + kRows - 1) / kRows;
+  const int64_t tiles = (n + kRows - 1) / kRows, k = c.k;
+  TORCH_CHECK(sum_parts >= 0, "sum_parts must be >= 0");
+  const int64_t parts = sum_parts > 0 ? std::max<int64_t>(1, std::min(sum_parts, tiles)) : tiles;
+  std::vector<float> part_sums(sum_parts > 0 ? parts * k * d : 0, 0.f);
   std::atomic<int64_t> scored{0}, bad{-1};
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     std::vector<int8_t> q(kRows * stride);
     std::vector<float> scores(kRows * c.kpad);
     Quant rows[kRows];
     float best[kRows];
     int64_t local = 0;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = p0 * tiles / parts, p = p0; t < p1 * tiles / parts; ++t) {
+      while (t >= (p + 1) * tiles / parts) ++p;  // the part tile t is in
+      float* acc = sum_parts > 0 ? part_sums.data() + p * k * d : nullptr;
       const int64_t r0 = t * kRows, count = std::min<int64_t>(kRows, n - r0);
       const int8_t* tile = q.data();
       if (pre != nullptr && count == kRows) {
@@ -282,22 +292,38 @@ std::tuple<at::Tensor, int64_t> nearest_centroids(const at::Tensor& x, const at:
       }
       tile_scores(c, tile, rows, scores.data(), best);
       for (int i = 0; i < count; ++i) {
-        const auto [label, k] = exact_best(c, xp + (r0 + i) * d, rows[i], scores.data() + i * c.kpad, best[i]);
+        const auto [label, taken] = exact_best(c, xp + (r0 + i) * d, rows[i], scores.data() + i * c.kpad, best[i]);
         lp[r0 + i] = label;
-        local += k;
-        if (label < 0) bad.store(r0 + i);
+        local += taken;
+        if (label < 0) {
+          bad.store(r0 + i);
+        } else if (acc != nullptr) {
+          float* to = acc + label * d;
+          const float* row = xp + (r0 + i) * d;
+          for (int64_t j = 0; j < d; ++j) to[j] += row[j];
+        }
       }
     }
     scored += local;
   });
   TORCH_CHECK(bad.load() < 0, "row ", bad.load(), " of x has a non-finite value: no nearest centroid");
-  return {labels, scored.load()};
+  at::Tensor sums;
+  if (sum_parts > 0) {
+    sums = at::zeros({k, d}, at::kFloat);
+    float* out = sums.data_ptr<float>();
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* from = part_sums.data() + p * k * d;
+      for (int64_t j = 0; j < k * d; ++j) out[j] += from[j];
+    }
+  }
+  return {labels, scored.load(), sums};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nearest_centroids", &nearest_centroids,
         "Nearest centroid of every row: int8 VNNI scores, candidates within the bound scored exactly",
         pybind11::arg("x"), pybind11::arg("centroids"), pybind11::arg("l2"), pybind11::arg("rows") = pybind11::none(),
+        pybind11::arg("sum_parts") = 0,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize_rows", &quantize_rows, "Rows quantized once for nearest_centroids (k-means' sample)",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrieval.index.kmeans import (
+    _assign_and_sum,
     _split_empty,
     assign,
     int8_assigns,
@@ -94,6 +95,29 @@ def test_a_non_finite_row_is_refused_and_rows_of_another_x_too():
         nearest(x, torch.randn(4, 8), "l2")
     with pytest.raises(RuntimeError, match=r"rows: not quantize_rows\(x\) of this x"):
         nearest(torch.randn(10, 8), torch.randn(4, 8), "l2", quantize_rows(torch.randn(9, 8)))
+
+
+@needs_vnni
+@pytest.mark.parametrize("n", [5, 1000, 20_003])
+def test_kmeans_sums_match_index_add_and_no_thread_count_changes_a_bit(n):
+    """The sums taken inside the assignment (k-means' update) are the rows' sums by label, and
+    the same bits on 1 thread and on 3 (fixed parts, added in order)."""
+    g = torch.Generator().manual_seed(n)
+    x, c = torch.randn(n, 37, generator=g), torch.randn(50, 37, generator=g)
+    rows = quantize_rows(x)
+    before = torch.get_num_threads()
+    try:
+        got = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            got.append(_assign_and_sum(x, c, "l2", rows))
+    finally:
+        torch.set_num_threads(before)
+    (labels, sums), (labels3, sums3) = got
+    assert torch.equal(labels, nearest(x, c, "l2")[0]) and torch.equal(labels3, labels)
+    assert torch.equal(sums3, sums)
+    truth = torch.zeros_like(c, dtype=torch.float64).index_add_(0, labels, x.double())
+    torch.testing.assert_close(sums.double(), truth, rtol=1e-4, atol=1e-3)  # float sums of rows
 
 
 def inertia(x: torch.Tensor, c: torch.Tensor) -> float:
