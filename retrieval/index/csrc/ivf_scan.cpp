@@ -547,11 +547,17 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
   });
 }
 
-// Int8 scorer. With VNNI and at least two queries on a list, the list is first transposed into
-// blocks of 16 items so that every query's dots need no horizontal sums; otherwise rows are scanned
-// as stored. AVX2 always scans rows: a transposed layout measured 0.76-1.06x rows on an AVX2-only
-// AMD EPYC (d = 64 and 784), its 5 instructions per 32 bytes leaving the horizontal sum cheap.
-// Any D: tails are padded (VNNI) or looped (AVX2).
+// With VNNI, a list is transposed for block_dots_vnni when at least this many queries of a batch
+// probe it: its scalar transpose costs about what the row dots of ~10 queries do. From 2 (before),
+// a batch of 1,000 queries at 64-d (1,024 lists) took 7 % longer and at 256-d 10 %; at 784-d with
+// 62 queries a list, the same (thresholds 2 / 16 / never measured; never was 20 % slower there).
+constexpr int64_t kTransposeQueries = 16;
+
+// Int8 scorer. With VNNI and at least kTransposeQueries queries on a list, the list is first
+// transposed into blocks of 16 items so that every query's dots need no horizontal sums; otherwise
+// rows are scanned as stored. AVX2 always scans rows: a transposed layout measured 0.76-1.06x rows
+// on an AVX2-only AMD EPYC (d = 64 and 784), its 5 instructions per 32 bytes leaving the horizontal
+// sum cheap. Any D: tails are padded (VNNI) or looped (AVX2).
 struct Int8Scorer {
   const int8_t* codes; const Scale* scales; int64_t d;
   const int8_t* q; int64_t qstride;  // queries zero-padded to qstride >= round_up(D, 4) bytes
@@ -564,7 +570,7 @@ struct Int8Scorer {
   void prepare(int64_t i0, int64_t i1, int64_t nq) {
     const int64_t n = i1 - i0;
     dots.resize(((n + 15) / 16) * 16);
-    transposed = isa == Isa::kVnni && nq >= 2;
+    transposed = isa == Isa::kVnni && nq >= kTransposeQueries;
     if (transposed) transpose_codes(codes + i0 * d, n, d, tbuf);
   }
 
