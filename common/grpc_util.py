@@ -276,6 +276,17 @@ def serve_until_signal(start: Callable[[], ReadyLine]) -> None:
         pass
 
 
+def serve_then_stop(
+    start: Callable[[], ReadyLine], stop: Callable[[float], None], grace: float
+) -> None:
+    """:func:`serve_until_signal`, then ``stop(grace)`` (the server drains), bounded by
+    :func:`exit_if_stuck` at ``grace`` + :data:`EXIT_MARGIN_S`: a shard or embedding server's
+    life as a process."""
+    serve_until_signal(start)
+    exit_if_stuck(grace + EXIT_MARGIN_S)
+    stop(grace)
+
+
 def exit_if_stuck(after_s: float, what: str = "the drain") -> None:
     """Ends the process with status 1 when it is still alive ``after_s`` seconds from now: a
     drain stuck in gRPC's shutdown, or the interpreter's exit waiting on a handler thread that

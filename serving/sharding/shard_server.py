@@ -34,14 +34,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from common.grpc_util import (
-    EXIT_MARGIN_S,
-    add_service,
-    bind_port,
-    exit_if_stuck,
-    format_address,
-    serve_until_signal,
-)
+from common.grpc_util import add_service, bind_port, format_address, serve_then_stop
 from common.ready import ReadyLine, ready_line
 from common.security import NO_SECURITY, Security
 from common.torch_threads import use_process_threads
@@ -371,6 +364,4 @@ def serve_shard(server: ShardServer, grace: float = 5.0) -> None:
         log.info("%s", server.announce_line())
         return server.ready()
 
-    serve_until_signal(start)
-    exit_if_stuck(grace + EXIT_MARGIN_S)
-    server.stop(grace)
+    serve_then_stop(start, server.stop, grace)

@@ -43,14 +43,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
-from common.grpc_util import (
-    EXIT_MARGIN_S,
-    add_service,
-    bind_port,
-    exit_if_stuck,
-    format_address,
-    serve_until_signal,
-)
+from common.grpc_util import add_service, bind_port, format_address, serve_then_stop
 from common.ready import ReadyLine, ready_line
 from common.torch_threads import use_process_threads
 from sharded_tables.remote import embedding_pb2 as pb
@@ -399,6 +392,4 @@ def serve(
             "embeddings", grpc=address, folder=str(folder), tables=sorted(server.tables)
         )
 
-    serve_until_signal(start)
-    exit_if_stuck(grace + EXIT_MARGIN_S)
-    server.stop(grace)
+    serve_then_stop(start, server.stop, grace)
