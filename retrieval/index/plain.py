@@ -28,7 +28,7 @@ from retrieval.index.cuda_graphs import run_graphed
 from retrieval.index.exclude import IdOrder
 from retrieval.index.planner import PlannedIndex, lists_for
 from retrieval.index.probe import FEW_QUERIES
-from retrieval.index.scan import scan, search_ids_cpu
+from retrieval.index.scan import ProbeTable, scan, search_ids_cpu
 from retrieval.index.search import Candidates, SearchPlan
 
 KernelTensors = tuple[
@@ -49,6 +49,7 @@ class PlainIndex(PlannedIndex, Protocol):
     centroids_t: torch.Tensor
     id_order: IdOrder
     lane_lists: dict[tuple[int, int], int]
+    probe_table: ProbeTable | None
 
     @property
     def probe_half(self) -> torch.Tensor | None: ...
@@ -183,7 +184,7 @@ def plain_query_ids(
     order = index.id_order
     found = search_ids_cpu(
         q, centroids_t, half, p, codes, scales, offsets, sig, fmask, fneg, excl,
-        order.item_ids, order.perm, k,
+        order.item_ids, order.perm, k, index.probe_table,
     )  # fmt: skip
     if found is None:  # a forced kernel, a trace
         return False
@@ -251,7 +252,7 @@ def _search_ids(
         centroids_t, half, nprobe,
         codes, scales, offsets, sig,
         fmask, fneg, excl,
-        index.id_order.item_ids, index.id_order.perm, r,
+        index.id_order.item_ids, index.id_order.perm, r, index.probe_table,
     )  # fmt: skip
 
 

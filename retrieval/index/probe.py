@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from retrieval.index.scan import probe_cpu, topk_rows
+from retrieval.index.scan import ProbeTable, probe_cpu, topk_rows
 
 FEW_QUERIES = 16
 """Batches up to this many queries probe through the C++ call (:func:`probe_lists`)."""
@@ -47,17 +47,19 @@ def probe_lists(
     half_norms: torch.Tensor | None,
     nprobe: int,
     centroids_t: torch.Tensor | None = None,
+    table: ProbeTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``nprobe`` best lists of each query -> ``(coarse [B, P] float32 = q·c of each probed
     list, lists [B, P] int64)``, best first. ``q [B, D] float32``; ``half_norms [nlist]`` from
     :func:`half_sq_norms` ranks by L2 ("l2"), None by ``q·c`` ("ip"); ``nprobe <= nlist``.
     A few queries on the CPU: one C++ call over ``centroids_t [D, nlist]`` (the transposed
     centroids; made when not given), where a matmul and a top-k cost ~10 us of dispatch each;
-    larger batches: the matmul (blocked: it reads the centroids once for many queries)."""
+    larger batches: the matmul (blocked: it reads the centroids once for many queries).
+    ``table``: ``scan.probe_table_cpu`` of ``centroids_t``, read first by a few queries' probe."""
     small = q.shape[0] <= FEW_QUERIES
     if small and q.device.type == "cpu" and centroids.dtype == q.dtype == torch.float32:
         ct = centroids.T.contiguous() if centroids_t is None else centroids_t
-        return probe_cpu(q.contiguous(), ct, half_norms, nprobe)
+        return probe_cpu(q.contiguous(), ct, half_norms, nprobe, table)
     ip = q @ centroids.T  # [B, nlist]
     if half_norms is None:
         return topk_rows(ip, nprobe)

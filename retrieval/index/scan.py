@@ -161,15 +161,32 @@ def _(q, centroids_t, half, p):
     return q.new_empty((b, p)), torch.empty((b, p), dtype=torch.int64, device=q.device)
 
 
+ProbeTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``probe_table_cpu``'s quantized centroids: what a few queries' probe reads first."""
+
+
+def probe_table_cpu(centroids_t: torch.Tensor) -> ProbeTable:
+    """``centroids_t [D, nlist]`` (contiguous CPU float32) quantized to int8 for the probe of a
+    few queries (:func:`probe_cpu`): a quarter of the float table's bytes, which one query's probe
+    otherwise reads whole. The probe then scores exactly only the lists within the int8 error
+    bound of its best: the same lists and coarse scores, bit for bit (VNNI CPUs; else unused)."""
+    return tuple(_extension().probe_table(centroids_t))
+
+
 def probe_cpu(
-    q: torch.Tensor, centroids_t: torch.Tensor, half_norms: torch.Tensor | None, nprobe: int
+    q: torch.Tensor,
+    centroids_t: torch.Tensor,
+    half_norms: torch.Tensor | None,
+    nprobe: int,
+    table: ProbeTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`retrieval.index.probe.probe_lists` on the CPU in one C++ call: ``q [B, D]``,
-    ``centroids_t [D, nlist]`` contiguous float32 -> ``(coarse [B, P], lists [B, P])``."""
+    ``centroids_t [D, nlist]`` contiguous float32 -> ``(coarse [B, P], lists [B, P])``;
+    ``table``: :func:`probe_table_cpu` of ``centroids_t``."""
     half = _NO_HALF if half_norms is None else half_norms.contiguous()
     if torch.compiler.is_compiling():
         return _ivf_probe(q, centroids_t, half, nprobe)
-    return tuple(_extension().ivf_probe(q, centroids_t, half, nprobe))
+    return tuple(_extension().ivf_probe(q, centroids_t, half, nprobe, table))
 
 
 def search_ids_cpu(
@@ -187,6 +204,7 @@ def search_ids_cpu(
     item_ids: torch.Tensor,
     perm: torch.Tensor,
     r: int,
+    table: ProbeTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """A plain int8 search on the CPU keyed by item id, in one C++ call: the item ids each query
     excludes (``excl_ids [B, S]``, ``-1`` pads) mapped to rows through the index's id order
@@ -199,7 +217,7 @@ def search_ids_cpu(
     no_half = _NO_HALF if half is None else half
     index = (codes, scales, offsets, sig)
     ids, scores, short = _extension().ivf_search_ids_int8(
-        q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r
+        q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r, table
     )
     return None if ids is None else (ids, scores, short)  # None: $RECSERVE_SCAN_KERNEL forced
 

@@ -51,6 +51,15 @@ struct MinFirst {
   bool operator()(const Cand& a, const Cand& b) const { return a.first > b.first; }
 };
 
+// A heap order whose worst, among equal scores, is the higher position: pushed in ascending
+// position, the heap then keeps the best r by (score, then lower position) whatever else was
+// pushed between, and sort_heap lists them in that order (the probe: see probe_one_int8).
+struct BetterFirst {
+  bool operator()(const Cand& a, const Cand& b) const {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  }
+};
+
 // Int8 dot products <q, c>. Every path returns the exact integer result of the portable loop.
 enum class Isa { kPortable, kAvx2, kVnni };
 
@@ -637,20 +646,24 @@ struct Fp8Scorer {
 
 // Pushes s[0..n) into a bounded min-heap of the best r (positions pos0 + i). Entries not above the
 // current worst are skipped 16 at a time where AVX-512 is available; -inf never enters.
+template <class Order = MinFirst>
+inline void push_one(float v, int64_t pos, int64_t r, std::vector<Cand>& heap, float& worst) {
+  if (v <= worst) return;
+  if ((int64_t)heap.size() < r) {
+    heap.emplace_back(v, pos);
+    std::push_heap(heap.begin(), heap.end(), Order());
+    if ((int64_t)heap.size() == r) worst = heap.front().first;
+  } else {
+    std::pop_heap(heap.begin(), heap.end(), Order());
+    heap.back() = Cand(v, pos);
+    std::push_heap(heap.begin(), heap.end(), Order());
+    worst = heap.front().first;
+  }
+}
+
+template <class Order = MinFirst>
 inline void push_scores(const float* s, int64_t n, int64_t pos0, int64_t r, std::vector<Cand>& heap, float& worst) {
-  auto push = [&](float v, int64_t i) {
-    if (v <= worst) return;
-    if ((int64_t)heap.size() < r) {
-      heap.emplace_back(v, pos0 + i);
-      std::push_heap(heap.begin(), heap.end(), MinFirst());
-      if ((int64_t)heap.size() == r) worst = heap.front().first;
-    } else {
-      std::pop_heap(heap.begin(), heap.end(), MinFirst());
-      heap.back() = Cand(v, pos0 + i);
-      std::push_heap(heap.begin(), heap.end(), MinFirst());
-      worst = heap.front().first;
-    }
-  };
+  auto push = [&](float v, int64_t i) { push_one<Order>(v, pos0 + i, r, heap, worst); };
   int64_t i = 0;
 #ifdef RECSERVE_AVX512_BUILD
   for (; i + 16 <= n; i += 16) {
@@ -1807,14 +1820,149 @@ inline void probe_dots(const float* __restrict q, const float* __restrict ct, in
   probe_dots_portable(q, ct, d, nlist, acc);
 }
 
+// The probe's int8 table: the centroids quantized once per index (IVFIndex._refresh), for the
+// probe of a few queries. One query's probe read the whole float table (1 MB at 1,024 lists x
+// 256-d: ~35 % of the query in perf); the table is a quarter of it. centroids_t [D, L] ->
+// words int32 [ceil(L/16) * G * 16] (G = ceil(D/4): blocks of 16 lists x 4 bytes in offset binary,
+// block_dots_vnni's layout), scale f32 [ceil(L/16) * 16] (symmetric absmax / 127; pads 0), and
+// stats f64 [3] = (max |c - ĉ|, max |ĉ|, max |c|), each summed in double and inflated by
+// kSquareSlack so they stay upper bounds; (inf, inf, inf) when a centroid is not finite (then the
+// table is never used).
+constexpr double kSquareSlack = 1.001;
+std::tuple<at::Tensor, at::Tensor, at::Tensor> probe_table(const at::Tensor& centroids_t) {
+  TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.scalar_type() == at::kFloat && centroids_t.is_contiguous() &&
+              centroids_t.device().is_cpu(), "centroids_t must be contiguous CPU float32 [D, L]");
+  const int64_t d = centroids_t.size(0), nlist = centroids_t.size(1), groups = (d + 3) / 4;
+  const int64_t blocks = (nlist + 15) / 16;
+  auto words = at::full({blocks * groups * 16}, static_cast<int32_t>(0x80808080u), centroids_t.options().dtype(at::kInt));
+  auto scale = at::zeros({blocks * 16}, centroids_t.options());
+  auto stats = at::zeros({3}, centroids_t.options().dtype(at::kDouble));
+  const float* ct = centroids_t.data_ptr<float>();
+  uint32_t* wp = reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>());
+  float* sp = scale.data_ptr<float>();
+  double* st = stats.data_ptr<double>();
+  std::vector<int8_t> code(groups * 4);
+  bool finite = true;
+  for (int64_t l = 0; l < nlist; ++l) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < d; ++j) {
+      const float v = ct[j * nlist + l];
+      finite &= std::isfinite(v);
+      amax = std::max(amax, std::fabs(v));
+    }
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    double err = 0, qn = 0, nn = 0;
+    std::fill(code.begin(), code.end(), 0);
+    for (int64_t j = 0; j < d; ++j) {
+      const float v = ct[j * nlist + l];
+      const float c = std::min(127.f, std::max(-127.f, std::nearbyint(v / sc)));
+      code[j] = static_cast<int8_t>(c);
+      const double back = double(c) * sc;
+      err += (v - back) * (v - back), qn += back * back, nn += double(v) * v;
+    }
+    sp[l] = sc;
+    st[0] = std::max(st[0], std::sqrt(kSquareSlack * err));
+    st[1] = std::max(st[1], std::sqrt(kSquareSlack * qn));
+    st[2] = std::max(st[2], std::sqrt(kSquareSlack * nn));
+    uint32_t* dst = wp + (l / 16) * groups * 16 + l % 16;
+    for (int64_t g = 0; g < groups; ++g) {
+      uint32_t w;
+      std::memcpy(&w, code.data() + 4 * g, 4);
+      dst[g * 16] = w ^ 0x80808080u;
+    }
+  }
+  if (!finite) st[0] = st[1] = st[2] = std::numeric_limits<double>::infinity();
+  return {words, scale, stats};
+}
+
+#ifdef RECSERVE_AVX512_BUILD
+// The exact q·c of lists idx[0..n) in probe_dots' own arithmetic (per list, fmaf over j from 0 in
+// order: the same bits), 16 lists per gather.
+RECSERVE_TARGET("avx512f")
+void probe_dots_of(const float* q, const float* ct, int64_t d, int64_t nlist, const int32_t* idx, int64_t n,
+                   float* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512i at = _mm512_maskz_loadu_epi32(m, idx + i);
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; ++j)
+      s = _mm512_fmadd_ps(_mm512_set1_ps(q[j]), _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, at, ct + j * nlist, 4), s);
+    _mm512_mask_storeu_ps(out + i, m, s);
+  }
+}
+
+// One query's probe through the table: approximate q·c of every list (block_dots_vnni), the p-th
+// best approximate key, then every list whose approximate key is within twice the error bound T of
+// it scored exactly (probe_dots_of) and ranked by the same heap as the float probe, lists in
+// ascending order. T bounds |exact float key - approximate key| for every list:
+//   |q·c - q̂·ĉ| <= |q| max|c - ĉ| + |q - q̂| max|ĉ|     (quantization)
+//   + 4u |q̂| max|ĉ|                                       (the approximation's float rounding)
+//   + γ_D |q| max|c|                                       (the exact sum's own rounding)
+//   + 2u (|q| max|c| + max|half|)                          (the key's subtraction, both sides)
+// so no list of the float probe's best p is left out, and the answer is the float probe's. False
+// when the query is not finite (the caller takes the float probe).
+RECSERVE_TARGET("avx512f,avx512bw,avx512vnni")
+bool probe_one_int8(const float* qb, int64_t d, const float* ct, int64_t nlist, const float* hp, float max_half,
+                    const uint32_t* words, const float* cscale, const double* stats, int64_t p,
+                    std::vector<Cand>& heap, std::vector<int8_t>& q8, std::vector<int32_t>& dots,
+                    std::vector<float>& key, std::vector<int32_t>& cand, std::vector<float>& exact) {
+  const int64_t groups = (d + 3) / 4;
+  double qn = 0;
+  float amax = 0.f;
+  for (int64_t j = 0; j < d; ++j) qn += double(qb[j]) * qb[j], amax = std::max(amax, std::fabs(qb[j]));
+  if (!std::isfinite(qn)) return false;
+  const float qs = amax > 0.f ? amax / 127.f : 1.f;
+  q8.assign(groups * 4, 0);
+  int32_t qsum = 0;
+  double err = 0, qhat = 0;
+  for (int64_t j = 0; j < d; ++j) {
+    const float c = std::min(127.f, std::max(-127.f, std::nearbyint(qb[j] / qs)));
+    q8[j] = static_cast<int8_t>(c);
+    qsum += static_cast<int32_t>(c);
+    const double back = double(c) * qs;
+    err += (qb[j] - back) * (qb[j] - back), qhat += back * back;
+  }
+  const double u = std::ldexp(1.0, -24), du = double(d) * u;
+  const double qnorm = std::sqrt(kSquareSlack * qn), qerr = std::sqrt(kSquareSlack * err);
+  const double qhn = std::sqrt(kSquareSlack * qhat);
+  const double big = qnorm * stats[2];
+  const double t = qnorm * stats[0] + qerr * stats[1] + 4 * u * qhn * stats[1] + du / (1 - du) * big +
+                   2 * u * (big + max_half);
+  const int64_t blocks = (nlist + 15) / 16;
+  dots.resize(blocks * 16);
+  key.resize(nlist);
+  block_dots_vnni(words, nlist, groups, q8.data(), qsum, dots.data());
+  for (int64_t l = 0; l < nlist; ++l) {
+    const float ip = float(dots[l]) * qs * cscale[l];
+    key[l] = hp ? ip - hp[l] : ip;
+  }
+  heap.clear();
+  float worst = kNegInf;
+  push_scores(key.data(), nlist, 0, p, heap, worst);  // the p-th best approximate key: worst
+  const float floor_ = std::nextafter(static_cast<float>(double(worst) - 2.0 * t * (1 + 1e-6)), kNegInf);
+  cand.clear();
+  for (int64_t l = 0; l < nlist; ++l)
+    if (key[l] >= floor_) cand.push_back(static_cast<int32_t>(l));
+  exact.resize(cand.size());
+  probe_dots_of(qb, ct, d, nlist, cand.data(), (int64_t)cand.size(), exact.data());
+  heap.clear();
+  worst = kNegInf;
+  for (size_t i = 0; i < cand.size(); ++i)
+    push_one<BetterFirst>(hp ? exact[i] - hp[cand[i]] : exact[i], cand[i], p, heap, worst);
+  return true;  // exact[i]: the exact q·c of list cand[i] (ascending)
+}
+#endif
+
 // The lists each query probes: q [B, D], centroids_t [D, L] (the centroids transposed, float32) ->
 // coarse [B, P] = q·c of each probed list and probes [B, P], best first by q·c, or by q·c - half[l]
 // (half = ||c||^2 / 2: the nearest centroids by L2) when half is not empty; P <= L. The dots run
 // over centroids_t [D, L] in blocks of lists (vector-wide, no horizontal sums: probe_dots),
 // and the same heap as topk_rows picks and orders the lists: one call instead of a matmul and a
 // top-k (~10 us of dispatch each for one query).
+using ProbeTable = c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>>;
+
 std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tensor& centroids_t,
-                                             const at::Tensor& half, int64_t p) {
+                                             const at::Tensor& half, int64_t p, const ProbeTable& table) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
               "q must be a contiguous CPU float32 [B, D]");
   TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(0) == q.size(1) &&
@@ -1832,19 +1980,55 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
   const float* hp = by_l2 ? half.data_ptr<float>() : nullptr;
   float* op = coarse.data_ptr<float>();
   int64_t* pp = probes.data_ptr<int64_t>();
+  // The int8 table (probe_table of these centroids) on a VNNI CPU: the same lists and bits
+  const uint32_t* words = nullptr;
+  const float* cscale = nullptr;
+  const double* stats = nullptr;
+  float max_half = 0.f;
+#ifdef RECSERVE_AVX512_BUILD
+  if (table.has_value() && int8_isa() == Isa::kVnni) {
+    const auto& [w, sc, st] = *table;
+    const int64_t blocks = (nlist + 15) / 16, groups = (d + 3) / 4;
+    TORCH_CHECK(w.scalar_type() == at::kInt && w.is_contiguous() && w.numel() == blocks * groups * 16 &&
+                    sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.numel() == blocks * 16 &&
+                    st.scalar_type() == at::kDouble && st.numel() == 3,
+                "table: not probe_table(centroids_t) of these centroids");
+    if (std::isfinite(st.data_ptr<double>()[0])) {
+      words = reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
+      cscale = sc.data_ptr<float>(), stats = st.data_ptr<double>();
+      for (int64_t l = 0; by_l2 && l < nlist; ++l) max_half = std::max(max_half, std::fabs(hp[l]));
+    }
+  }
+#endif
   at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
-    std::vector<float> ip(nlist), key(by_l2 ? nlist : 0);
+    std::vector<float> ip(words ? 0 : nlist), key(by_l2 || words ? nlist : 0), exact;
     std::vector<Cand> heap;
+    std::vector<int8_t> q8;
+    std::vector<int32_t> dots, cand;
     heap.reserve(p);
     for (int64_t b = b0; b < b1; ++b) {
       const float* qb = qp + b * d;
+#ifdef RECSERVE_AVX512_BUILD
+      if (words && probe_one_int8(qb, d, ct, nlist, hp, max_half, words, cscale, stats, p, heap, q8, dots, key,
+                                  cand, exact)) {
+        std::sort_heap(heap.begin(), heap.end(), BetterFirst());
+        for (int64_t j = 0; j < p; ++j) {
+          const bool have = j < (int64_t)heap.size();
+          const int64_t l = have ? heap[j].second : -1;
+          pp[b * p + j] = l;
+          op[b * p + j] = have ? exact[std::lower_bound(cand.begin(), cand.end(), int32_t(l)) - cand.begin()] : kNegInf;
+        }
+        continue;
+      }
+#endif
+      ip.resize(nlist);
       probe_dots(qb, ct, d, nlist, ip.data());
       if (by_l2)
         for (int64_t l = 0; l < nlist; ++l) key[l] = ip[l] - hp[l];
       heap.clear();
       float worst = kNegInf;
-      push_scores(by_l2 ? key.data() : ip.data(), nlist, 0, p, heap, worst);
-      std::sort_heap(heap.begin(), heap.end(), MinFirst());
+      push_scores<BetterFirst>(by_l2 ? key.data() : ip.data(), nlist, 0, p, heap, worst);
+      std::sort_heap(heap.begin(), heap.end(), BetterFirst());  // equal keys: the lower list first
       for (int64_t j = 0; j < p; ++j) {
         const bool have = j < (int64_t)heap.size();  // fewer only for -inf or NaN keys
         pp[b * p + j] = have ? heap[j].second : -1;
@@ -1968,7 +2152,7 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& half, int64_t p,
     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
     const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl_ids,
-    const at::Tensor& item_ids, const at::Tensor& perm, int64_t r) {
+    const at::Tensor& item_ids, const at::Tensor& perm, int64_t r, const ProbeTable& table) {
   // A kernel forced by $RECSERVE_SCAN_KERNEL (retrieval.index.scan.KERNEL_ENV: set, and not
   // "auto"): not this call's to answer, undefined tensors back (the caller takes the step-by-step
   // path through the forced kernel). Read here, ~50 ns, where os.environ took ~1 us a query.
@@ -1979,7 +2163,7 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
   TORCH_CHECK(item_ids.numel() == codes.size(0), "item_ids must be [N] with the codes' N");
   const at::Tensor excl = id_rows(item_ids, perm, excl_ids, std::numeric_limits<int64_t>::max(), true);
   const int64_t* ids = item_ids.data_ptr<int64_t>();
-  auto probed = ivf_probe(q, centroids_t, half, p);
+  auto probed = ivf_probe(q, centroids_t, half, p, table);
   auto found = ivf_scan_int8(q, std::get<1>(probed), std::get<0>(probed), codes, scales, offsets, sig,
                              fmask, fneg, excl, r, at::Tensor());
   at::Tensor pos = std::get<0>(found);
@@ -1998,7 +2182,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_rows", &topk_rows, "Best k per row with a bounded heap", nogil);
   m.def("list_bounds", &list_bounds, "A filtered first round's lists and the bound check's bounds", nogil);
   m.def("second_round_lists", &second_round_lists, "The bound check's second-round rows and lists", nogil);
-  m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", nogil);
+  m.def("ivf_probe", &ivf_probe, "The lists each query probes, best first, and q·c of each", pybind11::arg("q"),
+        pybind11::arg("centroids_t"), pybind11::arg("half"), pybind11::arg("p"), pybind11::arg("table") = pybind11::none(),
+        nogil);
+  m.def("probe_table", &probe_table, "The centroids quantized for the probe of a few queries", nogil);
   m.def("filter_mask", &filter_mask, "Items passing one filter", nogil);
   m.def("many_rows_int8",
         [](const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
@@ -2026,6 +2213,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "Whether selections of k <= 160 run TopStream (an AVX-512 build): equal scores by position");
   m.def("ivf_search_ids_int8", &ivf_search_ids_int8,
-        "Exclusions by id -> rows, probe, int8 scan, rows -> ids: a plain search in one call", nogil);
+        "Exclusions by id -> rows, probe, int8 scan, rows -> ids: a plain search in one call", pybind11::arg("q"),
+        pybind11::arg("centroids_t"), pybind11::arg("half"), pybind11::arg("p"), pybind11::arg("codes"),
+        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("sig"), pybind11::arg("fmask"),
+        pybind11::arg("fneg"), pybind11::arg("excl_ids"), pybind11::arg("item_ids"), pybind11::arg("perm"),
+        pybind11::arg("r"), pybind11::arg("table") = pybind11::none(), nogil);
   m.def("ivf_scan_fp8", &ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter", nogil);
 }
