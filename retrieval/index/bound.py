@@ -189,13 +189,10 @@ def measure_slack(
     ok = (sizes[near].flatten() > 0) & (scale > 0)
     found = (best[:, 0][ok] / scale[ok]).clamp(0.0, 1.0)
     below = [q for q in quantiles if q < 1.0]
-    at = (  # one sort for all of them
-        torch.quantile(found, torch.tensor(below, dtype=found.dtype)).tolist()
-        if below and found.numel()
-        else []
-    )
-    got = dict(zip(below, at, strict=True)) if at else {}
-    return [got.get(q, 1.0) for q in quantiles]
+    if not below or not found.numel():
+        return [1.0 for _ in quantiles]
+    at = iter(torch.quantile(found, torch.tensor(below, dtype=found.dtype)).tolist())  # one sort
+    return [next(at) if q < 1.0 else 1.0 for q in quantiles]
 
 
 def as_scored(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:

@@ -135,9 +135,11 @@ class IVFIndex(nn.Module):
         self.max_list = 0
         self._ntotal = 0
         self.lane_lists: dict[tuple[int, int], int] = {}
-        self.probe_table: ProbeTable | None = None
         """Lists a plain query probes by ``(nprobe, k)`` (``plain.plain_query_ids``): they read
         only ``nlist`` and ``ntotal``, so they are kept until :meth:`_refresh`."""
+        self.probe_table: ProbeTable | None = None
+        """The centroids in int8 for a few queries' probe (``scan.probe_table_cpu``), made by
+        :meth:`_refresh` from :data:`PROBE_TABLE_MIN` centroid floats on the CPU."""
         self.posting_offsets: list[int] = [0]
         self.id_order = IdOrder.of(self.item_ids)
 
@@ -226,9 +228,7 @@ class IVFIndex(nn.Module):
         self.max_list = int(sizes.max()) if sizes.numel() else 0
         self._ntotal = int(self.offsets[-1])
         self.lane_lists = {}
-        # the int8 centroids a few queries' probe reads first (scan.probe_table_cpu), where the
-        # float table is too big for a core's cache
-        ct = self.centroids_t
+        ct = self.centroids_t  # below PROBE_TABLE_MIN the float table stays in a core's cache
         self.probe_table = (
             probe_table_cpu(ct) if ct.is_cpu and ct.numel() >= PROBE_TABLE_MIN else None
         )
