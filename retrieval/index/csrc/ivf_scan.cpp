@@ -1875,12 +1875,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> probe_table(const at::Tensor& cen
   return {words, scale, stats};
 }
 
-#ifdef RECSERVE_AVX512_BUILD
+#ifdef RECSERVE_X86
+// AVX2 dots of one query against blocks of 16 lists (probe_table's words: block_dots_vnni's layout)
+// for a CPU without VNNI. vpmaddubsw multiplies the unsigned word bytes (c + 128 <= 255) by the
+// query's signed bytes into saturating s16 pair sums, so the query is quantized to |q| <= 63: a pair
+// sums to at most 2 * 255 * 63 = 32130 < 2^15 and nothing saturates; vpmaddwd widens each pair
+// to s32, and the excess 128 * sum(q) is subtracted. dots must hold n rounded up to 16.
+RECSERVE_TARGET("avx2")
+void block_dots_avx2(const uint32_t* t, int64_t n, int64_t groups, const int8_t* q, int32_t qsum, int32_t* dots) {
+  const __m256i corr = _mm256_set1_epi32(128 * qsum), ones = _mm256_set1_epi16(1);
+  const int64_t blocks = (n + 15) / 16, stride = groups * 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i* blk = reinterpret_cast<const __m256i*>(t + b * stride);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t qw;
+      std::memcpy(&qw, q + 4 * g, 4);
+      const __m256i qv = _mm256_set1_epi32(qw);
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256(blk + 2 * g), qv), ones));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256(blk + 2 * g + 1), qv), ones));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots + b * 16), _mm256_sub_epi32(a0, corr));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots + b * 16 + 8), _mm256_sub_epi32(a1, corr));
+  }
+}
+
 // The exact q·c of lists idx[0..n) in probe_dots' own arithmetic (per list, fmaf over j from 0 in
-// order: the same bits), 16 lists per gather.
+// order: the same bits whatever the vector width), 8 lists per AVX2 gather (16 with AVX-512).
+RECSERVE_TARGET("avx2,fma")
+void probe_dots_of_avx2(const float* q, const float* ct, int64_t d, int64_t nlist, const int32_t* idx, int64_t n,
+                        float* out) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    alignas(32) int32_t at[8] = {};  // past n: list 0, gathered and dropped
+    alignas(32) float s8[8];
+    std::copy(idx + i, idx + i + m, at);
+    const __m256i av = _mm256_load_si256(reinterpret_cast<const __m256i*>(at));
+    __m256 s = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; ++j)
+      s = _mm256_fmadd_ps(_mm256_set1_ps(q[j]), _mm256_i32gather_ps(ct + j * nlist, av, 4), s);
+    _mm256_store_ps(s8, s);
+    std::copy(s8, s8 + m, out + i);
+  }
+}
+
 RECSERVE_TARGET("avx512f")
-void probe_dots_of(const float* q, const float* ct, int64_t d, int64_t nlist, const int32_t* idx, int64_t n,
-                   float* out) {
+void probe_dots_of_avx512(const float* q, const float* ct, int64_t d, int64_t nlist, const int32_t* idx, int64_t n,
+                          float* out) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
     const __m512i at = _mm512_maskz_loadu_epi32(m, idx + i);
@@ -1891,32 +1932,33 @@ void probe_dots_of(const float* q, const float* ct, int64_t d, int64_t nlist, co
   }
 }
 
-// One query's probe through the table: approximate q·c of every list (block_dots_vnni), the p-th
-// best approximate key, then every list whose approximate key is within twice the error bound T of
-// it scored exactly (probe_dots_of) and ranked by the same heap as the float probe, lists in
-// ascending order. T bounds |exact float key - approximate key| for every list:
+// One query's probe through the table: approximate q·c of every list (block_dots_vnni, or
+// block_dots_avx2 with a 7-bit query), the p-th best approximate key, then every list whose
+// approximate key is within twice the error bound T of it scored exactly (probe_dots_of_*) and
+// ranked by the same heap as the float probe, lists in ascending order. T bounds |exact float key -
+// approximate key| for every list:
 //   |q·c - q̂·ĉ| <= |q| max|c - ĉ| + |q - q̂| max|ĉ|     (quantization)
 //   + 4u |q̂| max|ĉ|                                       (the approximation's float rounding)
 //   + γ_D |q| max|c|                                       (the exact sum's own rounding)
 //   + 2u (|q| max|c| + max|half|)                          (the key's subtraction, both sides)
 // so no list of the float probe's best p is left out, and the answer is the float probe's. False
 // when the query is not finite (the caller takes the float probe).
-RECSERVE_TARGET("avx512f,avx512bw,avx512vnni")
-bool probe_one_int8(const float* qb, int64_t d, const float* ct, int64_t nlist, const float* hp, float max_half,
-                    const uint32_t* words, const float* cscale, const double* stats, int64_t p,
+bool probe_one_int8(Isa isa, const float* qb, int64_t d, const float* ct, int64_t nlist, const float* hp,
+                    float max_half, const uint32_t* words, const float* cscale, const double* stats, int64_t p,
                     std::vector<Cand>& heap, std::vector<int8_t>& q8, std::vector<int32_t>& dots,
                     std::vector<float>& key, std::vector<int32_t>& cand, std::vector<float>& exact) {
   const int64_t groups = (d + 3) / 4;
+  const float levels = isa == Isa::kVnni ? 127.f : 63.f;  // vpdpbusd's s32 sums; vpmaddubsw's s16 pairs
   double qn = 0;
   float amax = 0.f;
   for (int64_t j = 0; j < d; ++j) qn += double(qb[j]) * qb[j], amax = std::max(amax, std::fabs(qb[j]));
   if (!std::isfinite(qn)) return false;
-  const float qs = amax > 0.f ? amax / 127.f : 1.f;
+  const float qs = amax > 0.f ? amax / levels : 1.f;
   q8.assign(groups * 4, 0);
   int32_t qsum = 0;
   double err = 0, qhat = 0;
   for (int64_t j = 0; j < d; ++j) {
-    const float c = std::min(127.f, std::max(-127.f, std::nearbyint(qb[j] / qs)));
+    const float c = std::min(levels, std::max(-levels, std::nearbyint(qb[j] / qs)));
     q8[j] = static_cast<int8_t>(c);
     qsum += static_cast<int32_t>(c);
     const double back = double(c) * qs;
@@ -1931,7 +1973,12 @@ bool probe_one_int8(const float* qb, int64_t d, const float* ct, int64_t nlist, 
   const int64_t blocks = (nlist + 15) / 16;
   dots.resize(blocks * 16);
   key.resize(nlist);
-  block_dots_vnni(words, nlist, groups, q8.data(), qsum, dots.data());
+#ifdef RECSERVE_AVX512_BUILD
+  if (isa == Isa::kVnni)
+    block_dots_vnni(words, nlist, groups, q8.data(), qsum, dots.data());
+  else
+#endif
+    block_dots_avx2(words, nlist, groups, q8.data(), qsum, dots.data());
   for (int64_t l = 0; l < nlist; ++l) {
     const float ip = float(dots[l]) * qs * cscale[l];
     key[l] = hp ? ip - hp[l] : ip;
@@ -1944,7 +1991,9 @@ bool probe_one_int8(const float* qb, int64_t d, const float* ct, int64_t nlist, 
   for (int64_t l = 0; l < nlist; ++l)
     if (key[l] >= floor_) cand.push_back(static_cast<int32_t>(l));
   exact.resize(cand.size());
-  probe_dots_of(qb, ct, d, nlist, cand.data(), (int64_t)cand.size(), exact.data());
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  (avx512 ? probe_dots_of_avx512 : probe_dots_of_avx2)(qb, ct, d, nlist, cand.data(), (int64_t)cand.size(),
+                                                       exact.data());
   heap.clear();
   worst = kNegInf;
   for (size_t i = 0; i < cand.size(); ++i)
@@ -1980,13 +2029,14 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
   const float* hp = by_l2 ? half.data_ptr<float>() : nullptr;
   float* op = coarse.data_ptr<float>();
   int64_t* pp = probes.data_ptr<int64_t>();
-  // The int8 table (probe_table of these centroids) on a VNNI CPU: the same lists and bits
+  // The int8 table (probe_table of these centroids) on a CPU with AVX2 or VNNI: the same lists and bits
   const uint32_t* words = nullptr;
   const float* cscale = nullptr;
   const double* stats = nullptr;
   float max_half = 0.f;
-#ifdef RECSERVE_AVX512_BUILD
-  if (table.has_value() && int8_isa() == Isa::kVnni) {
+  const Isa isa = table.has_value() ? int8_isa() : Isa::kPortable;
+#ifdef RECSERVE_X86
+  if (isa != Isa::kPortable) {
     const auto& [w, sc, st] = *table;
     const int64_t blocks = (nlist + 15) / 16, groups = (d + 3) / 4;
     TORCH_CHECK(w.scalar_type() == at::kInt && w.is_contiguous() && w.numel() == blocks * groups * 16 &&
@@ -2008,8 +2058,8 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
     heap.reserve(p);
     for (int64_t b = b0; b < b1; ++b) {
       const float* qb = qp + b * d;
-#ifdef RECSERVE_AVX512_BUILD
-      if (words && probe_one_int8(qb, d, ct, nlist, hp, max_half, words, cscale, stats, p, heap, q8, dots, key,
+#ifdef RECSERVE_X86
+      if (words && probe_one_int8(isa, qb, d, ct, nlist, hp, max_half, words, cscale, stats, p, heap, q8, dots, key,
                                   cand, exact)) {
         std::sort_heap(heap.begin(), heap.end(), BetterFirst());
         for (int64_t j = 0; j < p; ++j) {

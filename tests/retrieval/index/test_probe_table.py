@@ -1,17 +1,40 @@
 """The probe's int8 table (``scan.probe_table_cpu``): a few queries' probe that reads it first
 and scores exactly only the lists near its best gives the float probe's lists and coarse scores,
-bit for bit, ties included (equal centroids: the lower list first)."""
+bit for bit, ties included (equal centroids: the lower list first), on the VNNI path and on the
+AVX2 one (a 7-bit query); a path this CPU cannot run is skipped."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrieval.index.probe import half_sq_norms
-from retrieval.index.scan import _extension, probe_table_cpu
+from retrieval.index.scan import ISA_ENV, _extension, int8_isa, probe_table_cpu
 
 
+def force(mp: pytest.MonkeyPatch, isa: str) -> None:
+    """Forces the int8 path ``isa`` (skips where this CPU cannot run it)."""
+    mp.setenv(ISA_ENV, isa)
+    try:
+        int8_isa()
+    except RuntimeError:
+        pytest.skip(f"this CPU cannot run the {isa} path")
+
+
+@contextmanager
+def forced(isa: str) -> Iterator[None]:
+    """The int8 path ``isa`` for the calls inside (hypothesis refuses function-scoped fixtures)."""
+    with pytest.MonkeyPatch.context() as mp:
+        force(mp, isa)
+        yield
+
+
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
 @settings(max_examples=60, deadline=None)
 @given(
     nlist=st.integers(1, 300),
@@ -23,7 +46,7 @@ from retrieval.index.scan import _extension, probe_table_cpu
     share=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**16),
 )
-def test_the_table_gives_the_float_probe_bit_for_bit(nlist, d, b, scale, l2, tie, share, seed):
+def test_the_table_gives_the_float_probe_bit_for_bit(isa, nlist, d, b, scale, l2, tie, share, seed):
     g = torch.Generator().manual_seed(seed)
     c = torch.randn(nlist, d, generator=g) * scale
     if tie and nlist > 2:
@@ -34,7 +57,8 @@ def test_the_table_gives_the_float_probe_bit_for_bit(nlist, d, b, scale, l2, tie
     p = max(1, round(share * nlist))
     ext = _extension()
     want = ext.ivf_probe(q, ct, half, p)
-    got = ext.ivf_probe(q, ct, half, p, probe_table_cpu(ct))
+    with forced(isa):
+        got = ext.ivf_probe(q, ct, half, p, probe_table_cpu(ct))
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     if tie and nlist > 2:  # equal keys: the lower list first, on either path
         for row in want[1].tolist():
@@ -42,19 +66,15 @@ def test_the_table_gives_the_float_probe_bit_for_bit(nlist, d, b, scale, l2, tie
                 assert row.index(1) < row.index(nlist - 1)
 
 
-def test_a_table_of_other_centroids_is_refused_and_a_non_finite_query_takes_the_floats():
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_a_table_of_other_centroids_is_refused_and_a_non_finite_query_takes_the_floats(isa, monkeypatch):
+    force(monkeypatch, isa)
     c = torch.randn(40, 24)
     ct = c.T.contiguous()
     ext = _extension()
     other = probe_table_cpu(torch.randn(24, 80))  # other sizes: refused (contents are not checked)
-    try:
+    with pytest.raises(RuntimeError, match=r"table: not probe_table\(centroids_t\) of these centroids"):
         ext.ivf_probe(torch.randn(2, 24), ct, torch.zeros(0), 4, other)
-    except RuntimeError as e:
-        assert "table: not probe_table(centroids_t) of these centroids" in str(e)
-    else:  # a CPU without VNNI ignores the table
-        from retrieval.index.scan import int8_isa
-
-        assert int8_isa() != "vnni"
     q = torch.randn(2, 24)
     q[1, 3] = float("nan")
     want = ext.ivf_probe(q, ct, torch.zeros(0), 4)
