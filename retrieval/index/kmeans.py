@@ -1,10 +1,10 @@
 """Coarse quantizer training and assignment: k-means and the nearest centroid of every item.
 
-On a CPU with AVX-512 VNNI both run on our kernel (``csrc/nearest_centroid.cpp``): int8 scores of
-every centroid, the few within their error bound of the best scored exactly, so each row gets its
-exact nearest centroid at ~4x the multiply-adds per instruction of faiss's float search (the
-build's time: ``bench/RESULTS.md``, 10M x 64). Elsewhere (or with ``$RECSERVE_SCAN_ISA`` set to
-another path) faiss's ``Clustering`` and ``IndexFlat`` do it. The k-means loop is faiss's:
+On a CPU with AVX-512 VNNI or AVX2 both run on our kernel (``csrc/nearest_centroid.cpp``): int8
+scores of every centroid, the few within their error bound of the best scored exactly, so each row
+gets its exact nearest centroid at ~4x (VNNI) or ~2x (AVX2) the multiply-adds per instruction of
+a float search at the same vector width (the build's time: ``bench/RESULTS.md``). Elsewhere (or
+with ``$RECSERVE_SCAN_ISA=portable``) faiss's ``Clustering`` and ``IndexFlat`` do it. The k-means loop is faiss's:
 points sampled up to ``max_points_per_centroid`` per list, centroids started at random points,
 each iteration assigns and takes means, and an empty list takes half of a large one.
 
@@ -74,9 +74,15 @@ def train_centroids(
 
 
 def int8_assigns() -> bool:
-    """Whether k-means and assignment run on the int8 kernel: the int8 scan's path is VNNI
-    (this CPU has it and ``$RECSERVE_SCAN_ISA`` does not force another)."""
-    return int8_isa() == "vnni"
+    """Whether k-means and assignment run on the int8 kernel: the int8 scan's path is VNNI or
+    AVX2 (the best this CPU has, unless ``$RECSERVE_SCAN_ISA`` forces another); a portable
+    path takes faiss's float search."""
+    return int8_isa() in ("vnni", "avx2")
+
+
+def _avx2() -> bool:
+    """The int8 kernel's AVX2 path (no VNNI): its rows are quantized to 63 levels, not 127."""
+    return int8_isa() == "avx2"
 
 
 def build_kernel() -> None:
@@ -97,13 +103,14 @@ SUM_PARTS_BYTES = 256 << 20
 """The parts' buffers (``SUM_PARTS x nlist x D`` floats) at most; more lists sum by ``index_add_``."""
 
 QuantizedRows = tuple[torch.Tensor, torch.Tensor]
-"""``(q [N, ceil(D/4)*4] int8, meta [N, 4] float64)``: rows as the int8 kernel quantizes them."""
+"""``(q [N, ceil(D/4)*4] int8, meta [N, 5] float64)``: rows as the int8 kernel's path quantizes
+them (the kernel refuses rows of the other path)."""
 
 
 def quantize_rows(x: torch.Tensor) -> QuantizedRows:
     """``x [N, D]`` float32 quantized once for every :func:`nearest` call against it (k-means
     assigns the same sample each iteration: re-quantizing it was a third of each call)."""
-    return _extension().quantize_rows(x)
+    return _extension().quantize_rows(x, _avx2())
 
 
 def nearest(
@@ -112,7 +119,7 @@ def nearest(
     """``(labels [N] int64, exact scores taken)`` of ``x [N, D]`` against ``centroids [K, D]``
     (float32 CPU) on the int8 kernel: the exact best by ``by`` ("l2" or "ip") of every row.
     ``rows``: :func:`quantize_rows` of ``x`` (None: quantized in the call)."""
-    labels, scored, _ = _extension().nearest_centroids(x, centroids, by == "l2", rows)
+    labels, scored, _ = _extension().nearest_centroids(x, centroids, by == "l2", rows, 0, _avx2())
     return labels, int(scored)
 
 
@@ -124,7 +131,9 @@ def _assign_and_sum(
     when their buffers fit :data:`SUM_PARTS_BYTES`; else ``index_add_`` (a pass of its own)."""
     k, d = centroids.shape
     if SUM_PARTS * k * d * 4 <= SUM_PARTS_BYTES:
-        labels, _, sums = _extension().nearest_centroids(x, centroids, by == "l2", rows, SUM_PARTS)
+        labels, _, sums = _extension().nearest_centroids(
+            x, centroids, by == "l2", rows, SUM_PARTS, _avx2()
+        )
         return labels, sums
     labels, _ = nearest(x, centroids, by, rows)
     return labels, torch.zeros_like(centroids).index_add_(0, labels, x)

@@ -1,6 +1,6 @@
 """The int8 nearest-centroid kernel (k-means' assignment and the build's) against exact argmax in
-double, and the k-means loop on it against faiss's. A CPU without AVX-512 VNNI skips the kernel's
-tests (its builds take faiss's float search instead: the last test)."""
+double, and the k-means loop on it against faiss's, on each SIMD path this CPU runs (VNNI, AVX2;
+the portable path's builds take faiss's float search instead: the last test)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from retrieval.index.kmeans import (
     train_centroids,
 )
 from retrieval.index.scan import ISA_ENV
+from support.isa import SIMD, force, forced
 
-needs_vnni = pytest.mark.skipif(not int8_assigns(), reason="this CPU has no AVX-512 VNNI")
+each_path = pytest.mark.parametrize("isa", SIMD)
 
 
 def exact_labels(x: torch.Tensor, c: torch.Tensor, by: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +42,7 @@ def assert_best(labels: torch.Tensor, x: torch.Tensor, c: torch.Tensor, by: str)
     assert bool(((top - got) <= tol).all()), (labels != truth).nonzero()[:5]
 
 
-@needs_vnni
+@each_path
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(1, 40),
@@ -51,25 +52,27 @@ def assert_best(labels: torch.Tensor, x: torch.Tensor, c: torch.Tensor, by: str)
     scale=st.sampled_from([1e-3, 1.0, 1e3]),
     seed=st.integers(0, 2**16),
 )
-def test_labels_are_the_exact_best(n, d, k, by, scale, seed):
+def test_labels_are_the_exact_best(isa, n, d, k, by, scale, seed):
     """Any shape (D and K off the tile's multiples) and magnitude: the exact argmax, not the int8
     one; rows quantized once (k-means' sample) give the same labels and exact scores."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g) * scale
     c = torch.randn(k, d, generator=g) * scale * 0.5
-    labels, scored = nearest(x, c, by)
+    with forced(isa):
+        labels, scored = nearest(x, c, by)
+        again, scored_again = nearest(x, c, by, quantize_rows(x))
     assert labels.dtype == torch.int64 and labels.shape == (n,)
     assert n <= scored <= n * k
     assert_best(labels, x, c, by)
-    again, scored_again = nearest(x, c, by, quantize_rows(x))
     assert torch.equal(again, labels) and scored_again == scored
 
 
-@needs_vnni
+@each_path
 @pytest.mark.parametrize("by", ["l2", "ip"])
-def test_near_ties_go_to_the_exact_winner(by):
+def test_near_ties_go_to_the_exact_winner(isa, by, monkeypatch):
     """Rows a hair's breadth nearer one of two centroids (far below int8's resolution), and rows
     on clustered data with 4096 lists: the exact winner every time."""
+    force(monkeypatch, isa)
     g = torch.Generator().manual_seed(3)
     c = torch.randn(64, 48, generator=g)
     a, b = c[:32], c[32:]
@@ -87,21 +90,28 @@ def test_near_ties_go_to_the_exact_winner(by):
     assert scored < 20 * len(x)  # the bound sends a few centroids, not all, to exact scores
 
 
-@needs_vnni
-def test_a_non_finite_row_is_refused_and_rows_of_another_x_too():
+@each_path
+def test_a_non_finite_row_is_refused_and_rows_of_another_x_or_path_too(isa, monkeypatch):
+    force(monkeypatch, isa)
     x = torch.randn(10, 8)
     x[7, 3] = float("nan")
     with pytest.raises(RuntimeError, match="row 7 of x has a non-finite value"):
         nearest(x, torch.randn(4, 8), "l2")
     with pytest.raises(RuntimeError, match=r"rows: not quantize_rows\(x\) of this x"):
         nearest(torch.randn(10, 8), torch.randn(4, 8), "l2", quantize_rows(torch.randn(9, 8)))
+    x = torch.randn(10, 8)
+    rows = quantize_rows(x)
+    force(monkeypatch, "avx2" if isa == "vnni" else "vnni")  # the other path's bytes would saturate
+    with pytest.raises(RuntimeError, match=r"rows: not quantize_rows\(x\) of this x on this path"):
+        nearest(x, torch.randn(4, 8), "l2", rows)
 
 
-@needs_vnni
+@each_path
 @pytest.mark.parametrize("n", [5, 1000, 20_003])
-def test_kmeans_sums_match_index_add_and_no_thread_count_changes_a_bit(n):
+def test_kmeans_sums_match_index_add_and_no_thread_count_changes_a_bit(isa, n, monkeypatch):
     """The sums taken inside the assignment (k-means' update) are the rows' sums by label, and
     the same bits on 1 thread and on 3 (fixed parts, added in order)."""
+    force(monkeypatch, isa)
     g = torch.Generator().manual_seed(n)
     x, c = torch.randn(n, 37, generator=g), torch.randn(50, 37, generator=g)
     rows = quantize_rows(x)
@@ -125,9 +135,10 @@ def inertia(x: torch.Tensor, c: torch.Tensor) -> float:
     return float(torch.cdist(x.double(), c.double()).amin(1).pow(2).sum())
 
 
-@needs_vnni
-def test_kmeans_is_as_tight_as_faiss():
+@each_path
+def test_kmeans_is_as_tight_as_faiss(isa, monkeypatch):
     """Our k-means loop and faiss's, same sample and iterations: inertia within 3 %."""
+    force(monkeypatch, isa)
     g = torch.Generator().manual_seed(0)
     centres = torch.randn(200, 32, generator=g) * 2
     x = centres[torch.randint(200, (20_000,), generator=g)] + torch.randn(20_000, 32, generator=g)
@@ -141,10 +152,11 @@ def test_kmeans_is_as_tight_as_faiss():
     assert inertia(x, ours) <= 1.03 * inertia(x, theirs)
 
 
-@needs_vnni
-def test_duplicate_points_leave_no_list_without_a_centroid_of_its_own():
+@each_path
+def test_duplicate_points_leave_no_list_without_a_centroid_of_its_own(isa, monkeypatch):
     """Eight distinct points, each repeated: k-means into 8 lists starts with duplicated centroids
     (empty lists), which take halves of large lists until every point has its own list."""
+    force(monkeypatch, isa)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).repeat(50, 1)
     c = train_centroids(x, 8, iters=10)
     labels = assign(x, c)
@@ -160,8 +172,9 @@ def test_split_gives_every_empty_list_half_of_a_large_one():
     assert torch.equal(c[3], torch.ones(6))  # a one-point list lends nothing
 
 
-def test_without_vnni_faiss_assigns(monkeypatch):
-    """A forced non-VNNI path builds with faiss's float search: the same exact labels."""
+def test_the_portable_path_assigns_by_faiss(monkeypatch):
+    """The portable path (a CPU without AVX2, or forced) builds with faiss's float search: the
+    same exact labels."""
     monkeypatch.setenv(ISA_ENV, "portable")
     assert not int8_assigns()
     g = torch.Generator().manual_seed(2)

@@ -5,36 +5,17 @@ AVX2 one (a 7-bit query); a path this CPU cannot run is skipped."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrieval.index.probe import half_sq_norms
-from retrieval.index.scan import ISA_ENV, _extension, int8_isa, probe_table_cpu
+from retrieval.index.scan import _extension, probe_table_cpu
+from support.isa import SIMD, force, forced
 
 
-def force(mp: pytest.MonkeyPatch, isa: str) -> None:
-    """Forces the int8 path ``isa`` (skips where this CPU cannot run it)."""
-    mp.setenv(ISA_ENV, isa)
-    try:
-        int8_isa()
-    except RuntimeError:
-        pytest.skip(f"this CPU cannot run the {isa} path")
-
-
-@contextmanager
-def forced(isa: str) -> Iterator[None]:
-    """The int8 path ``isa`` for the calls inside (hypothesis refuses function-scoped fixtures)."""
-    with pytest.MonkeyPatch.context() as mp:
-        force(mp, isa)
-        yield
-
-
-@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+@pytest.mark.parametrize("isa", SIMD)
 @settings(max_examples=60, deadline=None)
 @given(
     nlist=st.integers(1, 300),
@@ -66,14 +47,18 @@ def test_the_table_gives_the_float_probe_bit_for_bit(isa, nlist, d, b, scale, l2
                 assert row.index(1) < row.index(nlist - 1)
 
 
-@pytest.mark.parametrize("isa", ["vnni", "avx2"])
-def test_a_table_of_other_centroids_is_refused_and_a_non_finite_query_takes_the_floats(isa, monkeypatch):
+@pytest.mark.parametrize("isa", SIMD)
+def test_a_table_of_other_centroids_is_refused_and_a_non_finite_query_takes_the_floats(
+    isa, monkeypatch
+):
     force(monkeypatch, isa)
     c = torch.randn(40, 24)
     ct = c.T.contiguous()
     ext = _extension()
     other = probe_table_cpu(torch.randn(24, 80))  # other sizes: refused (contents are not checked)
-    with pytest.raises(RuntimeError, match=r"table: not probe_table\(centroids_t\) of these centroids"):
+    with pytest.raises(
+        RuntimeError, match=r"table: not probe_table\(centroids_t\) of these centroids"
+    ):
         ext.ivf_probe(torch.randn(2, 24), ct, torch.zeros(0), 4, other)
     q = torch.randn(2, 24)
     q[1, 3] = float("nan")
