@@ -451,10 +451,16 @@ std::tuple<at::Tensor, int64_t, at::Tensor> nearest_centroids(
         rows[i].err = mr[2], rows[i].norm = mr[3];
         if (tile == q.data()) std::memcpy(q.data() + i * stride, pre + (r0 + i) * stride, stride);
       }
-      (avx2 ? tile_scores_avx2 : tile_scores)(c, tile, rows, scores.data(), best);
+      if (avx2) {
+        tile_scores_avx2(c, tile, rows, scores.data(), best);
+      } else {
+        tile_scores(c, tile, rows, scores.data(), best);
+      }
       for (int i = 0; i < count; ++i) {
-        const auto [label, taken] = (avx2 ? exact_best_avx2 : exact_best)(c, xp + (r0 + i) * d, rows[i],
-                                                                          scores.data() + i * c.kpad, best[i]);
+        const float* xr = xp + (r0 + i) * d;
+        const float* sr = scores.data() + i * c.kpad;
+        const auto [label, taken] = avx2 ? exact_best_avx2(c, xr, rows[i], sr, best[i])
+                                         : exact_best(c, xr, rows[i], sr, best[i]);
         lp[r0 + i] = label;
         local += taken;
         if (label < 0) {
