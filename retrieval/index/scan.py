@@ -168,8 +168,9 @@ ProbeTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def probe_table_cpu(centroids_t: torch.Tensor) -> ProbeTable:
     """``centroids_t [D, nlist]`` (contiguous CPU float32) quantized to int8 for the probe of a
     few queries (:func:`probe_cpu`): a quarter of the float table's bytes, which one query's probe
-    otherwise reads whole. The probe then scores exactly only the lists within the int8 error
-    bound of its best: the same lists and coarse scores, bit for bit (VNNI CPUs; else unused)."""
+    otherwise reads whole. The probe then scores exactly only the lists whose int8 error bounds
+    reach its best: the same lists and coarse scores, bit for bit (AVX2 and VNNI CPUs; the
+    portable path reads the floats)."""
     return tuple(_extension().probe_table(centroids_t))
 
 

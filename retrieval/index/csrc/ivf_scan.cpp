@@ -1824,22 +1824,28 @@ inline void probe_dots(const float* __restrict q, const float* __restrict ct, in
 // probe of a few queries. One query's probe read the whole float table (1 MB at 1,024 lists x
 // 256-d: ~35 % of the query in perf); the table is a quarter of it. centroids_t [D, L] ->
 // words int32 [ceil(L/16) * G * 16] (G = ceil(D/4): blocks of 16 lists x 4 bytes in offset binary,
-// block_dots_vnni's layout), scale f32 [ceil(L/16) * 16] (symmetric absmax / 127; pads 0), and
-// stats f64 [3] = (max |c - ĉ|, max |ĉ|, max |c|), each summed in double and inflated by
-// kSquareSlack so they stay upper bounds; (inf, inf, inf) when a centroid is not finite (then the
-// table is never used).
+// block_dots_vnni's layout), per f32 [4, ceil(L/16) * 16] = each list's (scale: symmetric absmax /
+// 127, |c - ĉ|, |ĉ|, |c|; pads 0), the norms summed in double, inflated by kSquareSlack and rounded
+// up, so they stay upper bounds, and stats f64 [3] = their maxima; (inf, inf, inf) when a centroid
+// is not finite (then the table is never used).
 constexpr double kSquareSlack = 1.001;
+
+inline float round_up(double v) {
+  const float f = static_cast<float>(v);
+  return double(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity()) : f;
+}
 std::tuple<at::Tensor, at::Tensor, at::Tensor> probe_table(const at::Tensor& centroids_t) {
   TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.scalar_type() == at::kFloat && centroids_t.is_contiguous() &&
               centroids_t.device().is_cpu(), "centroids_t must be contiguous CPU float32 [D, L]");
   const int64_t d = centroids_t.size(0), nlist = centroids_t.size(1), groups = (d + 3) / 4;
   const int64_t blocks = (nlist + 15) / 16;
   auto words = at::full({blocks * groups * 16}, static_cast<int32_t>(0x80808080u), centroids_t.options().dtype(at::kInt));
-  auto scale = at::zeros({blocks * 16}, centroids_t.options());
+  auto per = at::zeros({4, blocks * 16}, centroids_t.options());
   auto stats = at::zeros({3}, centroids_t.options().dtype(at::kDouble));
   const float* ct = centroids_t.data_ptr<float>();
   uint32_t* wp = reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>());
-  float* sp = scale.data_ptr<float>();
+  float* sp = per.data_ptr<float>();
+  const int64_t stride = blocks * 16;
   double* st = stats.data_ptr<double>();
   std::vector<int8_t> code(groups * 4);
   bool finite = true;
@@ -1861,9 +1867,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> probe_table(const at::Tensor& cen
       err += (v - back) * (v - back), qn += back * back, nn += double(v) * v;
     }
     sp[l] = sc;
-    st[0] = std::max(st[0], std::sqrt(kSquareSlack * err));
-    st[1] = std::max(st[1], std::sqrt(kSquareSlack * qn));
-    st[2] = std::max(st[2], std::sqrt(kSquareSlack * nn));
+    sp[stride + l] = round_up(std::sqrt(kSquareSlack * err));
+    sp[2 * stride + l] = round_up(std::sqrt(kSquareSlack * qn));
+    sp[3 * stride + l] = round_up(std::sqrt(kSquareSlack * nn));
+    for (int k = 0; k < 3; ++k) st[k] = std::max(st[k], double(sp[(k + 1) * stride + l]));
     uint32_t* dst = wp + (l / 16) * groups * 16 + l % 16;
     for (int64_t g = 0; g < groups; ++g) {
       uint32_t w;
@@ -1872,7 +1879,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> probe_table(const at::Tensor& cen
     }
   }
   if (!finite) st[0] = st[1] = st[2] = std::numeric_limits<double>::infinity();
-  return {words, scale, stats};
+  return {words, per, stats};
 }
 
 #ifdef RECSERVE_X86
@@ -1932,22 +1939,42 @@ void probe_dots_of_avx512(const float* q, const float* ct, int64_t d, int64_t nl
   }
 }
 
+// Each list's approximate key ± T_l (see probe_one_int8) as lo, hi [L] in float (one vector
+// loop): key = dots * qs * scale (- half), T_l = a |c - ĉ| + b |ĉ| + c |c| + e |half|, widened by
+// m = (|key| + T_l) 2^-21, which exceeds the rounding of the three float steps after key's (each
+// at most 2^-24 of (|key| + T_l + m)).
+template <bool kL2>
+void key_bounds(const int32_t* dots, float qs, const float* per, int64_t stride, const float* hp, int64_t nlist,
+                float a, float b, float c, float e, float* lo, float* hi) {
+  const float *cscale = per, *cerr = per + stride, *chat = per + 2 * stride, *cnorm = per + 3 * stride;
+  constexpr float kOut = 1.f / (1 << 21), kTiny = 1e-30f;
+  for (int64_t l = 0; l < nlist; ++l) {
+    const float ip = float(dots[l]) * qs * cscale[l];
+    const float key = kL2 ? ip - hp[l] : ip;
+    const float t = a * cerr[l] + b * chat[l] + c * cnorm[l] + (kL2 ? e * std::fabs(hp[l]) : 0.f);
+    const float m = (std::fabs(key) + t) * kOut + kTiny;
+    lo[l] = (key - t) - m;
+    hi[l] = (key + t) + m;
+  }
+}
+
 // One query's probe through the table: approximate q·c of every list (block_dots_vnni, or
-// block_dots_avx2 with a 7-bit query), the p-th best approximate key, then every list whose
-// approximate key is within twice the error bound T of it scored exactly (probe_dots_of_*) and
-// ranked by the same heap as the float probe, lists in ascending order. T bounds |exact float key -
-// approximate key| for every list:
-//   |q·c - q̂·ĉ| <= |q| max|c - ĉ| + |q - q̂| max|ĉ|     (quantization)
-//   + 4u |q̂| max|ĉ|                                       (the approximation's float rounding)
-//   + γ_D |q| max|c|                                       (the exact sum's own rounding)
-//   + 2u (|q| max|c| + max|half|)                          (the key's subtraction, both sides)
-// so no list of the float probe's best p is left out, and the answer is the float probe's. False
-// when the query is not finite (the caller takes the float probe).
+// block_dots_avx2 with a 7-bit query), then every list whose approximate key + its error bound T_l
+// reaches the p-th best of (approximate key - T_m) over all lists is scored exactly
+// (probe_dots_of_*) and ranked by the same heap as the float probe, lists in ascending order. T_l
+// bounds |exact float key - approximate key| of list l:
+//   |q·c - q̂·ĉ| <= |q| |c - ĉ| + |q - q̂| |ĉ|           (quantization)
+//   + 4u |q̂| |ĉ|                                          (the approximation's float rounding)
+//   + γ_D |q| |c|                                          (the exact sum's own rounding)
+//   + 2u (|q| |c| + |half|)                                (the key's subtraction, both sides)
+// The p lists of the best lower bounds all reach the p-th of them, so every list of the float
+// probe's best p (ties included) is scored, and the answer is the float probe's. False when the
+// query is not finite (the caller takes the float probe).
 bool probe_one_int8(Isa isa, const float* qb, int64_t d, const float* ct, int64_t nlist, const float* hp,
-                    float max_half, const uint32_t* words, const float* cscale, const double* stats, int64_t p,
-                    std::vector<Cand>& heap, std::vector<int8_t>& q8, std::vector<int32_t>& dots,
-                    std::vector<float>& key, std::vector<int32_t>& cand, std::vector<float>& exact) {
-  const int64_t groups = (d + 3) / 4;
+                    const uint32_t* words, const float* per, int64_t p, std::vector<Cand>& heap,
+                    std::vector<int8_t>& q8, std::vector<int32_t>& dots, std::vector<float>& lo,
+                    std::vector<float>& hi, std::vector<int32_t>& cand, std::vector<float>& exact) {
+  const int64_t groups = (d + 3) / 4, stride = (nlist + 15) / 16 * 16;
   const float levels = isa == Isa::kVnni ? 127.f : 63.f;  // vpdpbusd's s32 sums; vpmaddubsw's s16 pairs
   double qn = 0;
   float amax = 0.f;
@@ -1964,38 +1991,36 @@ bool probe_one_int8(Isa isa, const float* qb, int64_t d, const float* ct, int64_
     const double back = double(c) * qs;
     err += (qb[j] - back) * (qb[j] - back), qhat += back * back;
   }
-  const double u = std::ldexp(1.0, -24), du = double(d) * u;
+  const double u = std::ldexp(1.0, -24), du = double(d) * u, inflate = 1 + 1e-5;
   const double qnorm = std::sqrt(kSquareSlack * qn), qerr = std::sqrt(kSquareSlack * err);
   const double qhn = std::sqrt(kSquareSlack * qhat);
-  const double big = qnorm * stats[2];
-  const double t = qnorm * stats[0] + qerr * stats[1] + 4 * u * qhn * stats[1] + du / (1 - du) * big +
-                   2 * u * (big + max_half);
-  const int64_t blocks = (nlist + 15) / 16;
-  dots.resize(blocks * 16);
-  key.resize(nlist);
+  // T_l = a |c_l - ĉ_l| + b |ĉ_l| + c |c_l| + e |half_l|, in float: inflated past its own rounding
+  const float a = float(qnorm * inflate), b = float((qerr + 4 * u * qhn) * inflate);
+  const float c = float((du / (1 - du) + 2 * u) * qnorm * inflate), e = float(2 * u * inflate);
+  dots.resize(stride);
+  lo.resize(nlist), hi.resize(nlist);
 #ifdef RECSERVE_AVX512_BUILD
   if (isa == Isa::kVnni)
     block_dots_vnni(words, nlist, groups, q8.data(), qsum, dots.data());
   else
 #endif
     block_dots_avx2(words, nlist, groups, q8.data(), qsum, dots.data());
-  for (int64_t l = 0; l < nlist; ++l) {
-    const float ip = float(dots[l]) * qs * cscale[l];
-    key[l] = hp ? ip - hp[l] : ip;
-  }
+  if (hp)
+    key_bounds<true>(dots.data(), qs, per, stride, hp, nlist, a, b, c, e, lo.data(), hi.data());
+  else
+    key_bounds<false>(dots.data(), qs, per, stride, hp, nlist, a, b, c, e, lo.data(), hi.data());
   heap.clear();
-  float worst = kNegInf;
-  push_scores(key.data(), nlist, 0, p, heap, worst);  // the p-th best approximate key: worst
-  const float floor_ = std::nextafter(static_cast<float>(double(worst) - 2.0 * t * (1 + 1e-6)), kNegInf);
+  float floor_ = kNegInf;
+  push_scores(lo.data(), nlist, 0, p, heap, floor_);  // the p-th best lower bound
   cand.clear();
   for (int64_t l = 0; l < nlist; ++l)
-    if (key[l] >= floor_) cand.push_back(static_cast<int32_t>(l));
+    if (hi[l] >= floor_) cand.push_back(static_cast<int32_t>(l));
   exact.resize(cand.size());
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   (avx512 ? probe_dots_of_avx512 : probe_dots_of_avx2)(qb, ct, d, nlist, cand.data(), (int64_t)cand.size(),
                                                        exact.data());
   heap.clear();
-  worst = kNegInf;
+  float worst = kNegInf;
   for (size_t i = 0; i < cand.size(); ++i)
     push_one<BetterFirst>(hp ? exact[i] - hp[cand[i]] : exact[i], cand[i], p, heap, worst);
   return true;  // exact[i]: the exact q·c of list cand[i] (ascending)
@@ -2031,27 +2056,24 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
   int64_t* pp = probes.data_ptr<int64_t>();
   // The int8 table (probe_table of these centroids) on a CPU with AVX2 or VNNI: the same lists and bits
   const uint32_t* words = nullptr;
-  const float* cscale = nullptr;
-  const double* stats = nullptr;
-  float max_half = 0.f;
+  const float* per = nullptr;
   const Isa isa = table.has_value() ? int8_isa() : Isa::kPortable;
 #ifdef RECSERVE_X86
   if (isa != Isa::kPortable) {
-    const auto& [w, sc, st] = *table;
+    const auto& [w, pl, st] = *table;
     const int64_t blocks = (nlist + 15) / 16, groups = (d + 3) / 4;
     TORCH_CHECK(w.scalar_type() == at::kInt && w.is_contiguous() && w.numel() == blocks * groups * 16 &&
-                    sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.numel() == blocks * 16 &&
+                    pl.scalar_type() == at::kFloat && pl.is_contiguous() && pl.numel() == 4 * blocks * 16 &&
                     st.scalar_type() == at::kDouble && st.numel() == 3,
                 "table: not probe_table(centroids_t) of these centroids");
     if (std::isfinite(st.data_ptr<double>()[0])) {
       words = reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
-      cscale = sc.data_ptr<float>(), stats = st.data_ptr<double>();
-      for (int64_t l = 0; by_l2 && l < nlist; ++l) max_half = std::max(max_half, std::fabs(hp[l]));
+      per = pl.data_ptr<float>();
     }
   }
 #endif
   at::parallel_for(0, b_count, 16, [&](int64_t b0, int64_t b1) {
-    std::vector<float> ip(words ? 0 : nlist), key(by_l2 || words ? nlist : 0), exact;
+    std::vector<float> ip(words ? 0 : nlist), key(by_l2 ? nlist : 0), hi, exact;
     std::vector<Cand> heap;
     std::vector<int8_t> q8;
     std::vector<int32_t> dots, cand;
@@ -2059,8 +2081,7 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
     for (int64_t b = b0; b < b1; ++b) {
       const float* qb = qp + b * d;
 #ifdef RECSERVE_X86
-      if (words && probe_one_int8(isa, qb, d, ct, nlist, hp, max_half, words, cscale, stats, p, heap, q8, dots, key,
-                                  cand, exact)) {
+      if (words && probe_one_int8(isa, qb, d, ct, nlist, hp, words, per, p, heap, q8, dots, key, hi, cand, exact)) {
         std::sort_heap(heap.begin(), heap.end(), BetterFirst());
         for (int64_t j = 0; j < p; ++j) {
           const bool have = j < (int64_t)heap.size();
