@@ -120,25 +120,30 @@ RECSERVE_TARGET("avx2") inline __m256i madd_i8_avx2(__m256i acc, __m256i q, __m2
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// The query's last 32 bytes ending at D, its first 32 - D % 32 zeroed (those bytes were in the
+// last whole word): a row's tail is then one load ending at its own last byte, never past it.
+RECSERVE_TARGET("avx2") inline __m256i tail_query(const int8_t* q, int64_t d) {
+  static const int8_t iota[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                  16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+  const __m256i keep = _mm256_cmpgt_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(iota)),
+                                         _mm256_set1_epi8(static_cast<char>(31 - d % 32)));
+  return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + d - 32)), keep);
+}
+
+// One row's dot: whole 32-byte words, then (D >= 32) the tail as one word ending at D against
+// tail_query; a row shorter than 32 bytes one by one.
 RECSERVE_TARGET("avx2") inline int32_t dot_i8_avx2(const int8_t* q, const int8_t* c, int64_t d) {
+  if (d < 32) return dot_i8_portable(q, c, d);
   __m256i acc = _mm256_setzero_si256();
   int64_t j = 0;
   for (; j + 32 <= d; j += 32)
     acc = madd_i8_avx2(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)),
                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j)));
+  if (j < d) acc = madd_i8_avx2(acc, tail_query(q, d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + d - 32)));
   __m128i acc4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  if (j + 16 <= d) {  // the same trick on 16 bytes
-    const __m128i cv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j));
-    const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j));
-    const __m128i pairs = _mm_maddubs_epi16(_mm_abs_epi8(cv), _mm_sign_epi8(qv, cv));
-    acc4 = _mm_add_epi32(acc4, _mm_madd_epi16(pairs, _mm_set1_epi16(1)));
-    j += 16;
-  }
   acc4 = _mm_add_epi32(acc4, _mm_shuffle_epi32(acc4, _MM_SHUFFLE(1, 0, 3, 2)));
   acc4 = _mm_add_epi32(acc4, _mm_shuffle_epi32(acc4, _MM_SHUFFLE(2, 3, 0, 1)));
-  int32_t sum = _mm_cvtsi128_si32(acc4);
-  for (; j < d; ++j) sum += int32_t(q[j]) * int32_t(c[j]);
-  return sum;
+  return _mm_cvtsi128_si32(acc4);
 }
 
 // Lane i of the result = the sum of the 8 lanes of v[i] (as sum_lanes16 below, on 8 rows).
@@ -154,20 +159,24 @@ RECSERVE_TARGET("avx2") inline __m256i sum_lanes8(const __m256i* v) {
                           _mm256_permute2x128_si256(x[0], x[1], 0x31));
 }
 
-// 8 rows at a time, summed together by sum_lanes8, where each row is whole 32-byte words (D a
-// multiple of 32: 64, 256, ...); other rows, and the last n % 8, one by one. The same integer dots.
+// 8 rows at a time, summed together by sum_lanes8: each row's whole 32-byte words, then its tail
+// as one word ending at D (tail_query; D >= 32: 300-d rows had gone one by one, with a scalar
+// tail); rows shorter than 32 bytes, and the last n % 8, one by one. The same integer dots.
 RECSERVE_TARGET("avx2") void row_dots_avx2(const int8_t* q, const int8_t* codes, int64_t n, int64_t d, int32_t* dots) {
   int64_t i = 0;
-  if (d % 32 == 0) {
+  if (d >= 32) {
+    const int64_t full = d / 32 * 32;
+    const __m256i qt = tail_query(q, d);  // unused when full == d
     for (; i + 8 <= n; i += 8) {
       const int8_t* c = codes + i * d;
       __m256i acc[8];
 #pragma GCC unroll 8
       for (int r = 0; r < 8; ++r) {
         __m256i a = _mm256_setzero_si256();
-        for (int64_t j = 0; j < d; j += 32)
+        for (int64_t j = 0; j < full; j += 32)
           a = madd_i8_avx2(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)),
                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * d + j)));
+        if (full < d) a = madd_i8_avx2(a, qt, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * d + d - 32)));
         acc[r] = a;
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots + i), sum_lanes8(acc));
