@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -54,6 +55,11 @@ from common.config import MAX_WAIT_S, ConfigError
 
 BUILD_DIR_ENV = "RECSERVE_BUILD_DIR"
 """Root of the build folders; default ``~/.cache/recserve``."""
+MARCH_ENV = "RECSERVE_KERNEL_MARCH"
+"""Compiles the kernels for this CPU level in place of the building machine's own
+(``-march=native``): ``x86-64-v3`` (AVX2) for hosts whose oldest CPU has no AVX-512, or
+``haswell`` to test an AVX2-only build on an AVX-512 machine. Read at a kernel's first load in a
+process; a level changes the build key (its own folder)."""
 LOCK_TIMEOUT_ENV = "RECSERVE_BUILD_LOCK_TIMEOUT_S"
 """Longest wait, in seconds, for another process's build of the same kernel."""
 DEFAULT_LOCK_TIMEOUT_S = 600.0
@@ -112,12 +118,22 @@ def load_extension(
     module = _loaded.get((name, source, cflags, ldflags))  # the per-op path: no Path built
     if module is not None:
         return module
-    args = (name, Path(source), tuple(cflags), tuple(ldflags))
+    args = (name, Path(source), _marched(cflags), tuple(ldflags))
     with _lock:
         if args not in _loaded:
             _loaded[args] = _load(plan_build(*args), *args[1:])
         _loaded[(name, source, cflags, ldflags)] = _loaded[args]
         return _loaded[args]
+
+
+def _marched(cflags: Sequence[str]) -> tuple[str, ...]:
+    """``cflags`` with ``-march=native`` replaced by ``$RECSERVE_KERNEL_MARCH``'s level, if set."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if not march or march == "native":
+        return tuple(cflags)
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", march):
+        raise ConfigError(f"{MARCH_ENV}={march!r}: write a GCC -march level such as x86-64-v3")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in cflags)
 
 
 def plan_build(

@@ -271,17 +271,15 @@ def test_the_native_kernels_compile_for_a_cpu_without_avx512(tmp_path):
     """The kernels built with ``-march=native`` compile for an AVX2-only CPU (``-march=haswell``,
     at -O0, in parallel): their AVX-512 code sits in target-attributed functions or behind the
     build's macros. A lambda inside a target-attributed function does not inherit the target,
-    and once broke exactly this build (an AVX-512 machine never noticed)."""
+    and once broke exactly this build (an AVX-512 machine never noticed). The index's two
+    kernels are also built that way and tested (``tests/retrieval/index/test_avx2_only_build.py``);
+    this compile keeps the table kernel's check cheap."""
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
 
     root = Path(__file__).resolve().parents[2]
-    sources = [
-        root / "retrieval/index/csrc/ivf_scan.cpp",
-        root / "retrieval/index/csrc/nearest_centroid.cpp",
-        root / "sharded_tables/csrc/pooled_lookup.cpp",
-    ]
+    sources = [root / "sharded_tables/csrc/pooled_lookup.cpp"]
     includes = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
     flags = ["-std=c++17", "-O0", "-march=haswell", "-fopenmp", "-DTORCH_EXTENSION_NAME=t"]
     builds = [
@@ -296,3 +294,20 @@ def test_the_native_kernels_compile_for_a_cpu_without_avx512(tmp_path):
         _, err = build.communicate(timeout=300)
         errors = [line for line in err.splitlines() if "error" in line]
         assert build.returncode == 0, f"{src.name}: {errors[:3]}"
+
+
+def test_a_kernel_march_replaces_native_and_a_bad_one_is_refused(monkeypatch):
+    from common.cpp_extension import MARCH_ENV, _marched
+
+    flags = ("-O3", "-march=native", "-fopenmp")
+    monkeypatch.delenv(MARCH_ENV, raising=False)
+    assert _marched(flags) == flags
+    monkeypatch.setenv(MARCH_ENV, "x86-64-v3")
+    assert _marched(flags) == ("-O3", "-march=x86-64-v3", "-fopenmp")
+    assert (
+        plan_build("k", Path(__file__), _marched(flags), ()).key
+        != plan_build("k", Path(__file__), flags, ()).key
+    )  # its own build folder
+    monkeypatch.setenv(MARCH_ENV, "haswell -fno-fast")
+    with pytest.raises(ConfigError, match="RECSERVE_KERNEL_MARCH='haswell -fno-fast'"):
+        _marched(flags)

@@ -2008,11 +2008,9 @@ bool probe_one_int8(Isa isa, const float* qb, int64_t d, const float* ct, int64_
   const float c = float((du / (1 - du) + 2 * u) * qnorm * inflate), e = float(2 * u * inflate);
   dots.resize(stride);
   lo.resize(nlist), hi.resize(nlist);
-#ifdef RECSERVE_AVX512_BUILD
-  if (isa == Isa::kVnni)
+  if (isa == Isa::kVnni)  // any x86 build: the VNNI functions carry their own target
     block_dots_vnni(words, nlist, groups, q8.data(), qsum, dots.data());
   else
-#endif
     block_dots_avx2(words, nlist, groups, q8.data(), qsum, dots.data());
   if (hp)
     key_bounds<true>(dots.data(), qs, per, stride, hp, nlist, a, b, c, e, lo.data(), hi.data());
