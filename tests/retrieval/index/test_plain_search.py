@@ -177,3 +177,32 @@ def test_a_forced_kernel_leaves_the_one_call_to_the_steps(catalog, monkeypatch):
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     index._refresh()
     assert not index.lane_lists
+
+
+def test_rows_left_short_widen_as_the_general_path_does(monkeypatch) -> None:
+    """Lists of very uneven sizes: rows whose lists hold fewer than k items take the planned
+    path's next round (WIDEN x the lists) inside the plain search, with its answer, and are not
+    planned again; rows still short (k above the catalog) take the planned path's later rounds,
+    as before."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [600, 300, 100, 40, 20, 10, 5, 3, 2, 1] * 4  # 40 clusters, 4,124 items
+    centres = torch.randn(len(sizes), 16, generator=g) * 4
+    x = torch.cat(
+        [c + torch.randn(n, 16, generator=g) for c, n in zip(centres, sizes, strict=True)]
+    )
+    index = build_ivf(x, IVFConfig(nlist=40, nprobe=1))
+    q = centres + 0.1 * torch.randn(len(sizes), 16, generator=g)
+    planned: list[int] = []
+    monkeypatch.setattr(
+        index, "planned_positions",
+        lambda *a, **k: planned.append(len(a[0])) or IVFIndex.planned_positions(index, *a, **k),
+    )  # fmt: skip
+    for k in (60, 5000):
+        got = plain_search(index, q, k, None, 1, 0)
+        want = IVFIndex.planned_positions(index, q, k, index.compile_filter(None, len(q)), 1, 0)
+        assert got is not None and torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        if k == 60:
+            held = index.offsets.diff()[index.probe(q, lists_for(index, 1.0, 1, k))[1]].sum(1)
+            assert bool((held < k).any()) and planned == []  # short rows, widened in place
+    assert planned == [len(q)]  # more than the catalog: every row, through the planned rounds
