@@ -4,9 +4,10 @@ On a CPU with AVX-512 VNNI or AVX2 both run on our kernel (``csrc/nearest_centro
 scores of every centroid, the few within their error bound of the best scored exactly, so each row
 gets its exact nearest centroid at ~4x (VNNI) or ~2x (AVX2) the multiply-adds per instruction of
 a float search at the same vector width (the build's time: ``bench/RESULTS.md``). Elsewhere (or
-with ``$RECSERVE_SCAN_ISA=portable``) faiss's ``Clustering`` and ``IndexFlat`` do it. The k-means loop is faiss's:
-points sampled up to ``max_points_per_centroid`` per list, centroids started at random points,
-each iteration assigns and takes means, and an empty list takes half of a large one.
+with ``$RECSERVE_SCAN_ISA=portable``) faiss's ``Clustering`` and ``IndexFlat`` do it. The k-means
+loop is faiss's: points sampled up to ``max_points_per_centroid`` per list, centroids started at
+random points, each iteration assigns and takes means, and an empty list takes half of a large
+one.
 
 faiss asks for at least ``MIN_POINTS_PER_CENTROID`` (39) points per centroid and prints a
 "please provide at least N training points" line on stderr for every smaller training set.
