@@ -74,7 +74,7 @@ const char* isa_name(Isa isa) {
 bool cpu_runs(Isa isa) {
 #ifdef RECSERVE_X86
   if (isa == Isa::kVnni) return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2");
+  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");  // every AVX2 path
 #endif
   return isa == Isa::kPortable;
 }
