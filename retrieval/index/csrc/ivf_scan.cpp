@@ -702,7 +702,7 @@ inline bool better(const Cand& a, const Cand& c) {
   return a.first > c.first || (a.first == c.first && a.second < c.second);
 }
 
-// Selections of up to this many take kth_largest (and rank_sort on AVX-512) in keep_best.
+// Selections of up to this many take kth_largest and rank_sort in keep_best (AVX-512 or AVX2).
 constexpr int64_t kRankSortMax = 160;
 
 // kth_largest's start: every key lies in [lo, hi], so the k-th shares their common leading bits
@@ -796,6 +796,22 @@ inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
   }
   return t;
 }
+
+// rank_sort on a build for AVX2 CPUs: 4 keys a compare (unsigned, by flipping the sign bit). A
+// std::sort of the kept keys in its place was 10 % of a 256-d batch there (mispredicts).
+inline void rank_sort(const uint64_t* keys, int64_t n, uint64_t* out) {
+  const __m256i flip = _mm256_set1_epi64x(INT64_MIN);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256i ki = _mm256_set1_epi64x(static_cast<long long>(keys[i] ^ 0x8000000000000000ull));
+    int64_t rank = 0, j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const __m256i kj = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + j)), flip);
+      rank += __builtin_popcount(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(ki, kj))));
+    }
+    for (; j < n; ++j) rank += keys[j] < keys[i];
+    out[rank] = keys[i];
+  }
+}
 #endif
 
 // The score's bits, order-preserving as an unsigned integer (higher score, higher key); -0 as +0.
@@ -833,8 +849,8 @@ struct SelectScratch {
 // The best r of cands, best first. Cheaper than the bounded heap where most candidates would enter
 // it (r a large share of them). With AVX-512 or AVX2: the r-th best score by kth_largest, the
 // candidates above it and the lowest positions at it (the ties a selection keeps), then rank_sort
-// (AVX-512) or a sort of those kept. Elsewhere: nth_element, then a sort. All give the same
-// candidates in the same order.
+// of those kept. Elsewhere: nth_element, then a sort. Both give the same candidates in the same
+// order.
 inline void keep_best(std::vector<Cand>& cands, int64_t r, SelectScratch& scratch) {
   const int64_t n = (int64_t)cands.size(), kept = std::min<int64_t>(r, n);
   if (std::any_of(cands.begin(), cands.end(), [](const Cand& c) { return uint64_t(c.second) >> 32; })) {
@@ -863,12 +879,7 @@ inline void keep_best(std::vector<Cand>& cands, int64_t r, SelectScratch& scratc
     std::sort(ties.begin(), ties.end());  // at the cut, the lower positions
     for (int64_t i = 0; m < kept; ++i) keys[m++] = (uint64_t(~t) << 32) | uint64_t(ties[i]);
     sorted.resize(kept);
-#ifdef RECSERVE_AVX512_BUILD
     rank_sort(keys.data(), kept, sorted.data());
-#else
-    std::copy(keys.begin(), keys.begin() + kept, sorted.begin());  // partial_sort_copy: a heap, 3x slower
-    std::sort(sorted.begin(), sorted.end());
-#endif
     cands.resize(kept);
     for (int64_t i = 0; i < kept; ++i) cands[i] = from_key(sorted[i]);
     return;
