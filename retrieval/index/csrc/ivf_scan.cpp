@@ -575,7 +575,7 @@ constexpr int64_t kTransposeQueries = 16;
 // transposed into blocks of 16 items so that every query's dots need no horizontal sums; otherwise
 // rows are scanned as stored. AVX2 always scans rows: a transposed layout measured 0.76-1.06x rows
 // on an AVX2-only AMD EPYC (d = 64 and 784), its 5 instructions per 32 bytes leaving the horizontal
-// sum cheap. Any D: tails are padded (VNNI) or looped (AVX2).
+// sum cheap. Any D: tails are padded (VNNI) or one word ending at D (AVX2, tail_query).
 struct Int8Scorer {
   const int8_t* codes; const Scale* scales; int64_t d;
   const int8_t* q; int64_t qstride;  // queries zero-padded to qstride >= round_up(D, 4) bytes
@@ -654,7 +654,7 @@ struct Fp8Scorer {
 };
 
 // Pushes s[0..n) into a bounded min-heap of the best r (positions pos0 + i). Entries not above the
-// current worst are skipped 16 at a time where AVX-512 is available; -inf never enters.
+// current worst are skipped 16 at a time on AVX-512 builds, 8 on AVX2 ones; -inf never enters.
 template <class Order = MinFirst>
 inline void push_one(float v, int64_t pos, int64_t r, std::vector<Cand>& heap, float& worst) {
   if (v <= worst) return;
@@ -696,11 +696,8 @@ inline void push_scores(const float* s, int64_t n, int64_t pos0, int64_t r, std:
   for (; i < n; ++i) push(s[i], i);
 }
 
-// Phase 2: each query's best r over its pairs' scores.
-// Better first: the higher score, then the lower position (the order at ties of a selection).
-inline bool better(const Cand& a, const Cand& c) {
-  return a.first > c.first || (a.first == c.first && a.second < c.second);
-}
+// Phase 2: each query's best r over its pairs' scores, ordered by BetterFirst (the higher score,
+// then the lower position: the order at ties of a selection).
 
 // Selections of up to this many take kth_largest and rank_sort in keep_best (AVX-512 or AVX2).
 constexpr int64_t kRankSortMax = 160;
@@ -822,7 +819,7 @@ inline uint32_t ascending_bits(float score) {
   return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
 }
 
-// A candidate as one integer that sorts in `better`'s order: the score's ascending bits flipped
+// A candidate as one integer that sorts in BetterFirst's order: the score's ascending bits flipped
 // (higher first) above the position (lower first). Integer compares have no branch on ties (perf:
 // the pair selection was 19 % of a one-query scan). Positions must be below 2^32.
 inline uint64_t best_first_key(float score, int64_t pos) {
@@ -854,9 +851,9 @@ struct SelectScratch {
 inline void keep_best(std::vector<Cand>& cands, int64_t r, SelectScratch& scratch) {
   const int64_t n = (int64_t)cands.size(), kept = std::min<int64_t>(r, n);
   if (std::any_of(cands.begin(), cands.end(), [](const Cand& c) { return uint64_t(c.second) >> 32; })) {
-    if (kept < n) std::nth_element(cands.begin(), cands.begin() + kept, cands.end(), better);
+    if (kept < n) std::nth_element(cands.begin(), cands.begin() + kept, cands.end(), BetterFirst());
     cands.resize(kept);
-    std::sort(cands.begin(), cands.end(), better);
+    std::sort(cands.begin(), cands.end(), BetterFirst());
     return;
   }
   std::vector<uint64_t>&keys = scratch.keys, &sorted = scratch.sorted;
@@ -1946,8 +1943,8 @@ inline void probe_dots(const float* __restrict q, const float* __restrict ct, in
 // words int32 [ceil(L/16) * G * 16] (G = ceil(D/4): blocks of 16 lists x 4 bytes in offset binary,
 // block_dots_vnni's layout), per f32 [4, ceil(L/16) * 16] = each list's (scale: symmetric absmax /
 // 127, |c - ĉ|, |ĉ|, |c|; pads 0), the norms summed in double, inflated by kSquareSlack and rounded
-// up, so they stay upper bounds, and stats f64 [3] = their maxima; (inf, inf, inf) when a centroid
-// is not finite (then the table is never used).
+// up, so they stay upper bounds, and finite bool [1]: false when a centroid is not (then the
+// table is never used).
 constexpr double kSquareSlack = 1.001;
 
 inline float round_up(double v) {
@@ -1961,12 +1958,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> probe_table(const at::Tensor& cen
   const int64_t blocks = (nlist + 15) / 16;
   auto words = at::full({blocks * groups * 16}, static_cast<int32_t>(0x80808080u), centroids_t.options().dtype(at::kInt));
   auto per = at::zeros({4, blocks * 16}, centroids_t.options());
-  auto stats = at::zeros({3}, centroids_t.options().dtype(at::kDouble));
+  auto finite_t = at::empty({1}, centroids_t.options().dtype(at::kBool));
   const float* ct = centroids_t.data_ptr<float>();
   uint32_t* wp = reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>());
   float* sp = per.data_ptr<float>();
   const int64_t stride = blocks * 16;
-  double* st = stats.data_ptr<double>();
   std::vector<int8_t> code(groups * 4);
   bool finite = true;
   for (int64_t l = 0; l < nlist; ++l) {
@@ -1990,7 +1986,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> probe_table(const at::Tensor& cen
     sp[stride + l] = round_up(std::sqrt(kSquareSlack * err));
     sp[2 * stride + l] = round_up(std::sqrt(kSquareSlack * qn));
     sp[3 * stride + l] = round_up(std::sqrt(kSquareSlack * nn));
-    for (int k = 0; k < 3; ++k) st[k] = std::max(st[k], double(sp[(k + 1) * stride + l]));
     uint32_t* dst = wp + (l / 16) * groups * 16 + l % 16;
     for (int64_t g = 0; g < groups; ++g) {
       uint32_t w;
@@ -1998,8 +1993,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> probe_table(const at::Tensor& cen
       dst[g * 16] = w ^ 0x80808080u;
     }
   }
-  if (!finite) st[0] = st[1] = st[2] = std::numeric_limits<double>::infinity();
-  return {words, per, stats};
+  finite_t.fill_(finite);
+  return {words, per, finite_t};
 }
 
 #ifdef RECSERVE_X86
@@ -2180,13 +2175,13 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
   const Isa isa = table.has_value() ? int8_isa() : Isa::kPortable;
 #ifdef RECSERVE_X86
   if (isa != Isa::kPortable) {
-    const auto& [w, pl, st] = *table;
+    const auto& [w, pl, ok] = *table;
     const int64_t blocks = (nlist + 15) / 16, groups = (d + 3) / 4;
     TORCH_CHECK(w.scalar_type() == at::kInt && w.is_contiguous() && w.numel() == blocks * groups * 16 &&
                     pl.scalar_type() == at::kFloat && pl.is_contiguous() && pl.numel() == 4 * blocks * 16 &&
-                    st.scalar_type() == at::kDouble && st.numel() == 3,
+                    ok.scalar_type() == at::kBool && ok.numel() == 1,
                 "table: not probe_table(centroids_t) of these centroids");
-    if (std::isfinite(st.data_ptr<double>()[0])) {
+    if (ok.data_ptr<bool>()[0]) {
       words = reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
       per = pl.data_ptr<float>();
     }

@@ -48,7 +48,7 @@ def test_the_table_gives_the_float_probe_bit_for_bit(isa, nlist, d, b, scale, l2
 
 
 @pytest.mark.parametrize("isa", SIMD)
-def test_a_table_of_other_centroids_is_refused_and_a_non_finite_query_takes_the_floats(
+def test_a_table_of_other_centroids_is_refused_and_non_finite_values_take_the_floats(
     isa, monkeypatch
 ):
     force(monkeypatch, isa)
@@ -66,3 +66,11 @@ def test_a_table_of_other_centroids_is_refused_and_a_non_finite_query_takes_the_
     got = ext.ivf_probe(q, ct, torch.zeros(0), 4, probe_table_cpu(ct))
     assert torch.equal(got[1], want[1])
     assert torch.equal(got[0][0], want[0][0])
+    c[5, 7] = float("inf")  # a centroid not finite: its table says so and is never read
+    ct = c.T.contiguous()
+    table = probe_table_cpu(ct)
+    assert not bool(table[2])
+    q = torch.randn(3, 24)
+    torch.testing.assert_close(
+        ext.ivf_probe(q, ct, torch.zeros(0), 4, table), ext.ivf_probe(q, ct, torch.zeros(0), 4)
+    )
