@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU re-check in one call (bench/RESULTS.md, "GPU re-check, fifteenth session"): the
+# gpu-marked tests, the index's kernel check and timings (bench/gpu.py), and serving on the GPU
+# vs the CPU (bench/serving.py, ours only), on a lent GPU machine whose Python lacks some of our
+# packages. Run from the repository root (a clean `git archive` of the commit under test does),
+# with the missing packages as cp312 wheels in $WHL:
+#
+#   OUT=/tmp/out WHL=.whl bash bench/gpu_check.sh
+#
+# Wheels (what the gpu tests, bench/gpu.py and bench/serving.py import that the machine's image
+# lacks or has at another version; exact versions from constraints.txt): faiss-cpu, pydantic,
+# pydantic-core, annotated-types, typing-inspection, typing-extensions, starlette, tritonclient,
+# python-rapidjson, grpcio, grpcio-health-checking, protobuf, typer, click. Not carried:
+# fbgemm-gpu (its CUDA build is ~465 MB; without it the tables take the torch path, and training,
+# which needs fbgemm's TBE, cannot run: test_tiering's fixture errors and the served model is
+# untrained, --epochs 0).
+#
+# Every step has a time limit cut to what is left of $GPU_CHECK_BUDGET_S (default 390 s), so
+# one hang cannot take the whole lease; a step with under 15 s left is skipped. Writes into
+# $OUT: gpu_check.log (everything printed), gpu_pytest.log, gpu.json, serving_cuda.json,
+# serving_cpu.json, gpu_cpu.json.
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+WHL=${WHL:-.whl}
+BUDGET=${GPU_CHECK_BUDGET_S:-390}
+ITEMS=${SERVING_ITEMS:-200000}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+
+# step NAME MAX_S CMD...: runs CMD under `timeout` (MAX_S, or what is left if less)
+step() {
+    local name=$1 max=$2 l t s rc
+    shift 2
+    l=$(left)
+    t=$((max < l ? max : l))
+    if ((t < 15)); then
+        echo "== $name: SKIPPED ($l s of the budget left)"
+        return 0
+    fi
+    echo "== $name: start (limit $t s, $l s left)"
+    s=$(date +%s)
+    timeout -k 5 "$t" "$@"
+    rc=$?
+    echo "== $name: rc $rc in $(($(date +%s) - s)) s$( ((rc == 124 || rc == 137)) && echo ' (TIMED OUT)')"
+    return 0
+}
+
+main() {
+echo "== commit: $(cat COMMIT 2>/dev/null || echo unknown)"
+if compgen -G "$WHL/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$WHL"/*.whl || { echo "== wheels: install FAILED"; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    echo "== wheels installed in $(($(date +%s) - T0)) s: $(ls "$WHL" | tr '\n' ' ')"
+else
+    echo "== wheels: none in $WHL, using what is installed"
+fi
+
+# The C++ kernels compile at first use (common/cpp_extension.py), one after another inside the
+# first test that needs them; here all four build at once, in the background, while the tests
+# start (a test that needs one waits on its build lock).
+for k in "retrieval.index.scan:int8_isa" "retrieval.index.kmeans:build_kernel" \
+    "sharded_tables.idmap:build_kernel" "sharded_tables.pooled_lookup:build_kernel"; do
+    (timeout -k 5 300 python3 -c "import time, importlib; t = time.time(); \
+m = importlib.import_module('${k%%:*}'); getattr(m, '${k##*:}')(); \
+print('== kernel ${k}: built in %.1f s' % (time.time() - t))" ||
+        echo "== kernel $k: FAILED") &
+done
+
+nvidia-smi -L
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nproc
+python3 - <<'EOF'
+import importlib, platform, torch, triton
+print("python", platform.python_version(), "| torch", torch.__version__, "cuda", torch.version.cuda,
+      "| triton", triton.__version__, "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA")
+for name in ("numpy", "faiss", "grpc", "google.protobuf", "pydantic", "pydantic_core", "starlette",
+             "tritonclient", "typer", "click", "rich", "pyarrow", "prometheus_client", "hypothesis",
+             "pytest", "fbgemm_gpu"):
+    try:
+        m = importlib.import_module(name)
+        print(f"  {name} {getattr(m, '__version__', '?')} ({m.__file__})")
+    except Exception as e:  # noqa: BLE001
+        print(f"  {name}: not importable: {type(e).__name__}: {e}")
+EOF
+
+# 1. the gpu-marked tests (their files only: collecting the whole suite needs packages that are
+# not here)
+step "pytest -m gpu" 150 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
+    $(grep -rl 'mark.gpu' tests | sort | tr '\n' ' ') 2>&1 | tee '$OUT/gpu_pytest.log'"
+wait # the kernel builds (normally long done)
+
+# 2. the index: kernel vs reference on the device, then whole searches at 1M vs GEMM + topk
+step "bench/gpu.py cuda 1M" 100 python3 bench/gpu.py --device cuda --check --threads "$(nproc)" \
+    --sizes 1000000 --batches 1,16,128,1024 --ks 100 --selectivities 1,0.5,0.05,0.005 \
+    --nprobes 16,32,64 --budget-s 0.2 --out "$OUT/gpu.json"
+
+# 3. serving: the same model (untrained, --epochs 0: no fbgemm here to train with) served by
+# `recserve serve model` on the GPU, then on the CPU (one process; and one per core)
+if python3 -c "import recserve.cli, serving.frontends.recommend_grpc, serving.frontends.kserve_grpc, \
+serving.frontends.kserve_http, tritonclient.grpc" 2>&1; then
+    SERVE=(python3 bench/serving.py --small --items "$ITEMS" --epochs 0 --concurrency 1,8,32,64
+        --seconds 2 --warmup-s 0.5 --startup-timeout-s 75)
+    step "bench/serving.py cuda" 100 "${SERVE[@]}" --systems ours-1proc --device cuda \
+        --out "$OUT/serving_cuda.json"
+    step "bench/serving.py cpu" 80 "${SERVE[@]}" --systems ours-1proc,ours --device cpu \
+        --out "$OUT/serving_cpu.json"
+else
+    echo "== serving: SKIPPED, the serving stack does not import"
+fi
+
+# 4. if time is left: our CPU path on this machine's cores, the same 1M workload
+step "bench/gpu.py cpu 1M" 60 python3 bench/gpu.py --device cpu --threads "$(nproc)" \
+    --sizes 1000000 --batches 1,1024 --ks 100 --selectivities 1,0.05 --nprobes 16,32,64 \
+    --budget-s 0.1 --out "$OUT/gpu_cpu.json"
+
+echo "== done in $(($(date +%s) - T0)) s"
+ls -la "$OUT"
+}
+
+main 2>&1 | tee "$OUT/gpu_check.log"
