@@ -474,7 +474,9 @@ class IVFIndex(nn.Module):
         Items a row excludes (``fb.exclude``, item ids) are skipped in either."""
         b, dev = q.shape[0], q.device
         q, fb = as_scored(self, q), self.excluding(fb)
-        exact_rows = plan.exact.to(dev)
+        # row numbers on the CPU, where plans live: they index the plan's tensors as well as q
+        # and fb (a GPU row list indexing the plan failed every GPU batch mixing both kinds)
+        exact_rows = plan.exact.cpu()
         if not bool(exact_rows.any()):  # every row probes lists: no scatter
             return self._list_candidates(q, plan, fb)
         out = Candidates.empty(b, plan.r, dev)

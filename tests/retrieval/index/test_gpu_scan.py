@@ -158,15 +158,52 @@ def test_real_filters_compiled_by_the_schema():
 def test_index_on_cuda_finds_what_the_cpu_index_finds(codes, catalog):
     from retrieval.index import IVFConfig, build_ivf
 
+    # measure_costs=False: both devices plan by the constant exact_cost. Costs measured at build
+    # price the CPU's plans only (a GPU index plans by the constant), so on a CPU whose measured
+    # exact plan is cheap (an H200 host's 16 cores) the CPU scanned these rows exactly while the
+    # GPU probed lists: other answers, not other arithmetic.
     idx = build_ivf(
         catalog["x"],
-        IVFConfig(nlist=64, nprobe=8, codes=codes, rerank=0, exact_copy="none"),
+        IVFConfig(
+            nlist=64, nprobe=8, codes=codes, rerank=0, exact_copy="none", measure_costs=False
+        ),
         item_attributes=catalog["attrs"],
         attribute_values=catalog["values"],
     )
     want, ws = idx.search(catalog["q"], 100, "shard in {1,2,3,4,5,6,7,8}")
     gpu = idx.to("cuda")
     got, gs = gpu.search(catalog["q"].cuda(), 100, "shard in {1,2,3,4,5,6,7,8}")
+    torch.testing.assert_close(gs.cpu(), ws, rtol=1e-4, atol=1e-4)
+    overlap = (got.cpu().unsqueeze(2) == want.unsqueeze(1)).any(2).float().mean()
+    assert overlap > 0.99
+
+
+@pytest.mark.gpu
+def test_a_cuda_batch_mixing_exact_and_list_rows_answers_as_on_the_cpu(catalog):
+    """Rows of one batch on different plans (a selective filter scanned exactly beside
+    unfiltered rows probing lists, with seen items), as a server's warm-up batch sends: the
+    plan's row numbers stay on the CPU (a GPU row list indexing the CPU plan failed)."""
+    from retrieval.filters import FilterBatch
+    from retrieval.index import IVFConfig, build_ivf
+
+    idx = build_ivf(
+        catalog["x"],
+        IVFConfig(nlist=64, nprobe=8, rerank=0, exact_copy="none", measure_costs=False),
+        item_attributes=catalog["attrs"],
+        attribute_values=catalog["values"],
+    )
+    q = catalog["q"][:8]
+    filters = ["shard = 1 and bucket = 2" if i % 2 else "" for i in range(8)]
+    plan = idx.search_plan(100, filters)
+    assert bool(plan.exact.any()) and not bool(plan.exact.all())  # both kinds in one batch
+    seen = torch.randint(
+        0, catalog["x"].shape[0], (8, 5), generator=torch.Generator().manual_seed(2)
+    )
+    fb = idx.compile_filter(filters, 8)
+    want, ws = idx.search(q, 100, FilterBatch(fb.masks, fb.negate, seen))
+    gpu = idx.to("cuda")
+    gfb = gpu.compile_filter(filters, 8)
+    got, gs = gpu.search(q.cuda(), 100, FilterBatch(gfb.masks, gfb.negate, seen.cuda()))
     torch.testing.assert_close(gs.cpu(), ws, rtol=1e-4, atol=1e-4)
     overlap = (got.cpu().unsqueeze(2) == want.unsqueeze(1)).any(2).float().mean()
     assert overlap > 0.99
