@@ -16,14 +16,16 @@
 # untrained, --epochs 0).
 #
 # Every step has a time limit cut to what is left of $GPU_CHECK_BUDGET_S (default 390 s), so
-# one hang cannot take the whole lease; a step with under 15 s left is skipped. Writes into
-# $OUT: gpu_check.log (everything printed), gpu_pytest.log, gpu.json, serving_cuda.json,
+# one hang cannot take the whole lease; a step with under 15 s left is skipped.
+# $GPU_CHECK_STEPS picks steps (default all: pytest,gpu,serving,cpu). Writes into $OUT:
+# gpu_check.log (everything printed), gpu_pytest.log, gpu.json, serving_cuda.json,
 # serving_cpu.json, gpu_cpu.json.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 WHL=${WHL:-.whl}
 BUDGET=${GPU_CHECK_BUDGET_S:-390}
 ITEMS=${SERVING_ITEMS:-200000}
+STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,serving,cpu},
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -89,31 +91,45 @@ EOF
 
 # 1. the gpu-marked tests (their files only: collecting the whole suite needs packages that are
 # not here)
-step "pytest -m gpu" 150 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
+[[ $STEPS == *,pytest,* ]] && step "pytest -m gpu" 150 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
     $(grep -rl 'mark.gpu' tests | sort | tr '\n' ' ') 2>&1 | tee '$OUT/gpu_pytest.log'"
 wait # the kernel builds (normally long done)
 
 # 2. the index: kernel vs reference on the device, then whole searches at 1M vs GEMM + topk
-step "bench/gpu.py cuda 1M" 100 python3 bench/gpu.py --device cuda --check --threads "$(nproc)" \
+[[ $STEPS == *,gpu,* ]] && step "bench/gpu.py cuda 1M" 100 python3 bench/gpu.py --device cuda --check --threads "$(nproc)" \
     --sizes 1000000 --batches 1,16,128,1024 --ks 100 --selectivities 1,0.5,0.05,0.005 \
     --nprobes 16,32,64 --budget-s 0.2 --out "$OUT/gpu.json"
 
 # 3. serving: the same model (untrained, --epochs 0: no fbgemm here to train with) served by
 # `recserve serve model` on the GPU, then on the CPU (one process; and one per core)
-if python3 -c "import recserve.cli, serving.frontends.recommend_grpc, serving.frontends.kserve_grpc, \
+if [[ $STEPS == *,serving,* ]] && python3 -c "import recserve.cli, serving.frontends.recommend_grpc, serving.frontends.kserve_grpc, \
 serving.frontends.kserve_http, tritonclient.grpc" 2>&1; then
     SERVE=(python3 bench/serving.py --small --items "$ITEMS" --epochs 0 --concurrency 1,8,32,64
         --seconds 2 --warmup-s 0.5 --startup-timeout-s 75)
     step "bench/serving.py cuda" 100 "${SERVE[@]}" --systems ours-1proc --device cuda \
         --out "$OUT/serving_cuda.json"
+    if [[ ! -f $OUT/serving_cuda.json ]]; then # the server's log went with its temp folder
+        step "warm-up on cuda, with a traceback" 40 python3 - <<'EOF'
+import sys, traceback
+sys.path.append("bench")  # after the root: bench/serving.py is not the package
+from bench_model import trained_model
+from serving.engine.runner import ModelRunner
+_, model = trained_model(300, 20000, 0)
+try:
+    ModelRunner(model.to("cuda"), "diag", 1).warmup()
+    print("warm-up on cuda: ok")
+except Exception:
+    traceback.print_exc()
+EOF
+    fi
     step "bench/serving.py cpu" 80 "${SERVE[@]}" --systems ours-1proc,ours --device cpu \
         --out "$OUT/serving_cpu.json"
 else
-    echo "== serving: SKIPPED, the serving stack does not import"
+    echo "== serving: not run (not asked for, or the serving stack does not import)"
 fi
 
 # 4. if time is left: our CPU path on this machine's cores, the same 1M workload
-step "bench/gpu.py cpu 1M" 60 python3 bench/gpu.py --device cpu --threads "$(nproc)" \
+[[ $STEPS == *,cpu,* ]] && step "bench/gpu.py cpu 1M" 60 python3 bench/gpu.py --device cpu --threads "$(nproc)" \
     --sizes 1000000 --batches 1,1024 --ks 100 --selectivities 1,0.05 --nprobes 16,32,64 \
     --budget-s 0.1 --out "$OUT/gpu_cpu.json"
 
