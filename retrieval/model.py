@@ -306,11 +306,14 @@ class RetrievalModel(nn.Module):
         k: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidates -> top-``k``: the scoring head (when configured) over ``vecs [B, R, D]``.
-        ``ids [B, R]`` (-1 pads), ``dot [B, R]`` from the index, seen items already skipped."""
+        ``ids [B, R]`` (-1 pads), ``dot [B, R]`` from the index (best first), seen items
+        already skipped."""
         if self.head is not None and vecs is not None:
             dot = score_candidates(q, vecs, dot, self.head, self.config.temperature).masked_fill(
                 ids < 0, float("-inf")
             )
+        elif dot.shape[1] == k:  # the index's top-k, best first, -1 / -inf padded: as it is
+            return ids, dot
         top, idx = dot.topk(k, dim=1)
         return torch.where(top > float("-inf"), ids.gather(1, idx), torch.full_like(idx, -1)), top
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from retrieval.filters import FilterBatch, estimate_selectivity
@@ -61,19 +62,22 @@ def make_plan(
         rows = row_settings(
             target, nprobe, cfg.filter_bound_slack, cfg.recall_curve, cfg.slack_curve
         )
-    sel = (
-        estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu()
-        if fb.active
-        else torch.ones(b)
-    )  # [B]
+    # per row: Python numbers and NumPy (a batch's few rows: each torch op costs ~5 us)
+    sel_t = estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu() if fb.active else None
+    sel = [1.0] * b if sel_t is None else sel_t.tolist()  # [B]
     base = rows.nprobe.tolist() if rows is not None else [nprobe] * b
-    excluded = fb.exclude.ge(0).sum(dim=1).tolist() if fb.exclude is not None else [0] * b
-    keys = list(zip(sel.tolist(), base, excluded, strict=True))  # few distinct: one each
+    excluded = [0] * b
+    if fb.exclude is not None:
+        excluded = (fb.exclude.cpu().numpy() >= 0).sum(axis=1).tolist()
+    keys = list(zip(sel, base, excluded, strict=True))  # few distinct: one each
     lists = {key: lists_for(index, key[0], key[1], r + key[2]) for key in set(keys)}
-    p = torch.tensor([lists[key] for key in keys], dtype=torch.int64)
+    p = torch.from_numpy(np.array([lists[key] for key in keys], dtype=np.int64))
     if not fb.active and not exact and rows is None:  # the common case
         return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
-    scan_exact = cheaper_exact(index, sel, p, b) if fb.active else torch.zeros(b, dtype=torch.bool)
+    sel_t = torch.ones(b) if sel_t is None else sel_t
+    scan_exact = (
+        cheaper_exact(index, sel_t, p, b) if fb.active else torch.zeros(b, dtype=torch.bool)
+    )
     if exact:
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
@@ -81,7 +85,7 @@ def make_plan(
     plan = SearchPlan(k, r, p, scan_exact)
     if q is None or cfg.filter_bound <= 0 or not fb.active:
         return plan
-    return with_bounds(index, q, fb, plan, sel, None if rows is None else rows.slack)
+    return with_bounds(index, q, fb, plan, sel_t, None if rows is None else rows.slack)
 
 
 def cheaper_exact(

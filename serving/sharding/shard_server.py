@@ -97,13 +97,17 @@ class ShardMetrics:
             registry=r,
         )
         self._labels = labels
+        self._by_code: dict[str, Any] = {}
         self.version = Gauge(
             "recserve_shard_version", "Newest version loaded", list(labels), registry=r
         ).labels(**labels)
         self._http: Any = None
 
     def request(self, code: str) -> None:
-        self._requests.labels(**self._labels, code=code).inc()
+        child = self._by_code.get(code)
+        if child is None:  # labels() costs ~10 us a call: each code's series is kept
+            child = self._by_code[code] = self._requests.labels(**self._labels, code=code)
+        child.inc()
 
     def serve_http(self, port: int, host: str) -> int:
         self._http = start_http_server(port, addr=host, registry=self.registry)
@@ -127,10 +131,10 @@ class ShardServicer(pb_grpc.ShardServicer):
             version, index = s.parts.search_index(request.model, request.version, request.sequence)
             q, fb, plan = self._decode(request, index)
             dev = index.centroids.device
+            if dev.type != "cpu":  # decoded on the host
+                q, fb = q.to(dev), fb.to(dev)
             with torch.inference_mode():
-                cand = index.item_candidates(
-                    q.to(dev), fb.to(dev), plan, with_vectors=request.with_vectors
-                )
+                cand = index.item_candidates(q, fb, plan, with_vectors=request.with_vectors)
             return encode_response(s.shard, version, cand)
         except PartRefusedError as e:
             code = grpc.StatusCode[e.code]

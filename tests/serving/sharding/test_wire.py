@@ -95,6 +95,18 @@ def test_a_bad_floor_names_the_field():
         decode_request(msg)
 
 
+@pytest.mark.parametrize("field", ["exact", "filter_negate"])
+def test_flags_other_than_0_or_1_name_their_field(field):
+    """A bool tensor must not be built over bytes like 2 (torch would hold an invalid bool)."""
+    msg = request(None)
+    setattr(msg, field, b"\x01\x02")
+    with pytest.raises(ValueError, match=f"{field}: every byte must be 0 or 1"):
+        decode_request(msg)
+    setattr(msg, field, b"\x01")
+    with pytest.raises(ValueError, match=field):
+        decode_request(msg)
+
+
 @pytest.mark.parametrize(
     ("field", "value"), [("nprobe", torch.tensor([2, 0])), ("exclude", torch.tensor([[5], [-2]]))]
 )
