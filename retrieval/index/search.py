@@ -272,8 +272,8 @@ def run_search(plan: SearchPlan, fetch: Fetch) -> Candidates:
 def _short_rows(plan: SearchPlan, top: Candidates) -> torch.Tensor:
     """``[B] bool`` on the CPU: rows that probed lists and hold fewer than ``k`` results
     (results fill each row from the front). NumPy: a batch's few rows, ~3 torch ops less."""
-    last = top.keys[:, -1].cpu().numpy()
-    return torch.from_numpy((last < 0) & ~plan.exact.cpu().numpy())
+    keys = top.keys if top.keys.is_cpu else top.keys[:, -1:].cpu()  # a GPU's last column
+    return torch.from_numpy((keys.numpy()[:, -1] < 0) & ~plan.exact.cpu().numpy())
 
 
 def _second_round(

@@ -4,6 +4,8 @@ probes and the replicas in rotation."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -62,3 +64,22 @@ class RouterMetrics:
             ["model", "shard"],
             registry=registry,
         )
+        # every round touches these two: labels() costs ~10 us a call, so each series is kept
+        self._answers: dict[tuple[int, str], Any] = {}
+        self._latency: dict[int, Any] = {}
+
+    def answered(self, shard: int, replica: str) -> None:
+        """One more answer from ``replica`` of ``shard``."""
+        child = self._answers.get((shard, replica))
+        if child is None:
+            child = self._answers[shard, replica] = self.answers.labels(
+                self.model, str(shard), replica
+            )
+        child.inc()
+
+    def round_trip(self, shard: int, seconds: float) -> None:
+        """A round's wait for ``shard``'s answer."""
+        child = self._latency.get(shard)
+        if child is None:
+            child = self._latency[shard] = self.latency.labels(self.model, str(shard))
+        child.observe(seconds)

@@ -260,7 +260,7 @@ class ShardClient:
             in_rotation = self._health.in_rotation(shard)
         m, label = self.metrics, str(shard)
         if not code:
-            m.answers.labels(m.model, label, address).inc()
+            m.answered(shard, address)
         if change is None:
             return
         m.in_rotation.labels(m.model, label).set(in_rotation)
@@ -315,7 +315,7 @@ class ShardClient:
                 got = call.answer()
                 if got is not None:
                     answers[s] = got
-                    self.metrics.latency.labels(self.metrics.model, str(s)).observe(now - start)
+                    self.metrics.round_trip(s, now - start)
                 elif call.all_failed() and not (
                     now < deadline and call.launch(self, request, deadline - now, wake)  # fail over
                 ):
