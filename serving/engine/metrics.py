@@ -51,7 +51,7 @@ ours and both counters hold the same total.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -96,10 +96,14 @@ class _TritonCounters(Collector):
         }
 
     def inc(self, name: str, amount: float, labels: dict[str, str]) -> None:
-        key = tuple(sorted(labels.items()))
+        self.add(tuple(sorted(labels.items())), ((name, amount),))
+
+    def add(self, key: tuple[tuple[str, str], ...], amounts: Iterable[tuple[str, float]]) -> None:
+        """Several counters of one label set (``key``: its sorted items) under one lock."""
         with self._lock:
-            table = self._values[name]
-            table[key] = table.get(key, 0.0) + amount
+            for name, amount in amounts:
+                table = self._values[name]
+                table[key] = table.get(key, 0.0) + amount
 
     def value(self, name: str, **labels: str) -> float:
         with self._lock:
@@ -185,36 +189,51 @@ class ServingMetrics:
             registry=r,
         )
         self._http: Any = None
+        # what every request and batch records, made once (labels() costs ~10 us a call)
+        self._keys: dict[int | None, tuple[tuple[str, str], ...]] = {}
+        self._latency = self.latency.labels(model)
+        self._batch_size = self.batch_size.labels(model)
 
     def _labels(self, version: int | None) -> dict[str, str]:
         return {"model": self.model, "version": "" if version is None else str(version)}
+
+    def _key(self, version: int | None) -> tuple[tuple[str, str], ...]:
+        """The Triton counters' label key of ``version`` (made once: every request uses it)."""
+        key = self._keys.get(version)
+        if key is None:
+            key = self._keys[version] = tuple(sorted(self._labels(version).items()))
+        return key
 
     # ---- recording ----------------------------------------------------------------------------
     def request_done(self, version: int | None, seconds: float, reason: str | None) -> None:
         """One call (however many rows) finished: ``reason`` None on success, else the
         ``error_status`` reason of its failure."""
-        labels = self._labels(version)
+        key, us = self._key(version), seconds * 1e6
         if reason is None:
-            self.triton.inc("nv_inference_request_success", 1, labels)
+            self.triton.add(
+                key, (("nv_inference_request_success", 1), ("nv_inference_request_duration_us", us))
+            )
         else:
             triton_reason = TRITON_REASON.get(reason, "OTHER")
-            self.triton.inc("nv_inference_request_failure", 1, {**labels, "reason": triton_reason})
+            labels = {**self._labels(version), "reason": triton_reason}
+            self.triton.inc("nv_inference_request_failure", 1, labels)
             self.failures.labels(self.model, reason).inc()
-        self.triton.inc("nv_inference_request_duration_us", seconds * 1e6, labels)
-        self.latency.labels(self.model).observe(seconds)
+            self.triton.add(key, (("nv_inference_request_duration_us", us),))
+        self._latency.observe(seconds)
 
     def batch_queued(self, version: int | None, waits: list[float]) -> None:
         """A batch left the queue; ``waits``: each request's queue time (s)."""
-        labels = self._labels(version)
-        self.triton.inc("nv_inference_queue_duration_us", sum(waits) * 1e6, labels)
-        self.batch_size.labels(self.model).observe(len(waits))
+        self.triton.add(self._key(version), (("nv_inference_queue_duration_us", sum(waits) * 1e6),))
+        self._batch_size.observe(len(waits))
 
     def batch_computed(self, version: int, size: int, seconds: float) -> None:
         """One forward ran ``size`` rows (of one call or several) in ``seconds``."""
-        labels = self._labels(version)
-        self.triton.inc("nv_inference_exec_count", 1, labels)
-        self.triton.inc("nv_inference_count", size, labels)
-        self.triton.inc("nv_inference_compute_infer_duration_us", seconds * 1e6, labels)
+        amounts = (
+            ("nv_inference_exec_count", 1),
+            ("nv_inference_count", size),
+            ("nv_inference_compute_infer_duration_us", seconds * 1e6),
+        )
+        self.triton.add(self._key(version), amounts)
 
     def model_loaded(self, version: int) -> None:
         self.version.labels(self.model).set(version)
