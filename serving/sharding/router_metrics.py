@@ -4,9 +4,9 @@ probes and the replicas in rotation."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.metric_series import Series
 
 
 class RouterMetrics:
@@ -64,22 +64,13 @@ class RouterMetrics:
             ["model", "shard"],
             registry=registry,
         )
-        # every round touches these two: labels() costs ~10 us a call, so each series is kept
-        self._answers: dict[tuple[int, str], Any] = {}
-        self._latency: dict[int, Any] = {}
+        # every round records these two
+        self._answers, self._latency = Series(self.answers), Series(self.latency)
 
     def answered(self, shard: int, replica: str) -> None:
         """One more answer from ``replica`` of ``shard``."""
-        child = self._answers.get((shard, replica))
-        if child is None:
-            child = self._answers[shard, replica] = self.answers.labels(
-                self.model, str(shard), replica
-            )
-        child.inc()
+        self._answers(self.model, str(shard), replica).inc()
 
     def round_trip(self, shard: int, seconds: float) -> None:
         """A round's wait for ``shard``'s answer."""
-        child = self._latency.get(shard)
-        if child is None:
-            child = self._latency[shard] = self.latency.labels(self.model, str(shard))
-        child.observe(seconds)
+        self._latency(self.model, str(shard)).observe(seconds)

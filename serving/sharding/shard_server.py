@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from common.grpc_util import add_service, bind_port, format_address, serve_then_stop
+from common.metric_series import Series
 from common.ready import ReadyLine, ready_line
 from common.security import NO_SECURITY, Security
 from common.torch_threads import use_process_threads
@@ -97,17 +98,14 @@ class ShardMetrics:
             registry=r,
         )
         self._labels = labels
-        self._by_code: dict[str, Any] = {}
+        self._by_code = Series(self._requests)
         self.version = Gauge(
             "recserve_shard_version", "Newest version loaded", list(labels), registry=r
         ).labels(**labels)
         self._http: Any = None
 
     def request(self, code: str) -> None:
-        child = self._by_code.get(code)
-        if child is None:  # labels() costs ~10 us a call: each code's series is kept
-            child = self._by_code[code] = self._requests.labels(**self._labels, code=code)
-        child.inc()
+        self._by_code(self._labels["model"], self._labels["shard"], code).inc()
 
     def serve_http(self, port: int, host: str) -> int:
         self._http = start_http_server(port, addr=host, registry=self.registry)

@@ -226,6 +226,35 @@ def test_the_router_stays_while_a_shard_has_no_replica_that_answers(wide, tmp_pa
         c.close()
 
 
+def test_a_routed_request_is_counted_by_every_shard_and_by_the_router(cluster, wide):
+    """One unfiltered request is one round: each shard counts an OK search, and the router a
+    round trip and an answer per shard (series kept per label set: two in a row count twice)."""
+    router = cluster.state.metrics.registry
+
+    def counts() -> list[tuple[float, float, float]]:
+        out = []
+        for s, shard in enumerate(cluster.shards):
+            labels = {"model": "demo", "shard": str(s)}
+            ok = {**labels, "code": "OK"}
+            mine = {**labels, "replica": shard.address}
+            out.append(
+                (
+                    shard.metrics.registry.get_sample_value(
+                        "recserve_shard_search_requests_total", ok
+                    )
+                    or 0.0,
+                    router.get_sample_value("recserve_shard_latency_seconds_count", labels) or 0.0,
+                    router.get_sample_value("recserve_replica_answers_total", mine) or 0.0,
+                )
+            )
+        return out
+
+    before = counts()
+    for _ in range(2):
+        assert not cluster.state.submit(wide.request(0, 10)).result(timeout=30).partial
+    assert counts() == [(a + 2, b + 2, c + 2) for a, b, c in before]
+
+
 def test_a_shard_refuses_a_version_it_does_not_hold(cluster, wide):
     import grpc
 
