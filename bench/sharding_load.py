@@ -92,6 +92,8 @@ def serve_model(repo_root: Path, log: Path, args: argparse.Namespace) -> Iterato
     always stopped after."""
     cmd = [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(repo_root)]
     cmd += ["--model", MODEL, "--grpc-port", "0", "--torch-threads", str(args.serve_threads)]
+    if getattr(args, "device", "cpu") != "cpu":  # bench/timeline.py --device
+        cmd += ["--device", args.device]
     run = start(cmd, log)
     try:
         wait_ready(run, args.startup_timeout_s)

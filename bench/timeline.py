@@ -80,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=4.0, help="load per configuration")
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--serve-threads", type=int, default=2, help="torch threads of serve")
+    p.add_argument("--device", default="cpu", help="where serve runs its model (serve only)")
     p.add_argument("--shard-threads", type=int, default=0, help="0: recserve cluster's split")
     p.add_argument("--shard-deadline-ms", type=int, default=1000)
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
