@@ -24,8 +24,8 @@ import torch
 
 from retrieval.filters import FilterBatch, FilterSchema
 from retrieval.index.bound import as_scored
-from retrieval.index.cuda_graphs import run_graphed
-from retrieval.index.exclude import IdOrder
+from retrieval.index.cuda_graphs import bucket, run_graphed
+from retrieval.index.exclude import PAD, IdOrder
 from retrieval.index.planner import PlannedIndex, lists_for
 from retrieval.index.probe import FEW_QUERIES
 from retrieval.index.scan import ProbeTable, scan, search_ids_cpu
@@ -85,7 +85,9 @@ def plain_search(
     p, excluded = plain
     ex = index.excluding(fb).exclude if excluded and fb is not None else None
 
-    def probe_and_scan(qq: torch.Tensor, lists: int = p) -> tuple[torch.Tensor, torch.Tensor]:
+    def probe_and_scan(
+        qq: torch.Tensor, excl: torch.Tensor | None = None, lists: int = p
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         scored = as_scored(index, qq).contiguous()
         coarse, probes = index.probe(scored, lists)
         b, w, d = qq.shape[0], index.sig.shape[1], qq.device
@@ -95,22 +97,25 @@ def plain_search(
         )
         return scan(
             scored, probes, coarse, index.codes, index.scales, index.offsets, index.sig,
-            *no_clause, k, max_list=index.max_list, excl=ex,
+            *no_clause, k, max_list=index.max_list, excl=excl,
         )  # fmt: skip
 
     dev = q.device
-    if ex is None:  # a fixed shape: on a GPU, one graph replay (retrieval/index/cuda_graphs.py)
-        held = (index.centroids, index.codes, index.scales, index.offsets, index.sig)
-        pos, scores = run_graphed(index, ("plain", k, p), probe_and_scan, q, held)
-    else:
-        pos, scores = probe_and_scan(q)
+    if ex is not None and q.is_cuda:  # a graph needs a fixed width: PAD sorts last, equals none
+        width = bucket(ex.shape[1])
+        ex = torch.cat([ex, ex.new_full((ex.shape[0], width - ex.shape[1]), PAD)], dim=1)
+    # on a GPU, one graph replay (retrieval/index/cuda_graphs.py); a served request's excluded
+    # rows (its history) are one of the graph's inputs
+    held = (index.centroids, index.codes, index.scales, index.offsets, index.sig)
+    inputs = (q,) if ex is None else (q, ex)
+    pos, scores = run_graphed(index, ("plain", k, p), probe_and_scan, inputs, held)
     short = pos[:, -1].lt(0).cpu().numpy()  # on a GPU: the search's one wait
     if short.any() and ex is None and p < index.nlist:
         # the planned path's next round, WIDEN x the lists, without planning (and without
         # repeating the first round, as planned_positions would): 1.4 ms of a 10 ms batch of
         # 1,000 at 256-d went to 6 short rows
         rows = torch.from_numpy(np.flatnonzero(short)).to(dev)
-        pos[rows], scores[rows] = probe_and_scan(q[rows], min(p * WIDEN, index.nlist))
+        pos[rows], scores[rows] = probe_and_scan(q[rows], lists=min(p * WIDEN, index.nlist))
         short = pos[:, -1].lt(0).cpu().numpy()
     if short.any():  # the planned path's later rounds, for those rows only
         rows = torch.from_numpy(np.flatnonzero(short)).to(dev)

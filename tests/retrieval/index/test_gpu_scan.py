@@ -117,6 +117,18 @@ def test_kernel_equals_the_reference(lengths, b, p, d, kind, clauses, words, exc
     assert_same(*run_both(c, r))
 
 
+def test_excluded_rows_widened_with_pad_change_nothing():
+    """A CUDA graph takes excluded rows at a bucketed width (``plain.py`` pads them with PAD):
+    the kernel answers as it does at their own width."""
+    c = case([120, 0, 300, 77], 6, 3, 24, "int8", 1, 1, 5, seed=11)
+    args = (c["q"], c["probes"], c["coarse"], c["codes"], c["scales"], c["offsets"], c["sig"])
+    args += (c["fmask"], c["fneg"], 50, c["max_list"])
+    wide = torch.cat([c["excl"], torch.full((6, 3), PAD, dtype=torch.int64)], dim=1)  # 5 -> 8
+    got, want = gpu_scan.scan_triton(*args, wide), gpu_scan.scan_triton(*args, c["excl"])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert c["excl"].lt(PAD).any()  # some rows do exclude
+
+
 def test_long_lists_many_queries_filters_and_exclusions():
     """Lists longer than a tile, more queries on a list than a chunk holds, every clause kind."""
     c = case([700, 0, 260, 33, 129], 37, 3, 32, "int8", 2, 2, 9, seed=3)
@@ -277,12 +289,13 @@ def test_without_a_gpu_the_search_runs_eagerly(small_index, catalog):
 
     calls = []
 
-    def fn(q):
-        calls.append(q.shape[0])
+    def fn(q, ex):
+        calls.append((q.shape[0], ex.shape))
         return (q * 2,)
 
-    (out,) = run_graphed(small_index, "k", fn, catalog["q"][:3], (small_index.codes,))
-    assert calls == [3] and torch.equal(out, catalog["q"][:3] * 2)
+    ex = torch.zeros(3, 5, dtype=torch.int64)
+    (out,) = run_graphed(small_index, "k", fn, (catalog["q"][:3], ex), (small_index.codes,))
+    assert calls == [(3, (3, 5))] and torch.equal(out, catalog["q"][:3] * 2)
 
 
 @pytest.mark.gpu
@@ -305,6 +318,32 @@ def test_graphed_searches_equal_eager_ones_and_follow_updates(small_index, catal
     updated = add_items(gpu, ids, catalog["q"][:5] * 4, gpu.sig[:5].cpu())
     top = updated.search(q, 1)[0].cpu().flatten()
     assert torch.equal(top, ids)
+
+
+@pytest.mark.gpu
+def test_graphed_searches_with_seen_items_equal_eager_ones(small_index, catalog, monkeypatch):
+    """A served request excludes its history: that search replays a graph too (the excluded
+    rows are one of its inputs, their width bucketed with PAD), with the eager search's
+    answers for every batch size and seen-list width, and no seen item in them."""
+    from retrieval.filters import FilterBatch
+    from retrieval.index.cuda_graphs import _CACHES, GRAPHS_ENV
+
+    gpu = small_index.to("cuda")
+    q = catalog["q"][:5].cuda()
+    g = torch.Generator().manual_seed(3)
+    for b, width in ((1, 3), (3, 5), (4, 8), (5, 5)):
+        seen = torch.randint(0, 6000, (b, width), generator=g)
+        seen[0, -1] = -1  # a padded slot
+        fb = gpu.compile_filter(None, b)
+        fb = FilterBatch(fb.masks, fb.negate, seen.cuda())
+        got = gpu.search(q[:b], 20, fb)
+        monkeypatch.setenv(GRAPHS_ENV, "0")
+        want = gpu.search(q[:b], 20, fb)
+        monkeypatch.delenv(GRAPHS_ENV)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (b, width)
+        assert not (got[0].cpu().unsqueeze(2) == seen.unsqueeze(1)).any()
+    graphs = _CACHES[gpu].values()
+    assert any(e.graph is not None and len(e.inputs) == 2 for e in graphs)  # replayed, not eager
 
 
 @pytest.mark.gpu
