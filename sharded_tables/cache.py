@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 from prometheus_client import Counter
 
@@ -141,10 +142,14 @@ class HotRowCache:
             raise ValueError(f"rows has {rows.shape[0]} rows for {len(ids)} ids")
         if self._sketch is not None:
             with self._lock:
-                admitted = self._sketch.add(ids) >= self.admit_after
-            ids, rows = ids[admitted], rows[admitted]
-        keep = min(len(ids), self.capacity)
-        ids, rows = ids[:keep], rows[:keep]
+                admitted = self._sketch.add(ids).numpy() >= self.admit_after
+            if not admitted.all():  # NumPy: a miss of a served batch is a few ids
+                if not admitted.any():
+                    return  # none seen often enough yet: nothing to keep
+                at = torch.from_numpy(np.flatnonzero(admitted))
+                ids, rows = ids[at], rows[at]
+        if len(ids) > self.capacity:
+            ids, rows = ids[: self.capacity], rows[: self.capacity]
         with self._lock:
             slots, evicted, _ = self._map.insert(ids)
             self.storage[slots.to(self.device)] = rows.to(self.device)

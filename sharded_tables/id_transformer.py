@@ -27,6 +27,8 @@ import torch
 from sharded_tables.idmap import DEFAULT_DECAY_PERIOD, IdMap, as_keys
 
 _PRIME = (1 << 31) - 1  # hash arithmetic stays below 2^63: 31-bit factors times 32-bit halves
+FEW_IDS = 32
+"""Up to this many ids a sketch update runs in Python ints (tiny NumPy calls cost more)."""
 
 
 class AdmissionSketch:
@@ -43,6 +45,10 @@ class AdmissionSketch:
         g = torch.Generator().manual_seed(seed)
         self.coef = torch.randint(1, _PRIME, (3, depth, 1), generator=g)  # a, b, c per row
         self._coef = self.coef.numpy()
+        a, b, c = (x.flatten().tolist() for x in self.coef)
+        self._rows = [  # (a, b, c, first counter) per row, as Python ints: the few-ids path
+            (a[r], b[r], c[r], r * width) for r in range(depth)
+        ]
         self._row_base = np.arange(depth, dtype=np.int64)[:, None] * width  # [depth, 1]
         self.counts = torch.zeros(depth, width, dtype=torch.int32)
         self.reset_after = 10 * width
@@ -61,14 +67,36 @@ class AdmissionSketch:
         # numpy on a view of the counters: a batch is a few dozen ids, where each torch op's
         # dispatch (~5 us) would cost more than the arithmetic
         flat = self.counts.view(-1).numpy()  # [depth * width], the counters themselves
-        at = self._buckets(ids.numpy()) + self._row_base  # [depth, n] into flat
-        np.add.at(flat, at.reshape(-1), 1)
-        estimate = flat[at].min(axis=0).astype(np.int64)
+        if len(ids) <= FEW_IDS:
+            estimate = self._add_few(flat, ids.tolist())
+        else:
+            at = self._buckets(ids.numpy()) + self._row_base  # [depth, n] into flat
+            np.add.at(flat, at.reshape(-1), 1)
+            estimate = flat[at].min(axis=0).astype(np.int64)
         self.sightings += len(ids)
         if self.sightings >= self.reset_after:
             self.counts >>= 1
             self.sightings //= 2
         return torch.from_numpy(estimate)
+
+    def _add_few(self, flat: np.ndarray, ids: list[int]) -> np.ndarray:
+        """:meth:`add` of a few ids in Python ints: the same buckets (every product stays
+        below 2^63, so int64 and Python arithmetic agree) and the same counts, every sighting
+        added before any estimate is read, without a dozen NumPy calls on tiny arrays (a cache
+        miss of a served batch: ~70 -> ~10 us)."""
+        width = self.counts.shape[1]
+        at = [
+            [
+                ((lo * a) % _PRIME + (hi * b) % _PRIME + c) % _PRIME % width + base
+                for a, b, c, base in self._rows
+            ]
+            for lo, hi in ((x & 0xFFFFFFFF, (x >> 32) & 0xFFFFFFFF) for x in ids)
+        ]
+        counts = memoryview(flat)  # item access without NumPy scalars (~1 us each)
+        for buckets in at:
+            for i in buckets:
+                counts[i] += 1
+        return np.array([min(counts[i] for i in buckets) for buckets in at], dtype=np.int64)
 
 
 class TransformResult(NamedTuple):

@@ -69,6 +69,34 @@ def test_sketch_never_undercounts_between_halvings(ids):
         assert int(sketch.add(_t([k]))[0]) >= seen[k]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-3, 40), max_size=40),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 64),
+    st.integers(0, 2**16),
+)
+def test_a_few_ids_count_as_numpy_counts_them(batches, width, seed):
+    """Batches of up to FEW_IDS ids take the Python-int path: the same estimates and the same
+    counters as the NumPy path on every batch (repeats and far-apart 64-bit ids included)."""
+    from sharded_tables import id_transformer
+
+    few, many = AdmissionSketch(width, seed=seed), AdmissionSketch(width, seed=seed)
+    for ids in batches:
+        got = few.add(_t(ids))
+        limit = id_transformer.FEW_IDS
+        try:
+            id_transformer.FEW_IDS = -1  # every batch through NumPy
+            want = many.add(_t(ids))
+        finally:
+            id_transformer.FEW_IDS = limit
+        assert got.tolist() == want.tolist()
+        assert torch.equal(few.counts, many.counts)
+
+
 def test_sketch_ages_by_halving():
     sketch = AdmissionSketch(width=1, depth=1)
     assert sketch.add(_t([1] * 9)).tolist() == [9] * 9
