@@ -92,7 +92,7 @@ class AdmissionSketch:
             ]
             for lo, hi in ((x & 0xFFFFFFFF, (x >> 32) & 0xFFFFFFFF) for x in ids)
         ]
-        counts = memoryview(flat)  # item access without NumPy scalars (~1 us each)
+        counts = flat.data  # a memoryview: item access without NumPy scalars (~1 us each)
         for buckets in at:
             for i in buckets:
                 counts[i] += 1
