@@ -74,16 +74,15 @@ def make_plan(
     p = torch.from_numpy(np.array([lists[key] for key in keys], dtype=np.int64))
     if not fb.active and not exact and rows is None:  # the common case
         return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
-    sel_t = torch.ones(b) if sel_t is None else sel_t
-    scan_exact = (
-        cheaper_exact(index, sel_t, p, b) if fb.active else torch.zeros(b, dtype=torch.bool)
+    scan_exact = (  # sel_t is None exactly when no row has a clause
+        cheaper_exact(index, sel_t, p, b) if sel_t is not None else torch.zeros(b, dtype=torch.bool)
     )
     if exact:
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
         scan_exact |= rows.exact
     plan = SearchPlan(k, r, p, scan_exact)
-    if q is None or cfg.filter_bound <= 0 or not fb.active:
+    if q is None or cfg.filter_bound <= 0 or sel_t is None:
         return plan
     return with_bounds(index, q, fb, plan, sel_t, None if rows is None else rows.slack)
 
