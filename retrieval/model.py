@@ -170,20 +170,13 @@ class RetrievalModel(nn.Module):
     def user_sparse(self, batch: UserBatch) -> dict[str, torch.Tensor]:
         """The user side's table features: ``history [B, H]``, ``recent [B, recent_len]``
         (with ``recent_len``), ``user_<name> [B, 1]``."""
-        return self.user_sparse_of(batch.history, batch.categorical)
-
-    def user_sparse_of(
-        self, history: torch.Tensor, categorical: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """:meth:`user_sparse` of ``history [B, H]`` and ``categorical [B, F]`` alone (what a
-        request's table lookups read: serving fetches their remote rows ahead with it)."""
-        sparse = {"history": history}
+        sparse = {"history": batch.history}
         if self.config.recent_len:
-            sparse["recent"] = history[:, : self.config.recent_len]
+            sparse["recent"] = batch.history[:, : self.config.recent_len]
         if self.config.attention_len:  # one bag per item: [B * L, 1]
-            sparse["history_seq"] = history[:, : self.config.attention_len].reshape(-1, 1)
+            sparse["history_seq"] = batch.history[:, : self.config.attention_len].reshape(-1, 1)
         for j, name in enumerate(self.user_feature_names):
-            sparse[f"user_{name}"] = categorical[:, j : j + 1]
+            sparse[f"user_{name}"] = batch.categorical[:, j : j + 1]
         return sparse
 
     def user_tower_on(self, pooled: Mapping[str, torch.Tensor], batch: UserBatch) -> torch.Tensor:

@@ -124,12 +124,6 @@ class HotRowCache:
         self._metrics[1].inc(n_miss)
         return slots
 
-    def holds(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids int64 [n]`` -> ``bool [n]``: which are cached now. Counts nothing and leaves the
-        policy untouched (a look ahead, not an access)."""
-        with self._lock:
-            return self._map.find(ids, record=False) >= 0
-
     def admit(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """:meth:`put` that returns each id's slot ``[n]`` (``-1`` for ids beyond capacity)."""
         self.put(ids, rows)

@@ -37,14 +37,12 @@ if TYPE_CHECKING:
 @dataclass
 class RemoteStats:
     """Counters of lookups that leave the local tiers: ids read (remote and hashed tables),
-    distinct ids of hashed tables, rows a batch fetched from the servers, and rows a batch
-    took from fetches made ahead at admission (``fetch_ahead.py``). Cache hits and misses are
+    distinct ids of hashed tables, rows fetched from the servers. Cache hits and misses are
     the caches' own (:meth:`TableCollection.cache_stats`). All zero for in-process tables."""
 
     ids: int = 0
     unique: int = 0
     fetched: int = 0
-    fetched_ahead: int = 0
 
 
 class RowUpdateRefusedError(ValueError):

@@ -36,7 +36,6 @@ from torch.nn import functional as F
 
 from common.compile_boundary import eager_under_compile
 from sharded_tables.cache import HotRowCache
-from sharded_tables.fetch_ahead import AheadRows, FetchAhead, Found
 from sharded_tables.interface import RemoteStats
 from sharded_tables.planner import PlacementPlan, TablePlacement
 from sharded_tables.quantize import unpack_rows
@@ -144,11 +143,6 @@ class RemoteTier:
             for s, p in remote
             if s.name not in self.whole
         }
-        self.ahead_tables = frozenset(
-            s.name for s, p in remote if s.name not in self.whole and p.partition == "range"
-        )
-        """Hot-row tables whose rows admission may fetch ahead (``fetch_ahead.py``)."""
-        self._ahead = AheadRows()
         self._copied_from: object | None = None  # the fetcher the copies came from
         self._copy_lock = threading.Lock()
 
@@ -205,9 +199,14 @@ class RemoteTier:
         ids are unpacked once and each feature pools over them. Cached rows are read before any
         miss is admitted (admitting may evict them)."""
         batch = {t: self._distinct(t, [features[f] for f in fs]) for t, fs in by_table.items()}
-        misses = {t: d.misses for t, d in batch.items() if len(d.misses)}
+        misses = {t: torch.from_numpy(d.misses) for t, d in batch.items() if len(d.misses)}
         stats.ids += sum(d.present for d in batch.values())
-        fetched = self._fetch_misses(misses, remote, timeout, stats) if misses else {}
+        fetched: dict[str, torch.Tensor] = {}
+        if misses:
+            if remote is None:
+                raise RuntimeError(f"remote tables {sorted(misses)} need embedding servers")
+            fetched = remote.fetch(misses, timeout=timeout)
+            stats.fetched += sum(len(u) for u in misses.values())
         out: dict[str, torch.Tensor] = {}
         for table, feats in by_table.items():
             d, spec = batch[table], self.specs[table]
@@ -221,96 +220,8 @@ class RemoteTier:
                     per_sample_weights=weights.to(self.device),
                 )  # fmt: skip
             if table in misses and self.caches[table].capacity:
-                self.caches[table].put(torch.from_numpy(misses[table]), fetched[table])
+                self.caches[table].put(misses[table], fetched[table])
         return out
-
-    def _fetch_misses(
-        self,
-        misses: Mapping[str, np.ndarray],
-        remote: RemoteFetcher | None,
-        timeout: float | None,
-        stats: RemoteStats,
-    ) -> dict[str, torch.Tensor]:
-        """``{table: missed ids int64 [M]}`` -> their packed rows ``uint8 [M, row_bytes]``: the
-        rows admission fetched ahead (waiting for a flight under way), and ONE fetch for the
-        rest, sent before the wait; a flight that failed or is late is fetched after it."""
-        if remote is None:
-            raise RuntimeError(f"remote tables {sorted(misses)} need embedding servers")
-        found = {t: self._ahead.find(t, ids) for t, ids in misses.items() if t in self.ahead_tables}
-        rest = {t: self._not_found(ids, found.get(t, [])) for t, ids in misses.items()}
-        rows = {t: np.empty((len(ids), self._row_bytes(t)), np.uint8) for t, ids in misses.items()}
-        self._fetch_into(rows, misses, rest, remote, timeout, stats)
-        late: dict[str, np.ndarray] = {}
-        for table, hits in found.items():
-            at, landed = self._ahead.collect(table, hits, timeout)
-            if landed is not None:
-                rows[table][at] = landed
-                stats.fetched_ahead += len(at)
-            if len(at) < len(hits):
-                late[table] = np.setdiff1d([k for k, _, _ in hits], at, assume_unique=True)
-        self._fetch_into(rows, misses, late, remote, timeout, stats)
-        return {t: torch.from_numpy(r) for t, r in rows.items()}
-
-    @staticmethod
-    def _not_found(ids: np.ndarray, found: Found) -> np.ndarray:
-        """Positions ``int64 [m]`` of ``ids`` that no flight holds."""
-        if not found:
-            return np.arange(len(ids))
-        keep = np.ones(len(ids), bool)
-        keep[[k for k, _, _ in found]] = False
-        return np.flatnonzero(keep)
-
-    @staticmethod
-    def _fetch_into(
-        rows: dict[str, np.ndarray],
-        misses: Mapping[str, np.ndarray],
-        at: Mapping[str, np.ndarray],
-        remote: RemoteFetcher,
-        timeout: float | None,
-        stats: RemoteStats,
-    ) -> None:
-        """Fetches ``misses[t][at[t]]`` of every table in one call, into ``rows[t][at[t]]``."""
-        ask = {t: torch.from_numpy(misses[t][a]) for t, a in at.items() if len(a)}
-        if not ask:
-            return
-        got = remote.fetch(ask, timeout=timeout)
-        for table, ids in ask.items():
-            rows[table][at[table]] = got[table].numpy()
-            stats.fetched += len(ids)
-
-    def _row_bytes(self, table: str) -> int:
-        return self.specs[table].row_bytes(self.plan.placement(table).dtype)
-
-    # ---- fetching ahead (at admission) --------------------------------------------------------
-    def fetch_ahead(
-        self,
-        ids_by_table: Mapping[str, list[torch.Tensor]],
-        remote: RemoteFetcher | None,
-        timeout: float | None,
-    ) -> FetchAhead | None:
-        """An admitted request's ids ``{table: [ids [1, L]]}`` of :attr:`ahead_tables` -> a
-        flight of those neither cached nor in another flight (None: nothing to fetch). The
-        caller runs it once the request is queued (or cancels it)."""
-        if remote is None:
-            return None
-        wanted = {}
-        for table, mats in ids_by_table.items():
-            flat = np.concatenate([m.cpu().numpy().ravel() for m in mats])
-            ids = np.unique(flat[flat >= 0])  # ranged tables: row ids, -1 pads
-            cache = self.caches[table]
-            if len(ids) and cache.capacity:
-                ids = ids[~cache.holds(torch.from_numpy(ids)).numpy()]
-            if len(ids):
-                wanted[table] = ids
-        flight = self._ahead.register(wanted) if wanted else None
-        if flight is None:
-            return None
-
-        def fetch(ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            asked = {t: torch.from_numpy(v) for t, v in ids.items()}
-            return {t: r.numpy() for t, r in remote.fetch(asked, timeout=timeout).items()}
-
-        return FetchAhead(self._ahead, flight, fetch)
 
     def _distinct(self, table: str, id_mats: list[torch.Tensor]) -> _Distinct:
         """The distinct present ids of one table's features ``[B, L_f]``, their cache slots and

@@ -27,7 +27,6 @@ from torch import nn
 from common.compile_boundary import eager_under_compile
 from sharded_tables.cache import HotRowCache
 from sharded_tables.collection import check_id_features
-from sharded_tables.fetch_ahead import FetchAhead
 from sharded_tables.interface import RemoteStats, RowUpdateRefusedError
 from sharded_tables.keyed_bag import KeyedBag
 from sharded_tables.planner import PlacementPlan
@@ -323,23 +322,6 @@ class TieredEmbeddingCollection(nn.Module):
             padded[name] = mat
         out = self(padded)
         return torch.cat([out[k] for k in keys], dim=1)
-
-    @property
-    def fetches_ahead(self) -> bool:
-        """Whether :meth:`fetch_ahead` can fetch anything (remote hot-row ranged tables)."""
-        return bool(self.remote_tier.ahead_tables) and self.remote is not None
-
-    def fetch_ahead(self, features: Mapping[str, torch.Tensor]) -> FetchAhead | None:
-        """One admitted request's features ``{name: ids [1, L]}`` -> the fetch of its rows that
-        are neither cached nor being fetched (``fetch_ahead.py``), for the caller to run once
-        the request is queued; None: nothing to fetch."""
-        by_table: dict[str, list[torch.Tensor]] = {}
-        for f, ids in features.items():
-            if (t := self.table_of[f]) in self.remote_tier.ahead_tables:
-                by_table.setdefault(t, []).append(ids)
-        if not by_table:
-            return None
-        return self.remote_tier.fetch_ahead(by_table, self.remote, self.timeout)
 
     @eager_under_compile
     def _hashed_lookup(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

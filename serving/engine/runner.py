@@ -37,7 +37,6 @@ from serving.types import (
     UnavailableError,
     check_request,
 )
-from sharded_tables.fetch_ahead import FetchAhead
 from sharded_tables.remote.client import SERVER_TROUBLE, RemoteLookupError
 
 Outcome = RecResult | RequestError | ModelNotFoundError
@@ -153,17 +152,6 @@ class ModelRunner:
         self._checked_filters[key] = clauses
         return clauses
 
-    def fetch_ahead(self, req: RecRequest) -> FetchAhead | None:
-        """For a :meth:`check`-ed request: the fetch of its remote table rows that are neither
-        cached nor being fetched (``sharded_tables/fetch_ahead.py``), for the caller to run once
-        the request is queued, or cancel; None: nothing to fetch (no remote hot-row tables)."""
-        tables = self.model.tables
-        if not getattr(tables, "fetches_ahead", False):
-            return None
-        history = torch.from_numpy(self._history_rows([req]))
-        categorical = torch.from_numpy(req.categorical).view(1, len(self.features))
-        return tables.fetch_ahead(self.model.user_sparse_of(history, categorical))  # type: ignore[attr-defined]
-
     # ---- execute ----------------------------------------------------------------------------
     def run(self, reqs: list[RecRequest]) -> list[Outcome]:
         """One outcome per request, in order; the good requests run as ONE forward."""
@@ -214,8 +202,11 @@ class ModelRunner:
 
     def _batch(self, reqs: list[RecRequest], clauses: list[list[Clause]]) -> UserBatch:
         """Checked requests -> tensors on the model's device (trusted: :meth:`check` ran)."""
-        b = len(reqs)
-        history = self._history_rows(reqs)
+        b, h = len(reqs), self.history_len
+        history = np.full((b, h), -1, dtype=np.int64)  # [B, H], newest first, -1 pads
+        for row, req in enumerate(reqs):
+            recent = req.history[:h]
+            history[row, : len(recent)] = recent
         categorical = np.stack([r.categorical for r in reqs]).reshape(b, len(self.features))
         dense = np.stack([r.dense for r in reqs]).reshape(b, self.dense_dim)
         fb = self.schema.compile(clauses)  # masks [B, C, W], negate [B, C]
@@ -230,15 +221,6 @@ class ModelRunner:
             _users(reqs),
         )
         return batch if self.device.type == "cpu" else batch.to(self.device)  # built on the host
-
-    def _history_rows(self, reqs: list[RecRequest]) -> np.ndarray:
-        """The requests' histories ``int64 [B, H]``, newest first, ``-1`` pads."""
-        h = self.history_len
-        history = np.full((len(reqs), h), -1, dtype=np.int64)
-        for row, req in enumerate(reqs):
-            recent = req.history[:h]
-            history[row, : len(recent)] = recent
-        return history
 
     def warmup(self, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
         """Runs dummy batches (with and without a filter and a seen list) so the first real

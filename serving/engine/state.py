@@ -109,15 +109,10 @@ class ServingState:
         """A call arrived: close the :class:`Call` once it is answered or refused."""
         return Call(self.metrics, self.host)
 
-    def submit(self, req: RecRequest, fetch_ahead: bool = True) -> Future[RecResult]:
+    def submit(self, req: RecRequest) -> Future[RecResult]:
         """Checks one row at the edge and queues it; raises the serving errors of
         ``serving.types`` at once (bad input, unknown model, queue full, draining). Records no
-        request metric: the caller's :class:`Call` does, once for all its rows.
-
-        ``fetch_ahead``: once queued, this thread (the caller's, which would only wait) fetches
-        the row's remote table rows its batch would miss (``sharded_tables/fetch_ahead.py``);
-        a caller queueing several rows at once passes False (their batch fetches them in one
-        request)."""
+        request metric: the caller's :class:`Call` does, once for all its rows."""
         if self.draining.is_set():
             raise UnavailableError("server is draining: not accepting new requests")
         self.limits.check_filter_text(req.filter)  # O(1) mostly: before any parsing
@@ -127,16 +122,7 @@ class ServingState:
         self.host.check_target(req.model, req.version)
         runner = self.host.current()
         req.checked = (runner, runner.check(req, self.limits))  # parses within the limits
-        ahead = runner.fetch_ahead(req) if fetch_ahead else None
-        if ahead is None:
-            return self.batcher.submit(req)
-        try:
-            fut = self.batcher.submit(req)
-        except BaseException:
-            ahead.cancel()
-            raise
-        ahead.run()
-        return fut
+        return self.batcher.submit(req)
 
     def recommend(self, req: RecRequest, timeout: float | None = None) -> RecResult:
         """One row as a whole call (counted in the metrics): :meth:`submit`, then waits until

@@ -109,7 +109,7 @@ def submit_rows(state: ServingState, reqs: list[RecRequest]) -> list[Future[RecR
     futures: list[Future[RecResult]] = []
     for b, req in enumerate(reqs):
         try:
-            futures.append(state.submit(req, fetch_ahead=len(reqs) == 1))
+            futures.append(state.submit(req))
         except (RequestError, ModelNotFoundError) as e:
             cancel(futures)
             raise type(e)(f"{e}{row_note(b, len(reqs))}") from None
