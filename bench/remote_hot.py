@@ -78,7 +78,8 @@ def cluster_from(
     """``recserve cluster up --shards 1`` run from the checkout ``tree`` (its code serves)."""
 
     def recserve(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "PYTHONPATH": str(tree)}
+        path = os.environ.get("PYTHONPATH")
+        env = {**os.environ, "PYTHONPATH": f"{tree}:{path}" if path else str(tree)}
         cmd = [sys.executable, "-m", "recserve", *argv]
         return subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, cwd=tree, env=env

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -118,6 +119,7 @@ class LocalTables(nn.Module):
         mean = [self.tables[t].pooling == "mean" for t in self.feature_table]
         self._mean = torch.tensor(mean, dtype=torch.bool, device=self.device)  # [F]
         self._any_mean = any(mean)
+        self._mean_np = np.array(mean, bool)  # [F], for the eager host path
         self._equal_dims = len(set(dims)) == 1
         self._has_fp8 = any(t.dtype is DType.FP8 for t in self.tables)
         self._offsets_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
@@ -265,8 +267,10 @@ class LocalTables(nn.Module):
         """
         b = features[0].shape[0]
         if self._tbe is not None and self.device.type == "cpu" and not self._has_fp8:
-            indices = torch.cat([ids.reshape(-1) for ids in features])
             offsets = self._padded_offsets(b, tuple(ids.shape[1] for ids in features))
+            if not torch.compiler.is_compiling():
+                return self._host_padded_eager(features, offsets)
+            indices = torch.cat([ids.reshape(-1) for ids in features])
             out = self._host_kernel(indices, offsets)
             if self._any_mean:
                 # ids present per bag from one prefix sum over the whole batch
@@ -279,6 +283,30 @@ class LocalTables(nn.Module):
             indices, offsets, _ = jagged_from_padded(features)
             return self(indices, offsets)
         return self._torch_padded(features)
+
+    def _host_padded_eager(
+        self, features: list[torch.Tensor], offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`forward_padded` on host weights outside ``torch.compile``: the ids and the
+        mean divisors in NumPy on the kernel's tensors (a serving batch holds tens of ids, where
+        each torch op's dispatch costs more than its work)."""
+        mats = [ids.numpy() for ids in features]  # [B, L_f] each (CPU, inference)
+        flat = np.concatenate([m.reshape(-1) for m in mats]) if len(mats) > 1 else mats[0].ravel()
+        out = self._host_kernel(torch.from_numpy(flat), offsets)  # [B, sum of D], fresh
+        if not self._any_mean:
+            return out
+        seen = np.zeros(len(flat) + 1, np.int64)  # ids present before each position
+        np.cumsum(flat >= 0, out=seen[1:])
+        offs = offsets.numpy()
+        lengths = (seen[offs[1:]] - seen[offs[:-1]]).reshape(len(mats), -1)  # [F, B]
+        div = np.where(self._mean_np[:, None], np.maximum(lengths, 1), 1).T  # [B, F]
+        pooled = out.numpy()
+        if self._equal_dims:
+            view = pooled.reshape(len(div), len(mats), -1)  # [B, F, D]
+            np.divide(view, div[:, :, None], out=view)
+        else:
+            pooled /= np.repeat(div, self.feature_dims, axis=1)
+        return out
 
     def _padded_offsets(self, b: int, widths: tuple[int, ...]) -> torch.Tensor:
         """Offsets ``[F * B + 1]`` of padded matrices ``[B, L_f]`` laid end to end (cached)."""
