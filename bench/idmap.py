@@ -1,7 +1,8 @@
 """Eviction cost of the id map (``sharded_tables/csrc/idmap.cpp``): one insert batch of new keys
 into a full map, per policy.
 
-LRU pops its victims from an access queue (O(victims) a batch); LFU and hybrid rank every
+LRU pops its victims from an access queue (O(victims) a batch); hybrid takes them from its order of
+zero-count slots (O(victims log capacity) while there are enough of them); LFU ranks every
 untouched slot (O(capacity) a batch). The hot-row caches of remote tables and the working tables
 of hashed training evict on every batch that brings new ids.
 

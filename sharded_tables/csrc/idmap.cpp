@@ -11,8 +11,11 @@
 // Victims (only when the batch's new keys outnumber the free slots) are chosen exactly, ties broken
 // by slot index, so results are deterministic and match a plain reference model. LRU keeps a queue
 // of (tick, slot) in access order (an entry goes stale when its slot is touched again or freed) and
-// pops victims from its front: O(victims) a batch, amortized. LFU and hybrid rank the untouched
-// occupied slots by their score with nth_element (O(capacity)):
+// pops victims from its front: O(victims) a batch, amortized. Hybrid keeps the occupied slots
+// whose decayed count is 0 ordered by (last access, slot), fed by a heap of the epochs at which
+// counts reach 0: its victims come from the front of that order, O(victims log capacity), and only
+// a batch that needs more victims than there are such slots ranks every slot. LFU ranks the
+// untouched occupied slots by their score with nth_element (O(capacity)):
 //   lru    (last access, slot)
 //   lfu    (count, last access, slot)
 //   hybrid (count >> epochs since its last access, last access, slot), epoch = tick / decay_period,
@@ -26,6 +29,8 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <queue>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -132,6 +137,7 @@ class IdMap {
     count_.assign(capacity, 0);
     last_.assign(capacity, kEmpty);
     epoch_at_.assign(capacity, 0);
+    zero_last_.assign(capacity, kEmpty);
     reset_free();
   }
 
@@ -212,7 +218,8 @@ class IdMap {
       for (int64_t j = 0; j < from_free; ++j) assign.push_back(pop_free());
       const int64_t need = int64_t(new_keys.size()) - from_free;
       if (need > 0) {
-        const std::vector<int64_t> victims = policy_ == 0 ? lru_victims(need, now) : ranked_victims(need, now);
+        const std::vector<int64_t> victims =
+            policy_ == 0 ? lru_victims(need, now) : policy_ == 2 ? hybrid_victims(need, now) : ranked_victims(need, now);
         for (const int64_t s : victims) {
           evicted_keys.push_back(key_[s]);
           map_.erase(key_[s]);
@@ -229,6 +236,7 @@ class IdMap {
         last_[s] = now;
         epoch_at_[s] = epoch_now;
         queue_touch(s);
+        track(s);
       }
       size_ += int64_t(new_keys.size());
       for (int64_t p : miss_pos) o[p] = assign[-2 - o[p]];
@@ -250,6 +258,7 @@ class IdMap {
       const int64_t s = map_.erase(k[i]);
       o[i] = s;
       if (s >= 0) {
+        zero_erase(s);
         last_[s] = kEmpty;
         count_[s] = 0;
         free_.push_back(s);
@@ -301,6 +310,7 @@ class IdMap {
       reset_free();
       queue_.clear();
       queued_ = 0;
+      rebuild_decays();
       throw std::invalid_argument(msg);
     };
     for (int64_t i = 0; i < n; ++i) {
@@ -319,6 +329,7 @@ class IdMap {
     }
     reset_free();
     if (policy_ == 0) rebuild_queue();
+    rebuild_decays();
   }
 
  private:
@@ -336,6 +347,78 @@ class IdMap {
       last_[s] = tick_;
       queue_touch(s);
     }
+    track(s);
+  }
+
+  // Hybrid's order of zero-count slots. count_[s] is as of epoch epoch_at_[s], so the decayed
+  // count reaches 0 at epoch epoch_at_[s] + bit length of count_[s] and stays 0 until a touch.
+  int64_t zero_epoch(int64_t s) const {
+    const uint64_t c = uint64_t(count_[s]);
+    return epoch_at_[s] + (c == 0 ? 0 : 64 - __builtin_clzll(c));
+  }
+
+  void zero_erase(int64_t s) {
+    if (zero_last_[s] == kEmpty) return;
+    zero_.erase({zero_last_[s], s});
+    zero_last_[s] = kEmpty;
+  }
+
+  void zero_insert(int64_t s) {
+    zero_.emplace(last_[s], s);
+    zero_last_[s] = last_[s];
+  }
+
+  // s's count just rose (a touch, a new key): it leaves the zero order until its count decays
+  // again (heap entries go stale on later touches; rebuilt when they outnumber slots 4 to 1).
+  void track(int64_t s) {
+    if (policy_ != 2) return;
+    zero_erase(s);
+    decays_.emplace(zero_epoch(s), s);
+    if (int64_t(decays_.size()) > 4 * capacity_ + 1024) rebuild_decays();
+  }
+
+  // Slots whose counts have decayed to 0 by now join the zero order.
+  void drain() {
+    const int64_t epoch = tick_ / decay_;
+    while (!decays_.empty() && decays_.top().first <= epoch) {
+      const auto [at, s] = decays_.top();
+      decays_.pop();
+      if (last_[s] != kEmpty && zero_last_[s] == kEmpty && zero_epoch(s) == at) zero_insert(s);
+    }
+  }
+
+  void rebuild_decays() {
+    if (policy_ != 2) return;
+    zero_.clear();
+    std::fill(zero_last_.begin(), zero_last_.end(), kEmpty);
+    decays_ = {};
+    for (int64_t s = 0; s < capacity_; ++s) {
+      if (last_[s] == kEmpty) continue;
+      if (count(s) == 0) {
+        zero_insert(s);
+      } else {
+        decays_.emplace(zero_epoch(s), s);
+      }
+    }
+  }
+
+  // Hybrid: the `need` smallest ranks, in rank order. Zero-count slots rank first, by (last access,
+  // slot), and none was touched by this batch (a touch makes a count >= 1); when they are too few,
+  // every untouched slot is ranked.
+  std::vector<int64_t> hybrid_victims(int64_t need, int64_t now) {
+    drain();
+    std::vector<int64_t> out;
+    if (int64_t(zero_.size()) >= need) {
+      for (auto it = zero_.begin(); int64_t(out.size()) < need;) {
+        out.push_back(it->second);
+        zero_last_[it->second] = kEmpty;
+        it = zero_.erase(it);
+      }
+      return out;
+    }
+    out = ranked_victims(need, now);
+    for (const int64_t s : out) zero_erase(s);
+    return out;
   }
 
   // LRU's access queue: one bucket per tick, in tick order, holding the slots whose last access
@@ -431,6 +514,11 @@ class IdMap {
   std::vector<int64_t> key_, count_, last_, epoch_at_;  // per slot; last_ == kEmpty: slot is free
   std::vector<int64_t> free_;                           // min-heap of free slots
   std::vector<Rank> ranks_;                             // reused victim-ranking buffer (LFU, hybrid)
+  std::set<std::pair<int64_t, int64_t>> zero_;          // hybrid: (last access, slot), decayed count 0
+  std::vector<int64_t> zero_last_;                      // hybrid: a slot's key in zero_; kEmpty: absent
+  std::priority_queue<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int64_t>>,
+                      std::greater<>>
+      decays_;  // hybrid: (epoch a count reaches 0, slot), min first; stale entries skipped
   std::deque<Bucket> queue_;                            // LRU: slots by the tick of their access
   int64_t queued_ = 0;                                  // LRU: entries in queue_
   int64_t tick_ = 0, size_ = 0;
