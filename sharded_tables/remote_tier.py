@@ -215,10 +215,7 @@ class RemoteTier:
                 continue
             dense = unpack_rows(self._packed(table, d, fetched.get(table)), d.dtype, spec.dim)
             for f, pos, weights in zip(feats, d.pos, d.weights, strict=True):
-                out[f] = F.embedding_bag(
-                    pos.to(self.device), dense, mode="sum",
-                    per_sample_weights=weights.to(self.device),
-                )  # fmt: skip
+                out[f] = _pool(dense, pos, weights)
             if table in misses and self.caches[table].capacity:
                 self.caches[table].put(misses[table], fetched[table])
         return out
@@ -246,8 +243,8 @@ class RemoteTier:
             w = weights[at : at + n].reshape(m.shape)
             if spec.pooling == "mean":
                 w = w / np.maximum(w.sum(axis=1, keepdims=True), 1)
-            pos_f.append(torch.from_numpy(pos[at : at + n].reshape(m.shape)))
-            weights_f.append(torch.from_numpy(w))
+            pos_f.append(pos[at : at + n].reshape(m.shape))
+            weights_f.append(w)
             at += n
         return _Distinct(
             b=mats[0].shape[0], dtype=self.plan.placement(table).dtype, slots=slots_u,
@@ -259,6 +256,12 @@ class RemoteTier:
         storage, the others from ``fetched`` (rows of ``d.misses``, in order)."""
         storage = self.caches[table].storage
         hit = d.slots >= 0
+        if storage.device.type == "cpu":  # NumPy: a batch's rows are few, torch ops cost more
+            rows_np = np.empty((len(d.slots), storage.shape[1]), np.uint8)
+            rows_np[hit] = storage.numpy()[d.slots[hit]]
+            if fetched is not None:
+                rows_np[~hit] = fetched.numpy()
+            return torch.from_numpy(rows_np)
         if fetched is None:  # all cached
             return storage[torch.from_numpy(d.slots).to(storage.device)]
         if not hit.any():
@@ -283,7 +286,18 @@ class _Distinct:
     """``int64 [M]``: the distinct ids not cached, ascending (to fetch)."""
     present: int
     """Present ids (counting repeats)."""
-    pos: list[torch.Tensor]
+    pos: list[np.ndarray]
     """Per feature ``int64 [B, L_f]``: each id's position among the distinct ids (0 if absent)."""
-    weights: list[torch.Tensor]
+    weights: list[np.ndarray]
     """Per feature ``float32 [B, L_f]``: 0 for absent ids, 1 (sum) or 1 / bag size (mean)."""
+
+
+def _pool(dense: torch.Tensor, pos: np.ndarray, weights: np.ndarray) -> torch.Tensor:
+    """Weighted sums of rows of ``dense [U, D]`` at ``pos [B, L]`` -> ``[B, D]`` on its device
+    (on the CPU in NumPy: one gather and one batched product, no per-call torch dispatch)."""
+    if dense.device.type == "cpu":
+        return torch.from_numpy((weights[:, None, :] @ dense.numpy()[pos])[:, 0])
+    return F.embedding_bag(
+        torch.from_numpy(pos).to(dense.device), dense, mode="sum",
+        per_sample_weights=torch.from_numpy(weights).to(dense.device),
+    )  # fmt: skip
