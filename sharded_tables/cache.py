@@ -108,21 +108,24 @@ class HotRowCache:
         self._metrics[1].inc(len(slots) - n_hit)
         return rows, hit
 
-    def lookup_slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids int64 [n]`` (any order, repeats, ``-1`` = padding) -> storage slots ``[n]``,
-        ``-1`` for misses and padding. Every present id counts as a hit or a miss.
+    def lookup_distinct(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``ids int64 [n]`` (any order, repeats, ``-1`` = padding) -> (the distinct present ids
+        ``[U]`` ascending, their storage slots ``[U]`` with ``-1`` for misses, each id's position
+        among them ``[n]``, 0 for padding), in one call of the id map. Every present id counts
+        as a hit or a miss (a cache of capacity 0 counts nothing).
 
         The slots stay valid until the next :meth:`put` / :meth:`admit` (callers that read
         storage by slot do so before admitting more rows)."""
+        record = self.capacity > 0
         with self._lock:
-            slots = self._map.find(ids)
-            n_hit = int((slots >= 0).sum())
-            n_miss = int((ids != -1).sum()) - n_hit
-            self._hits += n_hit
-            self._misses += n_miss
-        self._metrics[0].inc(n_hit)
-        self._metrics[1].inc(n_miss)
-        return slots
+            found = self._map.find_distinct(ids, record)
+            if record:
+                self._hits += found.hits
+                self._misses += found.misses
+        if record:
+            self._metrics[0].inc(found.hits)
+            self._metrics[1].inc(found.misses)
+        return found.keys.numpy(), found.slots.numpy(), found.positions.numpy()
 
     def admit(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """:meth:`put` that returns each id's slot ``[n]`` (``-1`` for ids beyond capacity)."""

@@ -59,6 +59,21 @@ def as_keys(keys: torch.Tensor, field: str = "keys") -> torch.Tensor:
     return keys.detach().to("cpu").contiguous()
 
 
+class DistinctResult(NamedTuple):
+    """One :meth:`IdMap.find_distinct` batch (tensors ``int64``, CPU)."""
+
+    keys: torch.Tensor
+    """``[u]`` the distinct present keys, ascending."""
+    slots: torch.Tensor
+    """``[u]`` their slots, ``-1`` where absent."""
+    positions: torch.Tensor
+    """``[n]`` each key's position in ``keys`` (0 for padding)."""
+    hits: int
+    """Present occurrences whose key is held."""
+    misses: int
+    """Present occurrences whose key is not."""
+
+
 class InsertResult(NamedTuple):
     """What one :meth:`IdMap.insert_detailed` batch did (all ``int64``, CPU)."""
 
@@ -115,6 +130,13 @@ class IdMap:
         ``record=False`` is a pure lookup that leaves the policy state untouched.
         """
         return self._impl.find(as_keys(keys), record)
+
+    def find_distinct(self, keys: torch.Tensor, record: bool = True) -> DistinctResult:
+        """``keys int64 [n]`` (any order, repeats, ``-1`` = padding) -> the distinct present
+        keys, their slots and each key's position among them (:class:`DistinctResult`), in one
+        pass. With ``record``, one batch of :meth:`find`: every present occurrence is an access.
+        """
+        return DistinctResult(*self._impl.find_distinct(as_keys(keys), record))
 
     def insert(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``keys int64 [n]`` -> ``(slots [n], evicted_keys [m], evicted_slots [m])``.

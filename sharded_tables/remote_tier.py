@@ -227,15 +227,9 @@ class RemoteTier:
         spec, cache = self.specs[table], self.caches[table]
         mats = [m.cpu().numpy() for m in id_mats]
         flat = np.concatenate([m.reshape(-1) for m in mats]) if len(mats) > 1 else mats[0].ravel()
-        present = flat != -1 if spec.hashed else flat >= 0  # [n]
-        if cache.capacity:  # every present id counts as a hit or a miss
-            slots = cache.lookup_slots(torch.from_numpy(flat)).numpy()[present]
-        else:
-            slots = np.full(int(present.sum()), -1, np.int64)
-        u, first, inverse = np.unique(flat[present], return_index=True, return_inverse=True)
-        slots_u = slots[first]  # [U]
-        pos = np.zeros(len(flat), np.int64)
-        pos[present] = inverse
+        present = flat != -1 if spec.hashed else flat >= 0  # [n]; ranged ids are >= 0 or -1
+        # every present id counts as a hit or a miss; u [U] ascending, pos [n]
+        u, slots_u, pos = cache.lookup_distinct(torch.from_numpy(flat))
         weights = present.astype(np.float32)
         pos_f, weights_f, at = [], [], 0
         for m in mats:
@@ -248,7 +242,7 @@ class RemoteTier:
             at += n
         return _Distinct(
             b=mats[0].shape[0], dtype=self.plan.placement(table).dtype, slots=slots_u,
-            misses=u[slots_u < 0], present=len(slots), pos=pos_f, weights=weights_f,
+            misses=u[slots_u < 0], present=int(present.sum()), pos=pos_f, weights=weights_f,
         )  # fmt: skip
 
     def _packed(self, table: str, d: _Distinct, fetched: torch.Tensor | None) -> torch.Tensor:

@@ -163,6 +163,50 @@ class IdMap {
     return out;
   }
 
+  // keys [n] (any order, repeats; -1 = padding) -> (the distinct present keys ascending [u], their
+  // slots [u] (-1: absent), each key's position among them [n] (0 for padding), hits, misses).
+  // With record it is one batch of find: every present occurrence is one access.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> find_distinct(const at::Tensor& keys,
+                                                                                 bool record) {
+    check_keys(keys, "keys");
+    const int64_t n = keys.size(0);
+    const int64_t* k = keys.data_ptr<int64_t>();
+    auto pos = at::zeros({n}, at::kLong);
+    int64_t* p = pos.data_ptr<int64_t>();
+    std::vector<std::pair<int64_t, int64_t>> present;  // (key, position in keys)
+    present.reserve(n);
+    for (int64_t i = 0; i < n; ++i)
+      if (k[i] != -1) present.emplace_back(k[i], i);
+    std::sort(present.begin(), present.end());
+    std::vector<int64_t> distinct, occurrences;
+    for (const auto& [key, i] : present) {
+      if (distinct.empty() || distinct.back() != key) {
+        distinct.push_back(key);
+        occurrences.push_back(0);
+      }
+      ++occurrences.back();
+      p[i] = int64_t(distinct.size()) - 1;
+    }
+    const int64_t u = int64_t(distinct.size());
+    auto slots = at::empty({u}, at::kLong);
+    int64_t* o = slots.data_ptr<int64_t>();
+    int64_t hits = 0;
+    {
+      py::gil_scoped_release no_gil;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (record) ++tick_;
+      for (int64_t j = 0; j < u; ++j) {
+        const int64_t s = map_.find(distinct[j]);
+        o[j] = s;
+        if (s < 0) continue;
+        hits += occurrences[j];
+        if (record)
+          for (int64_t r = 0; r < occurrences[j]; ++r) touch(s);
+      }
+    }
+    return {to_tensor(distinct), slots, pos, hits, int64_t(present.size()) - hits};
+  }
+
   // -> (slots [n], evicted keys [m], evicted slots [m], new keys [u], new slots [u])
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> insert(const at::Tensor& keys) {
     check_keys(keys, "keys");
@@ -534,6 +578,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("size", &IdMap::size)
       .def("tick", &IdMap::tick)
       .def("find", &IdMap::find, py::arg("keys"), py::arg("record"))
+      .def("find_distinct", &IdMap::find_distinct, py::arg("keys"), py::arg("record"))
       .def("insert", &IdMap::insert, py::arg("keys"))
       .def("remove", &IdMap::remove, py::arg("keys"))
       .def("state", &IdMap::state)

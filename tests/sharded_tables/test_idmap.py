@@ -268,3 +268,38 @@ def test_rejects_bad_config_and_state():
         IdMap(3).load_state_dict({**state, "tick": torch.tensor(0)})
     with pytest.raises(ValueError, match="missing"):
         IdMap(3).load_state_dict({"keys": state["keys"]})
+
+
+@settings(max_examples=60, deadline=None)
+@given(policy=st.sampled_from(POLICIES), before=OPS, batch=st.lists(KEYS, max_size=12))
+def test_find_distinct_is_one_find_batch_of_the_distinct_keys(policy, before, batch):
+    """``-1`` is padding; the present keys get the slots and accesses (state) of ``find`` on
+    them; distinct keys ascending, each key's position among them, hits and misses counted per
+    present occurrence."""
+    m, ref = IdMap(5, policy, 2), RefIdMap(5, policy, 2)
+    for op, keys in before:
+        _apply(m, ref, op, keys)
+    other = IdMap.from_state_dict(m.state_dict(), policy, 2)
+    keys = torch.tensor(batch, dtype=torch.int64)
+    present = keys != -1
+    got = m.find_distinct(keys)
+    slots = other.find(keys[present])
+    distinct = sorted(set(keys[present].tolist()))
+    assert got.keys.tolist() == distinct
+    assert got.positions[present].tolist() == [distinct.index(k) for k in keys[present].tolist()]
+    assert got.positions[~present].tolist() == [0] * int((~present).sum())
+    assert got.slots[got.positions[present]].tolist() == slots.tolist()
+    assert (got.hits, got.misses) == (int((slots >= 0).sum()), int((slots < 0).sum()))
+    assert _state(m) == _state(other)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_find_distinct_counts_every_occurrence_of_a_held_key(policy):
+    m, other = IdMap(4, policy, 2), IdMap(4, policy, 2)
+    for x in (m, other):
+        x.insert(torch.tensor([3, 4]))
+    got = m.find_distinct(torch.tensor([4, 3, 4, -1, 9]))
+    other.find(torch.tensor([4, 3, 4, 9]))
+    assert got.keys.tolist() == [3, 4, 9] and got.slots.tolist()[2] == -1
+    assert got.positions.tolist() == [1, 0, 1, 0, 2] and (got.hits, got.misses) == (3, 1)
+    assert _state(m) == _state(other)
