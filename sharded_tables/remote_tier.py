@@ -224,12 +224,12 @@ class RemoteTier:
         """The distinct present ids of one table's features ``[B, L_f]``, their cache slots and
         each id's position among them. Ids are few (a batch): numpy, not torch, whose per-op
         dispatch would cost more than the work."""
-        spec, cache = self.specs[table], self.caches[table]
+        spec = self.specs[table]
         mats = [m.cpu().numpy() for m in id_mats]
         flat = np.concatenate([m.reshape(-1) for m in mats]) if len(mats) > 1 else mats[0].ravel()
-        present = flat != -1 if spec.hashed else flat >= 0  # [n]; ranged ids are >= 0 or -1
+        present = flat != -1  # [n]: the id map's padding (ranged ids are >= 0 or -1)
         # every present id counts as a hit or a miss; u [U] ascending, pos [n]
-        u, slots_u, pos = cache.lookup_distinct(torch.from_numpy(flat))
+        u, slots_u, pos = self.caches[table].lookup_distinct(torch.from_numpy(flat))
         weights = present.astype(np.float32)
         pos_f, weights_f, at = [], [], 0
         for m in mats:

@@ -105,7 +105,7 @@ class ShardMetrics:
         self._http: Any = None
 
     def request(self, code: str) -> None:
-        self._by_code(self._labels["model"], self._labels["shard"], code).inc()
+        self._by_code(*self._labels.values(), code).inc()
 
     def serve_http(self, port: int, host: str) -> int:
         self._http = start_http_server(port, addr=host, registry=self.registry)
