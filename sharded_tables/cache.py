@@ -155,7 +155,10 @@ class HotRowCache:
             ids, rows = ids[: self.capacity], rows[: self.capacity]
         with self._lock:
             slots, evicted, _ = self._map.insert(ids)
-            self.storage[slots.to(self.device)] = rows.to(self.device)
+            if self.device.type == "cpu":  # NumPy: a served batch's misses are a few rows
+                self.storage.numpy()[slots.numpy()] = rows.cpu().numpy()
+            else:
+                self.storage[slots.to(self.device)] = rows.to(self.device)
             self._evictions += len(evicted)
         self._metrics[2].inc(len(evicted))
 

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from sharded_tables.idmap import DEFAULT_DECAY_PERIOD, IdMap, as_keys
+from sharded_tables.idmap import DEFAULT_DECAY_PERIOD, IdMap, as_keys, sketch_add
 
 _PRIME = (1 << 31) - 1  # hash arithmetic stays below 2^63: 31-bit factors times 32-bit halves
-FEW_IDS = 32
-"""Up to this many ids a sketch update runs in Python ints (tiny NumPy calls cost more)."""
 
 
 class AdmissionSketch:
@@ -37,6 +34,11 @@ class AdmissionSketch:
     Estimates exceed the true count by at most ``e N / width`` with probability
     ``1 - e^-depth``, ``N`` the sightings since the last halving. Every ``10 width`` sightings all
     counters halve (TinyLFU's aging), so ``N`` stays bounded and old sightings fade.
+
+    Row ``r`` hashes an id with its 32-bit halves as ``((lo a_r) mod p + (hi b_r) mod p + c_r)
+    mod p mod width``, ``p = 2^31 - 1``. The update runs in C++ (``csrc/idmap.cpp``'s
+    ``sketch_add``): a cache miss of a served batch is a few ids, where a dozen NumPy calls
+    cost ~60 us and the C++ call a few.
     """
 
     def __init__(self, width: int, depth: int = 4, seed: int = 0) -> None:
@@ -44,59 +46,19 @@ class AdmissionSketch:
             raise ValueError(f"sketch width and depth must be >= 1, got {width}, {depth}")
         g = torch.Generator().manual_seed(seed)
         self.coef = torch.randint(1, _PRIME, (3, depth, 1), generator=g)  # a, b, c per row
-        self._coef = self.coef.numpy()
-        a, b, c = (x.flatten().tolist() for x in self.coef)
-        self._rows = [  # (a, b, c, first counter) per row, as Python ints: the few-ids path
-            (a[r], b[r], c[r], r * width) for r in range(depth)
-        ]
-        self._row_base = np.arange(depth, dtype=np.int64)[:, None] * width  # [depth, 1]
         self.counts = torch.zeros(depth, width, dtype=torch.int32)
         self.reset_after = 10 * width
         self.sightings = 0
 
-    def _buckets(self, ids: np.ndarray) -> np.ndarray:
-        """``ids int64 [n]`` -> buckets ``[depth, n]``: ``(a lo + b hi + c) mod p mod width``."""
-        lo, hi = ids & 0xFFFFFFFF, (ids >> 32) & 0xFFFFFFFF
-        a, b, c = self._coef
-        h = ((lo * a) % _PRIME + (hi * b) % _PRIME + c) % _PRIME  # [depth, n]
-        return h % self.counts.shape[1]
-
     def add(self, ids: torch.Tensor) -> torch.Tensor:
         """Counts one sighting per element of ``ids int64 [n]``; returns estimates ``[n]``
-        (sightings so far, these included)."""
-        # numpy on a view of the counters: a batch is a few dozen ids, where each torch op's
-        # dispatch (~5 us) would cost more than the arithmetic
-        flat = self.counts.view(-1).numpy()  # [depth * width], the counters themselves
-        if len(ids) <= FEW_IDS:
-            estimate = self._add_few(flat, ids.tolist())
-        else:
-            at = self._buckets(ids.numpy()) + self._row_base  # [depth, n] into flat
-            np.add.at(flat, at.reshape(-1), 1)
-            estimate = flat[at].min(axis=0).astype(np.int64)
+        (sightings so far, these included: every sighting is added before any is read)."""
+        estimate = sketch_add(self.counts, self.coef, as_keys(ids, "ids"))
         self.sightings += len(ids)
         if self.sightings >= self.reset_after:
             self.counts >>= 1
             self.sightings //= 2
-        return torch.from_numpy(estimate)
-
-    def _add_few(self, flat: np.ndarray, ids: list[int]) -> np.ndarray:
-        """:meth:`add` of a few ids in Python ints: the same buckets (every product stays
-        below 2^63, so int64 and Python arithmetic agree) and the same counts, every sighting
-        added before any estimate is read, without a dozen NumPy calls on tiny arrays (a cache
-        miss of a served batch: ~70 -> ~10 us)."""
-        width = self.counts.shape[1]
-        at = [
-            [
-                ((lo * a) % _PRIME + (hi * b) % _PRIME + c) % _PRIME % width + base
-                for a, b, c, base in self._rows
-            ]
-            for lo, hi in ((x & 0xFFFFFFFF, (x >> 32) & 0xFFFFFFFF) for x in ids)
-        ]
-        counts = flat.data  # a memoryview: item access without NumPy scalars (~1 us each)
-        for buckets in at:
-            for i in buckets:
-                counts[i] += 1
-        return np.array([min(counts[i] for i in buckets) for buckets in at], dtype=np.int64)
+        return estimate
 
 
 class TransformResult(NamedTuple):

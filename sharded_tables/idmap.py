@@ -59,6 +59,14 @@ def as_keys(keys: torch.Tensor, field: str = "keys") -> torch.Tensor:
     return keys.detach().to("cpu").contiguous()
 
 
+def sketch_add(counts: torch.Tensor, coef: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One sighting of every id of ``ids int64 [n]`` (CPU, contiguous) in the count-min sketch
+    ``counts int32 [depth, width]`` (updated in place; hash coefficients ``coef int64
+    [3, depth, 1]``, see :class:`~sharded_tables.id_transformer.AdmissionSketch`) -> each id's
+    estimate ``int64 [n]``, read after every sighting is added."""
+    return _extension().sketch_add(counts, coef, ids)
+
+
 class DistinctResult(NamedTuple):
     """One :meth:`IdMap.find_distinct` batch (tensors ``int64``, CPU)."""
 

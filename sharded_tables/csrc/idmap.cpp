@@ -569,6 +569,50 @@ class IdMap {
   std::mutex mu_;
 };
 
+// Count-min sketch update (sharded_tables/id_transformer.py's AdmissionSketch): one sighting of
+// every element of ids int64 [n] in counts int32 [depth, width] (in place), then each id's
+// estimate, the minimum of its depth counters -> int64 [n]. Row r hashes an id with its 32-bit
+// halves lo, hi as ((lo a_r) mod p + (hi b_r) mod p + c_r) mod p mod width, p = 2^31 - 1,
+// coef int64 [3, depth, 1] holding a, b, c (each < p, so every product fits in 63 bits): the
+// same buckets as the NumPy reference. Every sighting is added before any estimate is read.
+at::Tensor sketch_add(at::Tensor counts, const at::Tensor& coef, const at::Tensor& ids) {
+  TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == at::kInt && counts.dim() == 2 &&
+                  counts.is_contiguous(),
+              "counts must be a contiguous int32 [depth, width] CPU tensor");
+  const int64_t depth = counts.size(0), width = counts.size(1);
+  TORCH_CHECK(coef.device().is_cpu() && coef.scalar_type() == at::kLong && coef.numel() == 3 * depth,
+              "coef must be int64 [3, depth, 1] on the CPU");
+  check_keys(ids, "ids");
+  const at::Tensor c = coef.contiguous();
+  const int64_t* a = c.data_ptr<int64_t>();  // a[r], b = a[depth + r], c = a[2 depth + r]
+  const int64_t n = ids.size(0);
+  const int64_t* k = ids.data_ptr<int64_t>();
+  int32_t* cnt = counts.data_ptr<int32_t>();
+  auto out = at::empty({n}, at::kLong);
+  int64_t* est = out.data_ptr<int64_t>();
+  constexpr uint64_t kPrime = (uint64_t(1) << 31) - 1;
+  std::vector<int64_t> at_(n * depth);
+  {
+    py::gil_scoped_release no_gil;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t lo = uint64_t(k[i]) & 0xFFFFFFFFULL, hi = uint64_t(k[i]) >> 32;
+      for (int64_t r = 0; r < depth; ++r) {
+        const uint64_t h = ((lo * uint64_t(a[r])) % kPrime + (hi * uint64_t(a[depth + r])) % kPrime +
+                            uint64_t(a[2 * depth + r])) % kPrime;
+        const int64_t bucket = r * width + int64_t(h % uint64_t(width));
+        at_[i * depth + r] = bucket;
+        ++cnt[bucket];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t m = cnt[at_[i * depth]];
+      for (int64_t r = 1; r < depth; ++r) m = std::min<int64_t>(m, cnt[at_[i * depth + r]]);
+      est[i] = m;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -584,4 +628,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("state", &IdMap::state)
       .def("load", &IdMap::load, py::arg("keys"), py::arg("slots"), py::arg("counts"), py::arg("last"),
            py::arg("tick"));
+  m.def("sketch_add", &sketch_add, py::arg("counts"), py::arg("coef"), py::arg("ids"));
 }

@@ -186,11 +186,10 @@ class RemoteTables(RowStore):
             a: self._calls.submit(self._call, a, requests[a], deadline) for a in addresses[:-1]
         }
         if addresses:  # the last in this thread: no hand-off when there is one server
-            done: Future[pb.LookupResponse | grpc.RpcError] = Future()
-            done.set_result(self._call(addresses[-1], requests[addresses[-1]], deadline))
-            calls[addresses[-1]] = done
-        for address, call in calls.items():  # a pooled call left behind ends by its deadline
-            self._collect(address, call.result(), parts[address], unique)
+            last = self._call(addresses[-1], requests[addresses[-1]], deadline)
+            for address, call in calls.items():  # a pooled call left behind ends by its deadline
+                self._collect(address, call.result(), parts[address], unique)
+            self._collect(addresses[-1], last, parts[addresses[-1]], unique)
         return {
             name: (
                 torch.from_numpy(rows if inverse is None else rows[inverse]),
@@ -201,9 +200,11 @@ class RemoteTables(RowStore):
 
     @staticmethod
     def _by_server(spec: RemoteTable, uniq: np.ndarray) -> list[tuple[int, Positions]]:
-        """``[(server position, positions in uniq)]`` for the servers holding any of ``uniq``."""
+        """``[(server position, positions in uniq)]`` for the servers holding any of ``uniq``
+        (ascending, distinct)."""
         if len(spec.servers) == 1:
-            server_of(spec, uniq)  # range check only
+            if len(uniq):
+                server_of(spec, uniq[[0, -1]])  # the range check: the ends bound the rest
             return [(0, slice(None))]
         server = server_of(spec, uniq)  # [u]
         order = np.argsort(server, kind="stable")

@@ -125,14 +125,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
                 table = self._table(req.table, request.version)
                 ids = wire_ids(req.ids, req.table)
                 rows, found = table.lookup(ids)
-                out.tables.append(
-                    pb.TableRows(
-                        table=req.table,
-                        dtype=table.dtype.value,
-                        dim=table.dim,
-                        rows=rows,
-                        found=found,
-                    )
+                out.tables.add(  # in place: append would copy the rows into the response
+                    table=req.table, dtype=table.dtype.value, dim=table.dim, rows=rows, found=found
                 )
                 served.append((table, len(ids)))
         except RequestError as e:

@@ -3,6 +3,7 @@ round trip through the embedding servers: test_hashed_training.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -69,6 +70,19 @@ def test_sketch_never_undercounts_between_halvings(ids):
         assert int(sketch.add(_t([k]))[0]) >= seen[k]
 
 
+def _numpy_sketch_add(counts: np.ndarray, coef: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The sketch's definition in NumPy: buckets ``(a lo + b hi + c) mod p mod width`` per row,
+    every sighting added (``np.add.at``) before the estimates (row minimum) are read."""
+    p = (1 << 31) - 1
+    lo, hi = ids & 0xFFFFFFFF, (ids >> 32) & 0xFFFFFFFF
+    a, b, c = coef
+    at = ((lo * a) % p + (hi * b) % p + c) % p % counts.shape[1]  # [depth, n]
+    at += np.arange(counts.shape[0])[:, None] * counts.shape[1]
+    flat = counts.reshape(-1)
+    np.add.at(flat, at.reshape(-1), 1)
+    return flat[at].min(axis=0).astype(np.int64)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
@@ -79,22 +93,18 @@ def test_sketch_never_undercounts_between_halvings(ids):
     st.integers(1, 64),
     st.integers(0, 2**16),
 )
-def test_a_few_ids_count_as_numpy_counts_them(batches, width, seed):
-    """Batches of up to FEW_IDS ids take the Python-int path: the same estimates and the same
-    counters as the NumPy path on every batch (repeats and far-apart 64-bit ids included)."""
-    from sharded_tables import id_transformer
-
-    few, many = AdmissionSketch(width, seed=seed), AdmissionSketch(width, seed=seed)
+def test_sketch_counts_as_its_numpy_definition(batches, width, seed):
+    """The C++ update gives the estimates and counters of the NumPy definition on every batch
+    (repeats and far-apart 64-bit ids included; no halving within these batches)."""
+    sketch = AdmissionSketch(width, seed=seed)
+    counts = np.zeros((4, width), np.int32)
     for ids in batches:
-        got = few.add(_t(ids))
-        limit = id_transformer.FEW_IDS
-        try:
-            id_transformer.FEW_IDS = -1  # every batch through NumPy
-            want = many.add(_t(ids))
-        finally:
-            id_transformer.FEW_IDS = limit
+        if sketch.sightings + len(ids) >= sketch.reset_after:
+            break
+        got = sketch.add(_t(ids))
+        want = _numpy_sketch_add(counts, sketch.coef.numpy(), np.array(ids, np.int64))
         assert got.tolist() == want.tolist()
-        assert torch.equal(few.counts, many.counts)
+        assert np.array_equal(sketch.counts.numpy(), counts)
 
 
 def test_sketch_ages_by_halving():
