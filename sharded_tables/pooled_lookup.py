@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 
 from common.cpp_extension import load_extension
+from sharded_tables.specs import DType
 
 _SRC = Path(__file__).parent / "csrc" / "pooled_lookup.cpp"
 
@@ -58,3 +59,36 @@ def pooled_lookup(
         return _pooled_lookup_op(weights, ids, mean)
     # eager callers skip the op dispatcher (tens of microseconds a call)
     return list(_extension().pooled_lookup(weights, ids, mean))
+
+
+PACKED_DTYPES = (DType.FP32, DType.FP16, DType.FP8, DType.INT8, DType.INT4)
+"""Packed dtypes by their code in ``csrc/pooled_lookup.cpp``."""
+
+
+def pool_cached(
+    storage: torch.Tensor,
+    slots: torch.Tensor,
+    fetched: torch.Tensor,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    widths: list[int],
+    batch: int,
+    mean: bool,
+    dtype: DType,
+    dim: int,
+) -> list[torch.Tensor]:
+    """Pooled rows of a hot-row cache (CPU; :mod:`sharded_tables.remote_tier`'s batches).
+
+    A batch's distinct ids have their packed rows (``dtype``, width ``dim``; the layout of
+    :mod:`sharded_tables.quantize`) in ``storage uint8 [C, row_bytes]`` at ``slots int64 [U]``,
+    or, where the slot is ``-1``, in ``fetched uint8 [M, row_bytes]`` (the misses, in order).
+    ``ids int64 [n]`` are every feature's ``[B, L_f]`` ids end to end (``-1``: none, ``B`` =
+    ``batch``, ``L_f`` = ``widths[f]``) and ``positions int64 [n]`` each id's index among the distinct ids. Returns
+    per feature ``float32 [B, dim]``: the decoded rows summed (``mean``: divided by the present
+    count) as :func:`pooled_lookup` sums. Raises on a slot, position or row count out of range.
+    """
+    code = PACKED_DTYPES.index(DType(dtype))
+    ext = _extension()
+    return list(
+        ext.pool_cached(storage, slots, fetched, ids, positions, widths, batch, mean, code, dim)
+    )

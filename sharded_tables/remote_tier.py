@@ -14,11 +14,12 @@ its plan put on embedding servers. Two ways, per table, by the plan's cache size
   serves, and a new version is a new model with a new copy). Keyed (hashed) tables are never
   copied whole: any process may ``Put`` their rows.
 * **hot rows**: every other remote table. A batch's distinct ids per table are looked up in the
-  table's :class:`~sharded_tables.cache.HotRowCache`; the distinct misses of the whole batch are
-  fetched in one request per server; the packed rows of the distinct ids (cached and fetched)
-  are unpacked once and pooled with ``embedding_bag``; then the misses are offered to the cache
-  for later batches. The id bookkeeping is numpy: a serving batch holds tens of ids, where each
-  torch op's dispatch costs more than its work.
+  table's :class:`~sharded_tables.cache.HotRowCache` (one id-map call); the distinct misses of
+  the whole batch are fetched in one request per server; the packed rows of the distinct ids
+  (cached and fetched) are decoded once and every feature pools over them (on the CPU one C++
+  call, :func:`~sharded_tables.pooled_lookup.pool_cached`; on a GPU ``embedding_bag``); then the
+  misses are offered to the cache for later batches. A serving batch holds tens of ids, where
+  each torch or NumPy call's dispatch costs more than its work.
 
 Shapes: features ``{name: ids int64 [B, L]}`` (``-1``: none) -> ``{name: pooled float32 [B, D]}``.
 """
@@ -38,6 +39,7 @@ from common.compile_boundary import eager_under_compile
 from sharded_tables.cache import HotRowCache
 from sharded_tables.interface import RemoteStats
 from sharded_tables.planner import PlacementPlan, TablePlacement
+from sharded_tables.pooled_lookup import pool_cached
 from sharded_tables.quantize import unpack_rows
 from sharded_tables.specs import DType, TableSpec, Tier
 from sharded_tables.store import RowStore
@@ -213,51 +215,61 @@ class RemoteTier:
             if not len(d.slots):  # every bag empty
                 out.update({f: torch.zeros(d.b, spec.dim, device=self.device) for f in feats})
                 continue
-            dense = unpack_rows(self._packed(table, d, fetched.get(table)), d.dtype, spec.dim)
-            for f, pos, weights in zip(feats, d.pos, d.weights, strict=True):
-                out[f] = _pool(dense, pos, weights)
+            out.update(zip(feats, self._pool(table, d, fetched.get(table)), strict=True))
             if table in misses and self.caches[table].capacity:
                 self.caches[table].put(misses[table], fetched[table])
         return out
 
     def _distinct(self, table: str, id_mats: list[torch.Tensor]) -> _Distinct:
         """The distinct present ids of one table's features ``[B, L_f]``, their cache slots and
-        each id's position among them. Ids are few (a batch): numpy, not torch, whose per-op
-        dispatch would cost more than the work."""
-        spec = self.specs[table]
+        each id's position among them, in one call of the id map."""
         mats = [m.cpu().numpy() for m in id_mats]
         flat = np.concatenate([m.reshape(-1) for m in mats]) if len(mats) > 1 else mats[0].ravel()
-        present = flat != -1  # [n]: the id map's padding (ranged ids are >= 0 or -1)
-        # every present id counts as a hit or a miss; u [U] ascending, pos [n]
-        u, slots_u, pos = self.caches[table].lookup_distinct(torch.from_numpy(flat))
-        weights = present.astype(np.float32)
-        pos_f, weights_f, at = [], [], 0
-        for m in mats:
-            n = m.size
-            w = weights[at : at + n].reshape(m.shape)
-            if spec.pooling == "mean":
-                w = w / np.maximum(w.sum(axis=1, keepdims=True), 1)
-            pos_f.append(pos[at : at + n].reshape(m.shape))
-            weights_f.append(w)
-            at += n
+        ids = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
+        # every present id counts as a hit or a miss; u [U] ascending, positions [n]
+        u, slots_u, positions = self.caches[table].lookup_distinct(ids)
         return _Distinct(
             b=mats[0].shape[0], dtype=self.plan.placement(table).dtype, slots=slots_u,
-            misses=u[slots_u < 0], present=int(present.sum()), pos=pos_f, weights=weights_f,
+            misses=u[slots_u < 0], present=int((flat != -1).sum()), ids=ids,
+            positions=positions, widths=[m.shape[1] for m in mats],
         )  # fmt: skip
 
-    def _packed(self, table: str, d: _Distinct, fetched: torch.Tensor | None) -> torch.Tensor:
-        """Packed rows ``uint8 [U, row_bytes]`` of the distinct ids: cached ones from the cache
-        storage, the others from ``fetched`` (rows of ``d.misses``, in order)."""
-        storage = self.caches[table].storage
-        hit = d.slots >= 0
-        if storage.device.type == "cpu":  # NumPy: a batch's rows are few, torch ops cost more
-            rows_np = np.empty((len(d.slots), storage.shape[1]), np.uint8)
-            rows_np[hit] = storage.numpy()[d.slots[hit]]
-            if fetched is not None:
-                rows_np[~hit] = fetched.numpy()
-            return torch.from_numpy(rows_np)
+    def _pool(self, table: str, d: _Distinct, fetched: torch.Tensor | None) -> list[torch.Tensor]:
+        """Each feature's pooled rows ``[B, D]`` over the batch's distinct ids: cached ones read
+        from the cache storage by slot, the others from ``fetched`` (rows of ``d.misses``)."""
+        spec, storage = self.specs[table], self.caches[table].storage
+        mean = spec.pooling == "mean"
+        if storage.device.type == "cpu":  # one C++ call: a batch's rows are few
+            missed = fetched if fetched is not None else storage[:0]
+            return pool_cached(
+                storage, torch.from_numpy(d.slots), missed.contiguous(), d.ids,
+                torch.from_numpy(d.positions), d.widths, d.b, mean, d.dtype, spec.dim,
+            )  # fmt: skip
+        dense = unpack_rows(self._packed_on_device(storage, d, fetched), d.dtype, spec.dim)
+        ids = d.ids.to(storage.device)
+        positions = torch.from_numpy(d.positions).to(storage.device)
+        out, at = [], 0
+        for width in d.widths:
+            n = d.b * width
+            bag_ids, pos = ids[at : at + n].view(d.b, width), positions[at : at + n]
+            weights = (bag_ids != -1).float()
+            if mean:
+                weights /= weights.sum(dim=1, keepdim=True).clamp(min=1)
+            out.append(
+                F.embedding_bag(pos.view(d.b, width), dense, mode="sum",
+                                per_sample_weights=weights)
+            )  # fmt: skip
+            at += n
+        return out
+
+    @staticmethod
+    def _packed_on_device(
+        storage: torch.Tensor, d: _Distinct, fetched: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Packed rows ``uint8 [U, row_bytes]`` of the distinct ids on the storage's device."""
         if fetched is None:  # all cached
             return storage[torch.from_numpy(d.slots).to(storage.device)]
+        hit = d.slots >= 0
         if not hit.any():
             return fetched.to(storage.device)
         rows = torch.empty(len(d.slots), storage.shape[1], dtype=torch.uint8, device=storage.device)
@@ -280,18 +292,9 @@ class _Distinct:
     """``int64 [M]``: the distinct ids not cached, ascending (to fetch)."""
     present: int
     """Present ids (counting repeats)."""
-    pos: list[np.ndarray]
-    """Per feature ``int64 [B, L_f]``: each id's position among the distinct ids (0 if absent)."""
-    weights: list[np.ndarray]
-    """Per feature ``float32 [B, L_f]``: 0 for absent ids, 1 (sum) or 1 / bag size (mean)."""
-
-
-def _pool(dense: torch.Tensor, pos: np.ndarray, weights: np.ndarray) -> torch.Tensor:
-    """Weighted sums of rows of ``dense [U, D]`` at ``pos [B, L]`` -> ``[B, D]`` on its device
-    (on the CPU in NumPy: one gather and one batched product, no per-call torch dispatch)."""
-    if dense.device.type == "cpu":
-        return torch.from_numpy((weights[:, None, :] @ dense.numpy()[pos])[:, 0])
-    return F.embedding_bag(
-        torch.from_numpy(pos).to(dense.device), dense, mode="sum",
-        per_sample_weights=torch.from_numpy(weights).to(dense.device),
-    )  # fmt: skip
+    ids: torch.Tensor
+    """``int64 [n]``: every feature's ``[B, L_f]`` ids end to end (``-1``: none)."""
+    positions: np.ndarray
+    """``int64 [n]``: each id's position among the distinct ids (0 if absent)."""
+    widths: list[int]
+    """``L_f`` per feature."""

@@ -213,3 +213,35 @@ def test_a_small_cache_under_churn_never_serves_a_stale_row():
         feats = {"user": torch.cat([hot, cold], dim=1)}
         torch.testing.assert_close(coll(feats)["user"], _reference(weights, feats)["user"])
     assert coll.cache_stats()["user"]["evictions"] > 0
+
+
+@pytest.mark.parametrize("dtype", list(DType))
+def test_hot_rows_of_every_dtype_pool_like_the_reference(dtype):
+    """The hot-row path decodes each packed dtype (cached rows and fetched ones in one batch)."""
+    specs = [TableSpec("user", 1000, 8, dtype, features=("user", "friends"))]
+    placement = PlacementPlan(
+        (
+            TablePlacement(
+                "user", Tier.REMOTE, dtype, specs[0].bytes(), servers=(0,), partition="range",
+                row_bounds=(0, 1000), cache_rows=8,
+            ),
+        ),
+        Budgets(device=0, host=0, remote_per_server=1 << 20, remote_servers=1),
+    )  # fmt: skip
+    coll = TieredEmbeddingCollection(specs, placement, cache_policy="lru", cache_admit_after=1)
+    weights = {"user": torch.randn(1000, 8, generator=torch.Generator().manual_seed(1))}
+    coll.remote = server = PackedRows(coll.load_float(weights))
+    w = unpack_rows(pack_rows(weights["user"], dtype), dtype, 8)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(6):
+        feats = {
+            "user": torch.randint(0, 12, (3, 1), generator=g),
+            "friends": torch.randint(-1, 12, (3, 4), generator=g),
+        }
+        out = coll(feats)
+        for f, ids in feats.items():
+            present = (ids >= 0).float()
+            want = (w[ids.clamp(min=0)] * present[..., None]).sum(1)
+            want = want / present.sum(1, keepdim=True).clamp(min=1)
+            torch.testing.assert_close(out[f], want, rtol=1e-5, atol=1e-5)
+    assert coll.cache_stats()["user"]["hits"] > 0 and len(server.calls) > 1
