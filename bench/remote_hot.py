@@ -13,8 +13,9 @@ and served by ``recserve cluster up --shards 1``:
 * ``hot, baseline tree`` (with ``--baseline-tree``): the ``hot`` version served by another
   checkout's code (e.g. ``git archive`` of the commit before a change), as an A/B in one run.
 
-The configurations take turns at every concurrency (``sharding_load.load_cases``): q/s, p50, p99
-and CPU per request of each process. Every cluster's answers for a few users are checked against
+The configurations take turns at every concurrency (``sharding_load.load_cases``), ``--rounds``
+times: q/s, p50, p99 and CPU per request of each process, then each system's p50 and q/s over
+``local``'s in the same round, with the median over rounds. Every cluster's answers for a few users are checked against
 the in-process forward first. Run from the repository root::
 
     .venv/bin/python bench/remote_hot.py --small --request-users 2000 --concurrency 1,4,8
@@ -26,6 +27,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,16 +103,46 @@ def cluster_from(
         stop_pids(processes_mentioning(str(repo)))
 
 
+def ratios_to_local(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (filter, C, system other than local): p50 and q/s over ``local``'s in the same round,
+    each round's p50 ratio and the medians over rounds."""
+    by_key = {(r["filter"], r["concurrency"], r["round"], r["system"]): r for r in rows}
+    out = []
+    for f, c, system in dict.fromkeys((r["filter"], r["concurrency"], r["system"]) for r in rows):
+        if system == "local":
+            continue
+        pairs = [
+            (r, by_key[(f, c, r["round"], "local")])
+            for r in rows
+            if (r["filter"], r["concurrency"], r["system"]) == (f, c, system)
+        ]
+        p50 = [r["p50_ms"] / loc["p50_ms"] for r, loc in pairs]
+        qps = [r["qps"] / loc["qps"] for r, loc in pairs]
+        out.append({
+            "filter": f, "concurrency": c, "system": system, "p50_each": p50,
+            "p50": statistics.median(p50), "qps": statistics.median(qps),
+        })  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--baseline-tree", type=Path, help="another checkout to serve `hot` from")
     own.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "remote_hot.json")
+    own.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the systems take turns at each load case (the summary takes each ratio's "
+        "median over rounds, which outlasts this machine's drift)",
+    )
     mine, rest = own.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         print(__doc__)
         own.print_help()
         print("\nand the workload and load flags of bench/sharding.py:")
     args = sharding.parse_args(rest)
+    args.rounds = mine.rounds
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     work = build_workload(args)
@@ -143,13 +175,23 @@ def main(argv: list[str] | None = None) -> None:
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:
             loadgen_pid = pool.submit(ready).result()
             results["load"] = load_cases(targets, work, pool, loadgen_pid, args)
-    print("\n| filter | C | system | q/s | p50 ms | p99 ms | CPU ms/request (servers) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| filter | C | round | system | q/s | p50 ms | p99 ms | CPU ms/request (servers) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results["load"]:
         cpu = r["cpu_ms_per_request"]["servers"]
         print(
-            f"| {r['filter']} | {r['concurrency']} | {r['system']} | {r['qps']:.0f} | "
-            f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {cpu if cpu is None else f'{cpu:.2f}'} |"
+            f"| {r['filter']} | {r['concurrency']} | {r['round']} | {r['system']} | "
+            f"{r['qps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+            f"{cpu if cpu is None else f'{cpu:.2f}'} |"
+        )
+    results["ratios"] = ratios_to_local(results["load"])
+    print("\n| filter | C | system | p50 ÷ local, median (each round) | q/s ÷ local, median |")
+    print("|---|---|---|---|---|")
+    for r in results["ratios"]:
+        each = ", ".join(f"{x:.2f}" for x in r["p50_each"])
+        print(
+            f"| {r['filter']} | {r['concurrency']} | {r['system']} | "
+            f"**{r['p50']:.2f}** ({each}) | {r['qps']:.2f} |"
         )
     args_out = mine.out
     args_out.parent.mkdir(parents=True, exist_ok=True)

@@ -254,20 +254,22 @@ def load_cases(
     processes (name -> pid). The targets take turns inside each (filter, concurrency) case, so
     a configuration and the serve run it is compared with are measured seconds apart (this
     machine's speed drifts by 1.5x over minutes: measured one after the other, the later
-    system would pay for it)."""
+    system would pay for it). With ``args.rounds`` > 1 they take turns that many times per
+    case, one row each (``round``)."""
     rows = []
     for label in work.filters:
         payloads = work.payloads(label)
         for c in args.concurrency:
-            for case, address, pids in targets:
-                load = OtherLoad({os.getpid(), loadgen_pid, *pids.values()})
-                load.start()
-                got = pool.submit(
-                    run_load, address, payloads, c, args.warmup_s, args.seconds, pids
-                ).result()
-                answered = round(got["qps"] * args.seconds)
-                row = {**case, "concurrency": c, "filter": label, **got}
-                row["cpu_ms_per_request"] = cpu_per_request(got["cpu_s"], answered)
-                rows.append({**row, "other_load": load.stop()})
-                print(json.dumps(rows[-1]), flush=True)
+            for r in range(getattr(args, "rounds", 1)):
+                for case, address, pids in targets:
+                    load = OtherLoad({os.getpid(), loadgen_pid, *pids.values()})
+                    load.start()
+                    got = pool.submit(
+                        run_load, address, payloads, c, args.warmup_s, args.seconds, pids
+                    ).result()
+                    answered = round(got["qps"] * args.seconds)
+                    row = {**case, "concurrency": c, "filter": label, "round": r, **got}
+                    row["cpu_ms_per_request"] = cpu_per_request(got["cpu_s"], answered)
+                    rows.append({**row, "other_load": load.stop()})
+                    print(json.dumps(rows[-1]), flush=True)
     return rows

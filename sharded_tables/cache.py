@@ -20,7 +20,7 @@ import torch
 from prometheus_client import Counter
 
 from sharded_tables.id_transformer import AdmissionSketch
-from sharded_tables.idmap import DEFAULT_DECAY_PERIOD, IdMap
+from sharded_tables.idmap import DEFAULT_DECAY_PERIOD, IdMap, as_keys
 
 # Module-level so that building many caches (tests, reloads) never registers a metric twice.
 CACHE_HITS = Counter("recserve_cache_hits", "Hot-row cache lookups that hit", ["cache"])
@@ -108,11 +108,12 @@ class HotRowCache:
         self._metrics[1].inc(len(slots) - n_hit)
         return rows, hit
 
-    def lookup_distinct(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def lookup_distinct(self, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """``ids int64 [n]`` (any order, repeats, ``-1`` = padding) -> (the distinct present ids
         ``[U]`` ascending, their storage slots ``[U]`` with ``-1`` for misses, each id's position
-        among them ``[n]``, 0 for padding), in one call of the id map. Every present id counts
-        as a hit or a miss (a cache of capacity 0 counts nothing).
+        among them ``[n]``, 0 for padding, the present ids counting repeats), in one call of the
+        id map. Every present id counts as a hit or a miss (a cache of capacity 0 counts
+        nothing).
 
         The slots stay valid until the next :meth:`put` / :meth:`admit` (callers that read
         storage by slot do so before admitting more rows)."""
@@ -125,7 +126,8 @@ class HotRowCache:
         if record:
             self._metrics[0].inc(found.hits)
             self._metrics[1].inc(found.misses)
-        return found.keys.numpy(), found.slots.numpy(), found.positions.numpy()
+        present = found.hits + found.misses
+        return found.keys.numpy(), found.slots.numpy(), found.positions.numpy(), present
 
     def admit(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """:meth:`put` that returns each id's slot ``[n]`` (``-1`` for ids beyond capacity)."""
@@ -143,14 +145,17 @@ class HotRowCache:
             )
         if rows.shape[0] != len(ids):
             raise ValueError(f"rows has {rows.shape[0]} rows for {len(ids)} ids")
+        ids = as_keys(ids, "ids")
         if self._sketch is not None:
             with self._lock:
                 admitted = self._sketch.add(ids).numpy() >= self.admit_after
             if not admitted.all():  # NumPy: a miss of a served batch is a few ids
                 if not admitted.any():
                     return  # none seen often enough yet: nothing to keep
-                at = torch.from_numpy(np.flatnonzero(admitted))
-                ids, rows = ids[at], rows[at]
+                at = np.flatnonzero(admitted)
+                ids = torch.from_numpy(ids.numpy()[at])
+                on_cpu = rows.device.type == "cpu"
+                rows = torch.from_numpy(rows.numpy()[at]) if on_cpu else rows[torch.from_numpy(at)]
         if len(ids) > self.capacity:
             ids, rows = ids[: self.capacity], rows[: self.capacity]
         with self._lock:

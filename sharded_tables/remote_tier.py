@@ -227,10 +227,10 @@ class RemoteTier:
         flat = np.concatenate([m.reshape(-1) for m in mats]) if len(mats) > 1 else mats[0].ravel()
         ids = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
         # every present id counts as a hit or a miss; u [U] ascending, positions [n]
-        u, slots_u, positions = self.caches[table].lookup_distinct(ids)
+        u, slots_u, positions, present = self.caches[table].lookup_distinct(ids)
         return _Distinct(
             b=mats[0].shape[0], dtype=self.plan.placement(table).dtype, slots=slots_u,
-            misses=u[slots_u < 0], present=int((flat != -1).sum()), ids=ids,
+            misses=u[slots_u < 0], present=present, ids=ids,
             positions=positions, widths=[m.shape[1] for m in mats],
         )  # fmt: skip
 
