@@ -24,6 +24,7 @@ the in-process forward first. Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -125,6 +126,30 @@ def ratios_to_local(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` on ``cpus`` (threads it starts later inherit their creator's)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def embedding_core(processes: list[tuple[str, int]], own: list[int]) -> dict[str, list[int]]:
+    """The embedding servers (``embed-*`` of the ``(name, pid)`` ``processes``) on this
+    machine's last CPU and every other process (the rest, and ``own``: this one, the load
+    generator) on the others:
+    the production shape, an embedding server on a host of its own, which 2 shared cores
+    otherwise cannot show (there its CPU is every request's latency). -> the CPUs given."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--embedding-core needs at least 2 CPUs")
+    last, rest = {cpus[-1]}, set(cpus[:-1])
+    for name, pid in processes:
+        pin(pid, last if name.startswith("embed") else rest)
+    for pid in own:
+        pin(pid, rest)
+    return {"embedding servers": sorted(last), "others": sorted(rest)}
+
+
 def main(argv: list[str] | None = None) -> None:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--baseline-tree", type=Path, help="another checkout to serve `hot` from")
@@ -135,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="times the systems take turns at each load case (the summary takes each ratio's "
         "median over rounds, which outlasts this machine's drift)",
+    )
+    own.add_argument(
+        "--embedding-core",
+        action="store_true",
+        help="the embedding server on a CPU of its own, every other process on the others (an "
+        "embedding server on its own host, as deployed)",
     )
     mine, rest = own.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
@@ -174,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: up at {address}, checks {checks}", flush=True)
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:
             loadgen_pid = pool.submit(ready).result()
+            if mine.embedding_core:
+                processes = [(n, p) for _, _, pids in targets for n, p in pids.items()]
+                results["pinned"] = embedding_core(processes, [os.getpid(), loadgen_pid])
             results["load"] = load_cases(targets, work, pool, loadgen_pid, args)
     print("\n| filter | C | round | system | q/s | p50 ms | p99 ms | CPU ms/request (servers) |")
     print("|---|---|---|---|---|---|---|---|")
