@@ -178,7 +178,7 @@ class RemoteTables(RowStore):
             for s, pos in self._by_server(spec, uniq_np):
                 address = spec.servers[s]
                 req = requests.setdefault(address, pb.LookupRequest(version=self.version))
-                req.tables.append(pb.TableIds(table=name, ids=uniq_np[pos].astype("<i8").tobytes()))
+                req.tables.add(table=name, ids=uniq_np[pos].astype("<i8").tobytes())
                 parts.setdefault(address, []).append((name, pos))
         deadline = self.timeout if timeout is None else timeout
         addresses = list(requests)
