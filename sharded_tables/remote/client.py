@@ -155,7 +155,7 @@ class RemoteTables(RowStore):
 
     def _lookup(
         self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """-> per table (rows ``uint8 [n, rb]``, found ``bool [n]``) in the order of its ids."""
         requests: dict[str, pb.LookupRequest] = {}
         parts: dict[str, list[tuple[str, Positions]]] = {}  # address -> (table, unique positions)
@@ -191,10 +191,7 @@ class RemoteTables(RowStore):
                 self._collect(address, call.result(), parts[address], unique)
             self._collect(addresses[-1], last, parts[addresses[-1]], unique)
         return {
-            name: (
-                torch.from_numpy(rows if inverse is None else rows[inverse]),
-                torch.from_numpy(found if inverse is None else found[inverse]),
-            )
+            name: (rows, found) if inverse is None else (rows[inverse], found[inverse])
             for name, (inverse, rows, found) in unique.items()
         }
 
@@ -203,8 +200,9 @@ class RemoteTables(RowStore):
         """``[(server position, positions in uniq)]`` for the servers holding any of ``uniq``
         (ascending, distinct)."""
         if len(spec.servers) == 1:
-            if len(uniq):
-                server_of(spec, uniq[[0, -1]])  # the range check: the ends bound the rest
+            ranged = spec.partition == "range" and len(uniq)
+            if ranged and (uniq[0] < spec.bounds[0] or uniq[-1] >= spec.bounds[-1]):
+                server_of(spec, uniq[[0, -1]])  # raises, naming the id (the ends bound the rest)
             return [(0, slice(None))]
         server = server_of(spec, uniq)  # [u]
         order = np.argsort(server, kind="stable")
@@ -279,11 +277,15 @@ class RemoteTables(RowStore):
         Keyed tables give zero rows for keys never stored. ``timeout``: seconds (default: the
         client's), the deadline of the whole fetch since all servers are asked at once.
         """
-        return {t: rows for t, (rows, _) in self._lookup(ids_by_table, timeout).items()}
+        return {
+            t: torch.from_numpy(rows)
+            for t, (rows, _) in self._lookup(ids_by_table, timeout).items()
+        }
 
     def get(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``ids int64 [n]`` -> (rows ``uint8 [n, row_bytes]``, found ``bool [n]``)."""
-        return self._lookup({table: ids}, None)[table]
+        rows, found = self._lookup({table: ids}, None)[table]
+        return torch.from_numpy(rows), torch.from_numpy(found)
 
     def put(
         self, table: str, ids: torch.Tensor, rows: torch.Tensor, timeout: float | None = None

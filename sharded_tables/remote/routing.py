@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
 
 import numpy as np
@@ -57,7 +58,7 @@ class RemoteTable:
         elif self.partition != "keyed":
             raise ValueError(f"table {self.name!r}: partition must be 'range' or 'keyed'")
 
-    @property
+    @cached_property  # read on every lookup
     def row_bytes(self) -> int:
         return row_bytes(self.dim, self.dtype)
 
