@@ -15,8 +15,8 @@ and served by ``recserve cluster up --shards 1``:
 
 The configurations take turns at every concurrency (``sharding_load.load_cases``), ``--rounds``
 times: q/s, p50, p99 and CPU per request of each process, then each system's p50 and q/s over
-``local``'s in the same round, with the median over rounds. Every cluster's answers for a few users are checked against
-the in-process forward first. Run from the repository root::
+``local``'s in the same round, with the median over rounds. Every cluster's answers for a few
+users are checked against the in-process forward first. Run from the repository root::
 
     .venv/bin/python bench/remote_hot.py --small --request-users 2000 --concurrency 1,4,8
 """
@@ -136,9 +136,8 @@ def pin(pid: int, cpus: set[int]) -> None:
 def embedding_core(processes: list[tuple[str, int]], own: list[int]) -> dict[str, list[int]]:
     """The embedding servers (``embed-*`` of the ``(name, pid)`` ``processes``) on this
     machine's last CPU and every other process (the rest, and ``own``: this one, the load
-    generator) on the others:
-    the production shape, an embedding server on a host of its own, which 2 shared cores
-    otherwise cannot show (there its CPU is every request's latency). -> the CPUs given."""
+    generator) on the others, as if the embedding server had a host of its own (on 2 shared
+    cores its CPU is otherwise every request's latency). -> the CPUs given."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("--embedding-core needs at least 2 CPUs")
@@ -173,7 +172,6 @@ def main(argv: list[str] | None = None) -> None:
         own.print_help()
         print("\nand the workload and load flags of bench/sharding.py:")
     args = sharding.parse_args(rest)
-    args.rounds = mine.rounds
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     work = build_workload(args)
@@ -208,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             if mine.embedding_core:
                 processes = [(n, p) for _, _, pids in targets for n, p in pids.items()]
                 results["pinned"] = embedding_core(processes, [os.getpid(), loadgen_pid])
-            results["load"] = load_cases(targets, work, pool, loadgen_pid, args)
+            results["load"] = load_cases(targets, work, pool, loadgen_pid, args, mine.rounds)
     print("\n| filter | C | round | system | q/s | p50 ms | p99 ms | CPU ms/request (servers) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results["load"]:

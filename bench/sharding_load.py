@@ -248,19 +248,20 @@ def load_cases(
     pool: ProcessPoolExecutor,
     loadgen_pid: int,
     args: argparse.Namespace,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
     """Every (filter, concurrency) load case against each target ``(case, address, pids)``:
     ``case`` starts each row (what was measured), ``address`` is the server's, ``pids`` its
     processes (name -> pid). The targets take turns inside each (filter, concurrency) case, so
     a configuration and the serve run it is compared with are measured seconds apart (this
     machine's speed drifts by 1.5x over minutes: measured one after the other, the later
-    system would pay for it). With ``args.rounds`` > 1 they take turns that many times per
-    case, one row each (``round``)."""
+    system would pay for it). With ``rounds`` > 1 they take turns that many times per case,
+    one row each (``round``)."""
     rows = []
     for label in work.filters:
         payloads = work.payloads(label)
         for c in args.concurrency:
-            for r in range(getattr(args, "rounds", 1)):
+            for r in range(rounds):
                 for case, address, pids in targets:
                     load = OtherLoad({os.getpid(), loadgen_pid, *pids.values()})
                     load.start()

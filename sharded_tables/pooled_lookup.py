@@ -83,9 +83,10 @@ def pool_cached(
     :mod:`sharded_tables.quantize`) in ``storage uint8 [C, row_bytes]`` at ``slots int64 [U]``,
     or, where the slot is ``-1``, in ``fetched uint8 [M, row_bytes]`` (the misses, in order).
     ``ids int64 [n]`` are every feature's ``[B, L_f]`` ids end to end (``-1``: none, ``B`` =
-    ``batch``, ``L_f`` = ``widths[f]``) and ``positions int64 [n]`` each id's index among the distinct ids. Returns
-    per feature ``float32 [B, dim]``: the decoded rows summed (``mean``: divided by the present
-    count) as :func:`pooled_lookup` sums. Raises on a slot, position or row count out of range.
+    ``batch``, ``L_f`` = ``widths[f]``) and ``positions int64 [n]`` each id's index among the
+    distinct ids. Returns per feature ``float32 [B, dim]``: the decoded rows summed (``mean``:
+    divided by the present count) as :func:`pooled_lookup` sums. Raises on a slot, position or
+    row count out of range.
     """
     code = PACKED_DTYPES.index(DType(dtype))
     ext = _extension()
