@@ -736,35 +736,50 @@ inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
   uint32_t t;
   int top;
   if (!common_prefix(_mm512_reduce_min_epu32(lo), _mm512_reduce_max_epu32(hi), t, top)) return t;
+  const __m512i one = _mm512_set1_epi32(1);
   for (int bit = top; bit >= 0; --bit) {
     const uint32_t c = t | (1u << bit);
     const __m512i cv = _mm512_set1_epi32(static_cast<int>(c));
-    int64_t count = 0, i = 0;
+    // counts in lanes (a masked add a compare), summed once: a mask's popcount and a scalar add
+    // each compare had made the count's dependency chain the loop's
+    __m512i acc = _mm512_setzero_si512();
+    int64_t i = 0;
     for (; i + 16 <= n; i += 16)
-      count += __builtin_popcount(_mm512_cmpge_epu32_mask(_mm512_loadu_si512(asc + i), cv));
-    if (i < n) count += __builtin_popcount(_mm512_mask_cmpge_epu32_mask(last, _mm512_maskz_loadu_epi32(last, asc + i), cv));
-    if (count >= kept) t = c;
+      acc = _mm512_mask_add_epi32(acc, _mm512_cmpge_epu32_mask(_mm512_loadu_si512(asc + i), cv), acc, one);
+    if (i < n)
+      acc = _mm512_mask_add_epi32(acc, _mm512_mask_cmpge_epu32_mask(last, _mm512_maskz_loadu_epi32(last, asc + i), cv), acc, one);
+    if (_mm512_reduce_add_epi32(acc) >= kept) t = c;
   }
   return t;
 }
 
 // keys[0..n), all distinct, into out in ascending order: each key's rank is the count of smaller
 // keys (n^2 / 8 compares, no branch on the data; below kRankSortMax it beats std::sort's mispredicts).
-inline void rank_sort(const uint64_t* keys, int64_t n, uint64_t* out) {
+inline void rank_sort_keys(const uint64_t* keys, int64_t n, uint64_t* out) {
   const __mmask8 last = __mmask8((1u << (n % 8)) - 1);
+  const __m512i one = _mm512_set1_epi64(1);
   for (int64_t i = 0; i < n; ++i) {
     const __m512i ki = _mm512_set1_epi64(static_cast<long long>(keys[i]));
-    int64_t rank = 0, j = 0;
-    for (; j + 8 <= n; j += 8) rank += __builtin_popcount(_mm512_cmplt_epu64_mask(_mm512_loadu_si512(keys + j), ki));
-    if (j < n) rank += __builtin_popcount(_mm512_mask_cmplt_epu64_mask(last, _mm512_maskz_loadu_epi64(last, keys + j), ki));
-    out[rank] = keys[i];
+    __m512i acc = _mm512_setzero_si512();  // counts in lanes, as in kth_largest
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+      acc = _mm512_mask_add_epi64(acc, _mm512_cmplt_epu64_mask(_mm512_loadu_si512(keys + j), ki), acc, one);
+    if (j < n)
+      acc = _mm512_mask_add_epi64(acc, _mm512_mask_cmplt_epu64_mask(last, _mm512_maskz_loadu_epi64(last, keys + j), ki), acc, one);
+    out[_mm512_reduce_add_epi64(acc)] = keys[i];
   }
 }
 #elif defined(__AVX2__)
-// kth_largest on a build for AVX2 CPUs: 8 keys a compare (unsigned, by flipping the sign bit).
-// nth_element in its place was 13 % of a batch there (and its sort 5 %).
+// The sum of v's 8 int32 lanes.
+inline int64_t sum_lanes_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// kth_largest on a build for AVX2 CPUs: 8 keys a compare. nth_element in its place was 13 % of a
+// batch there (and its sort 5 %).
 inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
-  const __m256i flip = _mm256_set1_epi32(INT32_MIN);
   __m256i lo = _mm256_set1_epi32(-1), hi = _mm256_setzero_si256();
   int64_t i0 = 0;
   for (; i0 + 8 <= n; i0 += 8) {
@@ -781,33 +796,78 @@ inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
   if (!common_prefix(lo1, hi1, t, top)) return t;
   for (int bit = top; bit >= 0; --bit) {
     const uint32_t c = t | (1u << bit);
-    const __m256i cv = _mm256_set1_epi32(static_cast<int>(c ^ 0x80000000u));
-    int64_t below = 0, i = 0;
+    const __m256i cv = _mm256_set1_epi32(static_cast<int>(c));
+    // a >= c (unsigned) as max(a, c) == a: -1 in a lane, subtracted from counts kept in lanes and
+    // summed once (a movemask, popcount and scalar add a compare had been the loop's chain)
+    __m256i acc = _mm256_setzero_si256();
+    int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-      const __m256i a = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(asc + i)), flip);
-      below += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(cv, a))));
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(asc + i));
+      acc = _mm256_sub_epi32(acc, _mm256_cmpeq_epi32(_mm256_max_epu32(a, cv), a));
     }
-    int64_t count = i - below;
+    int64_t count = sum_lanes_epi32(acc);
     for (; i < n; ++i) count += asc[i] >= c;
     if (count >= kept) t = c;
   }
   return t;
 }
 
-// rank_sort on a build for AVX2 CPUs: 4 keys a compare (unsigned, by flipping the sign bit). A
-// std::sort of the kept keys in its place was 10 % of a 256-d batch there (mispredicts).
-inline void rank_sort(const uint64_t* keys, int64_t n, uint64_t* out) {
-  const __m256i flip = _mm256_set1_epi64x(INT64_MIN);
+// rank_sort_keys on a build for AVX2 CPUs: 4 keys a compare (signed, on keys with the sign bit
+// flipped). A std::sort of the kept keys in its place was 10 % of a 256-d batch there (mispredicts).
+// The keys are flipped once into a copy padded to 4 with the largest key (never below another),
+// and counts stay in lanes, summed once a key (see kth_largest). n <= kRankSortMax.
+inline void rank_sort_keys(const uint64_t* keys, int64_t n, uint64_t* out) {
+  alignas(32) int64_t flipped[kRankSortMax + 3];
+  const int64_t n4 = (n + 3) & ~int64_t(3);
+  for (int64_t j = 0; j < n; ++j) flipped[j] = static_cast<int64_t>(keys[j] ^ 0x8000000000000000ull);
+  for (int64_t j = n; j < n4; ++j) flipped[j] = INT64_MAX;
   for (int64_t i = 0; i < n; ++i) {
-    const __m256i ki = _mm256_set1_epi64x(static_cast<long long>(keys[i] ^ 0x8000000000000000ull));
-    int64_t rank = 0, j = 0;
-    for (; j + 4 <= n; j += 4) {
-      const __m256i kj = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + j)), flip);
-      rank += __builtin_popcount(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(ki, kj))));
-    }
-    for (; j < n; ++j) rank += keys[j] < keys[i];
+    const __m256i ki = _mm256_set1_epi64x(flipped[i]);
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = 0; j < n4; j += 4)
+      acc = _mm256_sub_epi64(acc, _mm256_cmpgt_epi64(ki, _mm256_load_si256(reinterpret_cast<const __m256i*>(flipped + j))));
+    const __m128i two = _mm_add_epi64(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    out[_mm_cvtsi128_si64(two) + _mm_extract_epi64(two, 1)] = keys[i];
+  }
+}
+#endif
+
+#if defined(RECSERVE_AVX512_BUILD) || defined(__AVX2__)
+// How many of hi[0..n8) are below v (n8 a multiple of the vector width; signed).
+inline int64_t count_below(const int32_t* hi, int64_t n8, int32_t v) {
+#ifdef RECSERVE_AVX512_BUILD
+  const __m512i vv = _mm512_set1_epi32(v), one = _mm512_set1_epi32(1);
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t j = 0; j < n8; j += 16)
+    acc = _mm512_mask_add_epi32(acc, _mm512_cmplt_epi32_mask(_mm512_load_si512(hi + j), vv), acc, one);
+  return _mm512_reduce_add_epi32(acc);
+#else
+  const __m256i vv = _mm256_set1_epi32(v);
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t j = 0; j < n8; j += 8)
+    acc = _mm256_sub_epi32(acc, _mm256_cmpgt_epi32(vv, _mm256_load_si256(reinterpret_cast<const __m256i*>(hi + j))));
+  return sum_lanes_epi32(acc);
+#endif
+}
+
+// keys[0..n), all distinct, into out in ascending order (n <= kRankSortMax). Ranked first by
+// their upper halves (a candidate's score): twice the keys a compare of rank_sort_keys. Equal
+// halves (equal scores) rank alike, so a rank taken twice sends the whole sort to rank_sort_keys.
+inline void rank_sort(const uint64_t* keys, int64_t n, uint64_t* out) {
+  constexpr int64_t kWidth = 16;  // the padding: a multiple of either build's lane count
+  alignas(64) int32_t hi[kRankSortMax + kWidth];
+  const int64_t n8 = (n + kWidth - 1) / kWidth * kWidth;
+  for (int64_t j = 0; j < n; ++j) hi[j] = static_cast<int32_t>(uint32_t(keys[j] >> 32) ^ 0x80000000u);
+  for (int64_t j = n; j < n8; ++j) hi[j] = INT32_MAX;  // never below another
+  bool taken[kRankSortMax] = {};
+  bool again = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t rank = count_below(hi, n8, hi[i]);
+    again |= taken[rank];
+    taken[rank] = true;
     out[rank] = keys[i];
   }
+  if (again) rank_sort_keys(keys, n, out);
 }
 #endif
 

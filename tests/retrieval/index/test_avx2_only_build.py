@@ -1,8 +1,9 @@
 """The index kernels compiled for an AVX2-only CPU (``$RECSERVE_KERNEL_MARCH=haswell``: no
-AVX-512 outside target-attributed functions, so the heap and ``keep_best`` in place of
-``TopStream``, the portable float probe, ...) give the answers the int8 paths' property tests
-ask for, each SIMD path this machine runs forced in turn. An AVX-512 build never runs that
-code: this found the probe table reading a VNNI query through the AVX2 kernel there."""
+AVX-512 outside target-attributed functions, so the heap and ``keep_best``'s AVX2 selection and
+rank sort in place of ``TopStream``, the portable float probe, ...) give the answers the int8
+paths' property tests and the selection's ask for, each SIMD path this machine runs forced in
+turn. An AVX-512 build never runs that code: this found the probe table reading a VNNI query
+through the AVX2 kernel there."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ TESTS = [
     "tests/retrieval/index/test_scan_isa.py",
     "tests/retrieval/index/test_probe_table.py",
     "tests/retrieval/index/test_nearest_centroid.py",
+    "tests/retrieval/index/test_ivf.py::test_topk_rows_matches_torch_topk",
+    "tests/retrieval/index/test_ivf.py::test_topk_rows_keeps_the_lower_index_at_ties",
+    "tests/retrieval/index/test_ivf.py::test_a_scan_floor_leaves_out_only_what_scores_below_it",
 ]
 BUILD_S = 600  # two -O3 builds, one per core, on a busy CI machine
 KERNELS = (("kernels", "extension"), ("kmeans", "build_kernel"))
