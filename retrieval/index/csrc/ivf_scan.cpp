@@ -1276,6 +1276,20 @@ inline void accumulate_squares(__m512 v, __m512d& s0, __m512d& s1) {
   s0 = _mm512_fmadd_pd(lo, lo, s0);
   s1 = _mm512_fmadd_pd(hi, hi, s1);
 }
+#elif defined(__AVX2__)
+// s0 += v[0:4]^2, s1 += v[4:8]^2, in double (8 lanes of a norm's sum of squares; a float's square
+// is exact in double, so each fused add rounds once, as the scalar sum's add does).
+inline void accumulate_squares(__m256 v, __m256d& s0, __m256d& s1) {
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+  s0 = _mm256_fmadd_pd(lo, lo, s0);
+  s1 = _mm256_fmadd_pd(hi, hi, s1);
+}
+
+inline double sum_lanes_pd(__m256d a, __m256d b) {
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(a, b));
+  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
 #endif
 
 // The build's codes in one pass, with no float copy of the catalog: row i of the index is item
@@ -1329,6 +1343,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, 
         amax = _mm512_reduce_max_ps(mx);
         exact = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
       }
+#elif defined(__AVX2__)
+      {  // 8 at a time, the same (scalar encode loops were 7.5 % of an AVX2 build of 19k x 300)
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 mx = _mm256_setzero_ps();
+        __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+        for (; j + 8 <= d; j += 8) {
+          const __m256 rv = _mm256_sub_ps(_mm256_loadu_ps(xi + j), _mm256_loadu_ps(c + j));
+          _mm256_storeu_ps(r.data() + j, rv);
+          mx = _mm256_max_ps(mx, _mm256_and_ps(rv, abs_mask));
+          accumulate_squares(rv, s0, s1);
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx);
+        amax = *std::max_element(lanes, lanes + 8);
+        exact = sum_lanes_pd(s0, s1);
+      }
 #endif
       for (; j < d; ++j) {
         r[j] = xi[j] - c[j];
@@ -1354,6 +1384,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, 
           accumulate_squares(_mm512_mul_ps(v, back), s0, s1);
         }
         decoded = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+      }
+#elif defined(__AVX2__)
+      {  // the same division, round half to even and clamp as below, so the same bytes
+        const __m256 sv = _mm256_set1_ps(safe), back = _mm256_set1_ps(scale);
+        const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+        __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+        for (; j + 8 <= d; j += 8) {
+          __m256 v = _mm256_div_ps(_mm256_loadu_ps(r.data() + j), sv);
+          v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+          const __m256i iv = _mm256_cvtps_epi32(v);
+          const __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(iv), _mm256_extracti128_si256(iv, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(code + j), _mm_packs_epi16(c16, c16));
+          accumulate_squares(_mm256_mul_ps(v, back), s0, s1);
+        }
+        decoded = sum_lanes_pd(s0, s1);
       }
 #endif
       for (; j < d; ++j) {
