@@ -27,6 +27,7 @@ import platform
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -45,6 +46,7 @@ from ann_peers import (
     ivf_params,
 )
 from ann_report import UNFILTERED, Point, render
+from ann_rounds import Kept, head_to_head, rounds_table
 from ann_sweep import Case, sweep
 from timing import set_threads, stopwatch
 from tqdm import tqdm
@@ -115,6 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time our filter parsing too (default: compiled outside timing, like faiss's bitmap)",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed batched runs (median)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="after the sweeps, time each of our chosen settings against each peer's this many "
+        "times in turns and report the median ratio (ann_rounds.py; 0: off)",
+    )
     p.add_argument("--single", type=int, default=200, help="queries timed one at a time")
     p.add_argument("--stop-recall", type=float, default=0.999, help="stop an nprobe sweep here")
     p.add_argument(
@@ -187,7 +196,7 @@ def make_cases(data: AnnData, flat: faiss.Index, args: argparse.Namespace) -> li
 
 
 def run_faiss(
-    data: AnnData, flat: faiss.Index, cases: list[Case], args, builds: dict
+    data: AnnData, flat: faiss.Index, cases: list[Case], args, builds: dict, kept: Kept
 ) -> list[Point]:
     q, k = data.q, args.k
     rows = single_rows(q, args.single)
@@ -223,9 +232,11 @@ def run_faiss(
                 )
 
             through = "nprobe=32" if case.keep is None else None  # the setting ANCHORS quotes
-            points += sweep(name, nprobe_settings(args.nlist), make, case, bpi, args, through)
+            points += sweep(
+                name, nprobe_settings(args.nlist), make, case, bpi, args, through, kept=kept
+            )
         if case.eligible is not None:
-            points += run_exact_eligible(data, case, args)
+            points += run_exact_eligible(data, case, args, kept)
     return points
 
 
@@ -238,7 +249,7 @@ def single_rows(q: T, n: int) -> list[T]:
     return [q[i : i + 1] for i in range(n)]
 
 
-def run_exact_eligible(data: AnnData, case: Case, args) -> list[Point]:
+def run_exact_eligible(data: AnnData, case: Case, args, kept: Kept) -> list[Point]:
     scan = EligibleScan(torch.from_numpy(data.x))
     qt, elig = torch.from_numpy(data.q), torch.from_numpy(case.eligible)
     rows = single_rows(qt, args.single)
@@ -250,13 +261,16 @@ def run_exact_eligible(data: AnnData, case: Case, args) -> list[Point]:
         )
 
     # Needs the fp32 rows (4 bytes x D per item) to gather from.
-    return sweep("exact-eligible", [("exact", {})], make, case, 4.0 * args.d, args)
+    return sweep("exact-eligible", [("exact", {})], make, case, 4.0 * args.d, args, kept=kept)
 
 
-def run_ours(data: AnnData, cases: list[Case], args, builds: dict, errors: dict) -> list[Point]:
+def run_ours(
+    data: AnnData, cases: list[Case], args, builds: dict, errors: dict, kept: Kept
+) -> list[Point]:
     points: list[Point] = []
     qt = torch.from_numpy(data.q)
     rows = single_rows(qt, args.single)
+    user_isa = os.environ.get(ISA_ENV)  # the caller's own choice, when --isa names none
     for codes, probe in [(c, r) for c in args.codes for r in args.probe]:
         system = f"ours-{codes}" + (f"-probe={probe}" if args.probe != ["auto"] else "")
         print(f"building {system} IVF{args.nlist} ...", file=sys.stderr)
@@ -285,8 +299,7 @@ def run_ours(data: AnnData, cases: list[Case], args, builds: dict, errors: dict)
                 continue
             for isa in args.isa or [None]:
                 name = system if isa is None else f"{system}-{isa}"
-                if isa is not None:
-                    os.environ[ISA_ENV] = isa  # read by the kernel at every scan
+                set_isa(isa or user_isa)
                 try:
                     builds[f"{name}-isa"] = int8_isa()
                 except RuntimeError as e:  # a path this CPU cannot run
@@ -309,10 +322,29 @@ def run_ours(data: AnnData, cases: list[Case], args, builds: dict, errors: dict)
                         ours.set_filter_bound(b)
                         swept = name if b == args.filter_bound[0] else f"{name}-bound{b:g}"
                         # The index is young: a failing setting is reported and the sweep goes on.
-                        points += sweep(swept, settings, make, case, bpi, args, errors=errors)
+                        prepare = partial(_prepare, ours, rerank, b, isa or user_isa)
+                        points += sweep(
+                            swept, settings, make, case, bpi, args, errors=errors, kept=kept,
+                            prepare=prepare,
+                        )  # fmt: skip
                     ours.set_filter_bound(args.filter_bound[0])
-            os.environ.pop(ISA_ENV, None)
+            set_isa(user_isa)
     return points
+
+
+def _prepare(ours: Ours, rerank: int, bound: float, isa: str | None) -> None:
+    """The state a setting of ours was swept under, restored before ``--rounds`` times it."""
+    ours.set_rerank(rerank)
+    ours.set_filter_bound(bound)
+    set_isa(isa)
+
+
+def set_isa(isa: str | None) -> None:
+    """``$RECSERVE_SCAN_ISA`` = ``isa`` (None: unset), read by the kernel at every scan."""
+    if isa is None:
+        os.environ.pop(ISA_ENV, None)
+    else:
+        os.environ[ISA_ENV] = isa
 
 
 def meta(args: argparse.Namespace) -> dict:
@@ -365,12 +397,22 @@ def main(argv: list[str] | None = None) -> None:
     builds: dict = {}
     errors: dict = {}
     points: list[Point] = []
+    kept = Kept()
     if args.only in ("faiss", "all"):
-        points += run_faiss(data, flat, cases, args, builds)
+        points += run_faiss(data, flat, cases, args, builds, kept)
     if args.only in ("ours", "all"):
-        points += run_ours(data, cases, args, builds, errors)
+        points += run_ours(data, cases, args, builds, errors, kept)
 
     report = render(points, cases, builds, errors, args, FILTERED_TARGETS, UNFILTERED_TARGETS)
+    rounds = []
+    if args.rounds > 0:
+        targets = {
+            c.label: UNFILTERED_TARGETS if c.expression is None else FILTERED_TARGETS for c in cases
+        }
+        user_isa = os.environ.get(ISA_ENV)
+        rounds = head_to_head(points, kept, [c.label for c in cases], targets, args)
+        set_isa(user_isa)
+        report += "\n" + rounds_table(rounds, args)
     print(report)
     out = {
         # Other processes on the machine skew every timing; the load average says how much.
@@ -387,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         "builds": builds,  # seconds, plus our index's bytes per buffer
         "errors": errors,
         "points": [dataclasses.asdict(p) for p in points],
+        "rounds": rounds,  # --rounds: the head-to-head timings and ratios (ann_rounds.py)
         "markdown": report,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

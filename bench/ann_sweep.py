@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 from ann_data import recall_at_k
 from ann_report import Point
+from ann_rounds import Kept
 from timing import OtherLoad, time_batched, time_single
 from tqdm import tqdm
 
@@ -46,6 +47,8 @@ def sweep(
     args: argparse.Namespace,
     through: str | None = None,
     errors: dict[str, str] | None = None,
+    kept: Kept | None = None,
+    prepare: Callable[[], None] = lambda: None,
 ) -> list[Point]:
     """Measure each setting in order; stop once recall reaches ``--stop-recall`` or plateaus.
 
@@ -54,7 +57,9 @@ def sweep(
     reach before it may stop (the settings ANCHORS.md quotes). A point measured while other
     processes used more than ``--busy-threshold`` of the machine is measured again (up to
     ``--busy-retries`` times) and the least disturbed measurement is kept. With ``errors``, a
-    setting that raises is recorded there and skipped instead of ending the run.
+    setting that raises is recorded there and skipped instead of ending the run. ``kept``
+    keeps each setting's searchers, with ``prepare`` (the state they were swept under), for
+    ``--rounds`` (``ann_rounds.py``).
     """
     points: list[Point] = []
     names = [name for name, _ in settings]
@@ -63,6 +68,8 @@ def sweep(
         tqdm(settings, desc=f"{system} [{case.label}]", leave=False, file=sys.stderr)
     ):
         batch, one = make(params)
+        if kept is not None:
+            kept.keep(system, case.label, name, batch, one, prepare)
         try:
             tries = [measure(system, name, params, batch, one, case, bpi, args)]
         except Exception as e:
