@@ -62,6 +62,7 @@ from retrieval.index.scan import (
     ProbeTable,
     centroid_dots_cpu,
     decode_rows_cpu,
+    ids_of_positions_cpu,
     many_rows_cpu,
     probe_table_cpu,
     scan,
@@ -311,8 +312,7 @@ class IVFIndex(nn.Module):
     def _item_ids(self, pos: torch.Tensor) -> torch.Tensor:
         """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads)."""
         if pos.device.type == "cpu" and self.item_ids.device.type == "cpu":
-            p = pos.numpy()
-            return torch.from_numpy(np.where(p >= 0, self.item_ids.numpy()[np.maximum(p, 0)], p))
+            return ids_of_positions_cpu(pos, self.item_ids)
         return torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
 
     def search_plan(

@@ -342,6 +342,12 @@ def score_rows_cpu(
     )
 
 
+def ids_of_positions_cpu(pos: torch.Tensor, item_ids: torch.Tensor) -> torch.Tensor:
+    """``pos [B, k]`` int64 positions (-1 pads) -> item ids ``[B, k]`` (-1 pads) through
+    ``item_ids [N]``, in one parallel C++ pass; a position past N raises."""
+    return _extension().ids_of_positions(pos.contiguous(), item_ids.contiguous())
+
+
 def bit_index_cpu(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sig [N, W]`` int64 -> ``(counts [W*64] int64, postings [nnz] int32)``: how many items set
     each bit, and the items of every bit, bit after bit, ascending (one C++ counting sort)."""

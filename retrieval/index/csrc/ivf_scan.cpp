@@ -31,6 +31,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -1440,6 +1441,30 @@ std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig) {
   return {counts, postings};
 }
 
+// Positions pos [B, k] int64 (-1 pads) -> item ids [B, k] (-1 pads) through item_ids [N] int64, in one
+// parallel pass (NumPy's gather and where over a 1,000 x 100 batch were ~6 % of a 256-d search).
+at::Tensor ids_of_positions(const at::Tensor& pos, const at::Tensor& item_ids) {
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.device().is_cpu(),
+              "pos must be contiguous CPU int64");
+  TORCH_CHECK(item_ids.dim() == 1 && item_ids.scalar_type() == at::kLong && item_ids.is_contiguous(),
+              "item_ids must be contiguous int64 [N]");
+  auto out = at::empty_like(pos);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* ip = item_ids.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t n = item_ids.numel();
+  std::atomic<int64_t> bad{-1};
+  at::parallel_for(0, pos.numel(), 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = pp[i];
+      if (p >= n) bad.store(i, std::memory_order_relaxed);
+      op[i] = p < 0 ? p : ip[p < n ? p : 0];
+    }
+  });
+  TORCH_CHECK(bad.load() < 0, "position out of range at flat index ", bad.load(), " (", n, " items)");
+  return out;
+}
+
 // The checks shared by the calls that read chosen rows of the int8 codes: pos [M] int64 rows in
 // range, codes [N, D] int8, scales [N] bf16, offsets [L + 1] int64, all contiguous.
 void check_rows_of_codes(const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
@@ -2491,6 +2516,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("id_rows", &id_rows, "Rows of item ids through the index's id order (missing where absent)", nogil);
   m.def("centroid_dots", &centroid_dots, "q · every centroid, as the probe computes it", nogil);
   m.def("score_rows_int8", &score_rows_int8, "Scores of chosen rows off the int8 codes (the exact plan)", nogil);
+  m.def("ids_of_positions", &ids_of_positions, "Positions (-1 pads) -> item ids (-1 pads)", nogil);
   m.def("bit_index", &bit_index, "Per-bit item counts and postings of the filter signatures", nogil);
   m.def("encode_int8", &encode_int8, "The build's int8 residual codes, scales and norms in list-sorted order", nogil);
   m.def("ivf_scan_int8", &ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter", nogil);

@@ -283,3 +283,25 @@ def test_a_scan_floor_leaves_out_only_what_scores_below_it(catalog, filtered, r)
         assert torch.equal(fpos[row, :kept], pos[row, :kept])
         assert torch.equal(fs[row, :kept], s[row, :kept])
         assert bool((fpos[row, kept:] == -1).all()) and bool(torch.isinf(fs[row, kept:]).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 500),
+    shape=st.tuples(st.integers(0, 40), st.integers(1, 300)),
+    seed=st.integers(0, 999),
+)
+def test_positions_map_to_item_ids_and_pads_stay(n, shape, seed):
+    """The C++ map of positions to item ids: ``item_ids[pos]``, -1 pads kept as -1; a position
+    past the catalog raises instead of reading past it."""
+    from retrieval.index.scan import ids_of_positions_cpu
+
+    g = torch.Generator().manual_seed(seed)
+    item_ids = torch.randint(0, 2**40, (n,), generator=g)
+    pos = torch.randint(-1, n, shape, generator=g)
+    want = torch.where(pos >= 0, item_ids[pos.clamp(min=0)], pos)
+    assert torch.equal(ids_of_positions_cpu(pos, item_ids), want)
+    if pos.numel():
+        pos.view(-1)[-1] = n
+        with pytest.raises(RuntimeError, match="out of range"):
+            ids_of_positions_cpu(pos, item_ids)
