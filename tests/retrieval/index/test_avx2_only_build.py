@@ -23,6 +23,7 @@ TESTS = [
     "tests/retrieval/index/test_nearest_centroid.py",
     "tests/retrieval/index/test_ivf.py::test_topk_rows_matches_torch_topk",
     "tests/retrieval/index/test_ivf.py::test_topk_rows_keeps_the_lower_index_at_ties",
+    "tests/retrieval/index/test_ivf.py::test_a_probes_few_top_lists_are_the_best_in_order",
     "tests/retrieval/index/test_ivf.py::test_a_scan_floor_leaves_out_only_what_scores_below_it",
     "tests/retrieval/index/test_build_steps.py::test_encoded_codes_equal_quantized_residuals",
 ]

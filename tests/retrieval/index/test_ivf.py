@@ -305,3 +305,31 @@ def test_positions_map_to_item_ids_and_pads_stay(n, shape, seed):
         pos.view(-1)[-1] = n
         with pytest.raises(RuntimeError, match="out of range"):
             ids_of_positions_cpu(pos, item_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(64, 3000),
+    k=st.integers(1, 8),
+    levels=st.sampled_from([3, 50, 10_000]),
+    seed=st.integers(0, 999),
+)
+def test_a_probes_few_top_lists_are_the_best_in_order(rows, cols, k, levels, seed):
+    """k <= 8 of a long row (a probe's lists, the bound on the lanes' maxima): the best k by
+    score, the lower index first at equal scores, -inf never. With few levels the bound lets too
+    many through and the row takes the general selection: the same scores, and on an AVX2 build
+    (the heap) the same set of indices."""
+    from retrieval.index.scan import _extension, topk_rows
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, cols), generator=g).float()
+    x[torch.rand(rows, cols, generator=g) < 0.2] = float("-inf")
+    v, i = topk_rows(x, k)
+    want_v, want_i = torch.sort(x, dim=1, descending=True, stable=True)
+    want_v, want_i = want_v[:, :k], want_i[:, :k].masked_fill(want_v[:, :k] == float("-inf"), -1)
+    assert torch.equal(v, want_v)
+    if levels == 10_000 or cols <= 16 * k or _extension().stream_select():  # never the heap
+        assert torch.equal(i, want_i)
+    else:
+        assert torch.equal(i.sort(1).values, want_i.sort(1).values)
