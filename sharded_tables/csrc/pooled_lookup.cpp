@@ -14,8 +14,9 @@
 // A batch's U distinct ids have their packed rows either in the cache's storage (slot >= 0) or
 // among the rows fetched for its misses (slot -1, in id order); each is decoded once from its
 // packed dtype (sharded_tables/quantize.py's layout, decoded as its unpack_rows does), then every
-// feature pools over them with the loop above. One call in place of a gather, a decode and a pooled
-// product per feature, which a served batch of a few users pays in dispatch, not arithmetic.
+// feature pools over them with pool_bags, pooled_lookup's loop. One call in place of a gather,
+// a decode and a pooled product per feature, which a served batch of a few users pays in
+// dispatch, not arithmetic.
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
@@ -25,6 +26,25 @@
 #include <vector>
 
 namespace {
+
+// Bags b0..b1 of len rows each (rows[b * len + l] indexes w [., dim]; -1: none) summed into
+// o [., dim], zero-filled (mean: each row weighted 1 / the bag's present count), in row order.
+void pool_bags(const float* w, int64_t dim, const int64_t* rows, int64_t b0, int64_t b1, int64_t len,
+               bool mean, float* o) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t* row_ids = rows + b * len;
+    int64_t present = 0;
+    for (int64_t l = 0; l < len; ++l) present += row_ids[l] >= 0;
+    float* dst = o + b * dim;
+    if (present == 0) continue;  // out was zero-filled
+    const float scale = mean ? 1.0f / static_cast<float>(present) : 1.0f;
+    for (int64_t l = 0; l < len; ++l) {
+      if (row_ids[l] < 0) continue;
+      const float* src = w + row_ids[l] * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] += scale * src[d];
+    }
+  }
+}
 
 void pool_one(const at::Tensor& weight, const at::Tensor& ids, bool mean, at::Tensor& out) {
   const int64_t rows = weight.size(0), dim = weight.size(1);
@@ -37,21 +57,8 @@ void pool_one(const at::Tensor& weight, const at::Tensor& ids, bool mean, at::Te
     TORCH_CHECK(id[i] >= -1 && id[i] < rows, "id ", id[i], " is out of range for a table of ",
                 rows, " rows (-1 for padding)");
   }
-  at::parallel_for(0, b_count, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t* row_ids = id + b * len;
-      int64_t present = 0;
-      for (int64_t l = 0; l < len; ++l) present += row_ids[l] >= 0;
-      float* dst = o + b * dim;
-      if (present == 0) continue;  // out was zero-filled
-      const float scale = mean ? 1.0f / static_cast<float>(present) : 1.0f;
-      for (int64_t l = 0; l < len; ++l) {
-        if (row_ids[l] < 0) continue;
-        const float* src = w + row_ids[l] * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] += scale * src[d];
-      }
-    }
-  });
+  at::parallel_for(0, b_count, 256,
+                   [&](int64_t b0, int64_t b1) { pool_bags(w, dim, id, b0, b1, len, mean, o); });
 }
 
 std::vector<at::Tensor> pooled_lookup(const std::vector<at::Tensor>& weights,
@@ -176,22 +183,13 @@ std::vector<at::Tensor> pool_cached(const at::Tensor& storage, const at::Tensor&
     const uint8_t* src = slot[j] >= 0 ? cached + slot[j] * rb : missed + (m++) * rb;
     decode_row(src, dtype, dim, dense.data() + j * dim);
   }
+  std::vector<int64_t> rows(n);  // each id's decoded row (-1: none), pooled as pooled_lookup pools
+  for (int64_t i = 0; i < n; ++i) rows[i] = id[i] == -1 ? -1 : pos[i];
   int64_t at = 0;
   for (size_t f = 0; f < widths.size(); ++f) {
-    const int64_t len = widths[f];
     float* o = outs[f].data_ptr<float>();
-    for (int64_t b = 0; b < batch; ++b, at += len) {
-      int64_t present = 0;
-      for (int64_t l = 0; l < len; ++l) present += id[at + l] != -1;
-      if (present == 0) continue;
-      const float scale = mean ? 1.0f / static_cast<float>(present) : 1.0f;
-      float* dst = o + b * dim;
-      for (int64_t l = 0; l < len; ++l) {
-        if (id[at + l] == -1) continue;
-        const float* src = dense.data() + pos[at + l] * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] += scale * src[d];
-      }
-    }
+    pool_bags(dense.data(), dim, rows.data() + at, 0, batch, widths[f], mean, o);
+    at += batch * widths[f];
   }
   return outs;
 }
