@@ -122,6 +122,13 @@ RECSERVE_TARGET("avx2") inline __m256i madd_i8_avx2(__m256i acc, __m256i q, __m2
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// The sum of v's 8 int32 lanes.
+RECSERVE_TARGET("avx2") inline int32_t sum_lanes_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
 // The query's last 32 bytes ending at D, its first 32 - D % 32 zeroed (those bytes were in the
 // last whole word): a row's tail is then one load ending at its own last byte, never past it.
 RECSERVE_TARGET("avx2") inline __m256i tail_query(const int8_t* q, int64_t d) {
@@ -142,10 +149,7 @@ RECSERVE_TARGET("avx2") inline int32_t dot_i8_avx2(const int8_t* q, const int8_t
     acc = madd_i8_avx2(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)),
                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j)));
   if (j < d) acc = madd_i8_avx2(acc, tail_query(q, d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + d - 32)));
-  __m128i acc4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  acc4 = _mm_add_epi32(acc4, _mm_shuffle_epi32(acc4, _MM_SHUFFLE(1, 0, 3, 2)));
-  acc4 = _mm_add_epi32(acc4, _mm_shuffle_epi32(acc4, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(acc4);
+  return sum_lanes_epi32(acc);
 }
 
 // Lane i of the result = the sum of the 8 lanes of v[i] (as sum_lanes16 below, on 8 rows).
@@ -772,13 +776,6 @@ inline void rank_sort_keys(const uint64_t* keys, int64_t n, uint64_t* out) {
   }
 }
 #elif defined(__AVX2__)
-// The sum of v's 8 int32 lanes.
-inline int64_t sum_lanes_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
 // kth_largest on a build for AVX2 CPUs: 8 keys a compare. nth_element in its place was 13 % of a
 // batch there (and its sort 5 %).
 inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
