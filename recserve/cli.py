@@ -94,7 +94,7 @@ def train_cmd(
     import logging
 
     from recserve.train import run
-    from retrieval.training.distributed import init_from_env
+    from retrieval.training.distributed import init_from_env, leave_job
     from retrieval.training.train import TrainingDivergedError
 
     logging.basicConfig(
@@ -103,14 +103,20 @@ def train_cmd(
     ctx = init_from_env()
     try:
         run(config, out, resume, ctx)
+        code = 0
     except (ValueError, TrainingDivergedError) as e:
         typer.echo(f"train: {e}", err=True)
-        raise typer.Exit(2) from None
-    finally:
-        if ctx is not None:
+        code = 2
+    except BaseException:
+        if ctx is not None:  # the traceback still prints
             import torch.distributed as dist
 
             dist.destroy_process_group()
+        raise
+    if ctx is not None:
+        leave_job(code)  # does not return
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("score")

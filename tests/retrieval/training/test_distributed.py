@@ -4,6 +4,7 @@ ones under torchrun."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,38 @@ def test_two_processes_train_hashed_ids_like_one(tmp_path):
     assert len(a["keys"]) == 400 and torch.equal(a["keys"], b["keys"])
     torch.testing.assert_close(b["packed"].view(torch.float32), a["packed"].view(torch.float32),
                                atol=1e-5, rtol=1e-4)  # fmt: skip
+
+
+LEAVER = """
+import logging, sys
+from retrieval.training.distributed import init_from_env, leave_job
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+ctx = init_from_env()
+rank = ctx.rank if ctx is not None else "alone"
+print(f"rank {rank} done")  # buffered: stdout is a pipe
+logging.getLogger("t").info("logged %s", rank)
+leave_job(int(sys.argv[1]))
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_rank_leaves_with_its_code_and_its_output_flushed(tmp_path, ranks):
+    """`leave_job` (how a torchrun rank of `recserve train` ends): the group is destroyed, what
+    the rank printed or logged is out, and the process exits with the given code at once (with
+    2 ranks, 0: torchrun stops the other rank when one fails)."""
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVER)
+    code = 3 if ranks == 1 else 0
+    cmd = [str(script), str(code)]
+    if ranks > 1:
+        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # alone: buffered
+    out = subprocess.run(
+        [sys.executable, *cmd], capture_output=True, text=True, timeout=120,
+        env=env | {"PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    assert out.returncode == code, out.stderr[-2000:]
+    names = ["alone"] if ranks == 1 else [0, 1]
+    assert sorted(out.stdout.splitlines()) == [f"rank {r} done" for r in names]
+    assert all(f"logged {r}" in out.stderr for r in names), out.stderr
