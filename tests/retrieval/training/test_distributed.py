@@ -121,7 +121,7 @@ from retrieval.training.distributed import init_from_env, leave_job
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 ctx = init_from_env()
 rank = ctx.rank if ctx is not None else "alone"
-print(f"rank {rank} done")  # buffered: stdout is a pipe
+sys.stdout.write(f"rank {rank} done\\n")  # one write: the ranks share the pipe; alone, buffered
 logging.getLogger("t").info("logged %s", rank)
 leave_job(int(sys.argv[1]))
 print("not reached")
