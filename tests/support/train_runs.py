@@ -4,6 +4,7 @@ and the command lines of one process and of a torchrun job."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,8 +56,11 @@ def write_config(
 def train(tmp: Path, name: str, nproc: int, micro: int = 1, **lines: str) -> Path:
     """Runs to the end (asserting success) -> the run's folder."""
     cfg = write_config(tmp, name, micro, **lines)
+    # a rank that dies on a signal while Python still runs prints every thread's stack
+    # (faulthandler): CI's abort of this job (retrieval/training/distributed.py) showed none
+    env = os.environ | {"PYTHONFAULTHANDLER": "1"}
     out = subprocess.run(
-        train_cmd(cfg, tmp / name, nproc), capture_output=True, text=True, timeout=240
+        train_cmd(cfg, tmp / name, nproc), capture_output=True, text=True, timeout=240, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp / name
