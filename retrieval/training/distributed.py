@@ -54,16 +54,17 @@ def init_from_env() -> DistContext | None:
 
 
 def leave_job(code: int) -> NoReturn:
-    """Ends this rank's process with ``code`` once its work is done and written (rank 0 has
-    saved and published): the process group is destroyed, logs and streams are flushed, and the
-    process exits without the interpreter's teardown.
+    """Ends this rank's process with ``code`` once its own work is done and written (rank 0's:
+    the model saved and published): the process group is destroyed, logs and streams are
+    flushed, and the process exits without the interpreter's teardown.
 
-    Why not a plain return: ``destroy_process_group`` leaves gloo's threads running
+    Why not a plain return: a rank aborted now and then in CI after its last collective
+    (SIGABRT, "terminate called without an active exception"), so torchrun failed a job whose
+    files were all written. ``destroy_process_group`` leaves gloo's threads running
     (``pt_gloo_runloop``, ``gloo_tcp_loop``: nothing in Python holds the group any more, the C++
-    side still does) until the process exits, and their teardown among the interpreter's and the
-    libraries' own then aborted a rank now and then in CI (SIGABRT, "terminate called without an
-    active exception"), after every file was written: torchrun reported the job as failed.
-    ``os._exit`` runs no static destructors, so there is no such teardown to race."""
+    side still does) until the process exits, where they are torn down among the interpreter's
+    and the libraries' own destructors: where such an abort fits. ``os._exit`` runs no static
+    destructors, so there is no such teardown to race."""
     if dist.is_initialized():
         dist.destroy_process_group()
     logging.shutdown()
