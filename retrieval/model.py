@@ -276,7 +276,7 @@ class RetrievalModel(nn.Module):
         pos, dot = self.index.search_positions(
             q, r, fb, *settings, exact=exact, target=batch.recall_target
         )  # [B, R]
-        ids = torch.where(pos >= 0, self.index.item_ids[pos.clamp(min=0)], pos)
+        ids = self.index.ids_at(pos)
         vecs = self.index.vectors_at(pos.clamp(min=0).flatten()).view(*pos.shape, -1)
         return self.rank(q, ids, dot, vecs, k)
 

@@ -216,7 +216,7 @@ def measure_recall_curve(
     curve, nprobe = [], 1
     while True:
         pos, _ = index.search_positions(queries, k, empty, nprobe, cfg.rerank)
-        found = torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos)
+        found = index.ids_at(pos)
         recall = math.floor(recall_at_k(found, truth) * 1e4) / 1e4
         curve.append((nprobe, recall))
         if nprobe >= index.nlist or recall >= CURVE_TOP:

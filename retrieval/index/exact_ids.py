@@ -41,6 +41,8 @@ class ExactIndex(PlannedIndex, SignedIndex, Protocol):
     item_ids: torch.Tensor
     exact: torch.Tensor
 
+    def ids_at(self, pos: torch.Tensor) -> torch.Tensor: ...
+
 
 def exact_search_ids(
     index: ExactIndex, q: torch.Tensor, k: int, fb: FilterBatch | None, nprobe: int, rerank: int
@@ -76,7 +78,7 @@ def exact_search_ids(
         if found is not None:
             return found
     pos, scores = exact_topk(q, k, eligible_positions(index, masks[0], negate[0]), index.scores_at)
-    return torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos), scores
+    return index.ids_at(pos), scores
 
 
 _plans: weakref.WeakKeyDictionary[ExactIndex, tuple[tuple[Any, ...], dict[Any, bool]]] = (

@@ -309,9 +309,14 @@ class IVFIndex(nn.Module):
             check_targets(target, q.shape[0])
         return self._search_ids(q, k, fb, *settings, target=target, plain=not tried)
 
-    def _item_ids(self, pos: torch.Tensor) -> torch.Tensor:
-        """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads)."""
-        if pos.device.type == "cpu" and self.item_ids.device.type == "cpu":
+    def ids_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads): one C++ pass on the CPU (torch
+        ops on a GPU and in a trace)."""
+        if (
+            pos.device.type == "cpu"
+            and self.item_ids.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+        ):
             return ids_of_positions_cpu(pos, self.item_ids)
         return torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
 
@@ -410,7 +415,7 @@ class IVFIndex(nn.Module):
             if found is not None:
                 return found
         pos, scores = self._search_positions(q, k, fb, nprobe, rerank, exact, target)
-        return self._item_ids(pos), scores
+        return self.ids_at(pos), scores
 
     def planned_positions(
         self,
@@ -498,7 +503,7 @@ class IVFIndex(nn.Module):
             return fast
         c = self.candidates(q, fb, plan)
         pos = c.keys.clamp(min=0)
-        ids = torch.where(c.keys >= 0, self.item_ids[pos], c.keys)
+        ids = self.ids_at(c.keys)
         vecs = None
         if with_vectors:
             vecs = self.vectors_at(pos.flatten()).view(*pos.shape, -1) if self.ntotal else None
