@@ -124,6 +124,7 @@ def stats_index(
     sizes = list_sizes.to(torch.int64)
     out.offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).to(dev)
     out.bit_counts = counts.to(torch.int64).to(dev)
+    out.built_sizes = index.built_sizes
     if batch is not None:
         out.list_radius, out.list_bits = bounds_after(index, batch)
     out._refresh()

@@ -44,6 +44,7 @@ from retrieval.filters import FilterBatch
 from retrieval.index.codes import dequantize, quantize
 from retrieval.index.config import IVFConfig
 from retrieval.index.costs import exact_codes, on_cpu
+from retrieval.index.probe import lists_holding
 from retrieval.index.scan import list_bounds_cpu, scan, topk_rows
 from retrieval.index.search import BoundCheck, SearchPlan
 
@@ -60,6 +61,7 @@ class ListedIndex(Protocol):
     half_norms: torch.Tensor
     list_radius: torch.Tensor
     list_bits: torch.Tensor
+    built_sizes: torch.Tensor
 
     config: IVFConfig
 
@@ -254,11 +256,13 @@ def with_bounds(
         full[rows.to(dev)] = bounds
         lists = torch.full((b, first.shape[1]), -1, dtype=torch.int64, device=dev)
         lists[rows.to(dev)] = first
+    if plan.least is not None and index.built_sizes.numel():  # unfiltered rows: what they need
+        lists = lists_holding(lists, index.built_sizes, plan.least, plan.hold)  # type: ignore[arg-type]
     keys = sel.tolist()  # few distinct: one each
     cost = {s: exact_codes(index.config, index.ntotal, s, b, on_cpu(index)) for s in set(keys)}
     budget = torch.tensor([cost[s] for s in keys], dtype=torch.float32, device=dev)
     check = BoundCheck(full, sizes, budget)
-    return replace(plan, lists=lists.cpu(), check=check)
+    return replace(plan, lists=lists.cpu(), check=check, least=None, hold=None)
 
 
 def _list_bounds(

@@ -116,6 +116,7 @@ def _lists_index(
     sig = index.schema.signatures(item_attributes or {}, n)[order]
     index.centroids = centroids
     index.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    index.built_sizes = counts.clone()
     index.item_ids = ids[order].contiguous()
     index.codes, index.scales = codes.contiguous(), scales.contiguous()
     exact_dtype = EXACT_DTYPES[index.config.exact_copy]  # "auto" resolved by the index

@@ -57,7 +57,7 @@ from retrieval.index.plain import (
     plain_search_ids,
 )
 from retrieval.index.planner import make_plan
-from retrieval.index.probe import FEW_QUERIES, half_sq_norms, probe_lists, rescore
+from retrieval.index.probe import FEW_QUERIES, half_sq_norms, lists_holding, probe_lists, rescore
 from retrieval.index.scan import (
     ProbeTable,
     centroid_dots_cpu,
@@ -88,7 +88,10 @@ class IVFIndex(nn.Module):
     ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``,
     ``postings [sum(bit_counts)] i32`` (the items of each bit: an inverted index over attributes),
     ``list_radius [nlist] f32`` and ``list_bits [nlist, W] i64`` (each list's largest residual and
-    the OR of its signatures: ``retrieval/index/bound.py``; empty in an index saved before them).
+    the OR of its signatures: ``retrieval/index/bound.py``; empty in an index saved before them),
+    ``built_sizes [nlist] i64`` (each list's items as built, the whole catalog's in a document
+    shard too, which live updates leave as they are: what a row's list count is read from,
+    ``probe.lists_holding``; empty in an index saved before it, which probes ``nprobe`` lists).
     """
 
     centroids: torch.Tensor
@@ -102,6 +105,7 @@ class IVFIndex(nn.Module):
     postings: torch.Tensor
     list_radius: torch.Tensor
     list_bits: torch.Tensor
+    built_sizes: torch.Tensor
 
     def __init__(
         self,
@@ -133,6 +137,7 @@ class IVFIndex(nn.Module):
         self.register_buffer("postings", torch.zeros(0, dtype=torch.int32))
         self.register_buffer("list_radius", torch.zeros(0))
         self.register_buffer("list_bits", torch.zeros(0, w, dtype=torch.int64))
+        self.register_buffer("built_sizes", torch.zeros(0, dtype=torch.int64))
         self.max_list = 0
         self._ntotal = 0
         self.lane_lists: dict[tuple[int, int], int] = {}
@@ -201,7 +206,8 @@ class IVFIndex(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        for name in ("list_radius", "list_bits"):  # saved before them: no bound check (empty)
+        # saved before them: no bound check, nprobe lists a row (empty)
+        for name in ("list_radius", "list_bits", "built_sizes"):
             if prefix + name not in state_dict and prefix + name in missing_keys:
                 missing_keys.remove(prefix + name)
                 setattr(self, name, getattr(self, name)[:0])
@@ -534,6 +540,8 @@ class IVFIndex(nn.Module):
             probes = torch.where(
                 slot < plan.nprobe.to(q.device)[:, None], probes, torch.full_like(probes, -1)
             )
+        if plan.lists is None and plan.least is not None and self.built_sizes.numel():
+            probes = lists_holding(probes, self.built_sizes, plan.least, plan.hold)  # type: ignore[arg-type]
         cand, approx = scan(
             q.contiguous(),
             probes.contiguous(),

@@ -1,7 +1,8 @@
 """The plain search: the common call without the planner.
 
 Rows with no filter clause, no recall target, no re-rank, one list count (whatever each row
-excludes): their plan is "``lists_for`` lists each" (``retrieval/index/planner.py``), so the
+excludes): their plan is "``lists_for`` lists each" (``retrieval/index/planner.py``), each row
+keeping those its items need by the lists' sizes (``probe.lists_holding``), so the
 search is the probe and the scan (two C++ calls on the CPU; a matmul and the Triton scan on a
 GPU, with one wait for the answer), with the planned path's lists and results. A row its lists
 leave short of ``k`` goes through the planned path alone (which widens it). One query costs the
@@ -26,8 +27,8 @@ from retrieval.filters import FilterBatch, FilterSchema
 from retrieval.index.bound import as_scored
 from retrieval.index.cuda_graphs import bucket, run_graphed
 from retrieval.index.exclude import PAD, IdOrder
-from retrieval.index.planner import PlannedIndex, lists_for
-from retrieval.index.probe import FEW_QUERIES
+from retrieval.index.planner import FILL, PlannedIndex, lists_for
+from retrieval.index.probe import FEW_QUERIES, lists_holding
 from retrieval.index.scan import ProbeTable, scan, search_ids_cpu
 from retrieval.index.search import WIDEN, Candidates, SearchPlan
 
@@ -50,6 +51,7 @@ class PlainIndex(PlannedIndex, Protocol):
     id_order: IdOrder
     lane_lists: dict[tuple[int, int], int]
     probe_table: ProbeTable | None
+    built_sizes: torch.Tensor
 
     @property
     def probe_half(self) -> torch.Tensor | None: ...
@@ -84,12 +86,24 @@ def plain_search(
         return None
     p, excluded = plain
     ex = index.excluding(fb).exclude if excluded and fb is not None else None
+    dev = q.device
+    hold = None  # [B]: items each row's lists must hold (planner.make_plan's SearchPlan.hold)
+    if nprobe < p and index.built_sizes.numel():
+        hold = torch.full((q.shape[0],), k, dtype=torch.int64)
+        if excluded and fb is not None and fb.exclude is not None:
+            hold += (fb.exclude.cpu() >= 0).sum(dim=1)
+        hold = (FILL * hold).to(dev)
 
     def probe_and_scan(
-        qq: torch.Tensor, excl: torch.Tensor | None = None, lists: int = p
+        qq: torch.Tensor,
+        excl: torch.Tensor | None = None,
+        held: torch.Tensor | None = None,
+        lists: int = p,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         scored = as_scored(index, qq).contiguous()
         coarse, probes = index.probe(scored, lists)
+        if held is not None:  # the lists each row needs of the p (the widened rerun: all)
+            probes = lists_holding(probes, index.built_sizes, nprobe, held)
         b, w, d = qq.shape[0], index.sig.shape[1], qq.device
         no_clause = (
             torch.empty((b, 0, w), dtype=torch.int64, device=d),
@@ -100,15 +114,21 @@ def plain_search(
             *no_clause, k, max_list=index.max_list, excl=excl,
         )  # fmt: skip
 
-    dev = q.device
     if ex is not None and q.is_cuda:  # a graph needs a fixed width: PAD sorts last, equals none
         width = bucket(ex.shape[1])
         ex = torch.cat([ex, ex.new_full((ex.shape[0], width - ex.shape[1]), PAD)], dim=1)
+
+    def first_round(qq: torch.Tensor, *more: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rest = list(more)
+        excl = rest.pop(0) if ex is not None else None
+        return probe_and_scan(qq, excl, rest.pop(0) if hold is not None else None)
+
     # on a GPU, one graph replay (retrieval/index/cuda_graphs.py); a served request's excluded
-    # rows (its history) are one of the graph's inputs
-    held = (index.centroids, index.codes, index.scales, index.offsets, index.sig)
-    inputs = (q,) if ex is None else (q, ex)
-    pos, scores = run_graphed(index, ("plain", k, p), probe_and_scan, inputs, held)
+    # rows (its history) and what each row's lists must hold are among the graph's inputs
+    kept = (index.centroids, index.codes, index.scales, index.offsets, index.sig, index.built_sizes)
+    inputs = (q, *(t for t in (ex, hold) if t is not None))
+    key = ("plain", k, p, nprobe if hold is not None else 0)
+    pos, scores = run_graphed(index, key, first_round, inputs, kept)
     short = pos[:, -1].lt(0).cpu().numpy()  # on a GPU: the search's one wait
     if short.any() and ex is None and p < index.nlist:
         # the planned path's next round, WIDEN x the lists, without planning (and without
@@ -145,7 +165,7 @@ def plain_search_ids(
     plain = _plain_lists(index, fb, k, nprobe)
     if plain is None:
         return None
-    found = _search_ids(index, q, plain[0], fb, k)
+    found = _search_ids(index, q, plain[0], fb, k, nprobe)
     if found is None or found[2]:
         return None
     return found[0], found[1]
@@ -183,6 +203,8 @@ def plain_query_ids(
         return False
     if cfg.metric == "cosine":
         q = as_scored(index, q)  # unit rows, as the index scores them
+    if not q.is_contiguous():  # a view (every other row): the kernels read rows in place
+        q = q.contiguous()
     centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
     if not centroids_t.is_cpu or codes.dtype != torch.int8:  # a GPU index (q moves); fp8 codes
         return False
@@ -196,7 +218,7 @@ def plain_query_ids(
     order = index.id_order
     found = search_ids_cpu(
         q, centroids_t, half, p, codes, scales, offsets, sig, fmask, fneg, excl,
-        order.item_ids, order.perm, k, index.probe_table,
+        order.item_ids, order.perm, k, _sizes(index, probe, p), probe, FILL, index.probe_table,
     )  # fmt: skip
     if found is None:  # a forced kernel, a trace
         return False
@@ -242,7 +264,14 @@ def plain_item_candidates(
     exact, nprobe = plan.exact.numpy(), plan.nprobe.numpy()  # a few values: no torch ops
     if exact.any() or not (nprobe == nprobe[0]).all():
         return None
-    found = _search_ids(index, q, min(int(nprobe[0]), index.nlist), fb, plan.r)
+    p = min(int(nprobe[0]), index.nlist)
+    least = p
+    if plan.least is not None:  # lists by their sizes: the C++ call's rule, one least a call
+        fewest = plan.least.numpy()
+        if not (fewest == fewest[0]).all():
+            return None
+        least = int(fewest[0])
+    found = _search_ids(index, q, p, fb, plan.r, least)
     if found is None:
         return None
     ids, scores, _short = found
@@ -250,10 +279,11 @@ def plain_item_candidates(
 
 
 def _search_ids(
-    index: PlainIndex, q: torch.Tensor, nprobe: int, fb: FilterBatch | None, r: int
+    index: PlainIndex, q: torch.Tensor, nprobe: int, fb: FilterBatch | None, r: int, least: int
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-    """``scan.search_ids_cpu`` over this index: ``nprobe`` lists a row, its filter (None: no
-    clause) and excluded item ids inside the scan -> ``(ids [B, r], scores [B, r], short)``."""
+    """``scan.search_ids_cpu`` over this index: ``nprobe`` lists a row (those it needs by their
+    sizes, at least ``least``), its filter (None: no clause) and excluded item ids inside the
+    scan -> ``(ids [B, r], scores [B, r], short)``."""
     centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
     fmask, fneg, excl = _no_filter(q.shape[0], sig.shape[1])
     if fb is not None:
@@ -264,8 +294,16 @@ def _search_ids(
         centroids_t, half, nprobe,
         codes, scales, offsets, sig,
         fmask, fneg, excl,
-        index.id_order.item_ids, index.id_order.perm, r, index.probe_table,
+        index.id_order.item_ids, index.id_order.perm, r,
+        _sizes(index, least, nprobe), least, FILL, index.probe_table,
     )  # fmt: skip
+
+
+def _sizes(index: PlainIndex, least: int, nprobe: int) -> torch.Tensor | None:
+    """The list sizes a one-call search cuts a row's ``nprobe`` lists by (at least ``least``:
+    ``probe.lists_holding``), or None: every list (as many as least, or none as built)."""
+    sizes = index.built_sizes
+    return sizes if least < nprobe and sizes.numel() else None
 
 
 @functools.cache

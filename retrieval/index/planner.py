@@ -7,6 +7,9 @@ Reads only an index's statistics (``ntotal``, ``nlist``, ``bit_counts``, ``list_
     lists_b  = max(base_b * sel_b ** -exponent,                  widened as the filter narrows
                    2 (r + S_b) / (items per list * sel_b))         enough to hold the candidates
                                                                    and the S_b items it excludes
+               a row without a filter clause: its best lists until they hold 2 (r + S_b)
+               items by their sizes as built, at least base_b, at most lists_b
+               (probe.lists_holding)
     exact_b  = the exact scan of its eligible items costs no more than its list plan, by the
                times the build measured on this machine (``retrieval/index/costs.py``; an index
                without them: sel_b * N * exact_cost <= lists_b * items per list), or its target
@@ -31,11 +34,17 @@ from retrieval.index.costs import exact_codes, on_cpu, plan_seconds
 from retrieval.index.search import SearchPlan
 from retrieval.index.targets import row_settings
 
+FILL = 2
+"""A row's lists hold this many times the items it needs (its ``r`` and the items it
+excludes): a margin for a filter's estimate, and candidates to choose the best ``r`` from,
+which a large ``k`` needs (K = 10,000 of 20,000 items: recall 0.90 at 1 x, 0.95 at 2 x)."""
+
 
 class PlannedIndex(ListedIndex, Protocol):
     """What the planner reads of an index (a protocol: see :class:`ListedIndex`)."""
 
     bit_counts: torch.Tensor
+    built_sizes: torch.Tensor
 
     @property
     def keeps_exact_copy(self) -> bool: ...
@@ -71,9 +80,11 @@ def make_plan(
         excluded = (fb.exclude.cpu().numpy() >= 0).sum(axis=1).tolist()
     keys = list(zip(sel, base, excluded, strict=True))  # few distinct: one each
     lists = {key: lists_for(index, key[0], key[1], r + key[2]) for key in set(keys)}
-    p = torch.from_numpy(np.array([lists[key] for key in keys], dtype=np.int64))
+    p_np = np.array([lists[key] for key in keys], dtype=np.int64)
+    p = torch.from_numpy(p_np)
+    least, hold = _holding(index, sel, base, excluded, p_np, r)
     if not fb.active and not exact and rows is None:  # the common case
-        return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool))
+        return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool), least=least, hold=hold)
     scan_exact = (  # sel_t is None exactly when no row has a clause
         cheaper_exact(index, sel_t, p, b) if sel_t is not None else torch.zeros(b, dtype=torch.bool)
     )
@@ -81,10 +92,34 @@ def make_plan(
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
         scan_exact |= rows.exact
-    plan = SearchPlan(k, r, p, scan_exact)
+    plan = SearchPlan(k, r, p, scan_exact, least=least, hold=hold)
     if q is None or cfg.filter_bound <= 0 or sel_t is None:
         return plan
     return with_bounds(index, q, fb, plan, sel_t, None if rows is None else rows.slack)
+
+
+def _holding(
+    index: PlannedIndex,
+    sel: list[float],
+    base: list[int],
+    excluded: list[int],
+    lists: np.ndarray,
+    r: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(least [B], hold [B])`` of a plan (``SearchPlan.least``): rows without a filter clause
+    probe their lists until these hold ``FILL`` times ``r`` plus what they exclude (by their
+    sizes, where ``lists`` counted lists of average size), at least ``base``; a
+    filtered row's ``least`` is its ``lists`` (what its lists hold of its filter is an
+    estimate). None where no row would probe fewer than ``lists``, or the index has no sizes
+    as built (saved before them)."""
+    if not index.built_sizes.numel():
+        return None, None
+    plain = np.array(sel) >= 1.0
+    least = np.where(plain, np.array(base, dtype=np.int64), lists)
+    if not (least < lists).any():
+        return None, None
+    hold = FILL * (r + np.array(excluded, dtype=np.int64))
+    return torch.from_numpy(least), torch.from_numpy(hold)
 
 
 def cheaper_exact(
@@ -114,10 +149,11 @@ def cheaper_exact(
 
 def lists_for(index: PlannedIndex, sel: float, base: int, need: int) -> int:
     """Lists for a row admitting ``sel`` of the items, probing ``base`` at least: widened as
-    ``sel ** -exponent``, and enough to hold ``2 need`` eligible items. Python floats: a batch
+    ``sel ** -exponent``, and enough lists of average size to hold ``FILL need`` eligible
+    items. Python floats: a batch
     has few distinct rows, and tensor arithmetic costs ~20x more for one request."""
     nlist = max(index.nlist, 1)
     s = max(sel, 1e-9)
     widen = base * s**-index.config.filter_nprobe_exponent
-    fill = 2.0 * need / (index.ntotal / nlist * s)
+    fill = FILL * need / (index.ntotal / nlist * s)
     return int(min(nlist, max(base, math.ceil(max(widen, fill)))))

@@ -67,6 +67,25 @@ def probe_lists(
     return ip.gather(1, lists), lists
 
 
+def lists_holding(
+    lists: torch.Tensor, sizes: torch.Tensor, least: torch.Tensor | int, hold: torch.Tensor
+) -> torch.Tensor:
+    """Each row's best lists, in order, until they hold ``hold[b]`` items, and at least
+    ``least[b]`` of them: ``lists [B, P] int64`` best first (``-1`` skips a slot), ``sizes
+    [nlist]`` items per list, ``least`` (``[B] int64``, or one for every row), ``hold [B] int64``
+    -> ``[B, P]``, the slots past that ``-1``. A plan's "lists to hold ``FILL`` need items"
+    (``planner.lists_for``) counts lists of average size; a query's nearest lists are often
+    larger, and then it probes fewer (``bench/RESULTS.md``). The CPU's one-call search applies
+    the same rule in C++ (``csrc/ivf_scan.cpp``)."""
+    real = lists >= 0
+    held = torch.where(real, sizes[lists.clamp(min=0)], torch.zeros_like(lists))  # [B, P]
+    before = held.cumsum(1) - held  # items in the slots ahead of each
+    slot = torch.arange(lists.shape[1], device=lists.device)
+    fewest = least if isinstance(least, int) else least.to(lists.device)[:, None]
+    keep = (slot < fewest) | (before < hold.to(lists.device)[:, None])
+    return torch.where(keep, lists, torch.full_like(lists, -1))
+
+
 def unit_norm(x: torch.Tensor, tol: float = 1e-3) -> bool:
     """Every row of ``x [N, D]`` has L2 norm 1 within ``tol`` (what ``probe = "auto"`` asks)."""
     return bool(((x.float().norm(dim=1) - 1.0).abs() <= tol).all())

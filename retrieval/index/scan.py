@@ -106,6 +106,7 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 _NO_HALF = torch.zeros(0)
 _NO_FLOOR = torch.zeros(0)
+_NO_SIZES = torch.zeros(0, dtype=torch.int64)
 
 
 def list_bounds_cpu(
@@ -205,21 +206,28 @@ def search_ids_cpu(
     item_ids: torch.Tensor,
     perm: torch.Tensor,
     r: int,
+    sizes: torch.Tensor | None = None,
+    least: int = 0,
+    fill: int = 1,
     table: ProbeTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """A plain int8 search on the CPU keyed by item id, in one C++ call: the item ids each query
     excludes (``excl_ids [B, S]``, ``-1`` pads) mapped to rows through the index's id order
     (``item_ids``, ``perm``: ``exclude.IdOrder``), :func:`probe_cpu`'s lists, :func:`scan`, and
     the rows found mapped to item ids -> ``(ids [B, r], scores [B, r], short)``, ``-1`` /
-    ``-inf`` padded, ``short``: some row found fewer than ``r``. None where it does not apply (not int8, a forced kernel, inside a trace): the caller
-    takes the step-by-step path, which gives the same answer."""
+    ``-inf`` padded, ``short``: some row found fewer than ``r``. ``sizes [nlist] int64`` (the
+    lists as built): each row keeps its best lists until they hold ``fill`` times ``r`` plus
+    the ids it excludes, at least ``least`` (``probe.lists_holding``); None: every probed list. None where
+    it does not apply (not int8, a forced kernel, inside a trace): the caller takes the
+    step-by-step path, which gives the same answer."""
     if codes.dtype != torch.int8 or torch.compiler.is_compiling():
         return None
     no_half = _NO_HALF if half is None else half
     index = (codes, scales, offsets, sig)
     ids, scores, short = _extension().ivf_search_ids_int8(
-        q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r, table
-    )
+        q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r,
+        _NO_SIZES if sizes is None else sizes, least, fill, table,
+    )  # fmt: skip
     return None if ids is None else (ids, scores, short)  # None: $RECSERVE_SCAN_KERNEL forced
 
 

@@ -106,6 +106,14 @@ class SearchPlan:
     floor: torch.Tensor | None = None
     """``[B] float32``: a second round's K-th score so far; candidates below it cannot change
     the answer, and a scan may leave them out. Sent to the shards."""
+    least: torch.Tensor | None = None
+    """``[B] int64``: when given (with ``hold``), row b probes its best lists in order until
+    they hold ``hold[b]`` items by the index's list sizes as built, at least ``least[b]`` (its
+    nprobe) and at most ``nprobe[b]`` (``probe.lists_holding``): ``nprobe[b]`` is then a
+    count from the average list. Sent to the shards."""
+    hold: torch.Tensor | None = None
+    """``[B] int64``: items row b's lists must hold (``planner.FILL`` times its ``r`` plus the
+    items it excludes)."""
 
     def rows(self, rows: torch.Tensor) -> SearchPlan:
         """The plan of a subset of rows (``rows [b] int64``)."""
@@ -116,6 +124,8 @@ class SearchPlan:
             lists=None if self.lists is None else self.lists[rows],
             check=None if self.check is None else self.check.rows(rows),
             floor=None if self.floor is None else self.floor[rows],
+            least=None if self.least is None else self.least[rows],
+            hold=None if self.hold is None else self.hold[rows],
         )
 
     def all_exact(self) -> SearchPlan:
@@ -259,7 +269,9 @@ def run_search(plan: SearchPlan, fetch: Fetch) -> Candidates:
         return top
     if plan.lists is None:  # lists chosen by count: probe 4x as many first
         rows = short.nonzero().flatten()
-        sub = replace(plan.rows(rows), nprobe=plan.nprobe[rows] * WIDEN, check=None)
+        sub = replace(  # every widened list: sizes as built can over-count (items removed)
+            plan.rows(rows), nprobe=plan.nprobe[rows] * WIDEN, check=None, least=None, hold=None
+        )
         top.put(rows, select(fetch(sub, rows), sub))
         short = _short_rows(plan, top)
     if bool(short.any()):

@@ -112,14 +112,17 @@ def _subset(index: IVFIndex, rows: torch.Tensor, lists: torch.Tensor) -> IVFInde
     out.exact = index.exact[rows].clone() if index.exact.shape[0] else index.exact.clone()
     out.sig = index.sig[rows].clone()
     out.bit_counts, out.postings = (t.to(out.sig.device) for t in bit_index(out.sig.cpu()))
-    _copy_bounds(out, index)  # the catalog's: still bounds for a part of it
+    _copy_catalog_stats(out, index)  # the catalog's: still bounds for a part of it
     out._refresh()
     return out
 
 
-def _copy_bounds(out: IVFIndex, index: IVFIndex) -> None:
-    """``index``'s bound statistics (``retrieval/index/bound.py``) into ``out``."""
+def _copy_catalog_stats(out: IVFIndex, index: IVFIndex) -> None:
+    """``index``'s bound statistics (``retrieval/index/bound.py``) and list sizes as built (what
+    every shard reads a row's list count from, so all probe the lists the whole index would)
+    into ``out``."""
     out.list_radius, out.list_bits = index.list_radius.clone(), index.list_bits.clone()
+    out.built_sizes = index.built_sizes.clone()
 
 
 def _stats_only(index: IVFIndex) -> IVFIndex:
@@ -129,7 +132,7 @@ def _stats_only(index: IVFIndex) -> IVFIndex:
     out.centroids = index.centroids.clone()
     out.offsets = index.offsets.clone()
     out.bit_counts = index.bit_counts.clone()
-    _copy_bounds(out, index)
+    _copy_catalog_stats(out, index)
     out._refresh()
     return out
 
@@ -199,7 +202,7 @@ def merge_shards(
     out.exact = _scatter([p.exact for p in parts], dest, n) if has_exact else parts[0].exact.clone()
     out.sig = _scatter([p.sig for p in parts], dest, n)
     out.bit_counts, out.postings = (t.to(out.sig.device) for t in bit_index(out.sig.cpu()))
-    _copy_bounds(out, router)
+    _copy_catalog_stats(out, router)
     out._refresh()
     return out
 

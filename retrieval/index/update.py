@@ -125,6 +125,7 @@ def _rebuilt(
     new.scales = scales[order].contiguous().to(dev)
     new.exact = (exact[order] if _has_exact(index) else exact[:0]).contiguous().to(dev)
     new.list_radius, new.list_bits = bounds or (index.list_radius, index.list_bits)
+    new.built_sizes = index.built_sizes  # as built: a shard's stay the catalog's
     _set_signatures(new, sig[order].contiguous().to(dev))
     return new
 
@@ -227,7 +228,8 @@ def set_signatures(
     sig = _check_sig(index, sig, ids.numel())
     pos = _require_known(index, ids, "ids").to(index.sig.device)
     new = IVFIndex(index.config, index.dim, index.schema.attribute_values)
-    for name in ("centroids", "offsets", "item_ids", "codes", "scales", "exact", "list_radius"):
+    kept = ("centroids", "offsets", "item_ids", "codes", "scales", "exact", "list_radius")
+    for name in (*kept, "built_sizes"):
         setattr(new, name, getattr(index, name))
     if spread is None:
         spread = _or_rows(sig)

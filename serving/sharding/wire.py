@@ -49,7 +49,8 @@ def encode_request(
     sequence: int = 0,
 ) -> pb.SearchRequest:
     """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` / ``exclude [B, S]``
-    and the plan (its ``lists [B, P]`` and ``floor [B]`` when a second round gives them),
+    and the plan (its ``lists [B, P]`` and ``floor [B]`` when a second round gives them, its
+    ``least`` and ``hold [B]`` when lists go by their sizes),
     against ``version`` after ``sequence`` live updates."""
     b, d = q.shape
     _, c, w = fb.masks.shape
@@ -75,6 +76,8 @@ def encode_request(
         exclude_width=0 if ex is None else int(ex.shape[1]),
         exclude=b"" if ex is None else tensor_bytes(ex, np.int64),
         floor=b"" if floor is None else tensor_bytes(floor, np.float32),
+        least=b"" if plan.least is None else tensor_bytes(plan.least, np.int64),
+        hold=b"" if plan.hold is None else tensor_bytes(plan.hold, np.int64),
     )
 
 
@@ -120,6 +123,14 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         floor = bytes_array(msg.floor, np.float32, (b,), "floor")
         if np.isnan(floor).any():
             raise ValueError("floor: every row's floor must be a number (-inf: none)")
+    least = hold = None
+    if msg.least or msg.hold:
+        least = bytes_array(msg.least, np.int64, (b,), "least")
+        hold = bytes_array(msg.hold, np.int64, (b,), "hold")
+        if least.min() < 1 or (least > nprobe).any():
+            raise ValueError("least: every row's must be in [1, its nprobe]")
+        if hold.min() < 0:
+            raise ValueError("hold: every row's must be >= 0")
     plan = SearchPlan(
         msg.k,
         msg.r,
@@ -127,6 +138,8 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         exact,
         None if lists is None else torch.from_numpy(lists.astype(np.int64)),
         floor=None if floor is None else torch.from_numpy(floor.copy()),
+        least=None if least is None else torch.from_numpy(least.copy()),
+        hold=None if hold is None else torch.from_numpy(hold.copy()),
     )
     fb = FilterBatch(masks, negate, None if exclude is None else torch.from_numpy(exclude.copy()))
     return q, fb, plan

@@ -1,4 +1,5 @@
-"""The shard wire format (serving/sharding/wire.py): a plan's second-round lists travel."""
+"""The shard wire format (serving/sharding/wire.py): a plan's second-round lists and its lists by
+size travel."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def test_bad_lists_name_the_field():
     list_width=st.integers(0, 3),
     exclude_width=st.integers(0, 3),
     floored=st.booleans(),
+    holding=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_a_request_round_trips_with_every_field_its_dtype(
-    b, d, c, w, list_width, exclude_width, floored, seed
+    b, d, c, w, list_width, exclude_width, floored, holding, seed
 ):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, d, generator=g)
@@ -65,7 +67,11 @@ def test_a_request_round_trips_with_every_field_its_dtype(
     floor = torch.randn(b, generator=g) if floored else None
     if floor is not None:
         floor[0] = float("-inf")  # a row with nothing to beat yet
-    plan = SearchPlan(3, 5, nprobe, exact, lists, floor=floor)
+    least = hold = None
+    if holding:
+        least = (torch.rand(b, generator=g) * nprobe).long().clamp(min=1)
+        hold = torch.randint(0, 10**6, (b,), generator=g)
+    plan = SearchPlan(3, 5, nprobe, exact, lists, floor=floor, least=least, hold=hold)
     got_q, got_fb, got = decode_request(
         encode_request("m", 1, q, FilterBatch(masks, negate, exclude), plan, with_vectors=False)
     )
@@ -73,7 +79,8 @@ def test_a_request_round_trips_with_every_field_its_dtype(
     assert torch.equal(got_fb.negate, negate) and got_fb.negate.dtype == torch.bool
     assert (got.k, got.r) == (3, 5) and torch.equal(got.nprobe, nprobe)
     assert torch.equal(got.exact, exact) and got.exact.dtype == torch.bool
-    for sent, back in ((lists, got.lists), (exclude, got_fb.exclude)):
+    pairs = ((lists, got.lists), (exclude, got_fb.exclude), (least, got.least), (hold, got.hold))
+    for sent, back in pairs:
         assert (back is None) == (sent is None)
         if sent is not None:
             assert back is not None and back.dtype == torch.int64 and torch.equal(back, sent)
@@ -92,6 +99,25 @@ def test_a_bad_floor_names_the_field():
         decode_request(msg)
     msg.floor = msg.floor[:4]
     with pytest.raises(ValueError, match="floor"):
+        decode_request(msg)
+
+
+def test_bad_list_holding_names_the_field():
+    plan = SearchPlan(
+        3, 5, torch.tensor([2, 4]), torch.zeros(2, dtype=torch.bool),
+        least=torch.tensor([1, 2]), hold=torch.tensor([10, 10]),
+    )  # fmt: skip
+    fb = FilterBatch(torch.zeros(2, 0, 1, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.bool))
+    msg = encode_request("m", 1, torch.randn(2, 4), fb, plan, with_vectors=False)
+    assert decode_request(msg)[2].least is not None
+    for field, value in (("least", [1, 5]), ("least", [0, 2]), ("hold", [10, -1])):
+        bad = type(msg)()
+        bad.CopyFrom(msg)
+        setattr(bad, field, np.array(value, np.int64).tobytes())
+        with pytest.raises(ValueError, match=field):
+            decode_request(bad)
+    msg.hold = b""  # one without the other
+    with pytest.raises(ValueError, match="hold"):
         decode_request(msg)
 
 
