@@ -337,7 +337,9 @@ class IVFIndex(nn.Module):
     ) -> SearchPlan:
         """What :meth:`search` with these arguments does to each of its B rows (``batch``, or the
         length of a list of filters, else 1): ``plan.nprobe [B]`` lists probed (the count
-        scanned: ``nprobe`` or more for a selective filter or a large ``k``), or ``plan.exact
+        scanned: ``nprobe`` or more for a selective filter or a large ``k``; a row without a
+        filter clause may stop earlier, at ``plan.least``, once its lists hold ``plan.hold``
+        items by their sizes), or ``plan.exact
         [B]`` an exact scan of the row's eligible items; ``plan.r`` candidates kept before
         re-ranking. A row whose probed lists turn out to hold fewer than ``k`` eligible items is
         then re-asked as an exact scan, and a filtered row's results may ask for a second round
