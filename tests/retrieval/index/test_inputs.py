@@ -35,6 +35,18 @@ def test_numpy_queries_vectors_and_ids_work_like_tensors(index, catalog):
     assert torch.equal(built_n.search(q, 5)[0], built_t.search(q, 5)[0])
 
 
+@pytest.mark.parametrize("rows", [4, 40])  # the one-call C++ search; the batch's
+@pytest.mark.parametrize("text", [None, "shard in {1,2}"])
+def test_strided_queries_answer_as_their_contiguous_copy(index, catalog, rows, text):
+    """A view of every other row, or a transposed copy, is searched as its contiguous copy (the
+    one-call search once handed a strided view to a kernel that reads rows in place)."""
+    q = catalog["q"]
+    for view in (q[: 2 * rows : 2], q[:rows].T.contiguous().T):
+        assert not view.is_contiguous()
+        got, want = index.search(view, 10, text), index.search(view.contiguous(), 10, text)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_numpy_updates(index, catalog):
     new_ids = np.array([10**6, 10**6 + 1])
     vecs = catalog["q"][:2].numpy()
