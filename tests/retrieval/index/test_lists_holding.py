@@ -18,6 +18,7 @@ from retrieval.index.planner import FILL, lists_for
 from retrieval.index.probe import lists_holding
 from retrieval.index.search import Candidates, SearchPlan, run_search
 from retrieval.index.split import shard_of, split_index
+from retrieval.index.update import remove_items
 from serving.sharding.wire import decode_request, encode_request
 from support.topk_check import assert_same_topk
 
@@ -133,6 +134,28 @@ def test_a_row_without_a_clause_probes_as_alone_beside_filtered_rows(index, cata
     assert cut_rows(index, q[::2], 100) > 0
     assert torch.equal(mixed[0][::2], alone[0])
     torch.testing.assert_close(mixed[1][::2], alone[1], rtol=0, atol=0)
+
+
+def test_lists_emptied_since_the_build_leave_no_row_short(index, catalog) -> None:
+    """Sizes as built over-count a list that live updates thinned: a row cut to it alone comes
+    up short, widens (every widened list, uncut) on every path, and still finds k items."""
+    q = catalog["q"]
+    _, probes = index.probe(q, lists_for(index, 1.0, 1, 100))
+    cut = lists_holding(probes, index.built_sizes, 1, torch.full((len(q),), FILL * 100))
+    alone = (cut[:, 1:] < 0).all(dim=1).nonzero().flatten()[:4]  # rows cut to their first list
+    assert alone.numel() > 0
+    q, lists = q[alone], cut[alone, 0].unique()
+    starts, ends = index.offsets[lists], index.offsets[lists + 1]
+    rows = torch.cat([torch.arange(int(a), int(b) - 50) for a, b in zip(starts, ends, strict=True)])
+    thinner = remove_items(index, index.item_ids[rows])  # 50 items left in each
+    assert torch.equal(thinner.built_sizes, index.built_sizes)  # still the sizes as built
+    empty = thinner.compile_filter(None, len(q))
+    planned, scores = thinner.planned_positions(q, 100, empty, 1, 0)
+    assert (planned >= 0).all()
+    plain = plain_search(thinner, q, 100, None, 1, 0)
+    assert plain is not None and torch.equal(plain[0], planned)
+    assert torch.equal(thinner.search(q, 100, nprobe=1)[0], thinner.item_ids[planned])
+    assert_same_topk(*sharded(thinner, q, 100, empty), thinner.item_ids[planned], scores)
 
 
 def test_an_index_saved_before_the_sizes_probes_every_planned_list(index, catalog) -> None:
