@@ -82,7 +82,7 @@ def int8_assigns() -> bool:
 
 
 def _avx2() -> bool:
-    """The int8 kernel's AVX2 path (no VNNI): its rows are quantized to 63 levels, not 127."""
+    """The int8 kernel's AVX2 path (no VNNI): its rows are quantized to 31 levels, not 127."""
     return int8_isa() == "avx2"
 
 

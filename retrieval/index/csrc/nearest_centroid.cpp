@@ -17,10 +17,12 @@
 //
 // Without VNNI, AVX2 (avx2 = true): vpmaddubsw multiplies the centroid's offset-binary bytes
 // (<= 255) by the row's signed bytes into saturating s16 pair sums, so rows are quantized to
-// |x| <= 63 there (2 * 255 * 63 = 32130 < 2^15: nothing saturates) and vpmaddwd widens each pair
-// to s32; tiles of 8 rows x 8 centroids. Half VNNI's multiply-adds per instruction, and the
-// coarser row widens the bound (a few more exact scores); the same exact answer. Python picks
-// the path by the int8 scan's (retrieval/index/kmeans.py); a CPU with neither takes faiss's.
+// |x| <= 31 there: two steps' pair sums add in s16 (2 * 2 * 255 * 31 = 31620 < 2^15: nothing
+// saturates or wraps) before one vpmaddwd widens them to s32, 3 multiply uops per 64
+// multiply-adds where a pair sum widened each step took 4 (63 levels: 1.2-1.3x slower); tiles of
+// 8 rows x 8 centroids. The coarser row widens the bound (a few more exact scores); the same
+// exact answer. Python picks the path by the int8 scan's (retrieval/index/kmeans.py); a CPU with
+// neither takes faiss's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -39,7 +41,7 @@ constexpr int kCents = 32;   // centroids per register tile: two words of 16 lan
 constexpr uint32_t kFlip = 0x80808080u;
 constexpr double kRoundingShare = 1e-6;  // float rounding of an approximate score, of its magnitude
 constexpr float kLevels = 127.f;      // |byte| of a quantized centroid, and of a row on VNNI
-constexpr float kRowLevelsAvx2 = 63.f;  // |byte| of a row on AVX2: no vpmaddubsw pair saturates
+constexpr float kRowLevelsAvx2 = 31.f;  // |byte| of a row on AVX2: two steps' pair sums fit s16
 
 // Centroids quantized for the tile: kpad = k rounded up to kCents; pads score -inf.
 struct Centroids {
@@ -226,7 +228,21 @@ void tile_scores_avx2(const Centroids& c, const int8_t* q, const Quant* rows, fl
     __m256i acc[kRows];
 #pragma GCC unroll 8
     for (int i = 0; i < kRows; ++i) acc[i] = _mm256_setzero_si256();
-    for (int64_t g = 0; g < g_count; ++g) {
+    int64_t g = 0;
+    for (; g + 1 < g_count; g += 2) {  // two steps a widening (rows <= 31: see the top)
+      const __m256i cw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
+      const __m256i cw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g + 1) * 16));
+#pragma GCC unroll 8
+      for (int i = 0; i < kRows; ++i) {
+        int32_t x0, x1;
+        std::memcpy(&x0, q + i * stride + 4 * g, 4);
+        std::memcpy(&x1, q + i * stride + 4 * g + 4, 4);
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(cw0, _mm256_set1_epi32(x0)),
+                                               _mm256_maddubs_epi16(cw1, _mm256_set1_epi32(x1)));
+        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    if (g < g_count) {
       const __m256i cw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
 #pragma GCC unroll 8
       for (int i = 0; i < kRows; ++i) {
@@ -353,7 +369,7 @@ std::pair<int64_t, int64_t> exact_best_avx2(const Centroids& c, const float* x, 
 
 // Rows quantized once for every assignment against them (k-means assigns the same sample each
 // iteration): q [N, groups * 4] int8 (bytes past d zero) and meta [N, kMeta] float64 = (scale, sum
-// of the bytes, |x - x̂|, |x|, the byte range: 127 or, for the AVX2 path, 63), as quantize gives
+// of the bytes, |x - x̂|, |x|, the byte range: 127 or, for the AVX2 path, 31), as quantize gives
 // them, in parallel.
 constexpr int64_t kMeta = 5;
 
