@@ -89,10 +89,7 @@ def plain_search(
     dev = q.device
     hold = None  # [B]: items each row's lists must hold (planner.make_plan's SearchPlan.hold)
     if nprobe < p and index.built_sizes.numel():
-        hold = torch.full((q.shape[0],), k, dtype=torch.int64)
-        if excluded and fb is not None and fb.exclude is not None:
-            hold += (fb.exclude.cpu() >= 0).sum(dim=1)
-        hold = (FILL * hold).to(dev)
+        hold = _holds(fb, q.shape[0], k).to(dev)
 
     def probe_and_scan(
         qq: torch.Tensor,
@@ -165,7 +162,7 @@ def plain_search_ids(
     plain = _plain_lists(index, fb, k, nprobe)
     if plain is None:
         return None
-    found = _search_ids(index, q, plain[0], fb, k, nprobe)
+    found = _search_ids(index, q, plain[0], fb, k, nprobe, _holds(fb, b, k))
     if found is None or found[2]:
         return None
     return found[0], found[1]
@@ -218,7 +215,8 @@ def plain_query_ids(
     order = index.id_order
     found = search_ids_cpu(
         q, centroids_t, half, p, codes, scales, offsets, sig, fmask, fneg, excl,
-        order.item_ids, order.perm, k, _sizes(index, probe, p), probe, FILL, index.probe_table,
+        order.item_ids, order.perm, k, _sizes(index, probe, p), probe,
+        _every_row(shape[0], FILL * k), index.probe_table,
     )  # fmt: skip
     if found is None:  # a forced kernel, a trace
         return False
@@ -266,12 +264,12 @@ def plain_item_candidates(
         return None
     p = min(int(nprobe[0]), index.nlist)
     least = p
-    if plan.least is not None:  # lists by their sizes: the C++ call's rule, one least a call
+    if plan.least is not None and plan.hold is not None:  # lists by their sizes: one least a call
         fewest = plan.least.numpy()
         if not (fewest == fewest[0]).all():
             return None
         least = int(fewest[0])
-    found = _search_ids(index, q, p, fb, plan.r, least)
+    found = _search_ids(index, q, p, fb, plan.r, least, plan.hold)
     if found is None:
         return None
     ids, scores, _short = found
@@ -279,11 +277,17 @@ def plain_item_candidates(
 
 
 def _search_ids(
-    index: PlainIndex, q: torch.Tensor, nprobe: int, fb: FilterBatch | None, r: int, least: int
+    index: PlainIndex,
+    q: torch.Tensor,
+    nprobe: int,
+    fb: FilterBatch | None,
+    r: int,
+    least: int,
+    hold: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-    """``scan.search_ids_cpu`` over this index: ``nprobe`` lists a row (those it needs by their
-    sizes, at least ``least``), its filter (None: no clause) and excluded item ids inside the
-    scan -> ``(ids [B, r], scores [B, r], short)``."""
+    """``scan.search_ids_cpu`` over this index: ``nprobe`` lists a row (those that hold its
+    ``hold [B]`` items by their sizes, at least ``least``; None: all), its filter (None: no
+    clause) and excluded item ids inside the scan -> ``(ids [B, r], scores [B, r], short)``."""
     centroids_t, half, codes, scales, offsets, sig = index.kernel_tensors()
     fmask, fneg, excl = _no_filter(q.shape[0], sig.shape[1])
     if fb is not None:
@@ -295,8 +299,23 @@ def _search_ids(
         codes, scales, offsets, sig,
         fmask, fneg, excl,
         index.id_order.item_ids, index.id_order.perm, r,
-        _sizes(index, least, nprobe), least, FILL, index.probe_table,
+        _sizes(index, least, nprobe), least, hold, index.probe_table,
     )  # fmt: skip
+
+
+def _holds(fb: FilterBatch | None, b: int, k: int) -> torch.Tensor:
+    """``[B]``: the items each of ``b`` rows' lists must hold, as the planner counts them
+    (``planner.FILL`` times ``k`` plus the ids the row excludes)."""
+    if fb is None or fb.exclude is None or not fb.exclude.numel():
+        return _every_row(b, FILL * k)
+    held = (fb.exclude.cpu().numpy() >= 0).sum(axis=1)  # NumPy: a few rows, no torch op
+    return torch.from_numpy(FILL * (k + held.astype(np.int64)))
+
+
+@functools.cache
+def _every_row(b: int, hold: int) -> torch.Tensor:
+    """``[b] int64`` of ``hold`` (read only: one per shape serves every call)."""
+    return torch.full((b,), hold, dtype=torch.int64)
 
 
 def _sizes(index: PlainIndex, least: int, nprobe: int) -> torch.Tensor | None:

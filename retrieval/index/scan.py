@@ -208,7 +208,7 @@ def search_ids_cpu(
     r: int,
     sizes: torch.Tensor | None = None,
     least: int = 0,
-    fill: int = 1,
+    hold: torch.Tensor | None = None,
     table: ProbeTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """A plain int8 search on the CPU keyed by item id, in one C++ call: the item ids each query
@@ -216,17 +216,18 @@ def search_ids_cpu(
     (``item_ids``, ``perm``: ``exclude.IdOrder``), :func:`probe_cpu`'s lists, :func:`scan`, and
     the rows found mapped to item ids -> ``(ids [B, r], scores [B, r], short)``, ``-1`` /
     ``-inf`` padded, ``short``: some row found fewer than ``r``. ``sizes [nlist] int64`` (the
-    lists as built): each row keeps its best lists until they hold ``fill`` times ``r`` plus
-    the ids it excludes, at least ``least`` (``probe.lists_holding``); None: every probed list. None where
+    lists as built) with ``hold [B] int64``: each row keeps its best lists until they hold
+    ``hold[b]`` items, at least ``least`` (``probe.lists_holding``); None: every probed list. None where
     it does not apply (not int8, a forced kernel, inside a trace): the caller takes the
     step-by-step path, which gives the same answer."""
     if codes.dtype != torch.int8 or torch.compiler.is_compiling():
         return None
     no_half = _NO_HALF if half is None else half
     index = (codes, scales, offsets, sig)
+    cut = sizes is not None and hold is not None
     ids, scores, short = _extension().ivf_search_ids_int8(
         q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r,
-        _NO_SIZES if sizes is None else sizes, least, fill, table,
+        sizes if cut else _NO_SIZES, least, hold if cut else _NO_SIZES, table,
     )  # fmt: skip
     return None if ids is None else (ids, scores, short)  # None: $RECSERVE_SCAN_KERNEL forced
 

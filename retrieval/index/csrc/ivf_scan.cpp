@@ -2497,23 +2497,22 @@ at::Tensor id_rows(const at::Tensor& item_ids, const at::Tensor& perm, const at:
 }
 
 // Each row's probed lists (probes [B, P], best first, -1 skips) cut to its best ones until they hold
-// fill * (r + ids it excludes: excl_ids [B, S] >= 0) items by sizes [L] (the lists as built), at
-// least `least`: the slots past that -1, in place. probe.lists_holding's rule, for the one-call search.
-void hold_lists(at::Tensor& probes, const at::Tensor& sizes, int64_t least, int64_t fill, int64_t r,
-                const at::Tensor& excl_ids) {
+// hold[b] items (hold [B] int64) by sizes [L] (the lists as built), at least `least`: the slots
+// past that -1, in place. probe.lists_holding's rule, for the one-call search.
+void hold_lists(at::Tensor& probes, const at::Tensor& sizes, int64_t least, const at::Tensor& hold) {
   TORCH_CHECK(sizes.dim() == 1 && sizes.scalar_type() == at::kLong && sizes.is_contiguous(),
               "sizes must be contiguous int64 [L]");
-  const int64_t b_count = probes.size(0), p = probes.size(1), s = excl_ids.size(1), nlist = sizes.size(0);
+  TORCH_CHECK(hold.dim() == 1 && hold.size(0) == probes.size(0) && hold.scalar_type() == at::kLong &&
+              hold.is_contiguous(), "hold must be contiguous int64 [B]");
+  const int64_t b_count = probes.size(0), p = probes.size(1), nlist = sizes.size(0);
   int64_t* pp = probes.data_ptr<int64_t>();
   const int64_t* sp = sizes.data_ptr<int64_t>();
-  const int64_t* ep = excl_ids.data_ptr<int64_t>();
+  const int64_t* hp = hold.data_ptr<int64_t>();
   for (int64_t b = 0; b < b_count; ++b) {
-    int64_t hold = r, held = 0;
-    for (int64_t j = 0; j < s; ++j) hold += ep[b * s + j] >= 0;
-    hold *= fill;
+    int64_t held = 0;
     for (int64_t j = 0; j < p; ++j) {
       int64_t& l = pp[b * p + j];
-      if (j >= least && held >= hold) l = -1;
+      if (j >= least && held >= hp[b]) l = -1;
       else if (l >= 0 && l < nlist) held += sp[l];
     }
   }
@@ -2532,7 +2531,7 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
     const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl_ids,
     const at::Tensor& item_ids, const at::Tensor& perm, int64_t r, const at::Tensor& sizes, int64_t least,
-    int64_t fill, const ProbeTable& table) {
+    const at::Tensor& hold, const ProbeTable& table) {
   // A kernel forced by $RECSERVE_SCAN_KERNEL (retrieval.index.scan.KERNEL_ENV: set, and not
   // "auto"): not this call's to answer, undefined tensors back (the caller takes the step-by-step
   // path through the forced kernel). Read here, ~50 ns, where os.environ took ~1 us a query.
@@ -2544,7 +2543,7 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
   const at::Tensor excl = id_rows(item_ids, perm, excl_ids, std::numeric_limits<int64_t>::max(), true);
   const int64_t* ids = item_ids.data_ptr<int64_t>();
   auto probed = ivf_probe(q, centroids_t, half, p, table);
-  if (sizes.numel() && least < p) hold_lists(std::get<1>(probed), sizes, least, fill, r, excl_ids);
+  if (sizes.numel() && least < p) hold_lists(std::get<1>(probed), sizes, least, hold);
   auto found = ivf_scan_int8(q, std::get<1>(probed), std::get<0>(probed), codes, scales, offsets, sig,
                              fmask, fneg, excl, r, at::Tensor());
   at::Tensor pos = std::get<0>(found);
@@ -2599,7 +2598,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("centroids_t"), pybind11::arg("half"), pybind11::arg("p"), pybind11::arg("codes"),
         pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("sig"), pybind11::arg("fmask"),
         pybind11::arg("fneg"), pybind11::arg("excl_ids"), pybind11::arg("item_ids"), pybind11::arg("perm"),
-        pybind11::arg("r"), pybind11::arg("sizes"), pybind11::arg("least"), pybind11::arg("fill"),
+        pybind11::arg("r"), pybind11::arg("sizes"), pybind11::arg("least"), pybind11::arg("hold"),
         pybind11::arg("table") = pybind11::none(), nogil);
   m.def("ivf_scan_fp8", &ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter", nogil);
 }
