@@ -46,7 +46,7 @@ from ann_peers import (
     ivf_params,
 )
 from ann_report import UNFILTERED, Point, render
-from ann_rounds import Kept, head_to_head, rounds_table
+from ann_rounds import Kept, build_rounds, build_rounds_table, head_to_head, rounds_table
 from ann_sweep import Case, sweep
 from timing import set_threads, stopwatch
 from tqdm import tqdm
@@ -123,6 +123,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="after the sweeps, time each of our chosen settings against each peer's this many "
         "times in turns and report the median ratio (ann_rounds.py; 0: off)",
+    )
+    p.add_argument(
+        "--build-rounds",
+        type=int,
+        default=0,
+        help="after the sweeps, build our int8 index and faiss IVF-SQ8 again this many times in "
+        "turns and report the median ratio of the build times (ann_rounds.py; 0: off)",
     )
     p.add_argument("--single", type=int, default=200, help="queries timed one at a time")
     p.add_argument("--stop-recall", type=float, default=0.999, help="stop an nprobe sweep here")
@@ -379,6 +386,12 @@ def meta(args: argparse.Namespace) -> dict:
     }
 
 
+def _faiss_build_s(data: AnnData, nlist: int) -> float:
+    """faiss IVF-SQ8's build seconds as the sweep counts them: k-means + SQ8 training and add."""
+    ivfs, kmeans_s = build_faiss_ivfs(data.x, nlist, train_size=256 * nlist)
+    return kmeans_s + ivfs["faiss-IVF-SQ8"].build_s
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_start = os.getloadavg()
@@ -413,6 +426,18 @@ def main(argv: list[str] | None = None) -> None:
         rounds = head_to_head(points, kept, [c.label for c in cases], targets, args)
         set_isa(user_isa)
         report += "\n" + rounds_table(rounds, args)
+    built = {}
+    if args.build_rounds > 0 and args.only == "all":
+        built = build_rounds(
+            args.build_rounds,
+            lambda: build_ours(data, args.nlist, "int8", 0, precompile=False).build_s,
+            lambda: _faiss_build_s(data, args.nlist),
+        )
+        mine = next(
+            v for k, v in builds.items() if k.startswith("ours-int8") and isinstance(v, float)
+        )
+        first = (mine, builds["faiss-kmeans"] + builds["faiss-IVF-SQ8"])
+        report += "\n" + build_rounds_table(built, first)
     print(report)
     out = {
         # Other processes on the machine skew every timing; the load average says how much.
@@ -430,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         "errors": errors,
         "points": [dataclasses.asdict(p) for p in points],
         "rounds": rounds,  # --rounds: the head-to-head timings and ratios (ann_rounds.py)
+        "build_rounds": built,  # --build-rounds: build times in turns (ann_rounds.py)
         "markdown": report,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

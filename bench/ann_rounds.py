@@ -8,6 +8,11 @@ which goes first; every round gives one ratio per pair, and the table reports th
 range. The searchers are the sweep's own (``Searcher`` factories kept by :class:`Kept`), each
 with a ``prepare`` that restores the state it was swept under (our rerank, filter bound, int8
 path).
+
+``--build-rounds N`` does the same for the builds: our index and faiss IVF-SQ8 (k-means + SQ8
+training + add) built again in turns, ``N`` rounds, the ratio of each round's times (ours ÷
+faiss: < 1 means ours builds faster) and their median, beside the first build of each in the
+process (which pays its libraries' first-use costs).
 """
 
 from __future__ import annotations
@@ -112,3 +117,34 @@ def rounds_table(rows: list[dict], args: argparse.Namespace) -> str:
             f"({min(lat):.2f}–{max(lat):.2f}) |"
         )
     return "\n".join(out) + "\n"
+
+
+def build_rounds(
+    rounds: int, build_ours: Callable[[], float], build_peer: Callable[[], float]
+) -> dict:
+    """``rounds`` builds of each side in turns (who goes first alternates; each callable builds
+    and returns its seconds) -> their times, the per-round ratios ours ÷ peer and the median."""
+    times: list[list[float]] = [[], []]
+    builders = (build_ours, build_peer)
+    for r in range(rounds):
+        for side in (0, 1) if r % 2 == 0 else (1, 0):
+            times[side].append(builders[side]())
+    ratios = [a / b for a, b in zip(times[0], times[1], strict=True)]
+    return {
+        "ours_s": times[0],
+        "peer_s": times[1],
+        "ratios": ratios,
+        "ratio_median": statistics.median(ratios),
+    }
+
+
+def build_rounds_table(row: dict, first: tuple[float, float]) -> str:
+    """The build rounds as markdown, after the first builds ``first = (ours_s, peer_s)``."""
+    r, n = row["ratios"], len(row["ratios"])
+    return (
+        f"**Builds: {n} rounds in turns** (ours ÷ faiss IVF-SQ8's k-means + add; < 1: ours "
+        f"builds faster): median **{row['ratio_median']:.2f}** ({min(r):.2f}–{max(r):.2f}); "
+        f"ours {statistics.median(row['ours_s']):.3f} s, faiss {statistics.median(row['peer_s']):.3f}"
+        f" s (medians). First builds in the process: ours {first[0]:.3f} s, faiss {first[1]:.3f} s "
+        f"({first[0] / first[1]:.2f}).\n"
+    )

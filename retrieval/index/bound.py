@@ -256,8 +256,8 @@ def with_bounds(
         full[rows.to(dev)] = bounds
         lists = torch.full((b, first.shape[1]), -1, dtype=torch.int64, device=dev)
         lists[rows.to(dev)] = first
-    if plan.least is not None and index.built_sizes.numel():  # unfiltered rows: what they need
-        lists = lists_holding(lists, index.built_sizes, plan.least, plan.hold)  # type: ignore[arg-type]
+    if plan.least is not None and plan.hold is not None and index.built_sizes.numel():
+        lists = lists_holding(lists, index.built_sizes, plan.least, plan.hold)  # unfiltered rows
     keys = sel.tolist()  # few distinct: one each
     cost = {s: exact_codes(index.config, index.ntotal, s, b, on_cpu(index)) for s in set(keys)}
     budget = torch.tensor([cost[s] for s in keys], dtype=torch.float32, device=dev)

@@ -542,8 +542,14 @@ class IVFIndex(nn.Module):
             probes = torch.where(
                 slot < plan.nprobe.to(q.device)[:, None], probes, torch.full_like(probes, -1)
             )
-        if plan.lists is None and plan.least is not None and self.built_sizes.numel():
-            probes = lists_holding(probes, self.built_sizes, plan.least, plan.hold)  # type: ignore[arg-type]
+        least, hold = plan.least, plan.hold
+        if (
+            plan.lists is None
+            and least is not None
+            and hold is not None
+            and self.built_sizes.numel()
+        ):
+            probes = lists_holding(probes, self.built_sizes, least, hold)  # what each row needs
         cand, approx = scan(
             q.contiguous(),
             probes.contiguous(),

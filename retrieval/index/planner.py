@@ -109,9 +109,8 @@ def _holding(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(least [B], hold [B])`` of a plan (``SearchPlan.least``): rows without a filter clause
     probe their lists until these hold ``FILL`` times ``r`` plus what they exclude (by their
-    sizes, where ``lists`` counted lists of average size), at least ``base``; a
-    filtered row's ``least`` is its ``lists`` (what its lists hold of its filter is an
-    estimate). None where no row would probe fewer than ``lists``, or the index has no sizes
+    sizes, where ``lists`` counted lists of average size), at least ``base``; a filtered row's
+    ``least`` is its ``lists`` (what its lists hold of its filter is an estimate). None where no row would probe fewer than ``lists``, or the index has no sizes
     as built (saved before them)."""
     if not index.built_sizes.numel():
         return None, None
@@ -151,8 +150,8 @@ def cheaper_exact(
 def lists_for(index: PlannedIndex, sel: float, base: int, need: int) -> int:
     """Lists for a row admitting ``sel`` of the items, probing ``base`` at least: widened as
     ``sel ** -exponent``, and enough lists of average size to hold ``FILL need`` eligible
-    items. Python floats: a batch
-    has few distinct rows, and tensor arithmetic costs ~20x more for one request."""
+    items. Python floats: a batch has few distinct rows, and tensor arithmetic costs ~20x more
+    for one request."""
     nlist = max(index.nlist, 1)
     s = max(sel, 1e-9)
     widen = base * s**-index.config.filter_nprobe_exponent

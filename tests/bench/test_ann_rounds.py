@@ -57,3 +57,22 @@ def test_rounds_alternate_and_report_the_median_of_per_round_ratios(timed):
     assert row["p50_ratio_median"] == pytest.approx(2.0)  # 0.10 ms ÷ 0.05 ms
     table = ann_rounds.rounds_table(rows, args)
     assert "**3.00×** (1.50–6.00)" in table and "3 rounds in turns" in table
+
+
+def test_build_rounds_alternate_and_report_the_median_ratio():
+    turns: list[str] = []
+    ours_s, peer_s = iter([1.0, 3.0, 2.0]), iter([2.0, 2.0, 2.0])
+
+    def ours() -> float:
+        turns.append("ours")
+        return next(ours_s)
+
+    def peer() -> float:
+        turns.append("peer")
+        return next(peer_s)
+
+    row = ann_rounds.build_rounds(3, ours, peer)
+    assert turns == ["ours", "peer", "peer", "ours", "ours", "peer"]
+    assert row["ratios"] == pytest.approx([0.5, 1.5, 1.0]) and row["ratio_median"] == 1.0
+    table = ann_rounds.build_rounds_table(row, (0.3, 0.2))
+    assert "median **1.00** (0.50–1.50)" in table and "(1.50)" in table
