@@ -130,7 +130,8 @@ def read_json(path: Path) -> Any:
 def load_state(model: RetrievalModel, state: dict[str, torch.Tensor]) -> None:
     """``load_state_dict`` with an error that lists every tensor that disagrees."""
     own = model.state_dict()
-    problems = [f"missing {k}" for k in own if k not in state]
+    later = {f"index.{name}" for name in IVFIndex.SAVED_LATER}  # the index loads without them
+    problems = [f"missing {k}" for k in own if k not in state and k not in later]
     problems += [f"unexpected {k}" for k in state if k not in own]
     for k, t in state.items():
         mine = own.get(k)

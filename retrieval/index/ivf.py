@@ -107,6 +107,10 @@ class IVFIndex(nn.Module):
     list_bits: torch.Tensor
     built_sizes: torch.Tensor
 
+    SAVED_LATER = ("list_radius", "list_bits", "built_sizes")
+    """Buffers an index saved before them lacks: it loads without them (empty: no bound check,
+    ``nprobe`` lists a row) and searches as it did."""
+
     def __init__(
         self,
         config: IVFConfig,
@@ -206,8 +210,7 @@ class IVFIndex(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        # saved before them: no bound check, nprobe lists a row (empty)
-        for name in ("list_radius", "list_bits", "built_sizes"):
+        for name in self.SAVED_LATER:  # saved before them: empty
             if prefix + name not in state_dict and prefix + name in missing_keys:
                 missing_keys.remove(prefix + name)
                 setattr(self, name, getattr(self, name)[:0])

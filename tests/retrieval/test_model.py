@@ -126,6 +126,24 @@ def test_state_dict_round_trip_weights_only(trained, tmp_path):
 
 
 @pytest.mark.slow  # the trained fixture
+def test_a_version_saved_before_an_index_buffer_loads_and_answers_as_it_did(trained):
+    """A version published before the index kept its lists' sizes as built (``built_sizes``)
+    loads (the index probes every planned list then), as one saved before the bound check's
+    statistics does."""
+    prep, model, _ = trained
+    for name in ("built_sizes", "list_radius"):
+        state = {k: v for k, v in model.state_dict().items() if k != f"index.{name}"}
+        old = RetrievalModel(prep.config)
+        load_state(old, state)
+        assert getattr(old.index, name).numel() == 0
+        then = copy.deepcopy(model)
+        setattr(then.index, name, getattr(then.index, name)[:0])
+        batch = prep.user_batch(np.arange(16), [None] * 8 + ["available"] * 8)
+        with torch.inference_mode():
+            assert torch.equal(old(batch, 100)[0], then(batch, 100)[0])
+
+
+@pytest.mark.slow  # the trained fixture
 def test_loading_another_config_says_which_tensor(trained):
     prep, model, _ = trained
     other = copy.deepcopy(prep.config)
