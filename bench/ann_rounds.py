@@ -138,13 +138,19 @@ def build_rounds(
     }
 
 
-def build_rounds_table(row: dict, first: tuple[float, float]) -> str:
-    """The build rounds as markdown, after the first builds ``first = (ours_s, peer_s)``."""
+def build_rounds_table(row: dict, first: tuple[float, float] | None) -> str:
+    """The build rounds as markdown, after the first builds ``first = (ours_s, peer_s)`` (None:
+    the sweep built no int8 index of ours)."""
     r, n = row["ratios"], len(row["ratios"])
-    return (
+    text = (
         f"**Builds: {n} rounds in turns** (ours ÷ faiss IVF-SQ8's k-means + add; < 1: ours "
         f"builds faster): median **{row['ratio_median']:.2f}** ({min(r):.2f}–{max(r):.2f}); "
         f"ours {statistics.median(row['ours_s']):.3f} s, faiss {statistics.median(row['peer_s']):.3f}"
-        f" s (medians). First builds in the process: ours {first[0]:.3f} s, faiss {first[1]:.3f} s "
-        f"({first[0] / first[1]:.2f}).\n"
+        " s (medians)."
     )
+    if first is not None:
+        text += (
+            f" First builds in the process: ours {first[0]:.3f} s, faiss {first[1]:.3f} s "
+            f"({first[0] / first[1]:.2f})."
+        )
+    return text + "\n"
