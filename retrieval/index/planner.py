@@ -76,9 +76,7 @@ def make_plan(
     sel_t = estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu() if fb.active else None
     sel = [1.0] * b if sel_t is None else sel_t.tolist()  # [B]
     base = rows.nprobe.tolist() if rows is not None else [nprobe] * b
-    excluded = [0] * b
-    if fb.exclude is not None:
-        excluded = (fb.exclude.cpu().numpy() >= 0).sum(axis=1).tolist()
+    excluded = excluded_counts(fb, b).tolist()
     keys = list(zip(sel, base, excluded, strict=True))  # few distinct: one each
     lists = {key: lists_for(index, key[0], key[1], r + key[2]) for key in set(keys)}
     p_np = np.array([lists[key] for key in keys], dtype=np.int64)
@@ -97,6 +95,14 @@ def make_plan(
     if q is None or cfg.filter_bound <= 0 or sel_t is None:
         return plan
     return with_bounds(index, q, fb, plan, sel_t, None if rows is None else rows.slack)
+
+
+def excluded_counts(fb: FilterBatch | None, b: int) -> np.ndarray:
+    """``[B] int64``: the item ids each of ``b`` rows excludes (``fb.exclude >= 0``; None or no
+    exclusions: zeros). NumPy: a batch's few rows, no torch op."""
+    if fb is None or fb.exclude is None or not fb.exclude.numel():
+        return np.zeros(b, dtype=np.int64)
+    return (fb.exclude.cpu().numpy() >= 0).sum(axis=1).astype(np.int64)
 
 
 def _holding(

@@ -228,8 +228,17 @@ def set_signatures(
     sig = _check_sig(index, sig, ids.numel())
     pos = _require_known(index, ids, "ids").to(index.sig.device)
     new = IVFIndex(index.config, index.dim, index.schema.attribute_values)
-    kept = ("centroids", "offsets", "item_ids", "codes", "scales", "exact", "list_radius")
-    for name in (*kept, "built_sizes"):
+    kept = (
+        "centroids",
+        "offsets",
+        "item_ids",
+        "codes",
+        "scales",
+        "exact",
+        "list_radius",
+        "built_sizes",
+    )
+    for name in kept:
         setattr(new, name, getattr(index, name))
     if spread is None:
         spread = _or_rows(sig)

@@ -19,7 +19,7 @@
 // (<= 255) by the row's signed bytes into saturating s16 pair sums, so rows are quantized to
 // |x| <= 31 there: two steps' pair sums add in s16 (2 * 2 * 255 * 31 = 31620 < 2^15: nothing
 // saturates or wraps) before one vpmaddwd widens them to s32, 3 multiply uops per 64
-// multiply-adds where a pair sum widened each step took 4 (63 levels: 1.2-1.3x slower); tiles of
+// multiply-adds where a pair sum widened each step took 4 (63 levels: 1.05-1.19x the time); tiles of
 // 8 rows x 8 centroids. The coarser row widens the bound (a few more exact scores); the same
 // exact answer. Python picks the path by the int8 scan's (retrieval/index/kmeans.py); a CPU with
 // neither takes faiss's.
