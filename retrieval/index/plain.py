@@ -27,7 +27,7 @@ from retrieval.filters import FilterBatch, FilterSchema
 from retrieval.index.bound import as_scored
 from retrieval.index.cuda_graphs import bucket, run_graphed
 from retrieval.index.exclude import PAD, IdOrder
-from retrieval.index.planner import FILL, PlannedIndex, excluded_counts, lists_for
+from retrieval.index.planner import FILL, PlannedIndex, excluded_counts, hold_counts, lists_for
 from retrieval.index.probe import FEW_QUERIES, lists_holding
 from retrieval.index.scan import ProbeTable, scan, search_ids_cpu
 from retrieval.index.search import WIDEN, Candidates, SearchPlan
@@ -308,7 +308,7 @@ def _holds(fb: FilterBatch | None, b: int, k: int) -> torch.Tensor:
     (``planner.FILL`` times ``k`` plus the ids the row excludes)."""
     if fb is None or fb.exclude is None or not fb.exclude.numel():
         return _every_row(b, FILL * k)  # one query's common case: no array made
-    return torch.from_numpy(FILL * (k + excluded_counts(fb, b)))
+    return torch.from_numpy(hold_counts(k, excluded_counts(fb, b)))
 
 
 @functools.cache

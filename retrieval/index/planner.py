@@ -105,6 +105,12 @@ def excluded_counts(fb: FilterBatch | None, b: int) -> np.ndarray:
     return (fb.exclude.cpu().numpy() >= 0).sum(axis=1).astype(np.int64)
 
 
+def hold_counts(need: int, excluded: np.ndarray) -> np.ndarray:
+    """``[B] int64``: the items each row's lists must hold, ``FILL`` times its ``need`` plus the
+    ids it excludes (``excluded [B]``, :func:`excluded_counts`)."""
+    return FILL * (need + excluded.astype(np.int64))
+
+
 def _holding(
     index: PlannedIndex,
     sel: list[float],
@@ -124,7 +130,7 @@ def _holding(
     least = np.where(plain, np.array(base, dtype=np.int64), lists)
     if not (least < lists).any():
         return None, None
-    hold = FILL * (r + np.array(excluded, dtype=np.int64))
+    hold = hold_counts(r, np.array(excluded))
     return torch.from_numpy(least), torch.from_numpy(hold)
 
 
