@@ -1,0 +1,67 @@
+"""bench/render_results.py: RESULTS.md is exactly the render of bench/page.toml and the JSON it
+names, a stale page fails the check, and each ANN row names the fastest peer at its recall."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import render_results
+
+
+def test_the_page_in_the_repository_is_the_render_of_its_manifest() -> None:
+    assert render_results.main(["--check"]) == 0
+
+
+def test_check_fails_when_the_page_was_edited_by_hand(tmp_path: Path) -> None:
+    page = tmp_path / "RESULTS.md"
+    page.write_text(render_results.PAGE.read_text().replace("1.", "9.", 1))
+    assert render_results.main(["--check", "--out", str(page)]) == 1
+    assert render_results.main(["--check", "--out", str(tmp_path / "missing.md")]) == 1
+
+
+def test_writing_then_checking_agrees(tmp_path: Path) -> None:
+    page = tmp_path / "RESULTS.md"
+    assert render_results.main(["--out", str(page)]) == 0
+    assert render_results.main(["--check", "--out", str(page)]) == 0
+    assert page.read_text() == render_results.PAGE.read_text()
+
+
+def point(system: str, recall: float, qps: float, p50: float) -> dict[str, object]:
+    return {
+        "system": system,
+        "setting": "s",
+        "filter": "none",
+        "recall": recall,
+        "qps_batch": qps,
+        "p50_single_ms": p50,
+        "bytes_per_item": 1.0,
+    }
+
+
+def test_an_ann_row_names_the_fastest_peer_that_reaches_its_recall() -> None:
+    # SQ8 on its slow path: IVF-Flat is the peer to beat; a faster peer below the recall is not.
+    data = {
+        "points": [
+            point("ours-int8", 0.97, 1000.0, 0.10),
+            point("faiss-IVF-SQ8", 0.96, 40.0, 2.0),
+            point("faiss-IVF-Flat", 0.98, 250.0, 0.40),
+            point("faiss-IVF-Flat", 0.90, 900.0, 0.05),
+        ]
+    }
+    (row,) = render_results.ann(data, {"case": "c", "recalls": [0.95]})
+    assert "faiss-IVF-Flat" in row[4] and row[5].startswith("**4.00×**, one sweep")
+    assert row[6].endswith("(faiss-IVF-Flat)") and row[7] == "4.00×"
+    (missing,) = render_results.ann(data, {"case": "c", "recalls": [0.99]})
+    assert missing[3] == "ours does not reach it"
+
+
+def test_every_hand_kept_row_says_where_it_was_copied_from() -> None:
+    manifest = tomllib.loads(render_results.MANIFEST.read_text())
+    hand = [h for t in manifest["target"] for h in t.get("hand", [])]
+    assert hand
+    for h in hand:
+        assert h["date"] and h["commit"] and h["source"] and h["latest"], h
