@@ -443,6 +443,14 @@ def command(spec: Spec, data: dict[str, Any]) -> str:
     return f"{env}.venv/bin/python bench/{spec['script']} {shlex.join(argv)}".rstrip()
 
 
+def machine(data: dict[str, Any]) -> str:
+    """The CPU and our scan's instruction set where the JSON recorded them."""
+    meta, builds = data.get("meta") or {}, data.get("builds") or {}
+    said = [str(meta["cpu"])] if meta.get("cpu") else []
+    said += [f"our scan: {builds['ours-int8-isa']}"] if builds.get("ours-int8-isa") else []
+    return f" ({', '.join(said)})" if said else ""
+
+
 def date_of(spec: Spec, data: dict[str, Any]) -> str:
     meta = data.get("meta") or data.get("environment") or {}
     return str(spec.get("date") or meta.get("date", "")[:10])
@@ -459,20 +467,20 @@ def section(target: Spec) -> list[str]:
     out = [f"## {target['title']}", ""]
     if "note" in target:
         out += [target["note"].strip(), ""]
-    commands: list[tuple[str, str]] = []
+    commands: list[tuple[str, str, str]] = []
     if target.get("row"):
         head = KINDS[target["row"][0]["kind"]][1]
         rows: Rows = []
         for spec in target["row"]:
             fn, _ = KINDS[spec["kind"]]
             data = load(spec)
-            cmd = (command(spec, data), spec["json"])
+            cmd = (command(spec, data), spec["json"], machine(data))
             if cmd not in commands:
                 commands.append(cmd)
             ref = f"[{commands.index(cmd) + 1}]"
             rows += [[*r, date_of(spec, data), f"`{spec['commit']}`", ref] for r in fn(data, spec)]
         out += table([*head, "date", "commit", "cmd"], rows)
-        out += [f"{i}. `{c}` → `bench/results/{j}`" for i, (c, j) in enumerate(commands, 1)]
+        out += [f"{i}. `{c}` → `bench/results/{j}`{m}" for i, (c, j, m) in enumerate(commands, 1)]
         out.append("")
     if target.get("hand"):
         out += [
