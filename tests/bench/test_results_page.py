@@ -53,10 +53,23 @@ def test_an_ann_row_names_the_fastest_peer_that_reaches_its_recall() -> None:
         ]
     }
     (row,) = render_results.ann(data, {"case": "c", "recalls": [0.95]})
-    assert "faiss-IVF-Flat" in row[4] and row[5].startswith("**4.00×**, one sweep")
-    assert row[6].endswith("(faiss-IVF-Flat)") and row[7] == "4.00×"
+    cells = row.split(" | ")
+    assert "faiss-IVF-Flat" in cells[4] and cells[5] == "**4.00×**, one sweep"
+    assert cells[6].endswith("(faiss-IVF-Flat)") and cells[7] == "4.00×"
     (missing,) = render_results.ann(data, {"case": "c", "recalls": [0.99]})
-    assert missing[3] == "ours does not reach it"
+    assert missing.split(" | ")[3] == "ours does not reach it"
+    # With --rounds against that peer, the page takes the median of the turns, not the sweep.
+    turn = {
+        "ours": "ours-int8",
+        "filter": "none",
+        "target": 0.95,
+        "peer": "faiss-IVF-Flat",
+        "qps_ratio_median": 3.0,
+        "qps_ratios": [2.0, 3.0, 4.0],
+        "p50_ratio_median": 2.5,
+    }
+    (row,) = render_results.ann({**data, "rounds": [turn]}, {"case": "c", "recalls": [0.95]})
+    assert row.split(" | ")[5] == "**3.00×**, median of 3 turns" and row.endswith("| 2.50×")
 
 
 def test_every_hand_kept_row_says_where_it_was_copied_from() -> None:
