@@ -248,6 +248,10 @@ def quality(data: Data, spec: Spec) -> Rows:
             continue
         base = {name: b["full"]["recall"] for name, b in res["baselines"].items()}
         peer = max(base, key=lambda n: base[n])
+        rows += [
+            f"{res['dataset']} | baseline: {n} | {base[n]:.4f} | — | —"
+            for n in sorted(base, key=lambda n: base[n])
+        ]
         for opt, m in res["models"].items():
             for name in spec["rows"]:
                 r = m["rows"][name]
