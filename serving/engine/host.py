@@ -36,7 +36,7 @@ from common.torch_threads import use_process_threads
 from serving.engine.metrics import ServingMetrics
 from serving.engine.runner import ModelRunner
 from serving.repository.repository import LoadedModel
-from serving.types import ModelNotFoundError, UnavailableError
+from serving.types import UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +177,10 @@ class ModelHost:
         return None if served is None else served.loaded
 
     def check_target(self, model: str, version: int | None) -> None:
-        """Raises :class:`ModelNotFoundError` unless this host serves ``model`` / ``version``."""
-        if model and model != self.name:
-            raise ModelNotFoundError(f"model: {model!r} is not served here (serving {self.name!r})")
-        current = self.version
-        if version is not None and version != current:
-            raise ModelNotFoundError(
-                f"version: {self.name} version {version} is not loaded (serving {current})"
-            )
+        """Raises :class:`ModelNotFoundError` unless the served version is ``model`` /
+        ``version`` (:meth:`ModelRunner.check_target`), :class:`UnavailableError` before the
+        first version loads."""
+        self.current().check_target(model, version)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self, poll: bool = True) -> int:
