@@ -2,9 +2,9 @@
 
 ``recserve serve shard --model-repo DIR --model NAME --shard S`` loads shard ``S`` of the newest
 document-sharded version of ``NAME``, answers ``Shard.Search`` (``serving/protos/shard.proto``) and
-grpc.health.v1 (SERVING once loaded), and watches the repository (``serving.repository.watcher.
-VersionWatcher``, the model host's watcher too): a newer version is loaded
-beside the one serving, and the newest ``keep`` versions stay loaded, so a router still on the
+grpc.health.v1 (SERVING once loaded), and watches the repository (the model host's
+``VersionWatcher``, ``serving/repository/watcher.py``): a newer version is loaded beside the one
+serving, and the newest ``keep`` versions stay loaded, so a router still on the
 previous version keeps getting answers during a rollout (it moves once every shard holds the
 new one; see ``serving/sharding/router.py``)::
 
