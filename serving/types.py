@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -150,9 +150,6 @@ class RecRequest:
     (``retrieval/index/targets.py``). KServe: the request parameter ``recall_target``."""
     user: int = -1
     """The user (dense index) whose seen items a model with a seen store excludes; -1: none."""
-    checked: tuple[object, list[Any]] | None = field(default=None, repr=False, compare=False)
-    """(runner, parsed filter clauses) once a runner's edge check passed: the same runner
-    skips the check when the request reaches its batch (another, after a hot swap, redoes it)."""
 
 
 @dataclass

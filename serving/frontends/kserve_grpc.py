@@ -218,4 +218,4 @@ def add_kserve_servicer(server: grpc.Server, state: ServingState) -> None:
 
 
 add_servicer = add_kserve_servicer
-"""The name ``serving.app.server`` discovers gRPC plugins by."""
+"""The name every gRPC front end gives its ``add_servicer`` (``serving/app/frontends.py``)."""

@@ -134,7 +134,7 @@ class AdminServicer(pb_grpc.AdminServicer):
 def add_servicer(
     server: grpc.Server, state: ServingState, authorize: Authorizer = allow_all
 ) -> None:
-    """Adds the ``Admin`` service to ``server`` (a ``serving.app.server`` gRPC plugin) with
+    """Adds the ``Admin`` service to ``server`` (registered in ``serving/app/frontends.py``) with
     :func:`common.grpc_util.add_service`: bytes that are no valid message get INVALID_ARGUMENT
     (where the generated deserializer makes gRPC answer INTERNAL). The servicer refuses them
     itself, after ``authorize`` and counted with the other failed updates."""

@@ -9,8 +9,10 @@ deadline, then puts the packed rows back in request order. Calls are blocking st
 last server's in the caller's thread, the others' on a pool of this client's (a gRPC future
 starts a channel-polling thread whenever its channel was idle, which for a lone caller is every
 call: ~0.3 ms of CPU and a thread hand-off each). A server that is down or misses the
-deadline raises :class:`RemoteLookupError` (code and address in the message) or, with
-``fallback="zero"``, gives zero rows for its ids and is counted (:meth:`RemoteTables.stats` and the
+deadline raises :class:`RemoteServerError` (code and address in the message; a
+:class:`RemoteLookupError` and the tables' retryable
+:class:`~sharded_tables.interface.TablesUnavailableError`) or, with ``fallback="zero"``,
+gives zero rows for its ids and is counted (:meth:`RemoteTables.stats` and the
 ``recserve_remote_*`` Prometheus counters, label ``server``). Errors that are the caller's
 (INVALID_ARGUMENT: an id the server does not hold; NOT_FOUND: a table it does not hold) always
 raise. Ids may live on any device; rows come back on the CPU.
@@ -41,6 +43,7 @@ from prometheus_client import Counter
 
 from common.grpc_util import ClientAuth, open_channel
 from common.torch_threads import use_process_threads
+from sharded_tables.interface import TablesUnavailableError
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
 from sharded_tables.remote.routing import RemoteTable, route, server_of, splitmix64
@@ -51,6 +54,7 @@ __all__ = [
     "SERVER_TROUBLE",
     "EmbeddingVersions",
     "RemoteLookupError",
+    "RemoteServerError",
     "RemoteTable",
     "RemoteTables",
     "route",
@@ -94,6 +98,17 @@ class RemoteLookupError(RuntimeError):
     def __init__(self, code: grpc.StatusCode, address: str, details: str):
         super().__init__(f"embedding server {address}: {code.name}: {details}")
         self.code, self.address = code, address
+
+
+class RemoteServerError(RemoteLookupError, TablesUnavailableError):
+    """A call failed with a code of :data:`SERVER_TROUBLE`: the server is at fault, not the
+    request, so a retry may succeed."""
+
+
+def lookup_error(code: grpc.StatusCode, address: str, details: str) -> RemoteLookupError:
+    """The error of a failed call: a :class:`RemoteServerError` when ``code`` is server trouble."""
+    kind = RemoteServerError if code in SERVER_TROUBLE else RemoteLookupError
+    return kind(code, address, details)
 
 
 class RemoteTables(RowStore):
@@ -151,7 +166,7 @@ class RemoteTables(RowStore):
         details = e.details() if isinstance(e, grpc.Call) else str(e)
         self._count("failures", address, 1)
         FAILURES.labels(address, code.name).inc()
-        return RemoteLookupError(code, address, details or "")
+        return lookup_error(code, address, details or "")
 
     def _lookup(
         self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None
@@ -249,7 +264,7 @@ class RemoteTables(RowStore):
             ZERO_FILLED.labels(address).inc(n_ids)
             return  # rows stay zero, found stays False
         if len(response.tables) != len(parts):
-            raise RemoteLookupError(
+            raise lookup_error(
                 grpc.StatusCode.INTERNAL, address, f"{len(response.tables)} tables for {len(parts)}"
             )
         for got, (name, pos) in zip(response.tables, parts, strict=True):
@@ -260,7 +275,7 @@ class RemoteTables(RowStore):
                 or len(got.rows) != n * rows.shape[1]
                 or len(got.found) not in (0, n)
             ):
-                raise RemoteLookupError(
+                raise lookup_error(
                     grpc.StatusCode.INTERNAL,
                     address,
                     f"table {name!r}: got {len(got.rows)} bytes and {len(got.found)} found flags "
