@@ -176,10 +176,12 @@ class RemoteTables(RowStore):
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """-> per table (rows ``uint8 [n, rb]``, found ``bool [n]``) in the order of its ids:
         held tables from memory, the others from the servers."""
-        local = [n for n in ids_by_table if n in self.held.names and self._hold(n, timeout)]
-        if not local:
+        # held now, or False: its rows came back zero-filled (``fallback="zero"``), and this
+        # lookup gets zero rows rather than a second call to a server that just did not answer
+        held = {n: self._hold(n, timeout) for n in ids_by_table if n in self.held.names}
+        if not held:
             return self._lookup_servers(ids_by_table, timeout)
-        out = {n: self.held.rows(n, _id_array(n, ids_by_table[n])) for n in local}
+        out = {n: self.held.rows(n, _id_array(n, ids_by_table[n]), ok) for n, ok in held.items()}
         rest = {n: ids for n, ids in ids_by_table.items() if n not in out}
         if rest:
             out.update(self._lookup_servers(rest, timeout))

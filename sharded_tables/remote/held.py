@@ -13,7 +13,8 @@ The held rows stay equal to the servers' because ranged rows never change under 
 an embedding server's ranged rows are read-only (``Put`` takes keyed tables only) and a client
 reads one model version (a router builds a new client, and holds the rows anew, for each version
 it loads). A table whose rows come back zero-filled (``fallback="zero"``: a server did not
-answer) is not held; it is asked for again on its next lookup.
+answer) is not held: the lookup that asked gets zero rows, as the fallback gives, and the
+next lookup asks again.
 
 Example::
 
@@ -85,12 +86,15 @@ class HeldTables:
             self._rows[name] = whole
             return True
 
-    def rows(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of a held table for ``ids int64 [n]`` -> (``uint8 [n, row_bytes]``, found
-        ``bool [n]``, all True); an id outside the table raises ``ValueError`` naming it, as a
-        fetch does."""
-        spec, whole = self.specs[name], self._rows[name]
+    def rows(self, name: str, ids: np.ndarray, held: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of table ``name`` for ``ids int64 [n]`` -> (``uint8 [n, row_bytes]``, found
+        ``bool [n]``): the held rows, all found; ``held=False`` (a table that came back
+        zero-filled): zero rows, none found. An id outside the table raises ``ValueError``
+        naming it, as a fetch does."""
+        spec = self.specs[name]
         lo, hi = spec.bounds[0], spec.bounds[-1]
         if len(ids) and (ids.min() < lo or ids.max() >= hi):
             server_of(spec, ids)  # raises, naming the table and the id
-        return whole[ids - lo], np.ones(len(ids), dtype=bool)
+        if not held:
+            return np.zeros((len(ids), spec.row_bytes), np.uint8), np.zeros(len(ids), bool)
+        return self._rows[name][ids - lo], np.ones(len(ids), dtype=bool)

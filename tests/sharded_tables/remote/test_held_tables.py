@@ -176,6 +176,9 @@ def test_a_table_that_came_back_zero_filled_is_not_held(served):
     proc.proc.wait(5)
     with RemoteTables(routing, timeout=TIMEOUT_S, fallback="zero", hold_bytes=HOLD_BYTES) as zero:
         assert zero.hold() == []
-        rows = zero.fetch({"user_gender": torch.tensor([0, 1])})["user_gender"]
-        assert not bool(rows.any()) and not zero.held.is_held("user_gender")
+        asked = _requests(zero)
+        rows, found = zero.get("user_gender", torch.tensor([0, 1, 1]))
+        assert not bool(rows.any()) and not bool(found.any()) and rows.shape == (3, 12)
+        assert not zero.held.is_held("user_gender")
+        assert _requests(zero) == asked + 1  # the attempt to hold it, no second call
         assert sum(zero.stats()["zero_filled_ids"].values()) >= 2
