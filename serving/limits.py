@@ -51,6 +51,11 @@ class LimitsConfig(Config):
     """Most values in one set (``attr in {v1, v2, ...}``)."""
     max_seen: int = Field(default=100_000, ge=0, le=1 << 24)
     """Most item ids in one request's seen list (``seen`` or ``raw_seen``, pads included)."""
+    max_seen_user_growth: int = Field(default=100_000, ge=0, le=1 << 31)
+    """``AddSeen`` (admin API): a user id must be below the model's seen store's users plus
+    this, checked before the store grows (INVALID_ARGUMENT naming ``users``). A new user costs
+    the store 8 bytes and every later update copies the store, so one short call must not add
+    millions of users (``users=[10**7]`` alone would add 80 MB)."""
     max_http_body_bytes: int = Field(default=DEFAULT_MAX_HTTP_BODY_BYTES, ge=1, le=1 << 31)
     """Largest HTTP request body, compressed or decompressed (HTTP 413 past it)."""
     http_body_timeout_s: Annotated[WaitS, Field(gt=0)] = 10.0

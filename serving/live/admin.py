@@ -87,7 +87,13 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
 
     def AddSeen(self, request: pb.AddSeenRequest, context: grpc.ServicerContext) -> pb.UpdateReply:
-        return self._call(context, "add_seen", request, lambda m: parse_add_seen(request))
+        growth = self.state.limits.max_seen_user_growth
+
+        def parse(m: RetrievalModel) -> UpdateBatch:  # no store: the model refuses the call
+            users = None if m.seen_store is None else m.seen_store.num_users
+            return parse_add_seen(request, users, growth)
+
+        return self._call(context, "add_seen", request, parse)
 
     def _updates(self) -> LiveUpdater:
         if self.state.updates is None:
