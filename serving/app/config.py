@@ -37,6 +37,8 @@ Example ``serve.toml`` (every key optional; flags override the file)::
     max_seen = 100000      # ids in one request's seen list (seen / raw_seen)
     max_http_body_bytes = 8388608
     http_body_timeout_s = 10.0
+    http_head_timeout_s = 10.0
+    max_http_connections = 1024
 
 Every error names the field (``serve.toml: batching.max_batch_size: must be >= 1, got 0``).
 """
