@@ -61,6 +61,7 @@ from serving.types import (
     DeadlineExceededError,
     RecResult,
     RequestError,
+    error_message,
     error_status,
 )
 
@@ -97,7 +98,7 @@ def error_response(exc: BaseException, where: str = "") -> JSONResponse:
         log.info("http: %s: the client went away before its body was read", safe(where))
     elif code == "INTERNAL":
         log.error("HTTP request %s failed", safe(where), exc_info=exc)
-    body = {"error": str(exc) or type(exc).__name__}
+    body = {"error": error_message(exc)}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -358,7 +359,8 @@ def make_app(state: ServingState, *, max_body_bytes: int | None = None) -> Starl
 
     async def not_found(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return JSONResponse({"error": f"{request.url.path}: {exc.detail}"}, exc.status_code)
+        message = error_message(ValueError(f"{request.url.path}: {exc.detail}"))
+        return JSONResponse({"error": message}, exc.status_code)
 
     model = "/v2/models/{name}"
     routes = [

@@ -45,6 +45,7 @@ from serving.protos import shard_pb2_grpc as pb_grpc
 from serving.repository.repository import ModelRepository
 from serving.sharding.shard_parts import PartRefusedError, ShardParts
 from serving.sharding.wire import decode_request, encode_response, tensor_bytes
+from serving.types import error_message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -136,7 +137,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             return encode_response(s.shard, version, cand)
         except PartRefusedError as e:
             code = grpc.StatusCode[e.code]
-            context.abort(code, str(e))
+            context.abort(code, error_message(e))
             raise  # not reached: abort raises
         except Exception:
             code = grpc.StatusCode.INTERNAL
@@ -177,7 +178,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         try:
             return step()
         except PartRefusedError as e:
-            context.abort(grpc.StatusCode[e.code], str(e))
+            context.abort(grpc.StatusCode[e.code], error_message(e))
             raise  # not reached: abort raises
 
     @staticmethod
