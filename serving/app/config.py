@@ -193,7 +193,8 @@ class ServeConfig(Config):
     state_dir: PathValue | None = None
     """Serving state folder: set, the admin gRPC API (live updates: ``serving/protos/admin.proto``) is
     on and its update logs live here (``<model>/<version>/updates.log``, replayed on load).
-    None: the admin API refuses every call. Not with ``[router]``."""
+    None: the admin API refuses every call. On a router (``[router]``) the updates go through it
+    to every shard in two phases and are logged here once (``serving/sharding/routed_updates.py``)."""
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     """Bearer tokens and TLS (``[security]``, ``common/security.py``); off by default."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
