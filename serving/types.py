@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from common.logs import safe_message
+
 if TYPE_CHECKING:
     from retrieval.data.id_map import IdMap
 
@@ -106,6 +108,15 @@ ERROR_STATUS: tuple[tuple[type[BaseException], str, int, str], ...] = (
     (CancelledError, "CANCELLED", 499, "cancelled"),
 )
 """Serving error -> (gRPC status code name, HTTP status, metrics ``reason`` label), first match."""
+
+
+def error_message(exc: BaseException) -> str:
+    """What an answer says about ``exc``: its message (or its type's name), non-printable
+    characters escaped and cut in its middle to ``common.logs.MAX_MESSAGE_CHARS``. Every front
+    end (Recommend, KServe gRPC and HTTP, the admin API, a router's and a shard server's) answers
+    errors through this one function: a message may quote client text of any length (a filter,
+    a raw id, a path), and gRPC refuses metadata past 8 KiB, an error unreadable to its client."""
+    return safe_message(str(exc) or type(exc).__name__)
 
 
 def error_status(exc: BaseException) -> tuple[str, int, str]:

@@ -199,6 +199,8 @@ class Server:
     def _start_http(self, app: Any, host: str, port: int) -> str:
         import uvicorn
 
+        from serving.frontends.http_conn import http_options
+
         # without TCP_NODELAY (bind_tcp's IPPROTO_TCP lets asyncio set it) each answer on a
         # kept-alive connection waits ~40 ms for a delayed ACK
         sock = bind_tcp(host, port, "http_port", reuse_addr=True, reuse_port=self.reuse_port)
@@ -206,6 +208,7 @@ class Server:
         config = uvicorn.Config(
             self.security.wrap_http(app, self._count_refusal),
             log_level="warning", lifespan="off", **self.security.http_ssl,
+            **http_options(self.config.limits),  # a head timeout, a cap on connections
         )  # fmt: skip
         server = uvicorn.Server(config)
         self._uvicorn = server

@@ -30,7 +30,7 @@ from serving.live.messages import (
 )
 from serving.protos import admin_pb2 as pb
 from serving.protos import admin_pb2_grpc as pb_grpc
-from serving.types import RequestError, UnavailableError, error_status
+from serving.types import RequestError, UnavailableError, error_message, error_status
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 log.exception("admin %s failed", kind)
             self.state.metrics.update_failed(kind, reason)
             error = e
-        context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
+        context.abort(grpc.StatusCode[code], error_message(error))
         raise AssertionError("unreachable: abort raises")
 
     @staticmethod

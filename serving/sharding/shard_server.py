@@ -46,6 +46,7 @@ from serving.repository.repository import ModelRepository
 from serving.repository.watcher import VersionWatcher
 from serving.sharding.shard_parts import PartRefusedError, ShardParts
 from serving.sharding.wire import decode_request, encode_response, tensor_bytes
+from serving.types import error_message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,7 +138,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             return encode_response(s.shard, version, cand)
         except PartRefusedError as e:
             code = grpc.StatusCode[e.code]
-            context.abort(code, str(e))
+            context.abort(code, error_message(e))
             raise  # not reached: abort raises
         except Exception:
             code = grpc.StatusCode.INTERNAL
@@ -178,7 +179,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         try:
             return step()
         except PartRefusedError as e:
-            context.abort(grpc.StatusCode[e.code], str(e))
+            context.abort(grpc.StatusCode[e.code], error_message(e))
             raise  # not reached: abort raises
 
     @staticmethod
