@@ -144,7 +144,7 @@ def score_cmd(
 ) -> None:
     """Score a parquet file of users offline with a published model (continues a killed run)."""
     from common.devices import check_device
-    from retrieval.batch_scoring import ScoreInputError, ScoreJob, score, score_ray
+    from retrieval.batch_scoring import RayStartTimeout, ScoreInputError, ScoreJob, score, score_ray
     from serving.repository.repository import (
         ARTIFACT_DIR,
         EMBEDDINGS_DIR,
@@ -167,7 +167,7 @@ def score_cmd(
             recall_target=recall_target, device=device,
         )  # fmt: skip
         manifest = score_ray(job) if engine is ScoreEngine.ray else score(job, progress=not quiet)
-    except (ScoreInputError, ValueError, FileNotFoundError) as e:
+    except (ScoreInputError, RayStartTimeout, ValueError, FileNotFoundError) as e:
         typer.echo(f"score: {e}", err=True)
         raise typer.Exit(2) from None
     rows = sum(v["rows"] for v in manifest["done"].values())
