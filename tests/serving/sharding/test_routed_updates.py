@@ -189,20 +189,16 @@ def test_a_restarted_shard_is_caught_up_from_the_routers_log(routed, tiny):
 def test_a_router_stopped_between_its_log_and_the_commit_completes_it_on_restart(
     routed, tiny, monkeypatch
 ):
-    finish = routed_updates.RoutedUpdates._finish
+    def crash_before_commit(self, *args):
+        raise RuntimeError("router killed after its log, before the shards' commit")
 
-    def crash_before_commit(self, version, seq, addresses, commit):
-        if commit:
-            raise RuntimeError("router killed after its log, before the shards' commit")
-        finish(self, version, seq, addresses, commit)
-
-    monkeypatch.setattr(routed_updates.RoutedUpdates, "_finish", crash_before_commit)
+    monkeypatch.setattr(routed_updates.RoutedUpdates, "_commit", crash_before_commit)
     routed.router.updates._stop.set()  # type: ignore[union-attr]  # no sync loop: it is "dead"
     with pytest.raises(grpc.RpcError):
         routed.admin.RemoveItems(pb.RemoveItemsRequest(ids=[3, 4]), timeout=WAIT)
     assert len(read_log(log_path(routed.state, "demo", routed.version)).records) == 1
     assert routed.sequences() == [0, 0]  # prepared, never committed
-    monkeypatch.setattr(routed_updates.RoutedUpdates, "_finish", finish)
+    monkeypatch.undo()
     routed.router.drain_and_stop(timeout=5)
     routed.router = routed.start_router()  # replays its log, then the shards'
     assert routed.sequences() == [1, 1]
