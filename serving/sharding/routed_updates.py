@@ -9,7 +9,9 @@ One update (``Admin`` call on the router; ``serving/live/admin.py`` parses it, a
     sync: every replica at update s-1     replicas behind get the logged updates they miss
     Prepare(v, s, record, attempt)        every replica, by ``until``: each shard builds its
                                           part of update s aside and says which items it held
-                                          and its statistics after
+                                          and its statistics after; once every shard has one
+                                          prepared replica, the others get as long again (at
+                                          least 1 s), then are aborted and caught up later
       a shard with no replica prepared by ``until``, an item no shard holds, a record a shard
       refuses: Abort(v, s, attempt) to every replica (waiting for none); the update is refused
       (UNAVAILABLE / INVALID_ARGUMENT) and nothing changed anywhere
@@ -40,6 +42,7 @@ restores its planning statistics without asking the shards. One router owns a mo
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -83,6 +86,9 @@ fsync, the commits and the reply."""
 COMMIT_TIMEOUT_S = 5.0
 """Longest wait for one replica's commit (a swap of the prepared part); one that misses it is
 caught up by the sync loop."""
+STRAGGLER_MIN_S = 1.0
+"""Once every shard has prepared an update, its other replicas get at least this long more
+(and as long as the prepare took so far) before it goes on without them."""
 ABORT_TIMEOUT_S = 5.0
 """Deadline of an abort (nobody waits for it)."""
 
@@ -193,10 +199,16 @@ class RoutedUpdates(LiveUpdates):
             model=self.model, version=version, sequence=seq, record=record, attempt=attempt
         )
         calls = self._call_all("Prepare", request, _left(until))
+        late = self._gather(calls, until)
+        if late:  # they never commit this attempt: the sync loop replays it to them
+            self._abort(version, seq, attempt, late)
         answers: Prepared = {}
         errors: dict[int, list[str]] = {}
         refused: str | None = None
         for (shard, address), future in calls.items():
+            if address in late:
+                errors.setdefault(shard, []).append(f"{address}: no answer in time")
+                continue
             try:
                 reply = future.result()
                 answers.setdefault(shard, []).append((address, reply))
@@ -216,6 +228,29 @@ class RoutedUpdates(LiveUpdates):
                 f"{missing[0]} could ({why})"
             )
         return answers
+
+    def _gather(self, calls: dict[tuple[int, str], Future[Any]], until: float) -> list[str]:
+        """Waits for the prepare ``calls`` until ``until``, or less once every shard has a
+        prepared replica: the others then get as long again as that took (at least
+        ``STRAGGLER_MIN_S``), so one frozen replica does not hold every update for the whole
+        deadline. -> the addresses still silent (their calls are left to expire)."""
+        finished: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        for key, future in calls.items():
+            future.add_done_callback(_tell(finished, key))
+        started, wait_until = time.monotonic(), until
+        silent, prepared = set(calls), set()
+        while silent:
+            try:
+                key = finished.get(timeout=max(wait_until - time.monotonic(), 0.0))
+            except queue.Empty:
+                break
+            silent.discard(key)
+            if calls[key].exception() is None:
+                prepared.add(key[0])
+            if len(prepared) == self.client.num_shards and wait_until == until:
+                took = time.monotonic() - started
+                wait_until = min(until, time.monotonic() + max(STRAGGLER_MIN_S, took))
+        return [address for _, address in silent]
 
     def _commit(
         self, version: int, seq: int, attempt: str, addresses: list[str], call: UpdateCall
@@ -237,15 +272,18 @@ class RoutedUpdates(LiveUpdates):
                     e.details(),
                 )  # fmt: skip
 
-    def _abort(self, version: int, seq: int, attempt: str) -> None:
-        """Aborts prepare ``attempt`` of update ``seq`` on every replica, waiting for none: a
-        replica that prepared it drops it, one that has not yet (frozen, slow) refuses the
-        prepare when it comes, and none ever commits it (a commit names its attempt)."""
+    def _abort(
+        self, version: int, seq: int, attempt: str, addresses: list[str] | None = None
+    ) -> None:
+        """Aborts prepare ``attempt`` of update ``seq`` on ``addresses`` (None: every replica),
+        waiting for none: a replica that prepared it drops it, one that has not yet (frozen,
+        slow) refuses the prepare when it comes, and none ever commits it (a commit names its
+        attempt)."""
         request = pb.CommitRequest(model=self.model, version=version, sequence=seq, attempt=attempt)
-        for replicas in self.client.shards:
-            for address in replicas:
-                future = self.client.stub(address).Abort.future(request, timeout=ABORT_TIMEOUT_S)
-                future.add_done_callback(self._aborted(version, seq, address))
+        every = [a for replicas in self.client.shards for a in replicas]
+        for address in every if addresses is None else addresses:
+            future = self.client.stub(address).Abort.future(request, timeout=ABORT_TIMEOUT_S)
+            future.add_done_callback(self._aborted(version, seq, address))
 
     def _aborted(self, version: int, seq: int, address: str) -> Callable[[Any], None]:
         def done(future: Any) -> None:
@@ -338,6 +376,13 @@ class RoutedUpdates(LiveUpdates):
 
 Prepared = dict[int, list[tuple[str, pb.PrepareResponse]]]
 """Shard -> the replicas that prepared an update, with their answers."""
+
+
+def _tell(
+    finished: queue.SimpleQueue[tuple[int, str]], key: tuple[int, str]
+) -> Callable[[Any], None]:
+    """A future's done callback that puts ``key`` on ``finished``."""
+    return lambda _: finished.put(key)
 
 
 def _left(until: float) -> float:
