@@ -200,8 +200,6 @@ class RoutedUpdates(LiveUpdates):
         )
         calls = self._call_all("Prepare", request, _left(until))
         late = self._gather(calls, until)
-        if late:  # they never commit this attempt: the sync loop replays it to them
-            self._abort(version, seq, attempt, late)
         answers: Prepared = {}
         errors: dict[int, list[str]] = {}
         refused: str | None = None
@@ -218,16 +216,18 @@ class RoutedUpdates(LiveUpdates):
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     refused = f"shard {shard} refuses update {seq}: {e.details()}"
         missing = [s for s in range(self.client.num_shards) if s not in answers]
-        if refused is not None or missing:
-            self._abort(version, seq, attempt)
-            if refused is not None:
-                raise RequestError(refused)
-            why = "; ".join(f"shard {s}: {', '.join(errors.get(s, []))}" for s in missing)
-            raise UnavailableError(
-                f"update {seq} not applied: every shard must take it, and no replica of shard "
-                f"{missing[0]} could ({why})"
-            )
-        return answers
+        if refused is None and not missing:
+            if late:  # they never commit this attempt: the sync loop replays it to them
+                self._abort(version, seq, attempt, late)
+            return answers
+        self._abort(version, seq, attempt)
+        if refused is not None:
+            raise RequestError(refused)
+        why = "; ".join(f"shard {s}: {', '.join(errors.get(s, []))}" for s in missing)
+        raise UnavailableError(
+            f"update {seq} not applied: every shard must take it, and no replica of shard "
+            f"{missing[0]} could in time ({why})"
+        )
 
     def _gather(self, calls: dict[tuple[int, str], Future[Any]], until: float) -> list[str]:
         """Waits for the prepare ``calls`` until ``until``, or less once every shard has a
