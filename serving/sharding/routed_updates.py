@@ -175,7 +175,7 @@ class RoutedUpdates(LiveUpdates):
             except BaseException:
                 self._abort(version, seq, attempt)
                 raise
-            self._commit(version, seq, attempt, _addresses(prepared), call)
+            self._commit(version, seq, attempt, _addresses(prepared))
         finally:
             self._shard_lock.release()
         return PreparedUpdate(with_index(model, index), resolved.resolved, resolved.writes)
@@ -252,16 +252,16 @@ class RoutedUpdates(LiveUpdates):
                 wait_until = min(until, time.monotonic() + max(STRAGGLER_MIN_S, took))
         return [address for _, address in silent]
 
-    def _commit(
-        self, version: int, seq: int, attempt: str, addresses: list[str], call: UpdateCall
-    ) -> None:
+    def _commit(self, version: int, seq: int, attempt: str, addresses: list[str]) -> None:
         """Commits prepare ``attempt`` of update ``seq`` (logged) on the replicas that prepared
-        it, waiting at most ``COMMIT_TIMEOUT_S`` (or the caller's time left): a replica that
-        misses it is behind, and the sync loop replays the update to it."""
-        left = call.left()
-        timeout = COMMIT_TIMEOUT_S if left is None else min(COMMIT_TIMEOUT_S, max(left, 0.1))
+        it, waiting at most ``COMMIT_TIMEOUT_S``, even past the caller's deadline (the update is
+        durable; a retry with its update_id gets the reply): a replica that misses it is behind,
+        its searches of update ``seq`` are refused, and the sync loop replays the update to it."""
         request = pb.CommitRequest(model=self.model, version=version, sequence=seq, attempt=attempt)
-        calls = {a: self.client.stub(a).Commit.future(request, timeout=timeout) for a in addresses}
+        calls = {
+            a: self.client.stub(a).Commit.future(request, timeout=COMMIT_TIMEOUT_S)
+            for a in addresses
+        }
         for address, future in calls.items():
             try:
                 future.result()
