@@ -131,19 +131,25 @@ def frozen(procs: list) -> Iterator[None]:
             os.kill(p.pid, signal.SIGCONT)
 
 
-def replica_sequences(cluster: Cluster, version: int) -> dict[str, int | None]:
+def shard_stubs(cluster: Cluster) -> dict[str, shard_pb2_grpc.ShardStub]:
+    """Shard server name -> a stub of its ``Shard`` service."""
+    return {
+        p.name: shard_pb2_grpc.ShardStub(grpc.insecure_channel(p.address))
+        for p in cluster.processes
+        if p.role == "shard"
+    }
+
+
+def replica_sequences(stubs: dict[str, shard_pb2_grpc.ShardStub], version: int) -> dict:
     """Shard server name -> the live updates it has applied to ``version`` (None: no answer)."""
     out: dict[str, int | None] = {}
-    for p in cluster.processes:
-        if p.role != "shard":
-            continue
-        stub = shard_pb2_grpc.ShardStub(grpc.insecure_channel(p.address))
+    for name, stub in stubs.items():
         try:
             info = stub.Info(shard_pb2.InfoRequest(), timeout=5)
         except grpc.RpcError:
-            out[p.name] = None
+            out[name] = None
             continue
-        out[p.name] = dict(zip(info.versions, info.sequences, strict=True)).get(version)
+        out[name] = dict(zip(info.versions, info.sequences, strict=True)).get(version)
     return out
 
 
@@ -174,7 +180,9 @@ def test_a_frozen_shard_refuses_an_update_and_a_retry_applies_it_once(tiny, tmp_
     try:
         cluster = Cluster.load(d)
         admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(cluster.router.address))
+        shards = shard_stubs(cluster)
         before = answers(cluster, tiny)
+        assert not any(partial for _, partial in before)
         victim = before[1][0][0]  # user 1's first item
         request = pb.RemoveItemsRequest(ids=[victim], update_id="remove-victim")
         shard_1 = [p for p in cluster.processes if p.name.startswith("shard-1-")]
@@ -188,26 +196,28 @@ def test_a_frozen_shard_refuses_an_update_and_a_retry_applies_it_once(tiny, tmp_
         assert took < PREPARE_S + SLACK_S, took
 
         # resumed, the frozen replicas run what was queued (the prepare, its abort): no effect
-        everywhere = {p.name: 0 for p in cluster.processes if p.role == "shard"}
+        everywhere = dict.fromkeys(shards, 0)
         wait_until(
-            lambda: replica_sequences(cluster, version) == everywhere,
+            lambda: replica_sequences(shards, version) == everywhere,
             timeout_s=WAIT,
             what="every replica answers again",
         )
         holds(
-            lambda: replica_sequences(cluster, version) == everywhere,
+            lambda: replica_sequences(shards, version) == everywhere,
             3.0,
             "a replica applied the refused update after it resumed",
         )
         assert len(read_log(log_path(state, "demo", version)).records) == 0
-        assert answers(cluster, tiny) == before
+        wait_until(  # whole again once the resumed replicas are back in rotation
+            lambda: answers(cluster, tiny) == before, timeout_s=WAIT, what="the same answers"
+        )
 
         reply = admin.RemoveItems(request, timeout=WAIT)  # the client's retry: applied now
         assert reply.sequence == 1
         assert admin.RemoveItems(request, timeout=WAIT) == reply  # and once
         assert len(read_log(log_path(state, "demo", version)).records) == 1
         wait_until(
-            lambda: replica_sequences(cluster, version) == {n: 1 for n in everywhere},
+            lambda: replica_sequences(shards, version) == {n: 1 for n in everywhere},
             timeout_s=WAIT,
             what="every replica at update 1",
         )
@@ -225,7 +235,7 @@ def test_a_frozen_shard_refuses_an_update_and_a_retry_applies_it_once(tiny, tmp_
             assert second.sequence == 2
             assert took < PREPARE_S, took
         wait_until(
-            lambda: replica_sequences(cluster, version) == {n: 2 for n in everywhere},
+            lambda: replica_sequences(shards, version) == {n: 2 for n in everywhere},
             timeout_s=WAIT,
             what="the resumed replica caught up from the router's log",
         )
