@@ -330,3 +330,57 @@ def test_a_shard_commits_only_the_attempt_a_commit_names(routed):
     parts.commit("demo", v, 1, "b")
     parts.commit("demo", v, 1, "b")  # a retried commit
     assert parts.sequences()[v] == 1
+
+
+@pytest.mark.slow
+def test_a_stalled_replica_does_not_hold_the_update_and_is_caught_up(tiny, tmp_path, monkeypatch):
+    """Shard 1 has two replicas and one stalls in its prepare: once both shards have a prepared
+    replica the update goes on (well before update_prepare_ms), the stalled one's late prepare is
+    refused, and the sync loop catches it up from the log."""
+    r = Routed(tmp_path, tiny.model)
+    second = ShardServer(r.repo, "demo", 1, poll_s=0)
+    try:
+        second_address = second.start()
+        r.router.drain_and_stop(timeout=5)
+        cfg = RouterConfig(
+            shards=[[r.addresses[0]], [r.addresses[1], second_address]],
+            shard_deadline_ms=10_000.0,
+            update_prepare_ms=20_000.0,
+        )
+        r.router = Server(
+            ServeConfig(
+                model_repo=r.root, model="demo", grpc_port=0, poll_s=0, router=cfg,
+                state_dir=r.state,
+            )
+        )  # fmt: skip
+        r.router.start()
+        go_on, late = threading.Event(), []
+        prepare = second.parts.prepare
+
+        def stalled_prepare(*args):
+            go_on.wait(WAIT)
+            try:
+                return prepare(*args)
+            except PartRefusedError as e:
+                late.append(e.code)
+                raise
+
+        monkeypatch.setattr(second.parts, "prepare", stalled_prepare)
+        start = time.monotonic()
+        try:
+            reply = r.admin.RemoveItems(pb.RemoveItemsRequest(ids=[3]), timeout=WAIT)
+            took = time.monotonic() - start
+        finally:
+            go_on.set()
+        assert reply.sequence == 1 and r.sequences() == [1, 1]
+        assert took < 10.0, took  # the prepare deadline is 20 s
+        wait_until(lambda: late == ["ABORTED"], timeout_s=WAIT, what="the late prepare refused")
+        monkeypatch.undo()
+        wait_until(
+            lambda: second.parts.sequences()[r.version] == 1,
+            timeout_s=WAIT,
+            what="the stalled replica caught up from the log",
+        )
+    finally:
+        r.close()
+        second.stop(0)
