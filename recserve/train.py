@@ -5,8 +5,9 @@ weights with their index) and ``OUT/metrics.json`` (per-epoch losses and validat
 kept epoch, batch size and steps per epoch, who each split holds and who it leaves out); then it
 evaluates the test split and rewrites ``metrics.json`` with it (a failing evaluation leaves the
 model folder as written); then, with a ``[publish]`` table, a new version in the model
-repository: tables quantized to ``table_dtype``, the catalog split into ``shards`` document shards
-when > 0, written atomically (``ModelRepository.publish``), so a running server hot-swaps to it.
+repository, by the policy of ``serving/repository/publish_trained.py`` (tables tiered and
+quantized to ``table_dtype``, ``shards`` document shards, written atomically), so a running server
+hot-swaps to it.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from retrieval.artifact import save_model
-from retrieval.model import RetrievalModel
 from retrieval.training import dcp_checkpoint
-from retrieval.training.config import PublishConfig
 from retrieval.training.distributed import DistContext
 from retrieval.training.run import RunConfig, RunResult, evaluate_test, run_training
 from retrieval.training.train import CHECKPOINT_FILE
@@ -49,7 +48,9 @@ def run(config: Path, out: Path, resume: bool, ctx: DistContext | None) -> RunRe
     _write_metrics(out, result)
     _print(console, result, path)
     if cfg.publish is not None:
-        _publish(console, result.model, cfg.publish)
+        from serving.repository.publish_trained import publish_trained
+
+        console.print(publish_trained(result.model, cfg.publish).describe())
     return result
 
 
@@ -106,32 +107,3 @@ def _table(console: Console, title: str, rows: list[dict[str, float]]) -> None:
     for row in rows:
         table.add_row(*(f"{row.get(k, float('nan')):.3f}" for k in keys))
     console.print(table)
-
-
-def _publish(console: Console, model: RetrievalModel, spec: PublishConfig) -> None:
-    from retrieval.tiering import tier_model
-    from serving.repository import ModelRepository
-    from sharded_tables.placement import PlanError
-    from sharded_tables.specs import DType
-
-    dtype = DType(spec.table_dtype)
-    served, remote_rows = model, None
-    hashed = bool(model.config.hashed_user_features)
-    if dtype is not DType.FP32 or hashed or spec.embedding_servers:
-        try:  # the plan of [publish]: tables in the process, the rest on embedding servers
-            served, rows = tier_model(model, spec.budgets(), dtype=dtype)
-        except PlanError as e:
-            raise ValueError(f"publish.host_budget / publish.server_budget: {e}") from None
-        remote_rows = rows or None
-    shards = spec.shards or None
-    repo = ModelRepository(spec.model_repo)
-    version = repo.publish(
-        spec.name, served, shards=shards, keep=spec.keep, remote_rows=remote_rows
-    )
-    remote = sorted(remote_rows or {})
-    on_servers = f", tables {remote} on {spec.embedding_servers} embedding servers"
-    console.print(
-        f"published {spec.name} v{version} ({dtype.value} tables"
-        f"{on_servers if remote else ''}{f', {shards} document shards' if shards else ''}) "
-        f"to {repo.version_dir(spec.name, version)}"
-    )

@@ -66,9 +66,13 @@ class SeenSets:
             )
         if len(items) and items.min() < 0:
             raise ValueError(f"item_ids: expected ids >= 0, got {items.min()}")
-        pairs = np.unique(users * (int(items.max(initial=0)) + 1) + items)  # sorted, distinct
-        width = int(items.max(initial=0)) + 1
-        u, i = pairs // width, pairs % width
+        # sorted by (user, item) and de-duplicated as two keys: one int64 key per pair
+        # (user * (max item + 1) + item) overflows for large ids and scrambles the users
+        order = np.lexsort((items, users))
+        u, i = users[order], items[order]
+        first = np.ones(len(u), dtype=bool)
+        first[1:] = (u[1:] != u[:-1]) | (i[1:] != i[:-1])
+        u, i = u[first], i[first]
         indptr = np.zeros(num_users + 1, dtype=np.int64)
         np.cumsum(np.bincount(u, minlength=num_users), out=indptr[1:])
         return cls(indptr, i.astype(np.int64))

@@ -21,7 +21,8 @@ candidates (``retrieval/index/exclude.py``), so the list's length is work the se
 longer list (``seen: 100001 item ids is over the limit of 100000 (limits.max_seen)``): the KServe
 parser on the tensor's shape before decoding it, ``ServingState.submit`` for every row.
 
-The HTTP body limits live here too (``serving/frontends/kserve_http.py`` applies them).
+The HTTP limits live here too: the body's (``serving/frontends/kserve_http.py`` applies them) and
+the connection's, a head timeout and a cap on open connections (``serving/frontends/http_conn.py``).
 """
 
 from __future__ import annotations
@@ -51,12 +52,25 @@ class LimitsConfig(Config):
     """Most values in one set (``attr in {v1, v2, ...}``)."""
     max_seen: int = Field(default=100_000, ge=0, le=1 << 24)
     """Most item ids in one request's seen list (``seen`` or ``raw_seen``, pads included)."""
+    max_seen_user_growth: int = Field(default=100_000, ge=0, le=1 << 31)
+    """``AddSeen`` (admin API): a user id must be below the model's seen store's users plus
+    this, checked before the store grows (INVALID_ARGUMENT naming ``users``). A new user costs
+    the store 8 bytes and every later update copies the store, so one short call must not add
+    millions of users (``users=[10**7]`` alone would add 80 MB)."""
     max_http_body_bytes: int = Field(default=DEFAULT_MAX_HTTP_BODY_BYTES, ge=1, le=1 << 31)
     """Largest HTTP request body, compressed or decompressed (HTTP 413 past it)."""
     http_body_timeout_s: Annotated[WaitS, Field(gt=0)] = 10.0
     """Longest an HTTP request body may take to arrive, from its first byte read; a slower one
     is refused with HTTP 408 and its connection closed (a body that never finishes would hold
     the connection forever)."""
+    http_head_timeout_s: Annotated[WaitS, Field(gt=0)] = 10.0
+    """Longest an HTTP request head may take to arrive whole, from the connection's opening (or
+    a kept-alive connection's next first byte); a slower one gets HTTP 408 and a close
+    (``serving/frontends/http_conn.py``: a head that never ends would hold its connection
+    forever)."""
+    max_http_connections: int = Field(default=1024, ge=1, le=1 << 20)
+    """Most HTTP connections open at once; one more is answered 503 and closed as it opens
+    (the process keeps file descriptors for its model files and update logs)."""
 
     @property
     def filter_limits(self) -> tuple[int, int, int]:

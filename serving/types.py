@@ -39,9 +39,11 @@ from __future__ import annotations
 
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from common.logs import safe_message
 
 if TYPE_CHECKING:
     from retrieval.data.id_map import IdMap
@@ -108,6 +110,15 @@ ERROR_STATUS: tuple[tuple[type[BaseException], str, int, str], ...] = (
 """Serving error -> (gRPC status code name, HTTP status, metrics ``reason`` label), first match."""
 
 
+def error_message(exc: BaseException) -> str:
+    """What an answer says about ``exc``: its message (or its type's name), non-printable
+    characters escaped and cut in its middle to ``common.logs.MAX_MESSAGE_CHARS``. Every front
+    end (Recommend, KServe gRPC and HTTP, the admin API, a router's and a shard server's) answers
+    errors through this one function: a message may quote client text of any length (a filter,
+    a raw id, a path), and gRPC refuses metadata past 8 KiB, an error unreadable to its client."""
+    return safe_message(str(exc) or type(exc).__name__)
+
+
 def error_status(exc: BaseException) -> tuple[str, int, str]:
     """``(grpc code name, http status, reason)`` of an error; anything unknown is INTERNAL/500."""
     for cls, code, http, reason in ERROR_STATUS:
@@ -150,9 +161,6 @@ class RecRequest:
     (``retrieval/index/targets.py``). KServe: the request parameter ``recall_target``."""
     user: int = -1
     """The user (dense index) whose seen items a model with a seen store excludes; -1: none."""
-    checked: tuple[object, list[Any]] | None = field(default=None, repr=False, compare=False)
-    """(runner, parsed filter clauses) once a runner's edge check passed: the same runner
-    skips the check when the request reaches its batch (another, after a hot swap, redoes it)."""
 
 
 @dataclass

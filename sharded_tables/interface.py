@@ -12,7 +12,8 @@ implement it (torchrec's ``EmbeddingBagCollectionInterface`` plays this part the
 
 Callers type against :class:`TableCollection` and call its methods; no ``isinstance`` on the
 kind of collection, no ``getattr`` probes. Hooks that only some collections fill (row writes,
-remote counters) have a stated default in :class:`TableHooks`.
+remote counters) have a stated default in :class:`TableHooks`. A lookup that fails for the
+servers' sake, not the caller's, raises :class:`TablesUnavailableError`.
 
 Example::
 
@@ -48,6 +49,13 @@ class RemoteStats:
 class RowUpdateRefusedError(ValueError):
     """The table's rows cannot be written in place (rows on embedding servers, rows that follow
     hashed ids, tables spread over training ranks); the message names the table and says why."""
+
+
+class TablesUnavailableError(RuntimeError):
+    """A lookup the tables could not answer because a server holding their rows is down, too
+    slow or failing, not because of the lookup itself: the same lookup may succeed when retried.
+    Remote tiers raise it (``sharded_tables.remote.client``); a caller above the tables tells
+    its own caller to retry (serving: UNAVAILABLE) and lets every other error through."""
 
 
 class TableCollection(Protocol):

@@ -47,11 +47,13 @@ class TieredEmbeddingCollection(nn.Module):
         plan: PlacementPlan,
         device: torch.device | str = "cpu",
         remote: RemoteFetcher | None = None,
-        timeout: float | None = 1.0,
+        timeout: float | None = None,
         cache_policy: str = "hybrid",
         cache_admit_after: int = 2,
     ):
-        """``cache_policy`` / ``cache_admit_after``: the hot-row caches' eviction policy and
+        """``timeout``: seconds each remote fetch may take; None: the fetcher's own deadline
+        (a router's ``embedding_timeout_ms``: a default here would override it).
+        ``cache_policy`` / ``cache_admit_after``: the hot-row caches' eviction policy and
         admission threshold (:class:`HotRowCache`); decayed LFU with admission on a second
         sighting keeps a skewed stream's head cached while its long tail passes through."""
         super().__init__()

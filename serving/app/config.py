@@ -37,6 +37,8 @@ Example ``serve.toml`` (every key optional; flags override the file)::
     max_seen = 100000      # ids in one request's seen list (seen / raw_seen)
     max_http_body_bytes = 8388608
     http_body_timeout_s = 10.0
+    http_head_timeout_s = 10.0
+    max_http_connections = 1024
 
 Every error names the field (``serve.toml: batching.max_batch_size: must be >= 1, got 0``).
 """
@@ -191,7 +193,8 @@ class ServeConfig(Config):
     state_dir: PathValue | None = None
     """Serving state folder: set, the admin gRPC API (live updates: ``serving/protos/admin.proto``) is
     on and its update logs live here (``<model>/<version>/updates.log``, replayed on load).
-    None: the admin API refuses every call. Not with ``[router]``."""
+    None: the admin API refuses every call. On a router (``[router]``) the updates go through it
+    to every shard in two phases and are logged here once (``serving/sharding/routed_updates.py``)."""
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     """Bearer tokens and TLS (``[security]``, ``common/security.py``); off by default."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

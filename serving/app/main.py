@@ -25,10 +25,12 @@ def serve(
     :meth:`Server.announce_line` goes to the log), serves until SIGTERM or SIGINT, then drains and returns; a drain that overruns
     ``drain_timeout_s`` (a stuck batch) ends the process at once with status 1. With
     ``processes > 1`` a group of serving processes serves (``serving/app/processes.py``; each
-    finds its gRPC plugins itself)."""
+    runs the front ends of ``serving/app/frontends.py``)."""
     if config.processes > 1:
         if extra_servicers is not None:
-            raise ValueError("extra_servicers: not with processes > 1 (each finds its plugins)")
+            raise ValueError(
+                "extra_servicers: not with processes > 1 (each runs the registered front ends)"
+            )
         serve_processes(config)
         return
     server = Server(config, extra_servicers=extra_servicers)

@@ -11,9 +11,9 @@
 with ``grpc``, ``http``, ``metrics``, ports 0 replaced by the bound ones) and SIGTERM/SIGINT ->
 drain -> exit within ``drain_timeout_s``.
 
-Optional front ends join when their module exists: ``serving/frontends/kserve_http.py`` (``make_app(state)
--> ASGI app``, run by uvicorn on ``http_port``) and the gRPC modules in :data:`GRPC_PLUGINS`
-(``add_servicer(server, state)``, on the same gRPC port).
+The front ends are registered in ``serving/app/frontends.py``: the KServe v2 HTTP app
+(``make_app(state) -> ASGI app``, run by uvicorn on ``http_port``) and the gRPC services
+(``add_servicer(server, state)``, on the same gRPC port); a caller may pass others.
 
 With ``state_dir`` set, live updates are on (``serving/live/admin.py``): the host replays each
 version's update log as it loads it, and the admin service applies new updates.
@@ -29,18 +29,17 @@ or metadata) never reaches a front end, so the check's hook counts it: one failu
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
-from types import ModuleType
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from serving.app.config import ConfigError, ServeConfig
+from serving.app.config import ServeConfig
+from serving.app.frontends import GRPC_SERVICES, HTTP_APP, HttpApp
 from serving.engine.host import ModelHost, Repository
 from serving.engine.metrics import ServingMetrics
 from serving.engine.state import ServingState, make_batcher
@@ -54,9 +53,6 @@ from serving.app.announce import Addresses, announce_line, serving_ready
 
 log = logging.getLogger(__name__)
 
-HTTP_APP_MODULE = "serving.frontends.kserve_http"
-GRPC_PLUGINS = ("serving.frontends.kserve_grpc", "serving.live.admin")
-"""Modules that add a gRPC service to the server, each with ``add_servicer(server, state)``."""
 INFERENCE_GRPC = frozenset(
     {
         "/recserve.serving.v1.Recommender/Recommend",
@@ -72,25 +68,6 @@ def is_inference(method_or_path: str) -> bool:
     return method_or_path in INFERENCE_GRPC or bool(INFERENCE_HTTP.fullmatch(method_or_path))
 
 
-def _optional_module(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name == name:
-            return None
-        raise
-
-
-def discover_grpc_plugins() -> list[ExtraServicer]:
-    """``add_servicer`` of every module of :data:`GRPC_PLUGINS` that exists."""
-    found = []
-    for name in GRPC_PLUGINS:
-        module = _optional_module(name)
-        if module is not None and hasattr(module, "add_servicer"):
-            found.append(module.add_servicer)
-    return found
-
-
 class Server:
     """One serving process's parts; :meth:`start` and :meth:`drain_and_stop`."""
 
@@ -100,31 +77,26 @@ class Server:
         *,
         repo: Repository | None = None,
         extra_servicers: Sequence[ExtraServicer] | None = None,
+        http_app: HttpApp | None = None,
         registry: CollectorRegistry | None = None,
         reuse_port: bool = False,
     ):
-        """``reuse_port``: bind the gRPC and HTTP ports with ``SO_REUSEPORT``, beside the
-        other processes of a group (``serving/app/processes.py``); otherwise a taken port fails."""
+        """``extra_servicers`` / ``http_app``: the gRPC services and the HTTP app to run
+        (None: those of ``serving/app/frontends.py``). ``reuse_port``: bind the gRPC and HTTP
+        ports with ``SO_REUSEPORT``, beside the other processes of a group
+        (``serving/app/processes.py``); otherwise a taken port fails."""
         config.validate()  # fail fast, naming the field
         self.config, self.reuse_port = config, reuse_port
         self.security = config.security.load()  # reads the token and certificates once
-        self._make_app: Callable[[ServingState], Any] | None = None
+        self._make_app: HttpApp | None = None
         if config.http_port is not None:
-            module = _optional_module(HTTP_APP_MODULE)
-            if module is None:
-                raise ConfigError(
-                    f"http_port: HTTP serving is not available ({HTTP_APP_MODULE} is not "
-                    "installed); leave --http-port out"
-                )
-            self._make_app = module.make_app
+            self._make_app = HTTP_APP if http_app is None else http_app
         if repo is None:
             from serving.repository.repository import ModelRepository
 
             assert config.model_repo is not None
             repo = ModelRepository(config.model_repo, device=config.device)
-        self.extra_servicers = (
-            discover_grpc_plugins() if extra_servicers is None else list(extra_servicers)
-        )
+        self.extra_servicers = list(GRPC_SERVICES if extra_servicers is None else extra_servicers)
         self.metrics = ServingMetrics(config.model, registry)
         make_runner = None
         self._router: Any = None
@@ -227,6 +199,8 @@ class Server:
     def _start_http(self, app: Any, host: str, port: int) -> str:
         import uvicorn
 
+        from serving.frontends.http_conn import http_options
+
         # without TCP_NODELAY (bind_tcp's IPPROTO_TCP lets asyncio set it) each answer on a
         # kept-alive connection waits ~40 ms for a delayed ACK
         sock = bind_tcp(host, port, "http_port", reuse_addr=True, reuse_port=self.reuse_port)
@@ -234,6 +208,7 @@ class Server:
         config = uvicorn.Config(
             self.security.wrap_http(app, self._count_refusal),
             log_level="warning", lifespan="off", **self.security.http_ssl,
+            **http_options(self.config.limits),  # a head timeout, a cap on connections
         )  # fmt: skip
         server = uvicorn.Server(config)
         self._uvicorn = server

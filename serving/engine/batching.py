@@ -15,7 +15,8 @@ Admission: a request that finds ``max_queue_size`` requests waiting is refused a
 which is what Triton answers too), so a client sees back-pressure instead of a growing latency.
 
 :class:`DynamicBatcher` is the engine loop: ``submit`` -> queue -> policy -> ``run_batch`` ->
-futures. ``gate`` (a ``threading.Event``, open by default) holds the worker before it forms a
+futures. It queues anything with a ``deadline`` (the engine's admitted requests, ``runner.
+Admission``; plain requests in tests). ``gate`` (a ``threading.Event``, open by default) holds the worker before it forms a
 batch while closed — tests close it to fill the queue deterministically.
 """
 
@@ -28,14 +29,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from common.logs import limit_rate, safe
 from common.torch_threads import use_process_threads
 from serving.types import (
     DeadlineExceededError,
     QueueFullError,
-    RecRequest,
     UnavailableError,
     error_status,
 )
@@ -50,6 +50,18 @@ __all__ = [
 ]
 
 log = limit_rate(logging.getLogger(__name__))
+
+
+class Queued(Protocol):
+    """What the batcher reads of a queued item."""
+
+    @property
+    def deadline(self) -> float | None:
+        """Absolute ``time.monotonic()`` after which the item is dropped (None: never)."""
+        ...
+
+
+Item = TypeVar("Item", bound=Queued)
 
 QueueState = Sequence[tuple[float, float | None]]
 """``(enqueue_time, deadline or None)`` per waiting request, oldest first (monotonic seconds)."""
@@ -120,20 +132,20 @@ class BatchPolicy:
 
 
 @dataclass
-class _Entry:
-    req: RecRequest
+class _Entry(Generic[Item]):
+    item: Item
     future: Future[Any]
     enqueued: float
 
 
-class DynamicBatcher:
+class DynamicBatcher(Generic[Item]):
     """Thread-safe queue + worker threads forming batches by ``policy``.
 
     ``workers`` batches may run at once (Triton's model instance count): one is right for a
     model that computes in this process; a router waiting on shards overlaps their round trips.
 
-    ``run_batch(reqs) -> outcomes`` gets up to ``max_batch_size`` requests and returns one
-    outcome per request (a result, or an exception the request's future raises).
+    ``run_batch(items) -> outcomes`` gets up to ``max_batch_size`` items and returns one
+    outcome per item (a result, or an exception the request's future raises).
     ``on_batch(waits)``, when given, hears the queue wait (seconds) of every request of each
     batch before it runs (metrics).
     """
@@ -141,7 +153,7 @@ class DynamicBatcher:
     def __init__(
         self,
         policy: BatchPolicy,
-        run_batch: Callable[[list[RecRequest]], Sequence[Any]],
+        run_batch: Callable[[list[Item]], Sequence[Any]],
         *,
         on_batch: Callable[[list[float]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -154,7 +166,7 @@ class DynamicBatcher:
         self.policy, self.run_batch, self.on_batch, self.clock = policy, run_batch, on_batch, clock
         self.gate = threading.Event()
         self.gate.set()
-        self._queue: deque[_Entry] = deque()
+        self._queue: deque[_Entry[Item]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._drain = True
@@ -176,8 +188,8 @@ class DynamicBatcher:
         with self._cond:
             return len(self._queue)
 
-    def submit(self, req: RecRequest) -> Future[Any]:
-        """Queues ``req``; the future gets its result or error. Raises :class:`QueueFullError`
+    def submit(self, item: Item) -> Future[Any]:
+        """Queues ``item``; the future gets its result or error. Raises :class:`QueueFullError`
         at once when the queue is full, :class:`UnavailableError` once stopping."""
         fut: Future[Any] = Future()
         with self._cond:
@@ -190,7 +202,7 @@ class DynamicBatcher:
                     f"queue full: {len(self._queue)} requests waiting "
                     f"(max_queue_size={self.policy.max_queue_size})"
                 )
-            self._queue.append(_Entry(req, fut, self.clock()))
+            self._queue.append(_Entry(item, fut, self.clock()))
             self._cond.notify()
         return fut
 
@@ -222,7 +234,7 @@ class DynamicBatcher:
             if isinstance(step, list):
                 self._execute(step)
 
-    def _step(self) -> list[_Entry] | str | None:
+    def _step(self) -> list[_Entry[Item]] | str | None:
         """One scheduling step under the lock: a batch to run, "done", or None (waited)."""
         # a cancelled future (the caller gave up) leaves the queue without running
         self._queue = deque(e for e in self._queue if not e.future.cancelled())
@@ -232,7 +244,7 @@ class DynamicBatcher:
             for e in failed:
                 _fail(e.future, UnavailableError("server stopped before this request ran"))
             return "done"
-        plan = self.policy.next_batch([(e.enqueued, e.req.deadline) for e in self._queue], now)
+        plan = self.policy.next_batch([(e.enqueued, e.item.deadline) for e in self._queue], now)
         entries = list(self._queue)
         for i in plan.expired:
             _fail(
@@ -253,7 +265,7 @@ class DynamicBatcher:
         self._cond.wait(timeout)
         return None
 
-    def _execute(self, entries: list[_Entry]) -> None:
+    def _execute(self, entries: list[_Entry[Item]]) -> None:
         entries = [e for e in entries if e.future.set_running_or_notify_cancel()]
         if not entries:
             return
@@ -264,7 +276,7 @@ class DynamicBatcher:
             except Exception:  # metrics must never stop the worker
                 log.exception("on_batch failed")
         try:
-            outcomes = list(self.run_batch([e.req for e in entries]))
+            outcomes = list(self.run_batch([e.item for e in entries]))
             if len(outcomes) != len(entries):
                 raise RuntimeError(
                     f"run_batch returned {len(outcomes)} outcomes for {len(entries)}"

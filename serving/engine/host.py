@@ -8,7 +8,8 @@ Lifecycle::
         runner.run(requests)
     host.stop()
 
-A poll thread watches the repository. A newer version is loaded and warmed up beside the one
+A poll thread watches the repository (``serving.repository.watcher.VersionWatcher``, which the
+document shard servers use too). A newer version is loaded and warmed up beside the one
 serving, then swapped in with one reference assignment: a batch already running finishes on the
 old runner (it holds its own reference), the next batch gets the new one, so a swap lands between
 batches and readiness never drops. A version that fails to load or warm up (checksum mismatch:
@@ -32,11 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.torch_threads import use_process_threads
 from serving.engine.metrics import ServingMetrics
 from serving.engine.runner import ModelRunner
 from serving.repository.repository import LoadedModel
-from serving.types import ModelNotFoundError, UnavailableError
+from serving.repository.watcher import VersionWatcher
+from serving.types import UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +135,27 @@ class ModelHost:
         self.gate = BatchGate()
         """Batches run inside ``gate.shared()`` (:meth:`running`); live updates swap inside
         ``gate.exclusive()`` (:meth:`swap_updated`)."""
-        self.failed: set[int] = set()
-        """Versions that failed to load; never retried."""
         self.reloads = self.reload_failures = 0
         self._served: Served | None = None
-        self._stop = threading.Event()
-        self._poll_lock = threading.Lock()  # one load at a time (poll thread vs poll_once)
-        self._thread: threading.Thread | None = None
+        self.watcher = VersionWatcher(
+            lambda: repo.versions(name),
+            self._load,
+            self._refused,
+            poll_s=poll_s,
+            thread_name="model-poll",
+            what=f"model {name}",
+        )
+        """Polls the repository; loads run one at a time (live updates hold them off)."""
 
     # ---- what the engine reads ------------------------------------------------------------
     @property
     def ready(self) -> bool:
         return self._served is not None
+
+    @property
+    def failed(self) -> set[int]:
+        """Versions that failed to load; never retried."""
+        return self.watcher.failed
 
     def current(self) -> ModelRunner:
         """The runner of the version being served (read once per batch)."""
@@ -177,60 +187,40 @@ class ModelHost:
         return None if served is None else served.loaded
 
     def check_target(self, model: str, version: int | None) -> None:
-        """Raises :class:`ModelNotFoundError` unless this host serves ``model`` / ``version``."""
-        if model and model != self.name:
-            raise ModelNotFoundError(f"model: {model!r} is not served here (serving {self.name!r})")
-        current = self.version
-        if version is not None and version != current:
-            raise ModelNotFoundError(
-                f"version: {self.name} version {version} is not loaded (serving {current})"
-            )
+        """Raises :class:`ModelNotFoundError` unless the served version is ``model`` /
+        ``version`` (:meth:`ModelRunner.check_target`), :class:`UnavailableError` before the
+        first version loads."""
+        self.current().check_target(model, version)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self, poll: bool = True) -> int:
         """Loads and warms the newest version that loads; starts polling (``poll_s > 0``).
         Returns the version; raises :class:`NoLoadableVersionError` when none loads."""
-        with self._poll_lock:
-            candidates = sorted(self.repo.versions(self.name), reverse=True)
-            for version in candidates:
-                if self._try_load(version):
-                    break
-        if self._served is None:
-            tried = ", ".join(map(str, candidates)) or "none found"
+        version = self.watcher.load_newest()
+        if version is None:
+            tried = ", ".join(map(str, sorted(self.failed, reverse=True))) or "none found"
             raise NoLoadableVersionError(
                 f"model {self.name}: no version loads (tried: {tried}); see the log for why"
             )
-        if poll and self.poll_s > 0:
-            self._thread = threading.Thread(target=self._poll_loop, name="model-poll", daemon=True)
-            self._thread.start()
-        return self._served.runner.version
+        if poll:
+            self.watcher.start()
+        return version
 
     def stop(self, timeout: float | None = None) -> None:
         """Stops polling (waits up to ``timeout`` s for a load in progress)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.watcher.stop(timeout)
 
     def poll_once(self) -> int | None:
         """Loads the newest version above the served one (skipping failed ones) and swaps it in;
         returns the new version, or None when nothing changed."""
-        with self._poll_lock:
-            current = self.version or 0
-            newer = sorted(
-                (v for v in self.repo.versions(self.name) if v > current and v not in self.failed),
-                reverse=True,
-            )
-            for version in newer:
-                if self._try_load(version):
-                    return version
-        return None
+        return self.watcher.poll_once()
 
     # ---- live updates -------------------------------------------------------------------------
     @contextmanager
     def updating(self) -> Iterator[Served]:
         """Yields the served version with version loads held off (and other updates: they
         queue here), so an update is built on, and swapped into, the version it read."""
-        with self._poll_lock:
+        with self.watcher.holding():
             served = self._served
             if served is None:
                 raise UnavailableError(f"model {self.name} is not loaded yet")
@@ -249,32 +239,13 @@ class ModelHost:
             self._served = Served(runner, loaded)
         return runner
 
-    def _poll_loop(self) -> None:
-        use_process_threads()  # loading a version computes (index checks, warm-up)
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.poll_once()
-            except Exception:  # a broken repository read must not kill the poll thread
-                if not self._stop.is_set():  # on stop: a read cut short by closing channels
-                    log.exception("model %s: polling the repository failed", self.name)
-
-    def _try_load(self, version: int) -> bool:
-        """Load + warm up ``version`` beside the served one, then swap; False on failure."""
-        try:
-            loaded = self.repo.load(self.name, version)
-            if self.on_load is not None:
-                loaded = self.on_load(loaded)
-            runner = self.make_runner(loaded)
-            runner.warmup(self.warmup_sizes)
-        except Exception as e:
-            self.failed.add(version)
-            self.reload_failures += 1
-            if self.metrics is not None:
-                self.metrics.reload(ok=False)
-            log.error(
-                "model %s: version %d refused, keeping %s: %s", self.name, version, self.version, e
-            )
-            return False
+    def _load(self, version: int) -> None:
+        """Load + warm up ``version`` beside the served one, then swap; raises when refused."""
+        loaded = self.repo.load(self.name, version)
+        if self.on_load is not None:
+            loaded = self.on_load(loaded)
+        runner = self.make_runner(loaded)
+        runner.warmup(self.warmup_sizes)
         first = self._served is None
         self._served = Served(runner, loaded)  # the swap: one reference assignment
         if not first:
@@ -284,4 +255,11 @@ class ModelHost:
             if not first:
                 self.metrics.reload(ok=True)
         log.info("model %s: serving version %d", self.name, runner.version)
-        return True
+
+    def _refused(self, version: int, error: Exception) -> None:
+        self.reload_failures += 1
+        if self.metrics is not None:
+            self.metrics.reload(ok=False)
+        log.error(
+            "model %s: version %d refused, keeping %s: %s", self.name, version, self.version, error
+        )

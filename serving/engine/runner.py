@@ -1,14 +1,16 @@
-"""ModelRunner: B parsed requests -> one ``RetrievalModel.forward`` -> one outcome each.
+"""ModelRunner: B admitted requests -> one ``RetrievalModel.forward`` -> one outcome each.
 
-The runner is the model's edge: :meth:`ModelRunner.check` validates one request against the
-loaded model (shapes, id ranges, K, filter text, model name and version) and raises an error
-naming the field. :meth:`ModelRunner.run` checks every request of a batch on its own, so a bad
-request gets its error and the others still run, then stacks the good ones into one
+The runner is the model's edge: :meth:`ModelRunner.admit` validates one request against the
+loaded model (model name and version, shapes, id ranges, K, filter text) and returns an
+:class:`Admission` (the request with its parsed filter), or raises an error naming the field.
+:meth:`ModelRunner.run` takes admissions (and plain requests, which it admits itself), admits
+again any that another runner admitted (a hot swap landed between the edge and the batch), so a
+bad request gets its error and the others still run, then stacks the good ones into one
 :class:`~retrieval.features.UserBatch` and calls the model once with ``K = max k``::
 
     runner = ModelRunner(model, "demo", 3)
     runner.warmup()
-    outcomes = runner.run([req_a, req_b])  # [RecResult | RequestError | ModelNotFoundError]
+    outcomes = runner.run([runner.admit(req_a), req_b])  # [RecResult | RequestError | ...]
 
 Requests in one batch share the candidate budget of the largest K, so a small-K request may see
 a slightly better list than it would alone; it never sees a worse one. Seen lists
@@ -19,6 +21,9 @@ one gets None, so the common path costs nothing. Likewise recall targets
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,9 +42,30 @@ from serving.types import (
     UnavailableError,
     check_request,
 )
-from sharded_tables.remote.client import SERVER_TROUBLE, RemoteLookupError
+from sharded_tables.interface import TablesUnavailableError
 
 Outcome = RecResult | RequestError | ModelNotFoundError
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request that passed one runner's edge check (:meth:`ModelRunner.admit`): what its
+    batch needs of it. The runner that admitted it runs it as it is; another one (a hot swap
+    landed between the edge and the batch) admits it again, within the same ``limits``."""
+
+    req: RecRequest
+    runner: ModelRunner
+    """The runner whose model the request was checked against."""
+    clauses: list[Clause]
+    """The request's filter, parsed within ``limits`` and checked against the model's
+    attributes (``[]``: no filter)."""
+    limits: LimitsConfig | None = None
+    """The request size limits it was admitted within (None: the parser's own bounds)."""
+
+    @property
+    def deadline(self) -> float | None:
+        """The request's deadline (``time.monotonic()``): the batcher drops it once passed."""
+        return self.req.deadline
 
 
 def _id_limits(model: RetrievalModel, features: list[str]) -> np.ndarray:
@@ -72,21 +98,25 @@ class ModelRunner:
         self._checked_filters: dict[tuple[str, tuple[int, int, int] | None], list[Clause]] = {}
 
     # ---- edge -------------------------------------------------------------------------------
-    def check(self, req: RecRequest, limits: LimitsConfig | None = None) -> list[Clause]:
-        """Validates ``req`` for this model; returns its parsed filter clauses (parsed within
-        ``limits``' clause and set-size bounds when given: the edge's one parse).
+    def check_target(self, model: str, version: int | None) -> None:
+        """Raises :class:`ModelNotFoundError` unless ``model`` / ``version`` (empty / None: any)
+        name this runner's model and version: the one check of both, for every caller."""
+        if model and model != self.name:
+            raise ModelNotFoundError(f"model: {model!r} is not served here (serving {self.name!r})")
+        if version is not None and version != self.version:
+            raise ModelNotFoundError(
+                f"version: {self.name} version {version} is not loaded (serving {self.version})"
+            )
+
+    def admit(self, req: RecRequest, limits: LimitsConfig | None = None) -> Admission:
+        """Validates ``req`` for this model -> its :class:`Admission` (the filter parsed within
+        ``limits``' clause and set-size bounds when given: the edge's one parse). Maps the raw
+        ids into ``req.history`` / ``req.seen`` through this version's item map.
 
         Raises :class:`ModelNotFoundError` (``model`` / ``version``) or :class:`RequestError`
         naming the field.
         """
-        if req.model and req.model != self.name:
-            raise ModelNotFoundError(
-                f"model: {req.model!r} is not served here (serving {self.name!r})"
-            )
-        if req.version is not None and req.version != self.version:
-            raise ModelNotFoundError(
-                f"version: {self.name} version {req.version} is not loaded (serving {self.version})"
-            )
+        self.check_target(req.model, req.version)
         if req.raw_history is not None:
             req.history = self._dense_history(req.raw_history)
         if req.raw_seen is not None:
@@ -108,7 +138,7 @@ class ModelRunner:
         cat = req.categorical
         if ((cat < -1) | (cat >= self.id_limits)).any():
             self._check_categorical(cat)  # the tables' own check names the feature and table
-        return self._clauses(req.filter, limits)
+        return Admission(req, self, self._clauses(req.filter, limits), limits)
 
     def _dense_history(self, raw: np.ndarray, where: str = "raw_history") -> np.ndarray:
         """``raw_history`` ``str [H]`` -> ``history`` ``int64 [H]`` through this version's item
@@ -153,32 +183,29 @@ class ModelRunner:
         return clauses
 
     # ---- execute ----------------------------------------------------------------------------
-    def run(self, reqs: list[RecRequest]) -> list[Outcome]:
-        """One outcome per request, in order; the good requests run as ONE forward."""
-        outcomes: list[Outcome | None] = [None] * len(reqs)
-        good: list[int] = []
-        clauses: list[list[Clause]] = []
-        for i, req in enumerate(reqs):
+    def run(self, items: Sequence[Admission | RecRequest]) -> list[Outcome]:
+        """One outcome per item, in order; the good requests run as ONE forward. An item
+        another runner admitted, or a plain request, is admitted here first."""
+        outcomes: list[Outcome | None] = [None] * len(items)
+        admitted: list[tuple[int, Admission]] = []
+        for i, item in enumerate(items):
             try:
-                done = req.checked
-                clauses.append(done[1] if done is not None and done[0] is self else self.check(req))
-                good.append(i)
+                admitted.append((i, self._admitted(item)))
             except (RequestError, ModelNotFoundError) as e:
                 outcomes[i] = e
-        if good:
-            batch = self._batch([reqs[i] for i in good], clauses)
-            k_max = max(reqs[i].k for i in good)
-            deadlines = [d for i in good if (d := reqs[i].deadline) is not None]
+        if admitted:
+            good = [a.req for _, a in admitted]
+            batch = self._batch(good, [a.clauses for _, a in admitted])
+            k_max = max(r.k for r in good)
+            deadlines = [d for r in good if (d := r.deadline) is not None]
             try:
                 with torch.inference_mode():
                     ids, scores, missing = self.forward(batch, k_max, min(deadlines, default=None))
-            except RemoteLookupError as e:  # an embedding server is down or too slow: retryable
-                if e.code not in SERVER_TROUBLE:
-                    raise
+            except TablesUnavailableError as e:  # an embedding server is down or too slow
                 raise UnavailableError(f"tables: {e}") from e
             ids_np, scores_np = ids.cpu().numpy(), scores.cpu().numpy()
-            for row, i in enumerate(good):
-                k = reqs[i].k
+            for row, (i, a) in enumerate(admitted):
+                k = a.req.k
                 outcomes[i] = RecResult(
                     ids_np[row, :k].copy(),
                     scores_np[row, :k].copy(),
@@ -190,18 +217,24 @@ class ModelRunner:
                 )
         return [o for o in outcomes if o is not None]
 
+    def _admitted(self, item: Admission | RecRequest) -> Admission:
+        """``item`` as this runner's admission (admitting it when it is not one yet)."""
+        if isinstance(item, Admission):
+            return item if item.runner is self else self.admit(item.req, item.limits)
+        return self.admit(item)
+
     def forward(
         self, batch: UserBatch, k: int, deadline: float | None
     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """One batch through the model -> ``(ids [B, k], scores [B, k], parts that did not
         answer)``. ``deadline``: the batch's earliest request deadline (``time.monotonic()``);
         the model runs in this process, so nothing can be missing. ``batch`` comes from
-        :meth:`check`-ed requests (the model's own validation would repeat it)."""
+        :meth:`admit`-ted requests (the model's own validation would repeat it)."""
         ids, scores = self.model(batch, k, checked=True)
         return ids, scores, []
 
     def _batch(self, reqs: list[RecRequest], clauses: list[list[Clause]]) -> UserBatch:
-        """Checked requests -> tensors on the model's device (trusted: :meth:`check` ran)."""
+        """Admitted requests -> tensors on the model's device (trusted: :meth:`admit` ran)."""
         b, h = len(reqs), self.history_len
         history = np.full((b, h), -1, dtype=np.int64)  # [B, H], newest first, -1 pads
         for row, req in enumerate(reqs):

@@ -8,9 +8,9 @@ calls, refusals while parsing included, not rows. :meth:`ServingState.recommend`
 one row) is a whole call. The path of a row:
 
     draining? -> UNAVAILABLE
-    host.check_target / runner.check (the edge: INVALID_ARGUMENT / NOT_FOUND in microseconds)
-    batcher.submit (RESOURCE_EXHAUSTED when the queue is full)
-    ... batch: host.current() once, runner.run(reqs) as one forward ...
+    host.current().admit -> Admission (the edge: INVALID_ARGUMENT / NOT_FOUND in microseconds)
+    batcher.submit(admission) (RESOURCE_EXHAUSTED when the queue is full)
+    ... batch: host.current() once, runner.run(admissions) as one forward ...
     the future's result, or its error (see ``serving.types.error_status`` for the codes)
 """
 
@@ -28,7 +28,7 @@ from retrieval.model import RetrievalModel
 from serving.engine.batching import BatchPolicy, DynamicBatcher
 from serving.engine.host import ModelHost
 from serving.engine.metrics import ServingMetrics
-from serving.engine.runner import Outcome
+from serving.engine.runner import Admission, Outcome
 from serving.limits import LimitsConfig
 from serving.types import (
     DeadlineExceededError,
@@ -87,7 +87,7 @@ class ServingState:
     """The model host, the batcher and the metrics of one serving process."""
 
     host: ModelHost
-    batcher: DynamicBatcher
+    batcher: DynamicBatcher[Admission]
     metrics: ServingMetrics
     routed: bool = False
     """A router: the index search runs on document shard servers (no live updates here)."""
@@ -121,10 +121,8 @@ class ServingState:
         for name in ("seen", "raw_seen"):
             if (ids := getattr(req, name)) is not None:
                 self.limits.check_seen(len(ids), name)
-        self.host.check_target(req.model, req.version)
-        runner = self.host.current()
-        req.checked = (runner, runner.check(req, self.limits))  # parses within the limits
-        return self.batcher.submit(req)
+        admission = self.host.current().admit(req, self.limits)  # parses within the limits
+        return self.batcher.submit(admission)
 
     def recommend(self, req: RecRequest, timeout: float | None = None) -> RecResult:
         """One row as a whole call (counted in the metrics): :meth:`submit`, then waits until
@@ -164,15 +162,15 @@ class ServingState:
 
 def make_batcher(
     host: ModelHost, policy: BatchPolicy, metrics: ServingMetrics, workers: int = 1
-) -> DynamicBatcher:
+) -> DynamicBatcher[Admission]:
     """The engine loop over ``host``: each batch reads ``host.current()`` once, inside
     ``host.running()``, so a hot swap or a live update takes effect between batches."""
 
-    def run_batch(reqs: list[RecRequest]) -> list[Outcome]:
+    def run_batch(admitted: list[Admission]) -> list[Outcome]:
         with host.running() as runner:  # a live update waits for this batch, then swaps
             start = time.monotonic()
-            out = runner.run(reqs)
-        metrics.batch_computed(runner.version, len(reqs), time.monotonic() - start)
+            out = runner.run(admitted)
+        metrics.batch_computed(runner.version, len(admitted), time.monotonic() - start)
         return out
 
     batcher = DynamicBatcher(

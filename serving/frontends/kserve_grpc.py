@@ -38,7 +38,13 @@ from common.logs import limit_rate
 from serving.engine.state import ServingState
 from serving.frontends import kserve
 from serving.frontends.kserve import WireTensor
-from serving.types import ModelNotFoundError, RecResult, RequestError, error_status
+from serving.types import (
+    ModelNotFoundError,
+    RecResult,
+    RequestError,
+    error_message,
+    error_status,
+)
 
 log = limit_rate(logging.getLogger(__name__))
 
@@ -184,7 +190,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         else:
             call.succeeded(results[0].version)
             return render_response(request, results, names)
-        context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
+        context.abort(grpc.StatusCode[code], error_message(error))
         raise AssertionError("unreachable: abort raises")
 
     def _resolve(self, name: str, version: str, context: grpc.ServicerContext) -> kserve.ModelSpec:
@@ -193,7 +199,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         except (RequestError, ModelNotFoundError, RuntimeError) as e:
             error = e
         code, _, _ = error_status(error)
-        context.abort(grpc.StatusCode[code], str(error))
+        context.abort(grpc.StatusCode[code], error_message(error))
         raise AssertionError("unreachable: abort raises")
 
 
@@ -218,4 +224,4 @@ def add_kserve_servicer(server: grpc.Server, state: ServingState) -> None:
 
 
 add_servicer = add_kserve_servicer
-"""The name ``serving.app.server`` discovers gRPC plugins by."""
+"""The name every gRPC front end gives its ``add_servicer`` (``serving/app/frontends.py``)."""

@@ -27,7 +27,10 @@ Errors are ``{"error": "<message>"}``: 400 bad input (the message names the inpu
 draining (Triton answers a full queue with 503 too; it is the server's capacity, not the
 caller's rate, so not 429), 504 deadline (Triton's ``timeout`` parameter, µs) passed, 408 a
 body that did not arrive within ``limits.http_body_timeout_s`` (and its connection is closed:
-the rest of that body may never come).
+the rest of that body may never come). The head before it is bounded by the connection
+(``serving/frontends/http_conn.py``: 408 past ``limits.http_head_timeout_s``, 400 for bytes no
+request line holds, 503 past ``limits.max_http_connections``). Every error message goes through
+``serving.types.error_message`` (cut to a bounded length, whatever client text it quotes).
 
 Request size limits come from ``state.limits`` (``[limits]``, ``serving/limits.py``), read at
 each call. Log lines quote client text through ``common.logs.safe`` and are rate-limited; only
@@ -61,6 +64,7 @@ from serving.types import (
     DeadlineExceededError,
     RecResult,
     RequestError,
+    error_message,
     error_status,
 )
 
@@ -97,7 +101,7 @@ def error_response(exc: BaseException, where: str = "") -> JSONResponse:
         log.info("http: %s: the client went away before its body was read", safe(where))
     elif code == "INTERNAL":
         log.error("HTTP request %s failed", safe(where), exc_info=exc)
-    body = {"error": str(exc) or type(exc).__name__}
+    body = {"error": error_message(exc)}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -358,7 +362,8 @@ def make_app(state: ServingState, *, max_body_bytes: int | None = None) -> Starl
 
     async def not_found(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return JSONResponse({"error": f"{request.url.path}: {exc.detail}"}, exc.status_code)
+        message = error_message(ValueError(f"{request.url.path}: {exc.detail}"))
+        return JSONResponse({"error": message}, exc.status_code)
 
     model = "/v2/models/{name}"
     routes = [

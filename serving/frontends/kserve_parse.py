@@ -92,9 +92,10 @@ def parse(
     known = [t.name for t in spec.inputs]
     for t in tensors:
         if t.name in RAW_INPUTS and not spec.raw_ids:
+            dense = t.name.removeprefix("raw_")  # raw_history -> history, raw_seen -> seen
             raise RequestError(
                 f"{t.name}: {spec.name} version {spec.version} has no id maps (it was not "
-                "trained on imported data): send history, the dense item ids"
+                f"trained on imported data): send {dense}, the dense item ids"
             )
         if t.name not in known:
             raise RequestError(

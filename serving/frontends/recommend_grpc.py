@@ -40,7 +40,7 @@ from serving.limits import LimitsConfig
 from serving.protos import recommend_pb2 as pb
 from serving.protos import recommend_pb2_grpc as pb_grpc
 from serving.raw_ids import raw_item_ids
-from serving.types import RecRequest, RecResult, RequestError, error_status
+from serving.types import RecRequest, RecResult, RequestError, error_message, error_status
 
 log = limit_rate(logging.getLogger(__name__))
 
@@ -62,8 +62,8 @@ def parse_recommend(
     :func:`add_recommender`): refused like any other bad request."""
     if isinstance(msg, MalformedMessage):
         raise RequestError(msg.message)
-    if msg.HasField("user") and msg.user < 0:
-        raise RequestError(f"user: a user index is >= 0, got {msg.user}")
+    if msg.HasField("user") and msg.user < -1:  # -1: none, as a KServe ``user`` row's -1
+        raise RequestError(f"user: a user index is >= 0 (-1: none), got {msg.user}")
     if msg.version < 0:
         raise RequestError(f"version: must be >= 0 (0: the one being served), got {msg.version}")
     raw = None
@@ -157,7 +157,7 @@ class RecommendServicer(pb_grpc.RecommenderServicer):
         else:
             call.succeeded(result.version)
             return render_recommend(result)
-        context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
+        context.abort(grpc.StatusCode[code], error_message(error))
         raise AssertionError("unreachable: abort raises")
 
 

@@ -31,7 +31,7 @@ from serving.live.messages import (
 from serving.live.updates import UpdateCall
 from serving.protos import admin_pb2 as pb
 from serving.protos import admin_pb2_grpc as pb_grpc
-from serving.types import RequestError, UnavailableError, error_status
+from serving.types import RequestError, UnavailableError, error_message, error_status
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,13 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
 
     def AddSeen(self, request: pb.AddSeenRequest, context: grpc.ServicerContext) -> pb.UpdateReply:
-        return self._call(context, "add_seen", request, lambda m: parse_add_seen(request))
+        growth = self.state.limits.max_seen_user_growth
+
+        def parse(m: RetrievalModel) -> UpdateBatch:  # no store: the model refuses the call
+            users = None if m.seen_store is None else m.seen_store.num_users
+            return parse_add_seen(request, users, growth)
+
+        return self._call(context, "add_seen", request, parse)
 
     def _updates(self) -> LiveUpdater:
         if self.state.updates is None:
@@ -121,7 +127,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 log.exception("admin %s failed", kind)
             self.state.metrics.update_failed(kind, reason)
             error = e
-        context.abort(grpc.StatusCode[code], str(error) or type(error).__name__)
+        context.abort(grpc.StatusCode[code], error_message(error))
         raise AssertionError("unreachable: abort raises")
 
     @staticmethod
@@ -150,7 +156,7 @@ def _gone(context: grpc.ServicerContext) -> Callable[[], bool]:
 def add_servicer(
     server: grpc.Server, state: ServingState, authorize: Authorizer = allow_all
 ) -> None:
-    """Adds the ``Admin`` service to ``server`` (a ``serving.app.server`` gRPC plugin) with
+    """Adds the ``Admin`` service to ``server`` (registered in ``serving/app/frontends.py``) with
     :func:`common.grpc_util.add_service`: bytes that are no valid message get INVALID_ARGUMENT
     (where the generated deserializer makes gRPC answer INTERNAL). The servicer refuses them
     itself, after ``authorize`` and counted with the other failed updates."""

@@ -74,12 +74,27 @@ def parse_upsert(
     )
 
 
-def parse_add_seen(msg: pb.AddSeenRequest) -> AddSeen:
+def parse_add_seen(
+    msg: pb.AddSeenRequest, store_users: int | None = None, growth: int = 0
+) -> AddSeen:
+    """``AddSeen`` message -> batch. ``store_users``: the users the model's seen store holds;
+    a user id must then be below ``store_users + growth`` (``limits.max_seen_user_growth``),
+    checked before the store grows (None: any, for a log's records, which were taken once)."""
     if len(msg.users) != len(msg.items):
         raise RequestError(
             f"items: expected one item per user ({len(msg.users)}), got {len(msg.items)}"
         )
-    return AddSeen(id_tensor(msg.users), id_tensor(msg.items))
+    users = id_tensor(msg.users)
+    if store_users is not None and users.numel():
+        bound = store_users + growth
+        past = (users >= bound).nonzero().flatten()
+        if past.numel():
+            j = int(past[0])
+            raise RequestError(
+                f"users[{j}]: user {int(users[j])} is past the seen store's {store_users} users "
+                f"+ {growth} (limits.max_seen_user_growth): ids up to {bound - 1} are taken"
+            )
+    return AddSeen(users, id_tensor(msg.items))
 
 
 def parse_set_attributes(msg: pb.SetItemAttributesRequest) -> SetItemAttributes:

@@ -5,6 +5,10 @@
 - :mod:`serving.repository.repository`: :class:`ModelRepository` (publish atomically, retain, load).
 - :mod:`serving.repository.model_folder`: version numbers, a version's own config, lock, leftovers.
 - :mod:`serving.repository.triton_python_model`: the Triton Python backend copied into each version.
+- :mod:`serving.repository.watcher`: :class:`VersionWatcher`, the newest loadable version as it
+  appears (the model host's and the shard servers' poll loop).
+- :mod:`serving.repository.publish_trained`: ``[publish]``'s policy for a trained model (imports
+  the training config: not loaded by this package).
 
 This package is the code; the repository it writes is any folder you give it (see README.md).
 """

@@ -62,7 +62,14 @@ class RouterConfig(Config):
     embedding_servers: list[Address] = Field(default_factory=list)
     """Addresses of embedding servers 0, 1, ... for the version's remote tables."""
     embedding_timeout_ms: Annotated[WaitMs, Field(gt=0)] = 500.0
-    """Deadline of one remote-row fetch."""
+    """Deadline of one remote-row fetch (a batch needing rows of a server that does not answer
+    fails after it; a batch queued behind that one waits for it first)."""
+    embedding_hold_bytes: int = Field(default=1 << 20, ge=0, le=1 << 34)
+    """A range-partitioned remote table of at most this many bytes (rows x packed row bytes)
+    is held whole by the router: fetched when the version loads, then read from memory, so
+    its lookups keep answering while its embedding servers are down
+    (``sharded_tables/remote/held.py``). Larger and hashed tables are fetched per batch and fail
+    fast when their server does not answer. 0: hold none."""
     batches_in_flight: int = Field(default=2, ge=1)
     """Batches routed at once: while one waits on the shards the next runs its tower. Each
     batch is one call to every shard, whose cost is mostly per call, so more in flight means

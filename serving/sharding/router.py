@@ -188,8 +188,20 @@ class ShardedRepository:
                 f"{len(self.config.embedding_servers)} addresses given"
             ) from None
         timeout = self.config.embedding_timeout_ms / 1000.0
-        remote = RemoteTables(routing, timeout=timeout, auth=self.upstream, version=version)
+        remote = RemoteTables(
+            routing,
+            timeout=timeout,
+            auth=self.upstream,
+            version=version,
+            hold_bytes=self.config.embedding_hold_bytes,
+        )
         self.remotes.append(remote)
+        try:
+            remote.hold()  # before the version serves; a server down now fails the load
+        except BaseException:
+            remote.close()
+            self.remotes.remove(remote)
+            raise
         return remote
 
     def close(self) -> None:

@@ -2,8 +2,9 @@
 
 ``recserve serve shard --model-repo DIR --model NAME --shard S`` loads shard ``S`` of the newest
 document-sharded version of ``NAME``, answers ``Shard.Search`` (``serving/protos/shard.proto``) and
-grpc.health.v1 (SERVING once loaded), and watches the repository: a newer version is loaded
-beside the one serving, and the newest ``keep`` versions stay loaded, so a router still on the
+grpc.health.v1 (SERVING once loaded), and watches the repository (the model host's
+``VersionWatcher``, ``serving/repository/watcher.py``): a newer version is loaded beside the one
+serving, and the newest ``keep`` versions stay loaded, so a router still on the
 previous version keeps getting answers during a rollout (it moves once every shard holds the
 new one; see ``serving/sharding/router.py``)::
 
@@ -22,7 +23,6 @@ since planning needs the whole catalog's statistics.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -43,8 +43,10 @@ from retrieval.index.ivf import IVFIndex
 from serving.protos import shard_pb2 as pb
 from serving.protos import shard_pb2_grpc as pb_grpc
 from serving.repository.repository import ModelRepository
+from serving.repository.watcher import VersionWatcher
 from serving.sharding.shard_parts import PartRefusedError, ShardParts
 from serving.sharding.wire import decode_request, encode_response, tensor_bytes
+from serving.types import error_message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -136,7 +138,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             return encode_response(s.shard, version, cand)
         except PartRefusedError as e:
             code = grpc.StatusCode[e.code]
-            context.abort(code, str(e))
+            context.abort(code, error_message(e))
             raise  # not reached: abort raises
         except Exception:
             code = grpc.StatusCode.INTERNAL
@@ -181,7 +183,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         try:
             return step()
         except PartRefusedError as e:
-            context.abort(grpc.StatusCode[e.code], str(e))
+            context.abort(grpc.StatusCode[e.code], error_message(e))
             raise  # not reached: abort raises
 
     @staticmethod
@@ -242,7 +244,15 @@ class ShardServer:
         self.poll_s, self.device = poll_s, device
         self.parts = ShardParts(model, shard, keep)
         """Loaded versions -> this shard's part, with their live updates."""
-        self.failed: set[int] = set()
+        self.watcher = VersionWatcher(
+            lambda: repo.versions(model),
+            self._load,
+            self._refused,
+            poll_s=poll_s,
+            thread_name="shard-poll",
+            what=f"shard {shard}",
+        )
+        """Loads each newer version beside the ones held; refused versions are never retried."""
         self.metrics = ShardMetrics(model, shard, registry)
         self.health = health.HealthServicer()
         self.security = security
@@ -253,14 +263,17 @@ class ShardServer:
         )
         add_service(self._server, pb, SERVICE, ShardServicer(self))  # garbage: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.metrics_address: str | None = None
 
     @property
     def held(self) -> list[int]:
         """Loaded versions, ascending."""
         return sorted(self.parts.versions)
+
+    @property
+    def failed(self) -> set[int]:
+        """Versions whose shard failed to load; never retried."""
+        return self.watcher.failed
 
     @property
     def num_shards(self) -> int:
@@ -271,46 +284,27 @@ class ShardServer:
         return format_address(self.host, self.port)
 
     # ---- versions -----------------------------------------------------------------------------
-    def _load(self, version: int) -> bool:
-        try:
-            index, smap = self.repo.load_shard(self.model, version, self.shard, self.device)
-            warm_up(index)
-        # corrupt, not sharded, no such shard, or it cannot search: keep what serves
-        except Exception as e:
-            self.failed.add(version)
-            log.error("shard %d: version %d of %s refused: %s", self.shard, version, self.model, e)
-            return False
+    def _load(self, version: int) -> None:
+        """Loads and warms up this shard of ``version`` beside the held ones; raises when it
+        is refused (corrupt, not sharded, no such shard, or it cannot search)."""
+        index, smap = self.repo.load_shard(self.model, version, self.shard, self.device)
+        warm_up(index)
         self.parts.add(version, index, smap.num_shards)  # the swap
         self.metrics.version.set(max(self.parts.versions))
         log.info("shard %d/%d: loaded %s v%d", self.shard, smap.num_shards, self.model, version)
-        return True
+
+    def _refused(self, version: int, error: Exception) -> None:
+        log.error("shard %d: version %d of %s refused: %s", self.shard, version, self.model, error)
 
     def poll_once(self) -> int | None:
         """Loads the newest version above the newest held one; returns it, or None."""
-        newest = max(self.held, default=0)
-        for v in sorted(self.repo.versions(self.model), reverse=True):
-            if v <= newest:
-                break
-            if v not in self.failed and self._load(v):
-                return v
-        return None
-
-    def _poll_loop(self) -> None:
-        use_process_threads()  # loading a version computes
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.poll_once()
-            except Exception:
-                log.exception("shard %d: polling the repository failed", self.shard)
+        return self.watcher.poll_once()
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> str:
         """Loads and warms up the newest loadable version, binds, reports SERVING; returns
         ``host:port``."""
-        for v in sorted(self.repo.versions(self.model), reverse=True):
-            if self._load(v):
-                break
-        if not self.held:
+        if self.watcher.load_newest() is None:
             raise FileNotFoundError(
                 f"model {self.model!r}: no version with a loadable shard {self.shard} in "
                 f"{self.repo.root} (publish it with shards=...; see the log)"
@@ -327,9 +321,7 @@ class ShardServer:
             self.metrics_address = format_address(self.host, port)
         for service in ("", SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        if self.poll_s > 0:
-            self._thread = threading.Thread(target=self._poll_loop, name="shard-poll", daemon=True)
-            self._thread.start()
+        self.watcher.start()
         return self.address
 
     def ready(self) -> ReadyLine:
@@ -356,7 +348,7 @@ class ShardServer:
 
     def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING, in-flight searches finish (up to ``grace`` s), then close."""
-        self._stop.set()
+        self.watcher.stop(0)
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
         self.metrics.stop_http()

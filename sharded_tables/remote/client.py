@@ -9,11 +9,15 @@ deadline, then puts the packed rows back in request order. Calls are blocking st
 last server's in the caller's thread, the others' on a pool of this client's (a gRPC future
 starts a channel-polling thread whenever its channel was idle, which for a lone caller is every
 call: ~0.3 ms of CPU and a thread hand-off each). A server that is down or misses the
-deadline raises :class:`RemoteLookupError` (code and address in the message) or, with
-``fallback="zero"``, gives zero rows for its ids and is counted (:meth:`RemoteTables.stats` and the
+deadline raises :class:`RemoteServerError` (code and address in the message; a
+:class:`RemoteLookupError` and the tables' retryable
+:class:`~sharded_tables.interface.TablesUnavailableError`) or, with ``fallback="zero"``,
+gives zero rows for its ids and is counted (:meth:`RemoteTables.stats` and the
 ``recserve_remote_*`` Prometheus counters, label ``server``). Errors that are the caller's
 (INVALID_ARGUMENT: an id the server does not hold; NOT_FOUND: a table it does not hold) always
-raise. Ids may live on any device; rows come back on the CPU.
+raise. Ids may live on any device; rows come back on the CPU. Ranged tables of at most
+``hold_bytes`` are held whole and answered from memory (``sharded_tables/remote/held.py``), so
+they keep answering while their servers are down.
 
 Example::
 
@@ -41,8 +45,10 @@ from prometheus_client import Counter
 
 from common.grpc_util import ClientAuth, open_channel
 from common.torch_threads import use_process_threads
+from sharded_tables.interface import TablesUnavailableError
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc
+from sharded_tables.remote.held import HeldTables
 from sharded_tables.remote.routing import RemoteTable, route, server_of, splitmix64
 from sharded_tables.remote.server import MAX_MESSAGE_BYTES
 from sharded_tables.store import RowStore
@@ -51,6 +57,7 @@ __all__ = [
     "SERVER_TROUBLE",
     "EmbeddingVersions",
     "RemoteLookupError",
+    "RemoteServerError",
     "RemoteTable",
     "RemoteTables",
     "route",
@@ -96,6 +103,17 @@ class RemoteLookupError(RuntimeError):
         self.code, self.address = code, address
 
 
+class RemoteServerError(RemoteLookupError, TablesUnavailableError):
+    """A call failed with a code of :data:`SERVER_TROUBLE`: the server is at fault, not the
+    request, so a retry may succeed."""
+
+
+def lookup_error(code: grpc.StatusCode, address: str, details: str) -> RemoteLookupError:
+    """The error of a failed call: a :class:`RemoteServerError` when ``code`` is server trouble."""
+    kind = RemoteServerError if code in SERVER_TROUBLE else RemoteLookupError
+    return kind(code, address, details)
+
+
 class RemoteTables(RowStore):
     """Packed rows of remote tables (any partition) and the keyed :class:`RowStore` interface.
 
@@ -103,7 +121,9 @@ class RemoteTables(RowStore):
     default deadline of every call; ``fallback`` is ``"raise"`` or ``"zero"`` (see module doc);
     ``auth``: TLS and a bearer token for the calls (None: plaintext, no token); ``version``: the
     model version whose rows every call reads and writes (0: the servers' newest), so a router
-    mid-rollout reads the rows of the version it serves.
+    mid-rollout reads the rows of the version it serves; ``hold_bytes``: a ranged table of at
+    most this many bytes is held whole and answered from memory, through an outage of its
+    servers too (``sharded_tables/remote/held.py``; 0: none).
     """
 
     def __init__(
@@ -114,6 +134,7 @@ class RemoteTables(RowStore):
         fallback: Literal["raise", "zero"] = "raise",
         auth: ClientAuth | None = None,
         version: int = 0,
+        hold_bytes: int = 0,
     ):
         if fallback not in ("raise", "zero"):
             raise ValueError(f"fallback must be 'raise' or 'zero', got {fallback!r}")
@@ -123,6 +144,7 @@ class RemoteTables(RowStore):
         if len(self.tables) != len(tables):
             raise ValueError(f"tables: duplicate names in {[t.name for t in tables]}")
         self.timeout, self.fallback, self.version = timeout, fallback, version
+        self.held = HeldTables(tables, hold_bytes)
         addresses = sorted({a for t in tables for a in t.servers})
         self._channels = {a: open_channel(a, CHANNEL_OPTIONS, auth) for a in addresses}
         self._stubs = {a: pb_grpc.EmbeddingServiceStub(c) for a, c in self._channels.items()}
@@ -151,24 +173,45 @@ class RemoteTables(RowStore):
         details = e.details() if isinstance(e, grpc.Call) else str(e)
         self._count("failures", address, 1)
         FAILURES.labels(address, code.name).inc()
-        return RemoteLookupError(code, address, details or "")
+        return lookup_error(code, address, details or "")
+
+    def hold(self, timeout: float | None = None) -> list[str]:
+        """Fetches every table this client holds whole (``hold_bytes``) that it does not hold
+        yet; -> the tables held. A server that does not answer raises, as a fetch does."""
+        return [n for n in sorted(self.held.names) if self._hold(n, timeout)]
+
+    def _hold(self, name: str, timeout: float | None) -> bool:
+        def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return self._lookup_servers({name: torch.from_numpy(ids)}, timeout)[name]
+
+        return self.held.load(name, fetch)
 
     def _lookup(
         self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """-> per table (rows ``uint8 [n, rb]``, found ``bool [n]``) in the order of its ids."""
+        """-> per table (rows ``uint8 [n, rb]``, found ``bool [n]``) in the order of its ids:
+        held tables from memory, the others from the servers."""
+        # held now, or False: its rows came back zero-filled (``fallback="zero"``), and this
+        # lookup gets zero rows rather than a second call to a server that just did not answer
+        held = {n: self._hold(n, timeout) for n in ids_by_table if n in self.held.names}
+        if not held:
+            return self._lookup_servers(ids_by_table, timeout)
+        out = {n: self.held.rows(n, _id_array(n, ids_by_table[n]), ok) for n, ok in held.items()}
+        rest = {n: ids for n, ids in ids_by_table.items() if n not in out}
+        if rest:
+            out.update(self._lookup_servers(rest, timeout))
+        return out
+
+    def _lookup_servers(
+        self, ids_by_table: Mapping[str, torch.Tensor], timeout: float | None
+    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """:meth:`_lookup` by one request per server."""
         requests: dict[str, pb.LookupRequest] = {}
         parts: dict[str, list[tuple[str, Positions]]] = {}  # address -> (table, unique positions)
         unique: dict[str, tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
         for name, ids in ids_by_table.items():
             spec = self._spec(name)
-            if ids.dtype != torch.int64 or ids.dim() != 1:
-                raise ValueError(
-                    f"table {name!r}: ids must be int64 [n], got {ids.dtype} {list(ids.shape)}"
-                )
-            # numpy, not torch: torch's OpenMP workers spin after each op and starve the servers'
-            # threads on a small host (measured 10x median latency on 2 cores)
-            ids_np = ids.cpu().numpy()
+            ids_np = _id_array(name, ids)
             inverse: np.ndarray | None = None  # None: the ids are distinct and ascending already
             if len(ids_np) > 1 and not (ids_np[1:] > ids_np[:-1]).all():
                 ids_np, inverse = np.unique(ids_np, return_inverse=True)  # [u], [n]
@@ -249,7 +292,7 @@ class RemoteTables(RowStore):
             ZERO_FILLED.labels(address).inc(n_ids)
             return  # rows stay zero, found stays False
         if len(response.tables) != len(parts):
-            raise RemoteLookupError(
+            raise lookup_error(
                 grpc.StatusCode.INTERNAL, address, f"{len(response.tables)} tables for {len(parts)}"
             )
         for got, (name, pos) in zip(response.tables, parts, strict=True):
@@ -260,7 +303,7 @@ class RemoteTables(RowStore):
                 or len(got.rows) != n * rows.shape[1]
                 or len(got.found) not in (0, n)
             ):
-                raise RemoteLookupError(
+                raise lookup_error(
                     grpc.StatusCode.INTERNAL,
                     address,
                     f"table {name!r}: got {len(got.rows)} bytes and {len(got.found)} found flags "
@@ -435,6 +478,17 @@ class EmbeddingVersions:
     def close(self) -> None:
         for c in self._channels:
             c.close()
+
+
+def _id_array(table: str, ids: torch.Tensor) -> np.ndarray:
+    """``ids int64 [n]`` (any device) -> the NumPy array; ``ValueError`` naming the table."""
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(
+            f"table {table!r}: ids must be int64 [n], got {ids.dtype} {list(ids.shape)}"
+        )
+    # numpy, not torch: torch's OpenMP workers spin after each op and starve the servers'
+    # threads on a small host
+    return ids.cpu().numpy()
 
 
 def _count(pos: Positions, n_unique: int) -> int:

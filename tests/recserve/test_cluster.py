@@ -279,9 +279,13 @@ def test_a_paused_embedding_server_fails_fast_and_recovers(cluster):
     codes = {c for _, c, *_ in paused}
     assert paused and codes <= {"OK", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, codes
     assert codes - {"OK"}, "no call noticed the paused embedding server"
-    assert max(lat for lat, *_ in paused) < 2.0  # the router's 0.5 s embedding timeout, not a hang
+    # the router's 0.5 s embedding timeout (a call may wait for one failing batch ahead of it),
+    # not the collection's own 1 s, nor a hang
+    assert max(lat for lat, *_ in paused) < 2 * 0.5 + 0.25
     assert all(ok for _, c, p, _, ok in paused if c == "OK" and not p), "an OK answer was wrong"
-    print(f"paused: {len(paused)} calls, codes {sorted(codes)}")
+    print(
+        f"paused: {len(paused)} calls, codes {sorted(codes)}, max {max(x[0] for x in paused):.2f} s"
+    )
 
 
 def test_down_leaves_no_process_behind(cluster, tmp_path):

@@ -38,6 +38,14 @@ def test_rows_and_indicator_hold_each_users_distinct_items(events):
     assert seen.nbytes() == 8 * (7 + sum(len(w) for w in want))
 
 
+def test_huge_item_ids_keep_each_users_items():
+    """Items near 2**62: a pair packed as one int64 (user * (max item + 1) + item) overflowed
+    and moved items to other users; sorted as two keys they stay with their user."""
+    big = 1 << 62
+    seen = SeenSets.of(np.array([0, 2, 2, 0]), np.array([big, 5, big, big]), num_users=3)
+    assert seen.rows(np.arange(3)).tolist() == [[big, -1], [-1, -1], [5, big]]
+
+
 def test_rows_pads_to_a_width_and_refuses_one_too_narrow():
     seen = SeenSets.of(np.array([0, 0, 1]), np.array([4, 2, 9]), num_users=3)
     assert seen.rows(np.array([1, 2]), width=3).tolist() == [[9, -1, -1], [-1, -1, -1]]

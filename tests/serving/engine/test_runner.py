@@ -8,7 +8,9 @@ import torch
 
 from retrieval.features import make_user_batch
 from serving.engine.runner import ModelRunner
-from serving.types import ModelNotFoundError, RecResult, RequestError
+from serving.limits import LimitsConfig
+from serving.types import ModelNotFoundError, RecResult, RequestError, UnavailableError
+from sharded_tables.remote.client import RemoteLookupError
 
 
 def forward(tiny, reqs, k, filters=None):
@@ -101,39 +103,38 @@ def test_bad_inputs_name_the_field_and_spare_the_batch(tiny, change, field):
     for name, value in change.items():
         setattr(bad, name, value)
     with pytest.raises(RequestError, match=f"^{field}"):
-        runner.check(bad)
+        runner.admit(bad)
     out = runner.run([bad, tiny.request(1)])
     assert isinstance(out[0], RequestError) and isinstance(out[1], RecResult)
 
 
 def test_unknown_model_or_version_is_not_found(tiny):
     runner = ModelRunner(tiny.model, "demo", 2)
-    with pytest.raises(ModelNotFoundError, match=r"^model"):
-        runner.check(tiny.request(0, model="other"))
-    with pytest.raises(ModelNotFoundError, match=r"^version"):
-        runner.check(tiny.request(0, version=1))
-    runner.check(tiny.request(0, model="demo", version=2))
+    with pytest.raises(ModelNotFoundError, match=r"^model: 'other' is not served here"):
+        runner.admit(tiny.request(0, model="other"))
+    with pytest.raises(ModelNotFoundError, match=r"^version: demo version 1 is not loaded"):
+        runner.admit(tiny.request(0, version=1))
+    runner.admit(tiny.request(0, model="demo", version=2))
 
 
 def test_a_checked_filter_text_is_not_parsed_again_but_other_limits_check_it_afresh(
     tiny, monkeypatch
 ):
     import serving.engine.runner as runner_module
-    from serving.limits import LimitsConfig
 
     runner = ModelRunner(tiny.model, "demo", 1)
     text = "language in {en, fr} and available"
     parsed = []
     real = runner_module.parse_filter
     monkeypatch.setattr(runner_module, "parse_filter", lambda t: parsed.append(t) or real(t))
-    first = runner.check(tiny.request(0, filter=text))
-    assert runner.check(tiny.request(1, filter=text)) == first and parsed == [text]
+    first = runner.admit(tiny.request(0, filter=text)).clauses
+    assert runner.admit(tiny.request(1, filter=text)).clauses == first and parsed == [text]
     with pytest.raises(RequestError, match="max_filter_clauses"):  # its own limits: parsed again
-        runner.check(tiny.request(2, filter=text), LimitsConfig(max_filter_clauses=1))
+        runner.admit(tiny.request(2, filter=text), LimitsConfig(max_filter_clauses=1))
     bad = tiny.request(3, filter="language = klingon")
     for _ in range(2):  # a refused text is not kept
         with pytest.raises(RequestError, match="klingon"):
-            runner.check(bad)
+            runner.admit(bad)
     assert parsed == [text, "language = klingon", "language = klingon"]
 
 
@@ -141,19 +142,56 @@ def test_warmup_runs(tiny):
     ModelRunner(tiny.model, "demo", 1).warmup((1, 3))
 
 
-def test_a_request_checked_by_this_runner_is_not_checked_again_but_another_runner_checks(
+def test_an_admission_runs_on_its_runner_unchecked_and_another_runner_admits_it_again(
     tiny, monkeypatch
 ):
     runner, other = ModelRunner(tiny.model, "demo", 1), ModelRunner(tiny.model, "demo", 2)
-    req = tiny.request(3, 5, filter="available")
-    req.checked = (runner, runner.check(req))
+    limits = LimitsConfig(max_filter_clauses=4)
+    admission = runner.admit(tiny.request(3, 5, filter="available"), limits)
+    assert admission.runner is runner and admission.limits is limits
     calls = []
     for r in (runner, other):
-        monkeypatch.setattr(r, "check", lambda q, r=r: calls.append(r) or ModelRunner.check(r, q))
-    (first,) = runner.run([req])
-    (second,) = other.run([req])  # a hot swap between the edge and the batch: checked again
-    assert calls == [other]
+        monkeypatch.setattr(
+            r,
+            "admit",
+            lambda q, lim=None, r=r: calls.append((r, lim)) or ModelRunner.admit(r, q, lim),
+        )
+    (first,) = runner.run([admission])
+    (second,) = other.run([admission])  # a hot swap between the edge and the batch
+    assert calls == [(other, limits)]  # admitted again, within the limits of the edge
     assert np.array_equal(first.item_ids, second.item_ids)
+
+
+def test_a_request_pinned_to_a_version_swapped_out_before_its_batch_is_not_found(tiny):
+    old, new = ModelRunner(tiny.model, "demo", 1), ModelRunner(tiny.model, "demo", 2)
+    pinned, loose = old.admit(tiny.request(0, version=1)), old.admit(tiny.request(1))
+    out = new.run([pinned, loose])
+    assert isinstance(out[0], ModelNotFoundError) and str(out[0]).startswith("version: demo")
+    assert isinstance(out[1], RecResult) and out[1].version == 2
+
+
+def test_an_embedding_server_in_trouble_is_unavailable_and_a_caller_bug_is_not(tiny, monkeypatch):
+    """The engine knows the tables' retryable error type only, not the remote client's codes."""
+    import grpc
+
+    from sharded_tables.remote.client import lookup_error
+
+    runner = ModelRunner(tiny.model, "demo", 1)
+    for code, expected in (
+        (grpc.StatusCode.UNAVAILABLE, UnavailableError),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, UnavailableError),
+        (grpc.StatusCode.INVALID_ARGUMENT, RemoteLookupError),
+    ):
+        error = lookup_error(code, "127.0.0.1:1", "down")
+
+        def fail(*args, error=error):
+            raise error
+
+        monkeypatch.setattr(runner, "forward", fail)
+        with pytest.raises(expected) as got:
+            runner.run([tiny.request(0)])
+        assert isinstance(got.value, UnavailableError) == (expected is UnavailableError)
+        assert "127.0.0.1:1" in str(got.value)
 
 
 @pytest.mark.gpu

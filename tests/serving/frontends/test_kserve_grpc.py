@@ -15,7 +15,8 @@ from tritonclient.utils import InferenceServerException
 
 from retrieval.features import make_user_batch
 from serving.app.config import BatchingConfig
-from serving.app.server import Server, discover_grpc_plugins
+from serving.app.frontends import GRPC_SERVICES
+from serving.app.server import Server
 from serving.frontends import kserve_grpc
 from serving.types import DATATYPES
 
@@ -88,8 +89,8 @@ def forward(tiny, users: list[int], k: int = 10) -> tuple[np.ndarray, np.ndarray
     return ids.numpy(), scores.numpy()
 
 
-def test_the_plugin_is_discovered():
-    assert kserve_grpc.add_servicer in discover_grpc_plugins()
+def test_the_service_is_registered():
+    assert kserve_grpc.add_servicer in GRPC_SERVICES
 
 
 def test_model_infer_round_trip_equals_a_forward(client, tiny):

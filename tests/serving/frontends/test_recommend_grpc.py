@@ -3,9 +3,7 @@ status codes, health, draining, metrics, the optional HTTP app."""
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 import urllib.request
 from collections.abc import Iterator
 
@@ -16,7 +14,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.app.config import BatchingConfig, ConfigError
+from serving.app.config import BatchingConfig
 from serving.app.server import Server
 from serving.frontends.recommend_grpc import SERVICE
 from serving.protos.recommend_pb2_grpc import RecommenderStub
@@ -169,19 +167,12 @@ def test_metrics_count_requests_batches_and_the_version(server, stub, tiny):
     assert samples_of(text)["recserve_request_duration_seconds_count", m] == 6.0  # the refusal
 
 
-def test_http_port_needs_the_http_app(serve_config, repo, monkeypatch):
-    monkeypatch.setitem(sys.modules, "serving.frontends.kserve_http", None)
-    with pytest.raises(ConfigError, match=r"^http_port"):
-        Server(serve_config(http_port=0), repo=repo, extra_servicers=[])
-
+def test_http_port_serves_the_http_app_it_is_given(serve_config, repo):
     async def app(scope, receive, send):  # the smallest ASGI app
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok " + scope["path"].encode()})
 
-    fake = types.ModuleType("serving.frontends.kserve_http")
-    fake.make_app = lambda state: app  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "serving.frontends.kserve_http", fake)
-    s = Server(serve_config(http_port=0), repo=repo, extra_servicers=[])
+    s = Server(serve_config(http_port=0), repo=repo, extra_servicers=[], http_app=lambda state: app)
     s.start()
     try:
         assert " http=127.0.0.1:" in s.announce_line()

@@ -234,6 +234,21 @@ def test_kserve_refuses_a_bad_seen_row_naming_it(server, tiny, protocol, row1, m
         client.close()
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_kserve_raw_seen_on_a_model_without_id_maps_says_to_send_seen(server, tiny, protocol):
+    mod: Any = tg if protocol == "grpc" else th
+    address = server.addresses.grpc if protocol == "grpc" else server.addresses.http
+    client = mod.InferenceServerClient(address)
+    try:
+        raw_seen = np.array([[b"sku-001"]], dtype=object)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("demo", kserve_inputs(tiny, [1], 5, mod, raw_seen=raw_seen))
+        assert err.value.message().startswith("raw_seen: demo version 1 has no id maps")
+        assert err.value.message().endswith("send seen, the dense item ids")
+    finally:
+        client.close()
+
+
 # ---- raw ids ----------------------------------------------------------------------------------
 @pytest.fixture
 def mapped_server(serve_config, exhaustive) -> Iterator[tuple[Server, RetrievalModel]]:

@@ -92,6 +92,37 @@ def test_kserve_user_input_equals_sending_the_list(server, tiny, stored, mod):
         client.close()
 
 
+def test_a_user_of_minus_one_means_none_on_recommend_and_kserve_alike(server, tiny, stored):
+    plain = tiny.expected(stored, np.array(USERS[:1]), 10)[0][0].tolist()
+    with grpc.insecure_channel(server.addresses.grpc) as channel:
+        stub = RecommenderStub(channel)
+        msg = tiny.message(USERS[0])
+        msg.user = -1
+        assert list(stub.Recommend(msg, timeout=WAIT).item_ids) == plain
+        msg.user = -2
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Recommend(msg, timeout=WAIT)
+    refused = "user: a user index is >= 0 (-1: none), got -2"
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details() == refused
+    client = tg.InferenceServerClient(server.addresses.grpc)
+    try:
+        for user, want in ((-1, None), (-2, refused)):
+            arrays = {**tiny.inputs(np.array(USERS[:1])), "user": np.array([[user]], np.int64)}
+            inputs = []
+            for name, a in arrays.items():
+                t = tg.InferInput(name, list(a.shape), DATATYPES[name])
+                t.set_data_from_numpy(a)
+                inputs.append(t)
+            if want is None:
+                assert client.infer("demo", inputs).as_numpy("item_ids")[0].tolist() == plain
+            else:
+                with pytest.raises(InferenceServerException) as kerr:
+                    client.infer("demo", inputs)
+                assert kerr.value.message().startswith(want)
+    finally:
+        client.close()
+
+
 def test_config_declares_user_only_with_a_store(tiny, stored):
     with_store = {t.name: t.optional for t in make_config("demo", stored.config).input}
     without = {t.name for t in make_config("demo", tiny.model.config).input}

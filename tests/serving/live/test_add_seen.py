@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -24,11 +25,11 @@ WAIT = 10.0
 
 
 @pytest.fixture
-def start(serve_config, tmp_path) -> Iterator[Callable[[RetrievalModel], Server]]:
+def start(serve_config, tmp_path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
-    def make(model: RetrievalModel) -> Server:
-        config = serve_config(state_dir=tmp_path / "state")
+    def make(model: RetrievalModel, **overrides: Any) -> Server:
+        config = serve_config(state_dir=tmp_path / "state", **overrides)
         servers.append(start_server(config, model, extra_servicers=[admin.add_servicer]))
         return servers[-1]
 
@@ -78,6 +79,29 @@ def test_consumed_items_leave_the_users_answers_and_survive_a_restart(start, tin
         ),
         (pb.AddSeenRequest(users=[-1], items=[5]), "users[0]: must be >= 0, got -1"),
         (pb.AddSeenRequest(users=[], items=[]), "users: empty: nothing to update"),
+        # the tiny model's catalog is items 0..299, its store holds users 0..99
+        (
+            pb.AddSeenRequest(users=[1], items=[300]),
+            "items[0]: item 300 is past the catalog (item ids 0..299)",
+        ),
+        (
+            pb.AddSeenRequest(users=[1, 2], items=[5, 99999]),
+            "items[1]: item 99999 is past the catalog (item ids 0..299)",
+        ),
+        (
+            pb.AddSeenRequest(users=[1], items=[1 << 62]),
+            f"items[0]: item {1 << 62} is past the catalog (item ids 0..299)",
+        ),
+        (
+            pb.AddSeenRequest(users=[3, 10**7], items=[7, 7]),
+            "users[1]: user 10000000 is past the seen store's 100 users + 100000 "
+            "(limits.max_seen_user_growth): ids up to 100099 are taken",
+        ),
+        (
+            pb.AddSeenRequest(users=[1 << 62], items=[7]),
+            f"users[0]: user {1 << 62} is past the seen store's 100 users + 100000 "
+            "(limits.max_seen_user_growth): ids up to 100099 are taken",
+        ),
     ],
 )
 def test_bad_batches_are_refused_naming_the_field(start, tiny, request_, message):
@@ -86,6 +110,23 @@ def test_bad_batches_are_refused_naming_the_field(start, tiny, request_, message
         AdminStub(ch).AddSeen(request_, timeout=WAIT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == message
+
+
+def test_the_user_bound_follows_the_configured_growth_and_the_store(start, tiny):
+    """``limits.max_seen_user_growth`` 2: users 100 and 101 are taken (the store grows to 102),
+    then 103 is (102 + 2 > 103) and 104 is not; a refused call logs nothing."""
+    server = start(tiny.with_seen_store(), limits={"max_seen_user_growth": 2})
+    with grpc.insecure_channel(server.addresses.grpc) as ch:
+        adm = AdminStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            adm.AddSeen(pb.AddSeenRequest(users=[102], items=[1]), timeout=WAIT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("users[0]: user 102 is past the seen store's 100")
+        assert adm.AddSeen(pb.AddSeenRequest(users=[101], items=[1]), timeout=WAIT).sequence == 1
+        with pytest.raises(grpc.RpcError) as err:
+            adm.AddSeen(pb.AddSeenRequest(users=[104], items=[1]), timeout=WAIT)
+        assert "ids up to 103 are taken" in err.value.details()
+        assert adm.AddSeen(pb.AddSeenRequest(users=[103], items=[1]), timeout=WAIT).sequence == 2
 
 
 def test_a_model_without_a_store_refuses_add_seen(start, tiny):

@@ -5,6 +5,7 @@ tail as a crash mid-write would), start it again: the updates are replayed from 
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -94,3 +95,44 @@ def test_updates_survive_kill_9(tmp_path: Path, tiny):
         proc.stop()
     assert "dropping a torn last record" in err.read_text()
     assert "replayed 2 updates" in err.read_text()
+
+
+def _rss_mib(pid: int) -> float:
+    """The process's resident memory now (``VmRSS``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def test_a_huge_add_seen_is_refused_fast_without_growing_the_server(tmp_path: Path, tiny):
+    """A ~30-byte ``AddSeen`` naming user 10**7 grew a server by ~90 MB (the store's index of
+    users rebuilt to 10**7 rows) and 2**62 by more before failing: now both are refused naming
+    ``users`` and the bound, before the store grows, and a valid call still applies."""
+    repository.ModelRepository(tmp_path / "repo").publish("demo", tiny.with_seen_store())
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'state_dir = "{tmp_path / "state"}"\npoll_s = 0.0\n')
+    proc, address, _ = start_server(tmp_path, toml, 1)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            admin = AdminStub(channel)
+            with pytest.raises(grpc.RpcError):  # connected and warm: the refusal path once
+                admin.AddSeen(pb.AddSeenRequest(users=[1], items=[1 << 40]), timeout=WAIT)
+            before, took = _rss_mib(proc.pid), []
+            for user in (10**7, 1 << 62):
+                start = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    admin.AddSeen(pb.AddSeenRequest(users=[user], items=[7]), timeout=WAIT)
+                elapsed = time.monotonic() - start
+                took.append(elapsed)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details().startswith(f"users[0]: user {user} is past the seen")
+                assert "limits.max_seen_user_growth" in err.value.details()
+                assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
+            grown = _rss_mib(proc.pid) - before
+            assert grown < 16, f"the server grew by {grown:.1f} MiB on refused calls"
+            reply = admin.AddSeen(pb.AddSeenRequest(users=[3], items=[7]), timeout=WAIT)
+            assert reply.sequence == 1  # the refused calls logged nothing
+            print(f"huge AddSeen: refused in {max(took) * 1000:.1f} ms, grew {grown:.1f} MiB")
+    finally:
+        proc.stop()

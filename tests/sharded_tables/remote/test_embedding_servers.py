@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from common.grpc_util import EXIT_MARGIN_S
 from recserve.cli import app
+from sharded_tables.interface import TablesUnavailableError
 from sharded_tables.quantize import pack_rows
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote.client import RemoteLookupError, RemoteTable, RemoteTables
@@ -161,6 +162,7 @@ def test_server_names_the_table_and_the_id_out_of_its_range(cluster: Cluster):
     with remote, pytest.raises(RemoteLookupError) as err:  # fallback never hides a caller bug
         remote.fetch({"emb_a": torch.tensor([3, 2000])})
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert not isinstance(err.value, TablesUnavailableError)  # a retry would fail the same way
     assert "'emb_a'" in str(err.value) and "id 2000" in str(err.value)
     assert err.value.address == cluster.addresses[0]
 
@@ -241,6 +243,7 @@ def test_killed_server_raises_unavailable_quickly(servers, tmp_path: Path):
             remote.fetch({"sessions": torch.tensor([1, 2])})
         assert time.monotonic() - start < 1.0
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert isinstance(err.value, TablesUnavailableError)  # what the serving engine catches
     assert proc.address in str(err.value) and "UNAVAILABLE" in str(err.value)
 
 
@@ -257,6 +260,7 @@ def test_stopped_server_misses_the_deadline_then_stops_on_sigterm(servers, tmp_p
         finally:
             os.kill(proc.proc.pid, signal.SIGCONT)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and proc.address in str(err.value)
+    assert isinstance(err.value, TablesUnavailableError)
     assert 0.4 < elapsed < 1.0
     proc.proc.terminate()
     try:  # the server's watchdog ends it (status 1, its stacks in the log) past grace + margin
