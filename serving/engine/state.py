@@ -49,9 +49,11 @@ class LiveUpdater(Protocol):
         kind: str,
         target: tuple[str, int],
         parse: Callable[[RetrievalModel], UpdateBatch],
+        call: Any = None,
     ) -> Any:
         """Parses, logs and applies one update to ``host``'s model; -> the reply message (a
-        protobuf ``UpdateReply``: the engine leaves wire types to the layer above)."""
+        protobuf ``UpdateReply``: the engine leaves wire types to the layer above). ``call``:
+        its caller (``serving.live.updates.UpdateCall``: update id, deadline)."""
         ...
 
 

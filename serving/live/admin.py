@@ -28,6 +28,7 @@ from serving.live.messages import (
     parse_upsert,
     table_widths,
 )
+from serving.live.updates import UpdateCall
 from serving.protos import admin_pb2 as pb
 from serving.protos import admin_pb2_grpc as pb_grpc
 from serving.types import RequestError, UnavailableError, error_message, error_status
@@ -117,7 +118,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             if isinstance(request, MalformedMessage):  # see add_servicer
                 raise RequestError(request.message)
             updates = self._updates()
-            return updates.apply(self.state.host, kind, (request.model, request.version), parse)
+            call = UpdateCall.checked(request.update_id, _seconds_left(context), _gone(context))
+            target = (request.model, request.version)
+            return updates.apply(self.state.host, kind, target, parse, call)
         except Exception as e:
             code, reason = self._status(e)
             if code == "INTERNAL":
@@ -135,6 +138,19 @@ class AdminServicer(pb_grpc.AdminServicer):
             return "PERMISSION_DENIED", "permission_denied"
         code, _, reason = error_status(e)
         return code, reason
+
+
+NO_DEADLINE_S = 1e9
+"""gRPC gives a call without a deadline an (almost) infinite one."""
+
+
+def _seconds_left(context: grpc.ServicerContext) -> float | None:
+    left = context.time_remaining()
+    return None if left is None or left > NO_DEADLINE_S else float(left)
+
+
+def _gone(context: grpc.ServicerContext) -> Callable[[], bool]:
+    return lambda: not context.is_active()
 
 
 def add_servicer(

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aserving/protos/admin.proto\x12\x11recserve.admin.v1\")\n\tAttribute\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\t\"T\n\x04Item\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0e\n\x06vector\x18\x02 \x03(\x02\x12\x30\n\nattributes\x18\x03 \x03(\x0b\x32\x1c.recserve.admin.v1.Attribute\"\\\n\x12UpsertItemsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12&\n\x05items\x18\x03 \x03(\x0b\x32\x17.recserve.admin.v1.Item\"A\n\x12RemoveItemsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0b\n\x03ids\x18\x03 \x03(\x03\"N\n\x0eItemAttributes\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x30\n\nattributes\x18\x02 \x03(\x0b\x32\x1c.recserve.admin.v1.Attribute\"l\n\x18SetItemAttributesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x30\n\x05items\x18\x03 \x03(\x0b\x32!.recserve.admin.v1.ItemAttributes\"f\n\x17UpdateEmbeddingsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05table\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x03(\x03\x12\x0e\n\x06values\x18\x05 \x03(\x02\"N\n\x0e\x41\x64\x64SeenRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05users\x18\x03 \x03(\x03\x12\r\n\x05items\x18\x04 \x03(\x03\"\x83\x01\n\x0bUpdateReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\r\n\x05items\x18\x04 \x01(\x03\x12\x16\n\x0elist_imbalance\x18\x05 \x01(\x01\x12\x1b\n\x13rebuild_recommended\x18\x06 \x01(\x08\"\x99\x03\n\tLogRecord\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12=\n\x0cupsert_items\x18\x02 \x01(\x0b\x32%.recserve.admin.v1.UpsertItemsRequestH\x00\x12=\n\x0cremove_items\x18\x03 \x01(\x0b\x32%.recserve.admin.v1.RemoveItemsRequestH\x00\x12J\n\x13set_item_attributes\x18\x04 \x01(\x0b\x32+.recserve.admin.v1.SetItemAttributesRequestH\x00\x12G\n\x11update_embeddings\x18\x05 \x01(\x0b\x32*.recserve.admin.v1.UpdateEmbeddingsRequestH\x00\x12\x35\n\x08\x61\x64\x64_seen\x18\x06 \x01(\x0b\x32!.recserve.admin.v1.AddSeenRequestH\x00\x12\x12\n\nlist_sizes\x18\n \x01(\x0c\x12\x12\n\nbit_counts\x18\x0b \x01(\x0c\x42\x08\n\x06update2\xc3\x03\n\x05\x41\x64min\x12T\n\x0bUpsertItems\x12%.recserve.admin.v1.UpsertItemsRequest\x1a\x1e.recserve.admin.v1.UpdateReply\x12T\n\x0bRemoveItems\x12%.recserve.admin.v1.RemoveItemsRequest\x1a\x1e.recserve.admin.v1.UpdateReply\x12`\n\x11SetItemAttributes\x12+.recserve.admin.v1.SetItemAttributesRequest\x1a\x1e.recserve.admin.v1.UpdateReply\x12^\n\x10UpdateEmbeddings\x12*.recserve.admin.v1.UpdateEmbeddingsRequest\x1a\x1e.recserve.admin.v1.UpdateReply\x12L\n\x07\x41\x64\x64Seen\x12!.recserve.admin.v1.AddSeenRequest\x1a\x1e.recserve.admin.v1.UpdateReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aserving/protos/admin.proto\x12\x11recserve.admin.v1\")\n\tAttribute\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\t\"T\n\x04Item\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0e\n\x06vector\x18\x02 \x03(\x02\x12\x30\n\nattributes\x18\x03 \x03(\x0b\x32\x1c.recserve.admin.v1.Attribute\"o\n\x12UpsertItemsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12&\n\x05items\x18\x03 \x03(\x0b\x32\x17.recserve.admin.v1.Item\x12\x11\n\tupdate_id\x18\x04 \x01(\t\"T\n\x12RemoveItemsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0b\n\x03ids\x18\x03 \x03(\x03\x12\x11\n\tupdate_id\x18\x04 \x01(\t\"N\n\x0eItemAttributes\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x30\n\nattributes\x18\x02 \x03(\x0b\x32\x1c.recserve.admin.v1.Attribute\"\x7f\n\x18SetItemAttributesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x30\n\x05items\x18\x03 \x03(\x0b\x32!.recserve.admin.v1.ItemAttributes\x12\x11\n\tupdate_id\x18\x04 \x01(\t\"y\n\x17UpdateEmbeddingsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05table\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x03(\x03\x12\x0e\n\x06values\x18\x05 \x03(\x02\x12\x11\n\tupdate_id\x18\x06 \x01(\t\"a\n\x0e\x41\x64\x64SeenRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05users\x18\x03 \x03(\x03\x12\r\n\x05items\x18\x04 \x03(\x03\x12\x11\n\tupdate_id\x18\x05 \x01(\t\"\x96\x01\n\x0bUpdateReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\r\n\x05items\x18\x04 \x01(\x03\x12\x16\n\x0elist_imbalance\x18\x05 \x01(\x01\x12\x1b\n\x13rebuild_recommended\x18\x06 \x01(\x08\x12\x11\n\tupdate_id\x18\x07 \x01(\t\"\xac\x03\n\tLogRecord\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12=\n\x0cupsert_items\x18\x02 \x01(\x0b\x32%.recserve.admin.v1.UpsertItemsRequestH\x00\x12=\n\x0cremove_items\x18\x03 \x01(\x0b\x32%.recserve.admin.v1.RemoveItemsRequestH\x00\x12J\n\x13set_item_attributes\x18\x04 \x01(\x0b\x32+.recserve.admin.v1.SetItemAttributesRequestH\x00\x12G\n\x11update_embeddings\x18\x05 \x01(\x0b\x32*.recserve.admin.v1.UpdateEmbeddingsRequestH\x00\x12\x35\n\x08\x61\x64\x64_seen\x18\x06 \x01(\x0b\x32!.recserve.admin.v1.AddSeenRequestH\x00\x12\x12\n\nlist_sizes\x18\n \x01(\x0c\x12\x12\n\nbit_counts\x18\x0b \x01(\x0c\x12\x11\n\tupdate_id\x18\x0c \x01(\tB\x08\n\x06update2\xc3\x03\n\x05\x41\x64min\x12T\n\x0bUpsertItems\x12%.recserve.admin.v1.UpsertItemsRequest\x1a\x1e.recserve.admin.v1.UpdateReply\x12T\n\x0bRemoveItems\x12%.recserve.admin.v1.RemoveItemsRequest\x1a\x1e.recserve.admin.v1.UpdateReply\x12`\n\x11SetItemAttributes\x12+.recserve.admin.v1.SetItemAttributesRequest\x1a\x1e.recserve.admin.v1.UpdateReply\x12^\n\x10UpdateEmbeddings\x12*.recserve.admin.v1.UpdateEmbeddingsRequest\x1a\x1e.recserve.admin.v1.UpdateReply\x12L\n\x07\x41\x64\x64Seen\x12!.recserve.admin.v1.AddSeenRequest\x1a\x1e.recserve.admin.v1.UpdateReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ITEM']._serialized_start=92
   _globals['_ITEM']._serialized_end=176
   _globals['_UPSERTITEMSREQUEST']._serialized_start=178
-  _globals['_UPSERTITEMSREQUEST']._serialized_end=270
-  _globals['_REMOVEITEMSREQUEST']._serialized_start=272
-  _globals['_REMOVEITEMSREQUEST']._serialized_end=337
-  _globals['_ITEMATTRIBUTES']._serialized_start=339
-  _globals['_ITEMATTRIBUTES']._serialized_end=417
-  _globals['_SETITEMATTRIBUTESREQUEST']._serialized_start=419
-  _globals['_SETITEMATTRIBUTESREQUEST']._serialized_end=527
-  _globals['_UPDATEEMBEDDINGSREQUEST']._serialized_start=529
-  _globals['_UPDATEEMBEDDINGSREQUEST']._serialized_end=631
-  _globals['_ADDSEENREQUEST']._serialized_start=633
-  _globals['_ADDSEENREQUEST']._serialized_end=711
-  _globals['_UPDATEREPLY']._serialized_start=714
-  _globals['_UPDATEREPLY']._serialized_end=845
-  _globals['_LOGRECORD']._serialized_start=848
-  _globals['_LOGRECORD']._serialized_end=1257
-  _globals['_ADMIN']._serialized_start=1260
-  _globals['_ADMIN']._serialized_end=1711
+  _globals['_UPSERTITEMSREQUEST']._serialized_end=289
+  _globals['_REMOVEITEMSREQUEST']._serialized_start=291
+  _globals['_REMOVEITEMSREQUEST']._serialized_end=375
+  _globals['_ITEMATTRIBUTES']._serialized_start=377
+  _globals['_ITEMATTRIBUTES']._serialized_end=455
+  _globals['_SETITEMATTRIBUTESREQUEST']._serialized_start=457
+  _globals['_SETITEMATTRIBUTESREQUEST']._serialized_end=584
+  _globals['_UPDATEEMBEDDINGSREQUEST']._serialized_start=586
+  _globals['_UPDATEEMBEDDINGSREQUEST']._serialized_end=707
+  _globals['_ADDSEENREQUEST']._serialized_start=709
+  _globals['_ADDSEENREQUEST']._serialized_end=806
+  _globals['_UPDATEREPLY']._serialized_start=809
+  _globals['_UPDATEREPLY']._serialized_end=959
+  _globals['_LOGRECORD']._serialized_start=962
+  _globals['_LOGRECORD']._serialized_end=1390
+  _globals['_ADMIN']._serialized_start=1393
+  _globals['_ADMIN']._serialized_end=1844
 # @@protoc_insertion_point(module_scope)

@@ -93,16 +93,18 @@ class InfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("model", "version", "sequence", "record")
+    __slots__ = ("model", "version", "sequence", "record", "attempt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     sequence: int
     record: bytes
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., record: _Optional[bytes] = ...) -> None: ...
+    attempt: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., record: _Optional[bytes] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ("shard", "held", "list_sizes", "bit_counts")
@@ -117,14 +119,16 @@ class PrepareResponse(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., held: _Optional[bytes] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("model", "version", "sequence")
+    __slots__ = ("model", "version", "sequence", "attempt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     sequence: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+    attempt: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()

@@ -81,9 +81,10 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prepare(self, request, context):
-        """Live updates through the router, in two phases (serving/sharding/shard_updates.py): Prepare
+        """Live updates through the router, in two phases (serving/sharding/shard_parts.py): Prepare
         validates update `sequence` of a version and builds this shard's part of its result aside;
-        Commit makes it searchable (beside the part before it); Abort drops it.
+        Commit makes it searchable (beside the part before it); Abort drops it. A Prepare whose
+        deadline has passed when it starts is refused (DEADLINE_EXCEEDED) without building anything.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

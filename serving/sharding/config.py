@@ -53,6 +53,12 @@ class RouterConfig(Config):
     """First back-off of an ejected replica; it doubles with each failed probe."""
     eject_max_ms: Annotated[WaitMs, Field(gt=0)] = 10_000.0
     """Longest back-off of an ejected replica (it is probed at least this often)."""
+    update_prepare_ms: Annotated[WaitMs, Field(gt=0)] = 10_000.0
+    """Longest a live update (``--state-dir``) waits for the shards to prepare it, catching up
+    replicas behind the log included; a shard none of whose replicas prepared it by then refuses
+    the update (UNAVAILABLE, nothing changed anywhere). Cut to most of the caller's own deadline,
+    so the caller gets that answer rather than its deadline. A prepare copies the shard's part
+    (O(items x dim)): a catalog of tens of millions of items per shard may need more."""
     embedding_servers: list[Address] = Field(default_factory=list)
     """Addresses of embedding servers 0, 1, ... for the version's remote tables."""
     embedding_timeout_ms: Annotated[WaitMs, Field(gt=0)] = 500.0

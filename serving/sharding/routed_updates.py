@@ -1,18 +1,31 @@
 """Live updates through the router: logged once (here), applied to every document shard in two
 phases, all or nothing, and replayed to any shard replica that is behind.
 
-One update (``Admin`` call on the router; ``serving/live/admin.py`` parses it)::
+One update (``Admin`` call on the router; ``serving/live/admin.py`` parses it, and
+``serving/live/updates.py`` answers a retried ``update_id`` from the log)::
 
     resolve_update(model, batch)          validate against config, schema, tables; item tower
+    until = now + prepare window          update_prepare_ms, cut to 80% of the caller's time
     sync: every replica at update s-1     replicas behind get the logged updates they miss
-    Prepare(v, s, record) -> every replica  each shard builds its part of update s aside and
-                                          says which items it held and its statistics after
-      a shard with no prepared replica, an item no shard holds, a record a shard refuses:
-      Abort(v, s) everywhere; the update is refused and nothing changed anywhere
+    Prepare(v, s, record, attempt)        every replica, by ``until``: each shard builds its
+                                          part of update s aside and says which items it held
+                                          and its statistics after; once every shard has one
+                                          prepared replica, the others get as long again (at
+                                          least 1 s), then are aborted and caught up later
+      a shard with no replica prepared by ``until``, an item no shard holds, a record a shard
+      refuses: Abort(v, s, attempt) to every replica (waiting for none); the update is refused
+      (UNAVAILABLE / INVALID_ARGUMENT) and nothing changed anywhere
+    caller still waiting?                 else abort: nothing is logged for a caller that left
     log.append(record + statistics)       fsync'd: the commit point, acknowledged from here
-    Commit(v, s) -> the prepared replicas   each makes update s searchable (beside s-1)
+    Commit(v, s, attempt) -> prepared     each makes update s searchable (beside s-1)
     swap the router's model               statistics summed over the shards, table rows written;
                                           its searches now name update s
+
+``attempt`` is a fresh name for each prepare: a shard commits only the attempt a Commit names
+and refuses a prepare whose attempt it was told to abort, or whose deadline passed before it ran.
+So a replica frozen during an update (SIGSTOP, a stalled VM) that resumes after the router gave
+up never applies it: its late prepare is refused or stays pending, never committed, and the next
+prepare replaces it.
 
 Reads never straddle an update: a search names (version, sequence) and every shard answers from
 exactly that state (a shard keeps the part before its last update for the searches still on it).
@@ -29,7 +42,10 @@ restores its planning statistics without asking the shards. One router owns a mo
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -54,7 +70,7 @@ from serving.engine.host import ModelHost
 from serving.engine.metrics import ServingMetrics
 from serving.live.messages import from_record, table_widths, to_record
 from serving.live.update_log import UpdateLog, log_path, read_log
-from serving.live.updates import LiveUpdates
+from serving.live.updates import LiveUpdates, UpdateCall
 from serving.protos import admin_pb2
 from serving.protos import shard_pb2 as pb
 from serving.repository.repository import LoadedModel
@@ -64,9 +80,17 @@ from serving.types import RequestError, UnavailableError
 
 log = logging.getLogger(__name__)
 
-UPDATE_TIMEOUT_S = 30.0
-"""Seconds a shard may take to prepare or commit one update (a prepare copies the shard's part:
-O(items x dim) bytes)."""
+PREPARE_SHARE = 0.8
+"""Share of the caller's time left that the shards' prepare may take; the rest is for the log's
+fsync, the commits and the reply."""
+COMMIT_TIMEOUT_S = 5.0
+"""Longest wait for one replica's commit (a swap of the prepared part); one that misses it is
+caught up by the sync loop."""
+STRAGGLER_MIN_S = 1.0
+"""Once every shard has prepared an update, its other replicas get at least this long more
+(and as long as the prepare took so far) before it goes on without them."""
+ABORT_TIMEOUT_S = 5.0
+"""Deadline of an abort (nobody waits for it)."""
 
 
 class RoutedUpdates(LiveUpdates):
@@ -85,6 +109,7 @@ class RoutedUpdates(LiveUpdates):
         replicas that are behind the log are looked for (0: only before each update)."""
         super().__init__(state_dir, model, metrics, versions)
         self.client = client
+        self.prepare_s = client.config.update_prepare_ms / 1000.0
         self._shard_lock = threading.Lock()  # one update or sync talks to the shards at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -116,13 +141,22 @@ class RoutedUpdates(LiveUpdates):
         batch: UpdateBatch,
         update_log: UpdateLog,
         seq: int,
+        call: UpdateCall,
     ) -> PreparedUpdate:
         model, version = loaded.model, loaded.version
         resolved = resolve_update(model, batch, hold=host.gate.exclusive)
         record = to_record(resolved.resolved, seq)
-        with self._shard_lock:
-            self._sync(version, seq - 1)
-            prepared = self._prepare(version, seq, record.SerializeToString())
+        record.update_id = call.update_id
+        until = self._prepare_until(call)
+        if not self._shard_lock.acquire(timeout=_left(until)):
+            raise UnavailableError(
+                f"update {seq} not applied: replaying the log to a replica held the shards past "
+                f"this update's prepare deadline ({self.prepare_s:g} s)"
+            )
+        try:
+            self._sync(version, seq - 1, until)
+            attempt = uuid.uuid4().hex  # names this prepare on every replica
+            prepared = self._prepare(version, seq, attempt, record.SerializeToString(), until)
             try:
                 replies = [prepared[s][0][1] for s in sorted(prepared)]  # replicas agree
                 held = [_tensor(r.held, np.uint8, "held").bool() for r in replies]
@@ -136,25 +170,45 @@ class RoutedUpdates(LiveUpdates):
                 index = stats_index(model.index, sizes.sum(0), counts.sum(0), resolved.resolved)
                 record.list_sizes = tensor_bytes(sizes.sum(0), np.int64)
                 record.bit_counts = tensor_bytes(counts.sum(0), np.int64)
+                call.check_waiting(seq)  # a caller that gave up would retry it: log nothing
                 update_log.append(record.SerializeToString())  # durable: the commit point
             except BaseException:
-                self._finish(version, seq, _addresses(prepared), commit=False)
+                self._abort(version, seq, attempt)
                 raise
-            self._finish(version, seq, _addresses(prepared), commit=True)
+            self._commit(version, seq, attempt, _addresses(prepared))
+        finally:
+            self._shard_lock.release()
         return PreparedUpdate(with_index(model, index), resolved.resolved, resolved.writes)
 
-    def _prepare(self, version: int, seq: int, record: bytes) -> Prepared:
-        """Prepare on every replica -> each shard's answers (in replica order); refuses the
-        update (after aborting it everywhere) when a shard refuses it or has no replica that
-        prepared it."""
-        request = pb.PrepareRequest(model=self.model, version=version, sequence=seq, record=record)
-        calls = self._call_all("Prepare", request)
+    def _prepare_until(self, call: UpdateCall) -> float:
+        """When the shards' prepare of an update must be done (``time.monotonic()``): after
+        ``prepare_s``, or most of the caller's time, so the caller hears why it failed."""
+        window = self.prepare_s
+        left = call.left()
+        if left is not None:
+            window = min(window, PREPARE_SHARE * left)
+        return time.monotonic() + window
+
+    def _prepare(
+        self, version: int, seq: int, attempt: str, record: bytes, until: float
+    ) -> Prepared:
+        """Prepare on every replica, by ``until`` -> each shard's answers (in replica order);
+        refuses the update (after aborting it everywhere) when a shard refuses it or has no
+        replica that prepared it in time."""
+        request = pb.PrepareRequest(
+            model=self.model, version=version, sequence=seq, record=record, attempt=attempt
+        )
+        calls = self._call_all("Prepare", request, _left(until))
+        late = self._gather(calls, until)
         answers: Prepared = {}
         errors: dict[int, list[str]] = {}
         refused: str | None = None
-        for (shard, address), call in calls.items():
+        for (shard, address), future in calls.items():
+            if address in late:
+                errors.setdefault(shard, []).append(f"{address}: no answer in time")
+                continue
             try:
-                reply = call.result()
+                reply = future.result()
                 answers.setdefault(shard, []).append((address, reply))
             except grpc.RpcError as e:
                 why = f"{address}: {e.code().name}: {e.details()}"
@@ -162,35 +216,90 @@ class RoutedUpdates(LiveUpdates):
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     refused = f"shard {shard} refuses update {seq}: {e.details()}"
         missing = [s for s in range(self.client.num_shards) if s not in answers]
-        if refused is not None or missing:
-            self._finish(version, seq, _addresses(answers), commit=False)
-            if refused is not None:
-                raise RequestError(refused)
-            why = "; ".join(f"shard {s}: {', '.join(errors.get(s, []))}" for s in missing)
-            raise UnavailableError(
-                f"update {seq} not applied: every shard must take it, and no replica of shard "
-                f"{missing[0]} could ({why})"
-            )
-        return answers
+        if refused is None and not missing:
+            if late:  # they never commit this attempt: the sync loop replays it to them
+                self._abort(version, seq, attempt, late)
+            return answers
+        self._abort(version, seq, attempt)
+        if refused is not None:
+            raise RequestError(refused)
+        why = "; ".join(f"shard {s}: {', '.join(errors.get(s, []))}" for s in missing)
+        raise UnavailableError(
+            f"update {seq} not applied: every shard must take it, and no replica of shard "
+            f"{missing[0]} could in time ({why})"
+        )
 
-    def _finish(self, version: int, seq: int, addresses: list[str], commit: bool) -> None:
-        """Commit (or Abort) update ``seq`` on ``addresses``; a replica that misses a commit is
-        behind (the sync loop catches it up), a missed abort is replaced by the next prepare."""
-        request = pb.CommitRequest(model=self.model, version=version, sequence=seq)
-        method = "Commit" if commit else "Abort"
-        for address in addresses:
+    def _gather(self, calls: dict[tuple[int, str], Future[Any]], until: float) -> list[str]:
+        """Waits for the prepare ``calls`` until ``until``, or less once every shard has a
+        prepared replica: the others then get as long again as that took (at least
+        ``STRAGGLER_MIN_S``), so one frozen replica does not hold every update for the whole
+        deadline. -> the addresses still silent (their calls are left to expire)."""
+        finished: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        for key, future in calls.items():
+            future.add_done_callback(_tell(finished, key))
+        started, wait_until = time.monotonic(), until
+        silent, prepared = set(calls), set()
+        while silent:
             try:
-                getattr(self.client.stub(address), method)(request, timeout=UPDATE_TIMEOUT_S)
+                key = finished.get(timeout=max(wait_until - time.monotonic(), 0.0))
+            except queue.Empty:
+                break
+            silent.discard(key)
+            if calls[key].exception() is None:
+                prepared.add(key[0])
+            if len(prepared) == self.client.num_shards and wait_until == until:
+                took = time.monotonic() - started
+                wait_until = min(until, time.monotonic() + max(STRAGGLER_MIN_S, took))
+        return [address for _, address in silent]
+
+    def _commit(self, version: int, seq: int, attempt: str, addresses: list[str]) -> None:
+        """Commits prepare ``attempt`` of update ``seq`` (logged) on the replicas that prepared
+        it, waiting at most ``COMMIT_TIMEOUT_S``, even past the caller's deadline (the update is
+        durable; a retry with its update_id gets the reply): a replica that misses it is behind,
+        its searches of update ``seq`` are refused, and the sync loop replays the update to it."""
+        request = pb.CommitRequest(model=self.model, version=version, sequence=seq, attempt=attempt)
+        calls = {
+            a: self.client.stub(a).Commit.future(request, timeout=COMMIT_TIMEOUT_S)
+            for a in addresses
+        }
+        for address, future in calls.items():
+            try:
+                future.result()
             except grpc.RpcError as e:
                 log.warning(
-                    "model %s v%d update %d: %s on %s failed (%s: %s)%s", self.model, version,
-                    seq, method, address, e.code().name, e.details(),
-                    "; it is replayed when the replica answers" if commit else "",
+                    "model %s v%d update %d: Commit on %s failed (%s: %s); it is replayed when "
+                    "the replica answers", self.model, version, seq, address, e.code().name,
+                    e.details(),
                 )  # fmt: skip
 
-    def _call_all(self, method: str, request: Any) -> dict[tuple[int, str], Future[Any]]:
+    def _abort(
+        self, version: int, seq: int, attempt: str, addresses: list[str] | None = None
+    ) -> None:
+        """Aborts prepare ``attempt`` of update ``seq`` on ``addresses`` (None: every replica),
+        waiting for none: a replica that prepared it drops it, one that has not yet (frozen,
+        slow) refuses the prepare when it comes, and none ever commits it (a commit names its
+        attempt)."""
+        request = pb.CommitRequest(model=self.model, version=version, sequence=seq, attempt=attempt)
+        every = [a for replicas in self.client.shards for a in replicas]
+        for address in every if addresses is None else addresses:
+            future = self.client.stub(address).Abort.future(request, timeout=ABORT_TIMEOUT_S)
+            future.add_done_callback(self._aborted(version, seq, address))
+
+    def _aborted(self, version: int, seq: int, address: str) -> Callable[[Any], None]:
+        def done(future: Any) -> None:
+            if future.code() != grpc.StatusCode.OK:
+                log.info(
+                    "model %s v%d update %d: Abort on %s did not answer (%s); a prepare there "
+                    "is never committed", self.model, version, seq, address, future.code().name,
+                )  # fmt: skip
+
+        return done
+
+    def _call_all(
+        self, method: str, request: Any, timeout: float
+    ) -> dict[tuple[int, str], Future[Any]]:
         return {
-            (s, a): getattr(self.client.stub(a), method).future(request, timeout=UPDATE_TIMEOUT_S)
+            (s, a): getattr(self.client.stub(a), method).future(request, timeout=timeout)
             for s, replicas in enumerate(self.client.shards)
             for a in replicas
         }
@@ -199,21 +308,24 @@ class RoutedUpdates(LiveUpdates):
     def _sync_loop(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
             try:
-                with self._lock:
-                    logs = {v: lg.count for v, lg in self._logs.items()}
-                with self._shard_lock:
+                with self._shard_lock:  # the log's length read under the lock updates take
+                    with self._lock:
+                        logs = {v: lg.count for v, lg in self._logs.items()}
                     for version, count in logs.items():
                         self._sync(version, count)
             except Exception:
                 log.exception("model %s: replaying updates to shard replicas failed", self.model)
 
-    def _sync(self, version: int, upto: int) -> None:
+    def _sync(self, version: int, upto: int, until: float | None = None) -> None:
         """Brings every answering replica holding ``version`` to update ``upto`` by replaying
-        the logged updates it misses."""
+        the logged updates it misses, by ``until`` (``time.monotonic()``; None: each call gets
+        ``prepare_s``). Call with ``_shard_lock`` held and ``upto`` read under it: a replica
+        beyond ``upto`` is then beyond the log."""
         if upto <= 0:
             return
         behind: dict[str, int] = {}
-        for address, info in self.client.infos().items():
+        wait = INFO_TIMEOUT_S if until is None else min(INFO_TIMEOUT_S, _left(until))
+        for address, info in self.client.infos(wait).items():
             held = dict(zip(info.versions, info.sequences, strict=False))
             at = held.get(version)
             if at is not None and at < upto:
@@ -228,17 +340,22 @@ class RoutedUpdates(LiveUpdates):
             return
         records = read_log(log_path(self.state_dir, self.model, version)).records
         for address, at in behind.items():
-            self._replay_to(address, version, at, records[:upto])
+            self._replay_to(address, version, at, records[:upto], until)
 
-    def _replay_to(self, address: str, version: int, at: int, records: list[bytes]) -> None:
+    def _replay_to(
+        self, address: str, version: int, at: int, records: list[bytes], until: float | None
+    ) -> None:
         stub = self.client.stub(address)
         try:
             for seq in range(at + 1, len(records) + 1):
+                timeout = self.prepare_s if until is None else _left(until)
                 key: dict[str, Any] = {"model": self.model, "version": version, "sequence": seq}
+                attempt = uuid.uuid4().hex
                 stub.Prepare(
-                    pb.PrepareRequest(**key, record=records[seq - 1]), timeout=UPDATE_TIMEOUT_S
+                    pb.PrepareRequest(**key, record=records[seq - 1], attempt=attempt),
+                    timeout=timeout,
                 )
-                stub.Commit(pb.CommitRequest(**key), timeout=UPDATE_TIMEOUT_S)
+                stub.Commit(pb.CommitRequest(**key, attempt=attempt), timeout=COMMIT_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning(
                 "model %s v%d: replaying updates %d..%d to %s stopped (%s: %s)",
@@ -253,12 +370,24 @@ class RoutedUpdates(LiveUpdates):
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=INFO_TIMEOUT_S + UPDATE_TIMEOUT_S)
+            self._thread.join(timeout=INFO_TIMEOUT_S + self.prepare_s + COMMIT_TIMEOUT_S)
         super().close()
 
 
 Prepared = dict[int, list[tuple[str, pb.PrepareResponse]]]
 """Shard -> the replicas that prepared an update, with their answers."""
+
+
+def _tell(
+    finished: queue.SimpleQueue[tuple[int, str]], key: tuple[int, str]
+) -> Callable[[Any], None]:
+    """A future's done callback that puts ``key`` on ``finished``."""
+    return lambda _: finished.put(key)
+
+
+def _left(until: float) -> float:
+    """Seconds until ``until`` (``time.monotonic()``), at least 1 ms (a gRPC timeout)."""
+    return max(until - time.monotonic(), 0.001)
 
 
 def _addresses(prepared: Prepared) -> list[str]:

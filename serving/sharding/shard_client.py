@@ -153,10 +153,10 @@ class ShardClient:
             c.close()
 
     # ---- versions and identity --------------------------------------------------------------
-    def infos(self) -> dict[str, pb.InfoResponse]:
-        """``Info`` of every replica that answers (address -> answer)."""
+    def infos(self, timeout: float = INFO_TIMEOUT_S) -> dict[str, pb.InfoResponse]:
+        """``Info`` of every replica that answers within ``timeout`` s (address -> answer)."""
         calls = {  # wait_for_ready: a channel still connecting (a busy machine) is no answer yet
-            a: s.Info.future(pb.InfoRequest(), timeout=INFO_TIMEOUT_S, wait_for_ready=True)
+            a: s.Info.future(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)
             for a, s in self._stubs.items()
         }
         out = {}

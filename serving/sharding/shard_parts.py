@@ -4,11 +4,19 @@ A shard server holds its part of the newest ``keep`` versions. Each version move
 update sequence of the router's log (``serving/sharding/routed_updates.py``), two phases per
 update::
 
-    prepare(v, s, record)   the part at update s-1 -> the part at update s, built aside (pending);
-                            validates (INVALID_ARGUMENT), reports held items and statistics
-    commit(v, s)            the pending part becomes current; the part at s-1 is kept beside it,
-                            for a router still on s-1 until it switches (reads never straddle)
-    abort(v, s)             the pending part is dropped (a refused or abandoned update)
+    prepare(v, s, record, attempt)   the part at update s-1 -> the part at update s, built aside
+                                     (pending); validates (INVALID_ARGUMENT), reports held items
+                                     and statistics
+    commit(v, s, attempt)            the pending part of that attempt becomes current; the part at
+                                     s-1 is kept beside it, for a router still on s-1 until it
+                                     switches (reads never straddle)
+    abort(v, s, attempt)             the pending part is dropped (a refused or abandoned update),
+                                     and a prepare of that attempt arriving later is refused
+
+An attempt is the router's name for one prepare. A commit names the attempt it commits, so a
+prepare that ran late (a replica frozen while the router gave up on it, then resumed) can stand
+pending but is never made current: only the next prepare replaces it. Updates are durable only
+in the router's log; a shard holds nothing the router did not commit.
 
 A search names (version, sequence) and gets exactly that part, or FAILED_PRECONDITION when this
 shard is not there (a restarted shard is at 0 until the router replays its log to it).
@@ -18,6 +26,7 @@ Prepare and commit are serialized; searches read an immutable snapshot of ``vers
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +36,10 @@ from retrieval.index.ivf import IVFIndex
 from retrieval.live_shards import ShardUpdate, update_shard
 from serving.live.messages import from_record
 from serving.protos import admin_pb2
+
+ABORTS_REMEMBERED = 64
+"""Aborted attempts a shard remembers (their late prepares are refused); the router aborts at
+most a few per update it refuses."""
 
 
 class PartRefusedError(Exception):
@@ -40,11 +53,12 @@ class PartRefusedError(Exception):
 @dataclass(frozen=True)
 class PartVersion:
     """One version of the part: ``index`` after ``sequence`` updates, and ``previous`` (after
-    ``sequence - 1``; None at 0)."""
+    ``sequence - 1``; None at 0); ``attempt``: the prepare committed as ``sequence``."""
 
     sequence: int
     index: IVFIndex
     previous: IVFIndex | None = None
+    attempt: str = ""
 
     def at(self, sequence: int) -> IVFIndex | None:
         """The part after ``sequence`` updates, when it is held."""
@@ -54,8 +68,8 @@ class PartVersion:
             return self.previous
         return None
 
-    def advanced(self, index: IVFIndex) -> PartVersion:
-        return PartVersion(self.sequence + 1, index, self.index)
+    def advanced(self, index: IVFIndex, attempt: str) -> PartVersion:
+        return PartVersion(self.sequence + 1, index, self.index, attempt)
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,14 @@ class _Pending:
     version: int
     sequence: int
     index: IVFIndex
+    attempt: str
+
+    def named(self, version: int, sequence: int, attempt: str) -> bool:
+        """Whether this is the prepare a commit or abort names (an empty ``attempt``: an older
+        router, which names only the update)."""
+        return (self.version, self.sequence) == (version, sequence) and (
+            not attempt or attempt == self.attempt
+        )
 
 
 class ShardParts:
@@ -74,6 +96,7 @@ class ShardParts:
         self.versions: dict[int, PartVersion] = {}
         """Loaded versions -> their part; replaced (never mutated) on a change."""
         self._pending: _Pending | None = None
+        self._aborted: deque[str] = deque(maxlen=ABORTS_REMEMBERED)
         self._lock = threading.Lock()
 
     def add(self, version: int, index: IVFIndex, num_shards: int) -> None:
@@ -105,10 +128,19 @@ class ShardParts:
             )
         return version, index
 
-    def prepare(self, model: str, version: int, sequence: int, record: bytes) -> ShardUpdate:
+    def prepare(
+        self, model: str, version: int, sequence: int, record: bytes, attempt: str = ""
+    ) -> ShardUpdate:
         """Builds the part after update ``sequence`` aside -> the shard's update (held items,
-        statistics). The shard must be at ``sequence - 1``; a pending update is replaced."""
+        statistics). The shard must be at ``sequence - 1``; a pending update is replaced. An
+        ``attempt`` already aborted is refused (ABORTED): the router gave up on it."""
         with self._lock:
+            if attempt and attempt in self._aborted:
+                raise PartRefusedError(
+                    "ABORTED",
+                    f"shard {self.shard}: update {sequence} (attempt {attempt[:40]}) was aborted "
+                    "by the router before this prepare ran",
+                )
             part = self._part(model, version)
             if sequence != part.sequence + 1:
                 raise PartRefusedError(
@@ -127,32 +159,37 @@ class ShardParts:
                 )
             except (ValueError, DecodeError) as e:  # a record that does not fit this part
                 raise PartRefusedError("INVALID_ARGUMENT", f"update {sequence}: {e}") from None
-            self._pending = _Pending(version, sequence, done.index)
+            self._pending = _Pending(version, sequence, done.index, attempt)
             return done
 
-    def commit(self, model: str, version: int, sequence: int) -> None:
-        """Makes the prepared update ``sequence`` current (again: a no-op)."""
+    def commit(self, model: str, version: int, sequence: int, attempt: str = "") -> None:
+        """Makes the prepare ``attempt`` of update ``sequence`` current (again: a no-op).
+        Refused (FAILED_PRECONDITION) when another prepare, or none, is pending."""
         with self._lock:
             part = self._part(model, version)
             pending = self._pending
-            if part.sequence == sequence and (pending is None or pending.sequence != sequence):
+            if pending is not None and pending.named(version, sequence, attempt):
+                held = dict(self.versions)
+                held[version] = part.advanced(pending.index, pending.attempt)
+                self.versions = held
+                self._pending = None
+                return
+            if part.sequence == sequence and (not attempt or attempt == part.attempt):
                 return  # committed before: a retried commit
-            if pending is None or (pending.version, pending.sequence) != (version, sequence):
-                raise PartRefusedError(
-                    "FAILED_PRECONDITION",
-                    f"shard {self.shard} of {self.model!r} v{version}: update {sequence} is not "
-                    "prepared",
-                )
-            held = dict(self.versions)
-            held[version] = part.advanced(pending.index)
-            self.versions = held
-            self._pending = None
+            raise PartRefusedError(
+                "FAILED_PRECONDITION",
+                f"shard {self.shard} of {self.model!r} v{version}: update {sequence} is not "
+                "prepared here (by this attempt)",
+            )
 
-    def abort(self, version: int, sequence: int) -> None:
-        """Drops the prepared update ``sequence`` of ``version``, if it is the pending one."""
+    def abort(self, version: int, sequence: int, attempt: str = "") -> None:
+        """Drops the prepare ``attempt`` of update ``sequence`` of ``version`` if it is pending,
+        and refuses that attempt's prepare should it arrive later."""
         with self._lock:
+            if attempt and attempt not in self._aborted:
+                self._aborted.append(attempt)
             p = self._pending
-            if p is not None and (p.version, p.sequence) == (version, sequence):
+            if p is not None and p.named(version, sequence, attempt):
                 self._pending = None
 
     def sequences(self) -> dict[int, int]:

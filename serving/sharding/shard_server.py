@@ -152,9 +152,14 @@ class ShardServicer(pb_grpc.ShardServicer):
         self, request: pb.PrepareRequest, context: grpc.ServicerContext
     ) -> pb.PrepareResponse:
         parts = self.server.parts
+        if context.time_remaining() <= 0:  # a frozen or starved replica: the router gave up
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"update {request.sequence}: its deadline passed before the prepare started",
+            )
+        r = request
         done = self._updating(
-            context,
-            lambda: parts.prepare(request.model, request.version, request.sequence, request.record),
+            context, lambda: parts.prepare(r.model, r.version, r.sequence, r.record, r.attempt)
         )
         return pb.PrepareResponse(
             shard=parts.shard,
@@ -165,13 +170,12 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         parts = self.server.parts
-        self._updating(
-            context, lambda: parts.commit(request.model, request.version, request.sequence)
-        )
+        r = request
+        self._updating(context, lambda: parts.commit(r.model, r.version, r.sequence, r.attempt))
         return pb.CommitResponse()
 
     def Abort(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
-        self.server.parts.abort(request.version, request.sequence)
+        self.server.parts.abort(request.version, request.sequence, request.attempt)
         return pb.CommitResponse()
 
     @staticmethod

@@ -6,6 +6,8 @@ restarted router, including one that stopped between its log and the shards' com
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +20,13 @@ from retrieval.live_updates import RemoveItems, SetItemAttributes, UpsertItems, 
 from retrieval.model import RetrievalModel
 from serving.app.config import RouterConfig, ServeConfig
 from serving.app.server import Server
+from serving.live.messages import to_record
 from serving.live.update_log import log_path, read_log
 from serving.protos import admin_pb2 as pb
 from serving.protos.admin_pb2_grpc import AdminStub
 from serving.repository.repository import ModelRepository
 from serving.sharding import routed_updates
+from serving.sharding.shard_parts import PartRefusedError
 from serving.sharding.shard_server import ShardServer
 from support.topk_check import assert_same_topk
 from support.waiting import wait_until
@@ -43,8 +47,10 @@ class Routed:
         self.addresses = [s.start() for s in self.shards]
         self.router = self.start_router()
 
-    def start_router(self) -> Server:
-        cfg = RouterConfig(shards=[[a] for a in self.addresses], shard_deadline_ms=10_000.0)
+    def start_router(self, **router) -> Server:
+        cfg = RouterConfig(
+            shards=[[a] for a in self.addresses], shard_deadline_ms=10_000.0, **router
+        )
         router = Server(
             ServeConfig(
                 model_repo=self.root,
@@ -189,20 +195,16 @@ def test_a_restarted_shard_is_caught_up_from_the_routers_log(routed, tiny):
 def test_a_router_stopped_between_its_log_and_the_commit_completes_it_on_restart(
     routed, tiny, monkeypatch
 ):
-    finish = routed_updates.RoutedUpdates._finish
+    def crash_before_commit(self, *args):
+        raise RuntimeError("router killed after its log, before the shards' commit")
 
-    def crash_before_commit(self, version, seq, addresses, commit):
-        if commit:
-            raise RuntimeError("router killed after its log, before the shards' commit")
-        finish(self, version, seq, addresses, commit)
-
-    monkeypatch.setattr(routed_updates.RoutedUpdates, "_finish", crash_before_commit)
+    monkeypatch.setattr(routed_updates.RoutedUpdates, "_commit", crash_before_commit)
     routed.router.updates._stop.set()  # type: ignore[union-attr]  # no sync loop: it is "dead"
     with pytest.raises(grpc.RpcError):
         routed.admin.RemoveItems(pb.RemoveItemsRequest(ids=[3, 4]), timeout=WAIT)
     assert len(read_log(log_path(routed.state, "demo", routed.version)).records) == 1
     assert routed.sequences() == [0, 0]  # prepared, never committed
-    monkeypatch.setattr(routed_updates.RoutedUpdates, "_finish", finish)
+    monkeypatch.undo()
     routed.router.drain_and_stop(timeout=5)
     routed.router = routed.start_router()  # replays its log, then the shards'
     assert routed.sequences() == [1, 1]
@@ -243,3 +245,142 @@ def test_add_seen_through_the_router_excludes_for_the_named_user(tiny, tmp_path)
             assert r.router.state is not None
     finally:
         r.close()
+
+
+@pytest.mark.slow
+def test_a_retried_update_id_through_the_router_applies_once(routed, tiny):
+    """The router's log keeps the id: a retry gets the logged reply (after a router restart
+    too), and the shards see the update once."""
+    request = pb.RemoveItemsRequest(ids=[3, 4], update_id="rm-3-4")
+    first = routed.admin.RemoveItems(request, timeout=WAIT)
+    assert (first.sequence, first.update_id) == (1, "rm-3-4")
+    assert routed.admin.RemoveItems(request, timeout=WAIT) == first
+    routed.router.drain_and_stop(timeout=5)
+    routed.router = routed.start_router()
+    assert routed.admin.RemoveItems(request, timeout=WAIT) == first
+    assert routed.sequences() == [1, 1]
+    assert len(read_log(log_path(routed.state, "demo", routed.version)).records) == 1
+    assert_answers_as(routed, tiny, updated(tiny.model, [RemoveItems(torch.tensor([3, 4]))]))
+
+
+@pytest.mark.slow
+def test_a_shard_that_cannot_prepare_in_time_refuses_the_update_and_its_late_prepare(
+    routed, tiny, monkeypatch
+):
+    """A shard stalled in its prepare (in-process stand-in for a frozen replica): the router
+    answers UNAVAILABLE after update_prepare_ms, aborts, and the prepare that runs once the
+    shard moves again is refused, so nothing is applied anywhere."""
+    routed.router.drain_and_stop(timeout=5)
+    routed.router = routed.start_router(update_prepare_ms=1000.0)
+    parts = routed.shards[1].parts
+    stalled, go_on = threading.Event(), threading.Event()
+    prepare = parts.prepare
+
+    late: list[BaseException | None] = []
+
+    def stalled_prepare(*args):
+        stalled.set()
+        go_on.wait(WAIT)
+        try:
+            done = prepare(*args)
+        except BaseException as e:
+            late.append(e)
+            raise
+        late.append(None)
+        return done
+
+    monkeypatch.setattr(parts, "prepare", stalled_prepare)
+    start = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            routed.admin.RemoveItems(pb.RemoveItemsRequest(ids=[3], update_id="rm"), timeout=WAIT)
+        took = time.monotonic() - start
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no replica of shard 1" in err.value.details()
+        assert took < 1.0 + 3.0  # the prepare deadline, and slack for a busy machine
+        assert stalled.is_set()
+        wait_until(lambda: len(parts._aborted) == 1, timeout_s=WAIT, what="the abort arrived")
+    finally:
+        go_on.set()
+    wait_until(lambda: late, timeout_s=WAIT, what="the late prepare ran")
+    assert isinstance(late[0], PartRefusedError) and late[0].code == "ABORTED"
+    assert routed.sequences() == [0, 0]
+    assert read_log(log_path(routed.state, "demo", routed.version)).records == []
+    monkeypatch.undo()
+    reply = routed.admin.RemoveItems(pb.RemoveItemsRequest(ids=[3], update_id="rm"), timeout=WAIT)
+    assert reply.sequence == 1 and routed.sequences() == [1, 1]
+    assert_answers_as(routed, tiny, updated(tiny.model, [RemoveItems(torch.tensor([3]))]))
+
+
+def test_a_shard_commits_only_the_attempt_a_commit_names(routed):
+    """Shard side: a prepare of an aborted attempt is refused (ABORTED); a commit naming another
+    attempt than the pending one is refused; the named one commits, and again is a no-op."""
+    parts, v = routed.shards[0].parts, routed.version
+    record = to_record(RemoveItems(torch.tensor([3])), 1).SerializeToString()
+    parts.prepare("demo", v, 1, record, "a")
+    parts.abort(v, 1, "a")
+    with pytest.raises(PartRefusedError) as err:
+        parts.prepare("demo", v, 1, record, "a")  # late: after its abort
+    assert err.value.code == "ABORTED"
+    parts.prepare("demo", v, 1, record, "b")
+    with pytest.raises(PartRefusedError) as err:
+        parts.commit("demo", v, 1, "a")
+    assert err.value.code == "FAILED_PRECONDITION"
+    assert parts.sequences()[v] == 0
+    parts.commit("demo", v, 1, "b")
+    parts.commit("demo", v, 1, "b")  # a retried commit
+    assert parts.sequences()[v] == 1
+
+
+@pytest.mark.slow
+def test_a_stalled_replica_does_not_hold_the_update_and_is_caught_up(tiny, tmp_path, monkeypatch):
+    """Shard 1 has two replicas and one stalls in its prepare: once both shards have a prepared
+    replica the update goes on (well before update_prepare_ms), the stalled one's late prepare is
+    refused, and the sync loop catches it up from the log."""
+    r = Routed(tmp_path, tiny.model)
+    second = ShardServer(r.repo, "demo", 1, poll_s=0)
+    try:
+        second_address = second.start()
+        r.router.drain_and_stop(timeout=5)
+        cfg = RouterConfig(
+            shards=[[r.addresses[0]], [r.addresses[1], second_address]],
+            shard_deadline_ms=10_000.0,
+            update_prepare_ms=20_000.0,
+        )
+        r.router = Server(
+            ServeConfig(
+                model_repo=r.root, model="demo", grpc_port=0, poll_s=0, router=cfg,
+                state_dir=r.state,
+            )
+        )  # fmt: skip
+        r.router.start()
+        go_on, late = threading.Event(), []
+        prepare = second.parts.prepare
+
+        def stalled_prepare(*args):
+            go_on.wait(WAIT)
+            try:
+                return prepare(*args)
+            except PartRefusedError as e:
+                late.append(e.code)
+                raise
+
+        monkeypatch.setattr(second.parts, "prepare", stalled_prepare)
+        start = time.monotonic()
+        try:
+            reply = r.admin.RemoveItems(pb.RemoveItemsRequest(ids=[3]), timeout=WAIT)
+            took = time.monotonic() - start
+        finally:
+            go_on.set()
+        assert reply.sequence == 1 and r.sequences() == [1, 1]
+        assert took < 10.0, took  # the prepare deadline is 20 s
+        wait_until(lambda: late == ["ABORTED"], timeout_s=WAIT, what="the late prepare refused")
+        monkeypatch.undo()
+        wait_until(
+            lambda: second.parts.sequences()[r.version] == 1,
+            timeout_s=WAIT,
+            what="the stalled replica caught up from the log",
+        )
+    finally:
+        r.close()
+        second.stop(0)
