@@ -131,8 +131,9 @@ def resolve_update(
 
 
 def _prepare_seen(model: RetrievalModel, batch: AddSeen) -> Callable[[], None]:
-    """Validates the pairs and builds the grown store now; the write swaps its arrays into the
-    model's store (shared by every copy of the model) while batches are held off."""
+    """Validates the pairs (ids >= 0, one item per user) and builds the grown store now; the
+    write swaps its arrays into the model's store (shared by every copy of the model) while
+    batches are held off."""
     store = model.seen_store
     if store is None:
         raise UpdateError(
@@ -144,24 +145,10 @@ def _prepare_seen(model: RetrievalModel, batch: AddSeen) -> Callable[[], None]:
         raise UpdateError(
             "items", f"expected one item per user ({users.numel()}), got {items.numel()}"
         )
-    bound = seen_item_bound(model)
-    past = (items >= bound).nonzero().flatten()
-    if past.numel():  # checked before the store is rebuilt: nothing is allocated for it
-        j = int(past[0])
-        raise UpdateError(
-            "items", f"item {int(items[j])} is past the catalog (item ids 0..{bound - 1})", j
-        )
+    # the item and user bounds of a new call are the admin edge's (serving/live/messages.py):
+    # a replayed log record was taken once and must apply again
     grown = store.with_pairs(users, items)
     return lambda: store.take(grown)
-
-
-def seen_item_bound(model: RetrievalModel) -> int:
-    """One past the largest item id a seen pair may name: the item table's rows
-    (``config.num_items``), or one past the largest id in the index when items were upserted
-    beyond the table. A router's index holds no items (its shards do): there, the table's rows."""
-    ids = model.index.item_ids
-    top = int(ids.max()) + 1 if ids.numel() else 0
-    return max(model.config.num_items, top)
 
 
 # ---- items ------------------------------------------------------------------------------------

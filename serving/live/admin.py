@@ -21,6 +21,7 @@ from retrieval.live_updates import RemoveItems, UpdateBatch
 from retrieval.model import RetrievalModel
 from serving.engine.state import LiveUpdater, ServingState
 from serving.live.messages import (
+    CallBounds,
     id_tensor,
     parse_add_seen,
     parse_embeddings,
@@ -60,7 +61,10 @@ class AdminServicer(pb_grpc.AdminServicer):
         self, request: pb.UpsertItemsRequest, context: grpc.ServicerContext
     ) -> pb.UpdateReply:
         return self._call(
-            context, "upsert_items", request, lambda m: parse_upsert(request, m.index.dim)
+            context,
+            "upsert_items",
+            request,
+            lambda m: parse_upsert(request, m.index.dim, self._bounds(m)),
         )
 
     def RemoveItems(
@@ -88,13 +92,17 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
 
     def AddSeen(self, request: pb.AddSeenRequest, context: grpc.ServicerContext) -> pb.UpdateReply:
-        growth = self.state.limits.max_seen_user_growth
+        return self._call(
+            context, "add_seen", request, lambda m: parse_add_seen(request, self._bounds(m))
+        )
 
-        def parse(m: RetrievalModel) -> UpdateBatch:  # no store: the model refuses the call
-            users = None if m.seen_store is None else m.seen_store.num_users
-            return parse_add_seen(request, users, growth)
-
-        return self._call(context, "add_seen", request, parse)
+    def _bounds(self, m: RetrievalModel) -> CallBounds:
+        """The ids a call on the served model ``m`` may name (``[limits]``)."""
+        limits = self.state.limits
+        users = None if m.seen_store is None else m.seen_store.num_users
+        return CallBounds(
+            m.config.num_items, limits.max_item_id_growth, users, limits.max_seen_user_growth
+        )
 
     def _updates(self) -> LiveUpdater:
         if self.state.updates is None:

@@ -1,13 +1,17 @@
 """Wire messages (``serving/protos/admin.proto``) <-> update batches (``retrieval.live_updates``).
 
 The admin service parses calls with these, and the update log stores the resolved batches as
-``LogRecord`` messages, so a replayed record goes through the same parser as a call did.
+``LogRecord`` messages, so a replayed record goes through the same parser as a call did. The
+bounds a new call's ids must keep (:class:`CallBounds`, from ``[limits]``) are checked here,
+for calls only: a record in the log was taken once, under the bounds of its day, and must apply
+again when the log is replayed.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,12 +49,63 @@ def id_tensor(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
+@dataclass(frozen=True)
+class CallBounds:
+    """The ids a new admin call may name; one item bound for ``UpsertItems`` and ``AddSeen``,
+    the same on an unsharded server and a router (whose index holds no items to check against).
+    """
+
+    catalog: int
+    """The item table's rows (``config.num_items``)."""
+    item_growth: int
+    """``limits.max_item_id_growth``: item ids below ``catalog + item_growth`` are taken."""
+    store_users: int | None = None
+    """The users the model's seen store holds (None: no store, the model refuses ``AddSeen``)."""
+    user_growth: int = 0
+    """``limits.max_seen_user_growth``: user ids below ``store_users + user_growth``."""
+
+    def check_items(self, ids: torch.Tensor, where: str) -> None:
+        """``ids [n] int64``: RequestError naming ``where.format(i)`` for the first id at or past
+        the bound (negative ids are the model's to refuse)."""
+        bound = self.catalog + self.item_growth
+        past = (ids >= bound).nonzero().flatten()
+        if past.numel():
+            i = int(past[0])
+            raise RequestError(
+                f"{where.format(i)}: item {int(ids[i])} is past the catalog's {self.catalog} "
+                f"items + {self.item_growth} (limits.max_item_id_growth): ids up to "
+                f"{bound - 1} are taken"
+            )
+
+    def check_users(self, users: torch.Tensor) -> None:
+        """``users [n] int64`` of an ``AddSeen``: RequestError naming ``users[j]`` for the first
+        past the store's users + growth (no store: nothing to check, the model refuses)."""
+        if self.store_users is None:
+            return
+        bound = self.store_users + self.user_growth
+        past = (users >= bound).nonzero().flatten()
+        if past.numel():
+            j = int(past[0])
+            raise RequestError(
+                f"users[{j}]: user {int(users[j])} is past the seen store's {self.store_users} "
+                f"users + {self.user_growth} (limits.max_seen_user_growth): ids up to "
+                f"{bound - 1} are taken"
+            )
+
+
 def parse_upsert(
-    msg: pb.UpsertItemsRequest, dim: int, max_norm: float | None = MAX_VECTOR_NORM
+    msg: pb.UpsertItemsRequest,
+    dim: int,
+    bounds: CallBounds | None,
+    max_norm: float | None = MAX_VECTOR_NORM,
 ) -> UpsertItems:
-    """``UpsertItems`` message -> batch; ``dim``: the model's vector width D; ``max_norm``: the
-    longest vector taken (None: any, for a log's records, which were taken once)."""
+    """``UpsertItems`` message -> batch; ``dim``: the model's vector width D; ``bounds``: the
+    item ids a call may name, checked before anything is built; ``max_norm``: the longest
+    vector taken (None for both: any, for a log's records, which were taken once)."""
     n = len(msg.items)
+    ids = id_tensor([it.id for it in msg.items])
+    if bounds is not None:
+        bounds.check_items(ids, "items[{}].id")
     vectors, given = torch.zeros(n, dim), torch.zeros(n, dtype=torch.bool)
     for i, item in enumerate(msg.items):
         if len(item.vector) not in (0, dim):
@@ -69,32 +124,21 @@ def parse_upsert(
             vectors[i] = torch.from_numpy(vector)
             given[i] = True
     attrs = [_attributes(it.attributes, f"items[{i}].attributes") for i, it in enumerate(msg.items)]
-    return UpsertItems(
-        id_tensor([it.id for it in msg.items]), attrs, vectors if bool(given.any()) else None, given
-    )
+    return UpsertItems(ids, attrs, vectors if bool(given.any()) else None, given)
 
 
-def parse_add_seen(
-    msg: pb.AddSeenRequest, store_users: int | None = None, growth: int = 0
-) -> AddSeen:
-    """``AddSeen`` message -> batch. ``store_users``: the users the model's seen store holds;
-    a user id must then be below ``store_users + growth`` (``limits.max_seen_user_growth``),
-    checked before the store grows (None: any, for a log's records, which were taken once)."""
+def parse_add_seen(msg: pb.AddSeenRequest, bounds: CallBounds | None) -> AddSeen:
+    """``AddSeen`` message -> batch. ``bounds``: the users and items a call may name, checked
+    before the store grows (None: any, for a log's records, which were taken once)."""
     if len(msg.users) != len(msg.items):
         raise RequestError(
             f"items: expected one item per user ({len(msg.users)}), got {len(msg.items)}"
         )
-    users = id_tensor(msg.users)
-    if store_users is not None and users.numel():
-        bound = store_users + growth
-        past = (users >= bound).nonzero().flatten()
-        if past.numel():
-            j = int(past[0])
-            raise RequestError(
-                f"users[{j}]: user {int(users[j])} is past the seen store's {store_users} users "
-                f"+ {growth} (limits.max_seen_user_growth): ids up to {bound - 1} are taken"
-            )
-    return AddSeen(users, id_tensor(msg.items))
+    users, items = id_tensor(msg.users), id_tensor(msg.items)
+    if bounds is not None:
+        bounds.check_users(users)
+        bounds.check_items(items, "items[{}]")
+    return AddSeen(users, items)
 
 
 def parse_set_attributes(msg: pb.SetItemAttributesRequest) -> SetItemAttributes:
@@ -168,7 +212,7 @@ def from_record(
     update is then None)."""
     which = record.WhichOneof("update")
     if which == "upsert_items":
-        return parse_upsert(record.upsert_items, dim, max_norm=None)
+        return parse_upsert(record.upsert_items, dim, None, max_norm=None)
     if which == "remove_items":
         return RemoveItems(id_tensor(record.remove_items.ids))
     if which == "set_item_attributes":
@@ -178,7 +222,7 @@ def from_record(
             return None
         return parse_embeddings(record.update_embeddings, widths)
     if which == "add_seen":  # a shard keeps no store: it only counts the record
-        return None if widths is None else parse_add_seen(record.add_seen)
+        return None if widths is None else parse_add_seen(record.add_seen, None)
     raise ValueError(f"log record {record.sequence}: no update in it")
 
 

@@ -10,11 +10,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
+import torch
 
 from retrieval.model import RetrievalModel
 from serving.app.server import Server
 from serving.live import admin
+from serving.live.update_log import UpdateLog, log_path
 from serving.protos import admin_pb2 as pb
 from serving.protos import recommend_pb2
 from serving.protos.admin_pb2_grpc import AdminStub
@@ -81,16 +84,14 @@ def test_consumed_items_leave_the_users_answers_and_survive_a_restart(start, tin
         (pb.AddSeenRequest(users=[], items=[]), "users: empty: nothing to update"),
         # the tiny model's catalog is items 0..299, its store holds users 0..99
         (
-            pb.AddSeenRequest(users=[1], items=[300]),
-            "items[0]: item 300 is past the catalog (item ids 0..299)",
-        ),
-        (
-            pb.AddSeenRequest(users=[1, 2], items=[5, 99999]),
-            "items[1]: item 99999 is past the catalog (item ids 0..299)",
+            pb.AddSeenRequest(users=[1, 2], items=[5, 1_000_300]),
+            "items[1]: item 1000300 is past the catalog's 300 items + 1000000 "
+            "(limits.max_item_id_growth): ids up to 1000299 are taken",
         ),
         (
             pb.AddSeenRequest(users=[1], items=[1 << 62]),
-            f"items[0]: item {1 << 62} is past the catalog (item ids 0..299)",
+            f"items[0]: item {1 << 62} is past the catalog's 300 items + 1000000 "
+            "(limits.max_item_id_growth): ids up to 1000299 are taken",
         ),
         (
             pb.AddSeenRequest(users=[3, 10**7], items=[7, 7]),
@@ -135,3 +136,72 @@ def test_a_model_without_a_store_refuses_add_seen(start, tiny):
         AdminStub(ch).AddSeen(pb.AddSeenRequest(users=[1], items=[2]), timeout=WAIT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("users: the model keeps no seen store")
+
+
+def _query_item(tiny: Tiny, id_: int, user: int) -> pb.Item:
+    """Item ``id_`` with a vector along ``user``'s query, long: it ranks first for that user."""
+    with torch.inference_mode():
+        q = tiny.model.user_vectors(tiny.prep.user_batch(np.array([user])))[0]
+    return pb.Item(id=id_, vector=(q * 50).tolist())
+
+
+def test_upserts_and_seen_pairs_share_one_item_bound(start, tiny):
+    """``limits.max_item_id_growth`` 10 over the 300-item catalog: item 309 may be upserted
+    (its vector given) and named by a seen pair; 310 is refused by both, naming the field and
+    the bound, and nothing is logged for it."""
+    server = start(tiny.with_seen_store(), limits={"max_item_id_growth": 10})
+    with grpc.insecure_channel(server.addresses.grpc) as ch:
+        adm, rec = AdminStub(ch), RecommenderStub(ch)
+        assert (
+            adm.UpsertItems(
+                pb.UpsertItemsRequest(items=[_query_item(tiny, 309, 3)]), timeout=WAIT
+            ).sequence
+            == 1
+        )
+        assert _ids(rec, _named(tiny, 3))[0] == 309
+        assert adm.AddSeen(pb.AddSeenRequest(users=[3], items=[309]), timeout=WAIT).sequence == 2
+        assert 309 not in _ids(rec, _named(tiny, 3))
+        bound = "is past the catalog's 300 items + 10 (limits.max_item_id_growth): ids up to 309"
+        calls = [
+            (adm.UpsertItems, pb.UpsertItemsRequest(items=[_query_item(tiny, 310, 3)]), "items[0].id"),
+            (adm.AddSeen, pb.AddSeenRequest(users=[3, 3], items=[5, 310]), "items[1]"),
+        ]  # fmt: skip
+        for call, request_, where in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                call(request_, timeout=WAIT)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == f"{where}: item 310 {bound} are taken"
+        assert adm.AddSeen(pb.AddSeenRequest(users=[4], items=[1]), timeout=WAIT).sequence == 3
+
+
+def test_records_taken_under_looser_bounds_are_replayed(start, tiny, tmp_path):
+    """A log written under looser bounds (or by older code, which had none) holds an upsert of
+    item 2**62 and seen pairs past today's user and item bounds: the version still loads with
+    every record applied; the bounds refuse only new calls."""
+    huge, user = 1 << 62, 3
+    path = log_path(tmp_path / "state", "demo", 1)
+    records = [  # the seen pairs first: item 2**62 is not in the index yet
+        pb.LogRecord(sequence=1, add_seen=pb.AddSeenRequest(users=[user, 150], items=[huge, 400])),
+        pb.LogRecord(sequence=2, upsert_items=pb.UpsertItemsRequest(items=[_query_item(tiny, huge, user)])),
+    ]  # fmt: skip
+    update_log, _ = UpdateLog.open(path)
+    for r in records:
+        update_log.append(r.SerializeToString())
+    update_log.close()
+
+    limits = {"max_item_id_growth": 0, "max_seen_user_growth": 0}
+    server = start(tiny.with_seen_store(), limits=limits)
+    loaded = server.host.loaded
+    assert loaded is not None and loaded.sequence == 2
+    with grpc.insecure_channel(server.addresses.grpc) as ch:
+        adm, rec = AdminStub(ch), RecommenderStub(ch)
+        assert _ids(rec, tiny.message(user))[0] == huge  # the upsert was replayed
+        assert huge not in _ids(rec, _named(tiny, user))  # and the seen pair
+        for request_ in (
+            pb.AddSeenRequest(users=[user], items=[huge]),  # the same pair, a new call: refused
+            pb.AddSeenRequest(users=[151], items=[1]),  # past the store, grown to 151 users
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                adm.AddSeen(request_, timeout=WAIT)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert adm.AddSeen(pb.AddSeenRequest(users=[150], items=[1]), timeout=WAIT).sequence == 3

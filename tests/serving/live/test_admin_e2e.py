@@ -105,10 +105,12 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError(f"no VmRSS for process {pid}")
 
 
-def test_a_huge_add_seen_is_refused_fast_without_growing_the_server(tmp_path: Path, tiny):
+def test_huge_ids_are_refused_fast_without_growing_the_server(tmp_path: Path, tiny):
     """A ~30-byte ``AddSeen`` naming user 10**7 grew a server by ~90 MB (the store's index of
     users rebuilt to 10**7 rows) and 2**62 by more before failing: now both are refused naming
-    ``users`` and the bound, before the store grows, and a valid call still applies."""
+    ``users`` and the bound, before the store grows; an ``UpsertItems`` of item 2**62 (its
+    vector given) and a seen pair naming it are refused naming the item's field and the item
+    bound; nothing is logged for any of them, and a valid call still applies as update 1."""
     repository.ModelRepository(tmp_path / "repo").publish("demo", tiny.with_seen_store())
     toml = tmp_path / "serve.toml"
     toml.write_text(f'state_dir = "{tmp_path / "state"}"\npoll_s = 0.0\n')
@@ -129,10 +131,24 @@ def test_a_huge_add_seen_is_refused_fast_without_growing_the_server(tmp_path: Pa
                 assert err.value.details().startswith(f"users[0]: user {user} is past the seen")
                 assert "limits.max_seen_user_growth" in err.value.details()
                 assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
+            huge = [
+                (admin.UpsertItems, pb.UpsertItemsRequest(items=[pb.Item(id=1 << 62, vector=[0.5] * tiny.model.index.dim)]), "items[0].id"),
+                (admin.AddSeen, pb.AddSeenRequest(users=[3], items=[1 << 62]), "items[0]"),
+            ]  # fmt: skip
+            for call, request_, where in huge:
+                start = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    call(request_, timeout=WAIT)
+                took.append(time.monotonic() - start)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details().startswith(
+                    f"{where}: item {1 << 62} is past the catalog"
+                )
+                assert "(limits.max_item_id_growth)" in err.value.details()
             grown = _rss_mib(proc.pid) - before
             assert grown < 16, f"the server grew by {grown:.1f} MiB on refused calls"
             reply = admin.AddSeen(pb.AddSeenRequest(users=[3], items=[7]), timeout=WAIT)
             assert reply.sequence == 1  # the refused calls logged nothing
-            print(f"huge AddSeen: refused in {max(took) * 1000:.1f} ms, grew {grown:.1f} MiB")
+            print(f"huge ids: refused in <= {max(took) * 1000:.1f} ms, grew {grown:.1f} MiB")
     finally:
         proc.stop()

@@ -22,6 +22,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from serving.app.server import Server
+from serving.limits import LimitsConfig
 from serving.live import admin, messages
 from serving.live.update_log import log_path, read_log
 from serving.protos import admin_pb2 as pb
@@ -31,6 +32,8 @@ from support.fuzz_util import WAIT, Quiet, fuzz_settings, serving
 from support.tiny_model import Tiny
 
 NUM_ITEMS = 300
+ID_BOUND = NUM_ITEMS + LimitsConfig().max_item_id_growth
+"""An upserted id must be below the catalog + ``limits.max_item_id_growth`` (the default)."""
 DIM = 64
 TABLES = {"item": (300, 32), "user_region": (6, 32), "attr_language": (8, 32), "nope": (1, 32)}
 ATTRIBUTES = {"language": ["en", "fr", "xx"], "available": ["true", "false", "maybe"], "colour": ["red"]}  # fmt: skip
@@ -79,7 +82,7 @@ def logged(server: Server) -> int:
 ids = st.one_of(
     st.integers(0, NUM_ITEMS - 1),  # in the index (unless removed by an earlier example)
     st.integers(5000, 5010),  # new
-    st.sampled_from([-1, -(2**63), 2**63 - 1, NUM_ITEMS]),
+    st.sampled_from([-1, -(2**63), 2**63 - 1, NUM_ITEMS, ID_BOUND - 1, ID_BOUND]),
 )
 floats = st.one_of(
     st.floats(-1, 1, width=32),
@@ -144,6 +147,7 @@ def requests(draw: st.DrawFn) -> tuple[str, object, list[str]]:
     if method == "SetItemAttributes":
         items = [pb.ItemAttributes(id=i, attributes=draw(attributes(bad))) for i in item_ids]
         return method, pb.SetItemAttributesRequest(items=items, **target), bad
+    bad += ["an id past the catalog + growth"] if any(i >= ID_BOUND for i in item_ids) else []
     items = []
     for i in item_ids:
         width = draw(st.sampled_from([DIM, 0, DIM, 3, DIM + 1]))
@@ -234,7 +238,7 @@ finite = st.floats(-1, 1, width=32) | st.sampled_from([1e16, -1e16, 65504.0, 1e-
 @settings(max_examples=60, deadline=None, database=None)
 @given(st.data())
 def test_valid_updates_are_applied(server, channel, tiny, data):
-    """Valid updates of every kind (finite values however large, ids however large) are
+    """Valid updates of every kind (finite values however large, ids up to the bound) are
     applied, logged, and the server still recommends with finite scores."""
     in_index = sorted(server.host.current().model.index.item_ids.tolist())
     log_before = logged(server)
@@ -247,7 +251,7 @@ def test_valid_updates_are_applied(server, channel, tiny, data):
         st.sampled_from(["UpsertItems", "SetItemAttributes", "UpdateEmbeddings", "RemoveItems"])
     )
     if method == "UpsertItems":
-        new = st.integers(0, NUM_ITEMS - 1) | st.integers(5000, 5010) | st.just(2**63 - 1)
+        new = st.integers(0, NUM_ITEMS - 1) | st.integers(5000, 5010) | st.just(ID_BOUND - 1)
         items = []
         for i in data.draw(st.lists(new, min_size=1, max_size=3, unique=True)):
             width = DIM if i >= NUM_ITEMS else data.draw(st.sampled_from([DIM, 0]))

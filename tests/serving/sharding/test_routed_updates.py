@@ -20,6 +20,7 @@ from retrieval.live_updates import RemoveItems, SetItemAttributes, UpsertItems, 
 from retrieval.model import RetrievalModel
 from serving.app.config import RouterConfig, ServeConfig
 from serving.app.server import Server
+from serving.limits import LimitsConfig
 from serving.live.messages import to_record
 from serving.live.update_log import log_path, read_log
 from serving.protos import admin_pb2 as pb
@@ -384,3 +385,50 @@ def test_a_stalled_replica_does_not_hold_the_update_and_is_caught_up(tiny, tmp_p
     finally:
         r.close()
         second.stop(0)
+
+
+def test_the_router_refuses_item_ids_past_the_bound_before_any_shard_prepares(
+    tiny, tmp_path, monkeypatch
+):
+    """The router and an unsharded server take the same item ids: below the catalog +
+    ``limits.max_item_id_growth``. The last id taken is upserted and then named by a seen pair;
+    an upsert of 2**62 and a seen pair naming it are refused on the router, naming the field and
+    the bound, before any shard is asked to prepare, and nothing is logged for them."""
+    r = Routed(tmp_path, tiny.with_seen_store())
+    prepares: list[int] = []
+    for shard in r.shards:
+        prepare = shard.parts.prepare
+
+        def counted(model, version, sequence, record, attempt="", prepare=prepare):
+            prepares.append(sequence)
+            return prepare(model, version, sequence, record, attempt)
+
+        monkeypatch.setattr(shard.parts, "prepare", counted)
+    try:
+        admin, dim = r.admin, tiny.model.index.dim
+        catalog, growth = tiny.model.config.num_items, LimitsConfig().max_item_id_growth
+        last = catalog + growth - 1
+        vec = torch.randn(dim, generator=torch.Generator().manual_seed(3))
+        assert (
+            admin.UpsertItems(pb.UpsertItemsRequest(items=[item(last, vec)]), timeout=WAIT).sequence
+            == 1
+        )
+        assert admin.AddSeen(pb.AddSeenRequest(users=[2], items=[last]), timeout=WAIT).sequence == 2
+        assert prepares == [1, 1, 2, 2]  # both shards, both updates
+        bound = (
+            f"item {1 << 62} is past the catalog's {catalog} items + {growth} "
+            f"(limits.max_item_id_growth): ids up to {last} are taken"
+        )
+        huge = [
+            (admin.UpsertItems, pb.UpsertItemsRequest(items=[item(1 << 62, vec)]), "items[0].id"),
+            (admin.AddSeen, pb.AddSeenRequest(users=[2], items=[1 << 62]), "items[0]"),
+        ]  # fmt: skip
+        for call, request_, where in huge:
+            with pytest.raises(grpc.RpcError) as err:
+                call(request_, timeout=WAIT)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == f"{where}: {bound}"
+        assert prepares == [1, 1, 2, 2] and r.sequences() == [2, 2]
+        assert len(read_log(log_path(r.state, "demo", r.version)).records) == 2
+    finally:
+        r.close()
