@@ -8,7 +8,7 @@ them by server and sends ONE ``Lookup`` per server (covering all tables) in para
 deadline, then puts the packed rows back in request order. Calls are blocking stub calls: the
 last server's in the caller's thread, the others' on a pool of this client's (a gRPC future
 starts a channel-polling thread whenever its channel was idle, which for a lone caller is every
-call: ~0.3 ms of CPU and a thread hand-off each). A server that is down or misses the
+call: a thread's start and a hand-off each). A server that is down or misses the
 deadline raises :class:`RemoteLookupError` (code and address in the message) or, with
 ``fallback="zero"``, gives zero rows for its ids and is counted (:meth:`RemoteTables.stats` and the
 ``recserve_remote_*`` Prometheus counters, label ``server``). Errors that are the caller's
@@ -167,7 +167,7 @@ class RemoteTables(RowStore):
                     f"table {name!r}: ids must be int64 [n], got {ids.dtype} {list(ids.shape)}"
                 )
             # numpy, not torch: torch's OpenMP workers spin after each op and starve the servers'
-            # threads on a small host (measured 10x median latency on 2 cores)
+            # threads on a small host (the median latency grew many times over)
             ids_np = ids.cpu().numpy()
             inverse: np.ndarray | None = None  # None: the ids are distinct and ascending already
             if len(ids_np) > 1 and not (ids_np[1:] > ids_np[:-1]).all():

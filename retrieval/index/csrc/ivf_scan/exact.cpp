@@ -121,7 +121,8 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
 #ifdef RECSERVE_X86
   const bool avx2 = int8_isa() != Isa::kPortable && __builtin_cpu_supports("fma");
 #endif
-  // ~50 ns a row and query: a thread team (woken, then spinning after) pays off past ~4k rows
+  // a row and query are little work: a thread team (woken, then spinning after) pays off only
+  // past a few thousand rows
   at::parallel_for(0, m, std::max<int64_t>(1, 4096 / std::max<int64_t>(b_count, 1)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = pp[i];
@@ -144,10 +145,10 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
 // Many queries' scores of chosen rows (the exact plan's, B > a few), as the list scan scores them:
 // q [B, D] f32, pos [M], centroids_t [D, L] -> [B, M] f32 = q·c[list] + scale * qscale[b] * dot,
 // the query quantized as the scan quantizes it (quantize_queries), every dot from one int8 GEMM
-// (at::_int_mm: 3-4x the float matmul of decoded rows it replaces, and no [M, D] float copy), q·c
-// as the probe computes it (centroid_dots), the scores written over the int32 dots: into
-// `into` (int32, at least B x M elements, reused by the caller: a fresh [B, M] costs its page
-// faults, ~10 ms of a 38 MB result) or, undefined, a new tensor.
+// (at::_int_mm: faster than the float matmul of decoded rows it replaces, and no [M, D] float
+// copy), q·c as the probe computes it (centroid_dots), the scores written over the int32 dots:
+// into `into` (int32, at least B x M elements, reused by the caller: a fresh [B, M] costs the
+// page faults of a large result) or, undefined, a new tensor.
 
 at::Tensor gemm_rows_int8_into(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
                                const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t,
@@ -204,8 +205,8 @@ at::Tensor gemm_rows_int8_into(const at::Tensor& q, const at::Tensor& pos, const
 
 // Below this many rows or dimensions, the int8 GEMM's other costs (the queries quantized, the
 // lists' q·c, its epilogue over [B, M]) outweigh its faster dots: decoded rows and a float matmul
-// cost less (measured at B = 16 and 1000: parity near 512-768 rows at 300-d and 784-d; at 64-d
-// the float path stayed ahead up to 4096 rows).
+// cost less (the break-even, measured for few and many queries, lies below kGemmRows at the wide
+// dimensions; at narrow ones the float path stays ahead longer).
 constexpr int64_t kGemmRows = 1024, kGemmDims = 128;
 
 // Many queries' scores of chosen rows (IVFIndex.scores_at past a few queries): q [B, D] f32,
@@ -333,7 +334,7 @@ std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
       b_count <= few ? score_rows_int8(q, rows, codes, scales, offsets, centroid_dots(q, centroids_t))
                      : many_rows_int8(q, rows, codes, scales, offsets, centroids_t, buffer);
   auto [best, idx] = topk_rows(scores, k);  // pads -1 / -inf where fewer than k rows pass
-  // the positions' item ids in place (six [B, k] tensor ops took ~0.7 ms at B = 1000, k = 100)
+  // the positions' item ids in place (six [B, k] tensor ops in its place cost more than the loop)
   int64_t* ip = idx.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* item = item_ids.data_ptr<int64_t>();

@@ -6,7 +6,7 @@
 namespace ivf {
 
 // Positions pos [B, k] int64 (-1 pads) -> item ids [B, k] (-1 pads) through item_ids [N] int64, in one
-// parallel pass (NumPy's gather and where over a 1,000 x 100 batch were ~6 % of a 256-d search).
+// parallel pass (NumPy's gather and where, two passes and a temporary, showed in a search's profile).
 at::Tensor ids_of_positions(const at::Tensor& pos, const at::Tensor& item_ids) {
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.device().is_cpu(),
               "pos must be contiguous CPU int64");
@@ -44,8 +44,8 @@ void check_id_order(const at::Tensor& item_ids, const at::Tensor& perm) {
 // ids were spread evenly between the smallest and the largest (exact for a contiguous range of ids,
 // the common catalog; near for ids spread evenly, a document shard's). From the guess the search
 // gallops to bracket w, then bisects the bracket. A plain bisection over the whole order takes
-// ~17 dependent loads from ids and order for 100k items, most of them cache misses (~2 us an id
-// from a cold cache); a good guess takes two.
+// log2(N) dependent loads from ids and order, most of them cache misses from a cold cache; a good
+// guess takes two.
 inline int64_t first_at_least(const int64_t* ids, const int32_t* order, int64_t n, int64_t lo_id, double slope,
                               int64_t w) {
   const auto at = [&](int64_t j) { return ids[order[j]]; };
@@ -149,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& hold, const ProbeTable& table) {
   // A kernel forced by $RECSERVE_SCAN_KERNEL (retrieval.index.scan.KERNEL_ENV: set, and not
   // "auto"): not this call's to answer, undefined tensors back (the caller takes the step-by-step
-  // path through the forced kernel). Read here, ~50 ns, where os.environ took ~1 us a query.
+  // path through the forced kernel). Read here: a getenv costs less than os.environ's lookup.
   if (const char* forced = std::getenv("RECSERVE_SCAN_KERNEL"); forced && std::strcmp(forced, "auto") != 0)
     return {at::Tensor(), at::Tensor(), false};
   TORCH_CHECK(excl_ids.dim() == 2 && excl_ids.size(0) == q.size(0) && excl_ids.scalar_type() == at::kLong &&

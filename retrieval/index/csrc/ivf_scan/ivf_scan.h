@@ -122,7 +122,7 @@ inline void push_scores(const float* s, int64_t n, int64_t pos0, int64_t r, std:
       push(s[i + j], i + j);
     }
   }
-#elif defined(__AVX2__)  // a build for AVX2 CPUs: 8 at a time (the probe's top lists: 6 % of a batch)
+#elif defined(__AVX2__)  // a build for AVX2 CPUs: 8 at a time (the probe's top lists of a batch)
   for (; i + 8 <= n; i += 8) {
     unsigned gt = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(worst), _CMP_GT_OQ));
     while (gt) {
@@ -159,7 +159,7 @@ inline bool common_prefix(uint32_t lo, uint32_t hi, uint32_t& t, int& top) {
 #ifdef RECSERVE_AVX512_BUILD
 // The kept-th largest of asc[0..n) (1 <= kept <= n): the largest t with at least kept values >= t,
 // found bit by bit from the top, each bit one branch-free counting pass (nth_element's partitions
-// mispredicted about every other element: ~30 % of a batched scan at 300 candidates a query).
+// mispredicted about every other element, a large share of a batched scan).
 inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
   const __mmask16 last = __mmask16((1u << (n % 16)) - 1);
   __m512i lo = _mm512_set1_epi32(-1), hi = _mm512_setzero_si512();
@@ -209,8 +209,8 @@ inline void rank_sort_keys(const uint64_t* keys, int64_t n, uint64_t* out) {
   }
 }
 #elif defined(__AVX2__)
-// kth_largest on a build for AVX2 CPUs: 8 keys a compare. nth_element in its place was 13 % of a
-// batch there (and its sort 5 %).
+// kth_largest on a build for AVX2 CPUs: 8 keys a compare, where nth_element (and its sort)
+// mispredict as they do on AVX-512 builds.
 inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
   __m256i lo = _mm256_set1_epi32(-1), hi = _mm256_setzero_si256();
   int64_t i0 = 0;
@@ -245,7 +245,7 @@ inline uint32_t kth_largest(const uint32_t* asc, int64_t n, int64_t kept) {
 }
 
 // rank_sort_keys on a build for AVX2 CPUs: 4 keys a compare (signed, on keys with the sign bit
-// flipped). A std::sort of the kept keys in its place was 10 % of a 256-d batch there (mispredicts).
+// flipped). A std::sort of the kept keys in its place mispredicts on most compares.
 // The keys are flipped once into a copy padded to 4 with the largest key (never below another),
 // and counts stay in lanes, summed once a key (see kth_largest). n <= kRankSortMax.
 inline void rank_sort_keys(const uint64_t* keys, int64_t n, uint64_t* out) {
@@ -312,8 +312,8 @@ inline uint32_t ascending_bits(float score) {
 }
 
 // A candidate as one integer that sorts in BetterFirst's order: the score's ascending bits flipped
-// (higher first) above the position (lower first). Integer compares have no branch on ties (perf:
-// the pair selection was 19 % of a one-query scan). Positions must be below 2^32.
+// (higher first) above the position (lower first). Integer compares have no branch on ties
+// (the pair compare's branches dominated a one-query selection). Positions must be below 2^32.
 inline uint64_t best_first_key(float score, int64_t pos) {
   return (uint64_t(~ascending_bits(score)) << 32) | uint64_t(pos);
 }
@@ -328,7 +328,7 @@ inline Cand from_key(uint64_t key) {
 }
 
 // Scratch of keep_best, owned by the caller's thread (a thread_local in this library is looked up
-// again through __tls_get_addr inside every loop that calls out: 13 % of a one-query select).
+// again through __tls_get_addr inside every loop that calls out, a cost a one-query select feels).
 struct SelectScratch {
   std::vector<uint64_t> keys, sorted;
   std::vector<uint32_t> asc, pos;
@@ -386,8 +386,8 @@ inline void keep_best(std::vector<Cand>& cands, int64_t r, SelectScratch& scratc
 // keys (ascending_bits, 16 at a time) at or above a threshold are compress-stored with their
 // positions; when the buffer fills, it is cut to its best k (kth_largest, the lowest positions
 // among ties at the cut) and the threshold rises to the k-th key. The bounded heap this replaces
-// mispredicted on most of its inserts: ~10 us a row of 2,000 scores for k = 100 (perf: 57 % of an
-// exact search of 1,000 queries). Same answer as keep_best over every score pushed: the best k,
+// mispredicted on most of its inserts, which made it most of an exact search of many queries.
+// Same answer as keep_best over every score pushed: the best k,
 // the lower position first among equal scores; -inf and scores below `floor` never count.
 // Positions must be below 2^32.
 class TopStream {

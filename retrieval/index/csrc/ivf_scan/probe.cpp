@@ -33,7 +33,7 @@ inline void probe_dots_portable(const float* __restrict q, const float* __restri
 #ifdef RECSERVE_X86
 // AVX-512: 128 lists at a time in eight 16-lane sums, enough independent FMAs to hide their
 // latency. The portable loop's compiled form kept its sums on the stack (GCC's 256-bit default):
-// a store-forward per term, ~5 us of a one-query probe over 1024 lists at 64-d.
+// a store-forward per term, which dominated a one-query probe.
 RECSERVE_TARGET("avx512f")
 void probe_dots_avx512(const float* __restrict q, const float* __restrict ct, int64_t d, int64_t nlist,
                        float* __restrict acc) {
@@ -77,8 +77,8 @@ inline void probe_dots(const float* __restrict q, const float* __restrict ct, in
 }
 
 // The probe's int8 table: the centroids quantized once per index (IVFIndex._refresh), for the
-// probe of a few queries. One query's probe read the whole float table (1 MB at 1,024 lists x
-// 256-d: ~35 % of the query in perf); the table is a quarter of it. centroids_t [D, L] ->
+// probe of a few queries. One query's probe read the whole float table (L x D floats: much of
+// the query's time goes to that read); the table is a quarter of it. centroids_t [D, L] ->
 // words int32 [ceil(L/16) * G * 16] (G = ceil(D/4): blocks of 16 lists x 4 bytes in offset binary,
 // block_dots_vnni's layout), per f32 [4, ceil(L/16) * 16] = each list's (scale: symmetric absmax /
 // 127, |c - ĉ|, |ĉ|, |c|; pads 0), the norms summed in double, inflated by kSquareSlack and rounded
@@ -286,7 +286,7 @@ bool probe_one_int8(Isa isa, const float* qb, int64_t d, const float* ct, int64_
 // (half = ||c||^2 / 2: the nearest centroids by L2) when half is not empty; P <= L. The dots run
 // over centroids_t [D, L] in blocks of lists (vector-wide, no horizontal sums: probe_dots),
 // and the same heap as topk_rows picks and orders the lists: one call instead of a matmul and a
-// top-k (~10 us of dispatch each for one query).
+// top-k (for one query, each op's dispatch costs more than its work).
 
 std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tensor& centroids_t,
                                              const at::Tensor& half, int64_t p, const ProbeTable& table) {

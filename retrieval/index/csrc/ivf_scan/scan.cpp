@@ -386,7 +386,7 @@ Plan plan_chunk(const Index& ix, const Batch& bt) {
 // one word (the common filter) is branch-free and also fills keep[i - i0] (whether item i passes):
 // an offset written always and kept by its count, where a branch per item mispredicted about every
 // other item at 50 %; returns true then. Several clauses keep passes()'s early out, which a
-// selective first clause makes predictable (a branch-free loop measured 1.3-1.8x slower there).
+// selective first clause makes predictable (a branch-free loop was slower there).
 bool passing(const Index& ix, const Batch& bt, int64_t b, int64_t i0, int64_t i1, std::vector<int64_t>& some,
              std::vector<uint8_t>& keep) {
   const int64_t* fm = bt.fmask + b * bt.c_count * ix.w;
@@ -442,7 +442,7 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
           scorer.score(b, i0, i1, base, out);
         } else {
           // the rows probing a list often share a filter (a batch of one request's pages, a
-          // benchmark's): its items are tested once (22 % of a 1000-row batch at 20 %)
+          // benchmark's): its items are tested once, not once a row
           const bool same = passed_for >= 0 &&
                             std::equal(bt.fmask + b * fw, bt.fmask + (b + 1) * fw, bt.fmask + passed_for * fw) &&
                             std::equal(bt.fneg + b * bt.c_count, bt.fneg + (b + 1) * bt.c_count,
@@ -474,15 +474,15 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
 }
 
 // With VNNI, a list is transposed for block_dots_vnni when at least this many queries of a batch
-// probe it: its scalar transpose costs about what the row dots of ~10 queries do. From 2 (before),
-// a batch of 1,000 queries at 64-d (1,024 lists) took 7 % longer and at 256-d 10 %; at 784-d with
-// 62 queries a list, the same (thresholds 2 / 16 / never measured; never was 20 % slower there).
+// probe it: its scalar transpose costs about what the row dots of several queries do, so a list
+// probed by fewer is cheaper scanned as rows; a lower threshold slowed large batches and never
+// transposing slowed the widest vectors (bench/RESULTS.md).
 constexpr int64_t kTransposeQueries = 16;
 
 // Int8 scorer. With VNNI and at least kTransposeQueries queries on a list, the list is first
 // transposed into blocks of 16 items so that every query's dots need no horizontal sums; otherwise
-// rows are scanned as stored. AVX2 always scans rows: a transposed layout measured 0.76-1.06x rows
-// on an AVX2-only AMD EPYC (d = 64 and 784), its 5 instructions per 32 bytes leaving the horizontal
+// rows are scanned as stored. AVX2 always scans rows: a transposed layout gained nothing on an
+// AVX2-only AMD EPYC, its 5 instructions per 32 bytes leaving the horizontal
 // sum cheap. Any D: tails are padded (VNNI) or one word ending at D (AVX2, tail_query).
 struct Int8Scorer {
   const int8_t* codes; const Scale* scales; int64_t d;
@@ -679,7 +679,7 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
   for (const at::Tensor* t : {&probes, &coarse, &scales, &offsets, &sig, &fmask, &fneg, &excl})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "ivf_scan inputs must be contiguous CPU tensors");
   const int64_t nlist = offsets.size(0) - 1;
-  // read through raw pointers: an ATen op and .item() per check cost ~10 us of a one-query scan
+  // read through raw pointers: an ATen op and .item() per check cost more than a one-query scan's work
   TORCH_CHECK(offsets.data_ptr<int64_t>()[nlist] == n, "offsets[-1] must equal N");
   const int64_t* pp = probes.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(pp, pp + probes.numel(), [nlist](int64_t l) { return l < nlist; }),

@@ -11,9 +11,9 @@ constexpr size_t kFewCandidates = 64;
 // The best 2 <= k <= 8 of a row of m >= 64 (a probe's top lists of all centroid scores), by a bound:
 // the 8 lanes' maxima are 8 distinct elements, so the k-th largest of them is at most the row's
 // k-th largest, and only elements at or above it can be in the answer (ties at the cut too). Those
-// few are sorted by BetterFirst. 1,000 rows of 1,024 random scores, k = 4: 0.74 -> 0.51 ms on an
-// AVX2 build (the bounded heap, mispredicting on its pushes), 1.16 -> 0.29 ms on an AVX-512 one
-// (TopStream). (k = 1 keeps those: the heap's filter is an argmax.) False (the caller selects)
+// few are sorted by BetterFirst: less work than the bounded heap (mispredicting on its pushes) on
+// an AVX2 build or TopStream on an AVX-512 one, for long rows and a small k.
+// (k = 1 keeps those: the heap's filter is an argmax.) False (the caller selects)
 // when more than kFewCandidates pass, or the bound is -inf.
 inline bool row_topk_few(const float* row, int64_t m, int64_t k, std::vector<Cand>& heap) {
   __m256 mx = _mm256_set1_ps(kNegInf);
