@@ -320,11 +320,22 @@ def _build(
         )
     except BaseException:
         _stop_leftovers(build)  # an ended build (SIGTERM) takes its compilers with it
+        _forget_attempt(build)
         raise
     tmp = build.done_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"module": build.module, **build.inputs}, indent=1) + "\n")
     os.replace(tmp, build.done_file)
     return module
+
+
+def _forget_attempt(build: KernelBuild) -> None:
+    """Makes torch's loader build ``build`` again on the next try in this process. It records
+    each module's sources when it starts building them, and a second load of the same sources
+    skips the build and imports the library, which a failed or interrupted build (a timeout, a
+    compile error) never wrote."""
+    from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+    JIT_EXTENSION_VERSIONER.entries.pop(build.module, None)
 
 
 def _processes_in(folder: Path) -> list[int]:

@@ -200,6 +200,18 @@ def test_a_folder_compiles_every_cpp_into_one_module_keyed_by_every_file(kit):
         load_extension(NAME, kit / "empty")
 
 
+def test_a_failed_build_is_built_again_on_the_next_load_in_the_process(kit):
+    """A build that fails (here a compile error; in a test, a timeout mid-build) is tried again by
+    the next load of the same sources in the same process: torch's loader, left alone, would
+    skip the build it thinks done and import a library that was never written."""
+    broken = kit / "a" / "tiny.cpp"
+    broken.write_text(TINY.replace("ANSWER", "not_declared"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="Error building extension"):
+            load_extension(NAME, broken)
+    assert len([line for line in compiles(kit) if " -c " in f" {line} "]) == 2  # built twice
+
+
 def test_a_lock_held_too_long_names_the_lock_file_and_its_holder(kit, monkeypatch):
     monkeypatch.setenv("RECSERVE_BUILD_LOCK_TIMEOUT_S", "0.3")
     build = plan(kit)

@@ -2,6 +2,9 @@
 // round's lists with every list's bound (list_bounds), then the lists a second round must scan
 // (second_round_lists).
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+
 #include "ivf_scan.h"
 
 namespace ivf {

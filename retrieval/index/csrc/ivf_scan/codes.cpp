@@ -2,6 +2,8 @@
 // the queries the list scan and the int8 GEMM quantize (quantize_queries), and chosen rows
 // decoded back to floats (decode_rows_int8).
 
+#include <ATen/ops/empty.h>
+
 #include "ivf_scan.h"
 
 namespace ivf {

@@ -2,6 +2,11 @@
 // postings bit_index builds), their scores off the int8 codes (score_rows_int8 for a few
 // queries, many_rows_int8 for many), and a selective filter's exact search in one call.
 
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
+
 #include "ivf_scan.h"
 
 namespace ivf {

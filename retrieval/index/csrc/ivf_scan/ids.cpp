@@ -1,6 +1,8 @@
 // Item ids and index rows: positions to ids (ids_of_positions), ids to rows through the index's
 // id order (id_rows), and the plain search keyed by ids in one call (ivf_search_ids_int8).
 
+#include <ATen/ops/empty_like.h>
+
 #include "ivf_scan.h"
 
 namespace ivf {

@@ -16,8 +16,11 @@
 // candidate, where a call across files would cost as much as the work.
 #pragma once
 
-#include <ATen/ATen.h>
+// Tensors and parallel_for only: each file includes the ATen ops it calls (ATen/ATen.h would
+// parse the declarations of every op once per file).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -35,6 +38,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <memory>
 #include <limits>
 #include <vector>

@@ -2,6 +2,10 @@
 // queries, their int8 table (probe_table) with an exact check that keeps the float probe's
 // answer; and q·c of every list (centroid_dots) in the probe's arithmetic.
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+
 #include "ivf_scan.h"
 
 namespace ivf {

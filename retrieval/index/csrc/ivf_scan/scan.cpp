@@ -19,6 +19,8 @@
 // compare them in one process). Every path computes the same integer dots, and one shared epilogue
 // turns them into scores, so the paths return bit-identical results.
 
+#include <ATen/ops/empty.h>
+
 #include "ivf_scan.h"
 
 namespace ivf {

@@ -1,5 +1,7 @@
 // The best k of every row of a score matrix (topk_rows), as the scan's selection picks them.
 
+#include <ATen/ops/empty.h>
+
 #include "ivf_scan.h"
 
 namespace ivf {
