@@ -3,7 +3,8 @@ our own lock.
 
 Where a kernel builds: ``<root>/<name>-<key>``, with ``root`` = ``$RECSERVE_BUILD_DIR`` (default
 ``~/.cache/recserve``) and ``key`` = 16 hex digits of a SHA-256 over everything the binary
-depends on: the source's bytes, the compiler flags, the torch and Python versions, the compiler
+depends on: the source's bytes (an extension of several files is a folder: the bytes and names of
+every file in it, headers included), the compiler flags, the torch and Python versions, the compiler
 (``$CXX`` or ``c++``, and the first line of its ``--version``) and the machine (with its CPU
 flags when the flags say ``-march=native``). Same inputs, same folder: a second checkout of the
 same sources loads the first one's build without compiling; a changed source builds into a new
@@ -113,8 +114,9 @@ class KernelBuild:
 def load_extension(
     name: str, source: Path, cflags: tuple[str, ...] = ("-O3",), ldflags: tuple[str, ...] = ()
 ) -> ModuleType:
-    """The compiled module ``name`` built from ``source`` (built on first use of its key,
-    thread-safe; later calls in the process are one dict lookup: kernels call this per op)."""
+    """The compiled module ``name`` built from ``source``, one C++ file or a folder whose
+    ``*.cpp`` files compile into one module (built on first use of its key, thread-safe; later
+    calls in the process are one dict lookup: kernels call this per op)."""
     module = _loaded.get((name, source, cflags, ldflags))  # the per-op path: no Path built
     if module is not None:
         return module
@@ -145,7 +147,7 @@ def plan_build(
 
     inputs = {
         "format": KEY_FORMAT,
-        "source_sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest(),
+        "source_sha256": source_digest(Path(source)),
         "cflags": list(cflags),
         "ldflags": list(ldflags),
         "torch": torch.__version__,
@@ -156,6 +158,29 @@ def plan_build(
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     folder = (root or build_root()) / f"{name}-{key}"
     return KernelBuild(name, key, folder, inputs)
+
+
+def source_digest(source: Path) -> str:
+    """SHA-256 of a source file's bytes; of a folder, over the relative path and the bytes' hash
+    of every file under it, in path order: a header, an added or a renamed file changes it."""
+    if not source.is_dir():
+        return hashlib.sha256(source.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        content = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest.update(f"{path.relative_to(source).as_posix()}\0{content}\n".encode())
+    return digest.hexdigest()
+
+
+def compiled_sources(source: Path) -> list[str]:
+    """The files the compiler is given: ``source`` itself, or a folder's ``*.cpp`` (the headers
+    they include are read through them)."""
+    if not source.is_dir():
+        return [str(source)]
+    sources = sorted(str(p) for p in source.glob("*.cpp"))
+    if not sources:
+        raise FileNotFoundError(f"kernel source folder {source} holds no .cpp file")
+    return sources
 
 
 def build_root() -> Path:
@@ -287,7 +312,7 @@ def _build(
     try:
         module = load(
             name=build.module,
-            sources=[str(source)],
+            sources=compiled_sources(Path(source)),
             extra_cflags=list(cflags),
             extra_ldflags=list(ldflags),
             build_directory=str(build.folder),
@@ -295,11 +320,22 @@ def _build(
         )
     except BaseException:
         _stop_leftovers(build)  # an ended build (SIGTERM) takes its compilers with it
+        _forget_attempt(build)
         raise
     tmp = build.done_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"module": build.module, **build.inputs}, indent=1) + "\n")
     os.replace(tmp, build.done_file)
     return module
+
+
+def _forget_attempt(build: KernelBuild) -> None:
+    """Makes torch's loader build ``build`` again on the next try in this process. It records
+    each module's sources when it starts building them, and a second load of the same sources
+    skips the build and imports the library, which a failed or interrupted build (a timeout, a
+    compile error) never wrote."""
+    from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+    JIT_EXTENSION_VERSIONER.entries.pop(build.module, None)
 
 
 def _processes_in(folder: Path) -> list[int]:

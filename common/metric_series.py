@@ -1,7 +1,7 @@
 """Labelled Prometheus metrics on hot paths: each label set's series made once.
 
-``metric.labels(...)`` looks its child up under a lock and checks every label (~10 us a call on
-a 2-core host); a served request records several series. :class:`Series` keeps the children it
+``metric.labels(...)`` looks its child up under a lock and checks every label at every call,
+and a served request records several series. :class:`Series` keeps the children it
 made, keyed by their label values::
 
     answers = Series(Counter("answers", "Answers", ["model", "shard"]))

@@ -3,12 +3,11 @@
 ``torch.set_num_threads(n)`` sets OpenMP's thread count for the thread that calls it only (an
 OpenMP setting is per thread). A thread started later that runs an MKL or OpenMP op (a Linear
 layer's matmul) starts a team of as many threads as the machine has cores, and the team's
-workers spin between ops. Measured on 2 cores: a router's batch thread, with
-``--torch-threads 1``, kept a second thread spinning in ``libgomp`` (~35 % of a core at 4
-clients), and a loop of small Linear layers in a new thread used 1.15 cores where the main
-thread used 0.15. So every thread that computes takes the process's count when it starts:
-:func:`use_process_threads`, as a ``ThreadPoolExecutor`` ``initializer`` or a thread's first
-call.
+workers spin between ops: a router's batch thread, even with ``--torch-threads 1``, kept a
+second thread spinning in ``libgomp``, and a loop of small Linear layers in a new thread kept
+cores busy that the same loop in the main thread left idle. So every thread that computes
+takes the process's count when it starts: :func:`use_process_threads`, as a
+``ThreadPoolExecutor`` ``initializer`` or a thread's first call.
 """
 
 from __future__ import annotations

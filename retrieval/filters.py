@@ -377,7 +377,8 @@ def estimate_selectivity(fb: FilterBatch, counts: torch.Tensor, num_items: int) 
     """
     if not fb.active:
         return torch.ones(fb.masks.shape[0])
-    # NumPy on the host, where planning runs: a handful of torch ops cost ~80 us for one row
+    # NumPy on the host, where planning runs: for one row, a handful of torch ops cost more in
+    # dispatch than the work
     masks, negate = fb.masks.cpu().numpy(), fb.negate.cpu().numpy()
     b, c = masks.shape[:2]
     as_bytes = np.ascontiguousarray(masks).view(np.uint8).reshape(b, c, -1)  # little-endian words

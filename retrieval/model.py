@@ -256,8 +256,8 @@ class RetrievalModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` items per request. ``exact=True`` scans every eligible item (the reference).
         ``checked=True``: the caller built ``batch`` from requests it validated with the same
-        rules (serving's runner), so of :meth:`validate` (~0.1 ms per batch) only the index
-        check runs."""
+        rules (serving's runner), so of :meth:`validate` (a pass over every request's fields)
+        only the index check runs."""
         if checked:
             self.check_searchable()
         elif not torch.compiler.is_compiling():

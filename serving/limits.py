@@ -1,7 +1,7 @@
 """Request size limits (``[limits]`` in serve.toml), checked at the edge before any parsing.
 
-A filter is parsed and compiled in Python (``retrieval/filters.py``), at about 50 µs per clause:
-unbounded, one 10,000-clause filter (200 KB) took ~3 s of the interpreter and stalled every
+A filter is parsed and compiled in Python (``retrieval/filters.py``), at a cost per clause:
+unbounded, one filter of thousands of clauses held the interpreter for seconds and stalled every
 other caller's requests for as long. The limits keep the work per request small and refuse the
 rest in microseconds, with INVALID_ARGUMENT / HTTP 400 naming the field and the limit::
 

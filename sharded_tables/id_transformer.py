@@ -37,8 +37,8 @@ class AdmissionSketch:
 
     Row ``r`` hashes an id with its 32-bit halves as ``((lo a_r) mod p + (hi b_r) mod p + c_r)
     mod p mod width``, ``p = 2^31 - 1``. The update runs in C++ (``csrc/idmap.cpp``'s
-    ``sketch_add``): a cache miss of a served batch is a few ids, where a dozen NumPy calls
-    cost ~60 us and the C++ call a few.
+    ``sketch_add``): a cache miss of a served batch is a few ids, for which a dozen NumPy calls
+    cost many times what one C++ call does.
     """
 
     def __init__(self, width: int, depth: int = 4, seed: int = 0) -> None:

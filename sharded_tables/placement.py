@@ -155,9 +155,9 @@ class Budgets(_Serde):
     remote_servers: int = 0
     """Embedding servers S (0: no remote tier)."""
     cache_fraction: float = 0.1
-    """Share of a table's rows its hot-row cache may hold, in ``[0, 1]``. At Zipf(1.1) ids a
-    cache of 10 % of a 1M-row table's rows catches ~90 % of its lookups (5 %: ~85 %;
-    ``bench/cache_hit_rates.py``); larger tables do better at the same share."""
+    """Share of a table's rows its hot-row cache may hold, in ``[0, 1]``. Under Zipf-like ids
+    a small share of the rows catches most lookups (``bench/cache_hit_rates.py`` measures the
+    curve); larger tables do better at the same share."""
     has_gpu: bool = False
     """Whether ``device`` is a real GPU; only then do host tables get device caches."""
     cache: int | None = None

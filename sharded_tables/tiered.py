@@ -121,8 +121,8 @@ class TieredEmbeddingCollection(nn.Module):
         return [(self.specs[name], self.plan.placement(name)) for name in self.specs]
 
     def _backend(self, dtype: DType) -> str:
-        # fbgemm's CPU kernel for FP8 rows is a generic scalar loop (~50x slower than INT8 in
-        # bench/tables.py); unpacking the unique rows with torch is faster there.
+        # fbgemm's CPU kernel for FP8 rows is a generic scalar loop (far slower than its INT8
+        # one: bench/tables.py); unpacking the unique rows with torch is faster there.
         return "torch" if dtype is DType.FP8 and self.device.type == "cpu" else "fbgemm"
 
     def _local_tiers(self) -> list[str]:

@@ -1,5 +1,5 @@
 """Clustered vectors whose filters are anti-correlated with the queries: each query's eligible
-items come from clusters *away* from its own neighbourhood (issue 19).
+items come from clusters *away* from its own neighbourhood: the hard case for a filtered IVF search.
 
 A filter on an attribute independent of the vectors keeps the same share of every IVF list, so
 the lists nearest a query hold its best eligible items too. Here they hold none: the clusters
@@ -32,7 +32,8 @@ import numpy as np
 
 CENTRE_SCALE = 3.0
 SELECTIVITIES = (0.5, 0.2, 0.1, 0.01, 0.001)
-"""The selectivities issue 19 asks about: 50 / 20 / 10 / 1 / 0.1 %."""
+"""The selectivities the filtered benchmarks cover, from a broad filter to a very selective one:
+50 / 20 / 10 / 1 / 0.1 %."""
 
 
 @dataclass(frozen=True)

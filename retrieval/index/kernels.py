@@ -1,7 +1,7 @@
-"""The index's C++ library (``csrc/ivf_scan.cpp``): the list scan, the probe, the id lookup and
-the build's passes, built on first use with torch's C++ extension loader and cached on disk
-(``common/cpp_extension.py``). ``scan.py`` wraps its search kernels; ``exclude.py`` its id
-lookup; ``build.py`` its build passes."""
+"""The index's C++ library (``csrc/ivf_scan/``, its files listed in ``ivf_scan.h``): the list
+scan, the probe, the id lookup and the build's passes, built on first use with torch's C++
+extension loader and cached on disk (``common/cpp_extension.py``). ``scan.py`` wraps its search
+kernels; ``exclude.py`` its id lookup; ``build.py`` its build passes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import ModuleType
 
 from common.cpp_extension import load_extension
 
-_SRC = Path(__file__).parent / "csrc" / "ivf_scan.cpp"
+_SRC = Path(__file__).parent / "csrc" / "ivf_scan"  # every .cpp of the folder, one module
 _loaded: list[ModuleType] = []
 
 

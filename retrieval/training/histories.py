@@ -3,8 +3,8 @@
 The test split holds each user's *latest* interactions and the served tower reads the items
 consumed *before* a request. A pair trained with the user's whole (static) history sees items
 consumed after the positive; training it with only the items before it (``causal``, the
-default) asks the tower the question it answers at serving: what comes next. On MovieLens 100k
-(latest 20 % held out) causal histories lift recall@100 from 0.52 to 0.58 (``bench/quality.py``).
+default) asks the tower the question it answers at serving: what comes next. Causal histories
+lift recall on MovieLens (``bench/quality.py`` measures it; the figures: ``bench/RESULTS.md``).
 
 Pairs are kept in timeline order (by user, then time) so the history of pair ``j`` is the
 ``H`` pairs before it back to its user's first pair ``first[j]``; no ``[M, H]`` table is built::

@@ -61,7 +61,8 @@ CONFIG_FILE = "config.pbtxt"
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_DELAY_MS = 0.0
 """A batch starts as soon as the model is free and takes everything waiting: load alone grows
-the batches, and a lone request never waits (bench/serving.py: p50 at one client 5.3 -> 2.2 ms)."""
+the batches, and a lone request never waits for others to join it (``bench/serving.py``
+measures the latency this saves)."""
 DEFAULT_MAX_QUEUE_SIZE = 1024
 MAX_C_INT = 2**31 - 1
 """gRPC channel options and ``torch.set_num_threads`` take a C int."""

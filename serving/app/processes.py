@@ -2,7 +2,7 @@
 
 One Python process runs one thread of Python at a time (the interpreter lock): its gRPC
 handlers, request parsing and rendering, and each batch's many small ops take turns, so one
-serving process keeps a 2-core machine ~65 % busy at best (``bench/RESULTS.md``). A group of
+serving process cannot keep even a 2-core machine busy (``bench/RESULTS.md``). A group of
 processes, each a whole :class:`~serving.app.server.Server` (its own model copy, batcher and lock),
 shares the listening ports with ``SO_REUSEPORT``: the kernel spreads connections across them
 -- the pattern of gRPC's own multiprocessing example and of gunicorn's workers. Batching

@@ -202,7 +202,7 @@ class Server:
         from serving.frontends.http_conn import http_options
 
         # without TCP_NODELAY (bind_tcp's IPPROTO_TCP lets asyncio set it) each answer on a
-        # kept-alive connection waits ~40 ms for a delayed ACK
+        # kept-alive connection waits for the peer's delayed ACK
         sock = bind_tcp(host, port, "http_port", reuse_addr=True, reuse_port=self.reuse_port)
         bound = sock.getsockname()[1]
         config = uvicorn.Config(

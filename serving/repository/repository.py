@@ -21,7 +21,8 @@ half a version. A publish that fails (disk full, read-only folder) raises :class
 and leaves nothing; one killed midway leaves a staging folder (or a config temp file), which the
 next publish removes.
 
-Config and version together (issue 18). Two files cannot change in one rename, so the version
+Config and version together: a server must never load a version with another version's config.
+Two files cannot change in one rename, so the version
 carries its config and the model-level ``config.pbtxt`` is only a derived copy:
 
 1. the staging folder gets the version's ``config.pbtxt`` (listed in its manifest), and the

@@ -29,8 +29,8 @@ class RouterConfig(Config):
     """Per shard (in shard order): the addresses of its replicas."""
     shard_deadline_ms: Annotated[WaitMs, Field(gt=0)] = 200.0
     """Longest a batch waits for a shard; a shard that misses it makes the answer partial. The
-    default leaves room for a busy host (a cold or CPU-starved shard on 2 shared cores answers in
-    ~70-120 ms); a fleet with spare cores sets it lower."""
+    default leaves room for a busy host (a cold or CPU-starved shard on shared cores answers
+    many times slower than a warm one); a fleet with spare cores sets it lower."""
     hedge_after_ms: WaitMs = 0.0
     """> 0: a shard replica that has not answered after this long gets a twin call to the next
     replica, and the first answer wins. 0: the delay follows ``hedge`` (a replica that fails
@@ -75,7 +75,7 @@ class RouterConfig(Config):
     batch is one call to every shard, whose cost is mostly per call, so more in flight means
     smaller batches and more calls per request: 2 keeps a router on a host of its own busy;
     where the shards share the router's cores (``recserve cluster up``) 1 is fastest (measured
-    in ``bench/RESULTS.md``, "Production path, fourth session")."""
+    in ``bench/RESULTS.md``)."""
 
     def validate(self) -> None:  # type: ignore[override]  # see Config.validate
         """What the fields cannot say alone: a router needs shards, lower bounds are not above

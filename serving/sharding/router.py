@@ -67,8 +67,9 @@ def first_round(
 
 WARMUP_ROUND_S = 120.0
 """How long a warm-up round waits for the shards. A warm-up batch (8 rows, filtered ones too)
-on a large catalog can outlast the user-facing shard deadline (10M items on 2 cores: a 200 ms
-deadline missed), and a miss would refuse the version; the warm-up is no user's request."""
+on a large catalog can outlast the user-facing shard deadline (a catalog of millions of items
+on a small host missed the default one), and a miss would refuse the version; the warm-up is no
+user's request."""
 
 
 class RouterRunner(ModelRunner):

@@ -119,7 +119,7 @@ class ShardClient:
         self._stubs = {a: pb_grpc.ShardStub(c) for a, c in self._channels.items()}
         # Calls are blocking stub calls on threads of our own: a gRPC future starts a new
         # channel-polling thread whenever its channel was idle (every call of a lone client),
-        # ~0.3 ms of CPU and a thread hand-off each; a blocking call polls in its own thread.
+        # a thread's start and a hand-off each; a blocking call polls in its own thread.
         self._pool = ThreadPoolExecutor(
             max_workers=CALL_THREADS_PER_REPLICA * len(addresses),
             thread_name_prefix="shard-call",

@@ -62,8 +62,8 @@ GRPC_OPTIONS = [
 
 def warm_up(index: IVFIndex, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
     """Searches ``index`` as a router would (unfiltered; filtered and exact, with vectors) once
-    per batch size, so the first routed search does not pay the first-call costs (~70 ms on
-    CPU: the kernels' first dispatch, the pages of the codes) inside the router's shard
+    per batch size, so the first routed search does not pay the first-call costs (the
+    kernels' first dispatch, the pages of the codes) inside the router's shard
     deadline. Raises when the index cannot answer."""
     if index.ntotal == 0:
         return

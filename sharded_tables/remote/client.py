@@ -8,7 +8,7 @@ them by server and sends ONE ``Lookup`` per server (covering all tables) in para
 deadline, then puts the packed rows back in request order. Calls are blocking stub calls: the
 last server's in the caller's thread, the others' on a pool of this client's (a gRPC future
 starts a channel-polling thread whenever its channel was idle, which for a lone caller is every
-call: ~0.3 ms of CPU and a thread hand-off each). A server that is down or misses the
+call: a thread's start and a hand-off each). A server that is down or misses the
 deadline raises :class:`RemoteServerError` (code and address in the message; a
 :class:`RemoteLookupError` and the tables' retryable
 :class:`~sharded_tables.interface.TablesUnavailableError`) or, with ``fallback="zero"``,

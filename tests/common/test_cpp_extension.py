@@ -155,6 +155,63 @@ def test_the_key_follows_sources_flags_and_compiler_not_the_checkout(kit, monkey
     assert len({a.key, *(o.key for o in others)}) == 5
 
 
+SPLIT_HEADER = "#pragma once\n#define ANSWER_BASE {base}\nlong answer_value();\n"
+SPLIT_VALUE = '#include "tiny.h"\nlong answer_value() { return ANSWER_BASE + 2; }\n'
+
+
+def write_split_source(folder: Path, base: int) -> Path:
+    """The tiny kernel as a folder: ``main.cpp`` (the module) calls ``value.cpp``'s function,
+    whose constant comes from the header ``tiny.h``."""
+    folder.mkdir(exist_ok=True)
+    main = TINY.replace("ANSWER", "answer_value()").replace("#include <Python.h>",
+                                                            '#include <Python.h>\n#include "tiny.h"')  # fmt: skip
+    (folder / "main.cpp").write_text(main)
+    (folder / "value.cpp").write_text(SPLIT_VALUE)
+    (folder / "tiny.h").write_text(SPLIT_HEADER.format(base=base))
+    return folder
+
+
+def test_a_folder_compiles_every_cpp_into_one_module_keyed_by_every_file(kit):
+    """A kernel of several files is its folder: every ``.cpp`` is compiled into one module, and
+    the key covers every file in it (a header, an added file, a rename), never its path."""
+    split = write_split_source(kit / "split", 40)
+    first = plan_build(NAME, split, ("-O3",), ())
+    module = load_extension(NAME, split)
+    assert module.answer() == 42
+    compiled = [line for line in compiles(kit) if " -c " in f" {line} "]
+    assert sorted(Path(line.split(" -c ")[1].split()[0]).name for line in compiled) == [
+        "main.cpp",
+        "value.cpp",
+    ]
+    shutil.copytree(split, kit / "copy")
+    assert plan_build(NAME, kit / "copy", ("-O3",), ()).key == first.key  # another checkout
+
+    keys = {first.key}
+    write_split_source(kit / "copy", 41)  # the header alone changed
+    keys.add(plan_build(NAME, kit / "copy", ("-O3",), ()).key)
+    (kit / "copy" / "extra.h").write_text("#pragma once\n")  # a file added
+    keys.add(plan_build(NAME, kit / "copy", ("-O3",), ()).key)
+    (kit / "copy" / "value.cpp").rename(kit / "copy" / "value2.cpp")  # a file renamed
+    keys.add(plan_build(NAME, kit / "copy", ("-O3",), ()).key)
+    assert len(keys) == 4
+
+    (kit / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"holds no \.cpp file"):
+        load_extension(NAME, kit / "empty")
+
+
+def test_a_failed_build_is_built_again_on_the_next_load_in_the_process(kit):
+    """A build that fails (here a compile error; in a test, a timeout mid-build) is tried again by
+    the next load of the same sources in the same process: torch's loader, left alone, would
+    skip the build it thinks done and import a library that was never written."""
+    broken = kit / "a" / "tiny.cpp"
+    broken.write_text(TINY.replace("ANSWER", "not_declared"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="Error building extension"):
+            load_extension(NAME, broken)
+    assert len([line for line in compiles(kit) if " -c " in f" {line} "]) == 2  # built twice
+
+
 def test_a_lock_held_too_long_names_the_lock_file_and_its_holder(kit, monkeypatch):
     monkeypatch.setenv("RECSERVE_BUILD_LOCK_TIMEOUT_S", "0.3")
     build = plan(kit)

@@ -115,7 +115,8 @@ def test_dockerignore_sends_sources_but_never_data() -> None:
         "pyproject.toml",
         "constraints.txt",
         "constraints-gpu.txt",
-        "retrieval/index/csrc/ivf_scan.cpp",
+        "retrieval/index/csrc/ivf_scan/scan.cpp",
+        "retrieval/index/csrc/ivf_scan/ivf_scan.h",
         "sharded_tables/csrc/idmap.cpp",
         "serving/app/config.py",
     ):

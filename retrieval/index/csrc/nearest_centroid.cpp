@@ -3,7 +3,7 @@
 //
 // A row x is assigned to argmax_j  x·c_j + bias_j   (bias = -|c_j|^2 / 2 for L2, 0 for inner product).
 // Rows and centroids are quantized to int8 with a scale per row; the approximate score a_j of every
-// centroid comes from vpdpbusd (64 multiply-adds per instruction, 4x a float FMA's). Every centroid
+// centroid comes from vpdpbusd (64 multiply-adds per instruction, a float FMA's 16). Every centroid
 // whose a_j lies within the error bound of the best a_j is then scored exactly, in double, and the
 // best exact score wins (ties: the smaller index). The bound:
 //     |x·c - x̂·ĉ| <= |x| |c - ĉ| + |x - x̂| |ĉ|  <=  |x| max_j|c_j - ĉ_j| + |x - x̂| max_j|ĉ_j|  = E
@@ -19,7 +19,7 @@
 // (<= 255) by the row's signed bytes into saturating s16 pair sums, so rows are quantized to
 // |x| <= 31 there: two steps' pair sums add in s16 (2 * 2 * 255 * 31 = 31620 < 2^15: nothing
 // saturates or wraps) before one vpmaddwd widens them to s32, 3 multiply uops per 64
-// multiply-adds where a pair sum widened each step took 4 (63 levels: 1.05-1.19x the time); tiles of
+// multiply-adds where a pair sum widened each step (63 levels) took 4; tiles of
 // 8 rows x 8 centroids. The coarser row widens the bound (a few more exact scores); the same
 // exact answer. Python picks the path by the int8 scan's (retrieval/index/kmeans.py); a CPU with
 // neither takes faiss's.

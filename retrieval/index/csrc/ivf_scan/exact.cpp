@@ -1,0 +1,352 @@
+// The exact search's parts: which rows pass a filter (filter_mask; eligible_rows through the
+// postings bit_index builds), their scores off the int8 codes (score_rows_int8 for a few
+// queries, many_rows_int8 for many), and a selective filter's exact search in one call.
+
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
+
+#include "ivf_scan.h"
+
+namespace ivf {
+
+namespace {
+
+// Float query against int8 codes (the exact plan's scores, no quantized query). The portable loop
+// follows the AVX2 path's order exactly (16 lanes of fused multiply-adds, the same pairwise sums,
+// the same scalar tail), so the two return the same bits, as the int8 scan's paths do.
+inline float dot_f32_i8_portable(const float* __restrict q, const int8_t* __restrict c, int64_t d) {
+  float a0[8] = {0.f}, a1[8] = {0.f};
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16)
+    for (int l = 0; l < 8; ++l) {
+      a0[l] = std::fma(q[j + l], float(c[j + l]), a0[l]);
+      a1[l] = std::fma(q[j + 8 + l], float(c[j + 8 + l]), a1[l]);
+    }
+  if (j + 8 <= d) {
+    for (int l = 0; l < 8; ++l) a0[l] = std::fma(q[j + l], float(c[j + l]), a0[l]);
+    j += 8;
+  }
+  float a[8], s4[4];
+  for (int l = 0; l < 8; ++l) a[l] = a0[l] + a1[l];
+  for (int l = 0; l < 4; ++l) s4[l] = a[l] + a[l + 4];
+  float sum = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  for (; j < d; ++j) sum = std::fma(q[j], float(c[j]), sum);
+  return sum;
+}
+
+#ifdef RECSERVE_X86
+RECSERVE_TARGET("avx2,fma") inline float dot_f32_i8_avx2(const float* q, const int8_t* c, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), lo, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), hi, a1);
+  }
+  if (j + 8 <= d) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j));
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), a0);
+    j += 8;
+  }
+  const __m256 a = _mm256_add_ps(a0, a1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float sum = _mm_cvtss_f32(s);
+  for (; j < d; ++j) sum = std::fma(q[j], float(c[j]), sum);
+  return sum;
+}
+#endif
+
+}  // namespace
+
+// The inverted index over filter bits: sig [N, W] int64 -> counts [W*64] int64 (items setting each
+// bit) and postings [nnz] int32 (the items of bit 0, then bit 1, ..., each ascending). Two passes
+// over the words: count, then place (a counting sort by bit).
+std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig) {
+  TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous() && sig.device().is_cpu(),
+              "sig must be contiguous CPU int64 [N, W]");
+  const int64_t n = sig.size(0), w = sig.size(1), bits = w * 64;
+  TORCH_CHECK(n < (int64_t(1) << 31), "postings hold int32 positions: at most 2**31 - 1 items");
+  const uint64_t* sp = reinterpret_cast<const uint64_t*>(sig.data_ptr<int64_t>());
+  auto counts = at::zeros({bits}, sig.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n * w; ++i)
+    for (uint64_t word = sp[i]; word; word &= word - 1) ++cp[(i % w) * 64 + __builtin_ctzll(word)];
+  std::vector<int64_t> next(bits + 1, 0);
+  for (int64_t b = 0; b < bits; ++b) next[b + 1] = next[b] + cp[b];
+  auto postings = at::empty({next[bits]}, sig.options().dtype(at::kInt));
+  int32_t* pp = postings.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < w; ++j)
+      for (uint64_t word = sp[i * w + j]; word; word &= word - 1) pp[next[j * 64 + __builtin_ctzll(word)]++] = int32_t(i);
+  return {counts, postings};
+}
+
+// The checks shared by the calls that read chosen rows of the int8 codes: pos [M] int64 rows in
+// range, codes [N, D] int8, scales [N] bf16, offsets [L + 1] int64, all contiguous.
+void check_rows_of_codes(const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& offsets) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "codes must be contiguous int8 [N, D]");
+  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous(), "pos must be contiguous int64 [M]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == codes.size(0) && scales.scalar_type() == at::kBFloat16 &&
+              scales.is_contiguous(), "scales must be contiguous bfloat16 [N]");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+              "offsets must be contiguous int64 [L + 1]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t n = codes.size(0);
+  for (int64_t i = 0; i < pos.numel(); ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < n, "pos out of range at ", i);
+}
+
+// Exact-plan scores of chosen rows, read off the int8 codes without decoding them: q [B, D] f32,
+// pos [M] int64 (list-sorted rows), coarse [B, L] = q·centroids -> [B, M] f32,
+//     score[b, m] = (q[b] · code[pos[m]]) * scale[pos[m]] + coarse[b, list of pos[m]]
+// (the float query against the codes, as IVFIndex.scores_at's torch ops compute it, with no
+// [M, D] float copy of the gathered codes). Parallel over the rows.
+at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
+                           const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& coarse) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
+  check_rows_of_codes(pos, codes, scales, offsets);
+  TORCH_CHECK(codes.size(1) == q.size(1), "codes must have the query's D");
+  const int64_t b_count = q.size(0), d = q.size(1), m = pos.numel(), nlist = offsets.size(0) - 1;
+  TORCH_CHECK(coarse.dim() == 2 && coarse.size(0) == b_count && coarse.size(1) == nlist &&
+              coarse.scalar_type() == at::kFloat && coarse.is_contiguous(), "coarse must be contiguous float32 [B, L]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  auto out = at::empty({b_count, m}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const Scale* sp = scales.data_ptr<Scale>();
+  const float* co = coarse.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#ifdef RECSERVE_X86
+  const bool avx2 = int8_isa() != Isa::kPortable && __builtin_cpu_supports("fma");
+#endif
+  // a row and query are little work: a thread team (woken, then spinning after) pays off only
+  // past a few thousand rows
+  at::parallel_for(0, m, std::max<int64_t>(1, 4096 / std::max<int64_t>(b_count, 1)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = pp[i];
+      const int64_t list = std::upper_bound(off, off + nlist + 1, row) - off - 1;
+      const int8_t* c = cp + row * d;
+      for (int64_t b = 0; b < b_count; ++b) {
+        const float* qb = qp + b * d;
+#ifdef RECSERVE_X86
+        const float acc = avx2 ? dot_f32_i8_avx2(qb, c, d) : dot_f32_i8_portable(qb, c, d);
+#else
+        const float acc = dot_f32_i8_portable(qb, c, d);
+#endif
+        op[b * m + i] = acc * float(sp[row]) + co[b * nlist + list];
+      }
+    }
+  });
+  return out;
+}
+
+// Many queries' scores of chosen rows (the exact plan's, B > a few), as the list scan scores them:
+// q [B, D] f32, pos [M], centroids_t [D, L] -> [B, M] f32 = q·c[list] + scale * qscale[b] * dot,
+// the query quantized as the scan quantizes it (quantize_queries), every dot from one int8 GEMM
+// (at::_int_mm: faster than the float matmul of decoded rows it replaces, and no [M, D] float
+// copy), q·c as the probe computes it (centroid_dots), the scores written over the int32 dots:
+// into `into` (int32, at least B x M elements, reused by the caller: a fresh [B, M] costs the
+// page faults of a large result) or, undefined, a new tensor.
+
+at::Tensor gemm_rows_int8_into(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
+                               const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t,
+                               const at::Tensor& into) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
+  check_rows_of_codes(pos, codes, scales, offsets);
+  TORCH_CHECK(codes.size(1) == q.size(1), "codes must have the query's D");
+  const int64_t b_count = q.size(0), d = q.size(1), m = pos.numel(), nlist = offsets.size(0) - 1;
+  TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(0) == d && centroids_t.size(1) == nlist &&
+              centroids_t.scalar_type() == at::kFloat, "centroids_t must be float32 [D, L]");
+  if (b_count == 0 || m == 0) return at::empty({b_count, m}, q.options());
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const Scale* sp = scales.data_ptr<Scale>();
+  // runs of rows in one list (pos ascending: a run per list), and every row's scale as a float
+  std::vector<int64_t> run_start, run_list;
+  std::vector<float> scale(m);
+  for (int64_t i = 0, prev = -1; i < m; ++i) {
+    const int64_t l = std::upper_bound(off, off + nlist + 1, pp[i]) - off - 1;
+    if (l != prev) run_start.push_back(i), run_list.push_back(l), prev = l;
+    scale[i] = float(sp[pp[i]]);
+  }
+  run_start.push_back(m);
+  // q·c of every list as the probe computes it: a row's score does not depend on which rows
+  // share the call (a chunked scan's and a whole one's agree)
+  const at::Tensor coarse = centroid_dots(q, centroids_t);  // [B, L]
+  auto q8 = at::empty({b_count, d}, codes.options());
+  std::vector<float> qs(b_count);
+  std::vector<int32_t> qsum(b_count);
+  quantize_queries(q.data_ptr<float>(), b_count, d, q8.data_ptr<int8_t>(), d, qs.data(), qsum.data());
+  at::Tensor dots = into.defined() ? into.flatten().narrow(0, 0, b_count * m).view({b_count, m})
+                                   : at::empty({b_count, m}, q.options().dtype(at::kInt));
+  at::_int_mm_out(dots, q8, codes.index_select(0, pos).t());
+  at::Tensor out = dots.view(at::kFloat);  // [B, M], scores over the dots
+  float* op = out.data_ptr<float>();
+  const float* cp = coarse.data_ptr<float>();
+  at::parallel_for(0, b_count, std::max<int64_t>(1, 16384 / m), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* row = op + b * m;
+      const float* base = cp + b * nlist;
+      const float qscale = qs[b];
+      for (size_t r = 0; r + 1 < run_start.size(); ++r) {
+        const float c = base[run_list[r]];
+        for (int64_t i = run_start[r]; i < run_start[r + 1]; ++i) {
+          int32_t dot;
+          std::memcpy(&dot, row + i, 4);
+          row[i] = c + scale[i] * qscale * float(dot);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Below this many rows or dimensions, the int8 GEMM's other costs (the queries quantized, the
+// lists' q·c, its epilogue over [B, M]) outweigh its faster dots: decoded rows and a float matmul
+// cost less (the break-even, measured for few and many queries, lies below kGemmRows at the wide
+// dimensions; at narrow ones the float path stays ahead longer).
+constexpr int64_t kGemmRows = 1024, kGemmDims = 128;
+
+// Many queries' scores of chosen rows (IVFIndex.scores_at past a few queries): q [B, D] f32,
+// pos [M] -> [B, M] f32, by gemm_rows_int8_into from kGemmRows rows and kGemmDims dimensions
+// (into: as it takes it), else q @ decode_rows_int8(pos)^T.
+at::Tensor many_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
+                          const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t,
+                          const at::Tensor& into) {
+  if (pos.numel() >= kGemmRows && q.size(1) >= kGemmDims)
+    return gemm_rows_int8_into(q, pos, codes, scales, offsets, centroids_t, into);
+  return at::matmul(q, decode_rows_int8(pos, codes, scales, offsets, centroids_t).t()).contiguous();
+}
+
+// Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C] -> bool [N].
+at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg) {
+  TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
+  TORCH_CHECK(fmask.dim() == 2 && fmask.size(1) == sig.size(1) && fmask.scalar_type() == at::kLong && fmask.is_contiguous(),
+              "fmask must be contiguous int64 [C, W]");
+  TORCH_CHECK(fneg.dim() == 1 && fneg.size(0) == fmask.size(0) && fneg.scalar_type() == at::kBool && fneg.is_contiguous(),
+              "fneg must be bool [C]");
+  const int64_t n = sig.size(0), w = sig.size(1), c_count = fmask.size(0);
+  auto out = at::empty({n}, sig.options().dtype(at::kBool));
+  const int64_t* sp = sig.data_ptr<int64_t>();
+  const int64_t* mp = fmask.data_ptr<int64_t>();
+  const bool* np = fneg.data_ptr<bool>();
+  bool* op = out.data_ptr<bool>();
+  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
+    if (w == 1) {  // one signature word (up to 64 attribute values): branch-free, vectorizes
+      for (int64_t i = i0; i < i1; ++i) {
+        bool ok = true;
+        for (int64_t c = 0; c < c_count; ++c) ok &= ((sp[i] & mp[c]) != 0) != np[c];
+        op[i] = ok;
+      }
+      return;
+    }
+    for (int64_t i = i0; i < i1; ++i) op[i] = passes(sp + i * w, mp, np, c_count, w);
+  });
+  return out;
+}
+
+// Rows passing one filter (sig [N, W], fmask [C, W], fneg [C]) -> int64 [M] ascending. The most
+// selective non-negated clause drives: the postings of its bits (bit_counts [W * 64], postings: each
+// bit's rows, bit after bit, ascending) are the only candidates, and only they are checked against
+// every clause. With no clause under a quarter of the catalog (or no postings), every row is checked.
+at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
+                         const at::Tensor& bit_counts, const at::Tensor& postings) {
+  TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
+  TORCH_CHECK(fmask.dim() == 2 && fmask.size(1) == sig.size(1) && fmask.scalar_type() == at::kLong && fmask.is_contiguous(),
+              "fmask must be contiguous int64 [C, W]");
+  TORCH_CHECK(fneg.dim() == 1 && fneg.size(0) == fmask.size(0) && fneg.scalar_type() == at::kBool && fneg.is_contiguous(),
+              "fneg must be bool [C]");
+  const int64_t n = sig.size(0), w = sig.size(1), c_count = fmask.size(0), bits = w * 64;
+  TORCH_CHECK(bit_counts.dim() == 1 && bit_counts.size(0) == bits && bit_counts.scalar_type() == at::kLong &&
+              bit_counts.is_contiguous(), "bit_counts must be contiguous int64 [W * 64]");
+  TORCH_CHECK(postings.dim() == 1 && postings.scalar_type() == at::kInt && postings.is_contiguous(),
+              "postings must be contiguous int32 [nnz]");
+  const int64_t* counts = bit_counts.data_ptr<int64_t>();
+  const int64_t* mp = fmask.data_ptr<int64_t>();
+  const bool* np = fneg.data_ptr<bool>();
+  auto set = [&](int64_t c, int64_t bit) { return (mp[c * w + bit / 64] >> (bit % 64)) & 1; };
+  int64_t best = -1, best_count = n / 4 + 1;
+  for (int64_t c = 0; c < c_count; ++c) {
+    if (np[c]) continue;
+    int64_t count = 0;
+    for (int64_t bit = 0; bit < bits; ++bit) count += set(c, bit) ? counts[bit] : 0;
+    if (count < best_count) best = c, best_count = count;
+  }
+  int64_t nnz = 0;
+  for (int64_t bit = 0; bit < bits; ++bit) nnz += counts[bit];
+  if (best < 0 || postings.numel() != nnz) return filter_mask(sig, fmask, fneg).nonzero().flatten();
+  const int32_t* post = postings.data_ptr<int32_t>();
+  const int64_t* sp = sig.data_ptr<int64_t>();
+  // One bit's postings are ascending rows. Several bits' are merged through a bitmap of the
+  // catalog (an item of a multi-valued attribute may sit under more than one), read back in order.
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  int64_t start = 0;
+  for (int64_t bit = 0; bit < bits; ++bit) {
+    if (set(best, bit) && counts[bit] > 0) runs.emplace_back(start, start + counts[bit]);
+    start += counts[bit];
+  }
+  std::vector<int64_t> rows;
+  rows.reserve(best_count);
+  if (runs.size() == 1) {
+    for (int64_t i = runs[0].first; i < runs[0].second; ++i) rows.push_back(post[i]);
+  } else if (runs.size() > 1) {
+    std::vector<uint64_t> seen((n + 63) / 64, 0);
+    for (const auto& [i0, i1] : runs)
+      for (int64_t i = i0; i < i1; ++i) seen[post[i] / 64] |= uint64_t(1) << (post[i] % 64);
+    for (int64_t word = 0; word < (int64_t)seen.size(); ++word)
+      for (uint64_t m = seen[word]; m; m &= m - 1) rows.push_back(word * 64 + __builtin_ctzll(m));
+  }
+  int64_t kept = 0;
+  for (int64_t r : rows)
+    if (passes(sp + r * w, mp, np, c_count, w)) rows[kept++] = r;
+  auto out = at::empty({kept}, sig.options());
+  std::copy(rows.begin(), rows.begin() + kept, out.data_ptr<int64_t>());
+  return out;
+}
+
+// A selective filter's exact search in one call: the rows passing one filter (eligible_rows),
+// their scores off the codes as IVFIndex.scores_at computes them (up to `few` queries against the
+// float queries, score_rows_int8; more, many_rows_int8), the best k (topk_rows, as
+// exact.exact_topk picks them) and the rows' item ids ->
+// (ids [B, k], scores [B, k]), -1 / -inf padded. The same answer as the planned path's exact scan.
+// Undefined tensors where B x M would pass max_scores (the caller then scans in chunks).
+
+std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
+    const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& codes, const at::Tensor& scales,
+    const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
+    const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
+    int64_t few, int64_t max_scores) {
+  TORCH_CHECK(k >= 1, "k must be >= 1");
+  TORCH_CHECK(item_ids.dim() == 1 && item_ids.size(0) == codes.size(0) && item_ids.scalar_type() == at::kLong,
+              "item_ids must be int64 [N]");
+  const at::Tensor rows = eligible_rows(sig, fmask, fneg, bit_counts, postings);
+  const int64_t b_count = q.size(0), m = rows.numel();
+  if (b_count * m > max_scores) return {at::Tensor(), at::Tensor()};  // the caller scans in chunks
+  // IVFIndex.scores_at's two ways, so that the scores are its bits
+  // the many queries' scores in this thread's buffer, kept for its next call (only topk reads them)
+  static thread_local at::Tensor buffer;
+  if (b_count > few && m >= kGemmRows && q.size(1) >= kGemmDims && (!buffer.defined() || buffer.numel() < b_count * m))
+    buffer = at::empty({std::max<int64_t>(b_count * m, buffer.defined() ? 2 * buffer.numel() : 0)},
+                       q.options().dtype(at::kInt));
+  const at::Tensor scores =
+      b_count <= few ? score_rows_int8(q, rows, codes, scales, offsets, centroid_dots(q, centroids_t))
+                     : many_rows_int8(q, rows, codes, scales, offsets, centroids_t, buffer);
+  auto [best, idx] = topk_rows(scores, k);  // pads -1 / -inf where fewer than k rows pass
+  // the positions' item ids in place (six [B, k] tensor ops in its place cost more than the loop)
+  int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* item = item_ids.data_ptr<int64_t>();
+  at::parallel_for(0, b_count * k, 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) ip[i] = ip[i] >= 0 ? item[rp[ip[i]]] : -1;
+  });
+  return {idx, best};
+}
+
+}  // namespace ivf
