@@ -5,7 +5,7 @@ One update (``Admin`` call on the router; ``serving/live/admin.py`` parses it, a
 ``serving/live/updates.py`` answers a retried ``update_id`` from the log)::
 
     resolve_update(model, batch)          validate against config, schema, tables; item tower
-    until = now + prepare window          update_prepare_ms, cut to 80% of the caller's time
+    until = now + prepare window          update_prepare_ms, cut to PREPARE_SHARE of the caller's time
     sync: every replica at update s-1     replicas behind get the logged updates they miss
     Prepare(v, s, record, attempt)        every replica, by ``until``: each shard builds its
                                           part of update s aside and says which items it held
@@ -386,7 +386,7 @@ def _tell(
 
 
 def _left(until: float) -> float:
-    """Seconds until ``until`` (``time.monotonic()``), at least 1 ms (a gRPC timeout)."""
+    """Seconds until ``until`` (``time.monotonic()``), never zero: a gRPC timeout must be positive."""
     return max(until - time.monotonic(), 0.001)
 
 
