@@ -28,7 +28,18 @@ def _tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+def _plain(value: Any) -> Any:
+    """Values taken from data (NumPy scalars) as Python's; a file's values pass unchanged."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    return value.item() if type(value).__module__ == "numpy" else value
+
+
 PositiveInt = Annotated[int, Field(ge=1)]
+FromData = BeforeValidator(_plain)
+"""What the data decides is built by code from arrays: their scalars are accepted."""
 Widths = Annotated[tuple[PositiveInt, ...], BeforeValidator(_tuple)]
 Names = Annotated[tuple[str, ...], BeforeValidator(_tuple)]
 Weights = Annotated[tuple[float, ...], BeforeValidator(_tuple)]
@@ -90,14 +101,14 @@ class ModelConfig(ModelSettings):
     """Shapes of the towers and tables, the index settings and the scoring stage: the settings
     and what the data and the publish decided."""
 
-    num_items: PositiveInt
+    num_items: Annotated[PositiveInt, FromData]
     """Rows of the item table (item ids are ``0 .. num_items - 1``)."""
-    user_features: dict[str, PositiveInt]
+    user_features: Annotated[dict[str, PositiveInt], FromData]
     """Categorical user feature -> vocabulary size (one id per user); for a feature named in
     ``hashed_user_features``: the rows of its working table in training."""
-    dense_dim: int = Field(ge=0)
+    dense_dim: Annotated[int, Field(ge=0), FromData]
     """Dense user features per user."""
-    item_attributes: dict[str, list[Value]]
+    item_attributes: Annotated[dict[str, list[Value]], FromData]
     """Item attribute -> values; they feed the item tower and the eligibility filter."""
     hashed_user_features: Names = ()
     """User features whose values are raw 64-bit ids (any int64; -1: none), not codes: their
@@ -124,6 +135,11 @@ class ModelConfig(ModelSettings):
 
             PlacementPlan.from_dict(value)  # raises naming the bad field
         return value
+
+    def validate(self) -> None:
+        """Checks the fields as they are now (code may change a built config, e.g. narrow its
+        user features): :class:`~common.config.ConfigError` naming the first bad one."""
+        type(self).from_dict(dict(self))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-ready values."""

@@ -15,7 +15,7 @@ Versions:
   ``built_sizes`` (``nprobe`` lists a row), or keep float32 row scales.
 - 1: a ``format`` in the extra state; the measurements in ``stats`` (``stats.py``).
 
-``tests/retrieval/index/test_format.py`` loads a fixture of each through this module.
+``tests/retrieval/test_format.py`` loads a fixture of each (model folders and shards).
 """
 
 from __future__ import annotations
