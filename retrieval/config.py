@@ -136,7 +136,7 @@ class ModelConfig(ModelSettings):
             PlacementPlan.from_dict(value)  # raises naming the bad field
         return value
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # type: ignore[override]  # pydantic's is a deprecated v1 name
         """Checks the fields as they are now (code may change a built config, e.g. narrow its
         user features): :class:`~common.config.ConfigError` naming the first bad one."""
         type(self).from_dict(dict(self))
