@@ -17,13 +17,13 @@ we *ask* for: the index may widen it for a selective filter, or scan the eligibl
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any
 
 import numpy as np
 import torch
 from ann_data import AnnData
+from pydantic import BaseModel
 from timing import stopwatch
 
 
@@ -57,8 +57,8 @@ class Ours:
             return True
         for attr in ("cfg", "config"):
             cfg = getattr(self.index, attr, None)
-            if cfg is not None and dataclasses.is_dataclass(cfg) and hasattr(cfg, "rerank"):
-                setattr(self.index, attr, dataclasses.replace(cfg, rerank=rerank))
+            if cfg is not None and isinstance(cfg, BaseModel) and hasattr(cfg, "rerank"):
+                setattr(self.index, attr, cfg.model_copy(update={"rerank": rerank}))
                 self._rerank = rerank
                 return True
         return rerank == self._rerank
@@ -66,16 +66,16 @@ class Ours:
     def set_filter_bound(self, bound: float) -> bool:
         """Switch the filtered plan's bound check (``IVFConfig.filter_bound``: the quantile the
         build measured its slack at; 0: off) for later searches; False if it cannot."""
-        cfg = getattr(self.index, "config", None)
-        if cfg is None or not dataclasses.is_dataclass(cfg) or not hasattr(cfg, "filter_bound"):
+        cfg, stats = getattr(self.index, "config", None), getattr(self.index, "stats", None)
+        if cfg is None or stats is None or not hasattr(cfg, "filter_bound"):
             return False
-        if not hasattr(self, "_built_config"):
-            self._built_config = cfg
-        built = self._built_config
-        slack = dict(getattr(built, "slack_curve", ())).get(bound, built.filter_bound_slack)
-        self.index.config = dataclasses.replace(
-            built, filter_bound=bound, filter_bound_slack=slack if bound > 0 else 0.0
-        )
+        if not hasattr(self, "_built"):
+            self._built = (cfg, stats)
+        built, measured = self._built
+        slack = dict(measured.slack_curve).get(bound, measured.filter_bound_slack)
+        self.index.config = built.model_copy(update={"filter_bound": bound})
+        slack = slack if bound > 0 else 0.0
+        self.index.stats = measured.model_copy(update={"filter_bound_slack": slack})
         return True
 
     def _filter_arg(self, filter: str | None, batch: int) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from common.atomic import atomic_write_json
 from retrieval.data.anticorrelated import SELECTIVITIES, anticorrelated
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.stats import IndexStats
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "old": {"filter_bound": 0.0},
@@ -174,8 +175,13 @@ def run_ours(index: IVFIndex, q: np.ndarray, case: Case, args) -> dict:
     runs = [(name, changes, None) for name, changes in VARIANTS.items()]
     runs += [(f"target {t:g}", {}, t) for t in args.recall_targets]
     for name, changes, target in runs:
-        saved = index.config
-        index.config = replace(saved, **changes)
+        saved, measured = index.config, index.stats
+        index.config = saved.model_copy(
+            update={k: v for k, v in changes.items() if k not in IndexStats.model_fields}
+        )
+        index.stats = measured.model_copy(
+            update={k: v for k, v in changes.items() if k in IndexStats.model_fields}
+        )
         calls = [
             (
                 torch.from_numpy(g.rows),
@@ -196,7 +202,7 @@ def run_ours(index: IVFIndex, q: np.ndarray, case: Case, args) -> dict:
             counts = [
                 probe_counts(index, qt[r], fb, args.k, target) for r, fb in calls if fb is not None
             ]
-        index.config = saved
+        index.config, index.stats = saved, measured
         lists, exact = (
             (np.mean([c[0] for c in counts]), np.mean([c[1] for c in counts]))
             if counts
@@ -320,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "nprobe": nprobe,
-        "slack": index.config.filter_bound_slack,
+        "slack": index.stats.filter_bound_slack,
         "filter_bound": index.config.filter_bound,
         "build_s": build_s,
         "faiss_build_s": faiss_build_s,

@@ -212,7 +212,9 @@ def build(n: int, d: int, device: str) -> tuple[IVFIndex, torch.Tensor, dict, fl
     attrs = {a: rng.integers(0, v, n) for a, v in VALUES.items()}
     values = {a: [str(i) for i in range(v)] for a, v in VALUES.items()}
     nlist = 1 << round(math.log2(max(1.0, math.sqrt(n))))
-    cfg = IVFConfig(nlist=nlist, codes="int8", rerank=0, exact_copy="none", filter_bound=0.0)
+    cfg = IVFConfig(
+        nlist=nlist, nprobe=32, codes="int8", rerank=0, exact_copy="none", filter_bound=0.0
+    )
     t0 = time.perf_counter()
     index = build_ivf(x.cpu(), cfg, item_attributes=attrs, attribute_values=values)
     seconds = time.perf_counter() - t0

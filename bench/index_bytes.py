@@ -36,7 +36,7 @@ def measure(n: int, d: int, nlist: int, unit: bool, seed: int = 0) -> dict[str, 
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
     if unit:
         x = torch.nn.functional.normalize(x, dim=1)
-    ours = build_ivf(x, IVFConfig(nlist=nlist)).memory_bytes()
+    ours = build_ivf(x, IVFConfig(nlist=nlist, nprobe=32)).memory_bytes()
     builds, _ = build_faiss_ivfs(x.numpy(), nlist, train_size=256 * nlist)
     sq8 = len(faiss.serialize_index(builds["faiss-IVF-SQ8"].index)) / n
     per_item = sum(ours.values()) / n

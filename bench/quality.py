@@ -138,7 +138,7 @@ def trained_model(
 ) -> tuple[RetrievalModel, list[float]]:
     """A seeded model trained on ``prep`` with its INT8-code index built (as the demo)."""
     torch.manual_seed(seed)
-    config = dataclasses.replace(copy.deepcopy(prep.config), recent_len=args.recent_len)
+    config = prep.config.model_copy(update={"recent_len": args.recent_len}, deep=True)
     model = RetrievalModel(config)  # build_index rewrites config.index
     cfg = TrainConfig(
         epochs=args.epochs,
@@ -162,7 +162,7 @@ def build_index(model: RetrievalModel, prep: Prepared, seed: int) -> None:
 def with_codes(model: RetrievalModel, prep: Prepared, codes: str, seed: int) -> RetrievalModel:
     """A deep copy of ``model`` whose index is rebuilt with ``codes`` ("int8" / "fp8")."""
     other = copy.deepcopy(model)
-    other.config.index = dataclasses.replace(other.config.index, codes=codes)
+    other.config.index = other.config.index.model_copy(update={"codes": codes})
     build_index(other, prep, seed)
     return other
 

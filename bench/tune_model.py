@@ -16,8 +16,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import os
 import sys
 import time
@@ -68,9 +66,7 @@ def sweep(name: str, args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             for seed in range(args.seed, args.seed + args.seeds):
                 torch.manual_seed(seed)
-                model = RetrievalModel(
-                    dataclasses.replace(copy.deepcopy(prep.config), temperature=t)
-                )
+                model = RetrievalModel(prep.config.model_copy(update={"temperature": t}, deep=True))
                 cfg = TrainConfig(epochs=args.epochs, seed=seed, progress=False, weight_decay=wd)
                 train(model, prep.train, cfg)
                 scores.append(evaluate(model))

@@ -31,6 +31,10 @@ import torch
 from common.atomic import atomic_writer
 from retrieval.config import ModelConfig
 from retrieval.data.id_map import IdMaps
+from retrieval.format import migrate, version_of, with_format
+from retrieval.index.format import EXTRA
+from retrieval.index.format import migrate as migrate_index
+from retrieval.index.format import version_of as index_version
 from retrieval.index.ivf import IVFConfig, IVFIndex
 from retrieval.index.split import merge_shards, shard_of, shard_rows, split_index
 from retrieval.model import RetrievalModel
@@ -53,7 +57,7 @@ class UnsafeArtifactError(ValueError):
 def save_model(model: RetrievalModel, directory: Path) -> Path:
     """Writes the model folder (the weights atomically, so a crash leaves no half file)."""
     directory.mkdir(parents=True, exist_ok=True)
-    save_tensors(model.state_dict(), directory / WEIGHTS_FILE)
+    save_tensors(with_format(model.state_dict()), directory / WEIGHTS_FILE)
     if model.id_maps is not None:
         model.id_maps.write(directory)
     model.config.save(directory / CONFIG_FILE)
@@ -69,7 +73,7 @@ def load_model(
     for p in (cfg_path, weights):
         if not p.is_file():
             raise FileNotFoundError(f"model folder {directory}: missing {p.name}")
-    cfg = ModelConfig.from_dict(read_json(cfg_path))
+    cfg = ModelConfig.load(cfg_path)
     model = RetrievalModel(cfg, remote=remote, table_device=map_location)
     load_state(model, load_tensors(weights, map_location))
     model.id_maps = read_id_maps(directory, cfg)
@@ -127,11 +131,12 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not JSON ({e})") from None
 
 
-def load_state(model: RetrievalModel, state: dict[str, torch.Tensor]) -> None:
-    """``load_state_dict`` with an error that lists every tensor that disagrees."""
+def load_state(model: RetrievalModel, state: dict[str, Any]) -> None:
+    """``load_state_dict`` of a saved state of any format (older ones migrated first:
+    ``retrieval/format.py``) with an error that lists every tensor that disagrees."""
+    state = migrate(state, version_of(state, "model.pt"))
     own = model.state_dict()
-    later = {f"index.{name}" for name in IVFIndex.SAVED_LATER}  # the index loads without them
-    problems = [f"missing {k}" for k in own if k not in state and k not in later]
+    problems = [f"missing {k}" for k in own if k not in state]
     problems += [f"unexpected {k}" for k in state if k not in own]
     for k, t in state.items():
         mine = own.get(k)
@@ -214,11 +219,7 @@ def save_sharded(
 def save_shard(index: IVFIndex, directory: Path) -> None:
     """One shard's index: ``index.json`` (how to build the module) + ``index.pt`` (buffers)."""
     directory.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "config": asdict(index.config),
-        "dim": index.dim,
-        "attribute_values": index.schema.to_dict(),
-    }
+    meta = index.get_extra_state()  # format, config, stats, dim, attribute values
     save_tensors(index.state_dict(), directory / SHARD_INDEX_FILE)
     (directory / SHARD_META_FILE).write_text(json.dumps(meta, indent=2))
 
@@ -229,8 +230,10 @@ def load_shard(directory: Path, map_location: str | torch.device = "cpu") -> IVF
     for p in (meta_path, weights):
         if not p.is_file():
             raise FileNotFoundError(f"shard folder {directory}: missing {p.name}")
-    meta = read_json(meta_path)
-    index = IVFIndex(IVFConfig(**meta["config"]), meta["dim"], meta["attribute_values"])
+    saved = read_json(meta_path)
+    meta = migrate_index({EXTRA: saved}, index_version(saved))[EXTRA]
+    config = IVFConfig.from_dict(meta["config"], where=str(meta_path), prefix="config.")
+    index = IVFIndex(config, meta["dim"], meta["attribute_values"])
     index.load_state_dict(load_tensors(weights, map_location))
     return index.to(map_location).eval()
 
@@ -275,15 +278,25 @@ def load_whole_model(
             )
         folders = [shards_dir / str(s) for s in range(smap.num_shards)]
         parts = [load_shard(f) for f in folders]
-        saved = [f / SHARD_ROWS_FILE for f in folders]
-        rows = (  # versions published before rows.pt: lists in item-id order
-            [_rows_of(p) for p in saved] if all(p.is_file() for p in saved) else None
-        )
+        rows = _shard_rows(directory, [f / SHARD_ROWS_FILE for f in folders])
         try:
             model.index = merge_shards(parts, model.index.cpu(), rows).to(map_location)
         except ValueError as e:
             raise ValueError(f"{shards_dir}: {e}") from None
     return model.eval()
+
+
+def _shard_rows(directory: Path, paths: list[Path]) -> list[torch.Tensor] | None:
+    """Each shard's ``rows.pt``; None for a router folder of format 0 published before them
+    (its shards' lists in item-id order: ``merge_shards``). A later folder without one is
+    incomplete: ``FileNotFoundError`` naming the file."""
+    missing = [p for p in paths if not p.is_file()]
+    if not missing:
+        return [_rows_of(p) for p in paths]
+    config = read_json(directory / CONFIG_FILE)
+    if len(missing) == len(paths) and version_of(config, str(directory / CONFIG_FILE)) == 0:
+        return None
+    raise FileNotFoundError(f"{missing[0]}: missing (the shard's rows in the unsharded index)")
 
 
 def _rows_of(path: Path) -> torch.Tensor:

@@ -174,7 +174,7 @@ def _check_target(target: float, cfg: Any) -> None:
         raise ScoreInputError(
             f"--recall-target: must be in (0, 1] (0: the index's settings), got {target}"
         )
-    if 0.0 < target < 1.0 and not cfg.index.recall_curve:
+    if 0.0 < target < 1.0 and not cfg.index.target_recall:  # the build measured no curve
         raise ScoreInputError(
             "--recall-target: the model's index measured no recall curve at build "
             "(IVFConfig.target_recall was 0): use 0 (its settings) or 1 (exact)"

@@ -42,11 +42,12 @@ import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index.codes import dequantize, quantize
-from retrieval.index.config import IVFConfig
+from retrieval.index.config import BuiltIVFConfig
 from retrieval.index.costs import exact_codes, on_cpu
 from retrieval.index.probe import lists_holding
 from retrieval.index.scan import list_bounds_cpu, scan, topk_rows
 from retrieval.index.search import BoundCheck, SearchPlan
+from retrieval.index.stats import IndexStats
 
 
 class ListedIndex(Protocol):
@@ -63,7 +64,8 @@ class ListedIndex(Protocol):
     list_bits: torch.Tensor
     built_sizes: torch.Tensor
 
-    config: IVFConfig
+    config: BuiltIVFConfig
+    stats: IndexStats
 
     @property
     def nlist(self) -> int: ...
@@ -224,7 +226,7 @@ def with_bounds(
     ``plan`` as it is when no filtered row probes lists, or the index has no statistics or no
     measured slack."""
     if slack is None:
-        slack = torch.full(sel.shape, index.config.filter_bound_slack)
+        slack = torch.full(sel.shape, index.stats.filter_bound_slack)
     slack = slack.cpu()
     checked = (sel.cpu() < 1.0) & ~plan.exact.cpu() & (slack > 0)  # [B]
     if index.list_radius.numel() == 0 or not bool(checked.any()):
@@ -259,7 +261,10 @@ def with_bounds(
     if plan.least is not None and plan.hold is not None and index.built_sizes.numel():
         lists = lists_holding(lists, index.built_sizes, plan.least, plan.hold)  # unfiltered rows
     keys = sel.tolist()  # few distinct: one each
-    cost = {s: exact_codes(index.config, index.ntotal, s, b, on_cpu(index)) for s in set(keys)}
+    cost = {
+        s: exact_codes(index.config, index.stats, index.ntotal, s, b, on_cpu(index))
+        for s in set(keys)
+    }
     budget = torch.tensor([cost[s] for s in keys], dtype=torch.float32, device=dev)
     check = BoundCheck(full, sizes, budget)
     return replace(plan, lists=lists.cpu(), check=check, least=None, hold=None)

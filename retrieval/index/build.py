@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -17,7 +16,7 @@ from retrieval.index.calibrate import calibrates, measure_plan_costs
 from retrieval.index.codes import quantize
 from retrieval.index.exact import exact_search, recall_at_k
 from retrieval.index.inputs import as_tensor
-from retrieval.index.ivf import EXACT_DTYPES, IVFConfig, IVFIndex
+from retrieval.index.ivf import EXACT_DTYPES, BuiltIVFConfig, IVFConfig, IVFIndex
 from retrieval.index.kmeans import assign, train_centroids
 from retrieval.index.probe import unit_norm
 from retrieval.index.scan import bit_index_cpu, encode_int8_cpu
@@ -38,9 +37,11 @@ def build_ivf(
     ``item_ids [N]`` integers default to ``0..N-1``; ``item_attributes`` (codes ``[N]`` or bool
     ``[N, V]`` per attribute, vocabularies in ``attribute_values``: strings, or integers that
     filters then name by their decimal text, ``label = 3``) become filter signatures.
-    With ``config.target_recall`` set, nprobe is tuned on ``tune_queries [Q, D]`` (default: a
+    ``config`` is resolved for the catalog (:meth:`IVFConfig.resolved`: nlist, nprobe, the
+    target recall); with a target recall, nprobe is tuned on ``tune_queries [Q, D]`` (default: a
     sample of the vectors themselves). With ``config.metric = "cosine"`` the vectors are
-    L2-normalised first.
+    L2-normalised first. What the build measures is the index's :class:`IndexStats`
+    (``index.stats``); ``index.config`` holds the settings as resolved.
 
     With ``probe`` and ``assign`` both "auto" on unit-norm vectors, a build tuned on real
     queries (``tune_queries`` and ``target_recall``) builds its lists both by L2 and by inner
@@ -48,14 +49,13 @@ def build_ivf(
     drawn like the items favour L2, a model's users, who sit away from the items, favoured
     inner product (``bench/RESULTS.md``, serve vs no-op re-measured).
     """
-    config = config or IVFConfig()
-    config.validate()
     vectors = as_tensor(vectors, "vectors")
     if vectors.dim() != 2 or vectors.shape[0] < 1 or not vectors.is_floating_point():
         raise ValueError(
             f"vectors must be floats [N >= 1, D], got {tuple(vectors.shape)} {vectors.dtype}"
         )
     n = vectors.shape[0]
+    config = (config or IVFConfig()).resolved(n)
     x = vectors.detach().cpu().float().contiguous()
     if config.metric == "cosine":
         x = torch.nn.functional.normalize(x, dim=1)
@@ -89,7 +89,7 @@ def build_ivf(
 def _lists_index(
     x: torch.Tensor,
     ids: torch.Tensor,
-    config: IVFConfig,
+    config: BuiltIVFConfig,
     probe: str,
     by: str,
     item_attributes: Mapping[str, np.ndarray] | None,
@@ -121,7 +121,7 @@ def _lists_index(
     index.codes, index.scales = codes.contiguous(), scales.contiguous()
     exact_dtype = EXACT_DTYPES[index.config.exact_copy]  # "auto" resolved by the index
     # recorded, so a saved index probes and takes new items as it was built
-    index.config = replace(index.config, probe=probe, assign=by)
+    index.config = index.config.model_copy(update={"probe": probe, "assign": by})
     index.exact = x[order].to(exact_dtype) if exact_dtype is not None else torch.zeros(0, d)
     index.sig = sig.contiguous()
     index.bit_counts, index.postings = bit_index(sig)
@@ -132,19 +132,21 @@ def _lists_index(
 
 
 def _calibrate(index: IVFIndex, sample: torch.Tensor, vectors: Vectors) -> None:
-    """The build's measurements on ``sample [Q, D]`` queries: the filter bound's slack (unless
-    the config sets one), with ``target_recall`` nprobe (against exact search over
+    """The build's measurements on ``sample [Q, D]`` queries into ``index.stats``: the filter
+    bound's slack, with ``target_recall`` the recall curve and nprobe (against exact search over
     ``vectors``), and the filtered plan's costs on this machine (``calibrate.py``)."""
     config = index.config
-    if config.filter_bound > 0 and config.filter_bound_slack == 0:
+    if config.filter_bound > 0:
         qs = (*SLACK_QUANTILES, config.filter_bound)
         slacks = measure_slack(index, sample, qs)
         curve = tuple((q, s) for q, s in zip(qs[:-1], slacks[:-1], strict=True))
-        index.config = replace(index.config, filter_bound_slack=slacks[-1], slack_curve=curve)
+        measured = {"filter_bound_slack": slacks[-1], "slack_curve": curve}
+        index.stats = index.stats.model_copy(update=measured)
     if config.target_recall > 0:
         tune_nprobe(index, sample, vectors)
-    if config.measure_costs and not config.plan_costs and calibrates(index):
-        index.config = replace(index.config, plan_costs=measure_plan_costs(index, sample))
+    if config.measure_costs and calibrates(index):
+        costs = measure_plan_costs(index, sample)
+        index.stats = index.stats.model_copy(update={"plan_costs": costs})
 
 
 def _item_ids(item_ids: torch.Tensor | np.ndarray | None, n: int) -> torch.Tensor:
@@ -189,11 +191,13 @@ Vectors = tuple[torch.Tensor, torch.Tensor]
 
 
 def tune_nprobe(index: IVFIndex, queries: torch.Tensor, vectors: Vectors | None = None) -> int:
-    """Measures the recall curve (:func:`measure_recall_curve`) and sets ``index.config.nprobe``
-    to the smallest power of two (or nlist) whose recall reaches ``target_recall``."""
+    """Measures the recall curve (:func:`measure_recall_curve`) into ``index.stats`` and sets
+    ``index.config.nprobe`` to the smallest power of two (or nlist) whose recall reaches
+    ``target_recall``."""
     curve = measure_recall_curve(index, queries, vectors)
     nprobe = curve_nprobe(curve, index.config.target_recall, index.nlist)
-    index.config = replace(index.config, nprobe=nprobe, recall_curve=curve)
+    index.config = index.config.model_copy(update={"nprobe": nprobe})
+    index.stats = index.stats.model_copy(update={"recall_curve": curve})
     return nprobe
 
 

@@ -16,18 +16,18 @@ import copy as _copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 
 import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index.bound import as_scored
-from retrieval.index.config import IVFConfig
+from retrieval.index.config import BuiltIVFConfig
 from retrieval.index.costs import BATCHED
 from retrieval.index.ivf import IVFIndex
 from retrieval.index.scan import bit_index_cpu
 from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.stats import IndexStats
 
 SELECTIVITIES = (0.5, 0.1, 0.02, 0.004)
 """Where the costs are measured (the planner interpolates between them in log scale)."""
@@ -48,21 +48,24 @@ def calibrates(index: IVFIndex) -> bool:
 
 
 def measure_plan_costs(index: IVFIndex, sample: torch.Tensor) -> tuple[tuple[float, ...], ...]:
-    """``IVFConfig.plan_costs`` rows (``costs.py``): ``(batch, selectivity, exact seconds per
+    """``IndexStats.plan_costs`` rows (``costs.py``): ``(batch, selectivity, exact seconds per
     eligible item, list plan seconds per query, its first round's lists, codes its rounds
     scanned per query)`` for ``batch`` 1 and :data:`BATCH` rows of ``sample [Q, D]``."""
     n, k, nprobe = index.ntotal, min(index.config.tune_k, index.ntotal), index.config.nprobe
     q = as_scored(index, sample.float().cpu())
     gen = torch.Generator().manual_seed(index.config.seed)
-    listed = replace(index.config, plan_costs=(), exact_cost=math.inf)  # never exact
+    listed = index.config.model_copy(update={"exact_cost": math.inf})  # never exact, unmeasured
     out = []
     warmed: set[tuple[int, str]] = set()
     for sel in sorted(SELECTIVITIES):  # the cheapest runs first: they warm each plan
-        lists = _filtered(index, torch.rand(n, generator=gen) < sel, listed)
+        lists = _filtered(index, torch.rand(n, generator=gen) < sel, listed, IndexStats())
         m = max(k, min(int(sel * n), MAX_EXACT))
         chosen = torch.zeros(n, dtype=torch.bool)
         exact = _filtered(
-            index, chosen.index_fill_(0, torch.randperm(n, generator=gen)[:m], True), index.config
+            index,
+            chosen.index_fill_(0, torch.randperm(n, generator=gen)[:m], True),
+            index.config,
+            index.stats,
         )
         for batch in (1, BATCH):
             qb = q[:batch] if len(q) >= batch else q.repeat(math.ceil(batch / len(q)), 1)[:batch]
@@ -102,12 +105,14 @@ def _list_plan(
     scanned.append(codes)
 
 
-def _filtered(index: IVFIndex, passing: torch.Tensor, config: IVFConfig) -> IVFIndex:
+def _filtered(
+    index: IVFIndex, passing: torch.Tensor, config: BuiltIVFConfig, stats: IndexStats
+) -> IVFIndex:
     """A copy of ``index`` (its tensors shared) whose only filter attribute is one bit, set on
-    the rows where ``passing [N] bool``, searched with ``config``."""
+    the rows where ``passing [N] bool``, searched with ``config`` and ``stats``."""
     copy = _copy.copy(index)
     copy._buffers = dict(index._buffers)  # a fresh dict: the original keeps its own
-    copy.config = config
+    copy.config, copy.stats = config, stats
     copy.sig = passing.long().unsqueeze(1).contiguous()
     copy.bit_counts, copy.postings = bit_index_cpu(copy.sig)
     # lists holding a passing row, from a prefix sum (``bound.list_bits`` ORs every signature

@@ -4,7 +4,7 @@ weighs when it picks a second round of lists or the exact scan (``bound.py``).
 
 The build times both plans on its own machine, at its dimension, with its kernels
 (``calibrate.py``), for one query and for a batch, at a few selectivities; each
-``IVFConfig.plan_costs`` row is ``(batch, selectivity, exact seconds per eligible item, list
+``IndexStats.plan_costs`` row is ``(batch, selectivity, exact seconds per eligible item, list
 plan seconds per query, the lists its first round probed, the codes its rounds scanned)``.
 A row of selectivity ``s`` wanting its first round to probe ``p`` lists then costs::
 
@@ -32,13 +32,14 @@ from typing import Protocol
 import torch
 
 from retrieval.index.config import IVFConfig
+from retrieval.index.stats import IndexStats
 
 BATCHED = 16
 """Rows above this many a search are priced by the batch measurements (the exact plan's scores
 become one matmul above ``probe.FEW_QUERIES`` = 16 rows; fewer are scored row by row)."""
 
 BATCH, SEL, EXACT_ITEM_S, LIST_QUERY_S, LIST_FIRST, LIST_CODES = range(6)
-"""Columns of an ``IVFConfig.plan_costs`` row."""
+"""Columns of an ``IndexStats.plan_costs`` row."""
 
 
 class _Placed(Protocol):
@@ -52,12 +53,12 @@ def on_cpu(index: _Placed) -> bool:
 
 
 def plan_seconds(
-    config: IVFConfig, ntotal: int, sel: float, first: float, batch: int, measured: bool = True
+    stats: IndexStats, ntotal: int, sel: float, first: float, batch: int, measured: bool = True
 ) -> tuple[float, float] | None:
     """``(exact, lists)`` seconds of one row of a search of ``batch`` rows: selectivity ``sel``,
     a first round of ``first`` lists. None where the index has no measurements (or
     ``measured`` is False: another device). Python floats: a batch has few distinct rows."""
-    rows = _regime(config.plan_costs, batch) if measured else ()
+    rows = _regime(stats.plan_costs, batch) if measured else ()
     if not rows:
         return None
     exact = sel * ntotal * _read(rows, EXACT_ITEM_S, sel)
@@ -66,12 +67,12 @@ def plan_seconds(
 
 
 def exact_codes(
-    config: IVFConfig, ntotal: int, sel: float, batch: int, measured: bool = True
+    config: IVFConfig, stats: IndexStats, ntotal: int, sel: float, batch: int, measured: bool = True
 ) -> float:
     """One row's exact scan of its eligible items (``sel`` of ``ntotal``) in codes of a list
     scan: measured seconds over the list plan's seconds per code, else ``sel * N *
     exact_cost``."""
-    rows = _regime(config.plan_costs, batch) if measured else ()
+    rows = _regime(stats.plan_costs, batch) if measured else ()
     if not rows:
         return sel * ntotal * float(config.exact_cost)
     per_code = _read(rows, LIST_QUERY_S, sel) / max(_read(rows, LIST_CODES, sel), 1.0)

@@ -115,7 +115,7 @@ def _reads(index: ExactIndex) -> tuple[Any, ...]:
     catalog's size and lists, the bit counts (by identity and in-place version) and the device."""
     cfg, counts = index.config, index.bit_counts
     return (
-        id(cfg), id(cfg.plan_costs), cfg.exact_cost, cfg.filter_nprobe_exponent,
+        id(cfg), id(index.stats), cfg.exact_cost, cfg.filter_nprobe_exponent,
         index.ntotal, index.nlist, id(counts), counts._version, counts.device.type,
     )  # fmt: skip
 

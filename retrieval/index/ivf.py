@@ -24,7 +24,6 @@ more exist is answered by the exact scan, so a filter can never starve a result.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -37,12 +36,13 @@ from retrieval.filters import (
     FilterBatch,
     FilterSchema,
 )
-from retrieval.index.bound import as_scored, widened_radius
+from retrieval.index.bound import as_scored
 from retrieval.index.codes import dequantize
-from retrieval.index.config import EXACT_DTYPES, METRICS, PROBES, IVFConfig
+from retrieval.index.config import METRICS, PROBES, BuiltIVFConfig, IVFConfig
 from retrieval.index.eligible_scan import exact_search
 from retrieval.index.exact_ids import exact_search_ids
 from retrieval.index.exclude import IdOrder, excluded_positions
+from retrieval.index.format import EXTRA, INDEX_FORMAT, migrate, version_of
 from retrieval.index.inputs import (
     as_count,
     as_optional_count,
@@ -69,11 +69,13 @@ from retrieval.index.scan import (
     score_rows_cpu,
 )
 from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.stats import IndexStats
 from retrieval.index.targets import check_targets
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 __all__ = ["EXACT_DTYPES", "METRICS", "PROBES", "FilterArg", "IVFConfig", "IVFIndex"]
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+EXACT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "none": None}
 PROBE_TABLE_MIN = 1 << 17
 """Centroid floats (nlist x D) from which a few queries' probe reads an int8 table first. One
 query, 1,024 lists: at 256-d (1 MB of floats) 74 -> 53 us with it; at 64-d (256 KB, in cache)
@@ -88,10 +90,13 @@ class IVFIndex(nn.Module):
     ``exact [N, D] f16|f32`` (or ``[0, D]``), ``sig [N, W] i64``, ``bit_counts [W*64] i64``,
     ``postings [sum(bit_counts)] i32`` (the items of each bit: an inverted index over attributes),
     ``list_radius [nlist] f32`` and ``list_bits [nlist, W] i64`` (each list's largest residual and
-    the OR of its signatures: ``retrieval/index/bound.py``; empty in an index saved before them),
+    the OR of its signatures: ``retrieval/index/bound.py``; empty: no bound check),
     ``built_sizes [nlist] i64`` (each list's items as built, the whole catalog's in a document
     shard too, which live updates leave as they are: what a row's list count is read from,
-    ``probe.lists_holding``; empty in an index saved before it, which probes ``nprobe`` lists).
+    ``probe.lists_holding``; empty: ``nprobe`` lists a row).
+
+    ``config`` holds the settings as the build resolved them, ``stats`` what it measured; both
+    are saved in the state (its extra state, with a format version: ``format.py``).
     """
 
     centroids: torch.Tensor
@@ -107,20 +112,18 @@ class IVFIndex(nn.Module):
     list_bits: torch.Tensor
     built_sizes: torch.Tensor
 
-    SAVED_LATER = ("list_radius", "list_bits", "built_sizes")
-    """Buffers an index saved before them lacks: it loads without them (empty: no bound check,
-    ``nprobe`` lists a row) and searches as it did."""
-
     def __init__(
         self,
         config: IVFConfig,
         dim: int,
         attribute_values: Mapping[str, Sequence[AttributeValue]] | None = None,
+        stats: IndexStats | None = None,
     ):
         super().__init__()
-        config.validate()
         config = config.resolved()
-        self.config = config
+        self.config: BuiltIVFConfig = config
+        self.stats = stats or IndexStats()
+        """What the build measured (an index derived from another: its measurements)."""
         self.dim = dim
         self.schema = FilterSchema(attribute_values or {})
         w = self.schema.num_words
@@ -166,37 +169,40 @@ class IVFIndex(nn.Module):
 
     def get_extra_state(self) -> dict[str, Any]:
         return {
-            "config": asdict(self.config),
+            "format": INDEX_FORMAT,
+            "config": self.config.model_dump(),
+            "stats": self.stats.model_dump(),
             "dim": self.dim,
             "attribute_values": self.schema.to_dict(),
         }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Adopts a saved state's config (e.g. its tuned nprobe), statistics and filter schema;
+        ``state`` is of this format (``_load_from_state_dict`` migrated it)."""
         if state["dim"] != self.dim or state["config"]["codes"] != self.config.codes:
             raise ValueError(
                 f"index state has dim={state['dim']} codes={state['config']['codes']!r}, "
                 f"this index has dim={self.dim} codes={self.config.codes!r}"
             )
-        # search settings as built (e.g. tuned nprobe); a config saved before ``metric`` and
-        # ``probe`` existed scored by "ip" and probed by "ip": keep its answers (one saved before
-        # ``filter_bound_slack`` gets 0, so no bound check: it searches as it did)
-        saved = {"probe": "ip", "assign": "l2", **state["config"]}
-        self.config = IVFConfig(**saved).resolved()
+        self.config = BuiltIVFConfig.from_dict(
+            state["config"], where="index state", prefix="config."
+        )
+        self.stats = IndexStats.from_dict(state["stats"], where="index state", prefix="stats.")
         self.schema = FilterSchema(state["attribute_values"])
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        # Buffers are sized by the catalog: adopt the saved sizes, but insist on matching dims/dtypes.
-        # The exact copy may differ in dtype (an index saved before "auto" kept an FP16 copy by
-        # default): the saved config (extra state, loaded after the buffers) says which it is.
+        # An older format first becomes this one (``format.py``); then the buffers, sized by the
+        # catalog, adopt the saved sizes, with matching dims and dtypes. The exact copy may
+        # differ in dtype from this module's: the saved config (extra state, loaded after the
+        # buffers) says which it is.
+        self._migrate(state_dict, prefix)
         for name, buf in self._buffers.items():
             saved = state_dict.get(prefix + name)
             if saved is None or buf is None:
                 continue
-            adoptable = (name == "exact" and saved.dtype in (torch.float16, torch.float32)) or (
-                name == "scales" and saved.dtype == torch.float32  # saved before 2-byte scales
-            )
+            adoptable = name == "exact" and saved.dtype in (torch.float16, torch.float32)
             if (saved.dtype != buf.dtype and not adoptable) or (
                 saved.shape[1:] != buf.shape[1:]
                 and name not in ("sig", "bit_counts", "postings", "list_bits")
@@ -210,22 +216,22 @@ class IVFIndex(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        for name in self.SAVED_LATER:  # saved before them: empty
-            if prefix + name not in state_dict and prefix + name in missing_keys:
-                missing_keys.remove(prefix + name)
-                setattr(self, name, getattr(self, name)[:0])
-        if self.scales.dtype == torch.float32:
-            self._narrow_scales()
         self._refresh()
 
-    def _narrow_scales(self) -> None:
-        """An index saved with float32 scales: round them to bfloat16, and widen each list's
-        radius to the decoded residuals the rounding moved (it must stay a bound)."""
-        self.scales = self.scales.bfloat16()
-        if self.list_radius.numel() and self.codes.shape[0]:
-            self.list_radius = widened_radius(
-                self.list_radius, self.codes, self.scales, self.offsets
-            )
+    @staticmethod
+    def _migrate(state_dict: dict[str, Any], prefix: str) -> None:
+        """Brings this index's entries of ``state_dict`` (a copy ``load_state_dict`` made) to
+        this format, in place."""
+        extra = state_dict.get(prefix + EXTRA)
+        if not isinstance(extra, dict):
+            return  # torch reports the missing state
+        version = version_of(extra)
+        if version == INDEX_FORMAT:
+            return
+        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        mine = {k: v for k, v in mine.items() if "." not in k}  # not a submodule's
+        for key, value in migrate(mine, version).items():
+            state_dict[prefix + key] = value
 
     def _refresh(self) -> None:
         self.centroids_t = self.centroids.float().T.contiguous()

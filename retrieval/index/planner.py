@@ -70,7 +70,11 @@ def make_plan(
     rows = None
     if target is not None and bool((target > 0).any()):
         rows = row_settings(
-            target, nprobe, cfg.filter_bound_slack, cfg.recall_curve, cfg.slack_curve
+            target,
+            nprobe,
+            index.stats.filter_bound_slack,
+            index.stats.recall_curve,
+            index.stats.slack_curve,
         )
     # per row: Python numbers and NumPy (a batch's few rows: each torch op costs ~5 us)
     sel_t = estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu() if fb.active else None
@@ -149,10 +153,10 @@ def cheaper_exact(
     def cheaper(s: float, p: int) -> bool:
         if s >= 1.0:
             return False
-        times = plan_seconds(cfg, n, s, p, batch, measured)
+        times = plan_seconds(index.stats, n, s, p, batch, measured)
         if times is not None:
             return times[0] <= times[1]
-        return exact_codes(cfg, n, s, batch, measured=False) <= p * per_list
+        return exact_codes(cfg, index.stats, n, s, batch, measured=False) <= p * per_list
 
     keys = list(zip(sel.tolist(), lists.tolist(), strict=True))  # few distinct: one each
     answer = {key: cheaper(*key) for key in set(keys)}

@@ -97,7 +97,7 @@ def split_index(
 
 
 def _new_like(index: IVFIndex) -> IVFIndex:
-    out = IVFIndex(index.config, index.dim, index.schema.attribute_values)
+    out = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
     return out.to(index.centroids.device)
 
 

@@ -3,10 +3,10 @@
 A request may ask for a recall@K against exact search (``recall_target``, in ``(0, 1]``) instead
 of the index's defaults. The build measures what each setting gives on sample queries:
 
-* ``IVFConfig.recall_curve``: ``(nprobe, recall)`` for nprobe = 1, 2, 4, ... until recall
+* ``IndexStats.recall_curve``: ``(nprobe, recall)`` for nprobe = 1, 2, 4, ... until recall
   reaches :data:`CURVE_TOP` or every list (:func:`measure_recall_curve`); an unfiltered row
   probes the fewest lists whose measured recall reaches its target;
-* ``IVFConfig.slack_curve``: ``(quantile, slack)`` of the filtered plan's bound
+* ``IndexStats.slack_curve``: ``(quantile, slack)`` of the filtered plan's bound
   (``retrieval/index/bound.py``); a filtered row bounds the lists it did not probe with the
   slack of the quantile that reaches its target, so a stricter target probes further before it
   trusts its K-th result, at every selectivity;

@@ -117,7 +117,7 @@ def _rebuilt(
     dev = index.centroids.device
     order = torch.argsort(lists, stable=True)
     counts = torch.bincount(lists, minlength=index.nlist)
-    new = IVFIndex(index.config, index.dim, index.schema.attribute_values)
+    new = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
     new.centroids = index.centroids
     new.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dev)
     new.item_ids = item_ids[order].contiguous().to(dev)
@@ -227,7 +227,7 @@ def set_signatures(
     ids = _check_ids(ids)
     sig = _check_sig(index, sig, ids.numel())
     pos = _require_known(index, ids, "ids").to(index.sig.device)
-    new = IVFIndex(index.config, index.dim, index.schema.attribute_values)
+    new = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
     kept = (
         "centroids",
         "offsets",

@@ -41,12 +41,12 @@ Example ``train.toml`` (every table optional, every key but ``[publish]``'s firs
 A bad value is refused before any work, naming the file and the field
 (``train.toml: train.batch_size: must be >= 1, got 0``).
 
-``[model]`` and ``[data]`` mirror the fields of the dataclasses the model code holds
-(:class:`retrieval.config.ModelConfig`, :class:`retrieval.index.ivf.IVFConfig`,
-:class:`retrieval.data.SyntheticConfig`): they are saved beside the weights and built by code,
-so they stay dataclasses, and these sections build them (``tests/retrieval/training/
-test_config.py`` holds names and defaults equal). :class:`TrainConfig` is the trainer's own.
-Importing this module loads no torch (those modules are imported inside the builders).
+``[model]`` *is* the model's own settings (:class:`retrieval.config.ModelSettings`, with
+``[model.index]`` the index's :class:`retrieval.index.config.IVFConfig`): one declaration, one
+set of defaults, for the file and for the code. ``[data]`` builds the generator's dataclass
+(:class:`retrieval.data.SyntheticConfig`; ``tests/retrieval/training/test_train_config.py``
+holds names and defaults equal). :class:`TrainConfig` is the trainer's own. Importing this
+module loads no torch (those modules are imported inside the builders).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from common.config import Config, PathValue
+from retrieval.config import ModelSettings
 
 if TYPE_CHECKING:
     from retrieval.data import SyntheticConfig
-    from retrieval.index.ivf import IVFConfig
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Share = Annotated[float, Field(ge=0, le=1)]
@@ -165,132 +165,24 @@ class DataConfig(Config):
 
 
 # ---- [model] -----------------------------------------------------------------------------------
-class IndexSection(Config):
-    """``[model.index]``: the in-model IVF index (:class:`retrieval.index.ivf.IVFConfig`); the
-    number of lists and the lists probed follow the catalog's size unless given."""
-
-    nlist: PositiveInt | None = None
-    """Inverted lists (k-means centroids); None: about sqrt(items), with at least 39 items a
-    list (what faiss's k-means asks for: ``retrieval.index.kmeans.default_nlist``)."""
-    nprobe: PositiveInt | None = None
-    """Lists scanned per unfiltered query; None: nlist / 8 (then tuned: ``target_recall``)."""
-    codes: Literal["int8", "fp8"] = "int8"
-    """Residual code format (row-wise scale)."""
-    rerank: int = Field(default=0, ge=0)
-    """Candidates re-scored with the exact copy before the final top-K (0: approximate scores
-    are final)."""
-    exact_copy: Literal["auto", "float16", "float32", "none"] = "auto"
-    """Dtype of the exact copy of every vector, for re-ranking and exact scans ("none": codes
-    decoded, no re-rank; "auto": "float16" when ``rerank > 0``, else "none")."""
-    metric: Literal["ip", "cosine"] = "ip"
-    """Score that ranks results: inner product, or cosine (vectors and queries normalised)."""
-    probe: Literal["auto", "l2", "ip"] = "auto"
-    """How a query ranks lists: "l2" (nearest centroid, as items are assigned), "ip" (largest
-    q·c), "auto": "l2" when the item vectors are unit-norm, else "ip"."""
-    assign: Literal["auto", "l2", "ip"] = "auto"
-    """How k-means clusters and items join lists: "l2", "ip", or "auto": the probe's rule."""
-    kmeans_iters: PositiveInt = 10
-    """k-means iterations of the build."""
-    kmeans_max_points_per_centroid: PositiveInt = 256
-    """Sample size of k-means, per centroid."""
-    seed: Seed = 0
-    """Seed of the k-means sample and start."""
-    exact_cost: float = Field(default=2.0, gt=0)
-    """Cost of scoring one eligible item exactly, relative to one code in a list, where the build
-    measures none (a filtered request is scanned exactly when eligible items x exact_cost <=
-    codes in the lists it must probe)."""
-    measure_costs: bool = True
-    """The build times the filtered plan's two ways on this machine and the lists that hold a
-    query's best items (``retrieval/index/calibrate.py``); false: ``exact_cost`` decides."""
-    filter_nprobe_exponent: float = Field(default=0.5, ge=0)
-    """A filtered request with selectivity s probes ``nprobe * s ** -exponent`` lists."""
-    filter_bound: Share = 0.9
-    """A filtered request probes a second round of lists whose bound could beat its K-th result
-    (``retrieval/index/bound.py``): the quantile of the slack the build measures (1.0: the
-    provable bound; 0: no second round)."""
-    target_recall: Share = 0.97
-    """If > 0, the build picks the smallest power-of-two nprobe whose recall@``tune_k``
-    against exact search reaches this on sample queries."""
-    tune_k: PositiveInt = 100
-    """K of the recall that ``target_recall`` asks for."""
-
-    def build(self, num_items: int) -> IVFConfig:
-        """The index config for a catalog of ``num_items``."""
-        from retrieval.index.ivf import IVFConfig
-        from retrieval.index.kmeans import default_nlist
-
-        nlist = self.nlist or default_nlist(num_items)
-        nprobe = self.nprobe or max(1, nlist // 8)
-        return IVFConfig(**{**self.model_dump(), "nlist": nlist, "nprobe": nprobe})
-
-
-DERIVED = frozenset({"num_items", "item_attributes", "dense_dim"})
-"""ModelConfig fields that come from the data, never from ``[model]``."""
-
-
-class ModelSection(Config):
-    """``[model]``: :class:`retrieval.config.ModelConfig`'s settable fields (the catalog's size,
-    item attributes and dense width come from the data; training takes float tables, so no
-    ``table_plan``: ``[publish] table_dtype`` quantizes the served copy)."""
+class ModelSection(ModelSettings):
+    """``[model]``: :class:`retrieval.config.ModelSettings` (the towers, the head and
+    ``[model.index]``: :class:`retrieval.index.config.IVFConfig`, the model's own classes) and
+    two choices of the training data (the catalog's size, item attributes and dense width come
+    from the data; training takes float tables, so no ``table_plan``: ``[publish] table_dtype``
+    quantizes the served copy)."""
 
     user_features: list[str] | None = None
     """Categorical user features the tower reads: a subset of the data's (None: all)."""
-    embedding_dim: PositiveInt = 32
-    """Width of every embedding table."""
-    hidden: list[PositiveInt] = Field(default_factory=lambda: [128])
-    """Hidden layer widths of both towers."""
-    out_dim: PositiveInt = 64
-    """Width D of query and item vectors (L2-normalized)."""
-    history_len: PositiveInt = 50
-    """Most recent items of a user's history that the user tower reads."""
-    recent_len: int = Field(default=5, ge=0)
-    """The newest ``recent_len`` history items also pooled on their own (a position-aware
-    tower; 0: off). ``bench/quality.py`` measures what it adds."""
-    attention_len: int = Field(default=0, ge=0)
-    """The newest ``attention_len`` history items also go through self-attention with their
-    positions (a sequence-aware tower); 0: off."""
-    exclude_history: bool = True
-    """Never recommend an item already in the request's history."""
-    seen_store: bool = False
-    """Keep each user's seen items in the model (what they consumed before the test split;
-    8 bytes an interaction): a request naming its ``user`` has them excluded without sending
-    them, and live updates add to them (``retrieval/seen_store.py``)."""
-    temperature: float = Field(default=0.05, gt=0)
-    """Softmax temperature of training logits (q · v / temperature)."""
-    scoring_head: bool = False
-    """Add a learned head over (query, item) pairs to the dot product of re-ranked candidates."""
-    head_hidden: PositiveInt = 64
-    """Hidden width of the scoring head."""
-    head_tasks: list[str] = Field(default_factory=lambda: ["engagement"], min_length=1)
-    """Task outputs of the head; combined into one value with ``head_task_weights``."""
-    head_task_weights: list[float] = Field(default_factory=lambda: [1.0])
-    """One weight per task of ``head_tasks``."""
-    head_candidates: PositiveInt = 200
-    """Candidates the head re-scores (at least K + history length)."""
     hashed_user_id: int = Field(default=0, ge=0)
     """Working rows of the hashed feature ``raw_id``: the user's own id as a raw int64 (an
     imported log's user ids; a 63-bit hash of the user index for generated and MovieLens data),
     its table trained over this many rows and ``[train.hashed]``'s servers; 0: off."""
-    index: IndexSection = Field(default_factory=IndexSection)
-    """``[model.index]``: the in-model IVF index."""
 
-    @field_validator("head_task_weights")
-    @classmethod
-    def _one_weight_per_task(cls, value: list[float], info: ValidationInfo) -> list[float]:
-        tasks = info.data.get("head_tasks")
-        if tasks is not None and len(value) != len(tasks):
-            raise ValueError(f"one per task of head_tasks ({len(tasks)}), got {len(value)}")
-        return value
-
-    def overrides(self) -> dict[str, Any]:
-        """The ModelConfig fields this section sets (tuples where ModelConfig holds them),
-        without ``user_features``, ``history_len`` and ``index`` (built against the data)."""
-        values = self.model_dump(
-            exclude={"user_features", "history_len", "index", "hashed_user_id"}
-        )
-        for key in ("hidden", "head_tasks", "head_task_weights"):
-            values[key] = tuple(values[key])
-        return values
+    def settings(self) -> dict[str, Any]:
+        """The :class:`~retrieval.config.ModelSettings` fields, as :class:`ModelConfig` takes
+        them (``index`` the config itself)."""
+        return {name: getattr(self, name) for name in ModelSettings.model_fields}
 
 
 # ---- [train] -----------------------------------------------------------------------------------

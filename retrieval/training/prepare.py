@@ -23,8 +23,6 @@ from retrieval.data import Interactions, RecDataset, history_by_user, split_by_t
 from retrieval.data.split import user_timelines
 from retrieval.features import UserBatch, item_feature_ids, make_user_batch
 from retrieval.filters import FilterSchema
-from retrieval.index.ivf import IVFConfig
-from retrieval.index.kmeans import default_nlist
 from retrieval.seen import SeenSets
 from retrieval.training.histories import timeline_first
 from retrieval.training.pairs import TrainingData, log_q_from_counts
@@ -134,15 +132,6 @@ def user_codes(ds: RecDataset, names: list[str], users: np.ndarray | None = None
     return np.stack([ds.user_features[n][rows] for n in names], axis=1).astype(np.int64)
 
 
-def default_index_config(num_items: int, **overrides: Any) -> IVFConfig:
-    """About sqrt(N) lists (at least 39 items a list: :func:`default_nlist`); nprobe tuned at
-    build for recall@100 >= 0.97 against exact search."""
-    nlist = default_nlist(num_items)
-    return IVFConfig(
-        **{"nlist": nlist, "nprobe": max(1, nlist // 8), "target_recall": 0.97, **overrides}
-    )
-
-
 def prepare(
     ds: RecDataset,
     *,
@@ -165,7 +154,6 @@ def prepare(
         dense_dim=int(ds.user_dense.shape[1]),
         item_attributes={k: list(v) for k, v in ds.attribute_values.items()},
         history_len=history_len,
-        index=model_overrides.pop("index", default_index_config(ds.num_items)),
         **model_overrides,
     )
     cat = user_codes(ds, list(config.user_features))

@@ -64,14 +64,7 @@ def prepare_run(ds: RecDataset, model: ModelSection, validation: float = 0.0) ->
     if model.hashed_user_id:
         with_raw_user_ids(ds, model.hashed_user_id)
         hashed = (RAW_ID,)
-    prep = prepare(
-        ds,
-        history_len=model.history_len,
-        validation=validation,
-        index=model.index.build(ds.num_items),
-        hashed_user_features=hashed,
-        **model.overrides(),
-    )
+    prep = prepare(ds, validation=validation, hashed_user_features=hashed, **model.settings())
     wanted = model.user_features
     if wanted is not None and hashed:
         wanted = [*wanted, *hashed]

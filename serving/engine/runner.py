@@ -130,7 +130,7 @@ class ModelRunner:
                 f"user: {self.name} version {self.version} keeps no seen store "
                 "(model.seen_store): send the user's seen list in seen"
             )
-        if 0.0 < req.recall_target < 1.0 and not self.model.index.config.recall_curve:
+        if 0.0 < req.recall_target < 1.0 and not self.model.index.stats.recall_curve:
             raise RequestError(
                 f"recall_target: {self.name} version {self.version} measured no recall curve at "
                 "build (IVFConfig.target_recall was 0): send 0 (its settings) or 1 (exact)"

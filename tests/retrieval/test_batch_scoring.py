@@ -312,13 +312,20 @@ def test_the_whole_model_of_a_sharded_tiered_version_is_the_unsharded_one(setup,
     assert all(torch.equal(got[k], v) for k, v in want.items() if isinstance(v, torch.Tensor))
     j = sharded_job(sharded, root / "unused", filter="available")
     assert_same_answers(reference(whole, table, j), reference(ref, table, j))
-    # versions published before rows.pt: lists in item-id order, the build's order
+    # versions published before rows.pt (format 0): lists in item-id order, the build's order
     for s in (0, 1):
         (sharded / "shards" / str(s) / SHARD_ROWS_FILE).rename(root / f"rows-{s}.pt")
+    config = sharded / "model" / "config.json"
+    written = config.read_text()
     try:
+        with pytest.raises(FileNotFoundError, match=r"0/rows.pt: missing"):  # format 1 has them
+            load_whole_model(sharded / "model", sharded / "shards", sharded / "embeddings")
+        unversioned = {k: v for k, v in json.loads(written).items() if k != "format"}
+        config.write_text(json.dumps(unversioned))
         again = load_whole_model(sharded / "model", sharded / "shards", sharded / "embeddings")
         assert torch.equal(again.index.item_ids, ref.index.item_ids)
     finally:
+        config.write_text(written)
         for s in (0, 1):
             (root / f"rows-{s}.pt").rename(sharded / "shards" / str(s) / SHARD_ROWS_FILE)
 

@@ -14,11 +14,13 @@ from retrieval.config import ModelConfig
 from retrieval.data import SyntheticConfig, generate
 from retrieval.features import make_user_batch
 from retrieval.filters import eligible
+from retrieval.format import read_config
 from retrieval.index.ivf import IVFConfig
 from retrieval.metrics import popularity_recs, ranking_metrics
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import prepare
 from retrieval.training.train import TrainConfig, train
+from support.formats import unversioned
 from support.topk_check import assert_same_topk
 
 
@@ -132,7 +134,8 @@ def test_a_version_saved_before_an_index_buffer_loads_and_answers_as_it_did(trai
     statistics does."""
     prep, model, _ = trained
     for name in ("built_sizes", "list_radius"):
-        state = {k: v for k, v in model.state_dict().items() if k != f"index.{name}"}
+        saved = unversioned(model.state_dict(), "index.")
+        state = {k: v for k, v in saved.items() if k != f"index.{name}"}
         old = RetrievalModel(prep.config)
         load_state(old, state)
         assert getattr(old.index, name).numel() == 0
@@ -236,13 +239,16 @@ def test_recent_window_is_pooled_apart_and_old_configs_load_without_it() -> None
     assert model.user_tower.mlp[0].in_features == 2 * cfg.embedding_dim
     old = cfg.to_dict()
     del old["recent_len"]  # a config.json written before the field existed
-    assert ModelConfig.from_dict(old).recent_len == 0
+    assert read_config(old).recent_len == 0  # through the format's migration
     with pytest.raises(ValueError, match="recent_len"):
-        ModelConfig(20, {}, 0, {}, recent_len=-1).validate()
+        ModelConfig(num_items=20, user_features={}, dense_dim=0, item_attributes={}, recent_len=-1)
 
 
 def test_attention_tower_reads_the_sequence_in_order() -> None:
-    cfg = ModelConfig(30, {"region": 3}, 1, {}, history_len=6, attention_len=4, out_dim=8)
+    cfg = ModelConfig(
+        num_items=30, user_features={"region": 3}, dense_dim=1, item_attributes={},
+        history_len=6, attention_len=4, out_dim=8,
+    )  # fmt: skip
     torch.manual_seed(0)
     model = RetrievalModel(cfg)
     assert model.tables.table_of["history_seq"] == "item"
@@ -264,7 +270,10 @@ def test_attention_tower_reads_the_sequence_in_order() -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc  # inductor compile workers
 def test_attention_tower_compiles() -> None:
-    cfg = ModelConfig(30, {}, 0, {}, history_len=6, attention_len=4, out_dim=8)
+    cfg = ModelConfig(
+        num_items=30, user_features={}, dense_dim=0, item_attributes={},
+        history_len=6, attention_len=4, out_dim=8,
+    )  # fmt: skip
     torch.manual_seed(0)
     model = RetrievalModel(cfg)
     hist = torch.tensor([[3, 4, 5, -1, -1, -1], [-1] * 6])

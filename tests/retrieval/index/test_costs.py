@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from retrieval.index.calibrate import BATCH, SELECTIVITIES
 from retrieval.index.costs import exact_codes, plan_seconds
 from retrieval.index.exact_ids import exact_search_ids
 from retrieval.index.scan import bit_index_cpu
+from retrieval.index.stats import IndexStats
 
 # (batch, selectivity, exact s per item, list s per query, first-round lists, codes per query)
 COSTS = (
@@ -29,7 +29,7 @@ COSTS = (
 
 
 def test_plan_seconds_read_the_regime_and_interpolate_in_log_log():
-    cfg = IVFConfig(plan_costs=COSTS)
+    cfg = IndexStats(plan_costs=COSTS)
     exact, lists = plan_seconds(cfg, 1_000_000, 0.5, 10, 1)
     assert exact == pytest.approx(0.5 * 1e6 * 1e-7) and lists == pytest.approx(1e-3)
     mid = math.sqrt(0.5 * 0.02)  # halfway in log: the geometric mean of the times
@@ -42,14 +42,14 @@ def test_plan_seconds_read_the_regime_and_interpolate_in_log_log():
     _, clamped = plan_seconds(cfg, 1_000_000, 0.001, 1, 1)
     assert clamped == pytest.approx(4e-3)
     assert plan_seconds(cfg, 1_000_000, 0.5, 10, 1, measured=False) is None
-    assert plan_seconds(IVFConfig(), 1_000_000, 0.5, 10, 1) is None
+    assert plan_seconds(IndexStats(), 1_000_000, 0.5, 10, 1) is None
 
 
 def test_exact_codes_price_the_exact_scan_in_list_codes():
-    cfg = IVFConfig(plan_costs=COSTS, exact_cost=3.0)
+    cfg, stats = IVFConfig(exact_cost=3.0), IndexStats(plan_costs=COSTS)
     per_code = 1e-3 / 1000.0
-    assert exact_codes(cfg, 1000, 0.5, 1) == pytest.approx(0.5 * 1000 * 1e-7 / per_code)
-    assert exact_codes(cfg, 1000, 0.5, 1, measured=False) == pytest.approx(0.5 * 1000 * 3.0)
+    assert exact_codes(cfg, stats, 1000, 0.5, 1) == pytest.approx(0.5 * 1000 * 1e-7 / per_code)
+    assert exact_codes(cfg, stats, 1000, 0.5, 1, measured=False) == pytest.approx(0.5 * 1000 * 3.0)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def index(catalog) -> IVFIndex:
 
 
 def test_the_build_measures_both_plans(index):
-    rows = index.config.plan_costs
+    rows = index.stats.plan_costs
     assert sorted((r[0], r[1]) for r in rows) == sorted(
         (float(b), s) for b in (1, BATCH) for s in SELECTIVITIES
     )
@@ -76,19 +76,19 @@ def test_costs_survive_save_and_load(index):
     buf.seek(0)
     loaded = IVFIndex(IVFConfig(nlist=64), index.dim, index.schema.attribute_values)
     loaded.load_state_dict(torch.load(buf, weights_only=False))
-    assert loaded.config.plan_costs == index.config.plan_costs
+    assert loaded.stats.plan_costs == index.stats.plan_costs
 
 
 def test_nothing_is_measured_without_attributes_or_when_told_not_to(catalog):
     plain = build_ivf(catalog["x"][:3000], IVFConfig(nlist=16))
-    assert plain.config.plan_costs == ()
+    assert plain.stats.plan_costs == ()
     off = build_ivf(
         catalog["x"][:3000],
         IVFConfig(nlist=16, measure_costs=False),
         item_attributes={k: v[:3000] for k, v in catalog["attrs"].items()},
         attribute_values=catalog["values"],
     )
-    assert off.config.plan_costs == ()
+    assert off.stats.plan_costs == ()
 
 
 def with_costs(index: IVFIndex, exact_item_s: float, list_query_s: float) -> IVFIndex:
@@ -98,7 +98,7 @@ def with_costs(index: IVFIndex, exact_item_s: float, list_query_s: float) -> IVF
     )
     out = IVFIndex(index.config, index.dim, index.schema.attribute_values)
     out.load_state_dict(index.state_dict())
-    out.config = replace(index.config, plan_costs=rows)
+    out.stats = index.stats.model_copy(update={"plan_costs": rows})
     return out
 
 
@@ -171,10 +171,10 @@ def test_a_kept_plan_choice_follows_the_costs_and_the_catalog(index, catalog):
     idx = with_costs(index, 1e-9, 1.0)
     fb = idx.compile_filter("shard = 0", 1)
     assert exact_search_ids(idx, q, 100, fb, 4, 0) is not None  # exact: kept
-    cheap_lists = with_costs(index, 1.0, 1e-9).config
-    idx.config = cheap_lists
+    cheap_lists = with_costs(index, 1.0, 1e-9).stats
+    idx.stats = cheap_lists
     assert exact_search_ids(idx, q, 100, fb, 4, 0) is None  # the new costs price lists lower
-    idx.config = replace(cheap_lists, plan_costs=with_costs(index, 1e-9, 1.0).config.plan_costs)
+    idx.stats = with_costs(index, 1e-9, 1.0).stats
     assert exact_search_ids(idx, q, 100, fb, 4, 0) is not None
     everyone = torch.full_like(
         idx.sig, -1

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from retrieval.index.build import build_ivf
+from retrieval.index.config import IVFConfig
 from retrieval.index.kmeans import MIN_POINTS_PER_CENTROID, default_nlist
-from retrieval.training.config import IndexSection
-from retrieval.training.prepare import default_index_config
 
 
 @pytest.mark.parametrize("n", [1, 38, 39, 80, 500, 1520, 1521, 10_000, 1_000_000])
@@ -24,14 +23,14 @@ def test_default_nlist_keeps_enough_points_per_list(n):
         assert nlist == int(n**0.5)
 
 
-def test_both_defaults_follow_the_same_rule():
+def test_the_default_follows_the_rule():
     for n in (80, 400, 5000):
-        assert IndexSection().build(n).nlist == default_index_config(n).nlist == default_nlist(n)
+        assert IVFConfig().resolved(n).nlist == default_nlist(n)
 
 
 def test_building_on_an_80_item_catalog_prints_no_faiss_warning(capfd):
     x = torch.randn(80, 16, generator=torch.Generator().manual_seed(0))
-    index = build_ivf(x, IndexSection().build(80))
+    index = build_ivf(x, IVFConfig())
     assert index.ntotal == 80 and index.nlist == 2
     err = capfd.readouterr().err
     assert "please provide at least" not in err and "WARNING" not in err, err
@@ -39,7 +38,7 @@ def test_building_on_an_80_item_catalog_prints_no_faiss_warning(capfd):
 
 def test_an_explicit_nlist_too_large_is_explained_once(capfd, caplog):
     x = torch.randn(81, 16, generator=torch.Generator().manual_seed(1))
-    cfg = IndexSection(nlist=8).build(81)
+    cfg = IVFConfig(nlist=8)
     with caplog.at_level(logging.WARNING, logger="retrieval.index.kmeans"):
         first = build_ivf(x, cfg)
         build_ivf(x, cfg)

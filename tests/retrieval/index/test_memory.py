@@ -15,6 +15,7 @@ from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search, recall
 from retrieval.index.codes import dequantize, quantize
 from retrieval.index.eligible_scan import eligible_positions
 from retrieval.index.probe import rescore
+from support.formats import unversioned
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_an_index_saved_with_float32_scales_loads_with_bfloat16_and_bounds_that_
     """An index saved before 2-byte scales: its float32 scales (here nudged off the bfloat16
     grid, as a float32 build made them) load rounded, and every list's radius still bounds the
     residuals the new scales decode to (the filtered plan's bound check relies on it)."""
-    state = lean.state_dict()
+    state = unversioned(lean.state_dict())
     state["scales"] = state["scales"].float() * (1 + 3e-3)  # off the grid, and larger
     fresh = IVFIndex(IVFConfig(), lean.dim)
     fresh.load_state_dict(state)

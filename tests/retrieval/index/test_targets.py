@@ -48,12 +48,12 @@ def index(data) -> IVFIndex:
 
 
 def test_build_records_both_curves(index):
-    curve = index.config.recall_curve
+    curve = index.stats.recall_curve
     probes = [p for p, _ in curve]
     assert probes == sorted(probes) and probes[0] == 1
     assert curve[-1][1] >= 0.995 or probes[-1] == index.nlist
     assert index.config.nprobe == next(p for p, rec in curve if rec >= 0.9)
-    slacks = [s for _, s in index.config.slack_curve]
+    slacks = [s for _, s in index.stats.slack_curve]
     assert slacks == sorted(slacks) and 0 < slacks[0] < slacks[-1] <= 1
 
 
@@ -98,6 +98,6 @@ def test_bad_targets_are_refused(index):
     for bad in (1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match="recall_target"):
             index.search(q, 5, recall_target=bad)
-    plain = build_ivf(torch.randn(500, 8), IVFConfig(nlist=8))
+    plain = build_ivf(torch.randn(500, 8), IVFConfig(nlist=8, target_recall=0.0))
     with pytest.raises(ValueError, match="measured no recall curve"):
         plain.search(torch.zeros(1, 8), 5, recall_target=0.9)

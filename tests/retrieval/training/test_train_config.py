@@ -16,14 +16,12 @@ from hypothesis import strategies as st
 
 import retrieval.training.config as config_module
 from common.config import ConfigError
-from retrieval.config import ModelConfig
+from retrieval.config import ModelConfig, ModelSettings
 from retrieval.data import SyntheticConfig
 from retrieval.index.codes import CODE_KINDS
 from retrieval.index.ivf import EXACT_DTYPES, METRICS, PROBES, IVFConfig
 from retrieval.training.config import (
-    DERIVED,
     DataConfig,
-    IndexSection,
     ModelSection,
     PublishConfig,
     RunConfig,
@@ -131,10 +129,12 @@ def test_a_full_file_round_trips(tmp_path):
             if key in ("index", "source"):  # a table; the default source
                 continue
             got = getattr(section, key)
-            assert got == (Path(value) if isinstance(got, Path) else value), (table, key)
+            if isinstance(got, Path | tuple):  # the model's settings hold tuples
+                value = type(got)(value)
+            assert got == value, (table, key)
             assert got != type(section).model_fields[key].default, (table, key)
-    assert cfg.model.index == IndexSection.from_dict(tomllib.loads(FULL)["model"]["index"])
-    assert cfg.model.index.build(500).nlist == 16
+    assert cfg.model.index == IVFConfig.from_dict(tomllib.loads(FULL)["model"]["index"])
+    assert cfg.model.index.resolved(500).nlist == 16
 
 
 def test_an_empty_file_is_the_defaults(tmp_path):
@@ -227,7 +227,7 @@ def test_a_file_that_is_no_toml_names_the_flag(tmp_path):
 def bounded_fields() -> list[tuple[str, str, Any]]:
     """(table, key, bounds) of every field with a numeric bound."""
     found = []
-    tables = {"data": DataConfig, "model": ModelSection, "model.index": IndexSection,
+    tables = {"data": DataConfig, "model": ModelSection, "model.index": IVFConfig,
               "train": TrainConfig, "evaluate": config_module.EvaluateConfig,
               "publish": PublishConfig}  # fmt: skip
     for table, cls in tables.items():
@@ -277,7 +277,7 @@ def test_any_bad_value_of_a_bounded_field_is_refused_naming_it(tmp_path_factory,
         RunConfig.from_toml(path)
 
 
-# ---- the sections mirror the dataclasses they build --------------------------------------------
+# ---- the sections mirror the dataclasses they build, or are the model's own classes -------------
 def defaults(cls: type) -> dict[str, Any]:
     return {
         f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
@@ -302,38 +302,42 @@ def test_data_mirrors_synthetic_config():
     )
 
 
-def test_model_mirrors_model_config():
-    # hashed_user_id (the section's) builds hashed_user_features (the model's) with the data
-    settable = {f.name for f in fields(ModelConfig)} - DERIVED - {"table_plan"}
-    settable = settable - {"hashed_user_features"} | {"hashed_user_id"}
-    assert set(ModelSection.model_fields) == settable
-    ours = ModelSection().overrides()
-    theirs = {k: v for k, v in defaults(ModelConfig).items() if k in ours}
-    built = {"user_features", "history_len", "index", "hashed_user_id"}
-    assert ours == theirs and set(ours) == settable - built
-    assert ModelSection().history_len == defaults(ModelConfig)["history_len"]
-
-
-def test_index_mirrors_ivf_config():
-    measured = {  # the build measures them
-        "filter_bound_slack", "recall_curve", "slack_curve", "plan_costs"
+def test_model_section_is_the_model_settings():
+    """``[model]`` is the model's own settings class (one declaration, one default per field),
+    plus the two choices that need the data; ``[model.index]`` is the index's config."""
+    assert issubclass(ModelSection, ModelSettings) and issubclass(ModelConfig, ModelSettings)
+    assert set(ModelSection.model_fields) == set(ModelSettings.model_fields) | {
+        "user_features", "hashed_user_id"
     }  # fmt: skip
-    assert set(IndexSection.model_fields) == {f.name for f in fields(IVFConfig)} - measured
-    built = IndexSection().build(num_items=10_000)
+    assert ModelSection.model_fields["index"].annotation is IVFConfig
+    settings = ModelSection(hidden=[8], index={"nlist": 4}).settings()
+    assert settings["hidden"] == (8,) and settings["index"] == IVFConfig(nlist=4)
+    built = ModelConfig(num_items=9, user_features={}, dense_dim=0, item_attributes={}, **settings)
+    assert built.index is settings["index"]
+
+
+def test_index_defaults_follow_the_catalog():
+    """Left unset, nlist, nprobe and the target recall are what ``recserve train`` and the demo
+    always built with: about sqrt(N) lists, nlist / 8 to start, nprobe tuned for 0.97; an nprobe
+    given stands (no tuning) unless a target is given too."""
+    built = IVFConfig().resolved(num_items=10_000)
     assert (built.nlist, built.nprobe, built.target_recall) == (100, 12, 0.97)
-    untouched = {k: v for k, v in defaults(IVFConfig).items() if k not in
-                 ("nlist", "nprobe", "target_recall")}  # fmt: skip
+    untouched = {k: v for k, v in IVFConfig().model_dump().items() if k not in
+                 ("nlist", "nprobe", "target_recall", "exact_copy")}  # fmt: skip
     assert {k: getattr(built, k) for k in untouched} == untouched
-    assert IndexSection(nlist=64).build(10_000).nprobe == 8
-    built.validate()
+    assert built.exact_copy == "none" and IVFConfig(rerank=5).resolved(10).exact_copy == "float16"
+    assert IVFConfig(nlist=64).resolved(10_000).nprobe == 8
+    assert IVFConfig(nprobe=4).resolved(10_000).target_recall == 0.0
+    assert IVFConfig(nprobe=4, target_recall=0.9).resolved(10_000).target_recall == 0.9
+    assert built.resolved(5) is built
 
 
 def test_choices_are_the_consumers():
     hints = {
-        "codes": (IndexSection, set(CODE_KINDS)),
-        "exact_copy": (IndexSection, {*EXACT_DTYPES, "auto"}),
-        "metric": (IndexSection, set(METRICS)),
-        "probe": (IndexSection, set(PROBES)),
+        "codes": (IVFConfig, set(CODE_KINDS)),
+        "exact_copy": (IVFConfig, {*EXACT_DTYPES, "auto"}),
+        "metric": (IVFConfig, set(METRICS)),
+        "probe": (IVFConfig, set(PROBES)),
         "table_optimizer": (TrainConfig, {*OPTIMIZERS, "adam"}),
         "table_dtype": (PublishConfig, {d.value for d in DType}),
     }

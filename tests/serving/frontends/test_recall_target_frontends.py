@@ -19,6 +19,7 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from retrieval.index.build import tune_nprobe
+from retrieval.index.stats import IndexStats
 from retrieval.model import RetrievalModel
 from serving.app.config import BatchingConfig
 from serving.app.server import Server
@@ -39,7 +40,7 @@ def tuned(tiny: Tiny) -> RetrievalModel:
     with torch.inference_mode():
         q = m.user_vectors(tiny.prep.user_batch(np.arange(64)))
     tune_nprobe(m.index, q)
-    assert m.index.config.recall_curve
+    assert m.index.stats.recall_curve
     return m
 
 
@@ -111,7 +112,7 @@ def test_targets_are_refused_naming_the_field(serve_config, server, tiny):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith("recall_target: must be in (0, 1]")
     bare = copy.deepcopy(tiny.model).eval()
-    bare.index.config.recall_curve = ()  # as built without target_recall
+    bare.index.stats = IndexStats()  # as built without target_recall
     plain = _serve(serve_config, bare)
     try:
         with grpc.insecure_channel(plain.addresses.grpc) as channel:
