@@ -24,7 +24,7 @@ out_dim = 16
 history_len = 10
 {model}
 [train]
-epochs = 2
+epochs = {epochs}
 batch_size = 128
 micro_batches = {micro}
 random_negatives = 16
@@ -45,17 +45,24 @@ def train_cmd(cfg: Path, out: Path, nproc: int, *flags: str) -> list[str]:
 
 
 def write_config(
-    tmp: Path, name: str, micro: int = 1, train: str = "", extra: str = "", model: str = ""
+    tmp: Path,
+    name: str,
+    micro: int = 1,
+    train: str = "",
+    extra: str = "",
+    model: str = "",
+    epochs: int = 2,
 ) -> Path:
-    """CONFIG with ``micro_batches``, extra ``[model]`` and ``[train]`` lines and extra tables."""
+    """CONFIG with ``micro_batches``, ``epochs``, extra ``[model]`` and ``[train]`` lines and
+    extra tables."""
     cfg = tmp / f"{name}.toml"
-    cfg.write_text(CONFIG.format(micro=micro, train=train, extra=extra, model=model))
+    cfg.write_text(CONFIG.format(micro=micro, train=train, extra=extra, model=model, epochs=epochs))
     return cfg
 
 
-def train(tmp: Path, name: str, nproc: int, micro: int = 1, **lines: str) -> Path:
+def train(tmp: Path, name: str, nproc: int, micro: int = 1, epochs: int = 2, **lines: str) -> Path:
     """Runs to the end (asserting success) -> the run's folder."""
-    cfg = write_config(tmp, name, micro, **lines)
+    cfg = write_config(tmp, name, micro, epochs=epochs, **lines)
     # a rank that dies on a signal while Python still runs prints every thread's stack
     # (faulthandler): CI's abort of this job (retrieval/training/distributed.py) showed none
     env = os.environ | {"PYTHONFAULTHANDLER": "1"}
