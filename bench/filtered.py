@@ -149,7 +149,7 @@ def probe_counts(
 ) -> tuple[float, float]:
     """(mean lists probed per row over both rounds, share of rows scanned exactly), untimed."""
     t = None if target is None else torch.full((q.shape[0],), target)
-    plan = index.plan(fb, k, index.config.nprobe, 0, q=q, target=t)
+    plan = index.plan(fb, index.params(k, rerank=0, target=t), q=q)
     lists = torch.zeros(q.shape[0])
     exact = plan.exact.clone()
 
@@ -161,7 +161,7 @@ def probe_counts(
             lists[r] += torch.where(p.exact, 0, (p.lists >= 0).sum(dim=1)).float()
         exact[r] |= p.exact
         f = fb if rows is None else fb.rows(rows)
-        return index.candidates(q[r], f, p)
+        return index.item_candidates(q[r], f, p)
 
     run_search(plan, fetch)
     lists = torch.where(exact, 0.0, lists)

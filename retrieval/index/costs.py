@@ -27,11 +27,10 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from typing import Protocol
-
-import torch
 
 from retrieval.index.config import IVFConfig
+from retrieval.index.measured import plan_costs
+from retrieval.index.tensors import IndexTensors
 
 BATCHED = 16
 """Rows above this many a search are priced by the batch measurements (the exact plan's scores
@@ -41,12 +40,7 @@ BATCH, SEL, EXACT_ITEM_S, LIST_QUERY_S, LIST_FIRST, LIST_CODES = range(6)
 """Columns of an ``IVFConfig.plan_costs`` row."""
 
 
-class _Placed(Protocol):
-    @property
-    def centroids(self) -> torch.Tensor: ...
-
-
-def on_cpu(index: _Placed) -> bool:
+def on_cpu(index: IndexTensors) -> bool:
     """Whether the index searches on the CPU, where the build measured its costs."""
     return index.centroids.device.type == "cpu"
 
@@ -57,7 +51,7 @@ def plan_seconds(
     """``(exact, lists)`` seconds of one row of a search of ``batch`` rows: selectivity ``sel``,
     a first round of ``first`` lists. None where the index has no measurements (or
     ``measured`` is False: another device). Python floats: a batch has few distinct rows."""
-    rows = _regime(config.plan_costs, batch) if measured else ()
+    rows = _regime(plan_costs(config), batch) if measured else ()
     if not rows:
         return None
     exact = sel * ntotal * _read(rows, EXACT_ITEM_S, sel)
@@ -71,7 +65,7 @@ def exact_codes(
     """One row's exact scan of its eligible items (``sel`` of ``ntotal``) in codes of a list
     scan: measured seconds over the list plan's seconds per code, else ``sel * N *
     exact_cost``."""
-    rows = _regime(config.plan_costs, batch) if measured else ()
+    rows = _regime(plan_costs(config), batch) if measured else ()
     if not rows:
         return sel * ntotal * float(config.exact_cost)
     per_code = _read(rows, LIST_QUERY_S, sel) / max(_read(rows, LIST_CODES, sel), 1.0)
