@@ -40,7 +40,8 @@ from timing import set_threads, stopwatch, time_batched
 from common.atomic import atomic_write_json
 from retrieval.data.anticorrelated import SELECTIVITIES, anticorrelated
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.plan import SearchPlan
+from retrieval.index.search import Candidates, run_search
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "old": {"filter_bound": 0.0},

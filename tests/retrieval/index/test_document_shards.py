@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.plan import SearchPlan
+from retrieval.index.search import Candidates, run_search
 from retrieval.index.split import check_cover, merge_shards, shard_of, shard_rows, split_index
 from retrieval.index.update import add_items
 from support.topk_check import assert_same_topk
