@@ -1,7 +1,7 @@
 """The executor's GPU backend: a plain plan's first round replayed from a CUDA graph.
 
-A one-query search on a GPU is a few hundred microseconds of kernels behind many kernel launches
-of host time (probe, query quantization, grouping the pairs, the Triton scan, top-K). A plan
+A one-query search on a GPU is short kernels behind many kernel launches of host time (probe,
+query quantization, grouping the pairs, the Triton scan, top-K). A plan
 whose rows are all ``PLAIN`` with one list count has a first round of fixed shapes (given the
 batch bucket, ``k``, the lists and the width of the excluded rows), so it is recorded once and
 replayed as one launch (``cuda_graphs.py``); the executor's later rounds (a short row's wider

@@ -8,9 +8,9 @@ plan says what each row does, never how a backend does it:
 ==================  ==========================================================================
 ``RowKind``         what row b does
 ==================  ==========================================================================
-``PLAIN``           no filter clause, no recall target, no re-rank: its best lists until they
-                    hold what it needs (``least`` / ``hold``); a row left short widens, then
-                    scans exactly
+``PLAIN``           no filter clause, no recall target: its best lists until they hold what
+                    it needs (``least`` / ``hold``), re-ranked when ``r > k``; a row left
+                    short widens, then scans exactly
 ``LISTS``           a planned list row: ``nprobe`` lists (or the planner's ``lists``), maybe a
                     bound check asking for a second round (``check``), a re-rank (``r > k``)
 ``SHARED_EXACT``    an exact scan of its eligible items, the whole batch sharing one filter

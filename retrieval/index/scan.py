@@ -259,7 +259,8 @@ def scan(
         return scan_triton(lists, rows, r)
     if reference or q.device.type != "cpu":
         return scan_reference(lists, rows, r)
-    # Eager callers skip the op dispatcher (tens of microseconds a call); traced code needs the ops.
+    # Eager callers skip the op dispatcher (its cost per call rivals a small scan); traced code
+    # needs the ops.
     eager = not torch.compiler.is_compiling()
     excl = rows.excluded()
     if lists.codes.dtype == torch.int8:
