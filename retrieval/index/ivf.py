@@ -306,7 +306,7 @@ class IVFIndex(nn.Module):
             target = torch.as_tensor(recall_target, dtype=torch.float32).expand(b)
             check_targets(target, b)
         params = self.params(k, nprobe, rerank, exact=exact, target=target)
-        return self.execute(q, fb, params, positions=positions)
+        return self._execute(q, fb, params, positions)  # a direct search: no compile boundary
 
     def _execute(
         self,
