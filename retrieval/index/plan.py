@@ -21,7 +21,7 @@ plan says what each row does, never how a backend does it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, field, replace
 from enum import IntEnum
 from functools import cached_property
 
@@ -147,11 +147,14 @@ class SearchPlan:
     hold: torch.Tensor | None = None
     """``[B] int64``: items row b's lists must hold (``planner.FILL`` times its ``r`` plus the
     items it excludes)."""
+    exact: torch.Tensor = field(init=False)
+    """``[B] bool``: rows scanned exactly over their eligible items (an exact kind)."""
+    exact_rows: InitVar[torch.Tensor | None] = None
+    """``exact`` where the caller has it already (else read off ``kind``)."""
 
-    @cached_property
-    def exact(self) -> torch.Tensor:
-        """``[B] bool``: rows scanned exactly over their eligible items (an exact kind)."""
-        return self.kind.bitwise_and(1).bool()
+    def __post_init__(self, exact_rows: torch.Tensor | None) -> None:
+        exact = self.kind.bitwise_and(1).bool() if exact_rows is None else exact_rows
+        object.__setattr__(self, "exact", exact)
 
     def rows(self, rows: torch.Tensor) -> SearchPlan:
         """The plan of a subset of rows (``rows [b] int64``)."""
@@ -159,6 +162,7 @@ class SearchPlan:
             self,
             nprobe=self.nprobe[rows],
             kind=self.kind[rows],
+            exact_rows=self.exact[rows],
             lists=None if self.lists is None else self.lists[rows],
             check=None if self.check is None else self.check.rows(rows),
             floor=None if self.floor is None else self.floor[rows],
@@ -169,7 +173,8 @@ class SearchPlan:
     def all_exact(self) -> SearchPlan:
         """The same rows, each scanned exactly."""
         exact = torch.full_like(self.kind, int(RowKind.EXACT))
-        return replace(self, kind=exact, lists=None, check=None, floor=None)
+        rows = torch.ones_like(self.exact)
+        return replace(self, kind=exact, exact_rows=rows, lists=None, check=None, floor=None)
 
     @property
     def reranks(self) -> bool:

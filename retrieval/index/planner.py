@@ -93,7 +93,9 @@ def make_plan(
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
         scan_exact |= rows.exact
-    plan = SearchPlan(k, r, p, _kinds(fb, scan_exact), least=least, hold=hold)
+    plan = SearchPlan(
+        k, r, p, _kinds(fb, scan_exact), least=least, hold=hold, exact_rows=scan_exact
+    )
     if q is None or cfg.filter_bound <= 0 or sel_t is None or fb is None:
         return plan
     return with_bounds(t, q, fb, plan, sel_t, None if rows is None else rows.slack)

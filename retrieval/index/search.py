@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from retrieval.index.plan import BoundCheck, RowKind, SearchPlan, kinds
+from retrieval.index.plan import BoundCheck, SearchPlan, kinds
 
 NEG_INF = float("-inf")
 WIDEN = 4
@@ -201,8 +201,11 @@ def _second_round(
         return
     rows = todo.nonzero().flatten()
     kth = top.scores[rows.to(top.scores.device), -1]  # what a list's candidate must reach
-    kind = kinds(exact.cpu()[rows], RowKind.LISTS)
-    sub = replace(plan.rows(rows), kind=kind, lists=lists.cpu()[rows], check=None, floor=kth)
+    second = exact.cpu()[rows]
+    sub = replace(
+        plan.rows(rows), kind=kinds(second), exact_rows=second, lists=lists.cpu()[rows],
+        check=None, floor=kth,
+    )  # fmt: skip
     more = fetch(sub, rows)
     # list rows: the best of both rounds (what one round over all their lists gives);
     # exact rows: the scan alone

@@ -141,6 +141,7 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         floor=None if floor is None else torch.from_numpy(floor.copy()),
         least=None if least is None else torch.from_numpy(least.copy()),
         hold=None if hold is None else torch.from_numpy(hold.copy()),
+        exact_rows=exact,
     )
     fb = FilterBatch(masks, negate, None if exclude is None else torch.from_numpy(exclude.copy()))
     return q, fb, plan
