@@ -40,7 +40,8 @@ from timing import set_threads, stopwatch, time_batched
 from common.atomic import atomic_write_json
 from retrieval.data.anticorrelated import SELECTIVITIES, anticorrelated
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.plan import SearchPlan
+from retrieval.index.search import Candidates, run_search
 from retrieval.index.stats import IndexStats
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -150,7 +151,7 @@ def probe_counts(
 ) -> tuple[float, float]:
     """(mean lists probed per row over both rounds, share of rows scanned exactly), untimed."""
     t = None if target is None else torch.full((q.shape[0],), target)
-    plan = index.plan(fb, k, index.config.nprobe, 0, q=q, target=t)
+    plan = index.plan(fb, index.params(k, rerank=0, target=t), q=q)
     lists = torch.zeros(q.shape[0])
     exact = plan.exact.clone()
 
@@ -162,7 +163,7 @@ def probe_counts(
             lists[r] += torch.where(p.exact, 0, (p.lists >= 0).sum(dim=1)).float()
         exact[r] |= p.exact
         f = fb if rows is None else fb.rows(rows)
-        return index.candidates(q[r], f, p)
+        return index.item_candidates(q[r], f, p)
 
     run_search(plan, fetch)
     lists = torch.where(exact, 0.0, lists)

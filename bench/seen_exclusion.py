@@ -73,13 +73,13 @@ def seen_lists(index: IVFIndex, q: torch.Tensor, s: int, k: int) -> torch.Tensor
 def in_scan(index: IVFIndex, q: torch.Tensor, seen: torch.Tensor, k: int, nprobe: int):
     fb = index.schema.empty(q.shape[0])
     fb = FilterBatch(fb.masks, fb.negate, seen if seen.shape[1] else None)
-    pos, _ = index.search_positions(q, k, fb, nprobe, 0)
+    pos, _ = index.search(q, k, fb, nprobe=nprobe, rerank=0, positions=True)
     return index.item_ids[pos.clamp(min=0)]
 
 
 def budget(index: IVFIndex, q: torch.Tensor, seen: torch.Tensor, k: int, nprobe: int):
     fb = index.schema.empty(q.shape[0])
-    pos, score = index.search_positions(q, k + seen.shape[1], fb, nprobe, 0)
+    pos, score = index.search(q, k + seen.shape[1], fb, nprobe=nprobe, rerank=0, positions=True)
     if seen.shape[1]:
         score = score.masked_fill(is_excluded(pos, excluded_positions(index.id_order, seen)), -1e30)
     top = score.topk(k, dim=1).indices

@@ -138,9 +138,12 @@ def bounds_after(index: IVFIndex, batch: UpdateBatch) -> tuple[torch.Tensor, tor
         x = batch.vectors.detach().cpu().float()
         if index.config.metric == "cosine":  # as add_items stores them
             x = torch.nn.functional.normalize(x, dim=1)
-        return grown(index, x, signatures(index.schema, batch.attributes))
+        return grown(index.tensors(), x, signatures(index.schema, batch.attributes))
     if isinstance(batch, SetItemAttributes):
         return grown(
-            index, index.centroids[:0], index.sig[:0], named_bits(index.schema, batch.attributes)
+            index.tensors(),
+            index.centroids[:0],
+            index.sig[:0],
+            named_bits(index.schema, batch.attributes),
         )
     return index.list_radius, index.list_bits

@@ -21,6 +21,7 @@ from retrieval.features import UserBatch
 from retrieval.filters import FilterBatch
 from retrieval.index.build import build_ivf
 from retrieval.index.ivf import IVFIndex
+from retrieval.index.plan import SearchParams
 from retrieval.index.targets import check_targets
 from retrieval.scoring import PairHead, score_candidates
 from retrieval.seen_store import SeenStore
@@ -267,15 +268,11 @@ class RetrievalModel(nn.Module):
         # index, with the request's filter and its seen items applied inside the scan
         r, fb = self.candidate_budget(batch, k)
         icfg = self.index.config  # as built (nprobe may be tuned)
-        settings = (icfg.nprobe, icfg.rerank)
+        params = SearchParams(r, icfg.nprobe, icfg.rerank, exact, batch.recall_target)
         if self.head is None:  # ids and scores are the answer: no positions needed
-            ids, dot = self.index.search_ids(
-                q, r, fb, *settings, exact=exact, target=batch.recall_target
-            )  # [B, R]
+            ids, dot = self.index.execute(q, fb, params)  # [B, R]
             return self.rank(q, ids, dot, None, k)
-        pos, dot = self.index.search_positions(
-            q, r, fb, *settings, exact=exact, target=batch.recall_target
-        )  # [B, R]
+        pos, dot = self.index.execute(q, fb, params, positions=True)  # [B, R]
         ids = self.index.ids_at(pos)
         vecs = self.index.vectors_at(pos.clamp(min=0).flatten()).view(*pos.shape, -1)
         return self.rank(q, ids, dot, vecs, k)

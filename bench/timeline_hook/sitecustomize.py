@@ -33,7 +33,7 @@ POINTS: dict[str, list[str]] = {
     "serving.engine.runner": ["ModelRunner.run", "ModelRunner._batch", "ModelRunner.forward"],
     # the model
     "retrieval.model": ["RetrievalModel.user_vectors", "RetrievalModel.rank"],
-    "retrieval.index.ivf": ["IVFIndex.search_ids", "IVFIndex.item_candidates"],
+    "retrieval.index.ivf": ["IVFIndex.execute", "IVFIndex.item_candidates"],
     # the router's round and the shard's answer
     "serving.sharding.router": ["RouterRunner.forward", "first_round"],
     "serving.sharding.shard_client": ["ShardClient.search", "ShardClient.call"],

@@ -1,10 +1,10 @@
 """When a filtered search has probed enough lists: a bound on what the lists it did not probe
-could still give (issue 19).
+could still give.
 
 The plan probes a filtered row's nearest lists until they should *hold* ``2r`` eligible items
 (judged by selectivity alone). Where the filter is anti-correlated with the query (its eligible
 items sit away from the query's neighbourhood) those lists hold eligible items that are not the
-best ones, and recall falls (0.83 at 50 % selectivity on ``retrieval/data/anticorrelated.py``).
+best ones, and recall falls (``retrieval/data/anticorrelated.py`` makes such data).
 So, after that first round, every filtered row compares its K-th best result with a bound on
 each list it did not probe::
 
@@ -42,35 +42,19 @@ import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index.codes import dequantize, quantize
-from retrieval.index.config import BuiltIVFConfig
+from retrieval.index.config import IVFConfig
 from retrieval.index.costs import exact_codes, on_cpu
+from retrieval.index.plan import BoundCheck, SearchPlan
 from retrieval.index.probe import lists_holding
 from retrieval.index.scan import list_bounds_cpu, scan, topk_rows
-from retrieval.index.search import BoundCheck, SearchPlan
-from retrieval.index.stats import IndexStats
+from retrieval.index.tensors import IndexTensors, Lists, ScanRows
 
 
-class ListedIndex(Protocol):
-    """What the bounds read of an index (:class:`~retrieval.index.ivf.IVFIndex` has it; a
-    protocol, so this module and the index do not import each other)."""
-
-    centroids: torch.Tensor
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor
-    sig: torch.Tensor
-    half_norms: torch.Tensor
-    list_radius: torch.Tensor
-    list_bits: torch.Tensor
-    built_sizes: torch.Tensor
-
-    config: BuiltIVFConfig
-    stats: IndexStats
+class _Configured(Protocol):
+    """Anything that carries an index config (an ``IVFIndex``, its ``IndexTensors``)."""
 
     @property
-    def nlist(self) -> int: ...
-    @property
-    def ntotal(self) -> int: ...
+    def config(self) -> IVFConfig: ...
 
 
 NEG_INF = float("-inf")
@@ -128,7 +112,10 @@ def list_bits(lists: torch.Tensor, sig: torch.Tensor, nlist: int) -> torch.Tenso
 
 
 def grown(
-    index: ListedIndex, vectors: torch.Tensor, sig: torch.Tensor, spread: torch.Tensor | None = None
+    index: IndexTensors,
+    vectors: torch.Tensor,
+    sig: torch.Tensor,
+    spread: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(list_radius, list_bits)`` of ``index`` grown by items ``vectors [n, D]`` (float, as the
     index stores them: normalised for "cosine") with signatures ``sig [n, W]``, and by
@@ -163,7 +150,7 @@ def grown(
 
 # ---- the slack, measured at build ------------------------------------------------------------------
 def measure_slack(
-    index: ListedIndex, queries: torch.Tensor, quantiles: Sequence[float], lists: int = 32
+    index: IndexTensors, queries: torch.Tensor, quantiles: Sequence[float], lists: int = 32
 ) -> list[float]:
     """Each of ``quantiles`` of ``max_x q·r_x / (|q| rmax_l)`` over sample ``queries [Q, D]``
     and the ``lists`` lists nearest each (after its first, which every search probes) -> a
@@ -171,24 +158,23 @@ def measure_slack(
 
     ``q·r_x`` is the scan's own score of the residual code (every (query, list) pair is a row
     of one scan that probes that list with a zero coarse score, keeping its best item): what a
-    search ranks by, without decoding the lists' residuals (``bench/RESULTS.md``, 10M x 64)."""
+    search ranks by, without decoding the lists' residuals."""
     if index.nlist < 2:
         return [1.0 for _ in quantiles]
     q = as_scored(index, queries.float().cpu())
-    centroids, radius, offsets = index.centroids.cpu(), index.list_radius.cpu(), index.offsets.cpu()
+    held = index.lists
+    centroids, radius, offsets = index.centroids.cpu(), index.list_radius.cpu(), held.offsets.cpu()
     near = topk_rows(_probe_key(index, q @ centroids.T), min(lists + 1, index.nlist))[1][:, 1:]
     pairs = near.reshape(-1, 1).contiguous()  # [Q*L, 1]: one list a row
     rows = q.repeat_interleave(near.shape[1], dim=0).contiguous()  # [Q*L, D]
-    w = index.sig.shape[1]
+    w = held.sig.shape[1]
     no_clause = (
         torch.zeros(len(rows), 0, w, dtype=torch.int64),
         torch.zeros(len(rows), 0, dtype=torch.bool),
     )
     sizes = offsets[1:] - offsets[:-1]
-    _, best = scan(
-        rows, pairs, torch.zeros(pairs.shape), index.codes.cpu(), index.scales.cpu(), offsets,
-        index.sig.cpu(), *no_clause, 1, max_list=int(sizes.max()),
-    )  # fmt: skip
+    cpu = Lists.of(held.codes.cpu(), held.scales.cpu(), offsets, held.sig.cpu())
+    _, best = scan(cpu, ScanRows(rows, pairs, torch.zeros(pairs.shape), *no_clause), 1)
     scale = (q.norm(dim=1)[:, None] * radius[near]).flatten()  # [Q*L]
     ok = (sizes[near].flatten() > 0) & (scale > 0)
     found = (best[:, 0][ok] / scale[ok]).clamp(0.0, 1.0)
@@ -199,19 +185,19 @@ def measure_slack(
     return [next(at) if q < 1.0 else 1.0 for q in quantiles]
 
 
-def as_scored(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
+def as_scored(index: _Configured, q: torch.Tensor) -> torch.Tensor:
     """Queries as the index scores them (unit norm for "cosine")."""
     return torch.nn.functional.normalize(q, dim=1) if index.config.metric == "cosine" else q
 
 
-def _probe_key(index: ListedIndex, ip: torch.Tensor) -> torch.Tensor:
+def _probe_key(index: IndexTensors, ip: torch.Tensor) -> torch.Tensor:
     """``q·c [B, nlist]`` -> the key lists are probed by (``retrieval/index/probe.py``)."""
     return ip - index.half_norms.to(ip.device) if index.config.probe == "l2" else ip
 
 
 # ---- the check ---------------------------------------------------------------------------------------
 def with_bounds(
-    index: ListedIndex,
+    index: IndexTensors,
     q: torch.Tensor,
     fb: FilterBatch,
     plan: SearchPlan,
@@ -235,12 +221,12 @@ def with_bounds(
     rows = (~plan.exact.cpu()).nonzero().flatten()  # every row that probes gets its lists here
     qr = as_scored(index, q[rows.to(q.device)].float())
     ip = qr @ index.centroids.T  # [b, nlist]
-    sizes = index.offsets.diff()
+    sizes = index.lists.offsets.diff()
     mine = checked[rows]
     nprobe = plan.nprobe[rows].to(dev)
     factor = slack[rows].to(dev) * _norm_bound(index, qr)  # [b]
     p = min(int(nprobe.max()), nlist)
-    if ip.device.type == "cpu":  # one C++ pass a row: ~25 [b, nlist] torch ops (13 ms at b = 1000)
+    if ip.device.type == "cpu":  # one C++ pass a row, where torch takes many [b, nlist] ops
         first, bounds = list_bounds_cpu(
             ip.contiguous(), index.half_norms if index.config.probe == "l2" else None,
             index.list_bits, fb.masks[rows].contiguous(), fb.negate[rows].contiguous(),
@@ -271,7 +257,7 @@ def with_bounds(
 
 
 def _list_bounds(
-    index: ListedIndex,
+    index: IndexTensors,
     ip: torch.Tensor,
     reach: torch.Tensor,
     nprobe: torch.Tensor,
@@ -294,7 +280,7 @@ def _list_bounds(
     return first, bounds
 
 
-def _norm_bound(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
+def _norm_bound(index: IndexTensors, q: torch.Tensor) -> torch.Tensor:
     """``[b]``: at least ``|q|`` and the norm of the query as the int8 scan quantizes it
     (each entry off by at most ``max|q| / 254``)."""
     n = q.norm(dim=1)
@@ -303,7 +289,7 @@ def _norm_bound(index: ListedIndex, q: torch.Tensor) -> torch.Tensor:
     return n
 
 
-def _may_hold(index: ListedIndex, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+def _may_hold(index: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
     """``[b, nlist] bool``: lists that may hold an item passing each row's filter (``masks
     [b, C, W]``, ``negate [b, C]``): every non-negated clause shares a bit with ``list_bits``.
     Negated clauses cannot rule a list out (its bits say which values it holds, not that all

@@ -138,7 +138,7 @@ def _calibrate(index: IVFIndex, sample: torch.Tensor, vectors: Vectors) -> None:
     config = index.config
     if config.filter_bound > 0:
         qs = (*SLACK_QUANTILES, config.filter_bound)
-        slacks = measure_slack(index, sample, qs)
+        slacks = measure_slack(index.tensors(), sample, qs)
         curve = tuple((q, s) for q, s in zip(qs[:-1], slacks[:-1], strict=True))
         measured = {"filter_bound_slack": slacks[-1], "slack_curve": curve}
         index.stats = index.stats.model_copy(update=measured)
@@ -216,11 +216,11 @@ def measure_recall_curve(
         x, ids = vectors  # (a cosine build normalised x; a query's norm does not change its order)
         truth = ids[exact_search(x, queries.float(), k)[0]]
     else:
-        truth_pos, _ = index.search_positions(queries, k, empty, 1, cfg.rerank, exact=True)
+        truth_pos, _ = index.search(queries, k, empty, nprobe=1, exact=True, positions=True)
         truth = index.item_ids[truth_pos.clamp(min=0)]
     curve, nprobe = [], 1
     while True:
-        pos, _ = index.search_positions(queries, k, empty, nprobe, cfg.rerank)
+        pos, _ = index.search(queries, k, empty, nprobe=nprobe, positions=True)
         found = index.ids_at(pos)
         recall = math.floor(recall_at_k(found, truth) * 1e4) / 1e4
         curve.append((nprobe, recall))

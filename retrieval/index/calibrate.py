@@ -77,10 +77,10 @@ def measure_plan_costs(index: IVFIndex, sample: torch.Tensor) -> tuple[tuple[flo
                 partial(_list_plan, lists, qb, k, fb, nprobe, scanned), warmed, (batch, "list")
             )
             exact_s = _timed(
-                partial(exact.planned_positions, qb, k, fb, nprobe, 0, exact=True),
+                partial(exact.execute, qb, fb, exact.params(k, nprobe, 0, exact=True), True),
                 warmed, (batch, "exact"),
             )  # fmt: skip
-            first = float(lists.plan(fb, k, nprobe, 0).nprobe.double().mean())
+            first = float(lists.plan(fb, lists.params(k, nprobe, 0)).nprobe.double().mean())
             codes = scanned[-1] / batch
             out.append((float(batch), sel, exact_s / (batch * m), list_s / batch, first, codes))
     return tuple(sorted(out, key=lambda row: (-row[1], row[0])))  # SELECTIVITIES' order
@@ -89,8 +89,8 @@ def measure_plan_costs(index: IVFIndex, sample: torch.Tensor) -> tuple[tuple[flo
 def _list_plan(
     index: IVFIndex, q: torch.Tensor, k: int, fb: FilterBatch, nprobe: int, scanned: list[int]
 ) -> None:
-    """``planned_positions`` of a list plan, appending the codes its rounds scanned."""
-    plan = index.plan(fb, k, nprobe, 0, q=q)
+    """The planned rounds of a list plan, appending the codes its rounds scanned."""
+    plan = index.plan(fb, index.params(k, nprobe, 0), q=q)
     sizes, codes = index.offsets.diff(), 0
 
     def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
@@ -99,7 +99,7 @@ def _list_plan(
         widest = min(int(p.nprobe.max()), index.nlist)  # a short row asks for WIDEN x its lists
         probed = p.lists if p.lists is not None else index.probe(qq, widest)[1]
         codes += int(sizes[probed.clamp(min=0)].masked_fill(probed < 0, 0).sum())
-        return index.candidates(qq, f, p)
+        return index.item_candidates(qq, f, p)
 
     run_search(plan, fetch)
     scanned.append(codes)

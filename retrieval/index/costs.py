@@ -27,12 +27,10 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from typing import Protocol
-
-import torch
 
 from retrieval.index.config import IVFConfig
 from retrieval.index.stats import IndexStats
+from retrieval.index.tensors import IndexTensors
 
 BATCHED = 16
 """Rows above this many a search are priced by the batch measurements (the exact plan's scores
@@ -42,12 +40,7 @@ BATCH, SEL, EXACT_ITEM_S, LIST_QUERY_S, LIST_FIRST, LIST_CODES = range(6)
 """Columns of an ``IndexStats.plan_costs`` row."""
 
 
-class _Placed(Protocol):
-    @property
-    def centroids(self) -> torch.Tensor: ...
-
-
-def on_cpu(index: _Placed) -> bool:
+def on_cpu(index: IndexTensors) -> bool:
     """Whether the index searches on the CPU, where the build measured its costs."""
     return index.centroids.device.type == "cpu"
 

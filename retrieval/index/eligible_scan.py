@@ -1,5 +1,5 @@
 """Exact search of a filter's eligible items: what the plan falls back to when scanning them costs
-no more than the lists (``IVFIndex.plan``), and the reference the index is measured against.
+no more than the lists (``planner.py``), and the reference the index is measured against.
 
 The items passing a filter are found from the postings of its most selective clause
 (:func:`eligible_positions`), so the cost grows with that clause's items, not the catalog;
@@ -8,32 +8,19 @@ rows sharing one filter are searched together (:func:`exact_search`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
 
 import torch
 
 from retrieval.filters import eligible
 from retrieval.index.exact import exact_topk
+from retrieval.index.readout import scores_at
 from retrieval.index.scan import eligible_rows_cpu, filter_mask
-
-
-class SignedIndex(Protocol):
-    """What the exact scan reads of an index (:class:`~retrieval.index.ivf.IVFIndex` has it;
-    a protocol, so this module and the index do not import each other)."""
-
-    sig: torch.Tensor
-    bit_counts: torch.Tensor
-    postings: torch.Tensor
-
-    @property
-    def posting_offsets(self) -> list[int]: ...
-    @property
-    def ntotal(self) -> int: ...
-    def scores_at(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
+from retrieval.index.tensors import IndexTensors
 
 
 def exact_search(
-    index: SignedIndex,
+    t: IndexTensors,
     q: torch.Tensor,
     k: int,
     masks: torch.Tensor,
@@ -54,37 +41,41 @@ def exact_search(
     for g in range(int(inverse.max()) + 1 if b else 0):
         rows = (inverse == g).nonzero().flatten()
         if masks.shape[1]:
-            subset = eligible_positions(index, masks[rows[0]], negate[rows[0]])
+            subset = eligible_positions(t, masks[rows[0]], negate[rows[0]])
         else:
-            subset = torch.arange(index.ntotal, device=q.device)
+            subset = torch.arange(t.ntotal, device=q.device)
         ex = None if excl is None else excl[rows]
-        p, s = exact_topk(q[rows], k, subset, index.scores_at, excl=ex)  # none eligible: empty
+        p, s = exact_topk(q[rows], k, subset, _scorer(t), excl=ex)  # none eligible: empty
         pos[rows], scores[rows] = p, s
     return pos, scores
 
 
-def eligible_positions(
-    index: SignedIndex, masks: torch.Tensor, negate: torch.Tensor
-) -> torch.Tensor:
+def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
     """Positions of the items passing one filter (``masks [C, W]``, ``negate [C]``) -> ``[M]``.
 
     The most selective non-negated clause drives: the postings of its values are the only
     candidates, and only they are checked against every clause. Cost grows with that
     clause's items, not with the catalog; with no selective clause, every item is checked.
     """
-    if index.sig.device.type == "cpu":  # one C++ call, the same rule
-        return eligible_rows_cpu(index.sig, masks, negate, index.bit_counts, index.postings)
+    sig = t.lists.sig
+    if sig.device.type == "cpu":  # one C++ call, the same rule
+        return eligible_rows_cpu(sig, masks, negate, t.bit_counts, t.postings)
     shifts = torch.arange(64, device=masks.device)
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
-    counts = (bits.long() * index.bit_counts).sum(dim=1).masked_fill(negate, index.ntotal + 1)
+    counts = (bits.long() * t.bit_counts).sum(dim=1).masked_fill(negate, t.ntotal + 1)
     c = int(counts.argmin()) if counts.numel() else -1
-    if c < 0 or int(counts[c]) > index.ntotal // 4 or index.postings.numel() == 0:
-        return filter_mask(index.sig, masks, negate).nonzero().flatten()
-    off = index.posting_offsets
-    parts = [index.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
+    if c < 0 or int(counts[c]) > t.ntotal // 4 or t.postings.numel() == 0:
+        return filter_mask(sig, masks, negate).nonzero().flatten()
+    off = t.posting_offsets
+    parts = [t.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
     cand = (
         torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64, device=masks.device)
     )
     if len(parts) > 1:
         cand = cand.unique()  # a multi-valued attribute may list an item under several values
-    return cand[eligible(index.sig.index_select(0, cand), masks, negate)]
+    return cand[eligible(sig.index_select(0, cand), masks, negate)]
+
+
+def _scorer(t: IndexTensors) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``scores_at`` of ``t`` as ``exact_topk`` calls it: ``(q, positions) -> [B, m]``."""
+    return lambda q, pos: scores_at(t, q, pos)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from retrieval.index.codes import fp8_lut, quantize_query_int8
+from retrieval.index.tensors import Lists, ScanRows
 
 BQ = 16
 """Queries a program scores together (``tl.dot`` needs 16 at least)."""
@@ -217,42 +218,16 @@ def width_bound(offsets: torch.Tensor, p: int) -> int:
     return max(prefix[min(p, len(prefix) - 1)], 1)
 
 
-def scan_triton(
-    q: torch.Tensor,
-    probes: torch.Tensor,
-    coarse: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    sig: torch.Tensor,
-    fmask: torch.Tensor,
-    fneg: torch.Tensor,
-    r: int,
-    max_list: int,
-    excl: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`retrieval.index.scan.scan` with the Triton kernel: ``q [B, D]``, ``probes`` and
-    ``coarse [B, P]``, ``codes [N, D]`` int8 or float8_e4m3fn, ``excl [B, S]`` ->
-    ``(positions [B, r] int64, scores [B, r] float32)``, best first, ``-1`` / ``-inf`` pads.
-    (``max_list`` is the reference path's; this one sizes its rows by :func:`width_bound`.)"""
-    b, p = probes.shape
-    width = width_bound(offsets, p)
+def scan_triton(lists: Lists, rows: ScanRows, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`retrieval.index.scan.scan` with the Triton kernel: ``lists.codes [N, D]`` int8 or
+    float8_e4m3fn -> ``(positions [B, r] int64, scores [B, r] float32)``, best first, ``-1`` /
+    ``-inf`` pads. Each row's buffer is :func:`width_bound` wide (not ``lists.max_list``)."""
+    b, p = rows.probes.shape
+    width = width_bound(lists.offsets, p)
     step = max(1, BUFFER_FLOATS // width)
+    full = ScanRows(rows.q, rows.probes, rows.coarse, rows.fmask, rows.fneg, rows.excluded())
     parts = [  # a bounded score buffer: the batch in query chunks
-        _scan_batch(
-            q[sl],
-            probes[sl],
-            coarse[sl],
-            codes,
-            scales,
-            offsets,
-            sig,
-            fmask[sl],
-            fneg[sl],
-            r,
-            width,
-            excl[sl],
-        )
+        _scan_batch(lists, full.part(sl), r, width)
         for sl in (slice(s, s + step) for s in range(0, max(b, 1), step))  # B = 0: one empty
     ]
     if len(parts) == 1:
@@ -261,28 +236,20 @@ def scan_triton(
 
 
 def _scan_batch(
-    q: torch.Tensor,
-    probes: torch.Tensor,
-    coarse: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    sig: torch.Tensor,
-    fmask: torch.Tensor,
-    fneg: torch.Tensor,
-    r: int,
-    width: int,
-    excl: torch.Tensor,
+    lists: Lists, rows: ScanRows, r: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One bounded batch: each query's probed lists side by side in a row of ``width`` columns
     (``col [B, P]`` where each starts), the kernel, then the best ``r`` of each row."""
+    q, probes, coarse, excl = rows.q, rows.probes, rows.coarse, rows.excluded()
+    codes, scales, offsets, sig = lists.codes, lists.scales, lists.offsets, lists.sig
+    fmask = rows.fmask
     b, p = probes.shape
     dev = q.device
     nlist = offsets.numel() - 1
     fp8 = codes.dtype == torch.float8_e4m3fn
     listed = probes >= 0
-    lists = probes.clamp(min=0)
-    lens = torch.where(listed, offsets[lists + 1] - offsets[lists], 0)  # [B, P]
+    probed = probes.clamp(min=0)
+    lens = torch.where(listed, offsets[probed + 1] - offsets[probed], 0)  # [B, P]
     col = torch.cumsum(lens, dim=1) - lens  # [B, P]
     out = torch.full((b, width), float("-inf"), device=dev)
     if b and p and nlist > 0:
@@ -305,7 +272,7 @@ def _scan_batch(
             count,
             sig,
             fmask,
-            fneg.to(torch.int8),
+            rows.fneg.to(torch.int8),
             excl,
             out,
             q.shape[1],
@@ -323,7 +290,7 @@ def _scan_batch(
     kk = min(r, width)
     top, idx = out.topk(kk, dim=1)
     slot = (torch.searchsorted(col, idx, right=True) - 1).clamp(min=0)  # the list holding idx
-    at = offsets[lists.gather(1, slot)] + idx - col.gather(1, slot)
+    at = offsets[probed.gather(1, slot)] + idx - col.gather(1, slot)
     pos = torch.where(top > float("-inf"), at, torch.full_like(idx, -1))
     if kk < r:
         pos = torch.nn.functional.pad(pos, (0, r - kk), value=-1)

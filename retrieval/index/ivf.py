@@ -36,12 +36,10 @@ from retrieval.filters import (
     FilterBatch,
     FilterSchema,
 )
-from retrieval.index.bound import as_scored
-from retrieval.index.codes import dequantize
+from retrieval.index.candidates import probe
 from retrieval.index.config import METRICS, PROBES, BuiltIVFConfig, IVFConfig
-from retrieval.index.eligible_scan import exact_search
-from retrieval.index.exact_ids import exact_search_ids
-from retrieval.index.exclude import IdOrder, excluded_positions
+from retrieval.index.exclude import IdOrder
+from retrieval.index.executor import Executor
 from retrieval.index.format import EXTRA, INDEX_FORMAT, migrate, version_of
 from retrieval.index.inputs import (
     as_count,
@@ -49,41 +47,36 @@ from retrieval.index.inputs import (
     as_queries,
     check_filter_batch,
 )
-from retrieval.index.plain import (
-    KernelTensors,
-    plain_item_candidates,
-    plain_query_ids,
-    plain_search,
-    plain_search_ids,
-)
+from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import make_plan
-from retrieval.index.probe import FEW_QUERIES, half_sq_norms, lists_holding, probe_lists, rescore
-from retrieval.index.scan import (
-    ProbeTable,
-    centroid_dots_cpu,
-    decode_rows_cpu,
-    ids_of_positions_cpu,
-    many_rows_cpu,
-    probe_table_cpu,
-    scan,
-    score_rows_cpu,
-)
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.probe import half_sq_norms
+from retrieval.index.readout import ids_at, scores_at, vectors_at
+from retrieval.index.scan import probe_table_cpu
+from retrieval.index.search import Candidates
 from retrieval.index.stats import IndexStats
 from retrieval.index.targets import check_targets
+from retrieval.index.tensors import IndexTensors, Lists, ProbeTable
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
-__all__ = ["EXACT_DTYPES", "METRICS", "PROBES", "FilterArg", "IVFConfig", "IVFIndex"]
+__all__ = [
+    "EXACT_DTYPES",
+    "METRICS",
+    "PROBES",
+    "FilterArg",
+    "IVFConfig",
+    "IVFIndex",
+    "SearchParams",
+]
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 EXACT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "none": None}
 PROBE_TABLE_MIN = 1 << 17
-"""Centroid floats (nlist x D) from which a few queries' probe reads an int8 table first. One
-query, 1,024 lists: at 256-d (1 MB of floats) 74 -> 53 us with it; at 64-d (256 KB, in cache)
-29 -> 32 us, so not below this."""
+"""Centroid floats (nlist x D) from which a few queries' probe reads an int8 table first: below
+it the float table stays in a core's cache, and reading the int8 table first gains nothing."""
 
 
 class IVFIndex(nn.Module):
-    """IVF index held as buffers. Build with :func:`build_ivf`; search with :meth:`search`.
+    """IVF index held as buffers. Build with :func:`build_ivf`; search with :meth:`search`
+    (trusted callers: :meth:`execute`); a document shard answers :meth:`item_candidates`.
 
     Buffers (N items, D dims, W signature words): ``centroids [nlist, D] f32``, ``offsets
     [nlist+1] i64``, ``item_ids [N] i64``, ``codes [N, D] int8|fp8``, ``scales [N] bf16``,
@@ -147,9 +140,8 @@ class IVFIndex(nn.Module):
         self.register_buffer("built_sizes", torch.zeros(0, dtype=torch.int64))
         self.max_list = 0
         self._ntotal = 0
-        self.lane_lists: dict[tuple[int, int], int] = {}
-        """Lists a plain query probes by ``(nprobe, k)`` (``plain.plain_query_ids``): they read
-        only ``nlist`` and ``ntotal``, so they are kept until :meth:`_refresh`."""
+        self.executor = Executor()
+        """Runs this index's plans and keeps what its searches repeat (``executor.py``)."""
         self.probe_table: ProbeTable | None = None
         """The centroids in int8 for a few queries' probe (``scan.probe_table_cpu``), made by
         :meth:`_refresh` from :data:`PROBE_TABLE_MIN` centroid floats on the CPU."""
@@ -243,7 +235,7 @@ class IVFIndex(nn.Module):
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
         self._ntotal = int(self.offsets[-1])
-        self.lane_lists = {}
+        self.executor = Executor()  # kept plans and graphs read the lists: start afresh
         ct = self.centroids_t  # below PROBE_TABLE_MIN the float table stays in a core's cache
         self.probe_table = (
             probe_table_cpu(ct) if ct.is_cpu and ct.numel() >= PROBE_TABLE_MIN else None
@@ -294,6 +286,8 @@ class IVFIndex(nn.Module):
         nprobe: int | None = None,
         rerank: int | None = None,
         recall_target: float | torch.Tensor | None = None,
+        exact: bool = False,
+        positions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` items for ``q [B, D]`` floats (tensor or NumPy array) -> ``(item_ids [B, k]
         int64, scores [B, k] float32)``; ``-1`` / ``-inf`` pad rows whose filter admits fewer
@@ -304,36 +298,62 @@ class IVFIndex(nn.Module):
         exact copy (None: the config's; > 0 needs an index that keeps the copy).
         ``recall_target``: recall@K against exact search each row asks for, in (0, 1] (one for
         all rows, or ``[B]``; 0 or None: ``nprobe``), read off the curves the build measured
-        (``retrieval/index/targets.py``); 1 scans exactly.
+        (``retrieval/index/targets.py``); 1 scans exactly. ``exact``: every row scans its
+        eligible items exactly (the reference the index is measured against). ``positions``:
+        list-sorted positions instead of item ids (what :meth:`vectors_at` reads).
         :meth:`search_plan` tells, per row, how many lists the search will probe.
         """
-        tried = False  # a few plain CPU queries: one C++ call, before any other check
-        no_rerank = rerank is None or (type(rerank) is int and rerank == 0)
-        if filters is None and recall_target is None and no_rerank:
-            fast = plain_query_ids(self, q, k, nprobe, rerank)
-            if not isinstance(fast, bool):
-                return fast
-            tried = fast  # it ran, and a row came up short
         q = self._check_queries(q)
-        k = self._check_k(k)
-        settings = self._settings(nprobe, rerank)
-        fb = None if filters is None else self.compile_filter(filters, q.shape[0])
+        b = q.shape[0]
+        fb = None if filters is None else self.compile_filter(filters, b)
         target = None
         if recall_target is not None:
-            target = torch.as_tensor(recall_target, dtype=torch.float32).expand(q.shape[0])
-            check_targets(target, q.shape[0])
-        return self._search_ids(q, k, fb, *settings, target=target, plain=not tried)
+            target = torch.as_tensor(recall_target, dtype=torch.float32).expand(b)
+            check_targets(target, b)
+        params = self.params(k, nprobe, rerank, exact=exact, target=target)
+        return self._execute(q, fb, params, positions)  # a direct search: no compile boundary
 
-    def ids_at(self, pos: torch.Tensor) -> torch.Tensor:
-        """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads): one C++ pass on the CPU (torch
-        ops on a GPU and in a trace)."""
-        if (
-            pos.device.type == "cpu"
-            and self.item_ids.device.type == "cpu"
-            and not torch.compiler.is_compiling()
-        ):
-            return ids_of_positions_cpu(pos, self.item_ids)
-        return torch.where(pos >= 0, self.item_ids[pos.clamp(min=0)], pos)
+    def _execute(
+        self,
+        q: torch.Tensor,
+        fb: FilterBatch | None,
+        params: SearchParams,
+        positions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`search` on validated inputs (the model's forward checks its batch at its own
+        edge): ``q [B, D]`` float32 on this index's device, ``fb`` on it too (None: no clause,
+        nothing excluded), ``params`` from :meth:`params`."""
+        return self.executor.search(self.tensors(), q, fb, params, positions)
+
+    # The plan branches on data (which rows are exact, how many lists each probes), so under
+    # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
+    # heavy part, the scan, is one C++ op either way. Direct searches skip the wrapper.
+    execute = eager_under_compile(_execute)
+
+    def params(
+        self,
+        k: int,
+        nprobe: int | None = None,
+        rerank: int | None = None,
+        *,
+        exact: bool = False,
+        target: torch.Tensor | None = None,
+    ) -> SearchParams:
+        """The checked settings of a search: ``k`` in [1, ntotal], ``nprobe`` / ``rerank``
+        (None: the config's), ``target [B]`` recall targets (checked by the caller)."""
+        if type(nprobe) is int and nprobe >= 1:  # the common call: no message made
+            nprobe_ = nprobe
+        else:
+            hint = f"; leave it out (None) to probe the index's nprobe ({self.config.nprobe})"
+            nprobe_ = as_optional_count(nprobe, "nprobe", 1, self.config.nprobe, hint)
+        rerank_ = as_optional_count(rerank, "rerank", 0, self.config.rerank)
+        if rerank is not None and rerank_ > 0 and not self.keeps_exact_copy:
+            raise ValueError(
+                f"rerank={rerank_}: this index keeps no exact copy to re-rank with "
+                f'(exact_copy="none"); build it with rerank > 0 or exact_copy="float16", '
+                "or search with rerank=0"
+            )
+        return SearchParams(self._check_k(k), nprobe_, rerank_, bool(exact), target)
 
     def search_plan(
         self,
@@ -345,10 +365,10 @@ class IVFIndex(nn.Module):
         rerank: int | None = None,
     ) -> SearchPlan:
         """What :meth:`search` with these arguments does to each of its B rows (``batch``, or the
-        length of a list of filters, else 1): ``plan.nprobe [B]`` lists probed (the count
-        scanned: ``nprobe`` or more for a selective filter or a large ``k``; a row without a
-        filter clause may stop earlier, at ``plan.least``, once its lists hold ``plan.hold``
-        items by their sizes), or ``plan.exact
+        length of a list of filters, else 1): ``plan.kind [B]`` (``plan.RowKind``),
+        ``plan.nprobe [B]`` lists probed (the count scanned: ``nprobe`` or more for a selective
+        filter or a large ``k``; a row without a filter clause may stop earlier, at
+        ``plan.least``, once its lists hold ``plan.hold`` items by their sizes), or ``plan.exact
         [B]`` an exact scan of the row's eligible items; ``plan.r`` candidates kept before
         re-ranking. A row whose probed lists turn out to hold fewer than ``k`` eligible items is
         then re-asked as an exact scan, and a filtered row's results may ask for a second round
@@ -357,7 +377,24 @@ class IVFIndex(nn.Module):
             listed = filters is not None and not isinstance(filters, str | FilterBatch)
             batch = len(list(filters)) if listed else 1  # type: ignore[arg-type]
         fb = self.compile_filter(filters, as_count(batch, "batch", 1))
-        return self.plan(fb, self._check_k(k), *self._settings(nprobe, rerank))
+        return self.plan(fb, self.params(k, nprobe, rerank))
+
+    def plan(
+        self, fb: FilterBatch, params: SearchParams, q: torch.Tensor | None = None
+    ) -> SearchPlan:
+        """Per row: its kind, lists to probe, or an exact scan (``retrieval/index/planner.py``).
+        Reads only the index's statistics, so a router holding them plans for its shards.
+        ``q [B, D]``: filtered rows get a bound check."""
+        return make_plan(self.tensors(), fb, params, q)
+
+    def item_candidates(
+        self, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan, with_vectors: bool = False
+    ) -> Candidates:
+        """This index's candidates ``[B, r]`` for a router's ``plan``, keyed by item id (what a
+        document shard answers), with their vectors ``[B, r, D]`` when ``with_vectors`` (for a
+        scoring head): list rows' best ``r`` approximate scores of the probed lists (re-scored
+        exactly when the plan re-ranks), exact rows' best ``k`` eligible items."""
+        return self.executor.item_candidates(self.tensors(), q, fb, plan, with_vectors)
 
     def _check_queries(self, q: torch.Tensor | np.ndarray) -> torch.Tensor:
         """The public edge for queries: ``[B, D]`` floats -> float32 on this index's device."""
@@ -369,247 +406,51 @@ class IVFIndex(nn.Module):
             raise ValueError(f"k: at most {self.ntotal} (the catalog size), got {k}")
         return k
 
-    def _settings(self, nprobe: int | None, rerank: int | None) -> tuple[int, int]:
-        """``(nprobe, rerank)`` for a search: None takes the config's value."""
-        hint = f"; leave it out (None) to probe the index's nprobe ({self.config.nprobe})"
-        nprobe_ = as_optional_count(nprobe, "nprobe", 1, self.config.nprobe, hint)
-        rerank_ = as_optional_count(rerank, "rerank", 0, self.config.rerank)
-        if rerank is not None and rerank_ > 0 and not self.keeps_exact_copy:
-            raise ValueError(
-                f"rerank={rerank_}: this index keeps no exact copy to re-rank with "
-                f'(exact_copy="none"); build it with rerank > 0 or exact_copy="float16", '
-                "or search with rerank=0"
-            )
-        return nprobe_, rerank_
-
     @property
     def keeps_exact_copy(self) -> bool:
         """The index (or, for a router's statistics-only index, its shards) keeps an exact
         copy of every vector to re-rank with."""
         return self.config.exact_copy != "none"
 
-    def _search_positions(
-        self,
-        q: torch.Tensor,
-        k: int,
-        fb: FilterBatch | None,
-        nprobe: int,
-        rerank: int,
-        exact: bool = False,
-        target: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`search` on validated inputs, returning list-sorted positions instead of ids.
-        ``fb`` None: no filter (the plain search needs none compiled); ``exact=True`` scans
-        every eligible item (the reference the index is measured against); ``target [B]``:
-        each row's recall target (0: the index's settings)."""
-        fast = plain_search(self, q, k, fb, nprobe, rerank, exact, target)
-        if fast is not None:
-            return fast
-        fb = self.compile_filter(None, q.shape[0]) if fb is None else fb
-        return self.planned_positions(q, k, fb, nprobe, rerank, exact, target)
-
-    def _search_ids(
-        self,
-        q: torch.Tensor,
-        k: int,
-        fb: FilterBatch | None,
-        nprobe: int,
-        rerank: int,
-        exact: bool = False,
-        target: torch.Tensor | None = None,
-        plain: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_search_positions` keyed by item id -> ``(ids [B, k], scores [B, k])``, for
-        callers that need no positions (:meth:`search`, the model's forward without a scoring
-        head): a few plain queries on the CPU are one C++ call from the query to ids, exclusions
-        mapped inside it (``retrieval/index/plain.py``; ``plain=False``: that call ran already
-        and came up short); rows sharing a selective filter, its exact scan
-        (``retrieval/index/exact_ids.py``); the others, the positions mapped."""
-        if not exact and (target is None or not bool(target.gt(0).any())):
-            found = (plain and plain_search_ids(self, q, k, fb, nprobe, rerank)) or (
-                exact_search_ids(self, q, k, fb, nprobe, rerank)
-            )
-            if found is not None:
-                return found
-        pos, scores = self._search_positions(q, k, fb, nprobe, rerank, exact, target)
-        return self.ids_at(pos), scores
-
-    def planned_positions(
-        self,
-        q: torch.Tensor,
-        k: int,
-        fb: FilterBatch,
-        nprobe: int,
-        rerank: int,
-        exact: bool = False,
-        target: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The planned search: per-row plans, the search rounds (``retrieval/index/search.py``)."""
-        plan = self.plan(fb, k, nprobe, rerank, exact, q=q, target=target)
-
-        def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
-            if rows is None:
-                return self.candidates(q, fb, p)
-            return self.candidates(q[rows], fb.rows(rows), p)
-
-        top = run_search(plan, fetch)
-        return top.keys, top.scores
-
-    @property
-    def probe_half(self) -> torch.Tensor | None:
-        """The probe rule as the probe kernels take it: ``half_norms`` ("l2"), None ("ip")."""
-        return self._buffers["half_norms"] if self.config.probe == "l2" else None
-
-    def kernel_tensors(self) -> KernelTensors:
-        """``(centroids_t, probe_half, codes, scales, offsets, sig)``, read from the module's
-        buffer dict: a buffer read as an attribute goes through ``nn.Module.__getattr__``
-        (~1 us each), and a one-query search reads six."""
+    def tensors(self) -> IndexTensors:
+        """The index's tensors as one bundle (``retrieval/index/tensors.py``), read from the
+        module's buffer dict: a buffer read as an attribute goes through
+        ``nn.Module.__getattr__``, and a one-query search reads many."""
         b = self._buffers
-        return b["centroids_t"], self.probe_half, b["codes"], b["scales"], b["offsets"], b["sig"]  # type: ignore[return-value]
+        return IndexTensors(
+            self.config,
+            self.stats,
+            Lists(b["codes"], b["scales"], b["offsets"], b["sig"], self.max_list),  # type: ignore[arg-type]
+            b["centroids"],  # type: ignore[arg-type]
+            b["centroids_t"],  # type: ignore[arg-type]
+            b["half_norms"],  # type: ignore[arg-type]
+            self.probe_table,
+            b["exact"],  # type: ignore[arg-type]
+            b["item_ids"],  # type: ignore[arg-type]
+            self.id_order,
+            b["bit_counts"],  # type: ignore[arg-type]
+            b["postings"],  # type: ignore[arg-type]
+            self.posting_offsets,
+            b["built_sizes"],  # type: ignore[arg-type]
+            b["list_radius"],  # type: ignore[arg-type]
+            b["list_bits"],  # type: ignore[arg-type]
+            self._ntotal,
+            b["centroids"].shape[0],  # type: ignore[union-attr]
+        )
 
     def probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coarse [B, P], lists [B, P])`` of ``q`` (as scored) by the index's probe rule."""
-        return probe_lists(
-            q, self.centroids, self.probe_half, nprobe, self.centroids_t, self.probe_table
-        )
+        return probe(self.tensors(), q, nprobe)
 
-    # ---- the steps of a search (see retrieval/index/search.py) -----------------------------
-    def plan(
-        self,
-        fb: FilterBatch,
-        k: int,
-        nprobe: int,
-        rerank: int,
-        exact: bool = False,
-        q: torch.Tensor | None = None,
-        target: torch.Tensor | None = None,
-    ) -> SearchPlan:
-        """Per row: lists to probe, or an exact scan (``retrieval/index/planner.py``). Reads
-        only the index's statistics, so a router holding them plans for its shards. ``q [B,
-        D]``: filtered rows get a bound check; ``target [B]``: rows' own recall targets."""
-        return make_plan(self, fb, k, nprobe, rerank, exact, q, target)
-
-    def candidates(self, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan) -> Candidates:
-        """This index's candidates for ``q [B, D]`` under ``plan``: ``[B, r]`` (keys are
-        positions). List rows: the best ``r`` approximate scores of the probed lists, re-scored
-        with the exact copy when the plan re-ranks. Exact rows: the best ``k`` eligible items.
-        Items a row excludes (``fb.exclude``, item ids) are skipped in either."""
-        b, dev = q.shape[0], q.device
-        q, fb = as_scored(self, q), self.excluding(fb)
-        # row numbers on the CPU, where plans live: they index the plan's tensors as well as q
-        # and fb (a GPU row list indexing the plan failed every GPU batch mixing both kinds)
-        exact_rows = plan.exact.cpu()
-        if not bool(exact_rows.any()):  # every row probes lists: no scatter
-            return self._list_candidates(q, plan, fb)
-        out = Candidates.empty(b, plan.r, dev)
-        rows = (~exact_rows).nonzero().flatten()
-        if rows.numel():
-            out.put(rows, self._list_candidates(q[rows], plan.rows(rows), fb.rows(rows)))
-        rows = exact_rows.nonzero().flatten()
-        f = fb.rows(rows)
-        pos, s = exact_search(self, q[rows], plan.k, f.masks, f.negate, f.exclude)
-        out.put(rows, Candidates(pos, s, s))
-        return out
-
-    def item_candidates(
-        self, q: torch.Tensor, fb: FilterBatch, plan: SearchPlan, with_vectors: bool = False
-    ) -> Candidates:
-        """:meth:`candidates` keyed by item id (what a document shard answers), with the
-        candidates' vectors ``[B, r, D]`` when ``with_vectors`` (for a scoring head)."""
-        if not with_vectors and (fast := plain_item_candidates(self, q, fb, plan)) is not None:
-            return fast
-        c = self.candidates(q, fb, plan)
-        pos = c.keys.clamp(min=0)
-        ids = self.ids_at(c.keys)
-        vecs = None
-        if with_vectors:
-            vecs = self.vectors_at(pos.flatten()).view(*pos.shape, -1) if self.ntotal else None
-            if vecs is None:
-                vecs = q.new_zeros(*pos.shape, self.dim)
-        return Candidates(ids, c.approx, c.scores, vecs)
-
-    def excluding(self, fb: FilterBatch) -> FilterBatch:
-        """``fb`` with its excluded item ids mapped to this index's rows (once per fetch)."""
-        if fb.exclude is None:
-            return fb
-        rows = excluded_positions(self.id_order, fb.exclude)  # the id order lives on the CPU
-        return FilterBatch(fb.masks, fb.negate, rows.to(fb.masks.device))
-
-    def _list_candidates(self, q: torch.Tensor, plan: SearchPlan, fb: FilterBatch) -> Candidates:
-        """Probe, scan (filter and exclusions inside the scan), and re-score the survivors
-        exactly. ``fb.exclude``: rows, not ids (:meth:`candidates` mapped them)."""
-        p_max = int(plan.nprobe.max()) if plan.nprobe.numel() else 1
-        if plan.lists is not None:  # a second round: the planner's lists
-            probes = plan.lists.to(q.device)
-            coarse = (q @ self.centroids.T).gather(1, probes.clamp(min=0))  # [b, P]
-        else:
-            coarse, probes = self.probe(q, min(p_max, max(self.nlist, 1)))  # best first
-        if plan.lists is None and bool(
-            (plan.nprobe != p_max).any()
-        ):  # per-row probe counts: skip (-1) unneeded slots
-            slot = torch.arange(probes.shape[1], device=q.device)
-            probes = torch.where(
-                slot < plan.nprobe.to(q.device)[:, None], probes, torch.full_like(probes, -1)
-            )
-        least, hold = plan.least, plan.hold
-        if (
-            plan.lists is None
-            and least is not None
-            and hold is not None
-            and self.built_sizes.numel()
-        ):
-            probes = lists_holding(probes, self.built_sizes, least, hold)  # what each row needs
-        cand, approx = scan(
-            q.contiguous(),
-            probes.contiguous(),
-            coarse.contiguous(),
-            self.codes,
-            self.scales,
-            self.offsets,
-            self.sig,
-            fb.masks.contiguous(),
-            fb.negate.contiguous(),
-            plan.r,
-            max_list=self.max_list,
-            excl=fb.exclude,
-            floor=None if plan.reranks else plan.floor,  # re-ranked: approximate scores differ
-        )
-        if not plan.reranks:
-            return Candidates(cand, approx, approx)
-        return Candidates(cand, approx, rescore(q, cand, self.exact))  # exact scores [b, r]
+    def ids_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads) (``readout.ids_at``)."""
+        return ids_at(self.tensors(), pos)
 
     def scores_at(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """``q [B, D]`` float32 scored against rows ``pos [M]`` -> ``[B, M]``: with the exact
-        copy, else read off the codes as ``q·code * scale + q·centroid``. On the CPU over int8
-        codes: a few queries in one C++ pass over the codes with the float query; more, from 1024
-        rows (and 128 dimensions) the list scan's scores (the query quantized) from one int8 GEMM
-        (:func:`~retrieval.index.scan.many_rows_cpu`). Otherwise the rows decoded once, then a
-        matmul."""
-        if self.exact.shape[0]:
-            return q @ self.exact.index_select(0, pos).float().T
-        if q.device.type == "cpu" and self.codes.dtype == torch.int8:  # as the exact C++ call's
-            if len(q) > FEW_QUERIES:
-                return many_rows_cpu(
-                    q, pos, self.codes, self.scales, self.offsets, self.centroids_t
-                )
-            coarse_all = centroid_dots_cpu(q, self.centroids_t)
-            return score_rows_cpu(q, pos, self.codes, self.scales, self.offsets, coarse_all)
-        # decode the M rows once (centroid + scale * code) and take one matmul, rather than
-        # scaling and shifting [B, M] scores (B x M > M x D once B passes D)
-        return q @ self.vectors_at(pos).T
+        """``q [B, D]`` float32 scored against rows ``pos [M]`` -> ``[B, M]``, with the exact
+        copy, else off the codes (``readout.scores_at``)."""
+        return scores_at(self.tensors(), q, pos)
 
     def vectors_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""
-        if self.exact.shape[0]:
-            return self.exact.index_select(0, pos).float()
-        if pos.device.type == "cpu" and self.codes.dtype == torch.int8:
-            return decode_rows_cpu(pos, self.codes, self.scales, self.offsets, self.centroids_t)
-        lists = torch.searchsorted(self.offsets, pos, right=True) - 1
-        codes, scales = self.codes.index_select(0, pos), self.scales.index_select(0, pos)
-        return self.centroids.index_select(0, lists) + dequantize(codes, scales)
-
-    # The plan branches on data (which rows are exact, how many lists each probes), so under
-    # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
-    # heavy part, the scan, is one C++ op either way. Direct searches skip the wrapper.
-    search_positions = eager_under_compile(_search_positions)
-    search_ids = eager_under_compile(_search_ids)
+        return vectors_at(self.tensors(), pos)

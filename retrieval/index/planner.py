@@ -13,8 +13,11 @@ Reads only an index's statistics (``ntotal``, ``nlist``, ``bit_counts``, ``list_
     exact_b  = the exact scan of its eligible items costs no more than its list plan, by the
                times the build measured on this machine (``retrieval/index/costs.py``; an index
                without them: sel_b * N * exact_cost <= lists_b * items per list), or its target
-               asks for 1
+               asks for 1, or the catalog is too small for lists (searched_exactly)
 
+Each row's kind (``plan.RowKind``) says which of these it is: ``PLAIN`` rows (no clause, target,
+re-rank or exact scan in the batch), ``LISTS``, ``EXACT``, or ``SHARED_EXACT`` where a whole batch
+scans exactly under one filter. :class:`PlanCache` keeps the plans a served index repeats.
 ``sel_b`` is the filter's estimated selectivity. With the queries, filtered rows that probe lists
 skip the lists their filter rules out and get a bound check for a second round
 (``retrieval/index/bound.py``), with the slack their recall target reads.
@@ -23,82 +26,205 @@ skip the lists their filter rules out and get a bound check for a second round
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from retrieval.filters import FilterBatch, estimate_selectivity
-from retrieval.index.bound import ListedIndex, with_bounds
+from retrieval.filters import COMPILED_FILTERS, FilterBatch, estimate_selectivity
+from retrieval.index.bound import with_bounds
 from retrieval.index.costs import exact_codes, on_cpu, plan_seconds
-from retrieval.index.search import SearchPlan
+from retrieval.index.plan import RowKind, SearchParams, SearchPlan, every, kinds
 from retrieval.index.targets import row_settings
+from retrieval.index.tensors import IndexTensors
 
 FILL = 2
 """A row's lists hold this many times the items it needs (its ``r`` and the items it
 excludes): a margin for a filter's estimate, and candidates to choose the best ``r`` from,
-which a large ``k`` needs (K = 10,000 of 20,000 items in 128 lists: recall 0.973 at 1 x,
-0.999 at 2 x)."""
+which a large ``k`` needs (at 1 x, a ``k`` of half the catalog loses recall)."""
 
-
-class PlannedIndex(ListedIndex, Protocol):
-    """What the planner reads of an index (a protocol: see :class:`ListedIndex`)."""
-
-    bit_counts: torch.Tensor
-    built_sizes: torch.Tensor
-
-    @property
-    def keeps_exact_copy(self) -> bool: ...
+SMALL_CATALOG_FILL = FILL
+"""A catalog of at most this many times ``IVFConfig.tune_k`` items is searched exactly: the
+build measured its recall curve at K = ``tune_k``, where every sample query's lists had to hold
+``FILL`` K items and so were every list (recall 1 at any nprobe), which says nothing of a
+smaller K; and such a catalog scans whole in about the time its list plan takes."""
 
 
 def make_plan(
-    index: PlannedIndex,
-    fb: FilterBatch,
-    k: int,
-    nprobe: int,
-    rerank: int,
-    exact: bool = False,
+    t: IndexTensors,
+    fb: FilterBatch | None,
+    params: SearchParams,
     q: torch.Tensor | None = None,
-    target: torch.Tensor | None = None,
+    batch: int | None = None,
 ) -> SearchPlan:
-    """The plan of B rows under filters ``fb``: ``k`` results each, ``nprobe`` lists at least
-    (rows with a ``target [B]`` recall above 0 read theirs off the index's curves), ``exact``
-    for every row; ``q [B, D]`` adds the bound check of a second round."""
-    b = fb.masks.shape[0]
-    cfg = index.config
-    r = max(k, rerank) if rerank and index.keeps_exact_copy else k
+    """The plan of B rows (``batch``, else those of ``fb`` or ``q``) under filters ``fb`` (None:
+    no clause, nothing excluded) with the settings ``params``; ``q [B, D]`` adds the bound check
+    of a second round. Reads only the index's statistics in ``t``, so a router that holds them
+    plans for its shards."""
+    b = _rows(fb, q, batch)
+    cfg, k = t.config, params.k
+    r = _candidates(t, params)
+    active = fb is not None and fb.active
+    exact = params.exact or searched_exactly(t)
     rows = None
-    if target is not None and bool((target > 0).any()):
+    if params.target is not None and params.targeted:
         rows = row_settings(
-            target,
-            nprobe,
-            index.stats.filter_bound_slack,
-            index.stats.recall_curve,
-            index.stats.slack_curve,
+            params.target,
+            params.nprobe,
+            t.stats.filter_bound_slack,
+            t.stats.recall_curve,
+            t.stats.slack_curve,
         )
-    # per row: Python numbers and NumPy (a batch's few rows: each torch op costs ~5 us)
-    sel_t = estimate_selectivity(fb, index.bit_counts, index.ntotal).cpu() if fb.active else None
+    # per row: Python numbers and NumPy (a batch's few rows: each torch op costs more)
+    sel_t = None
+    if fb is not None and active:
+        sel_t = estimate_selectivity(fb, t.bit_counts, t.ntotal).cpu()
     sel = [1.0] * b if sel_t is None else sel_t.tolist()  # [B]
-    base = rows.nprobe.tolist() if rows is not None else [nprobe] * b
+    base = rows.nprobe.tolist() if rows is not None else [params.nprobe] * b
     excluded = excluded_counts(fb, b).tolist()
     keys = list(zip(sel, base, excluded, strict=True))  # few distinct: one each
-    lists = {key: lists_for(index, key[0], key[1], r + key[2]) for key in set(keys)}
+    lists = {key: lists_for(t, key[0], key[1], r + key[2]) for key in set(keys)}
     p_np = np.array([lists[key] for key in keys], dtype=np.int64)
     p = torch.from_numpy(p_np)
-    least, hold = _holding(index, sel, base, excluded, p_np, r)
-    if not fb.active and not exact and rows is None:  # the common case
-        return SearchPlan(k, r, p, torch.zeros(b, dtype=torch.bool), least=least, hold=hold)
+    least, hold = _holding(t, sel, base, excluded, p_np, r)
+    if not active and not exact and rows is None:  # the common case
+        return SearchPlan(k, r, p, every(b, RowKind.PLAIN), least=least, hold=hold)
     scan_exact = (  # sel_t is None exactly when no row has a clause
-        cheaper_exact(index, sel_t, p, b) if sel_t is not None else torch.zeros(b, dtype=torch.bool)
+        cheaper_exact(t, sel_t, p, b) if sel_t is not None else torch.zeros(b, dtype=torch.bool)
     )
     if exact:
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
         scan_exact |= rows.exact
-    plan = SearchPlan(k, r, p, scan_exact, least=least, hold=hold)
-    if q is None or cfg.filter_bound <= 0 or sel_t is None:
+    plan = SearchPlan(
+        k, r, p, _kinds(fb, scan_exact), least=least, hold=hold, exact_rows=scan_exact
+    )
+    if q is None or cfg.filter_bound <= 0 or sel_t is None or fb is None:
         return plan
-    return with_bounds(index, q, fb, plan, sel_t, None if rows is None else rows.slack)
+    return with_bounds(t, q, fb, plan, sel_t, None if rows is None else rows.slack)
+
+
+def searched_exactly(t: IndexTensors) -> bool:
+    """Every row of this index scans exactly: a catalog too small for lists to pay
+    (:data:`SMALL_CATALOG_FILL`)."""
+    return 0 < t.ntotal <= SMALL_CATALOG_FILL * t.config.tune_k
+
+
+class PlanCache:
+    """The plans a served index repeats, kept until anything they read of it changes.
+
+    Plain plans (no clause, nothing excluded, no target) by ``(B, k, nprobe, rerank)``: one
+    query's plan then costs a lookup. A batch sharing one filter (and excluding nothing): its
+    exact plan (or that it takes lists) by filter, so a selective filter's search skips
+    estimating and pricing it again (served requests repeat a few filters). Plans are never
+    changed once made, so one serves every search that asks for it. Owned by the index's
+    executor."""
+
+    def __init__(self) -> None:
+        self._reads: tuple[Any, ...] = (None,) * 7
+        self._plain: dict[tuple[int, int, int, int], SearchPlan] = {}
+        self._shared: dict[tuple[Any, ...], SearchPlan | None] = {}
+
+    def plan(
+        self, t: IndexTensors, fb: FilterBatch | None, params: SearchParams, q: torch.Tensor
+    ) -> SearchPlan:
+        """:func:`make_plan` of ``q [B, D]`` under ``fb`` with ``params``, from the cache where
+        it holds it."""
+        if params.target is not None or params.exact or (fb is not None and fb.exclude is not None):
+            return make_plan(t, fb, params, q)
+        if not _same_reads(t, self._reads):
+            self._reads, self._plain, self._shared = _reads(t), {}, {}
+        b = int(q.shape[0])
+        if fb is None or not fb.active:
+            key = (b, params.k, params.nprobe, params.rerank)
+            plan = self._plain.get(key)
+            if plan is None:
+                if len(self._plain) >= COMPILED_FILTERS:
+                    self._plain.clear()
+                plan = self._plain[key] = make_plan(t, fb, params, q)
+            return plan
+        if fb.masks.is_cpu and _one_filter(fb):
+            kept = self._shared_exact(t, fb, params, b)
+            if kept is not None:
+                return kept
+        return make_plan(t, fb, params, q)
+
+    def _shared_exact(
+        self, t: IndexTensors, fb: FilterBatch, params: SearchParams, b: int
+    ) -> SearchPlan | None:
+        """The ``SHARED_EXACT`` plan of ``b`` rows sharing ``fb``'s first filter where they scan
+        exactly, as :func:`make_plan` decides (``cheaper_exact``); None where they take lists
+        (:func:`make_plan` then plans them). Kept per filter and batch size."""
+        masks, negate = fb.masks[:1], fb.negate[:1]
+        filt = (masks.numpy().tobytes(), negate.numpy().tobytes())
+        key = (*filt, params.k, params.nprobe, params.rerank, b)
+        if key in self._shared:
+            return self._shared[key]
+        if len(self._shared) >= COMPILED_FILTERS:
+            self._shared.clear()
+        r = _candidates(t, params)
+        sel = estimate_selectivity(FilterBatch(masks, negate), t.bit_counts, t.ntotal)
+        lists = lists_for(t, float(sel[0]), params.nprobe, r)
+        exact = searched_exactly(t) or bool(cheaper_exact(t, sel, torch.tensor([lists]), b)[0])
+        nprobe = torch.full((b,), lists, dtype=torch.int64)
+        plan = SearchPlan(params.k, r, nprobe, every(b, RowKind.SHARED_EXACT)) if exact else None
+        self._shared[key] = plan
+        return plan
+
+
+def _candidates(t: IndexTensors, params: SearchParams) -> int:
+    """``r``: the candidates a row keeps before re-ranking (``k`` without a re-rank)."""
+    return max(params.k, params.rerank) if params.rerank and t.keeps_exact_copy else params.k
+
+
+def _reads(t: IndexTensors) -> tuple[Any, ...]:
+    """What a kept plan reads of the index besides the request: the config and the build's
+    statistics (frozen: its pricing and measurements change only with them), the centroids (the
+    lists and the device), the catalog's size, the bit counts and list sizes (with their in-place
+    versions). Held, not their ids: a freed object's id may come back."""
+    counts, sizes = t.bit_counts, t.built_sizes
+    return (
+        t.config, t.centroids, t.ntotal, counts, counts._version, sizes, sizes._version, t.stats
+    )  # fmt: skip
+
+
+def _same_reads(t: IndexTensors, held: tuple[Any, ...]) -> bool:
+    """Whether ``t`` reads as ``held`` (:func:`_reads`), compared by identity."""
+    counts, sizes = t.bit_counts, t.built_sizes
+    return (
+        t.config is held[0] and t.centroids is held[1] and t.ntotal == held[2]
+        and counts is held[3] and counts._version == held[4]
+        and sizes is held[5] and sizes._version == held[6] and t.stats is held[7]
+    )  # fmt: skip
+
+
+def _rows(fb: FilterBatch | None, q: torch.Tensor | None, batch: int | None) -> int:
+    if batch is not None:
+        return batch
+    if fb is not None:
+        return int(fb.masks.shape[0])
+    if q is None:
+        raise ValueError("make_plan: give the filters, the queries or the batch size")
+    return int(q.shape[0])
+
+
+def _kinds(fb: FilterBatch | None, exact: torch.Tensor) -> torch.Tensor:
+    """``[B] int8``: exact rows ``SHARED_EXACT`` where the whole batch is exact under one filter
+    and excludes nothing (one scan serves every row), else ``EXACT``; the others ``LISTS``."""
+    out = kinds(exact)
+    if not bool(exact.all()) or (fb is not None and fb.exclude is not None):
+        return out
+    if fb is None or not fb.active or _one_filter(fb):
+        out.fill_(int(RowKind.SHARED_EXACT))
+    return out
+
+
+def _one_filter(fb: FilterBatch) -> bool:
+    """Every row of ``fb`` has the first row's clauses."""
+    masks, negate = fb.masks, fb.negate
+    if masks.shape[0] <= 1:
+        return True
+    return bool((masks == masks[:1]).all()) and bool((negate == negate[:1]).all())
 
 
 def excluded_counts(fb: FilterBatch | None, b: int) -> np.ndarray:
@@ -116,7 +242,7 @@ def hold_counts(need: int, excluded: np.ndarray) -> np.ndarray:
 
 
 def _holding(
-    index: PlannedIndex,
+    index: IndexTensors,
     sel: list[float],
     base: list[int],
     excluded: list[int],
@@ -139,12 +265,12 @@ def _holding(
 
 
 def cheaper_exact(
-    index: PlannedIndex, sel: torch.Tensor, lists: torch.Tensor, batch: int
+    index: IndexTensors, sel: torch.Tensor, lists: torch.Tensor, batch: int
 ) -> torch.Tensor:
     """``[B] bool``: rows (selectivity ``sel [B]``, first round of ``lists [B]``) whose exact
     scan costs no more than their list plan, by the times the build measured on this machine
     (``retrieval/index/costs.py``), else by ``exact_cost`` against the lists' codes. A row
-    admitting every item takes lists, as it does alone (``plain.py``): its plan, and so its
+    admitting every item takes lists, as it does alone: its plan, and so its
     scores (the scan's int8 query, the exact scan's floats), must not hinge on whether a
     filtered request shares its batch."""
     cfg, n, measured = index.config, index.ntotal, on_cpu(index)
@@ -163,11 +289,11 @@ def cheaper_exact(
     return torch.tensor([answer[key] for key in keys], dtype=torch.bool)
 
 
-def lists_for(index: PlannedIndex, sel: float, base: int, need: int) -> int:
+def lists_for(index: IndexTensors, sel: float, base: int, need: int) -> int:
     """Lists for a row admitting ``sel`` of the items, probing ``base`` at least: widened as
     ``sel ** -exponent``, and enough lists of average size to hold ``FILL need`` eligible
-    items. Python floats: a batch has few distinct rows, and tensor arithmetic costs ~20x more
-    for one request."""
+    items. Python floats: a batch has few distinct rows, and tensor arithmetic costs more than
+    the arithmetic for one request."""
     nlist = max(index.nlist, 1)
     s = max(sel, 1e-9)
     widen = base * s**-index.config.filter_nprobe_exponent

@@ -23,6 +23,7 @@ import torch
 from retrieval.index.codes import fp8_lut, quantize_query_int8
 from retrieval.index.exclude import is_excluded
 from retrieval.index.kernels import extension as _extension
+from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ScanRows
 
 KERNEL_ENV = "RECSERVE_SCAN_KERNEL"
 """Forces the list scan's kernel: ``triton`` (also on CPU tensors, where it needs Triton's
@@ -162,10 +163,6 @@ def _(q, centroids_t, half, p):
     return q.new_empty((b, p)), torch.empty((b, p), dtype=torch.int64, device=q.device)
 
 
-ProbeTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""``probe_table_cpu``'s quantized centroids: what a few queries' probe reads first."""
-
-
 def probe_table_cpu(centroids_t: torch.Tensor) -> ProbeTable:
     """``centroids_t [D, nlist]`` (contiguous CPU float32) quantized to int8 for the probe of a
     few queries (:func:`probe_cpu`): a quarter of the float table's bytes, which one query's probe
@@ -192,42 +189,36 @@ def probe_cpu(
 
 
 def search_ids_cpu(
+    t: IndexTensors,
     q: torch.Tensor,
-    centroids_t: torch.Tensor,
-    half: torch.Tensor | None,
-    nprobe: int,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    sig: torch.Tensor,
     fmask: torch.Tensor,
     fneg: torch.Tensor,
     excl_ids: torch.Tensor,
-    item_ids: torch.Tensor,
-    perm: torch.Tensor,
+    nprobe: int,
     r: int,
-    sizes: torch.Tensor | None = None,
     least: int = 0,
     hold: torch.Tensor | None = None,
-    table: ProbeTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """A plain int8 search on the CPU keyed by item id, in one C++ call: the item ids each query
     excludes (``excl_ids [B, S]``, ``-1`` pads) mapped to rows through the index's id order
-    (``item_ids``, ``perm``: ``exclude.IdOrder``), :func:`probe_cpu`'s lists, :func:`scan`, and
-    the rows found mapped to item ids -> ``(ids [B, r], scores [B, r], short)``, ``-1`` /
-    ``-inf`` padded, ``short``: some row found fewer than ``r``. ``sizes [nlist] int64`` (the
-    lists as built) with ``hold [B] int64``: each row keeps its best lists until they hold
-    ``hold[b]`` items, at least ``least`` (``probe.lists_holding``); None: every probed list. None where
-    it does not apply (not int8, a forced kernel, inside a trace): the caller takes the
-    step-by-step path, which gives the same answer."""
-    if codes.dtype != torch.int8 or torch.compiler.is_compiling():
+    (``exclude.IdOrder``), :func:`probe_cpu`'s ``nprobe`` lists, :func:`scan` under each row's
+    filter (``fmask [B, C, W]``, ``fneg [B, C]``), and the rows found mapped to item ids ->
+    ``(ids [B, r], scores [B, r], short)``, ``-1`` / ``-inf`` padded, ``short``: some row found
+    fewer than ``r``. With ``hold [B] int64`` and ``least < nprobe`` each row keeps its best
+    lists until they hold ``hold[b]`` items by the index's list sizes as built, at least
+    ``least`` (``probe.lists_holding``); else every probed list. None where it does not apply
+    (not int8, a forced kernel, inside a trace): the caller takes the step-by-step path, which
+    gives the same answer."""
+    lists = t.lists
+    if lists.codes.dtype != torch.int8 or torch.compiler.is_compiling():
         return None
-    no_half = _NO_HALF if half is None else half
-    index = (codes, scales, offsets, sig)
-    cut = sizes is not None and hold is not None
+    half = _NO_HALF if t.probe_half is None else t.probe_half
+    cut = hold is not None and least < nprobe and t.built_sizes.numel() > 0
     ids, scores, short = _extension().ivf_search_ids_int8(
-        q, centroids_t, no_half, nprobe, *index, fmask, fneg, excl_ids, item_ids, perm, r,
-        sizes if cut else _NO_SIZES, least, hold if cut else _NO_SIZES, table,
+        q, t.centroids_t, half, nprobe, lists.codes, lists.scales, lists.offsets, lists.sig,
+        fmask, fneg, excl_ids, t.id_order.item_ids, t.id_order.perm, r,
+        t.built_sizes if cut else _NO_SIZES, least if cut else nprobe,
+        hold if cut else _NO_SIZES, t.probe_table,
     )  # fmt: skip
     return None if ids is None else (ids, scores, short)  # None: $RECSERVE_SCAN_KERNEL forced
 
@@ -248,82 +239,40 @@ def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, excl,
 
 
 def scan(
-    q: torch.Tensor,
-    probes: torch.Tensor,
-    coarse: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    sig: torch.Tensor,
-    fmask: torch.Tensor,
-    fneg: torch.Tensor,
-    r: int,
-    *,
-    max_list: int,
-    excl: torch.Tensor | None = None,
-    floor: torch.Tensor | None = None,
-    reference: bool = False,
+    lists: Lists, rows: ScanRows, r: int, *, reference: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best ``r`` approximate scores over the probed lists.
+    """Best ``r`` approximate scores of each row of ``rows`` over its probed ``lists``.
 
-    Args:
-        q: ``[B, D] float32`` queries.
-        probes: ``[B, P] int64`` list ids, ``-1`` to skip a slot.
-        coarse: ``[B, P] float32`` ``q · centroid`` of each probed list.
-        codes: ``[N, D] int8 | float8_e4m3fn`` residual codes, list-sorted; ``scales [N]``.
-        offsets: ``[nlist + 1] int64`` list boundaries in the sorted order.
-        sig, fmask, fneg: item signatures ``[N, W]`` and the batch's filter (see ``filters``).
-        max_list: the longest list (only the reference path needs it).
-        excl: ``[B, S] int64`` rows each query excludes, ascending, ``exclude.PAD`` padded
-            (``retrieval/index/exclude.py``); None: none.
-        floor: ``[B] float32``: candidates scoring below it may be left out (a second round's
-            K-th score so far: they cannot change its answer). The CPU int8 kernel skips them
-            inside its selection; other paths return them, which merges to the same answer.
-    Returns:
-        ``positions [B, r] int64`` (``-1`` pads) and ``scores [B, r] float32`` (``-inf`` pads),
-        best first.
-    The hot path trusts its inputs: the index validates at its public entry.
+    Filter and exclusions apply inside the scan. ``rows.floor``: the CPU int8 kernel skips the
+    candidates below it inside its selection; other paths return them, which merges to the same
+    answer. ``reference``: :func:`scan_reference` (as ``$RECSERVE_SCAN_KERNEL=reference``).
+
+    Returns ``positions [B, r] int64`` (``-1`` pads) and ``scores [B, r] float32`` (``-inf``
+    pads), best first. The hot path trusts its inputs: the index validates at its public entry.
     """
-    excl = probes.new_empty((probes.shape[0], 0)) if excl is None else excl.contiguous()
     kernel = os.environ.get(KERNEL_ENV, "auto")
     reference = reference or kernel == "reference"
+    q = rows.q
     if (q.device.type == "cuda" or kernel == "triton") and not reference:
         from retrieval.index.gpu_scan import scan_triton  # imports triton: only where it runs
 
-        return scan_triton(
-            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list, excl
-        )
+        return scan_triton(lists, rows, r)
     if reference or q.device.type != "cpu":
-        return scan_reference(
-            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r, max_list, excl
-        )
-    # Eager callers skip the op dispatcher (tens of microseconds a call); traced code needs the ops.
+        return scan_reference(lists, rows, r)
+    # Eager callers skip the op dispatcher (its cost per call rivals a small scan); traced code
+    # needs the ops.
     eager = not torch.compiler.is_compiling()
-    if codes.dtype == torch.int8:
+    excl = rows.excluded()
+    if lists.codes.dtype == torch.int8:
+        args = (q, rows.probes, rows.coarse, lists.codes, lists.scales, lists.offsets, lists.sig)
         if not eager:
-            return tuple(
-                ivf_scan_int8(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r)
-            )
-        fl = _NO_FLOOR if floor is None else floor.float().contiguous()
-        args = (q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r, fl)
-        return tuple(_extension().ivf_scan_int8(*args))
+            return tuple(ivf_scan_int8(*args, rows.fmask, rows.fneg, excl, r))
+        fl = _NO_FLOOR if rows.floor is None else rows.floor.float().contiguous()
+        return tuple(_extension().ivf_scan_int8(*args, rows.fmask, rows.fneg, excl, r, fl))
     op8 = _extension().ivf_scan_fp8 if eager else ivf_scan_fp8
-    return tuple(
-        op8(
-            q,
-            codes.view(torch.uint8),
-            _FP8_LUT,
-            probes,
-            coarse,
-            scales,
-            offsets,
-            sig,
-            fmask,
-            fneg,
-            excl,
-            r,
-        )
-    )
+    codes_u8, probed = lists.codes.view(torch.uint8), (rows.probes, rows.coarse)
+    tail = (lists.scales, lists.offsets, lists.sig, rows.fmask, rows.fneg, excl, r)
+    return tuple(op8(q, codes_u8, _FP8_LUT, *probed, *tail))
 
 
 _FP8_LUT = fp8_lut()
@@ -336,19 +285,15 @@ def centroid_dots_cpu(q: torch.Tensor, centroids_t: torch.Tensor) -> torch.Tenso
 
 
 def score_rows_cpu(
-    q: torch.Tensor,
-    pos: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    coarse: torch.Tensor,
+    q: torch.Tensor, pos: torch.Tensor, lists: Lists, coarse: torch.Tensor
 ) -> torch.Tensor:
     """``q [B, D]`` float32 scored against int8 rows ``pos [M]`` in one C++ pass ->
     ``[B, M]``: ``(q · code) * scale + coarse[:, list]`` with ``coarse [B, L]`` = q·centroids
-    (``IVFIndex.scores_at`` without the gathered float copy of the codes)."""
+    (``readout.scores_at`` without the gathered float copy of the codes)."""
     return _extension().score_rows_int8(
-        q.contiguous(), pos.contiguous(), codes, scales, offsets, coarse.contiguous()
-    )
+        q.contiguous(), pos.contiguous(), lists.codes, lists.scales, lists.offsets,
+        coarse.contiguous(),
+    )  # fmt: skip
 
 
 def ids_of_positions_cpu(pos: torch.Tensor, item_ids: torch.Tensor) -> torch.Tensor:
@@ -388,61 +333,47 @@ def filter_mask(sig: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor) -> t
     return _extension().filter_mask(sig, fmask.contiguous(), fneg.contiguous())
 
 
-def decode_rows_cpu(
-    pos: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    centroids_t: torch.Tensor,
-) -> torch.Tensor:
-    """Rows ``pos [M]`` of int8 ``codes`` decoded to ``[M, D]`` float32 (centroid + scale *
-    code) in one C++ pass; ``centroids_t [D, L]``: the centroids in the probe's layout."""
-    return _extension().decode_rows_int8(pos.contiguous(), codes, scales, offsets, centroids_t)
+def decode_rows_cpu(pos: torch.Tensor, lists: Lists, centroids_t: torch.Tensor) -> torch.Tensor:
+    """Rows ``pos [M]`` of int8 codes decoded to ``[M, D]`` float32 (centroid + scale * code)
+    in one C++ pass; ``centroids_t [D, L]``: the centroids in the probe's layout."""
+    return _extension().decode_rows_int8(
+        pos.contiguous(), lists.codes, lists.scales, lists.offsets, centroids_t
+    )
 
 
 def many_rows_cpu(
-    q: torch.Tensor,
-    pos: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    centroids_t: torch.Tensor,
+    q: torch.Tensor, pos: torch.Tensor, lists: Lists, centroids_t: torch.Tensor
 ) -> torch.Tensor:
-    """Many queries ``q [B, D]`` scored against rows ``pos [M]`` of int8 ``codes`` -> ``[B, M]``
+    """Many queries ``q [B, D]`` scored against rows ``pos [M]`` of int8 codes -> ``[B, M]``
     float32. From 1024 rows and 128 dimensions, the list scan's scores (q·c of the row's list +
     scale x the quantized query's scale x the integer dot), every dot from one int8 GEMM
-    (``torch._int_mm``: 3-4x the float matmul of decoded rows); else the rows decoded and one
-    float matmul."""
+    (``torch._int_mm``: several times the float matmul of decoded rows); else the rows decoded
+    and one float matmul."""
     return _extension().many_rows_int8(
-        q.contiguous(), pos.contiguous(), codes, scales, offsets, centroids_t
+        q.contiguous(), pos.contiguous(), lists.codes, lists.scales, lists.offsets, centroids_t
     )
 
 
 def exact_search_ids_cpu(
+    t: IndexTensors,
     q: torch.Tensor,
-    centroids_t: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    sig: torch.Tensor,
     fmask: torch.Tensor,
     fneg: torch.Tensor,
-    bit_counts: torch.Tensor,
-    postings: torch.Tensor,
-    item_ids: torch.Tensor,
     k: int,
     few: int,
     max_scores: int,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Queries ``q [B, D]`` scanned exactly over the rows passing one filter (``fmask [C, W]``,
     ``fneg [C]``) in one C++ call -> ``(ids [B, k], scores [B, k])``, ``-1`` / ``-inf``
-    padded: :func:`eligible_rows_cpu`, the scores as ``IVFIndex.scores_at`` computes them (up to
+    padded: :func:`eligible_rows_cpu`, the scores as ``readout.scores_at`` computes them (up to
     ``few`` queries row by row, more by :func:`many_rows_cpu`), the top ``k`` as
     ``exact.exact_topk`` picks it, and the rows' item ids. None where ``B x M`` scores would
     pass ``max_scores`` (the caller scans in chunks)."""
+    lists = t.lists
     ids, scores = _extension().exact_search_ids_int8(
-        q.contiguous(), centroids_t, codes, scales, offsets, sig, fmask.contiguous(),
-        fneg.contiguous(), bit_counts, postings, item_ids, k, few, max_scores,
+        q.contiguous(), t.centroids_t, lists.codes, lists.scales, lists.offsets, lists.sig,
+        fmask.contiguous(), fneg.contiguous(), t.bit_counts, t.postings, t.item_ids, k, few,
+        max_scores,
     )  # fmt: skip
     return None if ids is None else (ids, scores)
 
@@ -463,30 +394,22 @@ def eligible_rows_cpu(
 
 
 def scan_reference(
-    q: torch.Tensor,
-    probes: torch.Tensor,
-    coarse: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    sig: torch.Tensor,
-    fmask: torch.Tensor,
-    fneg: torch.Tensor,
-    r: int,
-    max_list: int,
-    excl: torch.Tensor | None = None,
-    chunk: int = 64,
+    lists: Lists, rows: ScanRows, r: int, chunk: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`scan` (``excl [B, S]`` or None) with torch ops: gathers each query's candidates
-    ``[b, P * max_list]``, scores them with one batched matmul, masks, and takes the top ``r``."""
+    """Same contract as :func:`scan` with torch ops: gathers each query's candidates ``[b, P *
+    max_list]``, scores them with one batched matmul, masks, and takes the top ``r``."""
     from retrieval.filters import eligible
 
+    q, codes, scales, offsets, max_list = (
+        rows.q, lists.codes, lists.scales, lists.offsets, lists.max_list,
+    )  # fmt: skip
     outs_pos, outs_score = [], []
     steps = torch.arange(max(max_list, 1), device=q.device)
     for s in range(0, q.shape[0], chunk):
-        pr, co, qc = probes[s : s + chunk], coarse[s : s + chunk], q[s : s + chunk]
-        lists = pr.clamp(min=0)
-        start, end = offsets[lists], offsets[lists + 1]  # [b, P]
+        part = rows.part(slice(s, s + chunk))
+        pr, co, qc = part.probes, part.coarse, part.q
+        listed = pr.clamp(min=0)
+        start, end = offsets[listed], offsets[listed + 1]  # [b, P]
         pos = start.unsqueeze(-1) + steps  # [b, P, Lmax]
         valid = (pos < end.unsqueeze(-1)) & (pr >= 0).unsqueeze(-1)
         pos = torch.where(valid, pos, torch.zeros_like(pos)).flatten(1)  # [b, P*Lmax]
@@ -501,10 +424,10 @@ def scan_reference(
         coarse_rows = co.repeat_interleave(max(max_list, 1), dim=1)  # [b, P*Lmax]
         score = dots * scales[pos].float() + coarse_rows
         valid = valid.flatten(1)
-        if fmask.shape[1] > 0:
-            valid &= eligible(sig[pos], fmask[s : s + chunk], fneg[s : s + chunk])
-        if excl is not None:
-            valid &= ~is_excluded(pos, excl[s : s + chunk])
+        if part.fmask.shape[1] > 0:
+            valid &= eligible(lists.sig[pos], part.fmask, part.fneg)
+        if part.excl is not None:
+            valid &= ~is_excluded(pos, part.excl)
         score = score.masked_fill(~valid, float("-inf"))
         kk = min(r, score.shape[1])
         top, idx = score.topk(kk, dim=1)
@@ -515,5 +438,5 @@ def scan_reference(
         outs_pos.append(tpos)
         outs_score.append(top)
     if not outs_pos:
-        return probes.new_empty((0, r)), torch.empty((0, r), device=q.device)
+        return rows.probes.new_empty((0, r)), torch.empty((0, r), device=q.device)
     return torch.cat(outs_pos), torch.cat(outs_score)

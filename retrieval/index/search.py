@@ -1,13 +1,13 @@
 """A search in three steps, so that a sharded index can run the middle one on every shard:
 
-    plan  = index.plan(filters, k, nprobe, rerank)    global statistics decide, per query row,
+    plan  = index.plan(filters, params)               global statistics decide, per query row,
                                                       how many lists to probe or to scan exactly
-    parts = index.candidates(q, filters, plan)        per index (or per shard): the best r
+    parts = candidates(tensors, q, filters, plan)     per index (or per shard): the best r
                                                       approximate candidates and their final scores
     top   = select(Candidates.concat(parts), plan)    top-r by approximate score, then top-k by
                                                       final score
 
-:func:`run_search` ties them together. A plan made for the queries (``index.plan(..., q=q)``)
+:func:`run_search` ties them together. A plan made for the queries (``index.plan(..., q=q)``, ``plan.py``)
 names its filtered rows' lists and carries a :class:`BoundCheck` (``retrieval/index/bound.py``): a row
 whose k-th result is beaten by the bound of a list it did not probe asks again for just those
 lists (a second round, merged with the first), or for an exact scan of its eligible items when
@@ -31,111 +31,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from retrieval.index.scan import second_round_cpu
+from retrieval.index.plan import BoundCheck, SearchPlan, kinds
 
 NEG_INF = float("-inf")
 WIDEN = 4
 """A row whose probed lists held fewer than k items probes this many times as many lists
 before it is scanned exactly (a short unfiltered row's exact scan is the whole catalog)."""
-
-
-@dataclass(frozen=True)
-class BoundCheck:
-    """What a plan needs to decide, after its first round, which rows probe more lists.
-
-    ``bounds [B, nlist] float32``: the best score an eligible item of each list could reach
-    (``-inf``: probed in the first round, or holding no item the row's filter admits, or a row
-    without a check). ``sizes [nlist] int64``: items per list. ``budget [B] float32``: codes a
-    second round may scan before the exact scan of the row's eligible items costs less.
-    """
-
-    bounds: torch.Tensor
-    sizes: torch.Tensor
-    budget: torch.Tensor
-
-    def rows(self, rows: torch.Tensor) -> BoundCheck:
-        return replace(self, bounds=self.bounds[rows], budget=self.budget[rows])
-
-    def second_round(self, kth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``kth [B]``: each row's K-th best score after the first round -> ``(todo [B] bool``:
-        rows some list could still improve, ``exact [B] bool``: those better scanned exactly,
-        ``lists [B, P] int64``: the lists the others probe, ``-1`` padded)."""
-        if self.bounds.device.type == "cpu":  # one C++ pass a row (~6 ms of torch ops at B = 1000)
-            return second_round_cpu(self.bounds, kth.cpu(), self.sizes.cpu(), self.budget.cpu())
-        return self.second_round_torch(kth)
-
-    def second_round_torch(
-        self, kth: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`second_round` in torch ops (a GPU's; the CPU's C++ pass gives the same)."""
-        need = self.bounds > kth.to(self.bounds.device)[:, None]  # [B, nlist]
-        count = need.sum(dim=1)
-        todo = count > 0
-        codes = (need.long() * self.sizes.to(need.device)).sum(dim=1).float()
-        exact = todo & (codes > self.budget.to(need.device))
-        p = int(count[todo & ~exact].max()) if bool((todo & ~exact).any()) else 1
-        # needed lists first, by list index: the p smallest of (index, or nlist + index where not
-        # needed); a top-p, not a stable sort of every [B, nlist] entry (7 ms of a 1000-row batch)
-        nlist = need.shape[1]
-        idx = torch.arange(nlist, device=need.device)
-        key = torch.where(need, idx, idx + nlist)
-        order = torch.topk(key, min(p, nlist), dim=1, largest=False, sorted=True).indices
-        slot = torch.arange(order.shape[1], device=need.device)
-        lists = torch.where(slot < count[:, None], order, torch.full_like(order, -1))
-        return todo, exact, lists
-
-
-@dataclass(frozen=True)
-class SearchPlan:
-    """What every index (or shard) does for each of B query rows."""
-
-    k: int
-    """Results wanted per row."""
-    r: int
-    """Approximate candidates kept before re-ranking by exact score (``k`` without re-rank)."""
-    nprobe: torch.Tensor
-    """``[B] int64``: lists each row probes."""
-    exact: torch.Tensor
-    """``[B] bool``: rows scanned exactly over their eligible items instead."""
-    lists: torch.Tensor | None = None
-    """``[B, P] int64``: when given, the lists each row probes (``-1`` skips a slot) instead of
-    its best ``nprobe``, as the planner chose them (a filtered row skips the lists its filter
-    rules out; a second round probes what the bound check asks for). Sent to the shards."""
-    check: BoundCheck | None = None
-    """Bounds on the lists the first round leaves out (the planner's alone: never sent)."""
-    floor: torch.Tensor | None = None
-    """``[B] float32``: a second round's K-th score so far; candidates below it cannot change
-    the answer, and a scan may leave them out. Sent to the shards."""
-    least: torch.Tensor | None = None
-    """``[B] int64``: when given (with ``hold``), row b probes its best lists in order until
-    they hold ``hold[b]`` items by the index's list sizes as built, at least ``least[b]`` (its
-    nprobe) and at most ``nprobe[b]`` (``probe.lists_holding``): ``nprobe[b]`` is then a
-    count from the average list. Sent to the shards."""
-    hold: torch.Tensor | None = None
-    """``[B] int64``: items row b's lists must hold (``planner.FILL`` times its ``r`` plus the
-    items it excludes)."""
-
-    def rows(self, rows: torch.Tensor) -> SearchPlan:
-        """The plan of a subset of rows (``rows [b] int64``)."""
-        return replace(
-            self,
-            nprobe=self.nprobe[rows],
-            exact=self.exact[rows],
-            lists=None if self.lists is None else self.lists[rows],
-            check=None if self.check is None else self.check.rows(rows),
-            floor=None if self.floor is None else self.floor[rows],
-            least=None if self.least is None else self.least[rows],
-            hold=None if self.hold is None else self.hold[rows],
-        )
-
-    def all_exact(self) -> SearchPlan:
-        """The same rows, each scanned exactly."""
-        return replace(self, exact=torch.ones_like(self.exact), lists=None, check=None, floor=None)
-
-    @property
-    def reranks(self) -> bool:
-        """Re-ranked: candidates carry exact scores that differ from their approximate ones."""
-        return self.r > self.k
 
 
 @dataclass(frozen=True)
@@ -256,18 +157,18 @@ Fetch = Callable[[SearchPlan, torch.Tensor | None], Candidates]
 """``fetch(plan, rows)`` -> the (merged) candidates of query rows ``rows`` (None: every row)."""
 
 
-def run_search(plan: SearchPlan, fetch: Fetch) -> Candidates:
+def run_search(plan: SearchPlan, fetch: Fetch, first: Candidates | None = None) -> Candidates:
     """Candidates -> select; rows whose results a bound says unprobed lists could beat probe
     those lists (or scan exactly); rows left short after probing lists are re-asked as exact
-    scans."""
-    first = fetch(plan, None)
+    scans. ``first``: the first round's candidates where a backend fetched them already."""
+    first = fetch(plan, None) if first is None else first
     top = select(first, plan)
     if plan.check is not None:
         _second_round(plan, plan.check, fetch, first, top)
     short = _short_rows(plan, top)
     if not bool(short.any()):
         return top
-    if plan.lists is None:  # lists chosen by count: probe 4x as many first
+    if plan.lists is None:  # lists chosen by count: probe WIDEN x as many first
         rows = short.nonzero().flatten()
         sub = replace(  # every widened list: sizes as built can over-count (items removed)
             plan.rows(rows), nprobe=plan.nprobe[rows] * WIDEN, check=None, least=None, hold=None
@@ -283,7 +184,7 @@ def run_search(plan: SearchPlan, fetch: Fetch) -> Candidates:
 
 def _short_rows(plan: SearchPlan, top: Candidates) -> torch.Tensor:
     """``[B] bool`` on the CPU: rows that probed lists and hold fewer than ``k`` results
-    (results fill each row from the front). NumPy: a batch's few rows, ~3 torch ops less."""
+    (results fill each row from the front). NumPy: a batch's few rows, fewer torch ops."""
     keys = top.keys if top.keys.is_cpu else top.keys[:, -1:].cpu()  # a GPU's last column
     return torch.from_numpy((keys.numpy()[:, -1] < 0) & ~plan.exact.cpu().numpy())
 
@@ -300,9 +201,11 @@ def _second_round(
         return
     rows = todo.nonzero().flatten()
     kth = top.scores[rows.to(top.scores.device), -1]  # what a list's candidate must reach
+    second = exact.cpu()[rows]
     sub = replace(
-        plan.rows(rows), exact=exact.cpu()[rows], lists=lists.cpu()[rows], check=None, floor=kth
-    )
+        plan.rows(rows), kind=kinds(second), exact_rows=second, lists=lists.cpu()[rows],
+        check=None, floor=kth,
+    )  # fmt: skip
     more = fetch(sub, rows)
     # list rows: the best of both rounds (what one round over all their lists gives);
     # exact rows: the scan alone

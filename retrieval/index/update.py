@@ -40,8 +40,7 @@ REBUILD_IMBALANCE = 4.0
 """A rebuild is recommended when the largest list holds more than this many times the mean.
 The probe of a list costs its length, and nprobe is fixed, so a query that lands on a list 4x
 the mean scans ~4x the codes the build planned for: its latency (and the tail) grows, while
-recall of items in the thin lists does not improve. Fresh k-means lists sit well under it
-(about 2-2.5x on our catalogs)."""
+recall of items in the thin lists does not improve. Fresh k-means lists sit well under it."""
 
 
 def _check_ids(ids: torch.Tensor | np.ndarray, field: str = "ids") -> torch.Tensor:
@@ -187,7 +186,7 @@ def add_items(
         torch.cat([index.scales.cpu()[kept], scales_new]),
         exact,
         torch.cat([index.sig.cpu()[kept], sig.cpu()]),
-        grown(index, x, sig),
+        grown(index.tensors(), x, sig),
     )
 
 

@@ -38,7 +38,8 @@ from retrieval.artifact import CONFIG_FILE
 from retrieval.config import ModelConfig
 from retrieval.features import UserBatch
 from retrieval.filters import FilterBatch
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.plan import SearchParams, SearchPlan
+from retrieval.index.search import Candidates, run_search
 from retrieval.model import RetrievalModel, table_specs
 from serving.engine.runner import ModelRunner
 from serving.repository.repository import ARTIFACT_DIR, LoadedModel, ModelRepository
@@ -61,7 +62,8 @@ def first_round(
     nprobe and bound slack."""
     r, fb = model.candidate_budget(batch, k)
     icfg = model.index.config
-    plan = model.index.plan(fb, r, icfg.nprobe, icfg.rerank, q=q, target=batch.recall_target)
+    params = SearchParams(r, icfg.nprobe, icfg.rerank, target=batch.recall_target)
+    plan = model.index.plan(fb, params, q=q)
     return fb, plan
 
 

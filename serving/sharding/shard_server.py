@@ -76,7 +76,7 @@ def warm_up(index: IVFIndex, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
             q = torch.randn(size, index.dim, generator=gen).to(index.centroids.device)
             for text, exact in ((None, False), (some_filter, True)):
                 fb = index.compile_filter(text, size)
-                plan = index.plan(fb, k, index.config.nprobe, index.config.rerank, exact)
+                plan = index.plan(fb, index.params(k, exact=exact))
                 index.item_candidates(q, fb, plan, with_vectors=exact)
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from retrieval.filters import FilterBatch
-from retrieval.index.search import Candidates, SearchPlan
+from retrieval.index.plan import SearchPlan, kinds
+from retrieval.index.search import Candidates
 from serving.protos import shard_pb2 as pb
 
 
@@ -136,11 +137,12 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         msg.k,
         msg.r,
         torch.from_numpy(nprobe.copy()),
-        exact,
+        kinds(exact),
         None if lists is None else torch.from_numpy(lists.astype(np.int64)),
         floor=None if floor is None else torch.from_numpy(floor.copy()),
         least=None if least is None else torch.from_numpy(least.copy()),
         hold=None if hold is None else torch.from_numpy(hold.copy()),
+        exact_rows=exact,
     )
     fb = FilterBatch(masks, negate, None if exclude is None else torch.from_numpy(exclude.copy()))
     return q, fb, plan

@@ -9,7 +9,8 @@ import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index.ivf import IVFIndex
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.plan import SearchPlan
+from retrieval.index.search import Candidates, run_search
 from retrieval.index.split import shard_of, split_index
 from retrieval.index.update import list_sizes
 from retrieval.live_shards import check_held, stats_index, update_shard
@@ -33,7 +34,7 @@ FILTERS = [None, "available = 'true'", "not available = 'true'"]
 def sharded_search(stats: IVFIndex, parts: list[IVFIndex], q: torch.Tensor, k: int, text):
     """The router's search in one process: plan on the statistics, merge the parts' candidates."""
     fb = stats.compile_filter(text, q.shape[0])
-    plan = stats.plan(fb, k, stats.config.nprobe, stats.config.rerank, q=q)
+    plan = stats.plan(fb, stats.params(k), q=q)
 
     def fetch(p: SearchPlan, rows):
         qq, f = (q, fb) if rows is None else (q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]))

@@ -80,7 +80,9 @@ def test_forward_without_a_head_answers_what_the_positions_give(trained, b):
         q = model.user_vectors(batch)
         r, fb = model.candidate_budget(batch, 30)
         cfg = model.index.config
-        pos, dot = model.index.search_positions(q, r, fb, cfg.nprobe, cfg.rerank)
+        pos, dot = model.index.search(
+            q, r, fb, nprobe=cfg.nprobe, rerank=cfg.rerank, positions=True
+        )
         want = model.rank(
             q, torch.where(pos >= 0, model.index.item_ids[pos.clamp(min=0)], pos), dot, None, 30
         )

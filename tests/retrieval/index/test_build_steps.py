@@ -67,7 +67,7 @@ def test_the_slack_from_the_scan_matches_the_decoded_one(catalog):
     index = build_ivf(catalog["x"], cfg)
     queries = catalog["q"][:64]
     quantiles = (0.5, 0.9, 0.99)
-    got = measure_slack(index, queries, quantiles)
+    got = measure_slack(index.tensors(), queries, quantiles)
     want = _decoded_slack(index, queries, quantiles)
     assert got == [float(v) for v in got] and all(0 < v <= 1 for v in got)
     np.testing.assert_allclose(got, want, atol=0.01)  # the int8 query moves a share by < 1 %

@@ -1,7 +1,8 @@
 """The filtered plan's cost model (``retrieval/index/costs.py``), the build's measurement of it
-(``calibrate.py``) and the exact search it leads to (``exact_ids.py``): the model's arithmetic,
-what the build records, that the planner picks the plan the recorded costs say is cheaper, and
-that the exact search without the planner answers what the planned path answers. Which plan is
+(``calibrate.py``) and the exact search it leads to (``plan.RowKind.SHARED_EXACT``, one C++ call in
+``cpu_backend.py``): the model's arithmetic, what the build records, that the planner picks the
+plan the recorded costs say is cheaper, and that the one-call exact search answers what the
+planned rounds answer. Which plan is
 faster on a machine is measured in ``bench/ann.py``, never timed here."""
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import math
 import pytest
 import torch
 
+import retrieval.index.cpu_backend as cpu_backend
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.calibrate import BATCH, SELECTIVITIES
 from retrieval.index.costs import exact_codes, plan_seconds
-from retrieval.index.exact_ids import exact_search_ids
+from retrieval.index.plan import RowKind
 from retrieval.index.scan import bit_index_cpu
 from retrieval.index.stats import IndexStats
+from tests.retrieval.index.reference import kept_plan, planned_ids
 
 # (batch, selectivity, exact s per item, list s per query, first-round lists, codes per query)
 COSTS = (
@@ -111,6 +114,12 @@ def test_the_plan_takes_the_plan_the_recorded_costs_price_lower(index, list_quer
     assert bool(plan.exact[0]) == (list_query_s > 1e-3)
 
 
+def shared_exact(index: IVFIndex, q: torch.Tensor, fb) -> bool:
+    """The executor's kept plan for ``q`` under ``fb`` (k 100, nprobe 4) is the shared exact scan."""
+    plan = kept_plan(index, q, 100, fb, 4)
+    return bool((plan.kind == RowKind.SHARED_EXACT).all())
+
+
 @pytest.mark.parametrize("batch", [1, 3, 40])
 @pytest.mark.parametrize("text", ["shard in {0, 1, 2, 3}", "shard = 0 and bucket in {0, 1}"])
 def test_the_exact_search_answers_what_the_planned_path_does(index, catalog, batch, text):
@@ -119,13 +128,13 @@ def test_the_exact_search_answers_what_the_planned_path_does(index, catalog, bat
     idx = with_costs(index, 1e-9, 1.0)  # the exact scan, whatever the machine measured
     q = catalog["q"][:batch]
     fb = idx.compile_filter(text, batch)
-    got = exact_search_ids(idx, q, 100, fb, 4, 0)
+    assert shared_exact(idx, q, fb)
+    got = cpu_backend.shared_exact_ids(idx.tensors(), q, fb, kept_plan(idx, q, 100, fb, 4))
     assert got is not None
-    pos, scores = idx.planned_positions(q, 100, fb, 4, 0)
-    want = torch.where(pos >= 0, idx.item_ids[pos.clamp(min=0)], pos)
+    want, scores = planned_ids(idx, q, 100, fb, 4)
     assert torch.equal(got[0], want)
     torch.testing.assert_close(got[1], scores, rtol=0, atol=0)
-    ids, s = idx.search(q, 100, text)
+    ids, s = idx.search(q, 100, text, nprobe=4)
     assert torch.equal(ids, want) and torch.equal(s, scores)
 
 
@@ -145,40 +154,39 @@ def test_a_row_no_clause_narrows_answers_as_it_does_alone_beside_filtered_rows(i
 def test_the_exact_search_leaves_lists_and_mixed_batches_to_the_planner(index, catalog):
     q = catalog["q"][:2]
     lists = with_costs(index, 1.0, 1e-9)
-    assert exact_search_ids(lists, q, 100, lists.compile_filter("shard = 0", 2), 4, 0) is None
+    assert not shared_exact(lists, q, lists.compile_filter("shard = 0", 2))
     exact = with_costs(index, 1e-9, 1.0)
     mixed = exact.compile_filter(["shard = 0", "shard = 1"], 2)
-    assert exact_search_ids(exact, q, 100, mixed, 4, 0) is None
-    assert exact_search_ids(exact, q, 100, None, 4, 0) is None
+    plan = kept_plan(exact, q, 100, mixed, 4)
+    assert plan.kind.tolist() == [RowKind.EXACT, RowKind.EXACT]  # each its own scan
+    assert not shared_exact(exact, q, None)
 
 
 def test_more_scores_than_one_call_holds_take_the_chunked_scan(index, catalog, monkeypatch):
-    import retrieval.index.exact_ids as exact_ids
-
     idx = with_costs(index, 1e-9, 1.0)
     q, fb = catalog["q"][:20], idx.compile_filter("shard in {0, 1, 2, 3}", 20)
-    one_call = exact_search_ids(idx, q, 100, fb, 4, 0)
-    monkeypatch.setattr(exact_ids, "MAX_SCORES", 1)
-    chunked = exact_search_ids(idx, q, 100, fb, 4, 0)
+    plan = kept_plan(idx, q, 100, fb, 4)
+    one_call = cpu_backend.shared_exact_ids(idx.tensors(), q, fb, plan)
+    monkeypatch.setattr(cpu_backend, "MAX_SCORES", 1)
+    chunked = cpu_backend.shared_exact_ids(idx.tensors(), q, fb, plan)
     assert one_call is not None and chunked is not None
     assert torch.equal(one_call[0], chunked[0]) and torch.equal(one_call[1], chunked[1])
 
 
 def test_a_kept_plan_choice_follows_the_costs_and_the_catalog(index, catalog):
-    """The exact search keeps its plan choice per filter; a new config, or new signatures (the
-    bit counts the selectivity is read from), decide again."""
+    """The executor keeps its plan choice per filter; new statistics (the build's costs), or new
+    signatures (the bit counts the selectivity is read from), decide again."""
     q = catalog["q"][:1]
     idx = with_costs(index, 1e-9, 1.0)
     fb = idx.compile_filter("shard = 0", 1)
-    assert exact_search_ids(idx, q, 100, fb, 4, 0) is not None  # exact: kept
-    cheap_lists = with_costs(index, 1.0, 1e-9).stats
-    idx.stats = cheap_lists
-    assert exact_search_ids(idx, q, 100, fb, 4, 0) is None  # the new costs price lists lower
+    assert shared_exact(idx, q, fb)  # exact: kept
+    idx.stats = with_costs(index, 1.0, 1e-9).stats
+    assert not shared_exact(idx, q, fb)  # the new costs price lists lower
     idx.stats = with_costs(index, 1e-9, 1.0).stats
-    assert exact_search_ids(idx, q, 100, fb, 4, 0) is not None
+    assert shared_exact(idx, q, fb)
     everyone = torch.full_like(
         idx.sig, -1
     )  # every item now holds every value: shard = 0 passes all
     idx.bit_counts, idx.postings = bit_index_cpu(everyone)
     idx.sig = everyone
-    assert exact_search_ids(idx, q, 100, fb, 4, 0) is None  # admits all: lists, as alone
+    assert not shared_exact(idx, q, fb)  # admits all: lists, as alone

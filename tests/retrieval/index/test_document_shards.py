@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.plan import SearchPlan
+from retrieval.index.search import Candidates, run_search
 from retrieval.index.split import check_cover, merge_shards, shard_of, shard_rows, split_index
 from retrieval.index.update import add_items
 from support.topk_check import assert_same_topk
@@ -39,7 +40,7 @@ def sharded_search(stats: IVFIndex, shards: list[IVFIndex], q, k, text, exact=Fa
     """What the router does, in one process: plan on the statistics, merge shard candidates."""
     fb = stats.compile_filter(text, q.shape[0])
     cfg = stats.config
-    plan = stats.plan(fb, k, cfg.nprobe, cfg.rerank, exact, q=q)
+    plan = stats.plan(fb, stats.params(k, cfg.nprobe, cfg.rerank, exact=exact), q=q)
 
     def fetch(p: SearchPlan, rows):
         qq, f = (q, fb) if rows is None else (q[rows], FilterBatch(fb.masks[rows], fb.negate[rows]))
@@ -64,7 +65,7 @@ def test_sharded_exact_equals_unsharded_exact(index, catalog):
     q = catalog["q"][:8]
     stats, shards = split_index(index, shard_of(index.item_ids, 2), 2)
     fb = index.compile_filter(FILTERS[1], 8)
-    pos, want = index.search_positions(q, 100, fb, 1, 0, exact=True)
+    pos, want = index.search(q, 100, fb, nprobe=1, rerank=0, exact=True, positions=True)
     ids, scores = sharded_search(stats, shards, q, 100, FILTERS[1], exact=True)
     assert_same_topk(ids, scores, index.item_ids[pos], want)
 

@@ -12,6 +12,7 @@ from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.exclude import PAD, IdOrder, excluded_positions, is_excluded
 from retrieval.index.scan import scan
+from retrieval.index.tensors import ScanRows
 
 
 @pytest.fixture(scope="module", params=["int8", "fp8"])
@@ -70,15 +71,15 @@ def test_kernel_with_exclusions_equals_reference_and_skips_them(index, catalog, 
     fb = index.compile_filter("not bucket = 3", batch)
     seen = _seen(index, q, 60)
     excl = excluded_positions(index.id_order, seen)
-    args = (q, probes, coarse, index.codes, index.scales, index.offsets, index.sig)
-    rest = (fb.masks, fb.negate, 100)
-    pos, sc = scan(*args, *rest, max_list=index.max_list, excl=excl)
-    rpos, rsc = scan(*args, *rest, max_list=index.max_list, excl=excl, reference=True)
+    lists = index.tensors().lists
+    rows = ScanRows(q, probes, coarse, fb.masks, fb.negate, excl)
+    pos, sc = scan(lists, rows, 100)
+    rpos, rsc = scan(lists, rows, 100, reference=True)
     torch.testing.assert_close(sc, rsc, rtol=1e-5, atol=1e-4)
     assert (pos == rpos).float().mean() > 0.99  # ties may swap
     assert not bool(is_excluded(pos, excl).any())
     # = the best 100 of a wider scan without exclusions, the excluded ones struck
-    wide, _wsc = scan(*args, fb.masks, fb.negate, 160, max_list=index.max_list)
+    wide, _wsc = scan(lists, ScanRows(q, probes, coarse, fb.masks, fb.negate), 160)
     keep = ~is_excluded(wide, excl)
     for b in range(batch):
         assert torch.equal(pos[b], wide[b][keep[b]][:100])
@@ -91,7 +92,7 @@ def test_search_never_returns_an_excluded_item(index, catalog, exact):
     text = "shard in {0,1,2,3,4,5,6,7}"
     fb = index.compile_filter(text, q.shape[0])
     fb = FilterBatch(fb.masks, fb.negate, seen)
-    pos, _scores = index.search_positions(q, 50, fb, 8, 0, exact=exact)
+    pos, _scores = index.search(q, 50, fb, nprobe=8, rerank=0, exact=exact, positions=True)
     ids = torch.where(pos >= 0, index.item_ids[pos.clamp(min=0)], pos)
     assert bool((ids >= 0).all())  # K unseen items remain: the result is full
     assert not bool((ids.unsqueeze(2) == seen.unsqueeze(1)).any())
@@ -107,7 +108,7 @@ def test_planner_probes_enough_lists_for_the_excluded_items(index, catalog):
     fb = index.schema.empty(b)
     seen = torch.full((b, 400), -1, dtype=torch.int64)
     seen[1] = torch.arange(400)  # row 1 excludes 400 items, the others none
-    plan = index.plan(FilterBatch(fb.masks, fb.negate, seen), 20, 2, 0)
+    plan = index.plan(FilterBatch(fb.masks, fb.negate, seen), index.params(20, 2, 0))
     assert int(plan.nprobe[1]) > int(plan.nprobe[0]) == 2
     assert torch.equal(plan.nprobe[[0, 2, 3]], torch.full((3,), 2))
 

@@ -14,10 +14,12 @@ from retrieval.data.anticorrelated import SELECTIVITIES, AntiCorrelated, anticor
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.bound import _list_bounds, _may_hold
+from retrieval.index.candidates import candidates
 from retrieval.index.codes import dequantize
 from retrieval.index.exact import recall_at_k
+from retrieval.index.plan import BoundCheck, SearchPlan, kinds
 from retrieval.index.scan import list_bounds_cpu, second_round_cpu
-from retrieval.index.search import BoundCheck, Candidates, SearchPlan, run_search
+from retrieval.index.search import Candidates, run_search
 from retrieval.index.split import shard_of, split_index
 from retrieval.index.stats import IndexStats
 from retrieval.index.update import add_items, remove_items
@@ -90,9 +92,9 @@ def misses_nothing(index: IVFIndex, q: np.ndarray, texts: list[str]) -> torch.Te
     b, qt = len(texts), torch.from_numpy(q)
     fb = index.compile_filter(texts, b)
     ids, scores = index.search(qt, K, fb)
-    plan = SearchPlan(K, K, torch.full((b,), index.nlist), torch.zeros(b, dtype=torch.bool))
-    want = index.candidates(qt, fb, plan)
-    first = index.candidates(qt, fb, index.plan(fb, K, index.config.nprobe, 0))
+    plan = SearchPlan(K, K, torch.full((b,), index.nlist), kinds(torch.zeros(b, dtype=torch.bool)))
+    want = candidates(index.tensors(), qt, fb, plan)
+    first = candidates(index.tensors(), qt, fb, index.plan(fb, index.params(K, rerank=0)))
     rows = first.keys[:, -1] >= 0
     assert int(rows.sum()) > b // 2
     assert_same_topk(ids[rows], scores[rows], index.item_ids[want.keys[rows]], want.scores[rows])
@@ -154,7 +156,7 @@ def routed_equal_local(
     for s in (0.5, 0.2, 0.01):
         texts = data.filters(s)[:40]
         fb = stats.compile_filter(texts, len(texts))
-        plan = stats.plan(fb, K, stats.config.nprobe, stats.config.rerank, q=q)
+        plan = stats.plan(fb, stats.params(K), q=q)
         assert plan.check is not None or bool(plan.exact.all())  # 1 %: every row exact
         asked: list[SearchPlan] = []
 
@@ -183,7 +185,7 @@ def test_an_index_saved_before_the_bounds_loads_without_the_check(data, index):
     assert old.list_radius.numel() == 0 and old.stats.filter_bound_slack == 0
     texts = data.filters(0.5)
     fb = old.compile_filter(texts, len(texts))
-    assert old.plan(fb, K, 8, 0, q=torch.from_numpy(data.q)).check is None
+    assert old.plan(fb, old.params(K, 8, 0), q=torch.from_numpy(data.q)).check is None
     want = with_config(index, filter_bound=0.0).search(data.q, K, texts)
     assert torch.equal(old.search(data.q, K, texts)[0], want[0])
 
@@ -221,8 +223,10 @@ def test_the_cpu_bound_kernels_equal_their_torch_ops(b, nlist, l2, seed):
     )
     reach = torch.ones(b, nlist, dtype=torch.bool)
     if bool(mine.any()):
-        reach[mine] = _may_hold(index, masks[mine], negate[mine])
-    want_first, want_bounds = _list_bounds(index, ip, reach & (sizes > 0), nprobe, factor, mine, p)
+        reach[mine] = _may_hold(index.tensors(), masks[mine], negate[mine])
+    want_first, want_bounds = _list_bounds(
+        index.tensors(), ip, reach & (sizes > 0), nprobe, factor, mine, p
+    )
     assert torch.equal(first, want_first)
     assert torch.equal(bounds, want_bounds)
     check = BoundCheck(bounds, sizes, torch.rand(b, generator=g) * 8)

@@ -18,6 +18,7 @@ from retrieval.index import gpu_scan
 from retrieval.index.codes import quantize
 from retrieval.index.exclude import PAD
 from retrieval.index.scan import scan_reference
+from retrieval.index.tensors import Lists, ScanRows
 
 
 def case(
@@ -72,12 +73,15 @@ def case(
     )
 
 
+def bundled(c: dict, excl: torch.Tensor | None = None) -> tuple[Lists, ScanRows]:
+    """A :func:`case` as the scans take it (``excl``: other excluded rows than the case's)."""
+    lists = Lists(c["codes"], c["scales"], c["offsets"], c["sig"], c["max_list"])
+    ex = c["excl"] if excl is None else excl
+    return lists, ScanRows(c["q"], c["probes"], c["coarse"], c["fmask"], c["fneg"], ex)
+
+
 def run_both(c: dict, r: int) -> tuple[tuple, tuple]:
-    args = (c["q"], c["probes"], c["coarse"], c["codes"], c["scales"], c["offsets"], c["sig"])
-    args += (c["fmask"], c["fneg"], r)
-    ref = scan_reference(*args, c["max_list"], c["excl"])
-    got = gpu_scan.scan_triton(*args, c["max_list"], c["excl"])
-    return ref, got
+    return scan_reference(*bundled(c), r), gpu_scan.scan_triton(*bundled(c), r)
 
 
 def assert_same(ref: tuple, got: tuple) -> None:
@@ -118,13 +122,11 @@ def test_kernel_equals_the_reference(lengths, b, p, d, kind, clauses, words, exc
 
 
 def test_excluded_rows_widened_with_pad_change_nothing():
-    """A CUDA graph takes excluded rows at a bucketed width (``plain.py`` pads them with PAD):
+    """A CUDA graph takes excluded rows at a bucketed width (``gpu_backend.py`` pads them with PAD):
     the kernel answers as it does at their own width."""
     c = case([120, 0, 300, 77], 6, 3, 24, "int8", 1, 1, 5, seed=11)
-    args = (c["q"], c["probes"], c["coarse"], c["codes"], c["scales"], c["offsets"], c["sig"])
-    args += (c["fmask"], c["fneg"], 50, c["max_list"])
     wide = torch.cat([c["excl"], torch.full((6, 3), PAD, dtype=torch.int64)], dim=1)  # 5 -> 8
-    got, want = gpu_scan.scan_triton(*args, wide), gpu_scan.scan_triton(*args, c["excl"])
+    got, want = gpu_scan.scan_triton(*bundled(c, wide), 50), gpu_scan.scan_triton(*bundled(c), 50)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert c["excl"].lt(PAD).any()  # some rows do exclude
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from retrieval.filters import eligible
 from retrieval.index import IVFConfig, IVFIndex, build_ivf, exact_search, recall_at_k
 from retrieval.index.scan import scan
+from retrieval.index.tensors import ScanRows
 
 
 @pytest.fixture(scope="module", params=["int8", "fp8"])
@@ -151,20 +153,9 @@ def test_kernel_equals_torch_reference(index, catalog, batch):
     coarse, probes = (q @ index.centroids.T).topk(16, dim=1)
     probes[:, -3:] = -1  # skipped slots
     fb = index.compile_filter("shard in {0,1,2,3,4,5,6,7,8,9} and not bucket = 3", q.shape[0])
-    args = (
-        q,
-        probes,
-        coarse,
-        index.codes,
-        index.scales,
-        index.offsets,
-        index.sig,
-        fb.masks,
-        fb.negate,
-        150,
-    )
-    pos, sc = scan(*args, max_list=index.max_list)
-    rpos, rsc = scan(*args, max_list=index.max_list, reference=True)
+    lists, rows = index.tensors().lists, ScanRows(q, probes, coarse, fb.masks, fb.negate)
+    pos, sc = scan(lists, rows, 150)
+    rpos, rsc = scan(lists, rows, 150, reference=True)
     torch.testing.assert_close(sc, rsc, rtol=1e-5, atol=1e-4)
     assert (pos == rpos).float().mean() > 0.99  # ties may swap
 
@@ -184,12 +175,11 @@ def test_rows_sharing_lists_each_get_their_own_filter(index, catalog, texts):
     q = catalog["q"][:rows]
     coarse, probes = (q @ index.centroids.T).topk(8, dim=1)
     fb = index.compile_filter([texts[i % len(texts)] for i in range(rows)], rows)
-    tensors = (index.codes, index.scales, index.offsets, index.sig)
-    pos, sc = scan(q, probes, coarse, *tensors, fb.masks, fb.negate, 50, max_list=index.max_list)
+    lists, every = index.tensors().lists, ScanRows(q, probes, coarse, fb.masks, fb.negate)
+    pos, sc = scan(lists, every, 50)
     for b in range(rows):
         one = slice(b, b + 1)
-        args = (q[one], probes[one], coarse[one], *tensors, fb.masks[one], fb.negate[one], 50)
-        alone = scan(*args, max_list=index.max_list)
+        alone = scan(lists, every.part(one), 50)
         assert torch.equal(pos[one], alone[0]) and torch.equal(sc[one], alone[1])
 
 
@@ -263,8 +253,6 @@ def test_topk_rows_keeps_the_lower_index_at_ties(rows, cols, k, levels, seed):
 def test_a_scan_floor_leaves_out_only_what_scores_below_it(catalog, filtered, r):
     """A second round's floor: the scan returns exactly the candidates it returns without one
     that score at or above the floor (ties at it kept), best first, -1 / -inf after them."""
-    from retrieval.index.scan import scan
-
     index = build_ivf(
         catalog["x"], IVFConfig(nlist=64), item_attributes=catalog["attrs"],
         attribute_values=catalog["values"],
@@ -272,12 +260,12 @@ def test_a_scan_floor_leaves_out_only_what_scores_below_it(catalog, filtered, r)
     q = catalog["q"][:40]
     fb = index.compile_filter("shard in {0, 1}" if filtered else None, len(q))
     coarse, lists = index.probe(q, 16)
-    args = (q.contiguous(), lists, coarse, index.codes, index.scales, index.offsets, index.sig,
-            fb.masks.contiguous(), fb.negate.contiguous(), r)  # fmt: skip
-    pos, s = scan(*args, max_list=index.max_list)
+    held = index.tensors().lists
+    rows = ScanRows(q.contiguous(), lists, coarse, fb.masks.contiguous(), fb.negate.contiguous())
+    pos, s = scan(held, rows, r)
     floor = s[:, r // 2].clone()  # a mid-result score per row
     floor[::3] = s[::3, 5]
-    fpos, fs = scan(*args, max_list=index.max_list, floor=floor)
+    fpos, fs = scan(held, replace(rows, floor=floor), r)
     for row in range(len(q)):
         kept = int((s[row] >= floor[row]).sum())
         assert torch.equal(fpos[row, :kept], pos[row, :kept])

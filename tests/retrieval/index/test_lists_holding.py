@@ -1,6 +1,6 @@
 """Each row probes the lists its items need by their sizes (``probe.lists_holding``): the rule
-itself, and every path that applies it (the one-call C++ search, the plain batch, the planned
-path, document shards) answering alike."""
+itself, and every backend that applies it (the one-call C++ search, the rounds of a plain
+batch, document shards) answering alike."""
 
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
-from retrieval.index.plain import plain_search
+from retrieval.index.candidates import candidates
+from retrieval.index.plan import SearchParams, SearchPlan, kinds
 from retrieval.index.planner import FILL, lists_for
 from retrieval.index.probe import lists_holding
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.search import Candidates, run_search
 from retrieval.index.split import shard_of, split_index
 from retrieval.index.update import remove_items
 from serving.sharding.wire import decode_request, encode_request
 from support.formats import unversioned
 from support.topk_check import assert_same_topk
+from tests.retrieval.index.reference import planned
 
 
 def reference(lists: list[list[int]], sizes: list[int], least: list[int], hold: list[int]):
@@ -65,7 +67,7 @@ def index(request, catalog) -> IVFIndex:
 
 def cut_rows(index: IVFIndex, q: torch.Tensor, k: int, excluded: int = 0) -> int:
     """Rows of ``q`` that probe fewer lists than the plan's count (the rule cut them)."""
-    p = lists_for(index, 1.0, 1, k + excluded)
+    p = lists_for(index.tensors(), 1.0, 1, k + excluded)
     _, probes = index.probe(q, p)
     hold = torch.full((q.shape[0],), FILL * (k + excluded))
     kept = lists_holding(probes, index.built_sizes, 1, hold)
@@ -76,7 +78,7 @@ def sharded(index: IVFIndex, q: torch.Tensor, k: int, fb: FilterBatch, shards: i
     """The router's loop in one process: plan on the statistics, each round through the wire,
     merge the shards' candidates."""
     stats, parts = split_index(index, shard_of(index.item_ids, shards), shards)
-    plan = stats.plan(fb, k, 1, 0, q=q)
+    plan = stats.plan(fb, SearchParams(k, 1), q=q)
     assert plan.least is not None  # the shards are told to cut
 
     def fetch(p: SearchPlan, rows):
@@ -94,13 +96,14 @@ def test_every_path_cuts_the_same_lists(index: IVFIndex, catalog, k: int, rows: 
     q = catalog["q"][:rows]
     assert cut_rows(index, catalog["q"], k) > 0  # the rule is in play
     empty = index.compile_filter(None, rows)
-    planned, scores = index.planned_positions(q, k, empty, 1, 0)
-    plain = plain_search(index, q, k, None, 1, 0)
-    assert plain is not None and torch.equal(plain[0], planned)
-    want = index.item_ids[planned]
+    want_pos, scores = planned(index, q, k, empty, 1)
+    plain = index.search(q, k, nprobe=1, positions=True)
+    assert torch.equal(plain[0], want_pos)
+    planned_ = want_pos
+    want = index.item_ids[planned_]
     assert torch.equal(index.search(q, k, nprobe=1)[0], want)  # rows <= 16: one C++ call
     assert_same_topk(*sharded(index, q, k, empty), want, scores)  # ties in any order
-    assert (planned >= 0).all()  # no row comes up short for it
+    assert (planned_ >= 0).all()  # no row comes up short for it
 
 
 def test_excluded_items_count_towards_what_a_row_holds(index: IVFIndex, catalog) -> None:
@@ -109,14 +112,14 @@ def test_excluded_items_count_towards_what_a_row_holds(index: IVFIndex, catalog)
     seen[::2, 75:] = -1  # rows excluding 150 and 75 items
     empty = index.compile_filter(None, len(q))
     fb = FilterBatch(empty.masks, empty.negate, exclude=seen)
-    planned, scores = index.planned_positions(q, 50, fb, 1, 0)
-    assert cut_rows(index, q[1::2], 50, 75) > 0 and (planned >= 0).all()
-    assert not bool(torch.isin(index.item_ids[planned], seen).any())
+    pos, scores = planned(index, q, 50, fb, 1)
+    assert cut_rows(index, q[1::2], 50, 75) > 0 and (pos >= 0).all()
+    assert not bool(torch.isin(index.item_ids[pos], seen).any())
     for row in range(len(q)):  # one row at a time: one list count, the C++ call
         one = FilterBatch(fb.masks[row : row + 1], fb.negate[row : row + 1], seen[row : row + 1])
-        got = plain_search(index, q[row : row + 1], 50, one, 1, 0)
-        assert got is not None and torch.equal(got[0], planned[row : row + 1])
-    assert_same_topk(*sharded(index, q, 50, fb), index.item_ids[planned], scores)
+        got = index.search(q[row : row + 1], 50, one, nprobe=1)
+        assert torch.equal(got[0], index.item_ids[pos[row : row + 1]])
+    assert_same_topk(*sharded(index, q, 50, fb), index.item_ids[pos], scores)
 
 
 def test_a_row_without_a_clause_probes_as_alone_beside_filtered_rows(index, catalog) -> None:
@@ -132,9 +135,9 @@ def test_a_row_without_a_clause_probes_as_alone_beside_filtered_rows(index, cata
     q = catalog["q"][:16]
     texts = ["not shard in {0,1}" if i % 2 else None for i in range(len(q))]
     fb = index.compile_filter(texts, len(q))
-    plan = index.plan(fb, 100, 1, 0, q=q)
+    plan = index.plan(fb, SearchParams(100, 1), q=q)
     assert plan.lists is not None and plan.check is not None  # the bound check named them
-    p = lists_for(index, 1.0, 1, 100)
+    p = lists_for(index.tensors(), 1.0, 1, 100)
     cut = lists_holding(index.probe(q[::2], p)[1], index.built_sizes, 1, torch.full((8,), 200))
     assert torch.equal(plan.lists[::2, :p], cut) and (plan.lists[::2, p:] < 0).all()
     mixed = index.search(q, 100, texts, nprobe=1)
@@ -148,7 +151,7 @@ def test_lists_emptied_since_the_build_leave_no_row_short(index, catalog) -> Non
     """Sizes as built over-count a list that live updates thinned: a row cut to it alone comes
     up short, widens (every widened list, uncut) on every path, and still finds k items."""
     q = catalog["q"]
-    _, probes = index.probe(q, lists_for(index, 1.0, 1, 100))
+    _, probes = index.probe(q, lists_for(index.tensors(), 1.0, 1, 100))
     cut = lists_holding(probes, index.built_sizes, 1, torch.full((len(q),), FILL * 100))
     alone = (cut[:, 1:] < 0).all(dim=1).nonzero().flatten()[:4]  # rows cut to their first list
     assert alone.numel() > 0
@@ -158,12 +161,12 @@ def test_lists_emptied_since_the_build_leave_no_row_short(index, catalog) -> Non
     thinner = remove_items(index, index.item_ids[rows])  # 50 items left in each
     assert torch.equal(thinner.built_sizes, index.built_sizes)  # still the sizes as built
     empty = thinner.compile_filter(None, len(q))
-    planned, scores = thinner.planned_positions(q, 100, empty, 1, 0)
-    assert (planned >= 0).all()
-    plain = plain_search(thinner, q, 100, None, 1, 0)
-    assert plain is not None and torch.equal(plain[0], planned)
-    assert torch.equal(thinner.search(q, 100, nprobe=1)[0], thinner.item_ids[planned])
-    assert_same_topk(*sharded(thinner, q, 100, empty), thinner.item_ids[planned], scores)
+    pos, scores = planned(thinner, q, 100, empty, 1)
+    assert (pos >= 0).all()
+    plain = thinner.search(q, 100, nprobe=1, positions=True)
+    assert torch.equal(plain[0], pos)
+    assert torch.equal(thinner.search(q, 100, nprobe=1)[0], thinner.item_ids[pos])
+    assert_same_topk(*sharded(thinner, q, 100, empty), thinner.item_ids[pos], scores)
 
 
 def test_an_index_saved_before_the_sizes_probes_every_planned_list(index, catalog) -> None:
@@ -176,18 +179,16 @@ def test_an_index_saved_before_the_sizes_probes_every_planned_list(index, catalo
     assert old.built_sizes.numel() == 0
     q, k = catalog["q"], 100
     empty = old.compile_filter(None, len(q))
-    assert old.plan(empty, k, 1, 0).least is None
-    p = lists_for(index, 1.0, 1, k)  # every row: p lists, uncut
-    every = SearchPlan(k, k, torch.full((len(q),), p), torch.zeros(len(q), dtype=torch.bool))
+    assert old.plan(empty, SearchParams(k, 1)).least is None
+    p = lists_for(index.tensors(), 1.0, 1, k)  # every row: p lists, uncut
+    every = SearchPlan(k, k, torch.full((len(q),), p), kinds(torch.zeros(len(q), dtype=torch.bool)))
     want = index.item_ids[select_top(index, q, every)]
     assert torch.equal(old.search(q, k, nprobe=1)[0], want)
     assert cut_rows(index, q, k) > 0  # where the index with its sizes probes fewer
 
 
 def select_top(index: IVFIndex, q: torch.Tensor, plan: SearchPlan) -> torch.Tensor:
-    return run_search(
-        plan, lambda p, rows: index.candidates(q, index.compile_filter(None, len(q)), p)
-    ).keys
+    return run_search(plan, lambda p, rows: candidates(index.tensors(), q, None, p)).keys
 
 
 @pytest.mark.gpu

@@ -60,7 +60,7 @@ def test_the_filtered_exact_plan_works_without_a_copy(lean, catalog):
     ids, _ = lean.search(catalog["q"], 10, text)
     fb = lean.compile_filter(text, 1)
     ok = torch.zeros(lean.ntotal, dtype=torch.bool)
-    ok[lean.item_ids[eligible_positions(lean, fb.masks[0], fb.negate[0])]] = True
+    ok[lean.item_ids[eligible_positions(lean.tensors(), fb.masks[0], fb.negate[0])]] = True
     assert ok[ids[ids >= 0]].all()
     truth, _ = exact_search(catalog["x"], catalog["q"], 10, eligible=ok)
     assert recall_at_k(ids, truth) >= 0.95  # decoded codes rank almost as the vectors do

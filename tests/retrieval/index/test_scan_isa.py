@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from retrieval.index import IVFConfig, build_ivf
 from retrieval.index.scan import ISA_ENV, int8_isa, scan
+from retrieval.index.tensors import Lists, ScanRows
 
 SIMD = ["avx2", "vnni"]
 
@@ -33,10 +34,16 @@ def need(isa: str) -> None:
         pytest.skip(f"this CPU cannot run the {isa} path")
 
 
+def bundled(args: tuple, max_list: int) -> tuple[Lists, ScanRows, int]:
+    """:func:`lists_case`'s inputs as the scan takes them."""
+    q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, r = args
+    return Lists(codes, scales, offsets, sig, max_list), ScanRows(q, probes, coarse, fmask, fneg), r
+
+
 def scan_with(isa: str, args: tuple, max_list: int) -> tuple[torch.Tensor, torch.Tensor]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ISA_ENV, isa)
-        return scan(*args, max_list=max_list)
+        return scan(*bundled(args, max_list))
 
 
 def lists_case(d: int, lengths: list[int], b: int, shared: bool, seed: int, integer: bool):
@@ -107,7 +114,7 @@ def test_simd_scan_equals_portable_bitwise(isa, d, lengths, b, shared, seed):
     spos, ssc = scan_with(isa, args, max_list)
     assert torch.equal(sc, ssc)
     assert torch.equal(pos, spos)
-    _, rsc = scan(*args, max_list=max_list, reference=True)
+    _, rsc = scan(*bundled(args, max_list), reference=True)
     torch.testing.assert_close(ssc, rsc, rtol=1e-5, atol=1e-4)
 
 
@@ -127,9 +134,9 @@ def test_the_best_r_are_the_head_of_the_whole_ranking_heap_or_selection(
     (nth_element): either way the best r scores, best first, are the whole ranking's head, and
     each position returned scores what the whole ranking gave it."""
     args, max_list = lists_case(d, lengths, b, shared, seed, integer=False)
-    full_pos, full_sc = scan(*args, max_list=max_list)  # r = N: every candidate, ranked
+    full_pos, full_sc = scan(*bundled(args, max_list))  # r = N: every candidate, ranked
     r = max(1, round(share * sum(lengths)))
-    pos, sc = scan(*args[:-1], r, max_list=max_list)
+    pos, sc = scan(*bundled((*args[:-1], r), max_list))
     assert torch.equal(sc, full_sc[:, :r])
     for row in range(pos.shape[0]):
         given_score = dict(zip(full_pos[row].tolist(), full_sc[row].tolist(), strict=True))

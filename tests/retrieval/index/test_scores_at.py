@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retrieval.index import IVFConfig, build_ivf
+from retrieval.index import IVFConfig, build_ivf, cpu_backend
 from retrieval.index.codes import quantize_query_int8
-from retrieval.index.exact_ids import exact_search_ids
 from retrieval.index.probe import FEW_QUERIES
 from retrieval.index.scan import ISA_ENV, many_rows_cpu, score_rows_cpu
+from tests.retrieval.index.reference import kept_plan, planned_ids
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +37,16 @@ def test_scores_of_chosen_rows_equal_the_torch_formula(index, catalog, b, isa, m
     q = catalog["q"][:b]
     got = index.scores_at(q, pos)  # 17 queries: the torch ops
     torch.testing.assert_close(got, torch_scores(index, q, pos), rtol=1e-5, atol=1e-4)
-    direct = score_rows_cpu(q, pos, index.codes, index.scales, index.offsets, q @ index.centroids.T)
+    direct = score_rows_cpu(q, pos, index.tensors().lists, q @ index.centroids.T)
     torch.testing.assert_close(direct, torch_scores(index, q, pos), rtol=1e-5, atol=1e-4)
 
 
 def test_a_row_out_of_range_is_refused(index, catalog):
     q = catalog["q"][:1]
     with pytest.raises(RuntimeError, match="pos out of range"):
-        score_rows_cpu(q, torch.tensor([index.ntotal]), index.codes, index.scales,
-                       index.offsets, q @ index.centroids.T)  # fmt: skip
+        score_rows_cpu(
+            q, torch.tensor([index.ntotal]), index.tensors().lists, q @ index.centroids.T
+        )
 
 
 @pytest.mark.parametrize("d", [5, 8, 37, 784])
@@ -54,7 +55,7 @@ def test_any_dimension_scores_like_the_torch_formula(d):
     g = torch.Generator().manual_seed(d)
     index = build_ivf(torch.randn(400, d, generator=g), IVFConfig(nlist=8, codes="int8"))
     q, pos = torch.randn(2, d, generator=g), torch.randperm(400, generator=g)[:50]
-    got = score_rows_cpu(q, pos, index.codes, index.scales, index.offsets, q @ index.centroids.T)
+    got = score_rows_cpu(q, pos, index.tensors().lists, q @ index.centroids.T)
     torch.testing.assert_close(got, torch_scores(index, q, pos), rtol=1e-5, atol=1e-4)
 
 
@@ -64,7 +65,7 @@ def test_the_simd_path_returns_the_portable_bits(d, monkeypatch):
     g = torch.Generator().manual_seed(d)
     index = build_ivf(torch.randn(300, d, generator=g), IVFConfig(nlist=4, codes="int8"))
     q, pos = torch.randn(3, d, generator=g), torch.arange(300)
-    args = (q, pos, index.codes, index.scales, index.offsets, q @ index.centroids.T)
+    args = (q, pos, index.tensors().lists, q @ index.centroids.T)
     monkeypatch.setenv(ISA_ENV, "portable")
     portable = score_rows_cpu(*args)
     monkeypatch.setenv(ISA_ENV, "auto")
@@ -112,7 +113,7 @@ def test_the_gemm_and_the_float_matmul_split_at_1024_rows(wide):
     g = torch.Generator().manual_seed(2)
     q = torch.randn(FEW_QUERIES + 4, 160, generator=g)
     few, many = torch.arange(1023), torch.arange(1024)
-    args = (wide.codes, wide.scales, wide.offsets, wide.centroids_t)
+    args = (wide.tensors().lists, wide.centroids_t)
     torch.testing.assert_close(
         many_rows_cpu(q, few, *args), torch_scores(wide, q, few), rtol=1e-5, atol=1e-4
     )
@@ -129,8 +130,7 @@ def test_the_one_call_exact_search_answers_the_planned_path_over_the_gemm(wide):
         q = torch.randn(batch, 160, generator=g)
         fb = wide.compile_filter("group = 0", batch)
         plan_exact = wide.search_plan(100, "group = 0", batch=batch, nprobe=16)
-        got = exact_search_ids(wide, q, 100, fb, 16, 0)
-        pos, scores = wide.planned_positions(q, 100, fb, 16, 0)
-        want = torch.where(pos >= 0, wide.item_ids[pos.clamp(min=0)], pos)
+        got = cpu_backend.shared_exact_ids(wide.tensors(), q, fb, kept_plan(wide, q, 100, fb, 16))
+        want, scores = planned_ids(wide, q, 100, fb, 16)
         assert bool(plan_exact.exact.all()) and got is not None
         assert torch.equal(got[0], want) and torch.equal(got[1], scores)

@@ -65,7 +65,7 @@ def test_unfiltered_recall_meets_each_target(data, index):
         assert recall_at_k(ids, truth) >= target - 0.01, target  # an average over queries
     # 1: the exact plan, over the vectors the index holds (codes decoded: no exact copy here)
     ids, _ = index.search(q, K, recall_target=1.0)
-    pos, _ = index.search_positions(q, K, index.schema.empty(len(q)), 1, 0, exact=True)
+    pos, _ = index.search(q, K, nprobe=1, rerank=0, exact=True, positions=True)
     assert torch.equal(ids, index.item_ids[pos]) and recall_at_k(ids, truth) >= 0.999
 
 
@@ -89,7 +89,7 @@ def test_targets_differ_per_row(data, index):
     for row, t in enumerate(targets.tolist()):
         alone, _ = index.search(q[row : row + 1], K, recall_target=t or None)
         assert torch.equal(ids[row], alone[0])
-    plan = index.plan(index.schema.empty(6), K, index.config.nprobe, 0, target=targets)
+    plan = index.plan(index.schema.empty(6), index.params(K, rerank=0, target=targets))
     assert bool(plan.exact[3]) and int(plan.nprobe[1]) >= int(plan.nprobe[0])
 
 

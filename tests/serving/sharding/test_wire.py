@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, build_ivf
-from retrieval.index.search import Candidates, SearchPlan, run_search
+from retrieval.index.plan import SearchParams, SearchPlan, kinds
+from retrieval.index.search import Candidates, run_search
 from retrieval.index.split import shard_of, split_index
 from serving.sharding.wire import decode_request, encode_request
 from support.topk_check import assert_same_topk
@@ -20,7 +21,7 @@ from support.topk_check import assert_same_topk
 def request(lists: torch.Tensor | None):
     q = torch.randn(2, 4)
     fb = FilterBatch(torch.ones(2, 1, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.bool))
-    plan = SearchPlan(3, 5, torch.tensor([2, 7]), torch.tensor([False, True]), lists)
+    plan = SearchPlan(3, 5, torch.tensor([2, 7]), kinds(torch.tensor([False, True])), lists)
     return encode_request("m", 1, q, fb, plan, with_vectors=False)
 
 
@@ -71,7 +72,7 @@ def test_a_request_round_trips_with_every_field_its_dtype(
     if holding:
         least = (torch.rand(b, generator=g) * nprobe).long().clamp(min=1)
         hold = torch.randint(0, 10**6, (b,), generator=g)
-    plan = SearchPlan(3, 5, nprobe, exact, lists, floor=floor, least=least, hold=hold)
+    plan = SearchPlan(3, 5, nprobe, kinds(exact), lists, floor=floor, least=least, hold=hold)
     got_q, got_fb, got = decode_request(
         encode_request("m", 1, q, FilterBatch(masks, negate, exclude), plan, with_vectors=False)
     )
@@ -91,7 +92,7 @@ def test_a_request_round_trips_with_every_field_its_dtype(
 
 
 def test_a_bad_floor_names_the_field():
-    plan = SearchPlan(3, 5, torch.tensor([2, 2]), torch.zeros(2, dtype=torch.bool))
+    plan = SearchPlan(3, 5, torch.tensor([2, 2]), kinds(torch.zeros(2, dtype=torch.bool)))
     fb = FilterBatch(torch.zeros(2, 0, 1, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.bool))
     msg = encode_request("m", 1, torch.randn(2, 4), fb, plan, with_vectors=False)
     msg.floor = np.array([0.5, np.nan], np.float32).tobytes()
@@ -104,7 +105,7 @@ def test_a_bad_floor_names_the_field():
 
 def test_bad_list_holding_names_the_field():
     plan = SearchPlan(
-        3, 5, torch.tensor([2, 4]), torch.zeros(2, dtype=torch.bool),
+        3, 5, torch.tensor([2, 4]), kinds(torch.zeros(2, dtype=torch.bool)),
         least=torch.tensor([1, 2]), hold=torch.tensor([10, 10]),
     )  # fmt: skip
     fb = FilterBatch(torch.zeros(2, 0, 1, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.bool))
@@ -141,7 +142,7 @@ def test_out_of_range_values_name_their_field(field, value):
     masks, negate = torch.ones(2, 1, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.bool)
     nprobe = value if field == "nprobe" else torch.tensor([2, 7])
     fb = FilterBatch(masks, negate, value if field == "exclude" else None)
-    plan = SearchPlan(3, 5, nprobe, torch.tensor([False, True]), None)
+    plan = SearchPlan(3, 5, nprobe, kinds(torch.tensor([False, True])), None)
     with pytest.raises(ValueError, match=field):
         decode_request(encode_request("m", 1, q, fb, plan, with_vectors=False))
 
@@ -161,7 +162,7 @@ def test_second_rounds_through_the_wire_send_their_floor_and_answer_as_unsharded
     # k = 500 at nprobe 1: every row's first round leaves lists a bound says could beat it
     q, k, text = catalog["q"][:32], 500, "not shard in {0,1,2} and bucket != 5"
     fb = stats.compile_filter(text, q.shape[0])
-    plan = stats.plan(fb, k, 1, 0, q=q)
+    plan = stats.plan(fb, SearchParams(k, 1), q=q)
     floors: list[torch.Tensor] = []
 
     def fetch(p: SearchPlan, rows):

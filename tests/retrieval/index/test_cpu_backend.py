@@ -1,5 +1,6 @@
-"""A shard's plain search in one C++ call (``plain.plain_item_candidates``) answers exactly
-what the step-by-step path (exclusions mapped, probe, scan, rows -> ids) answers."""
+"""A plan's first round in one C++ call (``cpu_backend.lists_ids``, a shard's candidates)
+answers exactly what the step-by-step path (exclusions mapped, probe, scan, rows -> ids)
+answers."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch
-from retrieval.index import IVFConfig, IVFIndex, build_ivf
-from retrieval.index import plain as plain_module
-from retrieval.index.plain import plain_item_candidates
+from retrieval.index import IVFConfig, IVFIndex, build_ivf, cpu_backend
+from retrieval.index.candidates import candidates
+from retrieval.index.plan import SearchPlan, kinds
 from retrieval.index.probe import FEW_QUERIES
-from retrieval.index.search import Candidates, SearchPlan
+from retrieval.index.search import Candidates
 
 FILTERS = [None, "shard in {0,1,2,3} and bucket != 5", "not shard in {0,1,2}"]
 
@@ -27,7 +28,7 @@ def index(request, catalog) -> IVFIndex:
 
 
 def step_by_step(index: IVFIndex, q, fb, plan) -> Candidates:
-    c = index.candidates(q, fb, plan)  # positions
+    c = candidates(index.tensors(), q, fb, plan)  # positions
     ids = torch.where(c.keys >= 0, index.item_ids[c.keys.clamp(min=0)], c.keys)
     return Candidates(ids, c.approx, c.scores)
 
@@ -51,9 +52,10 @@ def test_one_call_equals_the_steps(index, catalog, b, nprobe, r, text, seen, see
         ex = torch.randint(-1, index.ntotal + 50, (b, seen), generator=g)
         fb = FilterBatch(fb.masks, fb.negate, ex)
     p = min(nprobe, index.nlist)
-    plan = SearchPlan(r, r, torch.full((b,), p), torch.zeros(b, dtype=torch.bool), None)
-    fast = plain_item_candidates(index, q, fb, plan)
-    assert fast is not None  # the one call applies to this plan
+    plan = SearchPlan(r, r, torch.full((b,), p), kinds(torch.zeros(b, dtype=torch.bool)), None)
+    found = cpu_backend.lists_ids(index.tensors(), q, fb, plan, whole=False)
+    assert found is not None  # the one call applies to this plan
+    fast = Candidates(found[0], found[1], found[1])
     want = step_by_step(index, q, fb, plan)
     assert torch.equal(fast.keys, want.keys)
     assert torch.equal(fast.approx, want.approx) and torch.equal(fast.scores, want.scores)
@@ -63,23 +65,23 @@ def test_one_call_equals_the_steps(index, catalog, b, nprobe, r, text, seen, see
 
 def test_item_candidates_takes_the_one_call_only_where_it_applies(index, catalog, monkeypatch):
     calls = []
-    real = plain_module.search_ids_cpu
+    real = cpu_backend.search_ids_cpu
     monkeypatch.setattr(
-        plain_module, "search_ids_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        cpu_backend, "search_ids_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
     q, b = catalog["q"][:3], 3
     fb = index.compile_filter(None, b)
-    plain = SearchPlan(10, 10, torch.full((b,), 8), torch.zeros(b, dtype=torch.bool), None)
+    plain = SearchPlan(10, 10, torch.full((b,), 8), kinds(torch.zeros(b, dtype=torch.bool)), None)
     index.item_candidates(q, fb, plain)
     assert len(calls) == 1
     for other in (
-        SearchPlan(10, 10, torch.tensor([8, 8, 4]), torch.zeros(b, dtype=torch.bool), None),
-        SearchPlan(10, 10, torch.full((b,), 8), torch.tensor([False, True, False]), None),
+        SearchPlan(10, 10, torch.tensor([8, 8, 4]), kinds(torch.zeros(b, dtype=torch.bool)), None),
+        SearchPlan(10, 10, torch.full((b,), 8), kinds(torch.tensor([False, True, False])), None),
         SearchPlan(
             10,
             10,
             torch.full((b,), 2),
-            torch.zeros(b, dtype=torch.bool),
+            kinds(torch.zeros(b, dtype=torch.bool)),
             torch.tensor([[0, 1], [2, 3], [4, -1]]),
         ),
     ):
@@ -88,6 +90,8 @@ def test_item_candidates_takes_the_one_call_only_where_it_applies(index, catalog
         want = step_by_step(index, q, fb, other)
         assert torch.equal(got.keys, want.keys)
     big = FEW_QUERIES + 1
-    flat = SearchPlan(10, 10, torch.full((big,), 8), torch.zeros(big, dtype=torch.bool), None)
+    flat = SearchPlan(
+        10, 10, torch.full((big,), 8), kinds(torch.zeros(big, dtype=torch.bool)), None
+    )
     index.item_candidates(catalog["q"][:big], index.compile_filter(None, big), flat)
     assert len(calls) == 1  # a batch that large probes with one matmul
