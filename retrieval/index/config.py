@@ -47,8 +47,8 @@ class IVFConfig(Config):
     exact_copy: Literal["auto", "float16", "float32", "none"] = "auto"
     """Dtype of the exact copy of every vector, used for re-ranking and exact scans: "float16",
     "float32", "none" (exact scans decode the codes; no re-rank), or "auto": "float16" when
-    ``rerank > 0``, else "none" (the copy costs 2 bytes x D per item, ~3x the INT8 codes, and only
-    a re-rank needs it). The index records the resolved choice."""
+    ``rerank > 0``, else "none" (the copy costs 2 bytes x D per item, several times the INT8
+    codes, and only a re-rank needs it). The index records the resolved choice."""
     metric: Literal["ip", "cosine"] = "ip"
     """Score that ranks results: "ip" (inner product q·x) or "cosine" (vectors and queries
     L2-normalised, then inner product)."""

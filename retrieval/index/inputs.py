@@ -35,7 +35,9 @@ def as_tensor(value: Any, field: str) -> torch.Tensor:
 def as_count(value: Any, field: str, minimum: int, hint: str = "") -> int:
     """An integral ``value >= minimum`` -> ``int``; bools, floats and smaller values refused
     (``hint`` ends the message)."""
-    if type(value) is int and value >= minimum:  # the common call: no ABC check (~1 us)
+    if (
+        type(value) is int and value >= minimum
+    ):  # the common call: no ABC check, which costs more than the call
         return value
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{field}: expected an integer >= {minimum}, got {value!r}{hint}")
@@ -59,7 +61,7 @@ def as_queries(q: Any, dim: int, device: torch.device) -> torch.Tensor:
             + (" (cast with .float() / .astype(np.float32))" if q.dim() == 2 else "")
         )
     if q.dtype is torch.float32 and q.is_cpu and device.type == "cpu":
-        return q  # as it is (a no-op .to() costs ~2 us of a one-query search)
+        return q  # as it is (even a no-op .to() dispatches, on the one-query path)
     return q.to(device, torch.float32)
 
 

@@ -2,8 +2,8 @@
 
 On a CPU with AVX-512 VNNI or AVX2 both run on our kernel (``csrc/nearest_centroid.cpp``): int8
 scores of every centroid, the few within their error bound of the best scored exactly, so each row
-gets its exact nearest centroid at ~4x (VNNI) or ~2x (AVX2) the multiply-adds per instruction of
-a float search at the same vector width (the build's time: ``bench/RESULTS.md``). Elsewhere (or
+gets its exact nearest centroid at several times (VNNI) or twice (AVX2) the multiply-adds per
+instruction of a float search at the same vector width (the build's time: ``bench/RESULTS.md``). Elsewhere (or
 with ``$RECSERVE_SCAN_ISA=portable``) faiss's ``Clustering`` and ``IndexFlat`` do it. The k-means
 loop is faiss's: points sampled up to ``max_points_per_centroid`` per list, centroids started at
 random points, each iteration assigns and takes means, and an empty list takes half of a large

@@ -11,8 +11,8 @@ keeps residuals, and so code errors, small). A query ranks the lists it probes b
 For unit-norm vectors (cosine, normalised embeddings) a centroid's norm shrinks as its cluster
 spreads (about ``sqrt(1 - spread^2)``), so ``-||c||^2 / 2`` credits the wide clusters whose items
 reach furthest towards the query, which ``q·c`` alone under-rates: "l2" holds more of the true
-top-K at equal nprobe there (``tests/retrieval/index/test_metric.py``; 0.960 -> 0.972 at nprobe 8 on
-real 784-d embeddings, issue 21). For vectors of any norm (maximum inner product) the norm
+top-K at equal nprobe there (``tests/retrieval/index/test_metric.py``; the figure on real 784-d
+embeddings is in ``bench/RESULTS.md``). For vectors of any norm (maximum inner product) the norm
 penalty points the wrong way, against the long vectors whose inner products are largest: on
 the benchmark's clustered data "l2" holds 0.987 of the top-100 at nprobe 32 against "ip"'s
 0.994. Hence ``IVFConfig.probe = "auto"``: "l2" when the build's vectors are unit-norm, else "ip".
@@ -53,7 +53,7 @@ def probe_lists(
     list, lists [B, P] int64)``, best first. ``q [B, D] float32``; ``half_norms [nlist]`` from
     :func:`half_sq_norms` ranks by L2 ("l2"), None by ``q·c`` ("ip"); ``nprobe <= nlist``.
     A few queries on the CPU: one C++ call over ``centroids_t [D, nlist]`` (the transposed
-    centroids; made when not given), where a matmul and a top-k cost ~10 us of dispatch each;
+    centroids; made when not given), where a matmul and a top-k would each cost more in dispatch than the work;
     larger batches: the matmul (blocked: it reads the centroids once for many queries).
     ``table``: ``scan.probe_table_cpu`` of ``centroids_t``, read first by a few queries' probe."""
     small = q.shape[0] <= FEW_QUERIES

@@ -38,8 +38,8 @@ from retrieval.index.kmeans import assign
 
 REBUILD_IMBALANCE = 4.0
 """A rebuild is recommended when the largest list holds more than this many times the mean.
-The probe of a list costs its length, and nprobe is fixed, so a query that lands on a list 4x
-the mean scans ~4x the codes the build planned for: its latency (and the tail) grows, while
+The probe of a list costs its length, and nprobe is fixed, so a query that lands on a list
+that many times the mean scans that many times the codes the build planned for: its latency (and the tail) grows, while
 recall of items in the thin lists does not improve. Fresh k-means lists sit well under it."""
 
 
