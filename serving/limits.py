@@ -58,13 +58,12 @@ class LimitsConfig(Config):
     the store 8 bytes and every later update copies the store, so one short call must not add
     millions of users (``users=[10**7]`` alone would add 80 MB)."""
     max_item_id_growth: int = Field(default=1_000_000, ge=0, le=1 << 40)
-    """``UpsertItems`` and ``AddSeen`` (admin API): an item id must be below the item table's
-    rows (``config.num_items``) plus this (INVALID_ARGUMENT naming the item's field, checked
-    before anything is built). Items upserted beyond the table (their vectors given) take ids
-    up to that bound; a seen pair may name any of them. One bound for both, on an unsharded
-    server and a router alike: a router's index holds no items, so it could not check a seen
-    item against the upserted ones, and an id of any size would otherwise be taken by one and
-    refused by the other. Replayed log records were checked when they were taken."""
+    """``UpsertItems`` (admin API): an item id must be below the item table's rows
+    (``config.num_items``) plus this (INVALID_ARGUMENT naming ``items[i].id``, checked before
+    anything is built), on an unsharded server and a router alike. ``AddSeen`` names items the
+    server holds (the table's and those upserted since); a router, whose index holds none,
+    checks its seen items against this bound instead. Replayed log records were checked when
+    they were taken."""
     max_http_body_bytes: int = Field(default=DEFAULT_MAX_HTTP_BODY_BYTES, ge=1, le=1 << 31)
     """Largest HTTP request body, compressed or decompressed (HTTP 413 past it)."""
     http_body_timeout_s: Annotated[WaitS, Field(gt=0)] = 10.0

@@ -100,9 +100,12 @@ class AdminServicer(pb_grpc.AdminServicer):
         """The ids a call on the served model ``m`` may name (``[limits]``)."""
         limits = self.state.limits
         users = None if m.seen_store is None else m.seen_store.num_users
+        ids = m.index.item_ids
+        known = max(m.config.num_items, int(ids.max()) + 1) if ids.numel() else None
         return CallBounds(
-            m.config.num_items, limits.max_item_id_growth, users, limits.max_seen_user_growth
-        )
+            m.config.num_items, limits.max_item_id_growth, users, limits.max_seen_user_growth,
+            known,
+        )  # fmt: skip
 
     def _updates(self) -> LiveUpdater:
         if self.state.updates is None:

@@ -51,9 +51,9 @@ def id_tensor(values: Sequence[int]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CallBounds:
-    """The ids a new admin call may name; one item bound for ``UpsertItems`` and ``AddSeen``,
-    the same on an unsharded server and a router (whose index holds no items to check against).
-    """
+    """The ids a new admin call may name: an item bound for ``UpsertItems`` (the same on an
+    unsharded server and a router), and for ``AddSeen`` the items the server knows of where it
+    holds them (a router's index holds none: there, the upsert bound)."""
 
     catalog: int
     """The item table's rows (``config.num_items``)."""
@@ -63,6 +63,24 @@ class CallBounds:
     """The users the model's seen store holds (None: no store, the model refuses ``AddSeen``)."""
     user_growth: int = 0
     """``limits.max_seen_user_growth``: user ids below ``store_users + user_growth``."""
+    known_items: int | None = None
+    """One past the largest item id the served index holds (at least ``catalog``): a seen pair
+    names an item of the catalog or one upserted since. None: the server holds no items (a
+    router), and seen items take the upsert bound."""
+
+    def check_seen_items(self, ids: torch.Tensor) -> None:
+        """``ids [n] int64`` of an ``AddSeen``: RequestError naming ``items[j]`` for the first
+        item the server does not know of (past ``known_items``, else past the upsert bound)."""
+        if self.known_items is None:
+            self.check_items(ids, "items[{}]")
+            return
+        past = (ids >= self.known_items).nonzero().flatten()
+        if past.numel():
+            j = int(past[0])
+            raise RequestError(
+                f"items[{j}]: item {int(ids[j])} is past the catalog (item ids "
+                f"0..{self.known_items - 1}, the item table's and those upserted since)"
+            )
 
     def check_items(self, ids: torch.Tensor, where: str) -> None:
         """``ids [n] int64``: RequestError naming ``where.format(i)`` for the first id at or past
@@ -137,7 +155,7 @@ def parse_add_seen(msg: pb.AddSeenRequest, bounds: CallBounds | None) -> AddSeen
     users, items = id_tensor(msg.users), id_tensor(msg.items)
     if bounds is not None:
         bounds.check_users(users)
-        bounds.check_items(items, "items[{}]")
+        bounds.check_seen_items(items)
     return AddSeen(users, items)
 
 

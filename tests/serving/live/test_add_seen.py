@@ -84,14 +84,14 @@ def test_consumed_items_leave_the_users_answers_and_survive_a_restart(start, tin
         (pb.AddSeenRequest(users=[], items=[]), "users: empty: nothing to update"),
         # the tiny model's catalog is items 0..299, its store holds users 0..99
         (
-            pb.AddSeenRequest(users=[1, 2], items=[5, 1_000_300]),
-            "items[1]: item 1000300 is past the catalog's 300 items + 1000000 "
-            "(limits.max_item_id_growth): ids up to 1000299 are taken",
+            pb.AddSeenRequest(users=[1, 2], items=[5, 300]),
+            "items[1]: item 300 is past the catalog (item ids 0..299, the item table's and "
+            "those upserted since)",
         ),
         (
             pb.AddSeenRequest(users=[1], items=[1 << 62]),
-            f"items[0]: item {1 << 62} is past the catalog's 300 items + 1000000 "
-            "(limits.max_item_id_growth): ids up to 1000299 are taken",
+            f"items[0]: item {1 << 62} is past the catalog (item ids 0..299, the item table's "
+            "and those upserted since)",
         ),
         (
             pb.AddSeenRequest(users=[3, 10**7], items=[7, 7]),
@@ -145,13 +145,19 @@ def _query_item(tiny: Tiny, id_: int, user: int) -> pb.Item:
     return pb.Item(id=id_, vector=(q * 50).tolist())
 
 
-def test_upserts_and_seen_pairs_share_one_item_bound(start, tiny):
-    """``limits.max_item_id_growth`` 10 over the 300-item catalog: item 309 may be upserted
-    (its vector given) and named by a seen pair; 310 is refused by both, naming the field and
-    the bound, and nothing is logged for it."""
+def test_seen_pairs_name_the_items_the_server_holds(start, tiny):
+    """``limits.max_item_id_growth`` 10 over the 300-item catalog: a seen pair naming item 309
+    is refused until 309 is upserted (its vector given), then taken; 310 is refused by both, the
+    upsert naming the growth bound, the seen pair the items held, and nothing is logged for it."""
     server = start(tiny.with_seen_store(), limits={"max_item_id_growth": 10})
     with grpc.insecure_channel(server.addresses.grpc) as ch:
         adm, rec = AdminStub(ch), RecommenderStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            adm.AddSeen(pb.AddSeenRequest(users=[3], items=[309]), timeout=WAIT)
+        assert err.value.details() == (
+            "items[0]: item 309 is past the catalog (item ids 0..299, the item table's and "
+            "those upserted since)"
+        )
         assert (
             adm.UpsertItems(
                 pb.UpsertItemsRequest(items=[_query_item(tiny, 309, 3)]), timeout=WAIT
@@ -161,16 +167,17 @@ def test_upserts_and_seen_pairs_share_one_item_bound(start, tiny):
         assert _ids(rec, _named(tiny, 3))[0] == 309
         assert adm.AddSeen(pb.AddSeenRequest(users=[3], items=[309]), timeout=WAIT).sequence == 2
         assert 309 not in _ids(rec, _named(tiny, 3))
-        bound = "is past the catalog's 300 items + 10 (limits.max_item_id_growth): ids up to 309"
+        grown = "is past the catalog's 300 items + 10 (limits.max_item_id_growth): ids up to 309"
+        held = "is past the catalog (item ids 0..309, the item table's and those upserted since)"
         calls = [
-            (adm.UpsertItems, pb.UpsertItemsRequest(items=[_query_item(tiny, 310, 3)]), "items[0].id"),
-            (adm.AddSeen, pb.AddSeenRequest(users=[3, 3], items=[5, 310]), "items[1]"),
+            (adm.UpsertItems, pb.UpsertItemsRequest(items=[_query_item(tiny, 310, 3)]), f"items[0].id: item 310 {grown} are taken"),
+            (adm.AddSeen, pb.AddSeenRequest(users=[3, 3], items=[5, 310]), f"items[1]: item 310 {held}"),
         ]  # fmt: skip
-        for call, request_, where in calls:
+        for call, request_, message in calls:
             with pytest.raises(grpc.RpcError) as err:
                 call(request_, timeout=WAIT)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert err.value.details() == f"{where}: item 310 {bound} are taken"
+            assert err.value.details() == message
         assert adm.AddSeen(pb.AddSeenRequest(users=[4], items=[1]), timeout=WAIT).sequence == 3
 
 
@@ -198,7 +205,7 @@ def test_records_taken_under_looser_bounds_are_replayed(start, tiny, tmp_path):
         assert _ids(rec, tiny.message(user))[0] == huge  # the upsert was replayed
         assert huge not in _ids(rec, _named(tiny, user))  # and the seen pair
         for request_ in (
-            pb.AddSeenRequest(users=[user], items=[huge]),  # the same pair, a new call: refused
+            pb.AddSeenRequest(users=[user], items=[huge + 1]),  # past the items it knows of
             pb.AddSeenRequest(users=[151], items=[1]),  # past the store, grown to 151 users
         ):
             with pytest.raises(grpc.RpcError) as err:
