@@ -31,7 +31,7 @@ import torch
 from common.atomic import atomic_writer
 from retrieval.config import ModelConfig
 from retrieval.data.id_map import IdMaps
-from retrieval.format import migrate, version_of, with_format
+from retrieval.format import load_config, migrate, version_of, with_format
 from retrieval.index.format import EXTRA
 from retrieval.index.format import migrate as migrate_index
 from retrieval.index.format import version_of as index_version
@@ -73,7 +73,7 @@ def load_model(
     for p in (cfg_path, weights):
         if not p.is_file():
             raise FileNotFoundError(f"model folder {directory}: missing {p.name}")
-    cfg = ModelConfig.load(cfg_path)
+    cfg = load_config(cfg_path)
     model = RetrievalModel(cfg, remote=remote, table_device=map_location)
     load_state(model, load_tensors(weights, map_location))
     model.id_maps = read_id_maps(directory, cfg)

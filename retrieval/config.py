@@ -148,16 +148,3 @@ class ModelConfig(ModelSettings):
     def save(self, path: Path) -> None:
         """``config.json``: the fields and the folder's format."""
         path.write_text(json.dumps({"format": MODEL_FORMAT, **self.to_dict()}, indent=2))
-
-    @classmethod
-    def load(cls, path: Path) -> ModelConfig:
-        """A saved ``config.json`` of any format (older ones migrated: ``retrieval/format.py``);
-        errors name the file and the field."""
-        from retrieval.format import read_config
-
-        try:
-            text = path.read_text(encoding="utf-8")
-            saved = json.loads(text)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not JSON ({e})") from None
-        return read_config(saved, where=str(path))

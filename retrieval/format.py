@@ -17,6 +17,8 @@ Versions:
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from retrieval.config import MODEL_FORMAT, ModelConfig
@@ -36,6 +38,16 @@ def version_of(saved: dict[str, Any], what: str) -> int:
     if type(version) is not int or version < 0:
         raise ValueError(f"{what}: format must be an int >= 0, got {version!r}")
     return version
+
+
+def load_config(path: Path) -> ModelConfig:
+    """A saved ``config.json`` of any format (older ones migrated); errors name the file and
+    the field."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    return read_config(saved, where=str(path))
 
 
 def read_config(saved: dict[str, Any], where: str = "config.json") -> ModelConfig:

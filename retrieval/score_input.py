@@ -110,12 +110,12 @@ def check_input(job: ScoreJob) -> pq.ParquetFile:
 def _check_user_column(t: pa.DataType, job: ScoreJob) -> None:
     """The ``user`` column: integers, for a model that keeps a seen store."""
     from retrieval.artifact import CONFIG_FILE
-    from retrieval.config import ModelConfig
+    from retrieval.format import load_config
 
     if not pa.types.is_integer(t):
         raise ScoreInputError(f"--users: column 'user' is {t}, expected int64")
     try:
-        stored = ModelConfig.load(job.model_dir / CONFIG_FILE).seen_store
+        stored = load_config(job.model_dir / CONFIG_FILE).seen_store
     except (OSError, ValueError, TypeError) as e:
         raise ScoreInputError(f"model_dir: {e}") from None
     if not stored:
@@ -128,10 +128,10 @@ def _check_user_column(t: pa.DataType, job: ScoreJob) -> None:
 def _model_maps(job: ScoreJob) -> Any:
     """The model folder's id maps (None: dense ids); errors name the folder."""
     from retrieval.artifact import CONFIG_FILE, read_id_maps
-    from retrieval.config import ModelConfig
+    from retrieval.format import load_config
 
     try:
-        return read_id_maps(job.model_dir, ModelConfig.load(job.model_dir / CONFIG_FILE))
+        return read_id_maps(job.model_dir, load_config(job.model_dir / CONFIG_FILE))
     except (OSError, ValueError, TypeError) as e:
         raise ScoreInputError(f"model_dir: {e}") from None
 
@@ -146,12 +146,12 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
     finite float32; a filter (or ``--filter``) that does not parse or names an unknown attribute
     or value. The workers trust what passes (they would fail mid-job, or index out of range)."""
     from retrieval.artifact import CONFIG_FILE
-    from retrieval.config import ModelConfig
     from retrieval.filters import FilterSchema
+    from retrieval.format import load_config
 
     path = job.model_dir / CONFIG_FILE
     try:
-        cfg = ModelConfig.load(path)
+        cfg = load_config(path)
     except (OSError, ValueError, TypeError) as e:
         raise ScoreInputError(f"model_dir: cannot read {path}: {e}") from None
     check_parts(job, cfg)

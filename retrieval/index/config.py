@@ -5,11 +5,22 @@ and the search, ``stats.py`` what the build measured."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
 from common.config import Config
+
+MIN_POINTS_PER_CENTROID = 39
+"""faiss's ``ClusteringParameters.min_points_per_centroid``: fewer points per centroid warn."""
+
+
+def default_nlist(num_items: int) -> int:
+    """Inverted lists for a catalog of ``num_items``: about sqrt(N), but never fewer than
+    ``MIN_POINTS_PER_CENTROID`` items per list (80 items: 2 lists; 10,000: 100)."""
+    return max(1, min(math.isqrt(num_items), num_items // MIN_POINTS_PER_CENTROID))
+
 
 EXACT_COPIES = ("float16", "float32", "none")
 """Dtypes of the exact copy (``ivf.EXACT_DTYPES`` maps them to torch's); this module loads no
@@ -32,7 +43,7 @@ class IVFConfig(Config):
     nlist: PositiveInt | None = None
     """Inverted lists (k-means centroids), capped at the catalog size; None: about sqrt(items),
     with at least 39 items a list (what faiss's k-means asks for:
-    ``retrieval.index.kmeans.default_nlist``)."""
+    ``default_nlist``)."""
     nprobe: PositiveInt | None = None
     """Lists probed per query, at least: the plan probes more lists for a filtered request (as
     its selectivity falls) or when these lists hold too few items for ``2 x`` the candidates
@@ -115,8 +126,6 @@ class IVFConfig(Config):
         """This config as a build over ``num_items`` resolves it: ``nlist``, ``nprobe`` and
         ``target_recall`` numbers (the tuned nprobe replaces this one later), ``exact_copy =
         "auto"`` what it means here. An index not built yet (``num_items`` 0) holds one list."""
-        from retrieval.index.kmeans import default_nlist
-
         nlist = self.nlist or default_nlist(max(num_items, 1))
         target = self.target_recall
         if target is None:

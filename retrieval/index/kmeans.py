@@ -19,7 +19,6 @@ log instead of once per build on stderr.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from types import ModuleType
 
@@ -28,23 +27,16 @@ import numpy as np
 import torch
 
 from common.cpp_extension import load_extension
+from retrieval.index.config import MIN_POINTS_PER_CENTROID, default_nlist
 from retrieval.index.scan import int8_isa
 
 log = logging.getLogger(__name__)
 
-MIN_POINTS_PER_CENTROID = 39
-"""faiss's ``ClusteringParameters.min_points_per_centroid``: fewer points per centroid warn."""
 _explained: set[tuple[int, int]] = set()
 _SRC = Path(__file__).parent / "csrc" / "nearest_centroid.cpp"
 SPLIT_EPS = 1.0 / 1024
 """An empty list takes a copy of a large list's centroid; the two move apart by this share per
 dimension (faiss's ``EPS`` in its ``split_clusters``)."""
-
-
-def default_nlist(num_items: int) -> int:
-    """Inverted lists for a catalog of ``num_items``: about sqrt(N), but never fewer than
-    ``MIN_POINTS_PER_CENTROID`` items per list (80 items: 2 lists; 10,000: 100)."""
-    return max(1, min(math.isqrt(num_items), num_items // MIN_POINTS_PER_CENTROID))
 
 
 def train_centroids(

@@ -38,6 +38,7 @@ from retrieval.artifact import CONFIG_FILE
 from retrieval.config import ModelConfig
 from retrieval.features import UserBatch
 from retrieval.filters import FilterBatch
+from retrieval.format import load_config
 from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.search import Candidates, run_search
 from retrieval.model import RetrievalModel, table_specs
@@ -162,7 +163,7 @@ class ShardedRepository:
 
     def load(self, name: str, version: int | None = None) -> LoadedModel:
         vdir = self.repo.verified_dir(name, version)
-        cfg = ModelConfig.load(vdir / ARTIFACT_DIR / CONFIG_FILE)
+        cfg = load_config(vdir / ARTIFACT_DIR / CONFIG_FILE)
         remote = self._remote_tables(cfg, int(vdir.name))
         loaded = self.repo.load(name, int(vdir.name), remote=remote)
         smap = loaded.shard_map

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from retrieval.artifact import load_model, load_shard, load_whole_model, save_model
-from retrieval.config import MODEL_FORMAT, ModelConfig
+from retrieval.config import MODEL_FORMAT
 from retrieval.features import make_user_batch
 from retrieval.filters import FilterSchema
-from retrieval.format import CONFIG_STEPS, STATE_STEPS, migrate_config
+from retrieval.format import CONFIG_STEPS, STATE_STEPS, load_config, migrate_config
 from retrieval.index.format import INDEX_FORMAT, MEASURED, STEPS, migrate
 from retrieval.model import RetrievalModel
 
@@ -124,4 +124,4 @@ def test_a_bad_saved_config_names_the_file_and_field(tmp_path):
     cfg["index"]["nprobe"] = 0
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"config.json: index.nprobe: must be >= 1, got 0"):
-        ModelConfig.load(folder / "config.json")
+        load_config(folder / "config.json")
