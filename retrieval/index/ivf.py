@@ -412,10 +412,26 @@ class IVFIndex(nn.Module):
         copy of every vector to re-rank with."""
         return self.config.exact_copy != "none"
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__["_bundle"] = None  # a new buffer, config, statistic or list: a new bundle
+        super().__setattr__(name, value)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> IVFIndex:
+        self.__dict__["_bundle"] = None  # .to() / .cuda() rebind the buffers in the buffer dict
+        return super()._apply(fn, recurse)
+
     def tensors(self) -> IndexTensors:
-        """The index's tensors as one bundle (``retrieval/index/tensors.py``), read from the
-        module's buffer dict: a buffer read as an attribute goes through
-        ``nn.Module.__getattr__``, and a one-query search reads many."""
+        """The index's tensors as one bundle (``retrieval/index/tensors.py``), made once and kept
+        until an attribute is set or the buffers move (a one-query search would otherwise spend
+        a good part of its time gathering them)."""
+        bundle = self.__dict__.get("_bundle")
+        if bundle is None:
+            bundle = self.__dict__["_bundle"] = self._gather_tensors()
+        return bundle
+
+    def _gather_tensors(self) -> IndexTensors:
+        """The bundle, read from the module's buffer dict (a buffer read as an attribute goes
+        through ``nn.Module.__getattr__``)."""
         b = self._buffers
         return IndexTensors(
             self.config,
