@@ -53,7 +53,6 @@ from serving.frontends.kserve_spec import (
     model_spec,
     resolve,
     server_version,
-    with_raw_ids,
 )
 from serving.raw_ids import raw_item_ids
 from serving.types import DATATYPES, ModelNotFoundError, RecRequest, RecResult, RequestError
@@ -79,7 +78,6 @@ __all__ = [
     "resolve",
     "server_version",
     "submit_rows",
-    "with_raw_ids",
 ]
 
 _PAD: dict[str, float] = {"item_ids": -1, "scores": -np.inf}

@@ -123,7 +123,7 @@ def model_config(state: ServingState, spec: ModelSpec) -> mc.ModelConfig:
     """The loaded version's ``config.pbtxt``; one built from the interface when it has none."""
     config = loaded_config(state)
     if config is not None:
-        return with_raw_ids(config) if spec.raw_ids else with_seen(config)
+        return config
     policy = state.batcher.policy
 
     def tensor(t: TensorSpec) -> dict[str, Any]:
@@ -142,37 +142,6 @@ def model_config(state: ServingState, spec: ModelSpec) -> mc.ModelConfig:
             default_queue_policy=mc.ModelQueuePolicy(max_queue_size=policy.max_queue_size),
         ),
     )
-
-
-def with_seen(config: mc.ModelConfig) -> mc.ModelConfig:
-    """``config`` declaring the optional ``seen`` input (a version published before configs
-    declared it gets it here); ``config`` itself when it declares it or declares no inputs."""
-    if not config.input or any(t.name == "seen" for t in config.input):
-        return config
-    out = mc.ModelConfig()
-    out.CopyFrom(config)
-    out.input.add(name="seen", data_type=mc.TYPE_INT64, dims=[-1], optional=True)
-    return out
-
-
-def with_raw_ids(config: mc.ModelConfig) -> mc.ModelConfig:
-    """``config`` declaring ``seen`` and the raw id tensors (a version published before configs
-    declared them gets them from its model's id maps); ``config`` itself when it declares them."""
-    config = with_seen(config)
-    inputs = {t.name for t in config.input}
-    if all(n in inputs for n in RAW_INPUTS):
-        return config
-    out = mc.ModelConfig()
-    out.CopyFrom(config)
-    for t in out.input:
-        if t.name == "history":
-            t.optional = True
-    for name in RAW_INPUTS:
-        if name not in inputs:
-            out.input.add(name=name, data_type=mc.TYPE_STRING, dims=[-1], optional=True)
-    if not any(t.name == "raw_item_ids" for t in out.output):
-        out.output.add(name="raw_item_ids", data_type=mc.TYPE_STRING, dims=[-1])
-    return out
 
 
 def server_version() -> str:

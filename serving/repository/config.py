@@ -147,3 +147,29 @@ def read_config(path: Path) -> TritonConfig:
     except UnicodeDecodeError as e:  # a ValueError that would not name the file
         raise ValueError(f"{path}: not UTF-8 text: {e}") from None
     return parse_config(text, str(path))
+
+
+def upgrade_config(cfg: TritonConfig, raw_ids: bool) -> TritonConfig:
+    """``cfg`` as :func:`make_config` writes it today: a version published before configs declared
+    the optional ``seen`` input (and, with ``raw_ids``, the raw id tensors, ``history`` optional)
+    gets them here, once, when it loads. ``cfg`` itself when it declares them or no inputs."""
+    if not cfg.input:
+        return cfg
+    wanted = [("seen", mc.TYPE_INT64)]
+    if raw_ids:
+        wanted += [("raw_history", mc.TYPE_STRING), ("raw_seen", mc.TYPE_STRING)]
+    declared = {t.name for t in cfg.input}
+    missing = [(n, dtype) for n, dtype in wanted if n not in declared]
+    lacks_output = raw_ids and not any(t.name == "raw_item_ids" for t in cfg.output)
+    if not missing and not lacks_output:
+        return cfg
+    out = mc.ModelConfig()
+    out.CopyFrom(cfg)
+    for t in out.input:
+        if raw_ids and t.name == "history":
+            t.optional = True
+    for in_name, dtype in missing:
+        out.input.add(name=in_name, data_type=dtype, dims=[-1], optional=True)
+    if lacks_output:
+        out.output.add(name="raw_item_ids", data_type=mc.TYPE_STRING, dims=[-1])
+    return out

@@ -63,7 +63,13 @@ from common.atomic import atomic_write_bytes, fsync_dir, fsync_tree, temp_path, 
 from retrieval.artifact import ShardMap, load_model, load_shard, save_model, save_sharded
 from retrieval.index.ivf import IVFIndex
 from retrieval.model import RetrievalModel, table_specs
-from serving.repository.config import CONFIG_FILE, TritonConfig, format_config, make_config
+from serving.repository.config import (
+    CONFIG_FILE,
+    TritonConfig,
+    format_config,
+    make_config,
+    upgrade_config,
+)
 from serving.repository.manifest import MANIFEST_FILE, CorruptVersionError, verify, write_manifest
 from serving.repository.model_folder import (
     LOCK_FILE,
@@ -252,6 +258,7 @@ class ModelRepository:
         where = self.device if map_location is None else map_location
         model = load_model(vdir / ARTIFACT_DIR, map_location=where, remote=remote)
         model.eval()
+        cfg = upgrade_config(cfg, raw_ids=model.id_maps is not None)
         return LoadedModel(
             name, int(vdir.name), model, cfg, vdir, ShardMap.read(vdir / ARTIFACT_DIR)
         )

@@ -22,17 +22,14 @@ import pytest
 import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
-from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from retrieval.model import RetrievalModel
 from retrieval.seen import pad_lists
 from serving.app.config import BatchingConfig
 from serving.app.server import Server
-from serving.frontends.kserve_spec import with_raw_ids, with_seen
 from serving.limits import LimitsConfig
 from serving.protos.recommend_pb2_grpc import RecommenderStub
-from serving.repository.config import make_config
 from serving.types import DATATYPES
 from support.raw_id_model import raw_item, with_id_maps
 from support.tiny_model import StandInRepo, Tiny
@@ -288,22 +285,3 @@ def test_raw_seen_on_a_model_with_id_maps(mapped_server, tiny):
             check_row(ids[row], scores[row], alone(tiny, mapped, u, row_seen, 9), row_seen)
     finally:
         client.close()
-
-
-def test_a_config_published_before_seen_lists_gets_them_declared(tiny):
-    def older(raw_ids: bool) -> mc.ModelConfig:
-        cfg = make_config("demo", tiny.prep.config, raw_ids=raw_ids)
-        kept = [t for t in cfg.input if t.name not in ("seen", "raw_seen")]
-        del cfg.input[:]
-        cfg.input.extend(kept)
-        return cfg
-
-    plain = with_seen(older(False))
-    assert plain == make_config("demo", tiny.prep.config)
-    assert with_seen(plain) is plain
-    mapped = with_raw_ids(older(True))
-    declared = {t.name: (t.data_type, t.optional) for t in mapped.input}
-    assert declared["seen"] == (mc.TYPE_INT64, True)
-    assert declared["raw_seen"] == declared["raw_history"] == (mc.TYPE_STRING, True)
-    assert [t.name for t in mapped.output].count("raw_item_ids") == 1
-    assert with_seen(mc.ModelConfig(name="demo")) == mc.ModelConfig(name="demo")  # no inputs

@@ -14,6 +14,7 @@ from serving.repository.config import (
     make_config,
     parse_config,
     read_config,
+    upgrade_config,
     write_config,
 )
 from serving.types import INPUTS, OUTPUTS
@@ -113,3 +114,23 @@ def test_malformed_pbtxt_names_file_and_line(tmp_path: Path) -> None:
 def test_bad_arguments_name_the_field(tiny, kwargs, field) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         make_config("demo", tiny.prep.config, **kwargs)
+
+
+def test_a_config_published_before_seen_lists_gets_them_declared_at_load(tiny) -> None:
+    def older(raw_ids: bool) -> mc.ModelConfig:
+        cfg = make_config("demo", tiny.prep.config, raw_ids=raw_ids)
+        kept = [t for t in cfg.input if t.name not in ("seen", "raw_seen")]
+        del cfg.input[:]
+        cfg.input.extend(kept)
+        return cfg
+
+    plain = upgrade_config(older(False), raw_ids=False)
+    assert plain == make_config("demo", tiny.prep.config)
+    assert upgrade_config(plain, raw_ids=False) is plain
+    mapped = upgrade_config(older(True), raw_ids=True)
+    declared = {t.name: (t.data_type, t.optional) for t in mapped.input}
+    today = make_config("demo", tiny.prep.config, raw_ids=True)
+    assert declared == {t.name: (t.data_type, t.optional) for t in today.input}
+    assert [t.name for t in mapped.output].count("raw_item_ids") == 1
+    assert upgrade_config(today, raw_ids=True) is today
+    assert upgrade_config(mc.ModelConfig(name="demo"), raw_ids=True) == mc.ModelConfig(name="demo")
