@@ -285,6 +285,15 @@ bool probe_one_int8(Isa isa, const float* qb, int64_t d, const float* ct, int64_
 }
 #endif
 
+// The probe's inputs: queries ``q [B, D]`` and transposed centroids ``centroids_t [D, L]``.
+static void check_query_and_centroids(const at::Tensor& q, const at::Tensor& centroids_t) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
+              "q must be a contiguous CPU float32 [B, D]");
+  TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(0) == q.size(1) &&
+              centroids_t.scalar_type() == at::kFloat && centroids_t.is_contiguous(),
+              "centroids_t must be contiguous float32 [D, L] with the query's D");
+}
+
 // The lists each query probes: q [B, D], centroids_t [D, L] (the centroids transposed, float32) ->
 // coarse [B, P] = q·c of each probed list and probes [B, P], best first by q·c, or by q·c - half[l]
 // (half = ||c||^2 / 2: the nearest centroids by L2) when half is not empty; P <= L. The dots run
@@ -294,11 +303,7 @@ bool probe_one_int8(Isa isa, const float* qb, int64_t d, const float* ct, int64_
 
 std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tensor& centroids_t,
                                              const at::Tensor& half, int64_t p, const ProbeTable& table) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
-              "q must be a contiguous CPU float32 [B, D]");
-  TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(0) == q.size(1) &&
-              centroids_t.scalar_type() == at::kFloat && centroids_t.is_contiguous(),
-              "centroids_t must be contiguous float32 [D, L] with the query's D");
+  check_query_and_centroids(q, centroids_t);
   const int64_t b_count = q.size(0), d = q.size(1), nlist = centroids_t.size(1);
   TORCH_CHECK(p >= 1 && p <= nlist, "nprobe must be in [1, nlist]");
   const bool by_l2 = half.numel() > 0;
@@ -371,11 +376,7 @@ std::tuple<at::Tensor, at::Tensor> ivf_probe(const at::Tensor& q, const at::Tens
 // ranks lists by: the same bits). A few queries run on the calling thread: a matmul of one query
 // against the centroids woke a second thread, which then spun through the rest of the search.
 at::Tensor centroid_dots(const at::Tensor& q, const at::Tensor& centroids_t) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
-              "q must be a contiguous CPU float32 [B, D]");
-  TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(0) == q.size(1) &&
-              centroids_t.scalar_type() == at::kFloat && centroids_t.is_contiguous(),
-              "centroids_t must be contiguous float32 [D, L] with the query's D");
+  check_query_and_centroids(q, centroids_t);
   const int64_t b_count = q.size(0), d = q.size(1), nlist = centroids_t.size(1);
   auto out = at::empty({b_count, nlist}, q.options());
   const float* qp = q.data_ptr<float>();
