@@ -1,6 +1,8 @@
 """One executor runs any search plan on one index, choosing a backend by the plan's data.
 
     plan = plans.plan(tensors, filters, params, q)      planner.py (kept plans: PlanCache)
+    backend "device": the whole search in fixed      device_search.py (the plan decided on
+          shapes, no host read                         the device: device_plan.py)
     keyed by id, a few CPU queries:  one C++ call      cpu_backend.py (where the plan allows)
     else: the rounds of search.run_search, each a      candidates.py (C++ scan on the CPU,
           fetch of candidates; a plain plan's first     Triton on a GPU); gpu_backend.py
@@ -19,6 +21,7 @@ import torch
 from retrieval.filters import FilterBatch
 from retrieval.index.candidates import candidates, keyed_by_id
 from retrieval.index.cpu_backend import lists_ids, shared_exact_ids
+from retrieval.index.device_search import device_search, ids_of
 from retrieval.index.gpu_backend import plain_first_round
 from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import PlanCache
@@ -32,8 +35,12 @@ class Executor:
     them) and keeps what searches repeat (:class:`~retrieval.index.planner.PlanCache`; on a GPU
     the CUDA graphs, kept per executor by ``cuda_graphs.run_graphed``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "auto") -> None:
         self.plans = PlanCache()
+        self.backend = backend
+        """``"device"``: every search through ``device_search`` (fixed shapes, the plan decided
+        on the device, nothing read back: what a CUDA graph records, and what the CPU's device
+        discipline tests run); ``"auto"``: the host-planned rounds and their backends."""
 
     def search(
         self,
@@ -46,6 +53,9 @@ class Executor:
         """Top-``k`` of ``q [B, D]`` (as given; scored inside) under ``fb`` (None: no clause,
         nothing excluded) -> ``(item ids [B, k], scores [B, k])``, or list-sorted positions
         instead of ids where ``positions``; ``-1`` / ``-inf`` padded."""
+        if self.backend == "device":
+            pos, scores = device_search(t, q, fb, params)
+            return (pos if positions else ids_of(t, pos)), scores
         plan = self.plans.plan(t, fb, params, q)
         if not positions:
             found = shared_exact_ids(t, q, fb, plan)
