@@ -40,9 +40,13 @@ _aten = torch.ops.aten
 
 SYNCING = {
     _aten._local_scalar_dense.default: "reads a tensor's value into Python (.item / int / bool)",
+    # under inference_mode the mode sees .item() before it decomposes
+    _aten.item.default: "reads a tensor's value into Python (.item / int / bool)",
+    _aten.allclose.default: "returns a Python bool of tensor data",
     _aten.equal.default: "returns a Python bool of tensor data",
     _aten.is_nonzero.default: "returns a Python bool of tensor data",
     _aten.nonzero.default: "an output shape from data",
+    _aten.nonzero_numpy.default: "an output shape from data",
     _aten.argwhere.default: "an output shape from data",
     _aten.masked_select.default: "an output shape from data",
     _aten._unique.default: "an output shape from data",

@@ -37,9 +37,15 @@ REFUSED: dict[str, Callable[[], object]] = {
 }
 
 
+@pytest.mark.parametrize("inference", [False, True])
 @pytest.mark.parametrize("name", list(REFUSED))
-def test_refuses_each_syncing_op(name: str) -> None:
-    with DeviceDiscipline(), pytest.raises(DeviceSyncError) as err:
+def test_refuses_each_syncing_op(name: str, inference: bool) -> None:
+    """Also under inference_mode, where the mode sees some ops before they decompose."""
+    with (
+        torch.inference_mode(inference),
+        DeviceDiscipline(),
+        pytest.raises(DeviceSyncError) as err,
+    ):
         REFUSED[name]()
     assert __file__ in str(err.value)  # the frame of the line that asked, not torch's
 
