@@ -30,6 +30,7 @@ import torch
 
 from retrieval.filters import FilterBatch, eligible
 from retrieval.index.codes import dequantize
+from retrieval.index.cuda_graphs import bucket, run_graphed
 from retrieval.index.device_plan import DevicePlan, device_plan, first_width
 from retrieval.index.exclude import PAD, is_excluded
 from retrieval.index.plan import SearchParams
@@ -217,3 +218,31 @@ def all_vectors(t: IndexTensors) -> torch.Tensor:
 def ids_of(t: IndexTensors, pos: torch.Tensor) -> torch.Tensor:
     """Positions ``[B, k]`` (``-1`` pads) -> item ids (``-1`` pads), in tensor ops."""
     return torch.where(pos >= 0, t.item_ids[pos.clamp(min=0)], pos)
+
+
+def graphed_search(
+    owner: object, t: IndexTensors, q: torch.Tensor, fb: FilterBatch | None, params: SearchParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`device_search`, replayed on a GPU from a CUDA graph kept for ``owner`` per batch
+    bucket, clause count and excluded width (``cuda_graphs.run_graphed``; the excluded ids
+    padded with ``-1`` to a bucketed width, which excludes nothing more); eager elsewhere."""
+    b, w = q.shape[0], t.lists.sig.shape[1]
+    masks = fb.masks if fb is not None else q.new_zeros((b, 0, w), dtype=torch.int64)
+    negate = fb.negate if fb is not None else q.new_zeros((b, 0), dtype=torch.bool)
+    inputs = [q, masks, negate]
+    ex = fb.exclude if fb is not None else None
+    if ex is not None:
+        width = bucket(ex.shape[1])
+        inputs.append(torch.nn.functional.pad(ex, (0, width - ex.shape[1]), value=-1))
+
+    def search(
+        qq: torch.Tensor, mm: torch.Tensor, nn: torch.Tensor, *more: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return device_search(t, qq, FilterBatch(mm, nn, more[0] if more else None), params)
+
+    lists = t.lists
+    kept = (t.centroids, lists.codes, lists.scales, lists.offsets, lists.sig, t.built_sizes,
+            t.item_ids, t.exact, t.bit_counts, t.list_radius, t.list_bits)  # fmt: skip
+    key = ("device", params.k, params.nprobe, params.rerank, params.exact, ex is not None)
+    pos, scores = run_graphed(owner, key, search, tuple(inputs), kept)
+    return pos, scores

@@ -2,7 +2,8 @@
 
     plan = plans.plan(tensors, filters, params, q)      planner.py (kept plans: PlanCache)
     backend "device": the whole search in fixed      device_search.py (the plan decided on
-          shapes, no host read                         the device: device_plan.py)
+          shapes, no host read; on a GPU from a        the device: device_plan.py)
+          CUDA graph per bucket
     keyed by id, a few CPU queries:  one C++ call      cpu_backend.py (where the plan allows)
     else: the rounds of search.run_search, each a      candidates.py (C++ scan on the CPU,
           fetch of candidates; a plain plan's first     Triton on a GPU); gpu_backend.py
@@ -21,7 +22,7 @@ import torch
 from retrieval.filters import FilterBatch
 from retrieval.index.candidates import candidates, keyed_by_id
 from retrieval.index.cpu_backend import lists_ids, shared_exact_ids
-from retrieval.index.device_search import device_search, ids_of
+from retrieval.index.device_search import graphed_search, ids_of
 from retrieval.index.gpu_backend import plain_first_round
 from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import PlanCache
@@ -54,7 +55,7 @@ class Executor:
         nothing excluded) -> ``(item ids [B, k], scores [B, k])``, or list-sorted positions
         instead of ids where ``positions``; ``-1`` / ``-inf`` padded."""
         if self.backend == "device":
-            pos, scores = device_search(t, q, fb, params)
+            pos, scores = graphed_search(self, t, q, fb, params)
             return (pos if positions else ids_of(t, pos)), scores
         plan = self.plans.plan(t, fb, params, q)
         if not positions:
