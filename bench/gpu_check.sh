@@ -17,15 +17,15 @@
 #
 # Every step has a time limit cut to what is left of $GPU_CHECK_BUDGET_S (default 390 s), so
 # one hang cannot take the whole lease; a step with under 15 s left is skipped.
-# $GPU_CHECK_STEPS picks steps (default all: pytest,gpu,serving,cpu). Writes into $OUT:
-# gpu_check.log (everything printed), gpu_pytest.log, gpu.json, serving_cuda.json,
-# serving_cpu.json, gpu_cpu.json.
+# $GPU_CHECK_STEPS picks steps (default all: pytest,gpu,device,serving,cpu). Writes into $OUT:
+# gpu_check.log (everything printed), gpu_pytest.log, gpu.json, gpu_device.json,
+# serving_cuda.json, serving_cpu.json, gpu_cpu.json.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 WHL=${WHL:-.whl}
 BUDGET=${GPU_CHECK_BUDGET_S:-390}
 ITEMS=${SERVING_ITEMS:-200000}
-STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,serving,cpu},
+STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,device,serving,cpu},
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -99,6 +99,13 @@ wait # the kernel builds (normally long done)
 [[ $STEPS == *,gpu,* ]] && step "bench/gpu.py cuda 1M" 100 python3 bench/gpu.py --device cuda --check --threads "$(nproc)" \
     --sizes 1000000 --batches 1,16,128,1024 --ks 100 --selectivities 1,0.5,0.05,0.005 \
     --nprobes 16,32,64 --budget-s 0.2 --out "$OUT/gpu.json"
+
+# 2b. the device path (the plan decided on the device, fixed shapes): the host-planned search vs
+# the device path eager and replayed from CUDA graphs, vs GEMM + topk, at 1M (the gpu-marked tests
+# of step 1 check its graphs' answers against the CPU's)
+[[ $STEPS == *,device,* ]] && step "bench/gpu_device_path.py cuda 1M" 90 python3 bench/gpu_device_path.py \
+    --device cuda --size 1000000 --batches 1,16,32 --k 100 --selectivities 1,0.05 --budget-s 0.1 \
+    --out "$OUT/gpu_device.json"
 
 # 3. serving: the same model (untrained, --epochs 0: no fbgemm here to train with) served by
 # `recserve serve model` on the GPU, then on the CPU (one process; and one per core)

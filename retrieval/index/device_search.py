@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from retrieval.filters import FilterBatch, eligible
+from retrieval.filters import FilterBatch
 from retrieval.index.codes import dequantize
 from retrieval.index.cuda_graphs import bucket, run_graphed
 from retrieval.index.device_plan import DevicePlan, device_plan, first_width
@@ -192,7 +192,7 @@ def exact_all(
     scores = q @ all_vectors(t).T  # [B, N]
     pos = torch.arange(n, device=q.device)
     if masks.shape[1]:
-        scores = scores.masked_fill(~eligible(t.lists.sig, masks, negate), NEG_INF)
+        scores = scores.masked_fill(~eligible_all(t.lists.sig, masks, negate), NEG_INF)
     if excl is not None and excl.shape[1]:
         scores = scores.masked_fill(is_excluded(pos.expand(q.shape[0], -1), excl), NEG_INF)
     top, idx = scores.topk(min(k, n), dim=1)
@@ -201,6 +201,20 @@ def exact_all(
         found = torch.nn.functional.pad(found, (0, k - n), value=-1)
         top = torch.nn.functional.pad(top, (0, k - n), value=NEG_INF)
     return found, top
+
+
+def eligible_all(sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+    """``filters.eligible`` of every item for every row: ``sig [N, W]``, ``masks [B, C, W]``,
+    ``negate [B, C]`` -> ``[B, N] bool``, a clause and a word at a time, so the temporaries
+    stay ``[B, N]`` (``eligible`` broadcasts to ``[B, C, N, W]``)."""
+    b, c, w = masks.shape
+    ok = torch.ones(b, sig.shape[0], dtype=torch.bool, device=sig.device)
+    for ci in range(c):
+        hit = torch.zeros_like(ok)
+        for wi in range(w):
+            hit |= (sig[None, :, wi] & masks[:, ci, wi, None]) != 0
+        ok &= hit != negate[:, ci, None]
+    return ok
 
 
 def all_vectors(t: IndexTensors) -> torch.Tensor:
