@@ -83,7 +83,7 @@ def test_the_bucketed_forward_compiles_as_one_graph(served) -> None:
     prep, model = served
     device = on_device(model)
     torch._dynamo.reset()
-    forward = torch.compile(device, fullgraph=True, backend="eager")
+    forward = torch.compile(device, fullgraph=True, backend="aot_eager")
     with torch.inference_mode():
         for b, filtered in ((4, False), (4, True)):
             batch = batch_of(prep, b, filtered, True)
