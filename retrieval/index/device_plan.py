@@ -22,6 +22,7 @@ are not planned here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -106,11 +107,28 @@ def may_hold(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> torc
 
 
 def first_width(t: IndexTensors, r: int, nprobe: int, clauses: int, excluded: int) -> int:
-    """Probe slots the first round needs at most: every list where a filter may narrow it
-    (``clauses > 0``), else what ``lists_for`` gives the widest excluded row."""
-    if clauses:
-        return max(t.nlist, 1)
-    return lists_for(t, 1.0, nprobe, r + excluded)
+    """Probe slots the first round needs at most (host numbers: the shapes' own), for rows
+    needing ``r`` plus up to ``excluded`` items. Unfiltered: ``lists_for`` of the widest row.
+    Filtered: a row takes lists only while they cost less than its exact scan, ``lists_for(s) <
+    s * exact_cost * nlist`` (:func:`cheaper_exact`), the left side falling with ``s`` and the
+    right rising; so the widest list row sits just above the crossing, found by bisection in
+    ``log s``, and ``lists_for`` at a point below it bounds every list row's lists."""
+    nlist, need = max(t.nlist, 1), r + excluded
+    widest = lists_for(t, 1.0, nprobe, need)
+    if not clauses or t.ntotal <= 0:
+        return widest
+    per_list, cost = t.ntotal / nlist, float(t.config.exact_cost)
+
+    def takes_lists(sel: float) -> bool:
+        return not sel * t.ntotal * cost <= lists_for(t, sel, nprobe, need) * per_list
+
+    lo, hi = 1e-9, 1.0
+    if takes_lists(lo):
+        return nlist
+    for _ in range(64):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if takes_lists(mid) else (mid, hi)
+    return max(widest, lists_for(t, lo, nprobe, need))
 
 
 def device_plan(

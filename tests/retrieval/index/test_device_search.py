@@ -16,6 +16,7 @@ from common.device_discipline import DeviceDiscipline
 from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.cuda_graphs import _CACHES
+from retrieval.index.device_plan import cheaper_exact, first_width, row_lists
 from retrieval.index.plan import RowKind
 from support.topk_check import assert_same_topk
 from tests.conftest import clustered
@@ -137,3 +138,17 @@ def test_on_a_gpu_the_graphed_device_path_answers_as_the_cpu(index: IVFIndex, da
             assert (got == want).float().mean() >= 0.99
     graphs = _CACHES[gpu.executor].values()
     assert len(graphs) == 3 and all(g.graph is not None for g in graphs)
+
+
+@pytest.mark.parametrize(("r", "excluded"), [(5, 0), (40, 30), (400, 0)])
+def test_the_first_rounds_width_bounds_every_list_row(index: IVFIndex, r, excluded) -> None:
+    """Over selectivities from one in a million to all, no row that takes lists (not exact by
+    ``cheaper_exact``) probes more lists than the filtered first round's width."""
+    t = index.tensors()
+    sel = torch.logspace(-6, 0, 4000)
+    need = torch.full_like(sel, r + excluded, dtype=torch.int64)
+    lists = row_lists(t, sel, 4, need)
+    listed = ~cheaper_exact(t, sel, lists)
+    width = first_width(t, r, 4, 1, excluded)
+    assert int(lists[listed].max()) <= width <= t.nlist
+    assert width < t.nlist or r == 400  # narrower than every list where that holds
