@@ -19,7 +19,9 @@
 # one hang cannot take the whole lease; a step with under 15 s left is skipped.
 # $GPU_CHECK_STEPS picks steps (default all: pytest,gpu,device,serving,cpu). Writes into $OUT:
 # gpu_check.log (everything printed), gpu_pytest.log, gpu.json, gpu_device.json,
-# serving_cuda.json, serving_cpu.json, gpu_cpu.json.
+# serving_cuda.json, serving_cuda_device.json, serving_cpu.json, gpu_cpu.json. The steps add up
+# to more than the default budget: a run that must have the device path's figures first picks
+# GPU_CHECK_STEPS=pytest,device,serving (serving: the GPU, its device path, then the CPU).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 WHL=${WHL:-.whl}
@@ -129,6 +131,9 @@ except Exception:
     traceback.print_exc()
 EOF
     fi
+    # the same, the index on its device path ($RECSERVE_INDEX_BACKEND reaches the server)
+    step "bench/serving.py cuda, device path" 100 env RECSERVE_INDEX_BACKEND=device "${SERVE[@]}" \
+        --systems ours-1proc --device cuda --out "$OUT/serving_cuda_device.json"
     step "bench/serving.py cpu" 80 "${SERVE[@]}" --systems ours-1proc,ours --device cpu \
         --out "$OUT/serving_cpu.json"
 else

@@ -17,6 +17,8 @@ the index.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from retrieval.filters import FilterBatch
@@ -30,18 +32,23 @@ from retrieval.index.readout import ids_at
 from retrieval.index.search import Candidates, run_search
 from retrieval.index.tensors import IndexTensors
 
+BACKEND_ENV = "RECSERVE_INDEX_BACKEND"
+"""``device``: new executors take the device path (``Executor.backend``); unset: ``auto``."""
+
 
 class Executor:
     """Runs plans on one index's tensors (given per call: a live update or a reload changes
     them) and keeps what searches repeat (:class:`~retrieval.index.planner.PlanCache`; on a GPU
     the CUDA graphs, kept per executor by ``cuda_graphs.run_graphed``)."""
 
-    def __init__(self, backend: str = "auto") -> None:
+    def __init__(self, backend: str | None = None) -> None:
         self.plans = PlanCache()
-        self.backend = backend
+        self.backend = backend or os.environ.get(BACKEND_ENV, "auto")
         """``"device"``: every search through ``device_search`` (fixed shapes, the plan decided
         on the device, nothing read back: what a CUDA graph records, and what the CPU's device
-        discipline tests run); ``"auto"``: the host-planned rounds and their backends."""
+        discipline tests run), but a recall target's, which is planned on the host; ``"auto"``
+        (the default, or ``$RECSERVE_INDEX_BACKEND``): the host-planned rounds and their
+        backends."""
 
     def search(
         self,
@@ -54,7 +61,7 @@ class Executor:
         """Top-``k`` of ``q [B, D]`` (as given; scored inside) under ``fb`` (None: no clause,
         nothing excluded) -> ``(item ids [B, k], scores [B, k])``, or list-sorted positions
         instead of ids where ``positions``; ``-1`` / ``-inf`` padded."""
-        if self.backend == "device":
+        if self.backend == "device" and params.target is None:
             pos, scores = graphed_search(self, t, q, fb, params)
             return (pos if positions else ids_of(t, pos)), scores
         plan = self.plans.plan(t, fb, params, q)

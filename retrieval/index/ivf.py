@@ -237,7 +237,7 @@ class IVFIndex(nn.Module):
         self._ntotal = int(self.offsets[-1])
         # kept plans and graphs read the lists: start afresh, on the backend chosen
         held = self.__dict__.get("executor")
-        self.executor = Executor("auto" if held is None else held.backend)
+        self.executor = Executor(None if held is None else held.backend)
         ct = self.centroids_t  # below PROBE_TABLE_MIN the float table stays in a core's cache
         self.probe_table = (
             probe_table_cpu(ct) if ct.is_cpu and ct.numel() >= PROBE_TABLE_MIN else None
@@ -342,7 +342,7 @@ class IVFIndex(nn.Module):
         """:meth:`_execute` for the model's forward: traced as it is with the device backend
         (``executor.backend = "device"``: fixed shapes, no host read), else eagerly under a
         compile."""
-        if self.executor.backend == "device":
+        if self.executor.backend == "device" and params.target is None:
             return self._execute(q, fb, params, positions)
         return self._eager_execute(q, fb, params, positions)
 
