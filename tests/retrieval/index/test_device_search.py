@@ -17,6 +17,7 @@ from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.cuda_graphs import _CACHES
 from retrieval.index.device_plan import cheaper_exact, first_width, row_lists
+from retrieval.index.executor import BACKEND_ENV, Executor
 from retrieval.index.plan import RowKind
 from support.topk_check import assert_same_topk
 from tests.conftest import clustered
@@ -152,3 +153,16 @@ def test_the_first_rounds_width_bounds_every_list_row(index: IVFIndex, r, exclud
     width = first_width(t, r, 4, 1, excluded)
     assert int(lists[listed].max()) <= width <= t.nlist
     assert width < t.nlist or r == 400  # narrower than every list where that holds
+
+
+def test_the_backend_from_the_environment_and_a_targets_search(index, data, monkeypatch) -> None:
+    """``$RECSERVE_INDEX_BACKEND`` picks new executors' backend; on the device backend a search
+    with recall targets (planned on the host) takes the host path and answers as it does."""
+    monkeypatch.setenv(BACKEND_ENV, "device")
+    assert Executor().backend == "device"
+    monkeypatch.delenv(BACKEND_ENV)
+    assert Executor().backend == "auto"
+    q = data["q"][:4]
+    fb = index.compile_filter("bucket = 1", 4)
+    got, want = both(index, q, 10, fb, recall_target=1.0)  # 1: exact, with no curve
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
