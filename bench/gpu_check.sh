@@ -17,15 +17,17 @@
 #
 # Every step has a time limit cut to what is left of $GPU_CHECK_BUDGET_S (default 390 s), so
 # one hang cannot take the whole lease; a step with under 15 s left is skipped.
-# $GPU_CHECK_STEPS picks steps (default all: pytest,gpu,serving,cpu). Writes into $OUT:
-# gpu_check.log (everything printed), gpu_pytest.log, gpu.json, serving_cuda.json,
-# serving_cpu.json, gpu_cpu.json.
+# $GPU_CHECK_STEPS picks steps (default all: pytest,gpu,device,serving,cpu). Writes into $OUT:
+# gpu_check.log (everything printed), gpu_pytest.log, gpu.json, gpu_device.json,
+# serving_cuda.json, serving_cuda_device.json, serving_cpu.json, gpu_cpu.json. The steps add up
+# to more than the default budget: a run that must have the device path's figures first picks
+# GPU_CHECK_STEPS=pytest,device,serving (serving: the GPU, its device path, then the CPU).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 WHL=${WHL:-.whl}
 BUDGET=${GPU_CHECK_BUDGET_S:-390}
 ITEMS=${SERVING_ITEMS:-200000}
-STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,serving,cpu},
+STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,device,serving,cpu},
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -100,6 +102,13 @@ wait # the kernel builds (normally long done)
     --sizes 1000000 --batches 1,16,128,1024 --ks 100 --selectivities 1,0.5,0.05,0.005 \
     --nprobes 16,32,64 --budget-s 0.2 --out "$OUT/gpu.json"
 
+# 2b. the device path (the plan decided on the device, fixed shapes): the host-planned search vs
+# the device path eager and replayed from CUDA graphs, vs GEMM + topk, at 1M (the gpu-marked tests
+# of step 1 check its graphs' answers against the CPU's)
+[[ $STEPS == *,device,* ]] && step "bench/gpu_device_path.py cuda 1M" 90 python3 bench/gpu_device_path.py \
+    --device cuda --size 1000000 --batches 1,16,32 --k 100 --selectivities 1,0.05 --budget-s 0.1 \
+    --out "$OUT/gpu_device.json"
+
 # 3. serving: the same model (untrained, --epochs 0: no fbgemm here to train with) served by
 # `recserve serve model` on the GPU, then on the CPU (one process; and one per core)
 if [[ $STEPS == *,serving,* ]] && python3 -c "import recserve.cli, serving.frontends.recommend_grpc, serving.frontends.kserve_grpc, \
@@ -122,6 +131,9 @@ except Exception:
     traceback.print_exc()
 EOF
     fi
+    # the same, the index on its device path ($RECSERVE_INDEX_BACKEND reaches the server)
+    step "bench/serving.py cuda, device path" 100 env RECSERVE_INDEX_BACKEND=device "${SERVE[@]}" \
+        --systems ours-1proc --device cuda --out "$OUT/serving_cuda_device.json"
     step "bench/serving.py cpu" 80 "${SERVE[@]}" --systems ours-1proc,ours --device cpu \
         --out "$OUT/serving_cpu.json"
 else

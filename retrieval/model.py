@@ -287,7 +287,9 @@ class RetrievalModel(nn.Module):
         if batch.seen is not None:
             seen = torch.cat([seen, batch.seen], dim=1)  # [B, H + S]
         if self.seen_store is not None and batch.user is not None:
-            seen = torch.cat([seen, self.seen_store.rows(batch.user)], dim=1)  # + the stored
+            # the device path's rows have the store's fixed width: no host read of the batch's
+            width = self.seen_store.widest if self.index.executor.backend == "device" else None
+            seen = torch.cat([seen, self.seen_store.rows(batch.user, width)], dim=1)  # + stored
         r = min(
             self.index.ntotal, max(k, self.config.head_candidates if self.head is not None else 0)
         )

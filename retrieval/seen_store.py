@@ -24,6 +24,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -41,6 +43,9 @@ class SeenStore(nn.Module):
         super().__init__()
         self.register_buffer("indptr", torch.zeros(1, dtype=torch.int64))
         self.register_buffer("items", torch.zeros(0, dtype=torch.int64))
+        self.widest = 0
+        """The longest user's row: the fixed width of :meth:`rows` on the device path (read on
+        the host whenever the arrays change: at a load or an update, never per request)."""
 
     @classmethod
     def of(cls, users: np.ndarray, items: np.ndarray, num_users: int) -> SeenStore:
@@ -61,9 +66,19 @@ class SeenStore(nn.Module):
     def nbytes(self) -> int:
         return int(self.indptr.numel() * 8 + self.items.numel() * 8)
 
-    def rows(self, users: torch.Tensor) -> torch.Tensor:
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "indptr" and isinstance(value, torch.Tensor):
+            self._measure()
+
+    def _measure(self) -> None:
+        lengths = self.indptr[1:] - self.indptr[:-1]
+        self.__dict__["widest"] = int(lengths.max()) if lengths.numel() else 0
+
+    def rows(self, users: torch.Tensor, width: int | None = None) -> torch.Tensor:
         """The seen items of ``users [B] int64`` -> ``[B, S] int64``, ascending, ``-1`` padded;
-        a user the store does not know (``-1``, or beyond U) gets an empty row."""
+        a user the store does not know (``-1``, or beyond U) gets an empty row. ``width``: S
+        fixed (:attr:`widest`: no host read, the device path's), else the batch's longest row."""
         u_count = self.num_users
         users = users.to(self.indptr.device)
         known = (users >= 0) & (users < u_count)
@@ -72,7 +87,8 @@ class SeenStore(nn.Module):
             return torch.full((users.shape[0], 0), -1, dtype=torch.int64, device=users.device)
         start = self.indptr[u]
         length = torch.where(known, self.indptr[u + 1] - start, torch.zeros_like(start))
-        width = int(length.max()) if length.numel() else 0
+        if width is None:
+            width = int(length.max()) if length.numel() else 0
         col = torch.arange(width, device=users.device)
         at = (start[:, None] + col).clamp(max=self.items.numel() - 1)
         return torch.where(col < length[:, None], self.items[at], torch.full_like(at, -1))
@@ -103,3 +119,4 @@ class SeenStore(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        self._measure()  # copied in place: no assignment saw the new arrays

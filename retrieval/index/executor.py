@@ -1,6 +1,9 @@
 """One executor runs any search plan on one index, choosing a backend by the plan's data.
 
     plan = plans.plan(tensors, filters, params, q)      planner.py (kept plans: PlanCache)
+    backend "device": the whole search in fixed      device_search.py (the plan decided on
+          shapes, no host read; on a GPU from a        the device: device_plan.py)
+          CUDA graph per bucket
     keyed by id, a few CPU queries:  one C++ call      cpu_backend.py (where the plan allows)
     else: the rounds of search.run_search, each a      candidates.py (C++ scan on the CPU,
           fetch of candidates; a plain plan's first     Triton on a GPU); gpu_backend.py
@@ -14,11 +17,14 @@ the index.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index.candidates import candidates, keyed_by_id
 from retrieval.index.cpu_backend import lists_ids, shared_exact_ids
+from retrieval.index.device_search import graphed_search, ids_of
 from retrieval.index.gpu_backend import plain_first_round
 from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import PlanCache
@@ -26,14 +32,23 @@ from retrieval.index.readout import ids_at
 from retrieval.index.search import Candidates, run_search
 from retrieval.index.tensors import IndexTensors
 
+BACKEND_ENV = "RECSERVE_INDEX_BACKEND"
+"""``device``: new executors take the device path (``Executor.backend``); unset: ``auto``."""
+
 
 class Executor:
     """Runs plans on one index's tensors (given per call: a live update or a reload changes
     them) and keeps what searches repeat (:class:`~retrieval.index.planner.PlanCache`; on a GPU
     the CUDA graphs, kept per executor by ``cuda_graphs.run_graphed``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str | None = None) -> None:
         self.plans = PlanCache()
+        self.backend = backend or os.environ.get(BACKEND_ENV, "auto")
+        """``"device"``: every search through ``device_search`` (fixed shapes, the plan decided
+        on the device, nothing read back: what a CUDA graph records, and what the CPU's device
+        discipline tests run), but a recall target's, which is planned on the host; ``"auto"``
+        (the default, or ``$RECSERVE_INDEX_BACKEND``): the host-planned rounds and their
+        backends."""
 
     def search(
         self,
@@ -46,6 +61,9 @@ class Executor:
         """Top-``k`` of ``q [B, D]`` (as given; scored inside) under ``fb`` (None: no clause,
         nothing excluded) -> ``(item ids [B, k], scores [B, k])``, or list-sorted positions
         instead of ids where ``positions``; ``-1`` / ``-inf`` padded."""
+        if self.backend == "device" and params.target is None:
+            pos, scores = graphed_search(self, t, q, fb, params)
+            return (pos if positions else ids_of(t, pos)), scores
         plan = self.plans.plan(t, fb, params, q)
         if not positions:
             found = shared_exact_ids(t, q, fb, plan)

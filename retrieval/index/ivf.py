@@ -235,7 +235,9 @@ class IVFIndex(nn.Module):
         sizes = self.offsets[1:] - self.offsets[:-1]
         self.max_list = int(sizes.max()) if sizes.numel() else 0
         self._ntotal = int(self.offsets[-1])
-        self.executor = Executor()  # kept plans and graphs read the lists: start afresh
+        # kept plans and graphs read the lists: start afresh, on the backend chosen
+        held = self.__dict__.get("executor")
+        self.executor = Executor(None if held is None else held.backend)
         ct = self.centroids_t  # below PROBE_TABLE_MIN the float table stays in a core's cache
         self.probe_table = (
             probe_table_cpu(ct) if ct.is_cpu and ct.numel() >= PROBE_TABLE_MIN else None
@@ -325,10 +327,24 @@ class IVFIndex(nn.Module):
         nothing excluded), ``params`` from :meth:`params`."""
         return self.executor.search(self.tensors(), q, fb, params, positions)
 
-    # The plan branches on data (which rows are exact, how many lists each probes), so under
-    # torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and the
-    # heavy part, the scan, is one C++ op either way. Direct searches skip the wrapper.
-    execute = eager_under_compile(_execute)
+    # The host plan branches on data (which rows are exact, how many lists each probes), so
+    # under torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and
+    # the heavy part, the scan, is one C++ op either way. Direct searches skip the wrapper.
+    _eager_execute = eager_under_compile(_execute)
+
+    def execute(
+        self,
+        q: torch.Tensor,
+        fb: FilterBatch | None,
+        params: SearchParams,
+        positions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_execute` for the model's forward: traced as it is with the device backend
+        (``executor.backend = "device"``: fixed shapes, no host read), else eagerly under a
+        compile."""
+        if self.executor.backend == "device" and params.target is None:
+            return self._execute(q, fb, params, positions)
+        return self._eager_execute(q, fb, params, positions)
 
     def params(
         self,

@@ -47,11 +47,12 @@ def scores_at(t: IndexTensors, q: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
 
 def vectors_at(t: IndexTensors, pos: torch.Tensor) -> torch.Tensor:
-    """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""
+    """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes (one
+    C++ pass on the CPU; torch ops on a GPU and in a trace)."""
     if t.exact.shape[0]:
         return t.exact.index_select(0, pos).float()
     lists = t.lists
-    if pos.is_cpu and lists.codes.dtype == torch.int8:
+    if pos.is_cpu and lists.codes.dtype == torch.int8 and not torch.compiler.is_compiling():
         return decode_rows_cpu(pos, lists, t.centroids_t)
     listed = torch.searchsorted(lists.offsets, pos, right=True) - 1
     codes, scales = lists.codes.index_select(0, pos), lists.scales.index_select(0, pos)

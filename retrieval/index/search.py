@@ -138,7 +138,11 @@ def select(c: Candidates, plan: SearchPlan) -> Candidates:
     A part of width ``k`` is taken as it is: one index's candidates are already best first by
     their final score when there is no re-rank (the only case in which the width is ``k``).
     """
-    k = plan.k
+    return select_top(c, plan.k, plan.r)
+
+
+def select_top(c: Candidates, k: int, r: int) -> Candidates:
+    """:func:`select` with the plan's ``k`` and ``r`` as numbers (the device path's)."""
     if c.width == k:
         return c
     if c.width < k:  # fewer candidates than k in total: pad
@@ -146,8 +150,8 @@ def select(c: Candidates, plan: SearchPlan) -> Candidates:
         if c.vectors is not None:
             pad = replace(pad, vectors=c.vectors.new_zeros(pad.keys.shape + c.vectors.shape[2:]))
         c = Candidates.concat([c, pad])
-    if c.width > plan.r:
-        c = c.gather(c.approx.topk(plan.r, dim=1).indices)
+    if c.width > r:
+        c = c.gather(c.approx.topk(r, dim=1).indices)
     top, idx = c.scores.topk(k, dim=1)
     out = c.gather(idx)
     return replace(out, keys=torch.where(top > NEG_INF, out.keys, torch.full_like(out.keys, -1)))

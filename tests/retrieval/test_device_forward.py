@@ -1,0 +1,121 @@
+"""The served forward on the index's device backend (the plan decided on the device, every round
+in fixed shapes: ``retrieval/index/device_search.py``), run on CPU tensors: it answers what the
+host-planned forward answers, it runs under the device discipline for every batch bucket with
+and without filters and seen items, and it compiles as one graph (``fullgraph=True``). A copy of
+the device path with a planted ``.item()`` fails, naming the op and the line."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.device_discipline import DeviceDiscipline, DeviceSyncError
+from retrieval.data import SyntheticConfig, generate
+from retrieval.features import UserBatch
+from retrieval.index import device_search as device_module
+from retrieval.index.cuda_graphs import MAX_BATCH, bucket
+from retrieval.model import RetrievalModel
+from retrieval.seen_store import SeenStore
+from retrieval.training.prepare import Prepared, prepare
+from support.topk_check import assert_same_topk
+
+BUCKETS = [bucket(b) for b in (1, 2, 3, 5, 9, 17)]
+FILTER = "language in {en, fr} and available"
+NARROW = "not age_rating = '18+' and language = de"
+
+
+@pytest.fixture(scope="module", params=["plain", "head"])
+def served(request) -> tuple[Prepared, RetrievalModel]:
+    ds = generate(SyntheticConfig(num_users=64, num_items=2500, seed=5))
+    prep = prepare(ds, history_len=8)
+    prep.config.index.measure_costs = False  # priced as a GPU prices it (device_plan.py)
+    prep.config.index.nlist = 24
+    prep.config.seen_store = True
+    if request.param == "head":
+        prep.config.scoring_head = True
+    torch.manual_seed(0)
+    model = RetrievalModel(prep.config)
+    model.build_index(prep.train.item_features, ds.item_attributes)
+    assert prep.seen is not None
+    model.seen_store = SeenStore.from_sets(prep.seen)
+    return prep, model.eval()
+
+
+def batch_of(prep: Prepared, b: int, filtered: bool, seen: bool) -> UserBatch:
+    users = np.arange(b) % prep.dataset.num_users
+    filters = [FILTER if i % 2 else NARROW for i in range(b)] if filtered else None
+    batch = prep.user_batch(users, filters, seen=prep.seen if seen else None)
+    return dataclasses.replace(batch, user=torch.from_numpy(users.astype(np.int64)))
+
+
+def on_device(model: RetrievalModel) -> RetrievalModel:
+    m = copy.copy(model)  # shares the modules; only the index's backend differs
+    m.index = copy.copy(model.index)
+    m.index.executor = copy.copy(model.index.executor)
+    m.index.executor.backend = "device"
+    return m
+
+
+@pytest.mark.parametrize(("filtered", "seen"), [(False, False), (True, True)])
+def test_each_bucket_under_the_discipline_answers_as_the_host(served, filtered, seen) -> None:
+    prep, model = served
+    device = on_device(model)
+    assert max(BUCKETS) <= MAX_BATCH
+    for b in BUCKETS:
+        batch = batch_of(prep, b, filtered, seen)
+        with torch.inference_mode():
+            want = model(batch, 20)
+            with DeviceDiscipline():
+                got = device(batch, 20, checked=True)
+        assert_same_topk(*got, *want)
+
+
+@pytest.mark.parametrize("served", ["head"], indirect=True)  # the whole forward: head included
+def test_the_bucketed_forward_compiles_as_one_graph(served) -> None:
+    prep, model = served
+    device = on_device(model)
+    torch._dynamo.reset()
+    forward = torch.compile(device, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():
+        for b, filtered in ((4, False), (4, True)):
+            batch = batch_of(prep, b, filtered, True)
+            assert_same_topk(*forward(batch, 10, checked=True), *model(batch, 10))
+
+
+@pytest.mark.parametrize("served", ["plain"], indirect=True)
+def test_a_planted_item_fails_naming_the_op_and_the_line(served, tmp_path: Path) -> None:
+    """A copy of the device search with one host read planted after its plan: the discipline
+    stops it there, and names the op and the copy's line."""
+    prep, model = served
+    source = inspect.getsource(device_module)
+    anchor = "    ip = qs @ t.centroids.T  # [B, L]\n"
+    assert anchor in source
+    planted = "    widest = int(plan.nprobe.max().item())  # planted\n"
+    path = tmp_path / "planted_device_search.py"
+    path.write_text(source.replace(anchor, planted + anchor))
+    spec = importlib.util.spec_from_file_location("planted_device_search", path)
+    assert spec is not None and spec.loader is not None
+    copy_module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = copy_module
+    try:
+        spec.loader.exec_module(copy_module)
+        index = model.index
+        q = model.user_vectors(batch_of(prep, 2, False, False))
+        params = index.params(10)
+        copy_module.device_search(index.tensors(), q, None, params)  # runs outside the mode
+        # no_grad, not inference_mode: the mode then sees the op .item() decomposes to
+        with torch.no_grad(), DeviceDiscipline(), pytest.raises(DeviceSyncError) as err:
+            copy_module.device_search(index.tensors(), q, None, params)
+    finally:
+        del sys.modules[spec.name]
+    line = path.read_text().splitlines().index(planted.rstrip("\n")) + 1
+    assert "aten._local_scalar_dense" in str(err.value)
+    assert f"{path}:{line} in device_search" in str(err.value)
