@@ -41,7 +41,6 @@ from types import TracebackType
 from common import process
 
 PREFIX = "rsnet"
-SUBNET = "10.213.{k}.0/24"
 STATE_DIR = Path("/run/recserve-hosts")
 MAX_SETS = 200
 MAX_HOSTS = 250
@@ -54,25 +53,15 @@ class HostsError(RuntimeError):
     """A namespace, link or qdisc could not be made or changed (the ``ip``/``tc`` error)."""
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(
-        ["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False
-    )
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False)
     if check and out.returncode != 0:
-        raise HostsError(f"ip {' '.join(args)}: {out.stderr.strip() or out.returncode}")
+        raise HostsError(f"{' '.join(argv)}: {out.stderr.strip() or out.returncode}")
     return out
 
 
-def _tc(netns: str, *args: str) -> None:
-    out = subprocess.run(
-        ["ip", "netns", "exec", netns, "tc", *args],
-        capture_output=True,
-        text=True,
-        timeout=IP_TIMEOUT_S,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise HostsError(f"tc {' '.join(args)} in {netns}: {out.stderr.strip()}")
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _run(["ip", *args], check)
 
 
 @functools.cache
@@ -158,8 +147,8 @@ class HostSet:
             me = os.getpid()
             hs = cls(free[0], owner_pid=me, owner_start=process.start_time(me))
             for i, n in enumerate(names):
-                hs.hosts[n] = Host(n, f"{PREFIX}{hs.k}-{n}", f"10.213.{hs.k}.{i + 2}", "")
-                hs.hosts[n].port = f"{PREFIX}{hs.k}h{i}"
+                ip, port = f"10.213.{hs.k}.{i + 2}", f"{PREFIX}{hs.k}h{i}"
+                hs.hosts[n] = Host(n, f"{PREFIX}{hs.k}-{n}", ip, port)
             hs._save()  # first: a crash half-way leaves a state file that remove() reads
             try:
                 hs._make()
@@ -192,27 +181,11 @@ class HostSet:
         """Caps host ``name``'s traffic both ways to ``rate`` (a tc rate, ``"10mbit"``) with a
         token bucket (``tc tbf``: its egress, and the switch port's towards it); None: no cap."""
         h = self._host(name)
-        for netns, dev in ((h.netns, "eth0"), (None, h.port)):
-            where = ["ip", "netns", "exec", netns] if netns else []
-            subprocess.run(
-                [*where, "tc", "qdisc", "del", "dev", dev, "root"],
-                capture_output=True,
-                timeout=IP_TIMEOUT_S,
-                check=False,
-            )
-            if rate is None:
-                continue
-            # a 32 kB bucket: bursts of a few dozen segments, then the rate
-            args = ["qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
-            args += ["burst", "32kb", "latency", "50ms"]
-            if netns:
-                _tc(netns, *args)
-            else:
-                out = subprocess.run(
-                    ["tc", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S
-                )
-                if out.returncode != 0:
-                    raise HostsError(f"tc {' '.join(args)}: {out.stderr.strip()}")
+        for where, dev in ((self.exec_prefix(name), "eth0"), ([], h.port)):
+            _run([*where, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+            if rate is not None:  # a 32 kB bucket: bursts of a few dozen segments, then the rate
+                tbf = ["tbf", "rate", rate, "burst", "32kb", "latency", "50ms"]
+                _run([*where, "tc", "qdisc", "add", "dev", dev, "root", *tbf])
 
     # ---- removing ---------------------------------------------------------------------------
     def remove(self) -> None:

@@ -194,7 +194,6 @@ class Relay:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._count = 0
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
 
     def start(self) -> Relay:
         self._spawn(self._accept, "relay-accept")
@@ -205,9 +204,7 @@ class Relay:
         self.profile = profile
 
     def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        t.start()
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
 
     def _accept(self) -> None:
         while not self._stop.is_set():

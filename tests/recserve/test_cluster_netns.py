@@ -17,6 +17,7 @@ also when a test fails.
 from __future__ import annotations
 
 import copy
+import json
 import socket
 import threading
 import time
@@ -35,7 +36,7 @@ from serving.protos import admin_pb2 as pb
 from serving.protos import admin_pb2_grpc, recommend_pb2_grpc, shard_pb2, shard_pb2_grpc
 from serving.repository.repository import ModelRepository
 from support.cluster_load import USERS, Answer, Load
-from support.netns_hosts import needs_namespaces, netns_cluster
+from support.netns_hosts import needs_namespaces, netns_cluster, recserve
 from support.waiting import wait_until
 
 pytestmark = [needs_namespaces, pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -161,6 +162,24 @@ def test_a_client_that_sends_half_a_request_and_vanishes_changes_nothing(cluster
     print(f"half requests: {describe(during)}")
     assert all(a.code == "OK" and not a.partial and a.right for a in during)
     assert max(a.latency for a in during) <= DEADLINE_MS / 1000 + SLACK_S
+
+
+def test_cluster_net_and_link_change_a_running_clusters_network(cluster):
+    _, d = cluster
+    bad = recserve("cluster", "net", "bad", "--host", "shard-0-0", "--directory", str(d))
+    assert bad.returncode == 0, bad.stderr
+    profile = json.loads((d / "net" / "shard-0-0.json").read_text())
+    assert profile == profile_named("bad").to_json()
+    assert json.loads((d / "net" / "shard-1-0.json").read_text()) == PROFILES["dc"].to_json()
+    back = recserve("cluster", "net", "dc", "--directory", str(d))
+    assert back.returncode == 0, back.stderr
+    assert json.loads((d / "net" / "shard-0-0.json").read_text()) == PROFILES["dc"].to_json()
+    wrong = recserve("cluster", "net", "lossy", "--directory", str(d))
+    assert wrong.returncode == 2 and "one of ['bad', 'dc', 'none', 'zone']" in wrong.stderr
+    nosuch = recserve("cluster", "link", "shard-9-9", "down", "--directory", str(d))
+    assert nosuch.returncode == 2 and "no host 'shard-9-9'" in nosuch.stderr
+    up = recserve("cluster", "link", "shard-0-0", "up", "--directory", str(d))
+    assert up.returncode == 0, up.stderr
 
 
 def replica_sequences(cluster: Cluster, version: int) -> dict[str, int | None]:
