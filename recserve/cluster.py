@@ -15,10 +15,11 @@ file hold its lock and record a process before waiting for it (``recserve/cluste
     down(Path("runs/cluster"))
 
 Every process binds 127.0.0.1 (none is given ``--host``), or with ``hosts="netns"`` each runs on
-a host of its own and binds its address (``recserve/cluster_hosts.py``). With ``auth_token_file`` every one of
-them needs the token (the router sends it to the shards and embedding servers); with
-``tls_cert``/``tls_key`` every one serves TLS with that certificate, and the router and
-``status`` verify them with ``tls_ca`` (default: the certificate itself, as when self-signed).
+a host of its own and binds its address (``recserve/cluster_hosts.py``). With
+``auth_token_file`` every one of them needs the token (the router sends it to the shards and
+embedding servers); with ``tls_cert``/``tls_key`` every one serves TLS with that certificate,
+and the router and ``status`` verify them with ``tls_ca`` (default: the certificate itself, as
+when self-signed).
 """
 
 from __future__ import annotations

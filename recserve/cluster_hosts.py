@@ -9,7 +9,8 @@ client calling the router -- goes through the callee's relay, which delays, jitt
 the bytes as the profile says; the profile's bandwidth cap is the host link's (``tc tbf``). The
 relays re-read their profile file (``net/<host>.json`` in the cluster folder), so a running
 cluster's network changes with :func:`set_network`, and a host's link goes down and up with
-:func:`set_link`. ``recserve cluster down`` removes the hosts after their processes.
+:func:`set_link`. ``recserve cluster down`` removes the hosts after their processes. With TLS
+the certificate must name the hosts' addresses (``10.213.K.N``), which the router verifies.
 
     hosts = make_hosts(spec)                   # None for --hosts local
     cmd = on_host(hosts, "shard-0-0", cmd)     # ip netns exec ... recserve serve shard --host IP
