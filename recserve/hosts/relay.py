@@ -10,17 +10,17 @@ It listens on one address and forwards every connection to one target, both dire
   for a TCP receiver whose packets arrive reordered.
 * **loss**: TCP loses no bytes; a lost segment costs its stream a retransmission. Each chunk
   counts as ``ceil(len / MSS)`` segments, each lost with probability ``loss``; a chunk with a
-  lost segment is held back ``stall_ms`` (the retransmission timeout, by default Linux's minimum
-  ``TCP_RTO_MIN``, doubled for each further loss of the same segment), and everything behind it in that
-  direction waits too. Real stacks often recover a loss sooner (fast retransmit, tail loss
+  lost segment is held back ``stall_ms`` (the retransmission timeout, by default Linux's
+  minimum ``TCP_RTO_MIN``, doubled for each further loss of the same segment), and everything
+  behind it in that direction waits too. Real stacks often recover a loss sooner (fast retransmit, tail loss
   probes a few round trips later), so this is the pessimistic case of a short RPC whose only
   segment is lost. No connection is reset and no byte is dropped: a partition (no packet at
   all) is the host's link going down (``netns.py``), not this relay.
 
 The relay's own hop costs tens of microseconds and a sleep overshoots by about as much, so a
 round trip through it is somewhat slower than its profile says (measured in
-``bench/RELIABILITY.md``). Bandwidth caps are the kernel's (``tc tbf`` on the host's link, ``netns.py``); the profile
-carries the rate for whoever sets up the link.
+``bench/RELIABILITY.md``). Bandwidth caps are the kernel's (``tc tbf`` on the host's link,
+``netns.py``); the profile carries the rate for whoever sets up the link.
 
 Draws are seeded: connection ``c`` direction ``d`` draws from ``Random(f"{seed}-{c}-{d}")``, so
 a run makes the same fault decisions for the same sequence of chunks (the chunking and the
