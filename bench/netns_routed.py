@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "items": args.items,
         "k": args.k,
         "p99_ms": args.p99_ms,
+        "shard_deadline_ms": args.shard_deadline_ms,
         "cpus": os.cpu_count(),
         "rows": rows,
         "max_qps": best,

@@ -197,10 +197,15 @@ def netns(data: Data, spec: Spec) -> Rows:
     """Routed (router + 1 shard) against `recserve serve`, each on namespaced hosts."""
     v, best_qps, p50 = data["verdict"], data["max_qps"], data["p50_1_ms"]
     ratio_txt = "—" if v["max_qps_ratio"] is None else bold(v["max_qps_ratio"])
+    errors = sum(n for r in data["rows"]["routed"] for n in r["errors"].values())
+    calls = sum(r["requests"] for r in data["rows"]["routed"])
+    argv = data["meta"]["argv"]
+    flag = "--shard-deadline-ms"
+    deadline = float(argv[argv.index(flag) + 1]) if flag in argv else 200.0
     return [
-        f"{data['network']} | {qps(best_qps['routed'])} | {qps(best_qps['serve'])} | "
-        f"{ratio_txt} (target ≥ 0.75× at dc) | {p50['routed']:.2f} / {p50['serve']:.2f} ms "
-        f"({v['p50_1_delta_ms']:+.2f} ms)"
+        f"{data['network']}, shard deadline {deadline:g} ms | {qps(best_qps['routed'])} | "
+        f"{qps(best_qps['serve'])} | {ratio_txt} | {p50['routed']:.2f} / {p50['serve']:.2f} ms "
+        f"({v['p50_1_delta_ms']:+.2f} ms) | {errors} of {calls:,}"
     ]
 
 
@@ -360,7 +365,7 @@ KINDS: dict[str, tuple[Kind, str]] = {
     ),
     "netns": (
         netns,
-        "network | routed, 1 shard: max q/s at p99 ≤ 20 ms | serve, same turns | routed ÷ serve | p50 at 1 client: routed / serve",
+        "network | routed, 1 shard: max q/s at p99 ≤ 20 ms | serve, same turns | routed ÷ serve | p50 at 1 client: routed / serve | routed calls refused",
     ),
     "remote_hot": (remote_hot, "filter | clients | p50 ÷ all tables local | q/s ÷ local | target"),
     "gpu": (
