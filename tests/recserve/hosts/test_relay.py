@@ -51,7 +51,10 @@ def round_trips(relay: Relay, n: int, size: int = 100) -> list[float]:
             c.sendall(msg)
             got = b""
             while len(got) < size:
-                got += c.recv(size - len(got))
+                data = c.recv(size - len(got))
+                if not data:  # closed: the relay refused it (over its connection bound)
+                    raise ConnectionResetError("the relay closed the connection")
+                got += data
             out.append(time.monotonic() - start)
             assert got == msg
     return out
