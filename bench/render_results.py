@@ -193,6 +193,22 @@ def sharding(data: Data, spec: Spec) -> Rows:
     return rows
 
 
+def netns(data: Data, spec: Spec) -> Rows:
+    """Routed (router + 1 shard) against `recserve serve`, each on namespaced hosts."""
+    v, best_qps, p50 = data["verdict"], data["max_qps"], data["p50_1_ms"]
+    ratio_txt = "—" if v["max_qps_ratio"] is None else bold(v["max_qps_ratio"])
+    errors = sum(n for r in data["rows"]["routed"] for n in r["errors"].values())
+    calls = sum(r["requests"] for r in data["rows"]["routed"])
+    argv = data["meta"]["argv"]
+    flag = "--shard-deadline-ms"
+    deadline = float(argv[argv.index(flag) + 1]) if flag in argv else 200.0
+    return [
+        f"{data['network']}, shard deadline {deadline:g} ms | {qps(best_qps['routed'])} | "
+        f"{qps(best_qps['serve'])} | {ratio_txt} | {p50['routed']:.2f} / {p50['serve']:.2f} ms "
+        f"({v['p50_1_delta_ms']:+.2f} ms) | {errors} of {calls:,}"
+    ]
+
+
 def remote_hot(data: Data, spec: Spec) -> Rows:
     """Recommend p50 with the item table read through its cache, over all tables local."""
     return [
@@ -346,6 +362,10 @@ KINDS: dict[str, tuple[Kind, str]] = {
     "sharding": (
         sharding,
         "configuration | filter | routed: max q/s at p99 ≤ 20 ms | serve, same turns | routed ÷ serve | p50 at 1 client − serve's | servers' CPU a request",
+    ),
+    "netns": (
+        netns,
+        "network | routed, 1 shard: max q/s at p99 ≤ 20 ms | serve, same turns | routed ÷ serve | p50 at 1 client: routed / serve | routed calls refused",
     ),
     "remote_hot": (remote_hot, "filter | clients | p50 ÷ all tables local | q/s ÷ local | target"),
     "gpu": (

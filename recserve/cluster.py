@@ -14,10 +14,12 @@ file hold its lock and record a process before waiting for it (``recserve/cluste
     cluster.router.grpc     # "127.0.0.1:PORT": Recommend, KServe v2, health
     down(Path("runs/cluster"))
 
-Every process binds 127.0.0.1 (none is given ``--host``). With ``auth_token_file`` every one of
-them needs the token (the router sends it to the shards and embedding servers); with
-``tls_cert``/``tls_key`` every one serves TLS with that certificate, and the router and
-``status`` verify them with ``tls_ca`` (default: the certificate itself, as when self-signed).
+Every process binds 127.0.0.1 (none is given ``--host``), or with ``hosts="netns"`` each runs on
+a host of its own and binds its address (``recserve/cluster_hosts.py``). With
+``auth_token_file`` every one of them needs the token (the router sends it to the shards and
+embedding servers); with ``tls_cert``/``tls_key`` every one serves TLS with that certificate,
+and the router and ``status`` verify them with ``tls_ca`` (default: the certificate itself, as
+when self-signed).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from recserve.cluster_hosts import host_names, make_hosts, on_host, remove_hosts, start_relays
 from recserve.cluster_lifecycle import (
     DownReport,
     ProcState,
@@ -102,6 +105,12 @@ class ClusterSpec:
     tls_key: Path | None = None
     tls_ca: Path | None = None
     """CA that verifies ``tls_cert`` (the router's ``--upstream-ca``); None: ``tls_cert``."""
+    hosts: str = "local"
+    """``local``: every process on 127.0.0.1; ``netns``: each on a host (network namespace) of
+    its own, bound to its address (``recserve/cluster_hosts.py``)."""
+    network: str = "none"
+    """With ``netns``: the hosts' network profile (``none``, ``dc``, ``zone``, ``bad``:
+    ``recserve/hosts/relay.py``), applied by a relay on each host."""
 
     def security_args(self) -> list[str]:
         """The security flags every process of the cluster gets (paths: no secret in argv)."""
@@ -193,50 +202,34 @@ def _up(
         old.unlink()
     repo = str(spec.model_repo)
     router_threads, shard_threads = (str(t) for t in thread_split(spec, os.cpu_count() or 1))
-    cluster = Cluster(model, version, tls_ca=str(ca or ""))
+    names = host_names(spec.shards, spec.replicas, spec.embedding_servers)
+    hosts = make_hosts(spec.hosts, spec.network, names)
+    cluster = Cluster(model, version, tls_ca=str(ca or ""), network=spec.network)
+    if hosts is not None:
+        cluster.hosts = hosts.to_json()
     try:
+        embed_cmd = [
+            "serve", "embeddings", "--model-repo", repo, "--model", model, "--grpc-port", "0",
+            *secure,
+        ]  # fmt: skip
         started = [
             start_proc(
                 f"embed-{i}",
                 "embedding-server",
-                _recserve(
-                    "serve",
-                    "embeddings",
-                    "--model-repo",
-                    repo,
-                    "--model",
-                    model,
-                    "--index",
-                    str(i),
-                    "--grpc-port",
-                    "0",
-                    *secure,
-                ),
+                on_host(hosts, f"embed-{i}", _recserve(*embed_cmd, "--index", str(i))),
                 logs,
             )
             for i in range(spec.embedding_servers)
         ]
+        shard_cmd = [
+            "serve", "shard", "--model-repo", repo, "--model", model, "--grpc-port", "0",
+            "--metrics-port", "0", "--torch-threads", shard_threads, *secure,
+        ]  # fmt: skip
         started += [
             start_proc(
                 f"shard-{s}-{r}",
                 "shard",
-                _recserve(
-                    "serve",
-                    "shard",
-                    "--model-repo",
-                    repo,
-                    "--model",
-                    model,
-                    "--shard",
-                    str(s),
-                    "--grpc-port",
-                    "0",
-                    "--metrics-port",
-                    "0",
-                    "--torch-threads",
-                    shard_threads,
-                    *secure,
-                ),
+                on_host(hosts, f"shard-{s}-{r}", _recserve(*shard_cmd, "--shard", str(s))),
                 logs,
             )
             for s in range(spec.shards)
@@ -247,8 +240,13 @@ def _up(
         for p in started:
             wait_ready(p, spec.startup_timeout_s)
             say(f"{p.name} ready at {p.address}")
+        if hosts is not None and spec.network != "none":
+            cluster.processes += start_relays(
+                hosts, started, spec.network, directory, spec.startup_timeout_s
+            )
+            cluster.save(directory)
         shards = ",".join(
-            "|".join(p.address for p in started if p.name.startswith(f"shard-{s}-"))
+            "|".join(p.reach for p in started if p.name.startswith(f"shard-{s}-"))
             for s in range(spec.shards)
         )
         args = [
@@ -265,17 +263,22 @@ def _up(
             args += ["--state-dir", str(spec.state_dir.resolve())]
         if ca is not None:
             args += ["--upstream-ca", str(ca)]
-        embed = [p.address for p in started if p.role == "embedding-server"]
+        embed = [p.reach for p in started if p.role == "embedding-server"]
         if embed:
             args += ["--embedding-servers", ",".join(embed)]
-        router = start_proc("router", "router", _recserve(*args), logs)
+        router = start_proc("router", "router", on_host(hosts, "router", _recserve(*args)), logs)
         cluster.processes.append(router)
         cluster.save(directory)
         wait_ready(router, spec.startup_timeout_s)
-        say(f"router ready at grpc={router.address} http={router.http}")
+        if hosts is not None and spec.network != "none":
+            cluster.processes += start_relays(
+                hosts, [router], spec.network, directory, spec.startup_timeout_s
+            )
+        say(f"router ready at grpc={router.reach} http={router.http}")
     except BaseException:
         stop_procs(cluster.processes, timeout=10.0)
         (directory / CLUSTER_FILE).unlink(missing_ok=True)
+        remove_hosts(cluster)
         raise
     cluster.save(directory)
     return cluster

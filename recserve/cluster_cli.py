@@ -1,5 +1,6 @@
-"""``recserve cluster up / status / restart / down``: a local cluster on 127.0.0.1 (router, document
-shards, embedding servers as real processes; ``recserve/cluster.py`` does the work)."""
+"""``recserve cluster up / status / restart / net / link / down``: a local cluster on 127.0.0.1 or
+on namespaced hosts (router, document shards, embedding servers as real processes;
+``recserve/cluster.py`` and ``recserve/cluster_hosts.py`` do the work)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,14 @@ def cluster_up(
     tls_cert: Path = typer.Option(None, help="every process serves TLS with this certificate"),
     tls_key: Path = typer.Option(None, help="PEM private key of --tls-cert"),
     tls_ca: Path = typer.Option(None, help="CA verifying --tls-cert (default: --tls-cert)"),
+    hosts: str = typer.Option(
+        "local",
+        help="local: every process on 127.0.0.1; netns: each on a host (network namespace) of "
+        "its own, reached at its address (needs root)",
+    ),
+    network: str = typer.Option(
+        "none", help="with --hosts netns: the network profile (none, dc, zone, bad)"
+    ),
     lock_timeout: float = typer.Option(30.0, min=0, help=LOCK_HELP),
 ) -> None:
     """Start embedding servers, shard servers and the router; wait until all are healthy."""
@@ -78,6 +87,8 @@ def cluster_up(
         tls_cert=tls_cert,
         tls_key=tls_key,
         tls_ca=tls_ca,
+        hosts=hosts,
+        network=network,
     )
     try:
         cluster = up(spec, directory, progress=typer.echo, lock_timeout=lock_timeout)
@@ -87,7 +98,7 @@ def cluster_up(
     r = cluster.router
     typer.echo(
         f"cluster up: {cluster.model} v{cluster.version}, {len(cluster.processes)} processes; "
-        f"router grpc={r.address} http={r.http} metrics={r.metrics} "
+        f"router grpc={r.reach} http={r.http} metrics={r.metrics} "
         f"(file: {directory / 'cluster.json'})"
     )
 
@@ -135,6 +146,47 @@ def cluster_restart(
         typer.echo(f"cluster restart: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"{p.name} running (pid {p.pid}) at {p.address}")
+
+
+@cluster_app.command("net")
+def cluster_net(
+    profile: str = typer.Argument(..., help="network profile: none, dc, zone, bad"),
+    host: list[str] = typer.Option(None, help="only these hosts (default: all), e.g. shard-1-0"),
+    directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
+) -> None:
+    """Change a running `--hosts netns --network ...` cluster's network profile (its relays
+    apply it from the next bytes they read)."""
+    from recserve.cluster import ClusterError
+    from recserve.cluster_hosts import set_network
+    from recserve.hosts.relay import profile_named
+
+    try:
+        set_network(directory, profile_named(profile), host or None)
+    except (ClusterError, ValueError) as e:
+        typer.echo(f"cluster net: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"network {profile} on {', '.join(host) if host else 'every host'}")
+
+
+@cluster_app.command("link")
+def cluster_link(
+    host: str = typer.Argument(..., help="host, e.g. shard-1-0"),
+    state: str = typer.Argument(..., help="down (a partition) or up"),
+    directory: Path = typer.Option(CLUSTER_DIR, help="cluster file and logs"),
+) -> None:
+    """Take a `--hosts netns` cluster's host off the network (down) or back (up)."""
+    from recserve.cluster import ClusterError
+    from recserve.cluster_hosts import set_link
+
+    if state not in ("up", "down"):
+        typer.echo(f"cluster link: state is up or down, got {state!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        set_link(directory, host, state == "up")
+    except ClusterError as e:
+        typer.echo(f"cluster link: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{host}: link {state}")
 
 
 @cluster_app.command("down")

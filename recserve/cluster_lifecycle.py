@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_util import ClientAuth, open_channel
+from recserve.cluster_hosts import remove_hosts
 from recserve.cluster_procs import start_proc, stop_procs, wait_ready
 from recserve.cluster_state import CLUSTER_FILE, LOCK_TIMEOUT_S, Cluster, ClusterError, Proc, locked
 
@@ -155,6 +156,7 @@ def down(
         addresses = {a for p in tracked for a in (p.address, p.http, p.metrics) if a}
         report.busy = _still_answering(sorted(addresses), PORT_FREE_S)
         if not report.busy:
+            remove_hosts(cluster)
             (directory / CLUSTER_FILE).unlink(missing_ok=True)
     return report
 

@@ -65,6 +65,14 @@ class Proc:
     started_at: int | None = None
     """The pid's start time (``common.process.start_time``); None in files written before it
     was recorded (then only :data:`MARKER` identifies the process)."""
+    via: str = ""
+    """``host:port`` of the relay in front of it (``--hosts netns`` with a network profile:
+    ``recserve/cluster_hosts.py``); callers go through it. "": none, call ``address``."""
+
+    @property
+    def reach(self) -> str:
+        """Where callers reach it: through its host's relay, if it has one."""
+        return self.via or self.address
 
     def handle(self) -> process.Proc:
         """The launcher's handle on it (this run may not be the one that started it)."""
@@ -92,6 +100,11 @@ class Cluster:
     """CA of the processes' TLS certificate ("": they serve plaintext)."""
     retired: list[Proc] = field(default_factory=list)
     """Processes a restart replaced, kept until verified gone (``down`` stops any alive)."""
+    hosts: dict = field(default_factory=dict)
+    """``--hosts netns``: the namespaces the processes run in (``HostSet.to_json``); {}: all
+    on 127.0.0.1."""
+    network: str = "none"
+    """``--hosts netns``: the network profile the relays started with."""
 
     @property
     def router(self) -> Proc:
@@ -133,6 +146,8 @@ class Cluster:
                 [Proc(**p) for p in d["processes"]],
                 d.get("tls_ca", ""),
                 [Proc(**p) for p in d.get("retired", [])],
+                d.get("hosts", {}),
+                d.get("network", "none"),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ClusterError(f"{path}: not a cluster file ({type(e).__name__}: {e})") from None
