@@ -35,7 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from retrieval.index.update import REBUILD_IMBALANCE, list_imbalance
+from retrieval.index import live_index
+from retrieval.index.update import REBUILD_IMBALANCE
 from retrieval.live_updates import (
     PreparedUpdate,
     UpdateBatch,
@@ -243,12 +244,12 @@ class LiveUpdates:
         self, model: RetrievalModel, version: int, seq: int, update_id: str
     ) -> pb.UpdateReply:
         """The reply to update ``seq`` of ``version``; ``model``: the model after it."""
-        imbalance = list_imbalance(model.index)
+        imbalance = live_index.list_imbalance(model.index)
         return pb.UpdateReply(
             model=self.model,
             version=version,
             sequence=seq,
-            items=model.index.ntotal,
+            items=live_index.served(model.index),
             list_imbalance=imbalance,
             rebuild_recommended=imbalance > REBUILD_IMBALANCE,
             update_id=update_id,
@@ -274,7 +275,7 @@ class LiveUpdates:
 
     def _observe(self, model: RetrievalModel, version: int) -> tuple[float, bool]:
         """Sets the list balance gauges; logs when a rebuild becomes worth it."""
-        imbalance = list_imbalance(model.index)
+        imbalance = live_index.list_imbalance(model.index)
         rebuild = imbalance > REBUILD_IMBALANCE
         self.metrics.index_balance(imbalance, rebuild)
         if rebuild and not self._rebuild:
