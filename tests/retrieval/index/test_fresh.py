@@ -11,6 +11,7 @@ import torch
 from retrieval.filters import FilterBatch, eligible
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index import live_index as live
+from retrieval.index.compaction import fold, rebase
 from retrieval.index.scan import KERNEL_ENV
 
 N, D = 1500, 16
@@ -57,10 +58,13 @@ class Catalog:
         return torch.where(top > float("-inf"), ids[idx], -1), top
 
 
-def random_updates(index: IVFIndex, cat: Catalog, seed: int, rounds: int = 6) -> IVFIndex:
-    """Upserts (new ids and replacements), removes and relabels, applied to both."""
+def random_updates(
+    index: IVFIndex, cat: Catalog, seed: int, rounds: int = 6, first_id: int = N + 100
+) -> IVFIndex:
+    """Upserts (new ids from ``first_id``, and replacements), removes and relabels, applied to
+    both."""
     g = torch.Generator().manual_seed(seed)
-    next_id = N + 100
+    next_id = first_id
     for _ in range(rounds):
         have = torch.tensor(sorted(cat.items))
         pick = have[torch.randperm(len(have), generator=g)[:30]]
@@ -200,3 +204,35 @@ def test_the_triton_kernel_merges_fresh_rows_as_the_cpu_does(built, monkeypatch,
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
     same = (got[0].unsqueeze(2) == want[0].unsqueeze(1)).any(2) | (want[0] < 0)
     assert float(same.float().mean()) > 0.99
+
+
+# ---- compaction ------------------------------------------------------------------------------
+def test_a_fold_answers_as_the_segment_it_folds(built):
+    index, x, sig = built
+    cat = Catalog(index, x, sig)
+    updated = random_updates(index, cat, seed=19)
+    folded = fold(updated)
+    assert folded.live is None and folded.ntotal == live.served(updated) == len(cat.items)
+    assert live.served_ids(folded).tolist() == sorted(cat.items)
+    for filters, seen in [(None, 0), ("colour = red", 30), ("not flag = true", 0)]:
+        q, fb = queries(8, folded, filters, seen)
+        check_exact(folded.search(q, 20, fb, exact=True), cat.search(q, 20, fb), cat, q)
+
+
+def test_updates_made_during_a_fold_are_rebased_onto_it(built):
+    index, x, sig = built
+    cat = Catalog(index, x, sig)
+    base = random_updates(index, cat, seed=23, rounds=3)
+    folded = fold(base)  # meanwhile, more updates land in base's segment:
+    now = random_updates(base, cat, seed=29, rounds=3, first_id=N + 500)
+    fresh_ids = base.live.ids[base.live.alive][:5]  # folded, then removed / relabelled
+    now = live.remove(now, fresh_ids[:2][live.locate(now, fresh_ids[:2])])
+    for i in fresh_ids[:2].tolist():
+        cat.items.pop(i, None)
+    rebased = rebase(folded, base.live, now)
+    assert rebased is not None and live.served_ids(rebased).tolist() == sorted(cat.items)
+    assert rebased.live.size < now.live.size
+    for filters, seen in [(None, 0), ("colour = red", 30)]:
+        q, fb = queries(8, rebased, filters, seen)
+        check_exact(rebased.search(q, 20, fb, exact=True), cat.search(q, 20, fb), cat, q)
+    assert rebase(folded, base.live, index) is None  # not a descendant: fold again
