@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,7 @@ from retrieval.filters import FilterBatch, eligible
 from retrieval.index.kmeans import assign
 from retrieval.index.readout import ids_at as main_ids_at
 from retrieval.index.readout import vectors_at as main_vectors_at
+from retrieval.index.scan import topk_rows
 from retrieval.index.search import NEG_INF, Candidates
 from retrieval.index.tensors import IndexTensors
 
@@ -161,6 +163,12 @@ class LiveSegment:
     def lists(self) -> torch.Tensor:
         """``[n] int64``: the list each fresh row joins when compaction folds it."""
         return self.store.lists[: self.n]
+
+    @cached_property
+    def all_alive(self) -> bool:
+        """Every fresh row holds its item's latest state (no mask to apply). Read once per
+        segment on the CPU; a GPU's segment always applies its mask (no host read)."""
+        return self.alive.is_cpu and bool(self.alive.all())
 
     @property
     def fresh_count(self) -> int:
@@ -287,17 +295,20 @@ class LiveSegment:
         filter and exclusions (None: none) -> ``[B, min(width, n)]``, keys ``base + row``
         (``-1`` / ``-inf`` padded). Torch ops only: a GPU's stay on the device."""
         scores = q.float() @ self.vectors.T  # [B, n]
-        ok = self.alive.expand_as(scores)
+        ok: torch.Tensor | None = None if self.all_alive else self.alive.expand_as(scores)
         if fb is not None:
             if fb.masks.shape[1]:
-                ok = ok & eligible(self.sig, fb.masks, fb.negate)  # [B, n]
+                hit = eligible(self.sig, fb.masks, fb.negate)  # [B, n]
+                ok = hit if ok is None else ok & hit
             if fb.exclude is not None and fb.exclude.shape[1]:
                 seen = fb.exclude.sort(dim=1).values.contiguous()  # [B, S]
                 ids = self.ids.expand_as(scores).contiguous()
                 at = torch.searchsorted(seen, ids).clamp(max=seen.shape[1] - 1)
-                ok = ok & (seen.gather(1, at) != ids)
-        scores = scores.masked_fill(~ok, NEG_INF)
-        top, idx = scores.topk(min(width, self.n), dim=1)
+                fresh = seen.gather(1, at) != ids
+                ok = fresh if ok is None else ok & fresh
+        if ok is not None:
+            scores = scores.masked_fill(~ok, NEG_INF)
+        top, idx = topk_rows(scores, min(width, self.n))  # the CPU's heap: k << n
         keys = torch.where(top > NEG_INF, idx + base, torch.full_like(idx, -1))
         return Candidates(keys, top, top)
 
