@@ -308,7 +308,11 @@ class LiveSegment:
                 ok = fresh if ok is None else ok & fresh
         if ok is not None:
             scores = scores.masked_fill(~ok, NEG_INF)
-        top, idx = topk_rows(scores, min(width, self.n))  # the CPU's heap: k << n
+        if self.n <= width:  # every row is a candidate: the merge's own top-K orders them
+            idx = torch.arange(self.n, device=scores.device).expand_as(scores)
+            top = scores
+        else:
+            top, idx = topk_rows(scores, width)  # the CPU's heap: k << n
         keys = torch.where(top > NEG_INF, idx + base, torch.full_like(idx, -1))
         return Candidates(keys, top, top)
 
