@@ -226,3 +226,19 @@ def test_remote_tables_are_refused(setup):
     assert tiered.tables.plan.placement("item").tier is Tier.REMOTE
     with pytest.raises(UpdateError, match="table: table 'item' lives on the remote tier"):
         prepare_update(tiered, UpdateEmbeddings("item", torch.tensor([1]), torch.zeros(1, 32)))
+
+
+def test_a_live_model_saves_what_it_serves(setup, tmp_path):
+    """The fresh segment is no buffer: saving folds it into the main lists first."""
+    from retrieval.artifact import load_model, save_model
+
+    prep, model = setup
+    new_vec = query(model, prep)[None] * 50
+    updated = apply_update(
+        model, UpsertItems(torch.tensor([5000]), [attributes_of(prep, 0)], new_vec)
+    )
+    updated = apply_update(updated, RemoveItems(torch.tensor([7])))
+    loaded = load_model(save_model(updated, tmp_path / "m"))
+    assert loaded.index.live is None and served(loaded.index) == served(updated.index)
+    assert forward(loaded, prep)[0, 0].item() == 5000
+    assert 7 not in loaded.index.item_ids.tolist() and updated.index.live is not None
