@@ -73,5 +73,6 @@ def rebase(folded: IVFIndex, base: LiveSegment, now: IVFIndex) -> IVFIndex | Non
         alive = cur.alive[rows]  # an id's latest row is the one row_of names
     else:
         alive = seg.alive
-    segment = LiveSegment(store, m, alive.to(t.device), tomb.to(t.device))
+    tomb_rows = folded.id_order.positions(tomb).cpu().sort().values  # each a main row
+    segment = LiveSegment(store, m, alive.to(t.device), tomb.to(t.device), tomb_rows.to(t.device))
     return with_live(folded, segment if segment.size else None)

@@ -76,11 +76,10 @@ class Executor:
         live: LiveSegment,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`search` of an index with live changes (``plan`` made)."""
-        if not positions:
-            main_fb = live.excluding_tombstones(fb, q.shape[0], t.lists.sig.shape[1])
-            found = shared_exact_ids(t, q, fb, plan) if main_fb is fb else None
+        if not positions and not live.tomb_rows.numel():  # the one-call backends map ids
+            found = shared_exact_ids(t, q, fb, plan)
             if found is None:
-                found = lists_ids(t, q, main_fb, plan, whole=True)
+                found = lists_ids(t, q, fb, plan, whole=True)
             if found is not None:
                 fresh = live.candidates(t.scored(q), fb, plan.k, t.ntotal)
                 return take_top_k(found, live.by_id(fresh, t.ntotal, False, 0), plan.k)
@@ -99,7 +98,7 @@ class Executor:
         ``live``, fresh row ``j`` is ``ntotal + j``)."""
         main_fb = fb
         if live is not None:
-            main_fb = live.excluding_tombstones(fb, q.shape[0], t.lists.sig.shape[1])
+            main_fb = live.excluding_tombstones(t, fb, q.shape[0])
             scored = t.scored(q)
 
         def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
@@ -133,11 +132,11 @@ class Executor:
         fresh = None
         main_fb = fb
         if live is not None and live.size:
-            main_fb = live.excluding_tombstones(fb, q.shape[0], t.lists.sig.shape[1])
+            main_fb = live.excluding_tombstones(t, fb, q.shape[0])
             c = live.candidates(t.scored(q), fb, plan.r, t.ntotal)
             fresh = live.by_id(c, t.ntotal, with_vectors, t.centroids.shape[1])
-        if not with_vectors:
-            found = lists_ids(t, q, main_fb, plan, whole=False)
+        if not with_vectors and main_fb is fb:  # the one call maps excluded ids itself
+            found = lists_ids(t, q, fb, plan, whole=False)
             if found is not None:
                 return merged(Candidates(found[0], found[1], found[1]), fresh)
         return merged(keyed_by_id(t, candidates(t, q, main_fb, plan), with_vectors), fresh)

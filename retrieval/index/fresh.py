@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from retrieval.filters import FilterBatch, eligible
+from retrieval.index.exclude import ExcludedRows, excluded_positions
 from retrieval.index.kmeans import assign
 from retrieval.index.readout import ids_at as main_ids_at
 from retrieval.index.readout import vectors_at as main_vectors_at
@@ -129,13 +130,15 @@ class FreshStore:
 @dataclass(frozen=True)
 class LiveSegment:
     """One snapshot of an index's live changes: the store's first ``n`` rows, ``alive [n] bool``,
-    and ``tombstones [T] int64`` (sorted main item ids). Never changed: every update returns a
-    new one (the module docstring's protocol)."""
+    ``tombstones [T] int64`` (sorted main item ids) and ``tomb_rows [T] int64`` (their main rows,
+    ascending: what each search's scan skips). Never changed: every update returns a new one
+    (the module docstring's protocol)."""
 
     store: FreshStore
     n: int
     alive: torch.Tensor
     tombstones: torch.Tensor
+    tomb_rows: torch.Tensor
 
     @classmethod
     def empty(cls, t: IndexTensors) -> LiveSegment:
@@ -143,7 +146,7 @@ class LiveSegment:
         dev = t.device
         store = FreshStore(t.centroids.shape[1], t.lists.sig.shape[1], dev)
         none = torch.zeros(0, dtype=torch.int64, device=dev)
-        return cls(store, 0, torch.zeros(0, dtype=torch.bool, device=dev), none)
+        return cls(store, 0, torch.zeros(0, dtype=torch.bool, device=dev), none, none)
 
     # ---- what it holds --------------------------------------------------------------------
     @property
@@ -224,9 +227,10 @@ class LiveSegment:
                 store.claim(n, ids, new_vectors, new_sig, _lists_of(t, new_vectors))
                 n = store.length
                 alive = torch.cat([alive, torch.ones(ids.numel(), dtype=torch.bool, device=dev)])
-        gone = ids.cpu()[main >= 0].to(dev)  # main items no longer served from their row
-        tomb = torch.cat([self.tombstones, gone]).sort().values
-        return LiveSegment(store, n, alive, tomb)
+        at = main >= 0  # main items no longer served from their row
+        tomb = torch.cat([self.tombstones, ids.cpu()[at].to(dev)]).sort().values
+        rows = torch.cat([self.tomb_rows, main[at].to(dev)]).sort().values
+        return LiveSegment(store, n, alive, tomb, rows)
 
     def upserted(
         self, t: IndexTensors, ids: torch.Tensor, vectors: torch.Tensor, sig: torch.Tensor
@@ -274,19 +278,27 @@ class LiveSegment:
         return out
 
     # ---- search ---------------------------------------------------------------------------
-    def excluding_tombstones(self, fb: FilterBatch | None, b: int, w: int) -> FilterBatch | None:
-        """``fb`` (None: no clause) with the tombstones appended to every row's excluded ids
-        (what the main index's scan skips); ``fb`` itself when there are none."""
-        tomb = self.tombstones
+    def excluding_tombstones(
+        self, t: IndexTensors, fb: FilterBatch | None, b: int
+    ) -> FilterBatch | None:
+        """``fb`` (None: no clause) as the main index's scan takes it: each row's excluded
+        items as main rows with the tombstones' among them (:class:`ExcludedRows`); ``fb``
+        itself when there are none."""
+        tomb = self.tomb_rows
         if not tomb.numel():
             return fb
         dev = tomb.device
         if fb is None:
             empty = torch.empty((b, 0), dtype=torch.bool, device=dev)
-            fb = FilterBatch(torch.empty((b, 0, w), dtype=torch.int64, device=dev), empty)
-        mine = fb.exclude if fb.exclude is not None else tomb.new_empty((b, 0))
-        excl = torch.cat([mine.to(dev), tomb.expand(b, -1)], dim=1)
-        return FilterBatch(fb.masks, fb.negate, excl)
+            fb = FilterBatch(
+                torch.empty((b, 0, t.lists.sig.shape[1]), dtype=torch.int64, device=dev), empty
+            )
+        if fb.exclude is None or not fb.exclude.shape[1]:
+            excl = tomb.expand(b, -1)  # one sorted row for all: a view
+        else:
+            seen = excluded_positions(t.id_order, fb.exclude).to(dev)  # [B, S], PAD padded
+            excl = torch.cat([seen, tomb.expand(b, -1)], dim=1).sort(dim=1).values
+        return ExcludedRows(fb.masks, fb.negate, excl)
 
     def candidates(
         self, q: torch.Tensor, fb: FilterBatch | None, width: int, base: int
