@@ -159,15 +159,19 @@ def memory(index: IVFIndex, args: argparse.Namespace) -> dict:
 
 
 def search_cost(index: IVFIndex, q: torch.Tensor, args: argparse.Namespace) -> list[dict]:
-    """q/s (batched) and one query's p50 with a fresh segment of each size, in turns with none."""
+    """q/s (batched) and one query's p50 with a segment of each size (fresh rows, or as many
+    tombstones), in turns with none."""
     rows, w = [], index.sig.shape[1]
-    for size in (int(s) for s in args.fresh.split(",")):
-        ids = torch.arange(30 * args.n, 30 * args.n + size)
-        with_fresh = live.upsert(
-            index, ids, _around(size, args.d, size), torch.zeros(size, w).long()
-        )
+    sizes = [int(s) for s in args.fresh.split(",")]
+    for size, kind in [(s, k) for s in sizes for k in ("fresh", "tombstones")]:
+        if kind == "fresh":
+            ids = torch.arange(30 * args.n, 30 * args.n + size)
+            x = _around(size, args.d, size)
+            segment = live.upsert(index, ids, x, torch.zeros(size, w).long())
+        else:
+            segment = live.remove(index, torch.arange(0, args.n, args.n // size)[:size])
         out = {}
-        for name, ix in (("none", index), ("fresh", with_fresh), ("none2", index)):
+        for name, ix in (("none", index), ("fresh", segment), ("none2", index)):
             with torch.inference_mode():
                 _, batched, _ = time_batched(lambda ix=ix: ix.search(q, 100), repeats=3)
                 p50, _ = time_single(lambda i, ix=ix: ix.search(q[i % len(q)][None], 100), n=100)
@@ -176,6 +180,7 @@ def search_cost(index: IVFIndex, q: torch.Tensor, args: argparse.Namespace) -> l
         base_p50 = (out["none"]["p50_ms"] + out["none2"]["p50_ms"]) / 2
         rows.append(
             {
+                "segment": kind,
                 "fresh": size,
                 "qps": out["fresh"]["qps"],
                 "qps_without": base_qps,
@@ -185,7 +190,7 @@ def search_cost(index: IVFIndex, q: torch.Tensor, args: argparse.Namespace) -> l
                 "p50_ratio": out["fresh"]["p50_ms"] / base_p50,
             }
         )
-        print(f"fresh {size}: {rows[-1]}", file=sys.stderr)
+        print(f"{kind} {size}: {rows[-1]}", file=sys.stderr)
     return rows
 
 

@@ -330,14 +330,16 @@ def freshness(data: Data, spec: Spec) -> Rows:
         for u in data["updates"]
     ]
     ack, mem = data["ack_to_answer"], data["memory"]
-    rows.append(f"{case} | upsert acknowledged → answerable | {ms(ack['median_ms'])} ms median | — | —")
+    rows.append(
+        f"{case} | upsert acknowledged → answerable | {ms(ack['median_ms'])} ms median | — | —"
+    )
     rows.append(
         f"{case} | extra memory, a {mem['batch']:,}-item upsert | {mem['rss_bytes_per_batch'] / 1e6:.2f} MB resident "
         f"({mem['segment_bytes_per_batch'] / 1e6:.2f} MB segment) | — | —"
     )
     for f in data["search"]:
         rows.append(
-            f"{case} | search beside {f['fresh']:,} fresh rows | {qps(f['qps'])} q/s, p50 {ms(f['p50_ms'])} ms | "
+            f"{case} | search beside {f['fresh']:,} {'tombstones' if f.get('segment') == 'tombstones' else 'fresh rows'} | {qps(f['qps'])} q/s, p50 {ms(f['p50_ms'])} ms | "
             f"none: {qps(f['qps_without'])} q/s, p50 {ms(f['p50_ms_without'])} ms | "
             f"{ratio(f['qps_ratio'])} q/s, {ratio(f['p50_ratio'])} p50"
         )
