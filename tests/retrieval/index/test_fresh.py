@@ -7,12 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from retrieval.filters import FilterBatch, eligible
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index import live_index as live
 from retrieval.index.compaction import fold, rebase
+from retrieval.index.fresh import take_top_k
 from retrieval.index.scan import KERNEL_ENV
+from retrieval.index.search import Candidates
 
 N, D = 1500, 16
 VALUES = {"colour": ["red", "green", "blue"], "flag": ["false", "true"]}
@@ -236,3 +240,26 @@ def test_updates_made_during_a_fold_are_rebased_onto_it(built):
         q, fb = queries(8, rebased, filters, seen)
         check_exact(rebased.search(q, 20, fb, exact=True), cat.search(q, 20, fb), cat, q)
     assert rebase(folded, base.live, index) is None  # not a descendant: fold again
+
+
+@given(
+    st.integers(1, 4), st.integers(1, 12), st.integers(0, 12), st.integers(0, 2**16), st.booleans()
+)
+@settings(max_examples=60, deadline=None)
+def test_the_one_top_k_of_main_and_fresh_is_the_top_k_of_their_union(b, k, w, seed, pads):
+    """``take_top_k``: the best ``k`` of a one-call answer and fresh candidates, padded rows
+    (``-1`` / ``-inf``) never chosen over an item, best first."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(b, k + w, generator=g)
+    ids = torch.randperm(10 * (k + w), generator=g)[: k + w].expand(b, -1).clone()
+    if pads:
+        scores[:, ::3] = float("-inf")
+        ids[:, ::3] = -1
+    main = (ids[:, :k], scores[:, :k])
+    fresh = Candidates(ids[:, k:], scores[:, k:], scores[:, k:])
+    got_ids, got = take_top_k(main, fresh, k)
+    want, at = scores.topk(k, dim=1)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_ids >= 0, want > float("-inf"))
+    real = want > float("-inf")
+    assert torch.equal(got_ids[real], ids.gather(1, at)[real])  # finite randn: no ties
