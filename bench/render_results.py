@@ -336,6 +336,38 @@ def seen(data: Data, spec: Spec) -> Rows:
     ]
 
 
+def freshness(data: Data, spec: Spec) -> Rows:
+    """``bench/freshness.py``: live updates through the fresh segment against the copy of the
+    index every update made before, and what the segment costs a search."""
+    case = spec["case"]
+    rows = [
+        f"{case} | {u['kind']}, {u['batch']:,}-item batches | {qps(u['ours_items_per_s'])} items/s | "
+        f"copy per update: {qps(u['copy_items_per_s'])} items/s | {bold(u['ratio'])}"
+        for u in data["updates"]
+    ]
+    ack, mem = data["ack_to_answer"], data["memory"]
+    rows.append(
+        f"{case} | upsert acknowledged → answerable | {ms(ack['median_ms'])} ms median | — | —"
+    )
+    rows.append(
+        f"{case} | extra memory, a {mem['batch']:,}-item upsert | {mem['rss_bytes_per_batch'] / 1e6:.2f} MB resident "
+        f"({mem['segment_bytes_per_batch'] / 1e6:.2f} MB segment) | — | —"
+    )
+    for f in data["search"]:
+        rows.append(
+            f"{case} | search beside {f['fresh']:,} {'tombstones' if f.get('segment') == 'tombstones' else 'fresh rows'} | {qps(f['qps'])} q/s, p50 {ms(f['p50_ms'])} ms | "
+            f"none: {qps(f['qps_without'])} q/s, p50 {ms(f['p50_ms_without'])} ms | "
+            f"{ratio(f['qps_ratio'])} q/s, {ratio(f['p50_ratio'])} p50"
+        )
+    r = data["recall@100"]
+    rows.append(
+        f"{case} | recall@100 after {r['upserts']:,} upserts + {r['removes']:,} removes | live {r['live']:.4f}, "
+        f"folded {r['folded']:.4f} | rebuilt from scratch {r['rebuilt']:.4f} | "
+        f"**{r['folded'] - r['rebuilt']:+.4f}** folded"
+    )
+    return rows
+
+
 Kind = Callable[[Data, Spec], Rows]
 BYTES_HEAD = "data | ours, bytes/item | smallest faiss IVF at recall ≥ 0.95 | ours over it"
 KINDS: dict[str, tuple[Kind, str]] = {
@@ -374,6 +406,7 @@ KINDS: dict[str, tuple[Kind, str]] = {
     ),
     "tables": (tables, "ids | dtype | ours | fastest peer | ours ÷ peer"),
     "quality": (quality, "data | ours | recall@100 | best baseline | ours ÷ baseline"),
+    "freshness": (freshness, "data | measure | ours | against | ours ÷ against"),
     "hashed": (
         hashed,
         "case | working rows | recall@100 | examples/s | recall − all resident (target ≥ −0.01) | speed ÷ all resident",

@@ -32,11 +32,13 @@ from common.atomic import atomic_writer
 from retrieval.config import ModelConfig
 from retrieval.data.id_map import IdMaps
 from retrieval.format import load_config, migrate, version_of, with_format
+from retrieval.index.compaction import fold
 from retrieval.index.format import EXTRA
 from retrieval.index.format import migrate as migrate_index
 from retrieval.index.format import version_of as index_version
 from retrieval.index.ivf import IVFConfig, IVFIndex
 from retrieval.index.split import merge_shards, shard_of, shard_rows, split_index
+from retrieval.live_updates import with_index
 from retrieval.model import RetrievalModel
 from sharded_tables.planner import PlacementPlan
 from sharded_tables.specs import Tier
@@ -55,8 +57,12 @@ class UnsafeArtifactError(ValueError):
 
 
 def save_model(model: RetrievalModel, directory: Path) -> Path:
-    """Writes the model folder (the weights atomically, so a crash leaves no half file)."""
+    """Writes the model folder (the weights atomically, so a crash leaves no half file). A model
+    with live updates saves what it serves: its fresh segment folded into the main lists (the
+    segment itself is no buffer: ``retrieval/index/fresh.py``)."""
     directory.mkdir(parents=True, exist_ok=True)
+    if model.index.live is not None and model.index.live.size:
+        model = with_index(model, fold(model.index))
     save_tensors(with_format(model.state_dict()), directory / WEIGHTS_FILE)
     if model.id_maps is not None:
         model.id_maps.write(directory)

@@ -6,18 +6,21 @@ the config, filter schema and tables; upserted vectors filled in by the item tow
 the same resolved batch to every shard. Each shard applies it to the items it holds, without
 asking any other shard, so every shard reaches the same decision on its own::
 
-    upsert   an item joins the shard that owns its id (``shard_of(id, S)``) and leaves any other
-             shard that held it (a version split by an explicit assignment converges to the hash)
-    remove   the shard that holds the item drops it
-    set      the shard that holds the item rewrites its signature
+    upsert   an item joins the fresh rows of the shard that owns its id (``shard_of(id, S)``)
+             and leaves any other shard that held it (a version split by an explicit
+             assignment converges to the hash)
+    remove   the shard that holds the item stops serving it (a tombstone or a dead fresh row)
+    set      the shard that holds the item serves it from a fresh row with its new signature
     tables   no change on the shards (the router's tables; the shard's sequence still advances)
 
-Each shard reports which of the batch's items it held and its list sizes and bit counts after
-the update; the router refuses the batch (on every shard) when an item to remove or re-label is
-held by none (:func:`check_held`), and otherwise plans with the summed statistics
-(:func:`stats_index`), whose bound statistics grow with the batch as the unsharded index's do
-(``retrieval/index/bound.py``). Merging the updated parts gives the index that the same batch gives the
-unsharded model (``tests/retrieval/test_live_shards.py``).
+Each shard reports which of the batch's items it held, the items it serves, and its main
+index's list sizes and bit counts (which a live update leaves as they are: its changes live in
+the shard's fresh segment, ``retrieval/index/fresh.py``); the router refuses the batch (on every
+shard) when an item to remove or re-label is held by none, or a remove would leave no item
+(:func:`check_held`), and otherwise plans with the summed statistics (:func:`stats_index`), the
+unsharded main index's. Every shard's candidates take its fresh rows' beside its main lists', so
+the router's merge answers as the unsharded model updated with the same batches
+(``tests/retrieval/test_live_shards.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from retrieval.index import live_index
 from retrieval.index import update as index_update
-from retrieval.index.bound import grown
 from retrieval.index.ivf import IVFIndex
 from retrieval.index.split import shard_of
 from retrieval.live_updates import (
@@ -37,7 +40,6 @@ from retrieval.live_updates import (
     UpdateBatch,
     UpdateError,
     UpsertItems,
-    named_bits,
     rewrite_attributes,
     signatures,
 )
@@ -60,6 +62,10 @@ class ShardUpdate:
         """``[bits] int64``: this part's per-bit counts of the filter signatures."""
         return self.index.bit_counts.cpu()
 
+    def served(self) -> int:
+        """Items this part serves after the update (main less tombstones, plus fresh rows)."""
+        return live_index.served(self.index)
+
 
 def update_shard(index: IVFIndex, batch: UpdateBatch, shard: int, num_shards: int) -> ShardUpdate:
     """Applies a resolved ``batch`` (every upserted vector given) to shard ``shard`` of
@@ -67,32 +73,32 @@ def update_shard(index: IVFIndex, batch: UpdateBatch, shard: int, num_shards: in
     if not isinstance(batch, UpsertItems | RemoveItems | SetItemAttributes):
         return ShardUpdate(index, torch.zeros(0, dtype=torch.bool))  # table rows: the router's
     ids = batch.ids.cpu()
-    held = index_update.positions_of(index, ids) >= 0
+    held = live_index.locate(index, ids)
     if isinstance(batch, UpsertItems):
         if batch.vectors is None or not bool(batch.given().all()):
             raise ValueError("upsert_items: a shard takes resolved batches (every vector given)")
         mine = shard_of(ids, num_shards) == shard
         leaving = held & ~mine
         if bool(leaving.any()):
-            index = index_update.remove_items(index, ids[leaving])
+            index = live_index.remove(index, ids[leaving])
         if bool(mine.any()):
             sig = signatures(index.schema, [batch.attributes[int(i)] for i in mine.nonzero()])
-            index = index_update.add_items(index, ids[mine], batch.vectors[mine].float(), sig)
+            index = live_index.upsert(index, ids[mine], batch.vectors[mine].float(), sig)
     elif isinstance(batch, RemoveItems):
         if bool(held.any()):
-            index = index_update.remove_items(index, ids[held])
+            index = live_index.remove(index, ids[held])
     elif bool(held.any()):
         mine_ids = ids[held]
         attrs = [batch.attributes[int(i)] for i in held.nonzero()]
-        sig = rewrite_attributes(index.schema, index_update.signatures_of(index, mine_ids), attrs)
-        index = index_update.set_signatures(index, mine_ids, sig)
+        sig = rewrite_attributes(index.schema, live_index.signatures_of(index, mine_ids), attrs)
+        index = live_index.relabel(index, mine_ids, sig)
     return ShardUpdate(index, held)
 
 
 def check_held(batch: UpdateBatch, held: Sequence[torch.Tensor], ntotal: int) -> None:
     """Refuses (:class:`UpdateError`) a remove or re-label of an item no shard held, and a
     remove that would leave the catalog empty; ``held``: each shard's ``[n] bool``, ``ntotal``:
-    the catalog's items after the update."""
+    the items the shards serve after the update (``ShardUpdate.served``)."""
     if isinstance(batch, RemoveItems | SetItemAttributes):
         anywhere = torch.stack(list(held)).any(dim=0)
         missing = (~anywhere).nonzero().flatten()
@@ -108,11 +114,13 @@ def stats_index(
     list_sizes: torch.Tensor,
     counts: torch.Tensor,
     batch: UpdateBatch | None = None,
+    served: int | None = None,
 ) -> IVFIndex:
     """A new statistics-only index (``retrieval/index/split.py``) like ``index`` with the
     catalog's ``list_sizes [nlist]`` and filter ``counts [bits]`` (summed over the shards).
     ``batch``: the resolved update that led there, which grows the bound statistics as it grew
-    the unsharded index's (:func:`bounds_after`); None drops them (no bound check)."""
+    the unsharded index's (:func:`bounds_after`); None drops them (no bound check). ``served``:
+    the items the shards serve (None: the list sizes' sum)."""
     if tuple(list_sizes.shape) != (index.nlist,) or counts.shape != index.bit_counts.shape:
         raise ValueError(
             f"statistics: expected [{index.nlist}] list sizes and {list(index.bit_counts.shape)} "
@@ -128,22 +136,13 @@ def stats_index(
     if batch is not None:
         out.list_radius, out.list_bits = bounds_after(index, batch)
     out._refresh()
+    out.served_items = served
     return out
 
 
 def bounds_after(index: IVFIndex, batch: UpdateBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``index``'s ``(list_radius, list_bits)`` grown by a resolved ``batch`` without its items:
-    an upsert by its vectors and signatures, a relabel by the values it names in every list."""
-    if isinstance(batch, UpsertItems) and batch.vectors is not None:
-        x = batch.vectors.detach().cpu().float()
-        if index.config.metric == "cosine":  # as add_items stores them
-            x = torch.nn.functional.normalize(x, dim=1)
-        return grown(index.tensors(), x, signatures(index.schema, batch.attributes))
-    if isinstance(batch, SetItemAttributes):
-        return grown(
-            index.tensors(),
-            index.centroids[:0],
-            index.sig[:0],
-            named_bits(index.schema, batch.attributes),
-        )
+    """``index``'s ``(list_radius, list_bits)`` after a resolved ``batch``: as they are, for a
+    live update changes only the fresh segments, which the bound statistics do not cover (the
+    unsharded index's stay as built too)."""
+    del batch
     return index.list_radius, index.list_bits

@@ -17,7 +17,9 @@ Five kinds of batch (:data:`UpdateBatch`):
 Applying is two steps so that a server can apply "between batches":
 :func:`prepare_update` validates everything (raising :class:`UpdateError`, a ``ValueError``
 naming the field, before anything changes), runs the item tower and builds the new index
-(copy-on-write: the old model is untouched); :meth:`PreparedUpdate.commit` then runs the
+(its live segment: upserted items land in fresh rows, removed ones become tombstones, relabelled
+ones move to fresh rows with their new signatures, ``retrieval/index/fresh.py``; every main
+buffer is shared and the old model is untouched, so an update costs O(batch)); :meth:`PreparedUpdate.commit` then runs the
 in-place table row writes, which cannot fail, and returns the model to serve.
 :func:`apply_update` does both. Updating table rows does not recompute item vectors already in
 the index: upsert those items again to refresh them.
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 
 from retrieval.filters import WORD_BITS, FilterSchema, pack_bits
-from retrieval.index import update as index_update
+from retrieval.index import live_index
 from retrieval.index.ivf import IVFIndex
 from retrieval.model import RetrievalModel
 from retrieval.update_batches import (
@@ -89,10 +91,10 @@ def prepare_update(
         return _prepare_upsert(model, batch, hold or nullcontext)
     if isinstance(batch, RemoveItems):
         ids = _check_ids(batch.ids)
-        pos = _known_positions(model, ids)
-        if pos.numel() >= model.index.ntotal:
+        _known_positions(model, ids)
+        if ids.numel() >= live_index.served(model.index):
             raise UpdateError("ids", "removing every item would leave the index empty")
-        return PreparedUpdate(with_index(model, index_update.remove_items(model.index, ids)), batch)
+        return PreparedUpdate(with_index(model, live_index.remove(model.index, ids)), batch)
     if isinstance(batch, SetItemAttributes):
         return _prepare_attributes(model, batch)
     if isinstance(batch, UpdateEmbeddings):
@@ -155,7 +157,7 @@ def _prepare_seen(model: RetrievalModel, batch: AddSeen) -> Callable[[], None]:
 def _prepare_upsert(model: RetrievalModel, batch: UpsertItems, hold: Hold) -> PreparedUpdate:
     resolved, sig = resolve_upsert(model, batch, hold)
     assert resolved.vectors is not None
-    index = index_update.add_items(model.index, resolved.ids, resolved.vectors, sig)
+    index = live_index.upsert(model.index, resolved.ids, resolved.vectors, sig)
     return PreparedUpdate(with_index(model, index), resolved)
 
 
@@ -219,12 +221,9 @@ def _prepare_attributes(model: RetrievalModel, batch: SetItemAttributes) -> Prep
     _check_count(batch.attributes, ids.numel())
     _known_positions(model, ids)
     sig = rewrite_attributes(
-        model.index.schema, index_update.signatures_of(model.index, ids), batch.attributes
+        model.index.schema, live_index.signatures_of(model.index, ids), batch.attributes
     )
-    spread = named_bits(model.index.schema, batch.attributes)  # what a router can spread too
-    return PreparedUpdate(
-        with_index(model, index_update.set_signatures(model.index, ids, sig, spread)), batch
-    )
+    return PreparedUpdate(with_index(model, live_index.relabel(model.index, ids, sig)), batch)
 
 
 def named_bits(schema: FilterSchema, attributes: Sequence[Attributes]) -> torch.Tensor:
@@ -333,13 +332,12 @@ def _check_count(attributes: Sequence[Attributes], n: int) -> None:
         )
 
 
-def _known_positions(model: RetrievalModel, ids: torch.Tensor) -> torch.Tensor:
-    pos = index_update.positions_of(model.index, ids)
-    missing = (pos < 0).nonzero().flatten()
+def _known_positions(model: RetrievalModel, ids: torch.Tensor) -> None:
+    """Refuses (naming the first) items ``ids [n]`` the index does not serve."""
+    missing = (~live_index.locate(model.index, ids)).nonzero().flatten()
     if missing.numel():
         i = int(missing[0])
         raise UpdateError("ids", f"item {int(ids[i])} is not in the index", i)
-    return pos
 
 
 def with_index(model: RetrievalModel, index: IVFIndex) -> RetrievalModel:

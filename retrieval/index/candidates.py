@@ -15,7 +15,7 @@ import torch
 
 from retrieval.filters import FilterBatch
 from retrieval.index.eligible_scan import exact_search
-from retrieval.index.exclude import excluded_positions
+from retrieval.index.exclude import ExcludedRows, excluded_positions
 from retrieval.index.plan import SearchPlan
 from retrieval.index.probe import lists_holding, probe_lists, rescore
 from retrieval.index.readout import ids_at, vectors_at
@@ -65,8 +65,9 @@ def keyed_by_id(t: IndexTensors, c: Candidates, with_vectors: bool = False) -> C
 
 
 def excluding(t: IndexTensors, fb: FilterBatch) -> FilterBatch:
-    """``fb`` with its excluded item ids mapped to this index's rows (once per fetch)."""
-    if fb.exclude is None:
+    """``fb`` with its excluded item ids mapped to this index's rows (once per fetch; an
+    :class:`ExcludedRows` holds rows already)."""
+    if fb.exclude is None or isinstance(fb, ExcludedRows):
         return fb
     rows = excluded_positions(t.id_order, fb.exclude)  # the id order lives on the CPU
     return FilterBatch(fb.masks, fb.negate, rows.to(fb.masks.device))

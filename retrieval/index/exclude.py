@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from retrieval.filters import FilterBatch
 from retrieval.index.kernels import extension
 
 PAD = torch.iinfo(torch.int64).max
@@ -68,6 +69,23 @@ class IdOrder:
         row = self.perm[at.clamp(max=n - 1)]
         rows_t = torch.where(self.item_ids[row] == ids, row, torch.full_like(ids, missing))
         return rows_t.sort(dim=-1).values if ascending else rows_t
+
+
+@dataclass
+class ExcludedRows(FilterBatch):
+    """A filter batch whose ``exclude [B, S] int64`` holds rows of one index already (ascending,
+    :data:`PAD` padded), not item ids: what a live index's tombstones add to each row's seen
+    items without mapping thousands of ids per row on every search (``fresh.py``). The list
+    scan and the exact scan take it as they take mapped ids; the one-call backends, which map
+    ids themselves, are not given it."""
+
+    def rows(self, rows: torch.Tensor) -> ExcludedRows:
+        part = super().rows(rows)
+        return ExcludedRows(part.masks, part.negate, part.exclude)
+
+    def to(self, device: torch.device | str) -> ExcludedRows:
+        moved = super().to(device)
+        return ExcludedRows(moved.masks, moved.negate, moved.exclude)
 
 
 def excluded_positions(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:

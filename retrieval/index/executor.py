@@ -13,6 +13,11 @@ Every backend answers what the rounds answer, id for id: a one-call backend retu
 where a row would need a later round, and the rounds answer instead. The executor owns the
 caches a search keeps (the planner's kept plans, the GPU's graphs), so nothing is written into
 the index.
+
+With live updates (``fresh.py``), the index's :class:`~retrieval.index.fresh.LiveSegment` joins
+every step: the main index's scan excludes its tombstones, and each fetch's candidates take the
+fresh rows' exact candidates beside them, so the rounds' own top-K is the merge of main and
+fresh; a one-call backend's answer is merged with them in one top-K (``fresh.take_top_k``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from retrieval.filters import FilterBatch
 from retrieval.index.candidates import candidates, keyed_by_id
 from retrieval.index.cpu_backend import lists_ids, shared_exact_ids
 from retrieval.index.device_search import graphed_search, ids_of
+from retrieval.index.fresh import LiveSegment, merged, take_top_k
 from retrieval.index.gpu_backend import plain_first_round
 from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import PlanCache
@@ -57,14 +63,21 @@ class Executor:
         fb: FilterBatch | None,
         params: SearchParams,
         positions: bool = False,
+        live: LiveSegment | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` of ``q [B, D]`` (as given; scored inside) under ``fb`` (None: no clause,
         nothing excluded) -> ``(item ids [B, k], scores [B, k])``, or list-sorted positions
-        instead of ids where ``positions``; ``-1`` / ``-inf`` padded."""
-        if self.backend == "device" and params.target is None:
+        instead of ids where ``positions`` (a fresh row ``j``: ``ntotal + j``); ``-1`` /
+        ``-inf`` padded. ``live``: the index's live changes (None or empty: none); the device
+        backend runs searches without them (with a live segment, the host's rounds run)."""
+        live_rows = live is not None and live.size > 0
+        if self.backend == "device" and params.target is None and not live_rows:
             pos, scores = graphed_search(self, t, q, fb, params)
             return (pos if positions else ids_of(t, pos)), scores
         plan = self.plans.plan(t, fb, params, q)
+        if live_rows:
+            assert live is not None
+            return self._live_search(t, q, fb, plan, positions, live)
         if not positions:
             found = shared_exact_ids(t, q, fb, plan)
             if found is None:
@@ -74,17 +87,55 @@ class Executor:
         top = self.rounds(t, q, fb, plan)
         return (top.keys if positions else ids_at(t, top.keys)), top.scores
 
+    def _live_search(
+        self,
+        t: IndexTensors,
+        q: torch.Tensor,
+        fb: FilterBatch | None,
+        plan: SearchPlan,
+        positions: bool,
+        live: LiveSegment,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`search` of an index with live changes (``plan`` made)."""
+        if not positions and not live.tomb_rows.numel():  # the one-call backends map ids
+            found = shared_exact_ids(t, q, fb, plan)
+            if found is None:
+                found = lists_ids(t, q, fb, plan, whole=True)
+            if found is not None:
+                fresh = live.candidates(t.scored(q), fb, plan.k, t.ntotal)
+                return take_top_k(found, live.by_id(fresh, t.ntotal, False, 0), plan.k)
+        top = self.rounds(t, q, fb, plan, live)
+        return (top.keys if positions else live.ids_at(t, top.keys)), top.scores
+
     def rounds(
-        self, t: IndexTensors, q: torch.Tensor, fb: FilterBatch | None, plan: SearchPlan
+        self,
+        t: IndexTensors,
+        q: torch.Tensor,
+        fb: FilterBatch | None,
+        plan: SearchPlan,
+        live: LiveSegment | None = None,
     ) -> Candidates:
-        """``plan``'s rounds over ``q [B, D]`` -> the top ``[B, k]`` (keys are positions)."""
+        """``plan``'s rounds over ``q [B, D]`` -> the top ``[B, k]`` (keys are positions; with
+        ``live``, fresh row ``j`` is ``ntotal + j``)."""
+        main_fb = fb
+        if live is not None:
+            main_fb = live.excluding_tombstones(t, fb, q.shape[0])
+            scored = t.scored(q)
 
         def fetch(p: SearchPlan, rows: torch.Tensor | None) -> Candidates:
             if rows is None:
-                return candidates(t, q, fb, p)
-            return candidates(t, q[rows], None if fb is None else fb.rows(rows), p)
+                c = candidates(t, q, main_fb, p)
+            else:
+                c = candidates(t, q[rows], None if main_fb is None else main_fb.rows(rows), p)
+            if live is None:
+                return c
+            qq, ff = (scored, fb) if rows is None else (scored[rows], fb and fb.rows(rows))
+            return merged(c, live.candidates(qq, ff, p.r, t.ntotal))
 
-        return run_search(plan, fetch, plain_first_round(self, t, q, fb, plan))
+        first = plain_first_round(self, t, q, main_fb, plan)
+        if first is not None and live is not None:
+            first = merged(first, live.candidates(scored, fb, plan.r, t.ntotal))
+        return run_search(plan, fetch, first)
 
     def item_candidates(
         self,
@@ -93,12 +144,20 @@ class Executor:
         fb: FilterBatch | None,
         plan: SearchPlan,
         with_vectors: bool = False,
+        live: LiveSegment | None = None,
     ) -> Candidates:
         """A document shard's candidates ``[B, r]`` for a router's ``plan``, keyed by item id
         with their vectors ``[B, r, D]`` when ``with_vectors``; in one C++ call where the plan
-        allows."""
-        if not with_vectors:
+        allows. ``live``: the shard's live changes, whose fresh candidates join its main
+        index's (the router's top-K merges them with every shard's)."""
+        fresh = None
+        main_fb = fb
+        if live is not None and live.size:
+            main_fb = live.excluding_tombstones(t, fb, q.shape[0])
+            c = live.candidates(t.scored(q), fb, plan.r, t.ntotal)
+            fresh = live.by_id(c, t.ntotal, with_vectors, t.centroids.shape[1])
+        if not with_vectors and main_fb is fb:  # the one call maps excluded ids itself
             found = lists_ids(t, q, fb, plan, whole=False)
             if found is not None:
-                return Candidates(found[0], found[1], found[1])
-        return keyed_by_id(t, candidates(t, q, fb, plan), with_vectors)
+                return merged(Candidates(found[0], found[1], found[1]), fresh)
+        return merged(keyed_by_id(t, candidates(t, q, main_fb, plan), with_vectors), fresh)

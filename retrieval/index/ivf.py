@@ -41,6 +41,7 @@ from retrieval.index.config import METRICS, PROBES, BuiltIVFConfig, IVFConfig
 from retrieval.index.exclude import IdOrder
 from retrieval.index.executor import Executor
 from retrieval.index.format import EXTRA, INDEX_FORMAT, migrate, version_of
+from retrieval.index.fresh import LiveSegment
 from retrieval.index.inputs import (
     as_count,
     as_optional_count,
@@ -147,6 +148,11 @@ class IVFIndex(nn.Module):
         :meth:`_refresh` from :data:`PROBE_TABLE_MIN` centroid floats on the CPU."""
         self.posting_offsets: list[int] = [0]
         self.id_order = IdOrder.of(self.item_ids)
+        self.live: LiveSegment | None = None
+        """What live updates changed since this main index was built (``fresh.py``): fresh
+        rows and tombstones, searched beside the main lists. None: nothing."""
+        self.served_items: int | None = None
+        """A router's statistics-only index: the items its shards serve (None: ``ntotal``)."""
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -325,7 +331,7 @@ class IVFIndex(nn.Module):
         """:meth:`search` on validated inputs (the model's forward checks its batch at its own
         edge): ``q [B, D]`` float32 on this index's device, ``fb`` on it too (None: no clause,
         nothing excluded), ``params`` from :meth:`params`."""
-        return self.executor.search(self.tensors(), q, fb, params, positions)
+        return self.executor.search(self.tensors(), q, fb, params, positions, self.live)
 
     # The host plan branches on data (which rows are exact, how many lists each probes), so
     # under torch.compile it runs eagerly: graphs around it (towers, scoring) still compile, and
@@ -341,8 +347,9 @@ class IVFIndex(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_execute` for the model's forward: traced as it is with the device backend
         (``executor.backend = "device"``: fixed shapes, no host read), else eagerly under a
-        compile."""
-        if self.executor.backend == "device" and params.target is None:
+        compile (a recall target, or live rows beside the main index, take the host's rounds)."""
+        live_rows = self.live is not None and self.live.size > 0
+        if self.executor.backend == "device" and params.target is None and not live_rows:
             return self._execute(q, fb, params, positions)
         return self._eager_execute(q, fb, params, positions)
 
@@ -410,7 +417,7 @@ class IVFIndex(nn.Module):
         document shard answers), with their vectors ``[B, r, D]`` when ``with_vectors`` (for a
         scoring head): list rows' best ``r`` approximate scores of the probed lists (re-scored
         exactly when the plan re-ranks), exact rows' best ``k`` eligible items."""
-        return self.executor.item_candidates(self.tensors(), q, fb, plan, with_vectors)
+        return self.executor.item_candidates(self.tensors(), q, fb, plan, with_vectors, self.live)
 
     def _check_queries(self, q: torch.Tensor | np.ndarray) -> torch.Tensor:
         """The public edge for queries: ``[B, D]`` floats -> float32 on this index's device."""
@@ -475,7 +482,10 @@ class IVFIndex(nn.Module):
         return probe(self.tensors(), q, nprobe)
 
     def ids_at(self, pos: torch.Tensor) -> torch.Tensor:
-        """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads) (``readout.ids_at``)."""
+        """Positions ``[B, k]`` (-1 pads) -> item ids (-1 pads) (``readout.ids_at``; a fresh
+        row's position is ``ntotal + row``: ``fresh.py``)."""
+        if self.live is not None and self.live.n:
+            return self.live.ids_at(self.tensors(), pos)
         return ids_at(self.tensors(), pos)
 
     def scores_at(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -484,5 +494,8 @@ class IVFIndex(nn.Module):
         return scores_at(self.tensors(), q, pos)
 
     def vectors_at(self, pos: torch.Tensor) -> torch.Tensor:
-        """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes."""
+        """Float vectors of rows ``pos [M]`` from the exact copy, else decoded from the codes
+        (fresh rows from their own vectors)."""
+        if self.live is not None and self.live.n:
+            return self.live.vectors_at(self.tensors(), pos)
         return vectors_at(self.tensors(), pos)

@@ -15,7 +15,9 @@ Items stay list-sorted (a new item goes after the existing items of its list), a
 ``bit_counts`` and ``postings`` are recomputed so that every buffer agrees. The bound statistics
 ``list_radius`` and ``list_bits`` only grow (``retrieval/index/bound.py``: a router grows its own
 copy the same way from the update alone), so they stay valid bounds after any update. Cost: one pass over
-the index's buffers per call (``O(N * D)`` copied), whatever the batch size.
+the index's buffers per call (``O(N * D)`` copied), whatever the batch size: what compaction
+runs in the background (``compaction.py``); live updates take the O(batch) fresh segment
+(``live_index.py``).
 
 Example::
 

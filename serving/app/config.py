@@ -196,6 +196,12 @@ class ServeConfig(Config):
     on and its update logs live here (``<model>/<version>/updates.log``, replayed on load).
     None: the admin API refuses every call. On a router (``[router]``) the updates go through it
     to every shard in two phases and are logged here once (``serving/sharding/routed_updates.py``)."""
+    compact_at: int = Field(default=10_000, ge=0)
+    """Live updates: the fresh segment's size (fresh rows plus tombstones) from which it is
+    folded into the main lists on a background thread (``serving/live/compactor.py``). The
+    segment is searched exactly beside the lists, so each request's cost grows with it
+    (``bench/freshness.py`` measures how much); a fold copies the main index once (O(N * D)).
+    0: never fold (until the next publish)."""
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     """Bearer tokens and TLS (``[security]``, ``common/security.py``); off by default."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

@@ -132,6 +132,7 @@ class Server:
                     config.model,
                     self.metrics,
                     versions=lambda: model_repo.versions(config.model),
+                    compact_at=config.compact_at,
                 )
         self.host = ModelHost(
             repo,

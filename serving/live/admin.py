@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from common.grpc_util import MalformedMessage, add_service
+from retrieval.index import live_index
 from retrieval.live_updates import RemoveItems, UpdateBatch
 from retrieval.model import RetrievalModel
 from serving.engine.state import LiveUpdater, ServingState
@@ -100,8 +101,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         """The ids a call on the served model ``m`` may name (``[limits]``)."""
         limits = self.state.limits
         users = None if m.seen_store is None else m.seen_store.num_users
-        ids = m.index.item_ids
-        known = max(m.config.num_items, int(ids.max()) + 1) if ids.numel() else None
+        top = live_index.largest_id(m.index)
+        known = None if top is None else max(m.config.num_items, top + 1)
         return CallBounds(
             m.config.num_items, limits.max_item_id_growth, users, limits.max_seen_user_growth,
             known,

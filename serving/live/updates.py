@@ -10,6 +10,7 @@ One update, on the thread that received it (``serving/live/admin.py`` is the gRP
       caller still waiting?           else DEADLINE_EXCEEDED, nothing logged, nothing changed
       log.append(record)              the resolved update and its update_id, fsync'd: durable
       host.swap_updated(...)          wait for the running batch, write table rows, swap
+      compactor.after_update(...)     a live segment past compact_at: folded in the background
     reply (version, sequence)         acknowledged only once durable and visible
 
 An update the client names (``update_id``) is applied at most once per version: the log keeps
@@ -35,7 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from retrieval.index.update import REBUILD_IMBALANCE, list_imbalance
+from retrieval.index import live_index
+from retrieval.index.update import REBUILD_IMBALANCE
 from retrieval.live_updates import (
     PreparedUpdate,
     UpdateBatch,
@@ -46,6 +48,7 @@ from retrieval.live_updates import (
 from retrieval.model import RetrievalModel
 from serving.engine.host import ModelHost
 from serving.engine.metrics import ServingMetrics
+from serving.live.compactor import Compactor
 from serving.live.messages import from_record, table_widths, to_record, wire_error
 from serving.live.update_log import UpdateLog, log_path
 from serving.protos import admin_pb2 as pb
@@ -134,9 +137,14 @@ class LiveUpdates:
         model: str,
         metrics: ServingMetrics,
         versions: Callable[[], list[int]] | None = None,
+        compact_at: int = 0,
     ):
-        """``versions()``: the versions the repository still holds (logs of others are deleted)."""
+        """``versions()``: the versions the repository still holds (logs of others are deleted);
+        ``compact_at``: the live segment's size from which it is folded into the main lists in
+        the background (``serving/live/compactor.py``; 0: never; a server passes
+        ``ServeConfig.compact_at``)."""
         self.state_dir, self.model, self.metrics = Path(state_dir), model, metrics
+        self.compactor = Compactor(model, compact_at)
         self.versions = versions
         self._logs: dict[int, UpdateLog] = {}
         self._replies: dict[int, _Replies] = {}
@@ -216,6 +224,7 @@ class LiveUpdates:
             host.swap_updated(updated, prepared.commit)
             self.metrics.update_applied(kind, seq)
             self._observe(prepared.model, version)
+            self.compactor.after_update(host, prepared.model, version)
             reply = self._reply(prepared.model, version, seq, call.update_id)
             replies.add(reply)
         return reply
@@ -243,12 +252,12 @@ class LiveUpdates:
         self, model: RetrievalModel, version: int, seq: int, update_id: str
     ) -> pb.UpdateReply:
         """The reply to update ``seq`` of ``version``; ``model``: the model after it."""
-        imbalance = list_imbalance(model.index)
+        imbalance = live_index.list_imbalance(model.index)
         return pb.UpdateReply(
             model=self.model,
             version=version,
             sequence=seq,
-            items=model.index.ntotal,
+            items=live_index.served(model.index),
             list_imbalance=imbalance,
             rebuild_recommended=imbalance > REBUILD_IMBALANCE,
             update_id=update_id,
@@ -274,7 +283,7 @@ class LiveUpdates:
 
     def _observe(self, model: RetrievalModel, version: int) -> tuple[float, bool]:
         """Sets the list balance gauges; logs when a rebuild becomes worth it."""
-        imbalance = list_imbalance(model.index)
+        imbalance = live_index.list_imbalance(model.index)
         rebuild = imbalance > REBUILD_IMBALANCE
         self.metrics.index_balance(imbalance, rebuild)
         if rebuild and not self._rebuild:

@@ -119,7 +119,7 @@ class UpdateReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., items: _Optional[int] = ..., list_imbalance: _Optional[float] = ..., rebuild_recommended: _Optional[bool] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class LogRecord(_message.Message):
-    __slots__ = ("sequence", "upsert_items", "remove_items", "set_item_attributes", "update_embeddings", "add_seen", "list_sizes", "bit_counts", "update_id")
+    __slots__ = ("sequence", "upsert_items", "remove_items", "set_item_attributes", "update_embeddings", "add_seen", "list_sizes", "bit_counts", "update_id", "served")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPSERT_ITEMS_FIELD_NUMBER: _ClassVar[int]
     REMOVE_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class LogRecord(_message.Message):
     LIST_SIZES_FIELD_NUMBER: _ClassVar[int]
     BIT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     upsert_items: UpsertItemsRequest
     remove_items: RemoveItemsRequest
@@ -138,4 +139,5 @@ class LogRecord(_message.Message):
     list_sizes: bytes
     bit_counts: bytes
     update_id: str
-    def __init__(self, sequence: _Optional[int] = ..., upsert_items: _Optional[_Union[UpsertItemsRequest, _Mapping]] = ..., remove_items: _Optional[_Union[RemoveItemsRequest, _Mapping]] = ..., set_item_attributes: _Optional[_Union[SetItemAttributesRequest, _Mapping]] = ..., update_embeddings: _Optional[_Union[UpdateEmbeddingsRequest, _Mapping]] = ..., add_seen: _Optional[_Union[AddSeenRequest, _Mapping]] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ..., update_id: _Optional[str] = ...) -> None: ...
+    served: int
+    def __init__(self, sequence: _Optional[int] = ..., upsert_items: _Optional[_Union[UpsertItemsRequest, _Mapping]] = ..., remove_items: _Optional[_Union[RemoveItemsRequest, _Mapping]] = ..., set_item_attributes: _Optional[_Union[SetItemAttributesRequest, _Mapping]] = ..., update_embeddings: _Optional[_Union[UpdateEmbeddingsRequest, _Mapping]] = ..., add_seen: _Optional[_Union[AddSeenRequest, _Mapping]] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ..., update_id: _Optional[str] = ..., served: _Optional[int] = ...) -> None: ...

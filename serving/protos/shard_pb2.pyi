@@ -107,16 +107,18 @@ class PrepareRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., record: _Optional[bytes] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
-    __slots__ = ("shard", "held", "list_sizes", "bit_counts")
+    __slots__ = ("shard", "held", "list_sizes", "bit_counts", "served")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     LIST_SIZES_FIELD_NUMBER: _ClassVar[int]
     BIT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     shard: int
     held: bytes
     list_sizes: bytes
     bit_counts: bytes
-    def __init__(self, shard: _Optional[int] = ..., held: _Optional[bytes] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ...) -> None: ...
+    served: int
+    def __init__(self, shard: _Optional[int] = ..., held: _Optional[bytes] = ..., list_sizes: _Optional[bytes] = ..., bit_counts: _Optional[bytes] = ..., served: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("model", "version", "sequence", "attempt")

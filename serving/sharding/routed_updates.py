@@ -131,7 +131,8 @@ class RoutedUpdates(LiveUpdates):
         if isinstance(batch, UpdateEmbeddings | AddSeen):
             return apply_update(model, batch)  # the router's tables and seen store
         sizes, counts = _record_stats(record, model)
-        return with_index(model, stats_index(model.index, sizes, counts, batch))
+        served = int(record.served) or None  # 0: a record from before live segments
+        return with_index(model, stats_index(model.index, sizes, counts, batch, served))
 
     # ---- one update ---------------------------------------------------------------------------
     def prepare_logged(
@@ -166,8 +167,12 @@ class RoutedUpdates(LiveUpdates):
                 counts = torch.stack(
                     [_tensor(r.bit_counts, np.int64, "bit_counts") for r in replies]
                 )
-                check_held(resolved.resolved, held, int(sizes.sum()))
-                index = stats_index(model.index, sizes.sum(0), counts.sum(0), resolved.resolved)
+                served = sum(int(r.served) for r in replies)
+                check_held(resolved.resolved, held, served)
+                index = stats_index(
+                    model.index, sizes.sum(0), counts.sum(0), resolved.resolved, served
+                )
+                record.served = served
                 record.list_sizes = tensor_bytes(sizes.sum(0), np.int64)
                 record.bit_counts = tensor_bytes(counts.sum(0), np.int64)
                 call.check_waiting(seq)  # a caller that gave up would retry it: log nothing

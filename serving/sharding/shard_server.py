@@ -166,6 +166,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             held=tensor_bytes(done.held, np.uint8),
             list_sizes=tensor_bytes(done.list_sizes(), np.int64),
             bit_counts=tensor_bytes(done.bit_counts(), np.int64),
+            served=done.served(),
         )
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from retrieval.data import SyntheticConfig, generate
-from retrieval.index.update import positions_of
+from retrieval.index.live_index import positions, served, signatures_of
 from retrieval.live_updates import (
     RemoveItems,
     SetItemAttributes,
@@ -67,7 +67,7 @@ def test_new_item_with_a_vector_ranks_first_and_the_old_model_is_untouched(setup
     updated = apply_update(model, UpsertItems(torch.tensor([5000]), [attrs], new_vec))
     assert updated is not model and updated.index is not model.index
     assert updated.tables is model.tables and updated.user_tower is model.user_tower
-    assert updated.index.ntotal == model.index.ntotal + 1
+    assert served(updated.index) == served(model.index) + 1
     assert forward(updated, prep)[0, 0].item() == 5000
     assert torch.equal(forward(model, prep), before)  # copy-on-write
 
@@ -77,13 +77,13 @@ def test_item_tower_vectors_match_the_build_and_attributes_feed_the_tower(setup)
     items = torch.tensor([3, 11])
     attrs = [attributes_of(prep, 3), attributes_of(prep, 11)]
     smaller = apply_update(model, RemoveItems(items))
-    assert (positions_of(smaller.index, items) < 0).all()
+    assert (positions(smaller.index, items) < 0).all()
     again = apply_update(smaller, UpsertItems(items, attrs))
-    pos_old, pos_new = positions_of(model.index, items), positions_of(again.index, items)
+    pos_old, pos_new = positions(model.index, items), positions(again.index, items)
     torch.testing.assert_close(
         again.index.vectors_at(pos_new), model.index.vectors_at(pos_old), atol=1e-3, rtol=0
     )
-    assert torch.equal(again.index.sig[pos_new], model.index.sig[pos_old])
+    assert torch.equal(signatures_of(again.index, items), signatures_of(model.index, items))
     # other attribute values -> another tower input -> another vector
     other = dict(attrs[0], language=("ja",), category=("gaming",))
     moved = apply_update(model, UpsertItems(items[:1], [other]))
@@ -92,7 +92,7 @@ def test_item_tower_vectors_match_the_build_and_attributes_feed_the_tower(setup)
     feats["item_category"][:] = prep.config.item_attributes["category"].index("gaming")
     with torch.no_grad():
         want = model.item_vectors(feats)[0]
-    got = moved.index.vectors_at(positions_of(moved.index, items[:1]))[0]
+    got = moved.index.vectors_at(positions(moved.index, items[:1]))[0]
     torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
     assert not torch.allclose(got, model.index.vectors_at(pos_old[:1])[0], atol=1e-3)
 
@@ -104,14 +104,18 @@ def test_attribute_flip_changes_eligibility_only(setup):
         model, SetItemAttributes(torch.tensor([top]), [{"available": ("false",)}])
     )
     assert top not in forward(flipped, prep, filters=["available"] * len(USERS))[0].tolist()
-    pos_old = positions_of(model.index, torch.tensor([top]))
-    pos_new = positions_of(flipped.index, torch.tensor([top]))
+    pos_old = positions(model.index, torch.tensor([top]))
+    pos_new = positions(flipped.index, torch.tensor([top]))
     schema = model.index.schema
     lang = [schema.bit_of[("language", v)] for v in schema.attribute_values["language"]]
     bits = lambda sig: [(int(sig[0, b // 64]) >> (b % 64)) & 1 for b in lang]  # noqa: E731
-    assert bits(flipped.index.sig[pos_new]) == bits(model.index.sig[pos_old])
+    assert bits(signatures_of(flipped.index, torch.tensor([top]))) == bits(
+        signatures_of(model.index, torch.tensor([top]))
+    )
     off = schema.bit_of[("available", "false")]
-    assert (int(flipped.index.sig[pos_new][0, off // 64]) >> (off % 64)) & 1 == 1
+    assert (
+        int(signatures_of(flipped.index, torch.tensor([top]))[0, off // 64]) >> (off % 64)
+    ) & 1 == 1
     assert torch.equal(
         flipped.index.vectors_at(pos_new), model.index.vectors_at(pos_old)
     )  # vectors are not recomputed
@@ -122,7 +126,7 @@ def test_removed_items_are_never_recommended(setup):
     top = forward(model, prep)[:, 0].unique()
     gone = apply_update(model, RemoveItems(top))
     assert not set(top.tolist()) & set(forward(gone, prep).flatten().tolist())
-    assert gone.index.ntotal == model.index.ntotal - top.numel()
+    assert served(gone.index) == served(model.index) - top.numel()
 
 
 @pytest.mark.parametrize(
@@ -180,7 +184,7 @@ def test_refusals_name_the_field_and_change_nothing(setup, batch, message):
     index, weight = model.index, model.tables.bags()["item"].weight.clone()
     with pytest.raises(UpdateError, match=message):
         prepare_update(model, batch(prep))
-    assert model.index is index and index.ntotal == 300
+    assert model.index is index and served(index) == 300
     assert torch.equal(model.tables.bags()["item"].weight, weight)
 
 
@@ -222,3 +226,19 @@ def test_remote_tables_are_refused(setup):
     assert tiered.tables.plan.placement("item").tier is Tier.REMOTE
     with pytest.raises(UpdateError, match="table: table 'item' lives on the remote tier"):
         prepare_update(tiered, UpdateEmbeddings("item", torch.tensor([1]), torch.zeros(1, 32)))
+
+
+def test_a_live_model_saves_what_it_serves(setup, tmp_path):
+    """The fresh segment is no buffer: saving folds it into the main lists first."""
+    from retrieval.artifact import load_model, save_model
+
+    prep, model = setup
+    new_vec = query(model, prep)[None] * 50
+    updated = apply_update(
+        model, UpsertItems(torch.tensor([5000]), [attributes_of(prep, 0)], new_vec)
+    )
+    updated = apply_update(updated, RemoveItems(torch.tensor([7])))
+    loaded = load_model(save_model(updated, tmp_path / "m"))
+    assert loaded.index.live is None and served(loaded.index) == served(updated.index)
+    assert forward(loaded, prep)[0, 0].item() == 5000
+    assert 7 not in loaded.index.item_ids.tolist() and updated.index.live is not None

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from retrieval.index import live_index
 from retrieval.live_updates import UpdateEmbeddings, apply_update
 from retrieval.model import RetrievalModel
 from serving.app.server import Server
@@ -215,7 +216,7 @@ def test_a_bad_batch_is_refused_whole_naming_the_field(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.match(message, err.value.details()), err.value.details()
     assert list(rec.Recommend(tiny.message(0), timeout=WAIT).item_ids) == before
-    assert server.host.current().model.index.ntotal == 300
+    assert live_index.served(server.host.current().model.index) == 300
     assert read_log(log_path(tmp_path / "state", "demo", 1)).records == []
     assert (
         sample(server, "recserve_update_failures_total", kind=kind, reason="invalid_argument") == 1
@@ -255,9 +256,9 @@ def test_an_update_waits_for_the_running_batch(start, tiny, pristine):
         t.start()
         time.sleep(0.5)
         assert not done.is_set()  # logged perhaps, but not applied inside the batch
-        assert server.host.current().model.index.ntotal == 300
+        assert live_index.served(server.host.current().model.index) == 300
     t.join(WAIT)
-    assert done.is_set() and server.host.current().model.index.ntotal == 301
+    assert done.is_set() and live_index.served(server.host.current().model.index) == 301
 
 
 def test_concurrent_requests_see_the_update_between_batches(start, tiny, pristine):

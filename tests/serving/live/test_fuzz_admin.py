@@ -21,6 +21,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from retrieval.index import live_index
 from serving.app.server import Server
 from serving.limits import LimitsConfig
 from serving.live import admin, messages
@@ -71,6 +72,10 @@ def fingerprint(server: Server) -> str:
             digest.update(
                 t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
             )
+    live = server.host.current().model.index.live  # the fresh segment: no state_dict entry
+    if live is not None:
+        for t in (live.ids, live.vectors, live.sig, live.alive, live.tombstones):
+            digest.update(t.cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -171,7 +176,7 @@ def test_admin_requests_are_applied_whole_or_refused_whole(server, channel, tiny
     method, msg, bad = call
     before, log_before = fingerprint(server), logged(server)
     if method in ("RemoveItems", "SetItemAttributes"):
-        in_index = set(server.host.current().model.index.item_ids.tolist())
+        in_index = set(live_index.served_ids(server.host.current().model.index).tolist())
         wanted = msg.ids if method == "RemoveItems" else [it.id for it in msg.items]
         bad = bad + [f"{i} is not in the index" for i in wanted if i >= 0 and i not in in_index]
     try:
@@ -240,7 +245,7 @@ finite = st.floats(-1, 1, width=32) | st.sampled_from([1e16, -1e16, 65504.0, 1e-
 def test_valid_updates_are_applied(server, channel, tiny, data):
     """Valid updates of every kind (finite values however large, ids up to the bound) are
     applied, logged, and the server still recommends with finite scores."""
-    in_index = sorted(server.host.current().model.index.item_ids.tolist())
+    in_index = live_index.served_ids(server.host.current().model.index).tolist()
     log_before = logged(server)
 
     def known(most: int) -> list[int]:  # draws positions, not ids: the index changes
