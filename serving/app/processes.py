@@ -96,10 +96,10 @@ def threads_per_process(processes: int, torch_threads: int) -> int:
 
 class ProcessMetrics:
     """A Prometheus collector: every process's ``/metrics``, each sample labelled
-    ``process="<slot>"``; a process that does not answer (restarting) is left out of that
+    ``process="<slot>"`` (``engine`` for a split group's engine); a process that does not answer (restarting) is left out of that
     scrape."""
 
-    def __init__(self, addresses: Callable[[], dict[int, str]]):
+    def __init__(self, addresses: Callable[[], dict[str, str]]):
         self.addresses = addresses
 
     def collect(self) -> Iterator[Metric]:
@@ -118,7 +118,7 @@ class ProcessMetrics:
                     out = Metric(family.name, family.documentation, family.type, family.unit)
                     families[family.name] = out
                 for s in family.samples:
-                    labels = {**s.labels, "process": str(slot)}
+                    labels = {**s.labels, "process": slot}
                     out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
         yield from families.values()
 
@@ -161,17 +161,9 @@ class ProcessGroup:
         http_port = None
         if cfg.http_port is not None:
             http_port = self._reserve(cfg.host, cfg.http_port, "http_port")
-        self._child_config = cfg.model_copy(
-            update={
-                "processes": 1,
-                "grpc_port": grpc_port,
-                "http_port": http_port,
-                "metrics_port": None if cfg.metrics_port is None else 0,
-                "torch_threads": threads_per_process(cfg.processes, cfg.torch_threads),
-            }
-        )
+        self._configure(grpc_port, http_port)
         try:
-            self._members = [self._spawn(i) for i in range(cfg.processes)]
+            self._members = [self._spawn(i) for i in self._indices()]
             for m in self._members:
                 self._await_ready(m)
         except BaseException:
@@ -184,29 +176,48 @@ class ProcessGroup:
         self._supervisor.start()
         return self._announce(metrics)
 
+    def _configure(self, grpc_port: int, http_port: int | None) -> None:
+        """The members' configs, once the ports are reserved."""
+        cfg = self.config
+        self._child_config = cfg.model_copy(
+            update={
+                "processes": 1,
+                "grpc_port": grpc_port,
+                "http_port": http_port,
+                "metrics_port": None if cfg.metrics_port is None else 0,
+                "torch_threads": threads_per_process(cfg.processes, cfg.torch_threads),
+            }
+        )
+
+    def _indices(self) -> list[int]:
+        """The members' slots, in the order they start."""
+        return list(range(self.config.processes))
+
     def _reserve(self, host: str, port: int, field: str) -> int:
         sock = reserve_port(host, port, field)
         self._reserved.append(sock)
         return int(sock.getsockname()[1])
 
+    def _target(self, index: int) -> tuple[Callable[..., None], tuple[Any, ...], str]:
+        """What process ``index`` runs: ``(function, its arguments before the pipe, name)``."""
+        return run_member, (self._child_config, index), f"serve-{index}"
+
     def _spawn(self, index: int) -> _Member:
         parent_end, child_end = self._ctx.Pipe()
-        process = self._ctx.Process(
-            target=run_member,
-            args=(self._child_config, index, child_end),
-            name=f"serve-{index}",
-            daemon=False,
-        )
+        target, args, name = self._target(index)
+        process = self._ctx.Process(target=target, args=(*args, child_end), name=name, daemon=False)
         process.start()
         child_end.close()  # the parent's copy: EOF on parent_end once the child is gone
-        log.info("process %d (pid %d) started", index, process.pid)
+        log.info("process %s (pid %d) started", self.label(index), process.pid)
         return _Member(index, process, parent_end)
 
     def _await_ready(self, m: _Member) -> None:
         """Blocks until ``m`` reports; :class:`GroupStartError` when it fails or dies first."""
         while True:
             if self._stopping.is_set() and self._supervisor is not None:
-                raise GroupStartError(f"serving process {m.index}: the group is stopping")
+                raise GroupStartError(
+                    f"serving process {self.label(m.index)}: the group is stopping"
+                )
             if m.conn.poll(0.2):
                 try:
                     kind, payload = m.conn.recv()
@@ -214,13 +225,13 @@ class ProcessGroup:
                     kind, payload = "failed", "it exited without saying why (see its log)"
                 if kind == "ready":
                     m.ready = payload
-                    log.info("process %d (pid %d) ready", m.index, m.process.pid)
+                    log.info("process %s (pid %d) ready", self.label(m.index), m.process.pid)
                     return
                 m.process.join(10)
-                raise GroupStartError(f"serving process {m.index}: {payload}")
+                raise GroupStartError(f"serving process {self.label(m.index)}: {payload}")
             if not m.process.is_alive():
                 raise GroupStartError(
-                    f"serving process {m.index} exited ({m.process.exitcode}) before it was "
+                    f"serving process {self.label(m.index)} exited ({m.process.exitcode}) before it was "
                     "ready (see its log)"
                 )
 
@@ -233,20 +244,26 @@ class ProcessGroup:
         self._metrics_server = server
         return format_address(host, server.server_port)
 
-    def _metrics_addresses(self) -> dict[int, str]:
+    def _metrics_addresses(self) -> dict[str, str]:
         return {
-            m.index: m.ready["metrics"]
+            self.label(m.index): m.ready["metrics"]
             for m in list(self._members)
             if m.ready is not None and m.ready.get("metrics") and m.process.is_alive()
         }
 
+    @staticmethod
+    def label(index: int) -> str:
+        """Process ``index``'s ``process`` label in ``/metrics``."""
+        return str(index)
+
     def _announce(self, metrics: str | None) -> ReadyLine:
         """The group's ready line (its members' role and addresses, ``processes`` N); the same
         facts go to the log as a sentence."""
-        first = self._members[0].ready
+        first = self._members[-1].ready  # a process that serves the ports
         assert first is not None
         addresses = Addresses(first["grpc"], first["http"], metrics)
-        facts = (first["model"], first["version"], addresses, first["secured"], len(self._members))
+        serving = sum(1 for m in self._members if m.index >= 0)
+        facts = (first["model"], first["version"], addresses, first["secured"], serving)
         log.info("%s", announce_line(*facts))
         return serving_ready(first["router"], *facts)
 
@@ -258,8 +275,8 @@ class ProcessGroup:
                 if m.process.is_alive() or self._stopping.is_set():
                     continue
                 log.error(
-                    "serving process %d (pid %d) died (exit %s); restarting it",
-                    m.index,
+                    "serving process %s (pid %d) died (exit %s); restarting it",
+                    self.label(m.index),
                     m.process.pid,
                     m.process.exitcode,
                 )
@@ -288,21 +305,9 @@ class ProcessGroup:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(self.config.drain_timeout_s)
-        for m in self._members:
-            if m.process.is_alive() and m.process.pid is not None:
-                os.kill(m.process.pid, signal.SIGTERM)
-        until = time.monotonic() + self.config.drain_timeout_s + 5.0
         clean = True
-        for m in self._members:
-            m.process.join(max(until - time.monotonic(), 0.0))
-            if m.process.is_alive():
-                log.error("serving process %d did not drain in time: killed", m.index)
-                m.process.kill()
-                m.process.join(5)
-                clean = False
-            elif m.process.exitcode not in (0, None):
-                clean = False
-            m.conn.close()
+        for wave in self._stop_waves():
+            clean = self._stop_wave(wave) and clean
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -310,6 +315,28 @@ class ProcessGroup:
             sock.close()
         self._reserved.clear()
         return clean and not self.failed
+
+    def _stop_waves(self) -> list[list[_Member]]:
+        """The members in the order they drain: each wave after the one before has exited."""
+        return [list(self._members)]
+
+    def _stop_wave(self, members: list[_Member]) -> bool:
+        for m in members:
+            if m.process.is_alive() and m.process.pid is not None:
+                os.kill(m.process.pid, signal.SIGTERM)
+        until = time.monotonic() + self.config.drain_timeout_s + 5.0
+        clean = True
+        for m in members:
+            m.process.join(max(until - time.monotonic(), 0.0))
+            if m.process.is_alive():
+                log.error("serving process %s did not drain in time: killed", self.label(m.index))
+                m.process.kill()
+                m.process.join(5)
+                clean = False
+            elif m.process.exitcode not in (0, None):
+                clean = False
+            m.conn.close()
+        return clean
 
 
 def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
@@ -330,20 +357,25 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(2)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # serving: SIGTERM drains
-    conn.send(
-        (
-            "ready",
-            {
-                "model": server.host.name,
-                "version": server.host.version,
-                "grpc": a.grpc,
-                "http": a.http,
-                "metrics": a.metrics,
-                "secured": server.security.describe(),
-                "router": config.router is not None,
-            },
-        )
-    )
+    info = server.engine.info()
+    conn.send(("ready", ready_facts(info.name, info.version, a, server.security.describe(),
+                                    config.router is not None)))  # fmt: skip
+    serve_until_stopped(conn, stop)
+    clean = server.drain_and_stop()
+    sys.stderr.flush()
+    os._exit(0 if clean else 1)
+
+
+def ready_facts(
+    model: str, version: int, a: Addresses, secured: str, router: bool = False
+) -> dict[str, Any]:
+    """What a member reports once ready (the parent's ready line is made of them)."""
+    return {"model": model, "version": version, "grpc": a.grpc, "http": a.http,
+            "metrics": a.metrics, "secured": secured, "router": router}  # fmt: skip
+
+
+def serve_until_stopped(conn: Connection, stop: threading.Event) -> None:
+    """Blocks until ``stop`` (SIGTERM) or the parent's end (its pipe closes: it died)."""
 
     def parent_gone() -> None:
         with contextlib.suppress(EOFError, OSError):
@@ -355,9 +387,6 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
     threading.Thread(target=parent_gone, name="parent-watch", daemon=True).start()
     while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
         pass
-    clean = server.drain_and_stop()
-    sys.stderr.flush()
-    os._exit(0 if clean else 1)
 
 
 def serve_processes(config: ServeConfig) -> None:
