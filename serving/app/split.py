@@ -15,7 +15,8 @@ The parent (this module, a :class:`~serving.app.processes.ProcessGroup`) serves 
   answers with a loaded version, the parent's ready line once all have;
 * restarts a dead front end (the engine and the other front ends go on); restarts a dead
   engine, during which every front end answers UNAVAILABLE (calls waiting on the dead engine
-  fail within ``zmq_client.ENGINE_TIMEOUT_S``, never hang) and health says NOT_SERVING;
+  fail as its socket closes, or after ``zmq_client.ENGINE_TIMEOUT_S`` of silence from a hung
+  one: never a hang) and health says NOT_SERVING;
 * serves one ``/metrics`` (``metrics_port``): the parent scrapes every process's own registry
   and labels each sample ``process="engine"`` or ``process="<front end>"`` -- the engine's
   batch, queue, model and update metrics, the front ends' request metrics (Triton's counters

@@ -6,8 +6,9 @@ over ZeroMQ to the one engine process (``serving/engine/zmq_engine.py``).
   queueing for an engine that may come back after the caller's deadline.
 * Answers come back on a ``DEALER`` (routing id: this front end's name), read by one thread,
   which also pings the engine every :data:`PING_S`.
-* Engine liveness is the pings' answers: none for :data:`ENGINE_TIMEOUT_S` (the engine died,
-  or hangs) and every call waiting on it fails with UNAVAILABLE, new ones are refused at once
+* Engine liveness: the engine's socket closing (ZeroMQ's monitor sees the disconnect: the
+  process died or stopped), or no answer to the pings for :data:`ENGINE_TIMEOUT_S` (it hangs),
+  and every call waiting on it fails with UNAVAILABLE, new ones are refused at once
   and readiness is False, until a pong comes again (the parent restarts the engine; ZeroMQ
   reconnects by itself). A pong with a new ``epoch`` (an engine restarted between two pings)
   fails what the old engine held too. So a front end never hangs on a dead engine.
@@ -183,6 +184,8 @@ class ZmqEngineClient:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
+        monitor = self._dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller.register(monitor, zmq.POLLIN)
         next_ping = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
@@ -193,7 +196,10 @@ class ZmqEngineClient:
                 log.error("engine: no answer for %.1f s: calls fail UNAVAILABLE", ENGINE_TIMEOUT_S)
                 self._set_alive(False)
                 self._fail_all(UnavailableError("engine: stopped answering (crashed?)"))
-            if not poller.poll(int(max(next_ping - time.monotonic(), 0.0) * 1000) + 1):
+            events = dict(poller.poll(int(max(next_ping - time.monotonic(), 0.0) * 1000) + 1))
+            if monitor in events:
+                self._disconnected(monitor)
+            if self._dealer not in events:
                 continue
             while True:
                 try:
@@ -204,6 +210,23 @@ class ZmqEngineClient:
                     self._dispatch(frames)
                 except Exception:  # a bad answer must not stop the client
                     log.exception("engine client: an answer failed")
+
+        self._dealer.disable_monitor()
+        monitor.close()
+
+    def _disconnected(self, monitor: zmq.Socket[Any]) -> None:
+        """The engine's socket closed (its process died or stopped): fail what it held now,
+        not after :data:`ENGINE_TIMEOUT_S`."""
+        while True:
+            try:
+                monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        if self._alive:
+            log.error("engine: disconnected: calls fail UNAVAILABLE until it is back")
+            self._set_alive(False)
+            self._fail_all(UnavailableError("engine: disconnected (crashed or stopped)"))
+        self._last_pong = 0.0
 
     def _dispatch(self, frames: list[Any]) -> None:
         head = wire.header(frames)

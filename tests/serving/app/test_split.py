@@ -20,6 +20,7 @@ import torch
 import tritonclient.grpc
 import tritonclient.http
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.process import Proc
 from loadtest.workload import OWN_CONNECTION
@@ -190,6 +191,14 @@ def test_live_updates_and_hot_reload_reach_both_front_ends_at_once(tmp_path: Pat
         proc.stop()
 
 
+def not_serving(address: str) -> bool:
+    with own(address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=WAIT
+        )
+    return bool(status.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 class Load:
     """Threads calling Recommend, each on its own connection, recording every outcome."""
 
@@ -252,9 +261,16 @@ def test_crashes_and_sigterm_under_load(tmp_path: Path, tiny):
         killed = time.monotonic()
         os.kill(first["engine"][-1], signal.SIGKILL)
         load.wait_for("UNAVAILABLE", killed, 10)
+        refused_after = min(w + d for w, c, d in load.outcomes if w >= killed and c != "OK")
+        assert not_serving(ready.grpc)  # health follows the engine: balancers look elsewhere
         wait_until(lambda: len(pids(proc).get("engine", [])) == 2, 90, "the engine restarted")
         back = time.monotonic()
         load.wait_for("OK", back)
+        print(
+            f"figures: engine killed -> first refusal {refused_after - killed:.2f} s; "
+            f"during the outage {dict(load.since(killed) - load.since(back))}; "
+            f"after the front end's kill -9 {dict(load.since(0.0) - load.since(killed))}"
+        )
         assert len(pids(proc)["0"]) == 2 and pids(proc)["1"] == first["1"]  # front ends stayed
         got = recommend_each(ready.grpc, tiny)
         with torch.inference_mode():
@@ -265,6 +281,7 @@ def test_crashes_and_sigterm_under_load(tmp_path: Path, tiny):
         proc.signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.tail()
         longest = load.close()
+        print(f"figures: longest call {longest:.2f} s of {len(load.outcomes)}")
         assert longest < 6.0  # every call was answered or refused; none hung
         codes = Counter(code for _, code, _ in load.outcomes)
         assert set(codes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, codes
