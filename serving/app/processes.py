@@ -24,7 +24,8 @@ The parent process (this module) serves nothing itself. It
 A process whose parent dies (kill -9) drains and exits by itself: it watches its pipe to the
 parent. Each process polls the repository and hot-swaps on its own, so during a rollout
 different connections may see different versions for up to ``poll_s``. Live updates
-(``state_dir``) need one process (``ServeConfig.validate`` refuses the mix).
+(``state_dir``) need one process (``ServeConfig.validate`` refuses the mix); ``--frontends``
+(``serving/app/split.py``, this class's subclass) serves one model copy to N processes instead.
 """
 
 from __future__ import annotations
@@ -38,29 +39,26 @@ import socket
 import sys
 import threading
 import time
-import urllib.request
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.grpc_util import bind_tcp, exit_on_signals, format_address, serve_until_signal
 from common.ready import ReadyLine
 from serving.app.announce import Addresses, announce_line, serving_ready
 from serving.app.config import ServeConfig
+from serving.app.group_metrics import ProcessMetrics
 from serving.app.server import Server
 
 log = logging.getLogger(__name__)
 
 RESTARTS_PER_MINUTE = 5
 """Deaths of the group's processes within 60 s after which the group gives up (status 1)."""
-SCRAPE_TIMEOUT_S = 2.0
 
 
 class GroupStartError(Exception):
@@ -92,35 +90,6 @@ def threads_per_process(processes: int, torch_threads: int) -> int:
     if torch_threads:
         return torch_threads
     return max(1, len(os.sched_getaffinity(0)) // processes)
-
-
-class ProcessMetrics:
-    """A Prometheus collector: every process's ``/metrics``, each sample labelled
-    ``process="<slot>"`` (``engine`` for a split group's engine); a process that does not answer (restarting) is left out of that
-    scrape."""
-
-    def __init__(self, addresses: Callable[[], dict[str, str]]):
-        self.addresses = addresses
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for slot, address in sorted(self.addresses().items()):
-            try:
-                with urllib.request.urlopen(
-                    f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_S
-                ) as reply:
-                    text = reply.read().decode()
-            except OSError:
-                continue
-            for family in text_string_to_metric_families(text):
-                out = families.get(family.name)
-                if out is None:
-                    out = Metric(family.name, family.documentation, family.type, family.unit)
-                    families[family.name] = out
-                for s in family.samples:
-                    labels = {**s.labels, "process": slot}
-                    out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
-        yield from families.values()
 
 
 class ProcessGroup:
@@ -212,28 +181,39 @@ class ProcessGroup:
         return _Member(index, process, parent_end)
 
     def _await_ready(self, m: _Member) -> None:
-        """Blocks until ``m`` reports; :class:`GroupStartError` when it fails or dies first."""
+        """Blocks until ``m`` reports; :class:`GroupStartError` when it fails or dies first, or
+        waits on a member that died (:meth:`_blocked`; it is picked up once ready)."""
+        name = self.label(m.index)
         while True:
             if self._stopping.is_set() and self._supervisor is not None:
-                raise GroupStartError(
-                    f"serving process {self.label(m.index)}: the group is stopping"
-                )
+                raise GroupStartError(f"serving process {name}: the group is stopping")
             if m.conn.poll(0.2):
-                try:
-                    kind, payload = m.conn.recv()
-                except EOFError:
-                    kind, payload = "failed", "it exited without saying why (see its log)"
-                if kind == "ready":
-                    m.ready = payload
-                    log.info("process %s (pid %d) ready", self.label(m.index), m.process.pid)
-                    return
-                m.process.join(10)
-                raise GroupStartError(f"serving process {self.label(m.index)}: {payload}")
+                self._take_report(m)
+                return
             if not m.process.is_alive():
                 raise GroupStartError(
-                    f"serving process {self.label(m.index)} exited ({m.process.exitcode}) before it was "
+                    f"serving process {name} exited ({m.process.exitcode}) before it was "
                     "ready (see its log)"
                 )
+            if self._supervisor is not None and self._blocked(m):
+                raise GroupStartError(f"serving process {name}: waits for a process that died")
+
+    def _take_report(self, m: _Member) -> None:
+        """Reads ``m``'s report: ready, or :class:`GroupStartError` saying why not."""
+        try:
+            kind, payload = m.conn.recv()
+        except EOFError:
+            kind, payload = "failed", "it exited without saying why (see its log)"
+        if kind == "ready":
+            m.ready = payload
+            log.info("process %s (pid %d) ready", self.label(m.index), m.process.pid)
+            return
+        m.process.join(10)
+        raise GroupStartError(f"serving process {self.label(m.index)}: {payload}")
+
+    def _blocked(self, m: _Member) -> bool:
+        """Whether ``m`` cannot become ready until another member is restarted."""
+        return False
 
     def _serve_metrics(self, host: str, port: int) -> str:
         self.registry.register(ProcessMetrics(self._metrics_addresses))
@@ -272,6 +252,9 @@ class ProcessGroup:
         """Restarts a process that died, until :meth:`stop` or a crash loop."""
         while not self._stopping.wait(0.2):
             for slot, m in enumerate(list(self._members)):
+                if m.ready is None and m.process.is_alive() and m.conn.poll(0):
+                    with contextlib.suppress(GroupStartError):  # a late report (_blocked)
+                        self._take_report(m)
                 if m.process.is_alive() or self._stopping.is_set():
                     continue
                 log.error(

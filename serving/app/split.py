@@ -98,6 +98,11 @@ class SplitGroup(ProcessGroup):
     def label(index: int) -> str:
         return "engine" if index == ENGINE else str(index)
 
+    def _blocked(self, m: _Member) -> bool:
+        """A front end waits for the engine: a dead engine must be restarted first."""
+        engine = next(e for e in self._members if e.index == ENGINE)
+        return m.index != ENGINE and not engine.process.is_alive()
+
     def _stop_waves(self) -> list[list[_Member]]:
         front = [m for m in self._members if m.index != ENGINE]
         return [front, [m for m in self._members if m.index == ENGINE]]

@@ -33,9 +33,9 @@ from serving.types import RecRequest, RecResult, UnavailableError
 log = logging.getLogger(__name__)
 
 PING_S = 0.1
-ENGINE_TIMEOUT_S = 1.5
-"""No pong for this long: the engine is taken for dead (a forward or a version load never
-holds the engine's I/O thread this long; a dead engine is noticed within it)."""
+ENGINE_TIMEOUT_S = 3.0
+"""No pong for this long: the engine is taken for hung (a forward or a version load never holds
+the engine's I/O thread this long). A dead engine is noticed at once: its socket closes."""
 
 
 class ZmqEngineClient:
@@ -192,27 +192,30 @@ class ZmqEngineClient:
             if now >= next_ping:
                 self._try_send(wire.message({"t": "ping", "fe": self.name}))
                 next_ping = now + PING_S
-            if self._alive and now - self._last_pong > ENGINE_TIMEOUT_S:
-                log.error("engine: no answer for %.1f s: calls fail UNAVAILABLE", ENGINE_TIMEOUT_S)
-                self._set_alive(False)
-                self._fail_all(UnavailableError("engine: stopped answering (crashed?)"))
             events = dict(poller.poll(int(max(next_ping - time.monotonic(), 0.0) * 1000) + 1))
             if monitor in events:
                 self._disconnected(monitor)
-            if self._dealer not in events:
-                continue
-            while True:
-                try:
-                    frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                try:
-                    self._dispatch(frames)
-                except Exception:  # a bad answer must not stop the client
-                    log.exception("engine client: an answer failed")
-
+            if self._dealer in events:
+                self._drain()
+            # after the answers that arrived: a pause of this thread is not the engine's silence
+            if self._alive and time.monotonic() - self._last_pong > ENGINE_TIMEOUT_S:
+                log.error("engine: no answer for %.1f s: calls fail UNAVAILABLE", ENGINE_TIMEOUT_S)
+                self._set_alive(False)
+                self._fail_all(UnavailableError("engine: stopped answering (hung?)"))
         self._dealer.disable_monitor()
         monitor.close()
+
+    def _drain(self) -> None:
+        """Handles every answer waiting on the socket."""
+        while True:
+            try:
+                frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._dispatch(frames)
+            except Exception:  # a bad answer must not stop the client
+                log.exception("engine client: an answer failed")
 
     def _disconnected(self, monitor: zmq.Socket[Any]) -> None:
         """The engine's socket closed (its process died or stopped): fail what it held now,

@@ -66,6 +66,14 @@ def recommend_each(address: str, tiny, **kw) -> dict[int, tuple]:
     return out
 
 
+def answered_each(address: str, tiny) -> dict[int, tuple] | None:
+    """:func:`recommend_each`, or None when a call was refused."""
+    try:
+        return recommend_each(address, tiny)
+    except grpc.RpcError:
+        return None
+
+
 def refusal(address: str, message) -> tuple:
     with own(address) as channel:
         try:
@@ -272,7 +280,8 @@ def test_crashes_and_sigterm_under_load(tmp_path: Path, tiny):
             f"after the front end's kill -9 {dict(load.since(0.0) - load.since(killed))}"
         )
         assert len(pids(proc)["0"]) == 2 and pids(proc)["1"] == first["1"]  # front ends stayed
-        got = recommend_each(ready.grpc, tiny)
+        # each front end hears of the new engine at its next ping: UNAVAILABLE until then
+        got = wait_until(lambda: answered_each(ready.grpc, tiny), 10, "both front ends answer")
         with torch.inference_mode():
             ids, _ = tiny.model(tiny.prep.user_batch(np.array(USERS)), 10)
         assert {u: r[0] for u, r in got.items()} == dict(zip(USERS, ids.tolist(), strict=True))

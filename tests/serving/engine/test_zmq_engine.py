@@ -123,7 +123,7 @@ def test_a_dead_engine_is_unavailable_at_once_until_a_new_one_binds(tiny, repo, 
     started = time.monotonic()
     with pytest.raises(UnavailableError):
         waiting.result(ENGINE_TIMEOUT_S + WAIT)
-    assert time.monotonic() - started < ENGINE_TIMEOUT_S - 0.5  # the disconnect, not the pings
+    assert time.monotonic() - started < 1.0 < ENGINE_TIMEOUT_S  # the disconnect, not the pings
     assert not client.ready
     with pytest.raises(UnavailableError):
         client.submit([tiny.request(1)])
