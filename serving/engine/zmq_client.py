@@ -193,10 +193,10 @@ class ZmqEngineClient:
                 self._try_send(wire.message({"t": "ping", "fe": self.name}))
                 next_ping = now + PING_S
             events = dict(poller.poll(int(max(next_ping - time.monotonic(), 0.0) * 1000) + 1))
+            if self._dealer in events or monitor in events:
+                self._drain()  # first: what the engine sent before it went (a pong too)
             if monitor in events:
                 self._disconnected(monitor)
-            if self._dealer in events:
-                self._drain()
             # after the answers that arrived: a pause of this thread is not the engine's silence
             if self._alive and time.monotonic() - self._last_pong > ENGINE_TIMEOUT_S:
                 log.error("engine: no answer for %.1f s: calls fail UNAVAILABLE", ENGINE_TIMEOUT_S)
