@@ -160,7 +160,7 @@ def best(b: Data | None) -> str:
 def serving(data: Data, spec: Spec) -> Rows:
     """Max q/s at p99 <= 20 ms, ours against each peer of the same run."""
     top = data["summary"]["best"]
-    ours = top["ours"]
+    ours = top[spec.get("ours", "ours")]
     return [
         f"{spec['case']} | {best(ours)} | {p}: {best(top[p])} | {bold(ours['qps'] / top[p]['qps'])} | ≥ {spec['targets'][p]}×"
         for p in spec["peers"]

@@ -17,8 +17,11 @@ repository. Every system serves it on 127.0.0.1 as its own process:
     tritonclient); skipped, with the reason recorded, when it cannot start;
 (d) ``ours``: ``recserve serve model --processes N`` (default: one per core, the torch threads shared
     out) with its default batching (from ``config.pbtxt``), called with ``Recommend``;
-    ``ours-1proc``: one serving process (what each of the N adds); and ``ours-kserve``: the
-    group called with KServe v2 ``ModelInfer`` (the same protocol as Triton).
+    ``ours-1proc``: one serving process (what each of the N adds); ``ours-kserve``: the
+    group called with KServe v2 ``ModelInfer`` (the same protocol as Triton); and
+    ``ours-split``: ``recserve serve model --frontends F`` (one engine process with the one
+    model copy, F front-end processes on the port; ``--frontends``, default 0: the cores left
+    after the engine's), called with ``Recommend``.
 
 The load generator is a separate process: closed loop, C clients (``--concurrency``), each a
 thread with its own channel and connection, sending the next request as soon as the last answers; 1 query per
@@ -92,7 +95,7 @@ from serving.protos import recommend_pb2, recommend_pb2_grpc  # noqa: E402
 
 RUN_MARKER = "recserve-serving-bench-"
 """Prefix of this run's temp folder; every server's command line names it."""
-SYSTEMS = ("noop", "naive", "ours", "ours-1proc", "ours-kserve", "triton")
+SYSTEMS = ("noop", "naive", "ours", "ours-1proc", "ours-kserve", "ours-split", "triton")
 """Run in this order: Triton last, since its backend stubs linger after it stops and would
 load the machine while the next system is measured (seen as 16-33 % other load)."""
 
@@ -128,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=len(os.sched_getaffinity(0)),
         help="ours' serving processes and Triton's model instances (default: the cores)",
+    )
+    p.add_argument(
+        "--frontends",
+        type=int,
+        default=0,
+        help="ours-split's front-end processes (0: the cores left after the engine's)",
     )
     p.add_argument("--grpc-workers", type=int, default=64, help="gRPC threads (ours' default)")
     p.add_argument(
@@ -181,10 +190,12 @@ def server(system: str, repo: Path, tmp: Path, args: argparse.Namespace) -> Iter
         cmd += ["--repo", str(repo)]
         cmd += ["--threads", str(args.threads), "--grpc-workers", str(args.grpc_workers)]
         run = start(cmd, log)
-    elif system in ("ours", "ours-kserve", "ours-1proc"):
+    elif system.startswith("ours"):
         cmd = [sys.executable, "-m", "recserve", "serve", "model", "--model-repo", str(repo)]
         cmd += ["--model", MODEL, "--grpc-port", "0", "--device", args.device]
-        if system == "ours-1proc":
+        if system == "ours-split":  # the engine's torch threads as one of ours'; front ends: 1
+            cmd += ["--frontends", str(args.frontends), "--torch-threads", str(threads_each(args))]
+        elif system == "ours-1proc":
             cmd += ["--torch-threads", str(args.threads)]
         else:
             cmd += ["--processes", str(args.processes), "--torch-threads", str(threads_each(args))]

@@ -9,8 +9,10 @@ from timing import cell
 
 TARGETS = {"noop": 0.5, "naive": 3.0, "triton": 1.0}
 """ours / system: the targets for max q/s at p99 <= budget."""
+SPLIT_TARGETS = {"noop": 0.6, "ours": 1.5}
+"""ours-split (one engine, front-end processes) / system: its targets for max q/s."""
 PROTOCOL = {"noop": "recommend", "naive": "recommend", "triton": "kserve", "ours": "recommend",
-            "ours-1proc": "recommend", "ours-kserve": "kserve"}  # fmt: skip
+            "ours-1proc": "recommend", "ours-kserve": "kserve", "ours-split": "recommend"}  # fmt: skip
 """The protocol each system is driven with (and compared on)."""
 
 
@@ -30,6 +32,12 @@ def summarize(results: dict[str, Any], budget_ms: float) -> dict[str, Any]:
         ratio = ours["qps"] / b["qps"] if ours and b else None
         ratios[base] = {"ratio": ratio, "target": target,
                         "met": None if ratio is None else ratio >= target}  # fmt: skip
+    split = best.get("ours-split")
+    for base, target in SPLIT_TARGETS.items():
+        b = best.get(base)
+        if split and b:
+            r = split["qps"] / b["qps"]
+            ratios[f"split / {base}"] = {"ratio": r, "target": target, "met": r >= target}
     if best.get("ours-kserve") and best.get("triton"):
         r = best["ours-kserve"]["qps"] / best["triton"]["qps"]
         ratios["triton (both KServe)"] = {"ratio": r, "target": 1.0, "met": r >= 1.0}
@@ -56,6 +64,12 @@ def render(results: dict[str, Any]) -> str:
             f"{cell(b and b['p99_ms'], '.2f')} | {cell(r.get('ratio'), '.2f')} | "
             f"{'≥ ' + format(r['target'], 'g') + '×' if r else '—'} | {met if r else '—'} |"
         )
+    for base in SPLIT_TARGETS:
+        if (r := summary["ratios"].get(f"split / {base}")) is not None:
+            met = "met" if r["met"] else "**not met**"
+            lines.append(
+                f"\nours-split / {base}: {r['ratio']:.2f} (target ≥ {r['target']:g}×: {met})"
+            )
     if (r := summary["ratios"].get("triton (both KServe)")) is not None:
         lines.append(f"\nours-kserve / triton (same protocol): {r['ratio']:.2f}")
     lines += ["", *render_cases(results), "", *render_sizes(results)]

@@ -78,6 +78,7 @@ def serve_model(
     poll_s: float = _opt("poll_s"),
     torch_threads: int = _opt("torch_threads"),
     processes: int = _opt("processes"),
+    frontends: int = _opt("frontends"),
     state_dir: Path = _opt("state_dir"),
     device: str = _opt("device"),
     token_file: Path = _sec("token_file"),

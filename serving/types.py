@@ -180,6 +180,10 @@ class RecResult:
     item_map: IdMap | None = field(default=None, repr=False, compare=False)
     """The answering version's raw item ids (None: a model without id maps); the front ends
     render ``item_ids`` through it (``serving.raw_ids.raw_item_ids``)."""
+    raw_item_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """``str [K]`` (object): the raw ids of ``item_ids`` already rendered (``""`` pads), by an
+    engine in another process, which keeps the version's map; None: render through
+    ``item_map``."""
 
 
 def check_request(req: RecRequest, categorical: int, dense: int, num_items: int) -> None:

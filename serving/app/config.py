@@ -145,6 +145,7 @@ class ServeConfig(Config):
         "poll_s": "--poll-s",
         "torch_threads": "--torch-threads",
         "processes": "--processes",
+        "frontends": "--frontends",
         "state_dir": "--state-dir",
         "device": "--device",
     }
@@ -186,7 +187,14 @@ class ServeConfig(Config):
     """Serving processes sharing the gRPC and HTTP ports (``serving/app/processes.py``), each with
     its own model copy, batcher and Python interpreter lock: more of them use more cores for
     the Python parts of serving (gRPC handlers, parsing, each batch's many small ops). 1: this
-    process serves. Not with ``state_dir`` (an update log has one writer)."""
+    process serves. Not with ``state_dir`` (an update log has one writer). ``frontends``
+    serves with one model copy instead."""
+    frontends: int | None = Field(default=None, ge=0, le=MAX_PROCESSES)
+    """Set: one engine process (the model, its batcher, live updates, hot reload) and this many
+    front-end processes sharing the gRPC and HTTP ports (parsing, limits, rendering), joined by
+    ZeroMQ (``serving/app/split.py``): every core feeds one batcher and one version, and live
+    updates work. 0: the cores left after the engine's (at least 1). Not with ``processes`` or
+    a router."""
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     """``[batching]``: dynamic batching (unset keys from the model's ``config.pbtxt``)."""
     router: RouterConfig | None = None
@@ -232,6 +240,12 @@ class ServeConfig(Config):
             raise ConfigError("model_repo: required (--model-repo or model_repo in the config)")
         if not self.model_repo.is_dir():
             raise ConfigError(f"model_repo: {self.model_repo} is not a folder")
+        if self.frontends is not None and (self.processes > 1 or self.router is not None):
+            what = "processes" if self.processes > 1 else "router"
+            raise ConfigError(
+                f"frontends: not with {what}: front-end processes feed one engine of a model "
+                "(serve model --frontends N), a group of whole servers is --processes N"
+            )
         if self.processes > 1 and self.state_dir is not None:
             raise ConfigError(
                 "processes: live updates (state_dir) need one serving process: each process "

@@ -1,4 +1,5 @@
-"""``recserve serve model`` (and ``serve router``): one serving process, or a group of them (``processes > 1``), until SIGTERM."""
+"""``recserve serve model`` (and ``serve router``): one serving process, a group of them
+(``processes > 1``), or one engine and front ends (``frontends``), until SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from common.ready import ReadyLine
 from serving.app.config import ServeConfig
 from serving.app.processes import serve_processes
 from serving.app.server import ExtraServicer, Server
+from serving.app.split import serve_split
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +27,18 @@ def serve(
     :meth:`Server.announce_line` goes to the log), serves until SIGTERM or SIGINT, then drains and returns; a drain that overruns
     ``drain_timeout_s`` (a stuck batch) ends the process at once with status 1. With
     ``processes > 1`` a group of serving processes serves (``serving/app/processes.py``; each
-    runs the front ends of ``serving/app/frontends.py``)."""
-    if config.processes > 1:
+    runs the front ends of ``serving/app/frontends.py``); with ``frontends`` set, one engine
+    process and front-end processes (``serving/app/split.py``)."""
+    if config.frontends is not None or config.processes > 1:
         if extra_servicers is not None:
             raise ValueError(
-                "extra_servicers: not with processes > 1 (each runs the registered front ends)"
+                "extra_servicers: not with processes > 1 or frontends (each runs the registered "
+                "front ends)"
             )
-        serve_processes(config)
+        if config.frontends is not None:
+            serve_split(config)
+        else:
+            serve_processes(config)
         return
     server = Server(config, extra_servicers=extra_servicers)
 

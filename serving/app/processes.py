@@ -24,7 +24,8 @@ The parent process (this module) serves nothing itself. It
 A process whose parent dies (kill -9) drains and exits by itself: it watches its pipe to the
 parent. Each process polls the repository and hot-swaps on its own, so during a rollout
 different connections may see different versions for up to ``poll_s``. Live updates
-(``state_dir``) need one process (``ServeConfig.validate`` refuses the mix).
+(``state_dir``) need one process (``ServeConfig.validate`` refuses the mix); ``--frontends``
+(``serving/app/split.py``, this class's subclass) serves one model copy to N processes instead.
 """
 
 from __future__ import annotations
@@ -38,29 +39,26 @@ import socket
 import sys
 import threading
 import time
-import urllib.request
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.grpc_util import bind_tcp, exit_on_signals, format_address, serve_until_signal
 from common.ready import ReadyLine
 from serving.app.announce import Addresses, announce_line, serving_ready
 from serving.app.config import ServeConfig
+from serving.app.group_metrics import ProcessMetrics
 from serving.app.server import Server
 
 log = logging.getLogger(__name__)
 
 RESTARTS_PER_MINUTE = 5
 """Deaths of the group's processes within 60 s after which the group gives up (status 1)."""
-SCRAPE_TIMEOUT_S = 2.0
 
 
 class GroupStartError(Exception):
@@ -92,35 +90,6 @@ def threads_per_process(processes: int, torch_threads: int) -> int:
     if torch_threads:
         return torch_threads
     return max(1, len(os.sched_getaffinity(0)) // processes)
-
-
-class ProcessMetrics:
-    """A Prometheus collector: every process's ``/metrics``, each sample labelled
-    ``process="<slot>"``; a process that does not answer (restarting) is left out of that
-    scrape."""
-
-    def __init__(self, addresses: Callable[[], dict[int, str]]):
-        self.addresses = addresses
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for slot, address in sorted(self.addresses().items()):
-            try:
-                with urllib.request.urlopen(
-                    f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_S
-                ) as reply:
-                    text = reply.read().decode()
-            except OSError:
-                continue
-            for family in text_string_to_metric_families(text):
-                out = families.get(family.name)
-                if out is None:
-                    out = Metric(family.name, family.documentation, family.type, family.unit)
-                    families[family.name] = out
-                for s in family.samples:
-                    labels = {**s.labels, "process": str(slot)}
-                    out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
-        yield from families.values()
 
 
 class ProcessGroup:
@@ -161,17 +130,9 @@ class ProcessGroup:
         http_port = None
         if cfg.http_port is not None:
             http_port = self._reserve(cfg.host, cfg.http_port, "http_port")
-        self._child_config = cfg.model_copy(
-            update={
-                "processes": 1,
-                "grpc_port": grpc_port,
-                "http_port": http_port,
-                "metrics_port": None if cfg.metrics_port is None else 0,
-                "torch_threads": threads_per_process(cfg.processes, cfg.torch_threads),
-            }
-        )
+        self._configure(grpc_port, http_port)
         try:
-            self._members = [self._spawn(i) for i in range(cfg.processes)]
+            self._members = [self._spawn(i) for i in self._indices()]
             for m in self._members:
                 self._await_ready(m)
         except BaseException:
@@ -184,45 +145,75 @@ class ProcessGroup:
         self._supervisor.start()
         return self._announce(metrics)
 
+    def _configure(self, grpc_port: int, http_port: int | None) -> None:
+        """The members' configs, once the ports are reserved."""
+        cfg = self.config
+        self._child_config = cfg.model_copy(
+            update={
+                "processes": 1,
+                "grpc_port": grpc_port,
+                "http_port": http_port,
+                "metrics_port": None if cfg.metrics_port is None else 0,
+                "torch_threads": threads_per_process(cfg.processes, cfg.torch_threads),
+            }
+        )
+
+    def _indices(self) -> list[int]:
+        """The members' slots, in the order they start."""
+        return list(range(self.config.processes))
+
     def _reserve(self, host: str, port: int, field: str) -> int:
         sock = reserve_port(host, port, field)
         self._reserved.append(sock)
         return int(sock.getsockname()[1])
 
+    def _target(self, index: int) -> tuple[Callable[..., None], tuple[Any, ...], str]:
+        """What process ``index`` runs: ``(function, its arguments before the pipe, name)``."""
+        return run_member, (self._child_config, index), f"serve-{index}"
+
     def _spawn(self, index: int) -> _Member:
         parent_end, child_end = self._ctx.Pipe()
-        process = self._ctx.Process(
-            target=run_member,
-            args=(self._child_config, index, child_end),
-            name=f"serve-{index}",
-            daemon=False,
-        )
+        target, args, name = self._target(index)
+        process = self._ctx.Process(target=target, args=(*args, child_end), name=name, daemon=False)
         process.start()
         child_end.close()  # the parent's copy: EOF on parent_end once the child is gone
-        log.info("process %d (pid %d) started", index, process.pid)
+        log.info("process %s (pid %d) started", self.label(index), process.pid)
         return _Member(index, process, parent_end)
 
     def _await_ready(self, m: _Member) -> None:
-        """Blocks until ``m`` reports; :class:`GroupStartError` when it fails or dies first."""
+        """Blocks until ``m`` reports; :class:`GroupStartError` when it fails or dies first, or
+        waits on a member that died (:meth:`_blocked`; it is picked up once ready)."""
+        name = self.label(m.index)
         while True:
             if self._stopping.is_set() and self._supervisor is not None:
-                raise GroupStartError(f"serving process {m.index}: the group is stopping")
+                raise GroupStartError(f"serving process {name}: the group is stopping")
             if m.conn.poll(0.2):
-                try:
-                    kind, payload = m.conn.recv()
-                except EOFError:
-                    kind, payload = "failed", "it exited without saying why (see its log)"
-                if kind == "ready":
-                    m.ready = payload
-                    log.info("process %d (pid %d) ready", m.index, m.process.pid)
-                    return
-                m.process.join(10)
-                raise GroupStartError(f"serving process {m.index}: {payload}")
+                self._take_report(m)
+                return
             if not m.process.is_alive():
                 raise GroupStartError(
-                    f"serving process {m.index} exited ({m.process.exitcode}) before it was "
+                    f"serving process {name} exited ({m.process.exitcode}) before it was "
                     "ready (see its log)"
                 )
+            if self._supervisor is not None and self._blocked(m):
+                raise GroupStartError(f"serving process {name}: waits for a process that died")
+
+    def _take_report(self, m: _Member) -> None:
+        """Reads ``m``'s report: ready, or :class:`GroupStartError` saying why not."""
+        try:
+            kind, payload = m.conn.recv()
+        except EOFError:
+            kind, payload = "failed", "it exited without saying why (see its log)"
+        if kind == "ready":
+            m.ready = payload
+            log.info("process %s (pid %d) ready", self.label(m.index), m.process.pid)
+            return
+        m.process.join(10)
+        raise GroupStartError(f"serving process {self.label(m.index)}: {payload}")
+
+    def _blocked(self, m: _Member) -> bool:
+        """Whether ``m`` cannot become ready until another member is restarted."""
+        return False
 
     def _serve_metrics(self, host: str, port: int) -> str:
         self.registry.register(ProcessMetrics(self._metrics_addresses))
@@ -233,20 +224,26 @@ class ProcessGroup:
         self._metrics_server = server
         return format_address(host, server.server_port)
 
-    def _metrics_addresses(self) -> dict[int, str]:
+    def _metrics_addresses(self) -> dict[str, str]:
         return {
-            m.index: m.ready["metrics"]
+            self.label(m.index): m.ready["metrics"]
             for m in list(self._members)
             if m.ready is not None and m.ready.get("metrics") and m.process.is_alive()
         }
 
+    @staticmethod
+    def label(index: int) -> str:
+        """Process ``index``'s ``process`` label in ``/metrics``."""
+        return str(index)
+
     def _announce(self, metrics: str | None) -> ReadyLine:
         """The group's ready line (its members' role and addresses, ``processes`` N); the same
         facts go to the log as a sentence."""
-        first = self._members[0].ready
+        first = self._members[-1].ready  # a process that serves the ports
         assert first is not None
         addresses = Addresses(first["grpc"], first["http"], metrics)
-        facts = (first["model"], first["version"], addresses, first["secured"], len(self._members))
+        serving = sum(1 for m in self._members if m.index >= 0)
+        facts = (first["model"], first["version"], addresses, first["secured"], serving)
         log.info("%s", announce_line(*facts))
         return serving_ready(first["router"], *facts)
 
@@ -255,11 +252,14 @@ class ProcessGroup:
         """Restarts a process that died, until :meth:`stop` or a crash loop."""
         while not self._stopping.wait(0.2):
             for slot, m in enumerate(list(self._members)):
+                if m.ready is None and m.process.is_alive() and m.conn.poll(0):
+                    with contextlib.suppress(GroupStartError):  # a late report (_blocked)
+                        self._take_report(m)
                 if m.process.is_alive() or self._stopping.is_set():
                     continue
                 log.error(
-                    "serving process %d (pid %d) died (exit %s); restarting it",
-                    m.index,
+                    "serving process %s (pid %d) died (exit %s); restarting it",
+                    self.label(m.index),
                     m.process.pid,
                     m.process.exitcode,
                 )
@@ -288,21 +288,9 @@ class ProcessGroup:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(self.config.drain_timeout_s)
-        for m in self._members:
-            if m.process.is_alive() and m.process.pid is not None:
-                os.kill(m.process.pid, signal.SIGTERM)
-        until = time.monotonic() + self.config.drain_timeout_s + 5.0
         clean = True
-        for m in self._members:
-            m.process.join(max(until - time.monotonic(), 0.0))
-            if m.process.is_alive():
-                log.error("serving process %d did not drain in time: killed", m.index)
-                m.process.kill()
-                m.process.join(5)
-                clean = False
-            elif m.process.exitcode not in (0, None):
-                clean = False
-            m.conn.close()
+        for wave in self._stop_waves():
+            clean = self._stop_wave(wave) and clean
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -310,6 +298,28 @@ class ProcessGroup:
             sock.close()
         self._reserved.clear()
         return clean and not self.failed
+
+    def _stop_waves(self) -> list[list[_Member]]:
+        """The members in the order they drain: each wave after the one before has exited."""
+        return [list(self._members)]
+
+    def _stop_wave(self, members: list[_Member]) -> bool:
+        for m in members:
+            if m.process.is_alive() and m.process.pid is not None:
+                os.kill(m.process.pid, signal.SIGTERM)
+        until = time.monotonic() + self.config.drain_timeout_s + 5.0
+        clean = True
+        for m in members:
+            m.process.join(max(until - time.monotonic(), 0.0))
+            if m.process.is_alive():
+                log.error("serving process %s did not drain in time: killed", self.label(m.index))
+                m.process.kill()
+                m.process.join(5)
+                clean = False
+            elif m.process.exitcode not in (0, None):
+                clean = False
+            m.conn.close()
+        return clean
 
 
 def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
@@ -330,20 +340,25 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(2)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # serving: SIGTERM drains
-    conn.send(
-        (
-            "ready",
-            {
-                "model": server.host.name,
-                "version": server.host.version,
-                "grpc": a.grpc,
-                "http": a.http,
-                "metrics": a.metrics,
-                "secured": server.security.describe(),
-                "router": config.router is not None,
-            },
-        )
-    )
+    info = server.engine.info()
+    conn.send(("ready", ready_facts(info.name, info.version, a, server.security.describe(),
+                                    config.router is not None)))  # fmt: skip
+    serve_until_stopped(conn, stop)
+    clean = server.drain_and_stop()
+    sys.stderr.flush()
+    os._exit(0 if clean else 1)
+
+
+def ready_facts(
+    model: str, version: int, a: Addresses, secured: str, router: bool = False
+) -> dict[str, Any]:
+    """What a member reports once ready (the parent's ready line is made of them)."""
+    return {"model": model, "version": version, "grpc": a.grpc, "http": a.http,
+            "metrics": a.metrics, "secured": secured, "router": router}  # fmt: skip
+
+
+def serve_until_stopped(conn: Connection, stop: threading.Event) -> None:
+    """Blocks until ``stop`` (SIGTERM) or the parent's end (its pipe closes: it died)."""
 
     def parent_gone() -> None:
         with contextlib.suppress(EOFError, OSError):
@@ -355,9 +370,6 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
     threading.Thread(target=parent_gone, name="parent-watch", daemon=True).start()
     while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
         pass
-    clean = server.drain_and_stop()
-    sys.stderr.flush()
-    os._exit(0 if clean else 1)
 
 
 def serve_processes(config: ServeConfig) -> None:

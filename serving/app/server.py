@@ -33,16 +33,18 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
 from serving.app.config import ServeConfig
+from serving.app.engine_parts import EngineParts
 from serving.app.frontends import GRPC_SERVICES, HTTP_APP, HttpApp
+from serving.engine.client import EngineClient
 from serving.engine.host import ModelHost, Repository
 from serving.engine.metrics import ServingMetrics
-from serving.engine.state import ServingState, make_batcher
+from serving.engine.state import ServingState
 from serving.frontends.recommend_grpc import ExtraServicer, GrpcServer
 
 if TYPE_CHECKING:
@@ -80,94 +82,69 @@ class Server:
         http_app: HttpApp | None = None,
         registry: CollectorRegistry | None = None,
         reuse_port: bool = False,
+        engine: EngineClient | None = None,
     ):
         """``extra_servicers`` / ``http_app``: the gRPC services and the HTTP app to run
         (None: those of ``serving/app/frontends.py``). ``reuse_port``: bind the gRPC and HTTP
         ports with ``SO_REUSEPORT``, beside the other processes of a group
-        (``serving/app/processes.py``); otherwise a taken port fails."""
+        (``serving/app/processes.py``); otherwise a taken port fails. ``engine``: the engine
+        as a client, when it runs in another process (a front end of ``serving/app/split.py``);
+        None: this process builds and runs it."""
         config.validate()  # fail fast, naming the field
         self.config, self.reuse_port = config, reuse_port
         self.security = config.security.load()  # reads the token and certificates once
         self._make_app: HttpApp | None = None
         if config.http_port is not None:
             self._make_app = HTTP_APP if http_app is None else http_app
-        if repo is None:
-            from serving.repository.repository import ModelRepository
-
-            assert config.model_repo is not None
-            repo = ModelRepository(config.model_repo, device=config.device)
         self.extra_servicers = list(GRPC_SERVICES if extra_servicers is None else extra_servicers)
         self.metrics = ServingMetrics(config.model, registry)
-        make_runner = None
-        self._router: Any = None
-        if config.router is not None:  # a router: the index search runs on shard servers
-            from serving.sharding.router import make_router
+        self.remote = engine
+        self.parts: EngineParts | None = None
+        if engine is None:
+            if repo is None:
+                from serving.repository.repository import ModelRepository
 
-            repo, make_runner = make_router(
-                repo,  # type: ignore[arg-type]
-                config.model,
-                config.router,
-                self.metrics.registry,
-                upstream=self.security.upstream,
-            )
-            self._router = repo
-        self.updates: LiveUpdates | None = None
-        if config.state_dir is not None:
-            model_repo = repo
-            if self._router is not None:  # updates go through the shards, in two phases
-                from serving.sharding.routed_updates import RoutedUpdates
-
-                self.updates = RoutedUpdates(
-                    config.state_dir,
-                    config.model,
-                    self.metrics,
-                    self._router.client,
-                    versions=lambda: model_repo.versions(config.model),
-                )
-            else:
-                from serving.live.updates import LiveUpdates
-
-                self.updates = LiveUpdates(
-                    config.state_dir,
-                    config.model,
-                    self.metrics,
-                    versions=lambda: model_repo.versions(config.model),
-                    compact_at=config.compact_at,
-                )
-        self.host = ModelHost(
-            repo,
-            config.model,
-            config.poll_s,
-            metrics=self.metrics,
-            make_runner=make_runner,
-            on_load=self.updates.replay if self.updates is not None else None,
-        )
+                assert config.model_repo is not None
+                repo = ModelRepository(config.model_repo, device=config.device)
+            self.parts = EngineParts(config, repo, self.metrics, self.security.upstream)
         self.state: ServingState | None = None
         self.grpc: GrpcServer | None = None
         self.addresses: Addresses | None = None
         self._uvicorn: Any = None
         self._http_thread: threading.Thread | None = None
 
-    def start(self) -> Addresses:
-        """Loads and warms the model, then binds every listener; raises ``OSError`` naming the
-        port that cannot be bound."""
-        cfg = self.config
-        if cfg.torch_threads:
-            import torch
+    @property
+    def host(self) -> ModelHost:
+        """The model host (this process runs the engine)."""
+        assert self.parts is not None, "the engine runs in another process"
+        return self.parts.host
 
-            torch.set_num_threads(cfg.torch_threads)
-        self.host.start()
-        loaded = self.host.loaded  # set: start() returned
-        policy = cfg.batching.policy(None if loaded is None else loaded.config)
-        workers = cfg.router.batches_in_flight if cfg.router is not None else 1
-        batcher = make_batcher(self.host, policy, self.metrics, workers)
+    @property
+    def updates(self) -> LiveUpdates | None:
+        return None if self.parts is None else self.parts.updates
+
+    @property
+    def engine(self) -> EngineClient:
+        assert self.state is not None, "start() first"
+        return self.state.engine
+
+    def start(self) -> Addresses:
+        """Loads and warms the model (or finds the engine process serving), then binds every
+        listener; raises ``OSError`` naming the port that cannot be bound."""
+        cfg = self.config
+        engine: EngineClient
+        if self.parts is not None:
+            engine = self.parts.start()
+        else:
+            assert self.remote is not None
+            engine = self.remote
         self.state = ServingState(
-            self.host,
-            batcher,
+            engine,
             self.metrics,
             routed=cfg.router is not None,
             updates=self.updates,
             limits=cfg.limits,
+            remote_updates=self.parts is None and cfg.state_dir is not None,
         )
         self.grpc = GrpcServer(
             self.state,
@@ -196,6 +173,11 @@ class Server:
             http_address = self._start_http(self._make_app(self.state), cfg.host, cfg.http_port)
         self.addresses = Addresses(grpc_address, http_address, metrics_address)
         return self.addresses
+
+    def set_serving(self, ready: bool) -> None:
+        """Health follows the engine's readiness (an engine process that died and came back)."""
+        if self.grpc is not None and self.state is not None and not self.state.draining.is_set():
+            self.grpc.set_serving(ready)
 
     def _start_http(self, app: Any, host: str, port: int) -> str:
         import uvicorn
@@ -227,22 +209,23 @@ class Server:
     def _count_refusal(self, method_or_path: str, reason: str) -> None:
         """The token check refused a call: an inference one is one failed request."""
         if is_inference(method_or_path):
-            self.metrics.request_done(self.host.version, 0.0, reason)
+            version = None if self.state is None else self.state.engine.version
+            self.metrics.request_done(version, 0.0, reason)
 
     def announce_line(self) -> str:
         """The sentence for people (the log); :meth:`ready` is the line for programs."""
         assert self.addresses is not None
-        return announce_line(
-            self.host.name, self.host.version, self.addresses, self.security.describe()
-        )
+        info = self.engine.info()
+        return announce_line(info.name, info.version, self.addresses, self.security.describe())
 
     def ready(self) -> ReadyLine:
         """The ready line (``common/ready.py``), once :meth:`start` returned."""
         assert self.addresses is not None
+        info = self.engine.info()
         return serving_ready(
             self.config.router is not None,
-            self.host.name,
-            self.host.version,
+            info.name,
+            info.version,
             self.addresses,
             self.security.describe(),
         )
@@ -260,8 +243,8 @@ class Server:
             self.state.draining.set()  # new requests: UNAVAILABLE
         if self.grpc is not None:
             self.grpc.drain()  # health: NOT_SERVING
-        if self.state is not None:
-            clean = self.state.batcher.stop(drain=True, timeout=left())
+        # a front end's calls in flight finish on the engine process: it waits for their answers
+        clean = self.parts.drain(left()) if self.parts is not None else self._wait_calls(left)
         time.sleep(min(self.config.close_linger_s, left()))  # late callers hear UNAVAILABLE
         if self.grpc is not None:
             self.grpc.stop(grace=left())
@@ -269,9 +252,15 @@ class Server:
             self._uvicorn.should_exit = True
             self._http_thread.join(left())
         self.metrics.stop_http()
-        if self._router is not None:  # cancels a version poll waiting on a shard that left too
-            self._router.close()
-        self.host.stop(timeout=left())
-        if self.updates is not None:
-            self.updates.close()
+        if self.parts is not None:
+            self.parts.close(left())
+        elif self.remote is not None:
+            self.remote.close()
         return clean
+
+    def _wait_calls(self, left: Callable[[], float]) -> bool:
+        """A front end's drain: until the calls it sent the engine are answered (or time)."""
+        pending = getattr(self.remote, "pending", None)  # the ZeroMQ client counts them
+        while pending is not None and pending() and left() > 0:
+            time.sleep(0.01)
+        return pending is None or not pending()

@@ -79,6 +79,17 @@ def _id_limits(model: RetrievalModel, features: list[str]) -> np.ndarray:
     )
 
 
+def check_target(name: str, served: int, model: str, version: int | None) -> None:
+    """Raises :class:`ModelNotFoundError` unless ``model`` / ``version`` (empty / None: any)
+    name model ``name`` version ``served``."""
+    if model and model != name:
+        raise ModelNotFoundError(f"model: {model!r} is not served here (serving {name!r})")
+    if version is not None and version != served:
+        raise ModelNotFoundError(
+            f"version: {name} version {version} is not loaded (serving {served})"
+        )
+
+
 class ModelRunner:
     """One loaded model version and the code that turns requests into its input tensors."""
 
@@ -101,12 +112,7 @@ class ModelRunner:
     def check_target(self, model: str, version: int | None) -> None:
         """Raises :class:`ModelNotFoundError` unless ``model`` / ``version`` (empty / None: any)
         name this runner's model and version: the one check of both, for every caller."""
-        if model and model != self.name:
-            raise ModelNotFoundError(f"model: {model!r} is not served here (serving {self.name!r})")
-        if version is not None and version != self.version:
-            raise ModelNotFoundError(
-                f"version: {self.name} version {version} is not loaded (serving {self.version})"
-            )
+        check_target(self.name, self.version, model, version)
 
     def admit(self, req: RecRequest, limits: LimitsConfig | None = None) -> Admission:
         """Validates ``req`` for this model -> its :class:`Admission` (the filter parsed within

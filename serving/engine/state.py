@@ -1,5 +1,9 @@
 """ServingState: what every front end (gRPC Recommend, KServe v2 gRPC, HTTP) shares.
 
+It holds the engine as a client (``serving/engine/client.py``): the engine in this process
+(:class:`~serving.engine.client.InProcessEngine`) or in the engine process of a split group
+(``serving/engine/zmq_client.py``); the front ends cannot tell which.
+
 A front end opens a :class:`Call` when a call arrives (:meth:`ServingState.call`), parses its
 wire format into :class:`~serving.types.RecRequest` s (one per row) and calls
 :meth:`ServingState.submit` (a future per row, for async servers), then closes the call once
@@ -7,9 +11,9 @@ with its result or its error: Triton's ``nv_inference_request_success`` / ``_fai
 calls, refusals while parsing included, not rows. :meth:`ServingState.recommend` (blocking,
 one row) is a whole call. The path of a row:
 
-    draining? -> UNAVAILABLE
-    host.current().admit -> Admission (the edge: INVALID_ARGUMENT / NOT_FOUND in microseconds)
-    batcher.submit(admission) (RESOURCE_EXHAUSTED when the queue is full)
+    draining? -> UNAVAILABLE; limits (filter text, seen lists) -> INVALID_ARGUMENT
+    engine.submit: host.current().admit -> Admission (the model's edge: INVALID_ARGUMENT /
+      NOT_FOUND), batcher.submit(admission) (RESOURCE_EXHAUSTED when the queue is full)
     ... batch: host.current() once, runner.run(admissions) as one forward ...
     the future's result, or its error (see ``serving.types.error_status`` for the codes)
 """
@@ -26,6 +30,7 @@ from typing import Any, Protocol
 from retrieval.live_updates import UpdateBatch
 from retrieval.model import RetrievalModel
 from serving.engine.batching import BatchPolicy, DynamicBatcher
+from serving.engine.client import EngineClient, InProcessEngine, row_note
 from serving.engine.host import ModelHost
 from serving.engine.metrics import ServingMetrics
 from serving.engine.runner import Admission, Outcome
@@ -34,6 +39,7 @@ from serving.types import (
     DeadlineExceededError,
     RecRequest,
     RecResult,
+    RequestError,
     UnavailableError,
     error_status,
 )
@@ -62,8 +68,8 @@ class Call:
     answer or refusal, counted once in the metrics whichever of :meth:`succeeded` /
     :meth:`failed` comes first (a second close is ignored)."""
 
-    def __init__(self, metrics: ServingMetrics, host: ModelHost):
-        self.metrics, self.host = metrics, host
+    def __init__(self, metrics: ServingMetrics, engine: EngineClient):
+        self.metrics, self.engine = metrics, engine
         self.start = time.monotonic()
         self.closed = False
 
@@ -74,7 +80,7 @@ class Call:
     def failed(self, exc: BaseException, reason: str | None = None) -> None:
         """Refused or failed with ``exc``; ``reason`` overrides its ``error_status`` reason (a
         front end's own refusal that has no serving error type)."""
-        self._close(self.host.version, reason or error_status(exc)[2])
+        self._close(self.engine.version, reason or error_status(exc)[2])
 
     def _close(self, version: int | None, reason: str | None) -> None:
         if not self.closed:
@@ -84,45 +90,67 @@ class Call:
 
 @dataclass
 class ServingState:
-    """The model host, the batcher and the metrics of one serving process."""
+    """The engine (as a client), the metrics and the limits of one serving process."""
 
-    host: ModelHost
-    batcher: DynamicBatcher[Admission]
+    engine: EngineClient
     metrics: ServingMetrics
     routed: bool = False
     """A router: the index search runs on document shard servers (no live updates here)."""
     draining: threading.Event = field(default_factory=threading.Event)
     """Set on SIGTERM: health says NOT_SERVING and new requests get UNAVAILABLE."""
     updates: LiveUpdater | None = None
-    """Live updates (``serving/live/``); None without ``state_dir``."""
+    """Live updates applied in this process (``serving/live/``); None without ``state_dir``, or
+    when the engine is another process (then see :attr:`remote_updates`)."""
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     """Request size limits (``[limits]``), checked before a filter is parsed."""
+    remote_updates: bool = False
+    """The engine is another process with live updates on: the admin API forwards them."""
 
     @property
-    def model(self) -> str:
-        return self.host.name
+    def host(self) -> ModelHost:
+        """The model host, when the engine runs in this process (the single-process mode)."""
+        if not isinstance(self.engine, InProcessEngine):
+            raise AttributeError("host: the engine runs in another process")
+        return self.engine.host
+
+    @property
+    def batcher(self) -> DynamicBatcher[Admission]:
+        """The batcher, when the engine runs in this process."""
+        if not isinstance(self.engine, InProcessEngine):
+            raise AttributeError("batcher: the engine runs in another process")
+        return self.engine.batcher
 
     @property
     def ready(self) -> bool:
-        """Ready to take requests: a version is loaded and the server is not draining."""
-        return self.host.ready and not self.draining.is_set()
+        """Ready to take requests: the engine serves a version and this process is not
+        draining."""
+        return self.engine.ready and not self.draining.is_set()
 
     def call(self) -> Call:
         """A call arrived: close the :class:`Call` once it is answered or refused."""
-        return Call(self.metrics, self.host)
+        return Call(self.metrics, self.engine)
 
     def submit(self, req: RecRequest) -> Future[RecResult]:
         """Checks one row at the edge and queues it; raises the serving errors of
-        ``serving.types`` at once (bad input, unknown model, queue full, draining). Records no
-        request metric: the caller's :class:`Call` does, once for all its rows."""
+        ``serving.types`` (bad input, unknown model, queue full, draining: at once in process,
+        through the future from an engine process). Records no request metric: the caller's
+        :class:`Call` does, once for all its rows."""
+        return self.submit_rows([req])[0]
+
+    def submit_rows(self, reqs: list[RecRequest]) -> list[Future[RecResult]]:
+        """:meth:`submit` for the rows of one call: all queued, or none (a refusal names its
+        row)."""
         if self.draining.is_set():
             raise UnavailableError("server is draining: not accepting new requests")
-        self.limits.check_filter_text(req.filter)  # O(1) mostly: before any parsing
-        for name in ("seen", "raw_seen"):
-            if (ids := getattr(req, name)) is not None:
-                self.limits.check_seen(len(ids), name)
-        admission = self.host.current().admit(req, self.limits)  # parses within the limits
-        return self.batcher.submit(admission)
+        for b, req in enumerate(reqs):
+            try:
+                self.limits.check_filter_text(req.filter)  # O(1) mostly: before any parsing
+                for name in ("seen", "raw_seen"):
+                    if (ids := getattr(req, name)) is not None:
+                        self.limits.check_seen(len(ids), name)
+            except RequestError as e:
+                raise RequestError(f"{e}{row_note(b, len(reqs))}") from None
+        return self.engine.submit(reqs)
 
     def recommend(self, req: RecRequest, timeout: float | None = None) -> RecResult:
         """One row as a whole call (counted in the metrics): :meth:`submit`, then waits until

@@ -41,7 +41,6 @@ from serving.frontends.kserve_parse import (
     decode,
     parse,
     recall_target_from,
-    row_note,
 )
 from serving.frontends.kserve_spec import (
     EXTENSIONS,
@@ -55,7 +54,7 @@ from serving.frontends.kserve_spec import (
     server_version,
 )
 from serving.raw_ids import raw_item_ids
-from serving.types import DATATYPES, ModelNotFoundError, RecRequest, RecResult, RequestError
+from serving.types import DATATYPES, RecRequest, RecResult, RequestError
 
 __all__ = [
     "EXTENSIONS",
@@ -103,18 +102,9 @@ class OutputTensor:
 
 # ---- running -----------------------------------------------------------------------------------
 def submit_rows(state: ServingState, reqs: list[RecRequest]) -> list[Future[RecResult]]:
-    """Queues every row, or none: when a row is refused, the ones queued leave the queue."""
-    futures: list[Future[RecResult]] = []
-    for b, req in enumerate(reqs):
-        try:
-            futures.append(state.submit(req))
-        except (RequestError, ModelNotFoundError) as e:
-            cancel(futures)
-            raise type(e)(f"{e}{row_note(b, len(reqs))}") from None
-        except BaseException:
-            cancel(futures)
-            raise
-    return futures
+    """Queues every row, or none: when a row is refused, the ones queued leave the queue (the
+    refusal names the row: ``state.submit_rows``)."""
+    return state.submit_rows(reqs)
 
 
 def cancel(futures: Sequence[Future[Any]]) -> None:
@@ -157,9 +147,17 @@ def render(results: Sequence[RecResult], names: Sequence[str]) -> list[OutputTen
 
 def _raw_ids(results: Sequence[RecResult], ids: np.ndarray) -> np.ndarray:
     """``ids [B, K]`` -> their raw ids ``str [B, K]``: one take per item map among the rows
-    (one, unless the call straddled a hot swap)."""
+    (one, unless the call straddled a hot swap); rows an engine process rendered are copied."""
     out = np.empty(ids.shape, dtype=object)  # [B, K]
-    for item_map in {id(r.item_map): r.item_map for r in results}.values():
-        rows = [b for b, r in enumerate(results) if r.item_map is item_map]
+    local = []
+    for b, r in enumerate(results):
+        if r.raw_item_ids is None:
+            local.append(b)
+        else:  # rendered by an engine in another process: "" pads to the call's K
+            out[b] = ""
+            out[b, : len(r.raw_item_ids)] = r.raw_item_ids
+    maps = {id(results[b].item_map): results[b].item_map for b in local}
+    for item_map in maps.values():
+        rows = [b for b in local if results[b].item_map is item_map]
         out[rows] = raw_item_ids(ids[rows], item_map)
     return out

@@ -10,11 +10,11 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from serving.engine.client import ModelInfo
 from serving.engine.state import ServingState
 from serving.limits import LimitsConfig
 from serving.types import (
     DATATYPES,
-    MAX_K,
     OUTPUTS,
     RAW_INPUTS,
     RAW_OUTPUTS,
@@ -90,32 +90,37 @@ def resolve(state: ServingState, model: str, version: str) -> ModelSpec:
     # at most 18 digits: an int64, and int() refuses over 4300 digits with a ValueError
     if version and not (version.isascii() and version.isdigit() and len(version) <= 18):
         raise RequestError(f"version: {short_repr(version)} is not a version number")
-    state.host.check_target(model, int(version) if version else None)
-    return model_spec(state)
+    info = state.engine.info()  # UnavailableError before the first version loads
+    info.check_target(model, int(version) if version else None)
+    return model_spec(state, info)
 
 
-def model_spec(state: ServingState) -> ModelSpec:
-    runner = state.host.current()
-    config = loaded_config(state)
-    platform = (config.platform or config.backend) if config is not None else ""
+def model_spec(state: ServingState, info: ModelInfo | None = None) -> ModelSpec:
+    """The spec of the served version (``info``: as the engine described it, read now when
+    None)."""
+    info = state.engine.info() if info is None else info
     return ModelSpec(
-        name=runner.name,
-        version=runner.version,
-        categorical=len(runner.features),
-        dense=runner.dense_dim,
-        max_k=min(MAX_K, runner.num_items, runner.model.index.ntotal),
-        max_batch_size=state.batcher.policy.max_batch_size,
-        platform=platform or "pytorch",
+        name=info.name,
+        version=info.version,
+        categorical=info.categorical,
+        dense=info.dense,
+        max_k=info.max_k,
+        max_batch_size=info.policy.max_batch_size,
+        platform=info.platform or "pytorch",
         limits=state.limits,
-        raw_ids=runner.item_map is not None,
-        seen_store=runner.model.seen_store is not None,
+        raw_ids=info.raw_ids,
+        seen_store=info.seen_store,
     )
 
 
 def loaded_config(state: ServingState) -> mc.ModelConfig | None:
-    """The served version's ``config.pbtxt``; None before a version loads or without one."""
-    loaded = state.host.loaded
-    config = None if loaded is None else loaded.config
+    """The served version's ``config.pbtxt``; None before a version loads or without one (an
+    engine in another process sends it serialized)."""
+    if not state.engine.ready:
+        return None
+    config = state.engine.info().config
+    if isinstance(config, bytes):
+        config = mc.ModelConfig.FromString(config)
     return config if isinstance(config, mc.ModelConfig) else None
 
 
@@ -124,7 +129,7 @@ def model_config(state: ServingState, spec: ModelSpec) -> mc.ModelConfig:
     config = loaded_config(state)
     if config is not None:
         return config
-    policy = state.batcher.policy
+    policy = state.engine.info().policy
 
     def tensor(t: TensorSpec) -> dict[str, Any]:
         dt = "TYPE_STRING" if t.datatype == "BYTES" else f"TYPE_{t.datatype}"

@@ -102,11 +102,12 @@ def parse_recommend(
 
 def render_recommend(result: RecResult) -> pb.RecommendResponse:
     """The answer; ``raw_item_ids`` too when the answering version has id maps."""
-    raw = (
-        []
-        if result.item_map is None
-        else raw_item_ids(result.item_ids.reshape(1, -1), result.item_map)[0].tolist()
-    )
+    if result.raw_item_ids is not None:  # rendered by an engine in another process
+        raw = result.raw_item_ids.tolist()
+    elif result.item_map is not None:
+        raw = raw_item_ids(result.item_ids.reshape(1, -1), result.item_map)[0].tolist()
+    else:
+        raw = []
     return pb.RecommendResponse(
         raw_item_ids=raw,
         item_ids=result.item_ids.tolist(),

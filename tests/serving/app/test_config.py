@@ -103,3 +103,14 @@ def test_cli_refuses_a_bad_config_naming_the_field(repo_dir: Path):
         app, ["serve", "model", "--model-repo", str(repo_dir), "--grpc-port", "70000"]
     )
     assert out.exit_code == 2 and "grpc_port (--grpc-port): must be in [0, 65535]" in out.output
+
+
+def test_front_ends_take_live_updates_but_not_a_group_or_a_router(repo_dir: Path):
+    split = ServeConfig(model_repo=repo_dir, frontends=2, state_dir=repo_dir / "state")
+    split.validate()  # one engine process: one copy, one update log writer
+    with pytest.raises(ConfigError, match="frontends: not with processes"):
+        ServeConfig(model_repo=repo_dir, frontends=2, processes=2).validate()
+    with pytest.raises(ConfigError, match="processes: live updates"):
+        ServeConfig(model_repo=repo_dir, processes=2, state_dir=repo_dir / "state").validate()
+    with pytest.raises(ConfigError, match=r"frontends \(--frontends\): must be in \[0, 256\]"):
+        ServeConfig(model_repo=repo_dir, frontends=-1).validate()
