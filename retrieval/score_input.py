@@ -286,7 +286,6 @@ def _check_filter(text: str, schema: Any, where: str) -> None:
     from retrieval.filters import parse_filter
 
     try:
-        for clause in parse_filter(text):
-            schema.clause_mask(clause)
+        schema.check(parse_filter(text))
     except ValueError as e:
         raise ScoreInputError(f"{where}: {str(e).removeprefix('filter: ')}") from None
