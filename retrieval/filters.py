@@ -50,6 +50,18 @@ NUMERIC: Literal["numeric"] = "numeric"
 Vocabulary = Sequence[AttributeValue] | Literal["numeric"]
 
 
+def filter_vocabulary(
+    item_attributes: Mapping[str, Sequence[AttributeValue]], numeric: Sequence[str] = ()
+) -> dict[str, Vocabulary]:
+    """What a model's filter schema knows: its item attributes' values, and its numeric
+    attributes (``ModelConfig.numeric_attributes``)."""
+    out: dict[str, Vocabulary] = dict(item_attributes)
+    if clash := set(out) & set(numeric):
+        raise ValueError(f"numeric_attributes {sorted(clash)} are item_attributes too")
+    out.update({n: NUMERIC for n in numeric})
+    return out
+
+
 def value_text(attribute: str, value: AttributeValue) -> str:
     """The text by which filters name ``value`` of ``attribute``: a string as it is, a boolean
     as ``"true"``/``"false"``, an integer in decimal (``3`` -> ``"3"``); anything else is refused

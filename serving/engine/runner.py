@@ -263,7 +263,10 @@ class ModelRunner:
         k = min(10, self.model.index.ntotal)
         some_filter = None
         for attr, values in self.schema.attribute_values.items():
-            some_filter = f"{attr} = {values[0]!r}" if values else None
+            if isinstance(values, str):  # numeric
+                some_filter = f"{attr} >= 0"
+            else:
+                some_filter = f"{attr} = {values[0]!r}" if values else None
             break
         for size in batch_sizes:
             reqs = [
