@@ -245,3 +245,48 @@ def test_selectivity_estimate_follows_or_and_ranges():
         truth = eligible(c["sig"], fb.masks[0], fb.negate[0]).float().mean().item()
         est = estimate_selectivity(fb, counts, n).item()
         assert truth / 3 <= est <= min(1.0, truth * 3), (text, est, truth)
+
+
+@functools.cache
+def model_and_prep():
+    """A small model over the catalog's items: its attributes feed the item tower, price only
+    the filter."""
+    import copy
+
+    from retrieval.data import SyntheticConfig, generate
+    from retrieval.features import item_feature_ids
+    from retrieval.model import RetrievalModel
+    from retrieval.training.prepare import prepare
+
+    c = catalog()
+    n = c["sig"].shape[0]
+    prep = prepare(generate(SyntheticConfig(num_users=16, num_items=n, seed=2)), history_len=4)
+    cfg = copy.deepcopy(prep.config)
+    cfg.item_attributes = {a: v for a, v in VALUES.items() if a != "price"}  # type: ignore[misc]
+    cfg.numeric_attributes = ("price",)
+    prep.config = cfg
+    torch.manual_seed(0)
+    model = RetrievalModel(cfg)
+    tower_in = {a: v for a, v in c["attrs"].items() if a != "price"}
+    model.build_index(item_feature_ids(tower_in, n), c["attrs"])
+    return model.eval(), prep
+
+
+@settings(max_examples=40, deadline=None)
+@given(expression())
+def test_the_forward_answers_only_and_all_it_may(e):
+    text, fn = e
+    compiled(text)
+    model, prep = model_and_prep()
+    users, k = np.arange(4), 30
+    batch = prep.user_batch(users, [text] * len(users))
+    with torch.inference_mode():
+        ids, _ = model(batch, k)
+    ok = fn(catalog()["attrs"])
+    for row in range(len(users)):
+        history = batch.history[row][batch.history[row] >= 0].numpy()
+        allowed = ok.copy()
+        allowed[history] = False  # the history window is never recommended
+        got = ids[row][ids[row] >= 0].numpy()
+        assert allowed[got].all(), text
+        assert len(got) == min(k, int(allowed.sum())), text
