@@ -315,7 +315,9 @@ class FilterSchema:
 def _filter_key(f: str | Expr | Sequence[Clause] | None) -> str | Expr | tuple[Clause, ...]:
     """A hashable key for one request's filter: its text, its expression, or its clauses
     (None: no clauses)."""
-    if isinstance(f, str | Clause | Compare | Not | And | Or):
+    if isinstance(f, str):  # the served case first: one type check
+        return f
+    if isinstance(f, Clause | Compare | Not | And | Or):
         return f
     return tuple(f or ())
 
