@@ -290,3 +290,47 @@ def test_the_forward_answers_only_and_all_it_may(e):
         got = ids[row][ids[row] >= 0].numpy()
         assert allowed[got].all(), text
         assert len(got) == min(k, int(allowed.sum())), text
+
+
+names = st.from_regex(r"[a-z][a-z0-9_]{0,6}", fullmatch=True).filter(
+    lambda s: s not in ("and", "or", "not", "in", "between")
+)
+preds = st.one_of(
+    st.builds(
+        Clause,
+        names,
+        st.lists(
+            st.from_regex(r"[A-Za-z0-9 _+\-]{1,6}", fullmatch=True), min_size=1, max_size=3
+        ).map(tuple),
+        st.booleans(),
+    ),
+    st.builds(
+        Compare,
+        names,
+        st.sampled_from(["<", "<=", ">", ">="]),
+        st.floats(allow_nan=False, width=32).map(float),
+    ),
+)
+trees = st.recursive(
+    preds,
+    lambda kids: st.one_of(
+        st.builds(And, st.lists(kids, min_size=2, max_size=3).map(tuple)),
+        st.builds(Or, st.lists(kids, min_size=2, max_size=3).map(tuple)),
+        st.builds(
+            Not,
+            st.one_of(
+                st.builds(And, st.lists(kids, min_size=2, max_size=3).map(tuple)),
+                st.builds(Or, st.lists(kids, min_size=2, max_size=3).map(tuple)),
+            ),
+        ),
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees)
+def test_format_then_parse_is_identity_for_expressions(e):
+    from retrieval.filters import format_filter
+
+    assert parse_filter(format_filter(e)) == e
