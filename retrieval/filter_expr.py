@@ -144,16 +144,22 @@ class _Parser:
     def expr(self, depth: int) -> Expr:
         parts = [self.term(depth)]
         while self.keyword("or"):
-            self.i += 1
+            self.joint("or")
             parts.append(self.term(depth))
         return parts[0] if len(parts) == 1 else Or(tuple(parts))
 
     def term(self, depth: int) -> Expr:
         parts = [self.unary(depth)]
         while self.keyword("and"):
-            self.i += 1
+            self.joint("and")
             parts.append(self.unary(depth))
         return parts[0] if len(parts) == 1 else And(tuple(parts))
+
+    def joint(self, word: str) -> None:
+        """Steps over ``and`` / ``or``, which must not end the text."""
+        self.i += 1
+        if self.i == len(self.toks):
+            raise ValueError(f"filter: dangling '{word}' at the end")
 
     def unary(self, depth: int) -> Expr:
         if depth >= MAX_DEPTH:
@@ -277,6 +283,15 @@ def parse_filter(
     past ``max_clauses``, value past ``max_values`` in one set, or level past :data:`MAX_DEPTH`
     (so the work done is bounded by the limits, not the text)."""
     return _Parser(text, max_clauses, max_values).parse()
+
+
+def predicates(expr: Expr) -> list[Clause | Compare]:
+    """The predicates of ``expr``, left to right."""
+    if isinstance(expr, Clause | Compare):
+        return [expr]
+    if isinstance(expr, Not):
+        return predicates(expr.child)
+    return [p for c in expr.children for p in predicates(c)]
 
 
 def format_filter(expr: Expr) -> str:
