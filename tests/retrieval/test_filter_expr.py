@@ -334,3 +334,33 @@ def test_format_then_parse_is_identity_for_expressions(e):
     from retrieval.filters import format_filter
 
     assert parse_filter(format_filter(e)) == e
+
+
+def test_a_live_upsert_brings_a_price_no_item_had_and_filters_find_it():
+    import copy
+
+    from retrieval.live_updates import apply_update
+    from retrieval.update_batches import SetItemAttributes, UpsertItems
+
+    model, _ = model_and_prep()
+    model = copy.deepcopy(model)
+    new = model.config.num_items - 1  # replaced, with a price no item had at build
+    batch = UpsertItems(
+        torch.tensor([new]),
+        [{"color": ["red"], "price": ["123456.5"]}],
+        torch.ones(1, model.config.out_dim),
+        None,
+    )
+    model = apply_update(model, batch)
+    q = torch.ones(1, model.config.out_dim)
+    ids, _ = model.index.search(q, 5, "price between 123456 and 123457 and color = red", exact=True)
+    assert ids[0].tolist() == [new, -1, -1, -1, -1]
+    model = apply_update(model, SetItemAttributes(torch.tensor([new]), [{"price": ["-7"]}]))
+    ids, _ = model.index.search(q, 5, "price = -7 or price between 123456 and 123457", exact=True)
+    assert new in ids[0].tolist()
+    assert (
+        new
+        not in model.index.search(q, 5, "price between 123456 and 123457", exact=True)[0][
+            0
+        ].tolist()
+    )
