@@ -368,6 +368,38 @@ def freshness(data: Data, spec: Spec) -> Rows:
     return rows
 
 
+def filters(data: Data, spec: Spec) -> Rows:
+    """``bench/filters.py``: filtered top-K under an OR expression (each system at its cheapest
+    setting reaching the run's recall target, q/s the median of turns) against the fastest
+    peer; evaluating the expression over the catalog against NumPy over the columns."""
+    tk, ev = data["top_k"], data["evaluation"]
+    target = float(data["meta"]["args"]["target"])
+    qps = tk["turns_qps"]
+    peers = {n: v for n, v in qps.items() if not n.startswith("ours")}
+    peer = max(peers, key=lambda n: peers[n])
+    ours = qps.get("ours")
+    rows = [
+        f"top-{tk['k']} at recall ≥ {target}, {tk['items']:,} × {tk['dim']}, "
+        f"{100 * tk['selectivity']:.1f} % pass | "
+        + (f"{ours:,.0f} q/s" if ours else "not reached")
+        + f" | {peer}: {peers[peer]:,.0f} q/s | "
+        + (bold(ours / peers[peer]) if ours else "")
+    ]
+    if (forced := qps.get("ours, the exact plan (exact=True)")) is not None:
+        rows.append(
+            f"the same, our exact plan forced (exact=True) | {forced:,.0f} q/s | {peer}: "
+            f"{peers[peer]:,.0f} q/s | {bold(forced / peers[peer])}"
+        )
+    mine = ev["ours, eligible_positions (C++, postings)"]["ms"]
+    cols = ev["NumPy over the attribute columns"]["ms"]
+    rows.append(
+        f"the items it admits, {ev['items']:,} items, {100 * ev['selectivity']:.1f} % pass "
+        f"(same items: {ev['same_items']}) | {mine:.2f} ms | NumPy over the columns: "
+        f"{cols:.2f} ms | {bold(cols / mine)}"
+    )
+    return rows
+
+
 Kind = Callable[[Data, Spec], Rows]
 BYTES_HEAD = "data | ours, bytes/item | smallest faiss IVF at recall ≥ 0.95 | ours over it"
 KINDS: dict[str, tuple[Kind, str]] = {
@@ -385,6 +417,7 @@ KINDS: dict[str, tuple[Kind, str]] = {
         filtered,
         "data | filter | ours: recall, q/s | fastest peer at recall ≥ 0.95 | ours ÷ peer",
     ),
+    "filters": (filters, "case | ours | fastest peer | ours ÷ peer (speed)"),
     "seen": (
         seen,
         "seen items S | batch | skipped in the scan, a query | K + S, then struck | its time ÷ ours | same ids",

@@ -110,6 +110,10 @@ class ModelConfig(ModelSettings):
     """Dense user features per user."""
     item_attributes: Annotated[dict[str, list[Value]], FromData]
     """Item attribute -> values; they feed the item tower and the eligibility filter."""
+    numeric_attributes: Names = ()
+    """Item attributes that hold one number an item (a price, a duration): filters compare them
+    (``price < 20``, ``length between 60 and 90``), exactly; they do not feed the item tower.
+    :meth:`RetrievalModel.build_index` takes their numbers ``[N]`` with the item attributes."""
     hashed_user_features: Names = ()
     """User features whose values are raw 64-bit ids (any int64; -1: none), not codes: their
     tables are keyed by id (``sharded_tables/hashed_training.py`` trains them over a working

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retrieval.filters import Clause, FilterBatch, FilterSchema
+from retrieval.filters import Clause, Expr, FilterBatch, FilterSchema
 
 
 @dataclass
@@ -90,7 +90,7 @@ def make_user_batch(
     categorical: np.ndarray | torch.Tensor,
     dense: np.ndarray | torch.Tensor,
     schema: FilterSchema,
-    filters: Sequence[str | Sequence[Clause] | None] | None = None,
+    filters: Sequence[str | Expr | Sequence[Clause] | None] | None = None,
     seen: np.ndarray | torch.Tensor | None = None,
 ) -> UserBatch:
     """Builds a batch from per-request arrays; ``filters`` is one entry per request (or None);

@@ -7,11 +7,16 @@ compiled to ``masks [B, C, W] int64`` and ``negate [B, C] bool``: clause ``c`` h
 ``(sig & masks[:, c]) != 0`` differs from ``negate[:, c]``. The same tensors drive the in-scan
 filter of the IVF kernel and the exact fallback, so both apply the same rule.
 
-Filter text (parsed by :func:`parse_filter`)::
+Filter text (parsed by :func:`parse_filter`, grammar in ``retrieval/filter_expr.py``; compiled to
+those clauses by ``retrieval/filter_cnf.py``)::
 
     language in {en, fr} and available and not category = adult and region != "south america"
+    (genre = comedy or creator in {c1, c2}) and language = en and price < 20
 
 Single- and multi-valued attributes work alike (a multi-valued item simply has several bits set).
+A numeric attribute (vocabulary :data:`NUMERIC`) holds one number an item, compared with ``<``,
+``<=``, ``>``, ``>=``, ``between``, ``=``, ``!=``, ``in``: its value's bits make every
+comparison exact (``retrieval/filter_cnf.py``).
 
 Values are text. A vocabulary may list integers (``{"label": [0, 1, 2]}``) or booleans: they are
 stored as their text (``"3"``, ``"true"``/``"false"``), so ``label = 3`` and ``available`` name
@@ -21,12 +26,17 @@ them; other types (floats, ...) are refused at build, since ``1.0`` and ``1`` wo
 from __future__ import annotations
 
 import numbers
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
+
+from retrieval.filter_cnf import NUMERIC_BITS, lower, numeric_bits, numeric_keys
+from retrieval.filter_expr import And, Clause, Compare, Expr, Not, Or, parse_filter
+from retrieval.filter_expr import FilterTooLargeError as FilterTooLargeError
+from retrieval.filter_expr import format_filter as format_filter
 
 WORD_BITS = 64
 COMPILED_FILTERS = 4096
@@ -35,6 +45,21 @@ and parsing one costs tens of microseconds a request; past this many the memo st
 
 AttributeValue = str | int | bool | np.integer | np.bool_
 """A vocabulary entry: text, or an integer / boolean that stands for its text."""
+NUMERIC: Literal["numeric"] = "numeric"
+"""The vocabulary of a numeric attribute (``{"price": NUMERIC}``): one number an item, float32."""
+Vocabulary = Sequence[AttributeValue] | Literal["numeric"]
+
+
+def filter_vocabulary(
+    item_attributes: Mapping[str, Sequence[AttributeValue]], numeric: Sequence[str] = ()
+) -> dict[str, Vocabulary]:
+    """What a model's filter schema knows: its item attributes' values, and its numeric
+    attributes (``ModelConfig.numeric_attributes``)."""
+    out: dict[str, Vocabulary] = dict(item_attributes)
+    if clash := set(out) & set(numeric):
+        raise ValueError(f"numeric_attributes {sorted(clash)} are item_attributes too")
+    out.update({n: NUMERIC for n in numeric})
+    return out
 
 
 def value_text(attribute: str, value: AttributeValue) -> str:
@@ -51,153 +76,6 @@ def value_text(attribute: str, value: AttributeValue) -> str:
         f"attribute_values[{attribute!r}]: {value!r} is a {type(value).__name__}; give strings "
         f"or integers (e.g. str(v), and name that text in filters)"
     )
-
-
-@dataclass(frozen=True)
-class Clause:
-    """The item has one of ``values`` of ``attribute`` (or, when ``negate``, none of them)."""
-
-    attribute: str
-    values: tuple[str, ...]
-    negate: bool = False
-
-
-class FilterTooLargeError(ValueError):
-    """A filter past a limit given to :func:`parse_filter` (``limit``: the argument's name)."""
-
-    def __init__(self, message: str, limit: str):
-        super().__init__(message)
-        self.limit = limit
-
-
-_TOKEN = re.compile(
-    r"""\s*(?:(?P<str>"[^"]*"|'[^']*')|(?P<op>==|!=|=|\{|\}|,)|(?P<word>[A-Za-z0-9_.+\-:/]+))"""
-)
-_CHAR_HINTS = {
-    "&": "clauses join with 'and'",
-    "|": "'or' is not supported: for one attribute write NAME in {A, B}",
-    "[": "write a set in braces: NAME in {A, B}",
-    "(": "parentheses are not supported: a filter is clauses joined with 'and'",
-    "!": "write NAME != VALUE, or not NAME",
-    "<": "comparisons are not supported: list the values, NAME in {A, B}",
-    ">": "comparisons are not supported: list the values, NAME in {A, B}",
-}
-
-
-def _tokens(text: str) -> list[tuple[str, str]]:
-    out, pos = [], 0
-    text = text.rstrip()
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if m is None or m.end() == pos:
-            char = text[pos:].strip()[:1]
-            hint = f" ({_CHAR_HINTS[char]})" if char in _CHAR_HINTS else ""
-            raise ValueError(f"filter: unexpected character {char!r} at {pos}{hint}")
-        kind = m.lastgroup or ""
-        value = m.group(kind)
-        out.append(("word", value[1:-1]) if kind == "str" else (kind, value))
-        pos = m.end()
-    return out
-
-
-def parse_filter(
-    text: str, *, max_clauses: int | None = None, max_values: int | None = None
-) -> list[Clause]:
-    """Parses ``clause (and clause)*`` where a clause is one of::
-
-        [not] NAME                    boolean attribute is "true" (NAME = true)
-        [not] NAME = VALUE | NAME != VALUE
-        [not] NAME [not] in {V1, V2, ...}
-
-    Values may be quoted ("..." or '...'). Raises ``ValueError`` naming the offending token,
-    or :class:`FilterTooLargeError` at the first clause past ``max_clauses`` or value past
-    ``max_values`` in one set (so the work done is bounded by the limits, not the text).
-    """
-    toks = _tokens(text)
-    clauses: list[Clause] = []
-    i = 0
-
-    def peek(k: int = 0) -> tuple[str, str] | None:
-        return toks[i + k] if i + k < len(toks) else None
-
-    def is_word(t: tuple[str, str] | None, w: str) -> bool:
-        return t is not None and t[0] == "word" and t[1].lower() == w
-
-    while i < len(toks):
-        negate = False
-        while is_word(peek(), "not"):
-            negate, i = not negate, i + 1
-        name = peek()
-        if name is None or name[0] != "word":
-            raise ValueError(
-                f"filter: expected an attribute name, got {name[1] if name else 'end of text'!r}"
-            )
-        attr, i = name[1], i + 1
-        nxt = peek()
-        if nxt is None or is_word(nxt, "and"):
-            values: tuple[str, ...] = ("true",)
-        elif nxt == ("op", "=="):
-            val = peek(1)
-            shown = val[1] if val is not None and val[0] == "word" else "VALUE"
-            raise ValueError(f"filter: write '{attr} = {shown}' (one '='), not '{attr} == {shown}'")
-        elif nxt[0] == "op" and nxt[1] in ("=", "!="):
-            val = peek(1)
-            if val is None or val[0] != "word":
-                raise ValueError(f"filter: expected a value after {attr} {nxt[1]}")
-            values, negate, i = (val[1],), negate ^ (nxt[1] == "!="), i + 2
-        elif is_word(nxt, "in") or (is_word(nxt, "not") and is_word(peek(1), "in")):
-            if is_word(nxt, "not"):
-                negate, i = not negate, i + 1
-            i += 1
-            if peek() != ("op", "{"):
-                raise ValueError(f"filter: expected '{{' after {attr} in")
-            i += 1
-            vals: list[str] = []
-            while True:
-                t = peek()
-                if t is None or t[0] != "word":
-                    raise ValueError(f"filter: expected a value in the set of {attr}")
-                vals.append(t[1])
-                if max_values is not None and len(vals) > max_values:
-                    raise FilterTooLargeError(
-                        f"filter: the set of {attr} holds more than {max_values} values",
-                        "max_values",
-                    )
-                i += 1
-                sep = peek()
-                if sep == ("op", "}"):
-                    i += 1
-                    break
-                if sep != ("op", ","):
-                    raise ValueError(f"filter: expected ',' or '}}' in the set of {attr}")
-                i += 1
-            values = tuple(vals)
-        else:
-            raise ValueError(f"filter: unexpected {nxt[1]!r} after attribute {attr!r}")
-        clauses.append(Clause(attr, values, negate))
-        if max_clauses is not None and len(clauses) > max_clauses:
-            raise FilterTooLargeError(f"filter: more than {max_clauses} clauses", "max_clauses")
-        if i < len(toks):
-            if not is_word(peek(), "and"):
-                hint = (
-                    " ('or' is not supported: for one attribute write NAME in {A, B})"
-                    if is_word(peek(), "or")
-                    else ""
-                )
-                raise ValueError(f"filter: expected 'and', got {toks[i][1]!r}{hint}")
-            i += 1
-            if i == len(toks):
-                raise ValueError("filter: dangling 'and' at the end")
-    return clauses
-
-
-def format_filter(clauses: Sequence[Clause]) -> str:
-    """Inverse of :func:`parse_filter` (values are always quoted)."""
-    parts = []
-    for c in clauses:
-        vals = ", ".join('"' + v + '"' for v in c.values)
-        parts.append(("not " if c.negate else "") + f"{c.attribute} in {{{vals}}}")
-    return " and ".join(parts)
 
 
 @dataclass
@@ -240,81 +118,152 @@ def eligible(sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor) -> to
 
 
 class FilterSchema:
-    """Assigns one signature bit to every (attribute, value) of the catalog."""
+    """Assigns one signature bit to every (attribute, value) of the catalog, and
+    ``NUMERIC_BITS`` to every numeric attribute."""
 
-    def __init__(self, attribute_values: Mapping[str, Sequence[AttributeValue]]):
+    def __init__(self, attribute_values: Mapping[str, Vocabulary]):
         # values as text (see value_text): filters name them, and the schema saves as JSON
-        self.attribute_values: dict[str, list[str]] = {
-            a: [value_text(a, v) for v in vals] for a, vals in attribute_values.items()
-        }
+        self.attribute_values: dict[str, list[str] | Literal["numeric"]] = {}
         self.bit_of: dict[tuple[str, str], int] = {}
-        for attr, values in self.attribute_values.items():
+        self.numeric_base: dict[str, int] = {}
+        bits = 0
+        for attr, vocab in attribute_values.items():
+            if isinstance(vocab, str):
+                if vocab != NUMERIC:
+                    raise ValueError(
+                        f"attribute_values[{attr!r}] is {vocab!r}: give a list of values, "
+                        f"or {NUMERIC!r} for a numeric attribute"
+                    )
+                self.attribute_values[attr], self.numeric_base[attr] = NUMERIC, bits
+                bits += NUMERIC_BITS
+                continue
+            values = [value_text(attr, v) for v in vocab]
             if len(set(values)) != len(values):
                 dup = next(v for v in values if values.count(v) > 1)
                 raise ValueError(
                     f"attribute_values[{attr!r}] has duplicate values ({dup!r} twice, "
                     "as text: 1 and '1' are one value)"
                 )
+            self.attribute_values[attr] = values
             for v in values:
-                self.bit_of[(attr, v)] = len(self.bit_of)
-        self.num_bits = len(self.bit_of)
+                self.bit_of[(attr, v)] = bits
+                bits += 1
+        self.num_bits = bits
         self.num_words = (self.num_bits + WORD_BITS - 1) // WORD_BITS
         # filter -> (masks [C, W], negate [C]); the schema never changes, so neither do they
-        self._compiled: dict[str | tuple[Clause, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self._compiled: dict[str | Expr | tuple[Clause, ...], tuple[np.ndarray, np.ndarray]] = {}
 
-    def to_dict(self) -> dict[str, list[str]]:
-        return {a: list(v) for a, v in self.attribute_values.items()}
+    def to_dict(self) -> dict[str, list[str] | Literal["numeric"]]:
+        return {a: v if isinstance(v, str) else list(v) for a, v in self.attribute_values.items()}
+
+    def vocabulary(self, attr: str) -> list[str]:
+        """The values of categorical attribute ``attr`` (``[]`` for a numeric one)."""
+        vocab = self.attribute_values[attr]
+        return [] if isinstance(vocab, str) else vocab
 
     def signatures(self, item_attributes: Mapping[str, np.ndarray], num_items: int) -> torch.Tensor:
         """Item attributes -> ``sig [N, W] int64``.
 
         ``item_attributes[a]`` is either int codes ``[N]`` (single-valued) or bool ``[N, V_a]``
-        (multi-valued), with values indexing ``attribute_values[a]``.
+        (multi-valued), with values indexing ``attribute_values[a]``; for a numeric attribute,
+        numbers ``[N]`` (stored as float32; NaN refused).
         """
         sig = np.zeros((num_items, max(self.num_words, 0)), dtype=np.uint64)
         rows = np.arange(num_items)
         for attr, arr in item_attributes.items():
             if attr not in self.attribute_values:
                 raise ValueError(f"item_attributes[{attr!r}] has no vocabulary in attribute_values")
-            first = self.bit_of[(attr, self.attribute_values[attr][0])]
-            vocab = len(self.attribute_values[attr])
             arr = np.asarray(arr)
             if arr.shape[0] != num_items:
                 raise ValueError(
                     f"item_attributes[{attr!r}] has {arr.shape[0]} rows, expected {num_items}"
                 )
+            if attr in self.numeric_base:
+                if arr.ndim != 1:
+                    raise ValueError(f"item_attributes[{attr!r}] must be numbers [N]")
+                try:
+                    bit = numeric_bits(numeric_keys(arr), self.numeric_base[attr])  # [N, 8]
+                except ValueError as e:
+                    raise ValueError(f"item_attributes[{attr!r}]: {e}") from None
+                for col in bit.T:
+                    sig[rows, col // WORD_BITS] |= np.uint64(1) << (col % WORD_BITS).astype(
+                        np.uint64
+                    )
+                continue
+            vocab = self.vocabulary(attr)
+            first = self.bit_of[(attr, vocab[0])]
             if arr.ndim == 1:
-                if arr.size and (arr.min() < 0 or arr.max() >= vocab):
-                    raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {vocab})")
+                if arr.size and (arr.min() < 0 or arr.max() >= len(vocab)):
+                    raise ValueError(
+                        f"item_attributes[{attr!r}] has codes outside [0, {len(vocab)})"
+                    )
                 bit = first + arr.astype(np.int64)  # one bit per item: each row once, no clash
                 sig[rows, bit // WORD_BITS] |= np.uint64(1) << (bit % WORD_BITS).astype(np.uint64)
-            elif arr.ndim == 2 and arr.shape[1] == vocab:
+            elif arr.ndim == 2 and arr.shape[1] == len(vocab):
                 w0, off = divmod(first, WORD_BITS)  # the block's bits, packed where they land
-                span = np.zeros((num_items, -(-(off + vocab) // WORD_BITS) * WORD_BITS), bool)
-                span[:, off : off + vocab] = arr.astype(bool)
+                span = np.zeros((num_items, -(-(off + len(vocab)) // WORD_BITS) * WORD_BITS), bool)
+                span[:, off : off + len(vocab)] = arr.astype(bool)
                 packed = pack_bits(span).numpy().view(np.uint64)
                 sig[:, w0 : w0 + packed.shape[1]] |= packed
             else:
                 raise ValueError(
-                    f"item_attributes[{attr!r}] must be codes [N] or bool [N, {vocab}]"
+                    f"item_attributes[{attr!r}] must be codes [N] or bool [N, {len(vocab)}]"
                 )
         return torch.from_numpy(sig.view(np.int64))
 
-    def clause_mask(self, clause: Clause) -> np.ndarray:
-        """``[W] int64`` mask of a clause's values; unknown names raise ``ValueError``."""
-        if clause.attribute not in self.attribute_values:
+    def value_bits(self, attr: str, values: Sequence[str]) -> list[int]:
+        """The signature bits an item with ``values`` of ``attr`` sets (a numeric attribute:
+        one number, as text); ``ValueError`` for an unknown name or value."""
+        self.known(attr)
+        if attr in self.numeric_base:
+            if len(values) > 1:
+                raise ValueError(f"{attr!r} is numeric: one value an item")
+            try:
+                keys = numeric_keys(np.array([float(v) for v in values]))
+            except ValueError:
+                raise ValueError(
+                    f"{attr!r} is numeric: expected a number, got {values[0]!r}"
+                ) from None
+            return numeric_bits(keys, self.numeric_base[attr]).ravel().tolist()
+        return self.clause_bits(Clause(attr, tuple(values)))
+
+    def attribute_bits(self, attr: str) -> list[int]:
+        """Every signature bit attribute ``attr`` may set."""
+        if attr in self.numeric_base:
+            return list(range(self.numeric_base[attr], self.numeric_base[attr] + NUMERIC_BITS))
+        return [self.bit_of[(attr, v)] for v in self.vocabulary(attr)]
+
+    def known(self, attr: str) -> None:
+        """``ValueError`` naming the known attributes unless ``attr`` is one."""
+        if attr not in self.attribute_values:
             known = ", ".join(sorted(self.attribute_values)) or "none"
-            raise ValueError(f"filter: unknown attribute {clause.attribute!r} (known: {known})")
-        bits = np.zeros(self.num_words * WORD_BITS, dtype=bool)
+            raise ValueError(f"filter: unknown attribute {attr!r} (known: {known})")
+
+    def clause_bits(self, clause: Clause) -> list[int]:
+        """The bits of a categorical clause's values; unknown names raise ``ValueError``."""
+        self.known(clause.attribute)
+        out = []
         for v in clause.values:
             bit = self.bit_of.get((clause.attribute, v))
             if bit is None:
                 raise ValueError(f"filter: unknown value {v!r} for attribute {clause.attribute!r}")
-            bits[bit] = True
+            out.append(bit)
+        return out
+
+    def clause_mask(self, clause: Clause) -> np.ndarray:
+        """``[W] int64`` mask of a categorical clause's values; unknown names raise ``ValueError``."""
+        bits = np.zeros(self.num_words * WORD_BITS, dtype=bool)
+        bits[self.clause_bits(clause)] = True
         return pack_bits(bits[None, :])[0].numpy()
 
-    def compile(self, filters: Sequence[str | Sequence[Clause] | None]) -> FilterBatch:
-        """One filter per request (text, parsed clauses, or None) -> :class:`FilterBatch`.
+    def check(self, f: str | Expr | Sequence[Clause]) -> None:
+        """``ValueError`` unless filter ``f`` compiles here (unknown names, a negated category
+        inside an 'or', too many clauses); what compiles is kept for :meth:`compile`."""
+        self._compile_one(_filter_key(f))
+
+    def compile(self, filters: Sequence[str | Expr | Sequence[Clause] | None]) -> FilterBatch:
+        """One filter per request (text, parsed expression or clauses, or None) ->
+        :class:`FilterBatch`.
 
         Each distinct filter is parsed and compiled once and kept (up to
         ``COMPILED_FILTERS`` of them: parsing costs tens of microseconds a filter, and served
@@ -322,7 +271,7 @@ class FilterSchema:
         """
         if not any(filters):  # no request filters (the common batch): nothing to compile
             return self.empty(len(filters))
-        row_of: dict[str | tuple[Clause, ...], int] = {}
+        row_of: dict[str | Expr | tuple[Clause, ...], int] = {}
         rows = [row_of.setdefault(_filter_key(f), len(row_of)) for f in filters]  # [B]
         compiled = [self._compile_one(key) for key in row_of]
         c_max = max((len(n) for _, n in compiled), default=0)
@@ -333,16 +282,23 @@ class FilterSchema:
         take = np.asarray(rows, dtype=np.int64)
         return FilterBatch(torch.from_numpy(masks[take]), torch.from_numpy(negate[take]))
 
-    def _compile_one(self, key: str | tuple[Clause, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """One filter (text or clauses) -> ``(masks [C, W] int64, negate [C] bool)``, kept."""
+    def _compile_one(self, key: str | Expr | tuple[Clause, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """One filter -> ``(masks [C, W] int64, negate [C] bool)``, kept."""
         hit = self._compiled.get(key)
         if hit is not None:
             return hit
-        clauses = parse_filter(key) if isinstance(key, str) else key
-        masks = np.zeros((len(clauses), self.num_words), dtype=np.int64)
-        for c, clause in enumerate(clauses):
-            masks[c] = self.clause_mask(clause)
-        out = (masks, np.array([c.negate for c in clauses], dtype=bool))
+        if isinstance(key, str):
+            expr: Expr = parse_filter(key)
+        elif isinstance(key, tuple):
+            expr = And(key)
+        else:
+            expr = key
+        clauses = lower(self, expr)
+        masks = np.zeros((len(clauses), self.num_words), dtype=np.uint64)
+        for c, (bits, _) in enumerate(clauses):
+            for w in range(self.num_words):
+                masks[c, w] = (bits >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
+        out = (masks.view(np.int64), np.array([n for _, n in clauses], dtype=bool))
         if len(self._compiled) >= COMPILED_FILTERS:
             self._compiled.clear()  # bounded; a served mix refills the texts it uses
         self._compiled[key] = out
@@ -356,9 +312,14 @@ class FilterSchema:
         )
 
 
-def _filter_key(f: str | Sequence[Clause] | None) -> str | tuple[Clause, ...]:
-    """A hashable key for one request's filter: its text, or its clauses (None: no clauses)."""
-    return f if isinstance(f, str) else tuple(f or ())
+def _filter_key(f: str | Expr | Sequence[Clause] | None) -> str | Expr | tuple[Clause, ...]:
+    """A hashable key for one request's filter: its text, its expression, or its clauses
+    (None: no clauses)."""
+    if isinstance(f, str):  # the served case first: one type check
+        return f
+    if isinstance(f, Clause | Compare | Not | And | Or):
+        return f
+    return tuple(f or ())
 
 
 def pack_bits(bits: np.ndarray) -> torch.Tensor:

@@ -261,24 +261,25 @@ def signature(schema: FilterSchema, attrs: Attributes, item: int = 0) -> torch.T
             raise UpdateError("attributes", f"unknown attribute {name!r} (known: {known})", item)
         if isinstance(values, str):
             raise UpdateError("attributes", "expected a list of values", item, f".{name}")
-        for v in values:
-            bit = schema.bit_of.get((name, v))
-            if bit is None:
-                raise UpdateError(
-                    "attributes",
-                    f"unknown value {v!r} (known: {', '.join(vocab)})",
-                    item,
-                    f".{name}",
-                )
-            bits[0, bit] = True
+        try:
+            bits[0, schema.value_bits(name, list(values))] = True
+        except ValueError as e:
+            if name in schema.numeric_base:
+                raise UpdateError("attributes", str(e), item, f".{name}") from None
+            v = next(v for v in values if (name, v) not in schema.bit_of)
+            raise UpdateError(
+                "attributes",
+                f"unknown value {v!r} (known: {', '.join(schema.vocabulary(name))})",
+                item,
+                f".{name}",
+            ) from None
     return pack_bits(bits)
 
 
 def _attribute_mask(schema: FilterSchema, name: str) -> torch.Tensor:
     """``[W] int64``: the bits of every value of attribute ``name``."""
     bits = np.zeros((1, schema.num_words * WORD_BITS), dtype=bool)
-    for v in schema.attribute_values[name]:
-        bits[0, schema.bit_of[(name, v)]] = True
+    bits[0, schema.attribute_bits(name)] = True
     return pack_bits(bits)[0]
 
 

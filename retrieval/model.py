@@ -18,7 +18,7 @@ from torch import nn
 
 from retrieval.config import ModelConfig
 from retrieval.features import UserBatch
-from retrieval.filters import FilterBatch
+from retrieval.filters import FilterBatch, filter_vocabulary
 from retrieval.index.build import build_ivf
 from retrieval.index.ivf import IVFIndex
 from retrieval.index.plan import SearchParams
@@ -137,7 +137,11 @@ class RetrievalModel(nn.Module):
             if config.scoring_head
             else None
         )
-        self.index = IVFIndex(config.index, config.out_dim, config.item_attributes)
+        self.index = IVFIndex(
+            config.index,
+            config.out_dim,
+            filter_vocabulary(config.item_attributes, config.numeric_attributes),
+        )
         self.seen_store = SeenStore() if config.seen_store else None
         self.id_maps: IdMaps | None = None
         """The raw (the user's own) id of every dense user and item id, when the model was
@@ -348,7 +352,9 @@ class RetrievalModel(nn.Module):
             vecs,
             self.config.index,
             item_attributes=item_attributes,
-            attribute_values=self.config.item_attributes,
+            attribute_values=filter_vocabulary(
+                self.config.item_attributes, self.config.numeric_attributes
+            ),
             tune_queries=tune,
         ).to(self.index.centroids.device)
         self.config.index = self.index.config

@@ -146,7 +146,7 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
     finite float32; a filter (or ``--filter``) that does not parse or names an unknown attribute
     or value. The workers trust what passes (they would fail mid-job, or index out of range)."""
     from retrieval.artifact import CONFIG_FILE
-    from retrieval.filters import FilterSchema
+    from retrieval.filters import FilterSchema, filter_vocabulary
     from retrieval.format import load_config
 
     path = job.model_dir / CONFIG_FILE
@@ -156,7 +156,7 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
         raise ScoreInputError(f"model_dir: cannot read {path}: {e}") from None
     check_parts(job, cfg)
     maps = _model_maps(job)
-    schema = FilterSchema(cfg.item_attributes)
+    schema = FilterSchema(filter_vocabulary(cfg.item_attributes, cfg.numeric_attributes))
     if job.filter:
         _check_filter(job.filter, schema, "--filter")
     _check_target(job.recall_target, cfg)
@@ -286,7 +286,6 @@ def _check_filter(text: str, schema: Any, where: str) -> None:
     from retrieval.filters import parse_filter
 
     try:
-        for clause in parse_filter(text):
-            schema.clause_mask(clause)
+        schema.check(parse_filter(text))
     except ValueError as e:
         raise ScoreInputError(f"{where}: {str(e).removeprefix('filter: ')}") from None

@@ -35,7 +35,7 @@ from common.config import Config, WaitS
 from serving.types import RequestError
 
 if TYPE_CHECKING:
-    from retrieval.filters import Clause
+    from retrieval.filters import Expr
 
 DEFAULT_MAX_FILTER_BYTES = 16 << 10
 DEFAULT_MAX_HTTP_BODY_BYTES = 8 << 20
@@ -107,11 +107,11 @@ class LimitsConfig(Config):
         if text and len(text) * 4 > self.max_filter_bytes:  # maybe over (<= 4 bytes a char)
             self.check_filter_bytes(len(text.encode("utf-8", "surrogatepass")), row)
 
-    def parse_filter(self, text: str | None, row: str = "") -> list[Clause]:
-        """``text`` parsed within the limits (empty or None: no clauses); :class:`RequestError`
+    def parse_filter(self, text: str | None, row: str = "") -> Expr | None:
+        """``text`` parsed within the limits (empty or None: no filter); :class:`RequestError`
         naming the limit, or the parser's complaint, starting with ``filter:``."""
         if not text:
-            return []
+            return None
         # here, not at the top: the config (serve.toml, the CLI) must load without torch
         from retrieval.filters import FilterTooLargeError, parse_filter
 
@@ -121,8 +121,9 @@ class LimitsConfig(Config):
                 text, max_clauses=self.max_filter_clauses, max_values=self.max_filter_set_values
             )
         except FilterTooLargeError as e:
-            key = "max_filter_clauses" if e.limit == "max_clauses" else "max_filter_set_values"
-            raise RequestError(f"{e} (limits.{key}){row}") from None
+            key = {"max_clauses": "max_filter_clauses", "max_values": "max_filter_set_values"}
+            note = f" (limits.{key[e.limit]})" if e.limit in key else ""
+            raise RequestError(f"{e}{note}{row}") from None
         except ValueError as e:
             msg = str(e) if str(e).startswith("filter") else f"filter: {e}"
             raise RequestError(msg + row) from None

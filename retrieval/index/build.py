@@ -5,12 +5,12 @@ postings, each list's bound statistics and the slack of its bound (``bound.py``)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from retrieval.filters import AttributeValue
+from retrieval.filters import Vocabulary
 from retrieval.index.bound import list_bits, list_radius, measure_slack, residual_norms
 from retrieval.index.calibrate import calibrates, measure_plan_costs
 from retrieval.index.codes import quantize
@@ -29,7 +29,7 @@ def build_ivf(
     *,
     item_ids: torch.Tensor | np.ndarray | None = None,
     item_attributes: Mapping[str, np.ndarray] | None = None,
-    attribute_values: Mapping[str, Sequence[AttributeValue]] | None = None,
+    attribute_values: Mapping[str, Vocabulary] | None = None,
     tune_queries: torch.Tensor | np.ndarray | None = None,
 ) -> IVFIndex:
     """Builds an :class:`IVFIndex` over ``vectors [N, D]`` floats (tensor or NumPy array).
@@ -93,7 +93,7 @@ def _lists_index(
     probe: str,
     by: str,
     item_attributes: Mapping[str, np.ndarray] | None,
-    attribute_values: Mapping[str, Sequence[AttributeValue]] | None,
+    attribute_values: Mapping[str, Vocabulary] | None,
 ) -> IVFIndex:
     """The index of ``x [N, D]`` (ids ``[N]``) with lists built by ``by`` and probed by
     ``probe``: k-means, assignment, codes, signatures, postings and each list's bounds."""

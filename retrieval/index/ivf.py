@@ -32,9 +32,9 @@ from torch import nn
 
 from common.compile_boundary import eager_under_compile
 from retrieval.filters import (
-    AttributeValue,
     FilterBatch,
     FilterSchema,
+    Vocabulary,
 )
 from retrieval.index.candidates import probe
 from retrieval.index.config import METRICS, PROBES, BuiltIVFConfig, IVFConfig
@@ -110,7 +110,7 @@ class IVFIndex(nn.Module):
         self,
         config: IVFConfig,
         dim: int,
-        attribute_values: Mapping[str, Sequence[AttributeValue]] | None = None,
+        attribute_values: Mapping[str, Vocabulary] | None = None,
         stats: IndexStats | None = None,
     ):
         super().__init__()

@@ -22,7 +22,7 @@ from retrieval.config import ModelConfig
 from retrieval.data import Interactions, RecDataset, history_by_user, split_by_time
 from retrieval.data.split import user_timelines
 from retrieval.features import UserBatch, item_feature_ids, make_user_batch
-from retrieval.filters import FilterSchema
+from retrieval.filters import FilterSchema, filter_vocabulary
 from retrieval.seen import SeenSets
 from retrieval.training.histories import timeline_first
 from retrieval.training.pairs import TrainingData, log_q_from_counts
@@ -118,7 +118,8 @@ class Prepared:
         ds = self.dataset
         hist = self.history if history is None else history
         cat = user_codes(ds, list(self.config.user_features), users)
-        schema = FilterSchema(self.config.item_attributes)
+        cfg = self.config
+        schema = FilterSchema(filter_vocabulary(cfg.item_attributes, cfg.numeric_attributes))
         rows = None if seen is None else seen.rows(users)
         return make_user_batch(hist[users], cat, ds.user_dense[users], schema, filters, rows)
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from retrieval.features import UserBatch
-from retrieval.filters import COMPILED_FILTERS, Clause, parse_filter
+from retrieval.filters import COMPILED_FILTERS, Expr, parse_filter
 from retrieval.model import RetrievalModel
 from retrieval.seen import pad_lists
 from serving.limits import LimitsConfig
@@ -56,7 +56,7 @@ class Admission:
     req: RecRequest
     runner: ModelRunner
     """The runner whose model the request was checked against."""
-    clauses: list[Clause]
+    clauses: Expr | None
     """The request's filter, parsed within ``limits`` and checked against the model's
     attributes (``[]``: no filter)."""
     limits: LimitsConfig | None = None
@@ -106,7 +106,7 @@ class ModelRunner:
         self.id_limits = _id_limits(model, self.features)
         self.item_map = None if model.id_maps is None else model.id_maps.items
         """The raw item ids answers are rendered with (None: a model without id maps)."""
-        self._checked_filters: dict[tuple[str, tuple[int, int, int] | None], list[Clause]] = {}
+        self._checked_filters: dict[tuple[str, tuple[int, int, int] | None], Expr] = {}
 
     # ---- edge -------------------------------------------------------------------------------
     def check_target(self, model: str, version: int | None) -> None:
@@ -168,18 +168,20 @@ class ModelRunner:
         except ValueError as e:
             raise RequestError(f"categorical: {e}") from None
 
-    def _clauses(self, text: str | None, limits: LimitsConfig | None) -> list[Clause]:
-        """``text``'s clauses, checked against the limits and this model's attributes; a text
-        that passed is kept (per limits), so a repeated filter is not parsed again."""
+    def _clauses(self, text: str | None, limits: LimitsConfig | None) -> Expr | None:
+        """``text``'s expression (None: no filter), checked against the limits and this model's
+        attributes; a text that passed is kept (per limits), so a repeated filter is not parsed
+        again."""
         if not text:
-            return []
+            return None
         key = (text, None if limits is None else limits.filter_limits)
         if (hit := self._checked_filters.get(key)) is not None:
             return hit
         try:
             clauses = parse_filter(text) if limits is None else limits.parse_filter(text)
-            for c in clauses:
-                self.schema.clause_mask(c)  # unknown attribute or value
+            if clauses is None:
+                return None
+            self.schema.check(clauses)  # unknown names, what the scans cannot evaluate
         except ValueError as e:
             msg = str(e)
             raise RequestError(msg if msg.startswith("filter") else f"filter: {msg}") from None
@@ -239,7 +241,7 @@ class ModelRunner:
         ids, scores = self.model(batch, k, checked=True)
         return ids, scores, []
 
-    def _batch(self, reqs: list[RecRequest], clauses: list[list[Clause]]) -> UserBatch:
+    def _batch(self, reqs: list[RecRequest], clauses: list[Expr | None]) -> UserBatch:
         """Admitted requests -> tensors on the model's device (trusted: :meth:`admit` ran)."""
         b, h = len(reqs), self.history_len
         history = np.full((b, h), -1, dtype=np.int64)  # [B, H], newest first, -1 pads
@@ -267,7 +269,10 @@ class ModelRunner:
         k = min(10, self.model.index.ntotal)
         some_filter = None
         for attr, values in self.schema.attribute_values.items():
-            some_filter = f"{attr} = {values[0]!r}" if values else None
+            if isinstance(values, str):  # numeric
+                some_filter = f"{attr} >= 0"
+            else:
+                some_filter = f"{attr} = {values[0]!r}" if values else None
             break
         for size in batch_sizes:
             reqs = [

@@ -151,8 +151,7 @@ def check_inputs(arrays: Mapping[str, np.ndarray | None], model: RetrievalModel)
             if not text:
                 continue
             try:
-                for clause in parse_filter(text):
-                    schema.clause_mask(clause)  # unknown attribute or value
+                schema.check(parse_filter(text))  # unknown attribute or value
             except ValueError as e:
                 msg = str(e)
                 raise InputError(msg if msg.startswith("filter") else f"filter: {msg}") from None

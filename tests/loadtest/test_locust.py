@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from loadtest.shape import read_model_shape
 from retrieval.data import SyntheticConfig, generate
+from retrieval.filter_expr import predicates
 from retrieval.filters import parse_filter
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import prepare
@@ -204,7 +205,7 @@ def test_request_mix_is_valid_and_skewed(workload: ModuleType, model_repo: Path)
         assert len(r.categorical) == len(sizes)
         assert all(0 <= c < n for c, n in zip(r.categorical, sizes, strict=True))
         assert len(r.dense) == shape.dense_dim and 1 <= r.k <= shape.num_items
-        for clause in parse_filter(r.filter) if r.filter else []:
+        for clause in predicates(parse_filter(r.filter)) if r.filter else []:
             assert set(clause.values) <= set(shape.item_attributes[clause.attribute])
     users = collections.Counter(r.user_id for r in reqs)
     assert users.most_common(1)[0][0] == "u0" and len(users) > 100  # Zipf: a head and a tail

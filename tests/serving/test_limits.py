@@ -16,8 +16,8 @@ LIMITS = LimitsConfig(max_filter_bytes=100, max_filter_clauses=3, max_filter_set
 
 def test_a_filter_within_the_limits_parses():
     clauses = LIMITS.parse_filter("a and b and c in {1, 2, 3, 4}")
-    assert [c.attribute for c in clauses] == ["a", "b", "c"]
-    assert LIMITS.parse_filter("") == [] and LIMITS.parse_filter(None) == []
+    assert [c.attribute for c in clauses.children] == ["a", "b", "c"]
+    assert LIMITS.parse_filter("") is None and LIMITS.parse_filter(None) is None
 
 
 @pytest.mark.parametrize(

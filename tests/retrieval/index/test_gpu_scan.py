@@ -167,6 +167,33 @@ def test_real_filters_compiled_by_the_schema():
     assert_same(*run_both(c, 64))
 
 
+def test_expressions_with_or_and_ranges_compiled_by_the_schema():
+    """The compiled form of or / not / numeric ranges is the same clause shape: the kernel
+    evaluates it as the reference does."""
+    from retrieval.filters import NUMERIC, eligible
+
+    schema = FilterSchema({"genre": ["a", "b", "c"], "lang": ["x", "y"], "price": NUMERIC})
+    n = 300
+    rng = np.random.default_rng(1)
+    attrs = {
+        "genre": rng.integers(0, 3, n),
+        "lang": rng.integers(0, 2, n),
+        "price": np.round(rng.normal(10, 10, n), 1),
+    }
+    sig = schema.signatures(attrs, n)
+    texts = [
+        "(genre = a or lang = y) and price < 12.5",
+        "price between 0 and 5 or genre = c",
+        "not (price >= 10 or genre = b) and lang != x",
+        "price in {10, 0.5, -3}",
+    ]
+    fb = schema.compile(texts)
+    assert all(eligible(sig, fb.masks[r], fb.negate[r]).any() for r in range(4))
+    c = case([100, 120, 80], 4, 3, 16, "int8", 1, sig.shape[1], 0, seed=5)
+    c.update(sig=sig, fmask=fb.masks, fneg=fb.negate)
+    assert_same(*run_both(c, 64))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("codes", ["int8", "fp8"])
 def test_index_on_cuda_finds_what_the_cpu_index_finds(codes, catalog):

@@ -94,8 +94,7 @@ def bad_fields(tiny, msg: pb.RecommendRequest) -> set[str]:
         bad.add("k")
     if msg.filter:
         try:
-            for clause in parse_filter(msg.filter):
-                tiny.model.index.schema.clause_mask(clause)
+            tiny.model.index.schema.check(parse_filter(msg.filter))
         except ValueError:
             bad.add("filter")
     return bad

@@ -1,0 +1,273 @@
+"""Filter expressions: evaluating one over the catalog per query, and filtered top-K with an OR
+expression at about 5 % selectivity against faiss ``IVF{nlist},SQ8`` + ``IDSelectorBitmap`` and
+the exact scan of the eligible ids, each at its cheapest setting reaching the recall target.
+
+Items carry ``category`` (20 values), ``language`` (8), ``creator`` (200) and a numeric
+``price``; the expression is ``(category in {...} or creator in {...}) and language != ...
+and price < P`` (an OR across attributes, a negation, a range).
+
+1. Evaluation (``--eval-n`` items, 1M by default; no vectors): the items one expression admits,
+   one query at a time: ours from the compiled clauses (``eligible_positions``: the C++ pass
+   over the most selective clause's postings; and ``eligible`` in torch over every signature),
+   against NumPy evaluating the same expression over the attribute columns (what a column store
+   does). All three must return the same items (checked, the count is recorded).
+2. Filtered top-K (``--n`` x ``--d``): one batch of queries sharing the filter, q/s at the
+   cheapest nprobe reaching ``--target`` recall@K, for our index (its plan: lists or the exact
+   scan), faiss SQ8 + bitmap, and the gather + matmul exact scan of the eligible ids (torch).
+
+Run from the repository root::
+
+    .venv/bin/python bench/filters.py --small      # ~1 min: 100k evaluation, 20k x 32 search
+    .venv/bin/python bench/filters.py              # 1M evaluation, 200k x 64 search
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import torch
+from ann_data import exact_topk, make_data, recall_at_k
+from ann_peers import EligibleScan, bitmap_selector, build_faiss_ivfs, faiss_search, ivf_params
+from timing import set_threads, stopwatch, time_batched
+
+from common.atomic import atomic_write_json
+from retrieval.filters import NUMERIC, eligible
+from retrieval.index import IVFConfig, build_ivf
+from retrieval.index.eligible_scan import eligible_positions
+from retrieval.index.plan import RowKind
+
+VOCAB: dict[str, Any] = {
+    "category": [f"c{i}" for i in range(20)],
+    "language": [f"l{i}" for i in range(8)],
+    "creator": [f"k{i}" for i in range(200)],
+    "price": NUMERIC,
+}
+TEXT = "(category in {c0, c1} or creator in {k0, k1, k2, k3, k4}) and language != l0 and price < 40"
+
+
+def attributes(n: int, seed: int = 7) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "category": rng.integers(0, 20, n),
+        "language": rng.integers(0, 8, n),
+        "creator": rng.integers(0, 200, n),
+        "price": np.round(rng.gamma(2.0, 25.0, n), 2),
+    }
+
+
+def numpy_columns(a: dict[str, np.ndarray]) -> np.ndarray:
+    """The expression over the columns -> ``[M]`` admitted positions (float32 prices, as stored)."""
+    keep = (np.isin(a["category"], [0, 1]) | np.isin(a["creator"], [0, 1, 2, 3, 4])) & (
+        a["language"] != 0
+    )
+    return np.flatnonzero(keep & (a["price"].astype(np.float32) < np.float32(40)))
+
+
+def evaluation(n: int, repeats: int) -> dict[str, Any]:
+    """Part 1: ms per query of each way, and the items admitted."""
+    a = attributes(n)
+    build = build_ivf(
+        torch.randn(n, 8),
+        IVFConfig(nlist=16, measure_costs=False),
+        item_attributes=a,
+        attribute_values=VOCAB,
+    )  # the index's signatures and postings; its vectors do not matter here
+    t = build.tensors()
+    fb = build.compile_filter(TEXT, 1)
+    masks, negate = fb.masks[0], fb.negate[0]
+    ways = {
+        "ours, eligible_positions (C++, postings)": lambda: eligible_positions(t, masks, negate),
+        "ours, eligible over every signature (torch)": lambda: (
+            eligible(t.lists.sig, masks, negate).nonzero().flatten()
+        ),
+        "NumPy over the attribute columns": lambda: numpy_columns(a),
+    }
+    out: dict[str, Any] = {"items": n, "clauses": int(masks.shape[0]), "words": int(masks.shape[1])}
+    admitted = {}
+    for name, fn in ways.items():
+        pos = np.asarray(fn())
+        ids = pos if name.startswith("NumPy") else build.item_ids[torch.as_tensor(pos)].numpy()
+        admitted[name] = np.sort(ids)
+    for name, s in in_turns(ways, repeats).items():
+        out[name] = {"ms": s * 1e3, "admitted": len(admitted[name])}
+    first = next(iter(admitted.values()))
+    out["same_items"] = all(np.array_equal(first, v) for v in admitted.values())
+    out["selectivity"] = len(first) / n
+    return out
+
+
+def in_turns(fns: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Median seconds of one call of each of ``fns``, timed in turns (A B C A B C ...), so the
+    shared machine's load falls on all of them alike."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            elapsed = stopwatch()
+            fn()
+            runs[name].append(elapsed())
+    return {name: float(np.median(r)) for name, r in runs.items()}
+
+
+def sweep(fn, truth: np.ndarray, settings: list[int], target: float, repeats: int) -> list[dict]:
+    """Each setting's recall and q/s, up to the first that reaches ``target``."""
+    points = []
+    for s in settings:
+        ids, median_s, _ = time_batched(lambda s=s: fn(s), repeats=repeats)
+        points.append(
+            {"nprobe": s, "recall": recall_at_k(ids, truth), "qps": len(truth) / median_s}
+        )
+        if points[-1]["recall"] >= target:
+            break
+    return points
+
+
+def top_k(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 2: filtered top-K, ours against faiss SQ8 + bitmap and the exact eligible scan."""
+    data = make_data(args.n, args.d, args.queries)
+    a = attributes(args.n, seed=8)
+    keep = np.zeros(args.n, bool)
+    keep[numpy_columns(a)] = True
+    truth = exact_topk(data.x, data.q, args.k, np.flatnonzero(keep))
+    elapsed = stopwatch()
+    index = build_ivf(
+        torch.from_numpy(data.x),
+        IVFConfig(nlist=args.nlist),
+        item_attributes=a,
+        attribute_values=VOCAB,
+    )
+    build_s = elapsed()
+    q = torch.from_numpy(data.q)
+    probes = [2**i for i in range(12) if 2**i <= args.nlist]
+
+    def ours(p: int) -> np.ndarray:
+        return index.search(q, args.k, TEXT, nprobe=p)[0].numpy()
+
+    faiss_builds, _ = build_faiss_ivfs(data.x, args.nlist, min(args.n, 100 * args.nlist))
+    sq8, sel = faiss_builds["faiss-IVF-SQ8"].index, bitmap_selector(keep)
+    params = {p: ivf_params(p, sel) for p in probes}
+    scan, eligible_ids = (
+        EligibleScan(torch.from_numpy(data.x)),
+        torch.from_numpy(np.flatnonzero(keep)),
+    )
+    systems = {
+        "ours": (ours, probes),
+        "ours, the exact plan (exact=True)": (
+            lambda _: index.search(q, args.k, TEXT, exact=True)[0].numpy(),
+            [0],
+        ),
+        "faiss-IVF-SQ8 + bitmap": (lambda p: faiss_search(sq8, data.q, args.k, params[p]), probes),
+        "exact scan of the eligible ids (torch)": (
+            lambda _: scan.search(q, args.k, eligible_ids),
+            [0],
+        ),
+    }
+    points = {n: sweep(fn, truth, s, args.target, args.repeats) for n, (fn, s) in systems.items()}
+    chosen = {n: best(points[n], args.target) for n in systems}
+    fns = {n: (lambda fn=systems[n][0], c=c: fn(c["nprobe"])) for n, c in chosen.items() if c}
+    turns = {n: len(truth) / s for n, s in in_turns(fns, args.rounds).items()}
+    p = chosen["ours"]["nprobe"] if chosen["ours"] else 1
+    plan = index.executor.plans.plan(
+        index.tensors(), index.compile_filter(TEXT, len(q)), index.params(args.k, p, 0), q
+    )  # which plan ours ran (lists or the exact scan: the build's measured costs choose)
+    kinds = {
+        RowKind(int(k)).name: int(c)
+        for k, c in zip(*np.unique(plan.kind.numpy(), return_counts=True), strict=True)
+    }
+    return {
+        "turns_qps": turns,
+        "plan_kinds": kinds,
+        "items": args.n, "dim": args.d, "nlist": args.nlist, "k": args.k, "queries": args.queries,
+        "selectivity": float(keep.mean()), "build_s": build_s, "points": points,
+    }  # fmt: skip
+
+
+def best(points: list[dict], target: float) -> dict | None:
+    reached = [p for p in points if p["recall"] >= target]
+    return max(reached, key=lambda p: p["qps"]) if reached else None
+
+
+def render(ev: dict[str, Any], tk: dict[str, Any], target: float) -> str:
+    lines = [
+        f"Evaluation over {ev['items']:,} items ({ev['clauses']} clauses x {ev['words']} words; "
+        f"selectivity {ev['selectivity']:.3f}; same items: {ev['same_items']})",
+        "| way | ms a query | admitted |",
+        "|---|---|---|",
+    ]
+    for name, r in ev.items():
+        if isinstance(r, dict):
+            lines.append(f"| {name} | {r['ms']:.2f} | {r['admitted']:,} |")
+    lines += [
+        "",
+        f"Filtered top-{tk['k']}, {tk['items']:,} x {tk['dim']} (selectivity {tk['selectivity']:.3f})"
+        f", cheapest setting reaching recall {target}; our plan's rows: {tk['plan_kinds']}",
+        "| system | nprobe | recall | q/s (median of the turns) |",
+        "|---|---|---|---|",
+    ]
+    for name, pts in tk["points"].items():
+        b, qps = best(pts, target), tk["turns_qps"].get(name)
+        cells = (
+            "not reached | |"
+            if b is None or qps is None
+            else f"{b['nprobe']} | {b['recall']:.3f} |"
+        )
+        lines.append(f"| {name} | {cells} {'' if qps is None else f'{qps:,.0f}'} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--small", action="store_true", help="100k evaluation, 20k x 32 search")
+    p.add_argument("--eval-n", type=int, default=1_000_000)
+    p.add_argument("--n", type=int, default=200_000)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--nlist", type=int, default=1024)
+    p.add_argument("--queries", type=int, default=200)
+    p.add_argument("--k", type=int, default=100)
+    p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each sweep setting")
+    p.add_argument("--rounds", type=int, default=15, help="turns timing the chosen settings")
+    p.add_argument("--out", type=Path, default=Path("bench/results/filters.json"))
+    args = p.parse_args(argv)
+    if args.small:
+        args.eval_n, args.n, args.d, args.nlist = 100_000, 20_000, 32, 128
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    wall, load_start = stopwatch(), os.getloadavg()
+    ev = evaluation(args.eval_n, args.rounds)
+    tk = top_k(args)
+    report = render(ev, tk, args.target)
+    print(report)
+    meta = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "text": TEXT,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cores": os.cpu_count(),
+        "faiss": faiss.__version__,
+        "torch": torch.__version__,
+        "wall_s": wall(),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+    }
+    atomic_write_json(
+        args.out, {"meta": meta, "evaluation": ev, "top_k": tk, "markdown": report}, indent=1
+    )
+    print(f"\nwrote {args.out} in {wall():.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
