@@ -153,3 +153,13 @@ def test_planted_figures_and_issue_numbers_are_found(tmp_path, name, source, lin
     assert kinds == {"issue number", "time figure", "ratio"} | (
         {"measured share"} if name.endswith(".py") else set()
     )
+
+
+def test_test_file_names_are_unique():
+    """Test folders have no ``__init__.py``, so pytest imports each test file by its name alone:
+    two files of one name stop the whole suite at collection."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    repeated = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not repeated, repeated
