@@ -20,7 +20,7 @@ from retrieval.filters import FilterBatch
 from retrieval.index.candidates import candidates, keyed_by_id
 from retrieval.index.cpu_backend import lists_ids, shared_exact_ids
 from retrieval.index.gpu_backend import plain_first_round
-from retrieval.index.plan import SearchParams, SearchPlan
+from retrieval.index.plan import RowKind, SearchParams, SearchPlan
 from retrieval.index.planner import PlanCache
 from retrieval.index.readout import ids_at
 from retrieval.index.search import Candidates, run_search
@@ -48,8 +48,9 @@ class Executor:
         instead of ids where ``positions``; ``-1`` / ``-inf`` padded."""
         plan = self.plans.plan(t, fb, params, q)
         if not positions:
-            found = shared_exact_ids(t, q, fb, plan)
-            if found is None:
+            if plan.one_kind is RowKind.SHARED_EXACT:
+                found = shared_exact_ids(t, q, fb, plan)
+            else:
                 found = lists_ids(t, q, fb, plan, whole=True)
             if found is not None:
                 return found
