@@ -86,3 +86,11 @@ def check_filter_batch(fb: FilterBatch, batch: int, words: int) -> None:
         )
     if ex is not None and ex.numel() and int(ex.min()) < -1:
         raise ValueError(f"filters.exclude: item ids are >= 0 (-1 pads), got {int(ex.min())}")
+
+
+def filters_on(fb: FilterBatch, device: torch.device) -> FilterBatch:
+    """``fb`` on ``device``: as it is where its tensors are there already (a compiled batch
+    passed to every search would otherwise be copied, a no-op per tensor, each call)."""
+    ex = fb.exclude
+    here = fb.masks.device == device and fb.negate.device == device
+    return fb if here and (ex is None or ex.device == device) else fb.to(device)

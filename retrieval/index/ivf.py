@@ -46,6 +46,7 @@ from retrieval.index.inputs import (
     as_optional_count,
     as_queries,
     check_filter_batch,
+    filters_on,
 )
 from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import make_plan
@@ -277,12 +278,7 @@ class IVFIndex(nn.Module):
         else:
             fb = self.schema.compile(list(filters))
         check_filter_batch(fb, batch, self.schema.num_words)
-        device = self._buffers["centroids"].device  # type: ignore[union-attr]
-        ex = fb.exclude
-        here = fb.masks.device == device and fb.negate.device == device
-        if here and (ex is None or ex.device == device):
-            return fb  # a compiled batch on this device already (a few no-op copies spared)
-        return fb.to(device)
+        return filters_on(fb, self._buffers["centroids"].device)  # type: ignore[union-attr]
 
     def search(
         self,
