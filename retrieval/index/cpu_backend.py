@@ -16,6 +16,7 @@ Each returns None where it does not apply, and the executor then runs the rounds
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -53,8 +54,7 @@ def lists_ids(
         return None
     p, least = min(counts[0], t.nlist), counts[1]
     if fb is None:  # kept empty tensors, contiguous already
-        none = no_filter(b, t.lists.sig.shape[1], q.device)
-        masks, negate, excl = none.masks, none.negate, _no_ids(b)
+        masks, negate, excl = _unfiltered(b, t.lists.sig.shape[1])
     else:
         masks, negate = fb.masks.contiguous(), fb.negate.contiguous()
         excl = fb.exclude.contiguous() if fb.exclude is not None else _no_ids(b)
@@ -93,6 +93,13 @@ def _one_call(t: IndexTensors) -> bool:
         and os.environ.get(KERNEL_ENV, "auto") == "auto"
         and not torch.compiler.is_compiling()
     )
+
+
+@functools.cache
+def _unfiltered(b: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(masks [b, 0, w], negate [b, 0], exclude [b, 0])``: no clause, nothing excluded."""
+    none = no_filter(b, w, torch.device("cpu"))
+    return none.masks, none.negate, _no_ids(b)
 
 
 _NO_IDS: dict[int, torch.Tensor] = {}

@@ -32,7 +32,7 @@ from retrieval.index.cpu_backend import lists_ids, shared_exact_ids
 from retrieval.index.device_search import graphed_search, ids_of
 from retrieval.index.fresh import LiveSegment, merged, take_top_k
 from retrieval.index.gpu_backend import plain_first_round
-from retrieval.index.plan import SearchParams, SearchPlan
+from retrieval.index.plan import RowKind, SearchParams, SearchPlan
 from retrieval.index.planner import PlanCache
 from retrieval.index.readout import ids_at
 from retrieval.index.search import Candidates, run_search
@@ -79,8 +79,9 @@ class Executor:
             assert live is not None
             return self._live_search(t, q, fb, plan, positions, live)
         if not positions:
-            found = shared_exact_ids(t, q, fb, plan)
-            if found is None:
+            if plan.one_kind is RowKind.SHARED_EXACT:
+                found = shared_exact_ids(t, q, fb, plan)
+            else:
                 found = lists_ids(t, q, fb, plan, whole=True)
             if found is not None:
                 return found

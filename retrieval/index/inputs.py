@@ -54,14 +54,20 @@ def as_optional_count(value: Any, field: str, minimum: int, default: int, hint: 
 
 def as_queries(q: Any, dim: int, device: torch.device) -> torch.Tensor:
     """Queries ``[B, dim]`` floats (tensor or NumPy) -> float32 on ``device``."""
+    if (
+        type(q) is torch.Tensor
+        and q.dtype is torch.float32
+        and q.device == device
+        and q.dim() == 2
+        and q.shape[1] == dim
+    ):
+        return q  # the common call, as it is (even a no-op .to() dispatches)
     q = as_tensor(q, "q")
     if q.dim() != 2 or q.shape[1] != dim or not q.is_floating_point():
         raise ValueError(
             f"q: expected floats [B, {dim}], got {tuple(q.shape)} {q.dtype}"
             + (" (cast with .float() / .astype(np.float32))" if q.dim() == 2 else "")
         )
-    if q.dtype is torch.float32 and q.is_cpu and device.type == "cpu":
-        return q  # as it is (even a no-op .to() dispatches, on the one-query path)
     return q.to(device, torch.float32)
 
 
@@ -80,3 +86,11 @@ def check_filter_batch(fb: FilterBatch, batch: int, words: int) -> None:
         )
     if ex is not None and ex.numel() and int(ex.min()) < -1:
         raise ValueError(f"filters.exclude: item ids are >= 0 (-1 pads), got {int(ex.min())}")
+
+
+def filters_on(fb: FilterBatch, device: torch.device) -> FilterBatch:
+    """``fb`` on ``device``: as it is where its tensors are there already (a compiled batch
+    passed to every search would otherwise be copied, a no-op per tensor, each call)."""
+    ex = fb.exclude
+    here = fb.masks.device == device and fb.negate.device == device
+    return fb if here and (ex is None or ex.device == device) else fb.to(device)

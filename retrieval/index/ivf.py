@@ -47,6 +47,7 @@ from retrieval.index.inputs import (
     as_optional_count,
     as_queries,
     check_filter_batch,
+    filters_on,
 )
 from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import make_plan
@@ -70,6 +71,8 @@ __all__ = [
 ]
 _CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 EXACT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "none": None}
+MAX_KEPT_PARAMS = 64
+"""Distinct ``(k, nprobe, rerank)`` a search keeps checked (:meth:`IVFIndex._plain_params`)."""
 PROBE_TABLE_MIN = 1 << 17
 """Centroid floats (nlist x D) from which a few queries' probe reads an int8 table first: below
 it the float table stays in a core's cache, and reading the int8 table first gains nothing."""
@@ -283,7 +286,7 @@ class IVFIndex(nn.Module):
         else:
             fb = self.schema.compile(list(filters))
         check_filter_batch(fb, batch, self.schema.num_words)
-        return fb.to(self.centroids.device)
+        return filters_on(fb, self._buffers["centroids"].device)  # type: ignore[union-attr]
 
     def search(
         self,
@@ -312,14 +315,18 @@ class IVFIndex(nn.Module):
         :meth:`search_plan` tells, per row, how many lists the search will probe.
         """
         q = self._check_queries(q)
-        b = q.shape[0]
-        fb = None if filters is None else self.compile_filter(filters, b)
-        target = None
-        if recall_target is not None:
-            target = torch.as_tensor(recall_target, dtype=torch.float32).expand(b)
-            check_targets(target, b)
-        params = self.params(k, nprobe, rerank, exact=exact, target=target)
-        return self._execute(q, fb, params, positions)  # a direct search: no compile boundary
+        fb = None if filters is None else self.compile_filter(filters, q.shape[0])
+        if recall_target is None and not exact:
+            params = self._plain_params(k, nprobe, rerank)
+        else:
+            b = q.shape[0]
+            target = None
+            if recall_target is not None:
+                target = torch.as_tensor(recall_target, dtype=torch.float32).expand(b)
+                check_targets(target, b)
+            params = self.params(k, nprobe, rerank, exact=exact, target=target)
+        # a direct search: no compile boundary (:meth:`execute` is this call on trusted inputs)
+        return self.executor.search(self.tensors(), q, fb, params, positions)
 
     def _execute(
         self,
@@ -377,6 +384,28 @@ class IVFIndex(nn.Module):
                 "or search with rerank=0"
             )
         return SearchParams(self._check_k(k), nprobe_, rerank_, bool(exact), target)
+
+    def _plain_params(self, k: int, nprobe: int | None, rerank: int | None) -> SearchParams:
+        """:meth:`params` without a target or an exact scan, checked once per ``(k, nprobe,
+        rerank)`` of plain ``int`` (or None) and kept with the bundle (:meth:`tensors`), as
+        what they are checked against (the config, the catalog's size) changes only with it.
+        Other integral types are checked every call and never kept (``True == 1``)."""
+        if not (
+            type(k) is int
+            and (nprobe is None or type(nprobe) is int)
+            and (rerank is None or type(rerank) is int)
+        ):
+            return self.params(k, nprobe, rerank)
+        kept = self.__dict__.get("_params")
+        if kept is None:
+            kept = self.__dict__["_params"] = {}
+        key = (k, nprobe, rerank)
+        params = kept.get(key)
+        if params is None:
+            if len(kept) >= MAX_KEPT_PARAMS:
+                kept.clear()
+            params = kept[key] = self.params(k, nprobe, rerank)
+        return params
 
     def search_plan(
         self,
@@ -436,12 +465,16 @@ class IVFIndex(nn.Module):
         return self.config.exact_copy != "none"
 
     def __setattr__(self, name: str, value: Any) -> None:
-        self.__dict__["_bundle"] = None  # a new buffer, config, statistic or list: a new bundle
+        self._forget()  # a new buffer, config, statistic or list: a new bundle
         super().__setattr__(name, value)
 
     def _apply(self, fn: Any, recurse: bool = True) -> IVFIndex:
-        self.__dict__["_bundle"] = None  # .to() / .cuda() rebind the buffers in the buffer dict
+        self._forget()  # .to() / .cuda() rebind the buffers in the buffer dict
         return super()._apply(fn, recurse)
+
+    def _forget(self) -> None:
+        """Drops the bundle and the settings checked against it (:meth:`_plain_params`)."""
+        self.__dict__["_bundle"] = self.__dict__["_params"] = None
 
     def tensors(self) -> IndexTensors:
         """The index's tensors as one bundle (``retrieval/index/tensors.py``), made once and kept

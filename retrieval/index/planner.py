@@ -113,16 +113,16 @@ def searched_exactly(t: IndexTensors) -> bool:
 class PlanCache:
     """The plans a served index repeats, kept until anything they read of it changes.
 
-    Plain plans (no clause, nothing excluded, no target) by ``(B, k, nprobe, rerank)``: one
-    query's plan then costs a lookup. A batch sharing one filter (and excluding nothing): its
-    exact plan (or that it takes lists) by filter, so a selective filter's search skips
-    estimating and pricing it again (served requests repeat a few filters). Plans are never
-    changed once made, so one serves every search that asks for it. Owned by the index's
-    executor."""
+    Plain plans (no clause, no target) by ``(B, k, nprobe, rerank)`` and the count of ids each
+    row excludes: one query's plan then costs a lookup, a served user's (its history excluded)
+    too. A batch sharing one filter (and excluding nothing): its exact plan (or that it takes
+    lists) by filter, so a selective filter's search skips estimating and pricing it again
+    (served requests repeat a few filters). Plans are never changed once made, so one serves
+    every search that asks for it. Owned by the index's executor."""
 
     def __init__(self) -> None:
         self._reads: tuple[Any, ...] = (None,) * 7
-        self._plain: dict[tuple[int, int, int, int], SearchPlan] = {}
+        self._plain: dict[tuple[Any, ...], SearchPlan] = {}
         self._shared: dict[tuple[Any, ...], SearchPlan | None] = {}
 
     def plan(
@@ -130,13 +130,18 @@ class PlanCache:
     ) -> SearchPlan:
         """:func:`make_plan` of ``q [B, D]`` under ``fb`` with ``params``, from the cache where
         it holds it."""
-        if params.target is not None or params.exact or (fb is not None and fb.exclude is not None):
+        if params.target is not None or params.exact:
+            return make_plan(t, fb, params, q)
+        excludes = fb is not None and fb.exclude is not None
+        if excludes and fb.active:  # type: ignore[union-attr]
             return make_plan(t, fb, params, q)
         if not _same_reads(t, self._reads):
             self._reads, self._plain, self._shared = _reads(t), {}, {}
         b = int(q.shape[0])
         if fb is None or not fb.active:
-            key = (b, params.k, params.nprobe, params.rerank)
+            key: tuple[Any, ...] = (b, params.k, params.nprobe, params.rerank)
+            if excludes:  # a served user's history: its plan hangs on how many ids it excludes
+                key += (excluded_counts(fb, b).tobytes(),)
             plan = self._plain.get(key)
             if plan is None:
                 if len(self._plain) >= COMPILED_FILTERS:

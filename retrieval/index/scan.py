@@ -212,7 +212,8 @@ def search_ids_cpu(
     lists = t.lists
     if lists.codes.dtype != torch.int8 or torch.compiler.is_compiling():
         return None
-    half = _NO_HALF if t.probe_half is None else t.probe_half
+    half = t.probe_half
+    half = _NO_HALF if half is None else half
     cut = hold is not None and least < nprobe and t.built_sizes.numel() > 0
     ids, scores, short = _extension().ivf_search_ids_int8(
         q, t.centroids_t, half, nprobe, lists.codes, lists.scales, lists.offsets, lists.sig,

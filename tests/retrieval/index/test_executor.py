@@ -13,7 +13,7 @@ from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf, cpu_backend
 from retrieval.index.exact import exact_search, recall_at_k
 from retrieval.index.plan import RowKind
-from retrieval.index.planner import SMALL_CATALOG_FILL, lists_for
+from retrieval.index.planner import SMALL_CATALOG_FILL, lists_for, make_plan
 from retrieval.index.probe import FEW_QUERIES, probe_lists
 from retrieval.index.scan import scan
 from retrieval.index.tensors import ScanRows
@@ -199,3 +199,26 @@ def test_a_tiny_catalog_is_searched_exactly(catalog) -> None:
     truth = index.item_ids[exact_search(index.vectors_at(torch.arange(80)), q, 10)[0]]
     assert recall_at_k(ids, truth) == 1.0
     assert torch.equal(ids, index.search(q, 10, exact=True)[0])
+
+
+def test_kept_plans_of_excluding_rows_follow_how_many_each_excludes(index, catalog) -> None:
+    """A plain plan that excludes ids (a served user's history) is kept by how many ids each
+    row excludes: the same counts share one plan, other counts get what make_plan makes."""
+    q, t, params = catalog["q"][:1], index.tensors(), index.params(50, 2, 0)
+    empty = index.compile_filter(None, 1)
+
+    def excluding(n: int) -> FilterBatch:
+        ids = torch.full((1, 600), -1, dtype=torch.int64)
+        ids[0, :n] = torch.arange(n)
+        return FilterBatch(empty.masks, empty.negate, ids)
+
+    kept = index.executor.plans
+    assert kept.plan(t, excluding(5), params, q) is kept.plan(t, excluding(5), params, q)
+    plans = {}
+    for n in (600, 5, 0, 300, 600):
+        got, want = kept.plan(t, excluding(n), params, q), make_plan(t, excluding(n), params, q)
+        assert torch.equal(got.nprobe, want.nprobe) and torch.equal(got.kind, want.kind)
+        assert (got.hold is None) == (want.hold is None)
+        assert got.hold is None or torch.equal(got.hold, want.hold)
+        plans[n] = int(got.nprobe[0])
+    assert plans[600] > plans[5]  # the counts change the plan: a key without them fails

@@ -113,3 +113,26 @@ def test_search_plan_shows_the_lists_probed(index):
     # a k larger than the probed lists hold widens it too
     assert int(index.search_plan(5000, nprobe=4).nprobe[0]) > 4
     assert index.search_plan(10, "shard = 1", batch=3).nprobe.shape == (3,)
+
+
+def test_kept_settings_follow_the_config_and_still_refuse_what_equals_them(catalog):
+    """A search checks ``(k, nprobe, rerank)`` once and keeps them until the index changes: a
+    new config's nprobe applies to the next search that leaves nprobe out, and ``True`` (which
+    equals 1, the key of a kept setting) is still refused."""
+    index = build_ivf(catalog["x"][:4000], IVFConfig(nlist=32, nprobe=1, measure_costs=False))
+    q = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))  # between the clusters
+    rows = [q[i : i + 1] for i in range(len(q))]  # one query a call: the one-call search
+
+    def ids(**kwargs) -> torch.Tensor:
+        return torch.cat([index.search(row, 10, **kwargs)[0] for row in rows])
+
+    before = ids()
+    index.search(rows[0], 1, nprobe=1)
+    with pytest.raises(ValueError, match="k: expected an integer >= 1, got True"):
+        index.search(rows[0], True, nprobe=1)
+    with pytest.raises(ValueError, match="nprobe: expected an integer >= 1, got True"):
+        index.search(rows[0], 1, nprobe=True)
+    index.config = index.config.model_copy(update={"nprobe": 8})
+    after = ids()
+    assert torch.equal(after, ids(nprobe=8)) and torch.equal(after, ids(nprobe=np.int64(8)))
+    assert not torch.equal(before, after)  # nprobe 1 and 8 answer differently here
