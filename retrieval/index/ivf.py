@@ -326,7 +326,7 @@ class IVFIndex(nn.Module):
                 check_targets(target, b)
             params = self.params(k, nprobe, rerank, exact=exact, target=target)
         # a direct search: no compile boundary (:meth:`execute` is this call on trusted inputs)
-        return self.executor.search(self.tensors(), q, fb, params, positions)
+        return self.executor.search(self.tensors(), q, fb, params, positions, self.live)
 
     def _execute(
         self,
