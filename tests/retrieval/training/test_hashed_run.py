@@ -122,12 +122,9 @@ def test_published_it_answers_like_the_trained_model(
         assert float(np.mean(overlap)) > 0.85
 
 
-def test_resume_equals_an_uninterrupted_run(
-    prep: Prepared, server: str, trained: tuple[RetrievalModel, Trainer], tmp_path: Path
-) -> None:
-    # the uninterrupted run is the module's: a fresh run empties the store first, so no run
-    # before this one changes what it trained
-    whole, _ = trained
+def test_resume_equals_an_uninterrupted_run(prep: Prepared, server: str, tmp_path: Path) -> None:
+    whole = fresh(prep)
+    Trainer(whole, prep.train, config(server)).fit()
     want = whole.tables.keyed_rows()[TABLE]
 
     steps_per_epoch = len(prep.train.user_ids) // 64
