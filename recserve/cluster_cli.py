@@ -112,7 +112,9 @@ def cluster_status(
     from rich.console import Console
     from rich.table import Table
 
-    from recserve.cluster import ClusterError, status
+    # not recserve.cluster: its `up` needs torch, which status does not
+    from recserve.cluster_lifecycle import status
+    from recserve.cluster_state import ClusterError
 
     try:
         rows = status(directory)
@@ -138,7 +140,9 @@ def cluster_restart(
 ) -> None:
     """Start a stopped process again, on its old port, and wait until it is ready (a running
     one, or one another restart is starting, is waited for, not started twice)."""
-    from recserve.cluster import ClusterError, restart
+    # not recserve.cluster: its `up` needs torch, which restart does not
+    from recserve.cluster_lifecycle import restart
+    from recserve.cluster_state import ClusterError
 
     try:
         p = restart(directory, name, timeout, lock_timeout)
@@ -197,7 +201,9 @@ def cluster_down(
 ) -> None:
     """Stop every process the cluster file ever tracked: SIGTERM (drain), SIGKILL after
     --timeout; exit 1 if a port of the cluster still answers afterwards."""
-    from recserve.cluster import ClusterError, down
+    # not recserve.cluster: its `up` needs torch, which down does not
+    from recserve.cluster_lifecycle import down
+    from recserve.cluster_state import ClusterError
 
     try:
         report = down(directory, timeout, lock_timeout)

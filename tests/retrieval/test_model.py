@@ -25,13 +25,10 @@ from support.topk_check import assert_same_topk
 
 
 @pytest.fixture(scope="module")
-def trained():
-    ds = generate(SyntheticConfig(num_users=800, num_items=3000, seed=3))
-    prep = prepare(ds, history_len=20)  # the default index settings
-    model = RetrievalModel(prep.config)
-    losses = train(model, prep.train, TrainConfig(epochs=3, batch_size=256, progress=False))
-    model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch())
-    return prep, model, losses
+def trained(trained_synthetic):
+    """The default index settings (``tests/retrieval/conftest.py``): shared with the tiering
+    tests, trained once."""
+    return trained_synthetic
 
 
 @pytest.mark.slow  # the trained fixture

@@ -7,12 +7,8 @@ import pytest
 import torch
 
 from retrieval.artifact import load_model, save_model
-from retrieval.data import SyntheticConfig, generate
 from retrieval.metrics import ranking_metrics
-from retrieval.model import RetrievalModel
 from retrieval.tiering import tier_model
-from retrieval.training.prepare import prepare
-from retrieval.training.train import TrainConfig, train
 from sharded_tables.planner import Budgets
 from sharded_tables.specs import DType, Tier
 from sharded_tables.tiered import TieredEmbeddingCollection
@@ -23,13 +19,11 @@ pytestmark = pytest.mark.slow  # the trained fixture
 
 
 @pytest.fixture(scope="module")
-def trained():
-    ds = generate(SyntheticConfig(num_users=800, num_items=3000, seed=5))
-    prep = prepare(ds, history_len=20)
-    model = RetrievalModel(prep.config)
-    train(model, prep.train, TrainConfig(epochs=3, batch_size=256, progress=False))
-    model.build_index(prep.train.item_features, ds.item_attributes, prep.tune_batch())
-    return prep, model.eval()
+def trained(trained_synthetic):
+    """The model ``test_model.py`` reads too (``tests/retrieval/conftest.py``), trained once;
+    ``tier_model`` leaves it as it is."""
+    prep, model, _ = trained_synthetic
+    return prep, model
 
 
 def _recall(prep, model, users) -> float:

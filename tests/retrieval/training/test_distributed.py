@@ -14,8 +14,6 @@ import torch
 from typer.testing import CliRunner
 
 from recserve.cli import app
-from sharded_tables.hashed_training import store_folder
-from sharded_tables.remote.server import EmbeddingServer
 from support.train_runs import train, train_cmd, weights, write_config
 
 pytestmark = pytest.mark.multiproc
@@ -96,22 +94,12 @@ def test_a_sharding_torchrec_refuses_stops_the_job_before_any_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_train_hashed_ids_like_one(tmp_path):
+def test_two_processes_train_hashed_ids_like_one(hashed_two_ranks, tmp_path):
     """A hashed raw-id feature (a working table of 128 rows for 400 users) under TorchRec's DMP:
     every rank maps ids alike, the table's rank moves its rows and optimizer state to the
     embedding server, and the result equals one process's."""
-    folder = store_folder(tmp_path / "store", {"user_raw_id": 16 + 1})  # row + row-wise Adagrad
-    server = EmbeddingServer(folder)
-    address = server.start()
-    try:
-        lines = {
-            "train": f'[train.hashed]\nservers = ["{address}"]',
-            "model": "hashed_user_id = 128",
-        }
-        one_run = train(tmp_path, "one", nproc=1, micro=2, **lines)
-        two_run = train(tmp_path, "two", nproc=2, **lines)
-    finally:
-        server.stop(grace=0)
+    one_run = train(tmp_path, "one", nproc=1, micro=2, **hashed_two_ranks.lines)
+    two_run = hashed_two_ranks.run
     one, two = weights(one_run), weights(two_run)
     assert one.keys() == two.keys()
     for k in one:

@@ -20,8 +20,6 @@ from retrieval.artifact import load_model
 from retrieval.training import dcp_checkpoint
 from retrieval.training.run import RunConfig, load_data, prepare_run
 from serving.repository import ModelRepository
-from sharded_tables.hashed_training import store_folder
-from sharded_tables.remote.server import EmbeddingServer
 from support.train_runs import metrics, train, train_cmd, weights, write_config
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -115,37 +113,32 @@ def test_column_wise_splits_every_table_over_both_ranks_and_trains(table_wise, t
     assert report["test"]["recall@50"] > report["test"]["popularity_recall@50"]
 
 
-def test_a_hashed_job_killed_mid_run_resumes_with_the_servers_rewound(tmp_path):
+def test_a_hashed_job_killed_mid_run_resumes_with_the_servers_rewound(hashed_two_ranks, tmp_path):
     """Hashed raw ids over 2 ranks and an embedding server: kill -9 after the epoch-1
     checkpoint (epoch 2's evictions already on the server), resume: the server's table is
-    rewound to the checkpoint's marks and the run ends bit for bit like an uninterrupted one."""
-    server = EmbeddingServer(store_folder(tmp_path / "store", {"user_raw_id": 16 + 1}))
-    address = server.start()
-    lines = {"train": f'[train.hashed]\nservers = ["{address}"]', "model": "hashed_user_id = 128"}
-    try:
-        whole = train(tmp_path, "whole", nproc=2, **lines)
-        want_rows = torch.load(whole / "model" / "model.pt", weights_only=True)[HASHED_STATE]
-        cfg = write_config(tmp_path, "killed", **lines)
-        out = tmp_path / "killed"
-        table = server.tables["user_raw_id"]
-        at_checkpoint: list[int] = []
+    rewound to the checkpoint's marks and the run ends bit for bit like an uninterrupted one
+    (the shared run on the same server)."""
+    server, lines, whole = hashed_two_ranks.server, hashed_two_ranks.lines, hashed_two_ranks.run
+    want_rows = torch.load(whole / "model" / "model.pt", weights_only=True)[HASHED_STATE]
+    cfg = write_config(tmp_path, "killed", **lines)
+    out = tmp_path / "killed"
+    table = server.tables["user_raw_id"]
+    at_checkpoint: list[int] = []
 
-        def epoch_two_evicted() -> bool:  # rows logged past the checkpoint's marks
-            at_checkpoint[:] = at_checkpoint or [table.log_bytes]  # type: ignore[union-attr]
-            return table.log_bytes > at_checkpoint[0]  # type: ignore[union-attr]
+    def epoch_two_evicted() -> bool:  # rows logged past the checkpoint's marks
+        at_checkpoint[:] = at_checkpoint or [table.log_bytes]  # type: ignore[union-attr]
+        return table.log_bytes > at_checkpoint[0]  # type: ignore[union-attr]
 
-        kill_after_epoch_one(cfg, out, until=epoch_two_evicted)
-        folder = dcp_checkpoint.latest(out / "checkpoints")
-        assert folder is not None
-        saved = torch.load(folder / dcp_checkpoint.TRAINER_FILE, weights_only=True)["model"]
-        (mark,) = saved["tables._extra_state"]["marks"]["user_raw_id"].values()
-        assert server.tables["user_raw_id"].log_bytes > mark  # type: ignore[union-attr]
-        resumed = subprocess.run(
-            train_cmd(cfg, out, 2, "--resume"), capture_output=True, text=True, timeout=240
-        )
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-    finally:
-        server.stop(grace=0)
+    kill_after_epoch_one(cfg, out, until=epoch_two_evicted)
+    folder = dcp_checkpoint.latest(out / "checkpoints")
+    assert folder is not None
+    saved = torch.load(folder / dcp_checkpoint.TRAINER_FILE, weights_only=True)["model"]
+    (mark,) = saved["tables._extra_state"]["marks"]["user_raw_id"].values()
+    assert server.tables["user_raw_id"].log_bytes > mark  # type: ignore[union-attr]
+    resumed = subprocess.run(
+        train_cmd(cfg, out, 2, "--resume"), capture_output=True, text=True, timeout=240
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = weights(whole), weights(out)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
