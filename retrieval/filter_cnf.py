@@ -20,14 +20,25 @@ upsert brings encodes the same way; the build chooses nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 
 from retrieval.filter_expr import And, Clause, Compare, Expr, FilterTooLargeError, Not, Or
 
-if TYPE_CHECKING:
-    from retrieval.filters import FilterSchema
+
+class FilterSchema(Protocol):
+    """What compiling needs of ``retrieval.filters.FilterSchema`` (which imports this module):
+    the numeric attributes' first bits, and the bits of a categorical clause."""
+
+    @property
+    def numeric_base(self) -> Mapping[str, int]: ...
+
+    def known(self, attr: str) -> None: ...
+
+    def clause_bits(self, clause: Clause) -> list[int]: ...
+
 
 DIGITS, DIGIT_BITS = 8, 4
 NUMERIC_BITS = DIGITS << DIGIT_BITS

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from retrieval.index.fresh import FreshStore, LiveSegment, with_live
+from retrieval.index.fresh import FreshStore, LiveSegment
 from retrieval.index.ivf import IVFIndex
+from retrieval.index.live_index import with_live
 from retrieval.index.update import add_items, remove_items
 
 

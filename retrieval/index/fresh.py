@@ -42,11 +42,9 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import threading
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -58,9 +56,6 @@ from retrieval.index.readout import vectors_at as main_vectors_at
 from retrieval.index.scan import topk_rows
 from retrieval.index.search import NEG_INF, Candidates
 from retrieval.index.tensors import IndexTensors
-
-if TYPE_CHECKING:  # ivf.py imports this module
-    from retrieval.index.ivf import IVFIndex
 
 MIN_CAPACITY = 1024
 """Rows a new store holds before it first grows (then it doubles: amortised O(1) an item)."""
@@ -382,13 +377,3 @@ def take_top_k(
     top, idx = scores.topk(k, dim=1)
     ids = ids.gather(1, idx)
     return torch.where(top > NEG_INF, ids, torch.full_like(ids, -1)), top
-
-
-def with_live(index: IVFIndex, live: LiveSegment | None) -> IVFIndex:
-    """A shallow copy of ``index`` (an ``IVFIndex``: every main buffer shared) serving
-    ``live``: the reference a server swaps in (``index`` keeps its own segment)."""
-    new = copy.copy(index)
-    new.__dict__["_buffers"] = dict(index._buffers)  # its own table: a later .to() is its own
-    new.__dict__["_modules"] = dict(index._modules)
-    new.live = live
-    return new

@@ -18,10 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
-from retrieval.index.fresh import LiveSegment, with_live
+from retrieval.index.fresh import LiveSegment
 from retrieval.index.ivf import IVFIndex
 from retrieval.index.update import _check_editable, _check_ids, _check_sig
 
@@ -152,3 +154,13 @@ def signatures_of(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> torch.Tens
     ids = _check_ids(ids)
     _require_served(index, ids, "ids")
     return segment(index).signatures_of(index.tensors(), ids)
+
+
+def with_live(index: IVFIndex, live: LiveSegment | None) -> IVFIndex:
+    """A shallow copy of ``index`` (an ``IVFIndex``: every main buffer shared) serving
+    ``live``: the reference a server swaps in (``index`` keeps its own segment)."""
+    new = copy.copy(index)
+    new.__dict__["_buffers"] = dict(index._buffers)  # its own table: a later .to() is its own
+    new.__dict__["_modules"] = dict(index._modules)
+    new.live = live
+    return new

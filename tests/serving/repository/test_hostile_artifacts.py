@@ -28,6 +28,7 @@ import torch
 from retrieval.artifact import UnsafeArtifactError
 from retrieval.tiering import tier_model
 from serving.app.config import ConfigError, ServeConfig
+from serving.engine.client import InProcessEngine
 from serving.engine.host import ModelHost
 from serving.engine.runner import ModelRunner
 from serving.frontends import kserve
@@ -202,7 +203,8 @@ def published(tiny, repo, tmp_path) -> Any:
     host = ModelHost(repo, SERVED, poll_s=0, warmup_sizes=(1,))
     host.start()
     before = tree(tmp_path)
-    yield SimpleNamespace(host=host)
+    # the engine as a front end reaches it; no request gets as far as the batcher
+    yield SimpleNamespace(host=host, engine=InProcessEngine(host, SimpleNamespace(policy=None)))
     assert tree(tmp_path) == before and not Path("/abs").exists() and not Path("/x").exists()
 
 
