@@ -54,11 +54,14 @@ def measure_plan_costs(index: IVFIndex, sample: torch.Tensor) -> tuple[tuple[flo
     n, k, nprobe = index.ntotal, min(index.config.tune_k, index.ntotal), index.config.nprobe
     q = as_scored(index, sample.float().cpu())
     gen = torch.Generator().manual_seed(index.config.seed)
-    listed = index.config.model_copy(update={"exact_cost": math.inf})  # never exact, unmeasured
+    listed = index.config.model_copy(update={"exact_cost": math.inf})  # never exact
+    # the build's other statistics (recall and slack curves, the filter bound's slack) shape
+    # the list plan as a search plans it; only the costs being measured are left out
+    unmeasured = index.stats.model_copy(update={"plan_costs": ()})
     out = []
     warmed: set[tuple[int, str]] = set()
     for sel in sorted(SELECTIVITIES):  # the cheapest runs first: they warm each plan
-        lists = _filtered(index, torch.rand(n, generator=gen) < sel, listed, IndexStats())
+        lists = _filtered(index, torch.rand(n, generator=gen) < sel, listed, unmeasured)
         m = max(k, min(int(sel * n), MAX_EXACT))
         chosen = torch.zeros(n, dtype=torch.bool)
         exact = _filtered(
