@@ -190,3 +190,21 @@ def test_a_kept_plan_choice_follows_the_costs_and_the_catalog(index, catalog):
     idx.bit_counts, idx.postings = bit_index_cpu(everyone)
     idx.sig = everyone
     assert not shared_exact(idx, q, fb)  # admits all: lists, as alone
+
+
+def test_the_list_plan_is_timed_as_a_search_plans_it(index, catalog, monkeypatch):
+    """The calibration's list plan reads the build's curves and bound slack (what a search's plan
+    reads): timed without them it plans other rounds than a search runs, and prices lists wrong."""
+    import retrieval.index.calibrate as calibrate
+
+    assert index.stats.filter_bound_slack > 0 or index.stats.slack_curve  # something to keep
+    seen: list[IndexStats] = []
+    timed = calibrate._list_plan
+
+    def spy(listed: IVFIndex, *args, **kwargs):
+        seen.append(listed.stats)
+        return timed(listed, *args, **kwargs)
+
+    monkeypatch.setattr(calibrate, "_list_plan", spy)
+    calibrate.measure_plan_costs(index, catalog["x"][:BATCH])
+    assert seen and all(s == index.stats.model_copy(update={"plan_costs": ()}) for s in seen)
