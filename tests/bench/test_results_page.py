@@ -1,4 +1,4 @@
-"""bench/render_results.py: RESULTS.md is exactly the render of bench/page.toml and the JSON it
+"""bench/render_results.py and result_rows.py: RESULTS.md is exactly the render of bench/page.toml and the JSON it
 names, a stale page fails the check, and each ANN row names the fastest peer at its recall."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import render_results
+import result_rows
 
 
 def test_the_page_in_the_repository_is_the_render_of_its_manifest() -> None:
@@ -52,11 +53,11 @@ def test_an_ann_row_names_the_fastest_peer_that_reaches_its_recall() -> None:
             point("faiss-IVF-Flat", 0.90, 900.0, 0.05),
         ]
     }
-    (row,) = render_results.ann(data, {"case": "c", "recalls": [0.95]})
+    (row,) = result_rows.ann(data, {"case": "c", "recalls": [0.95]})
     cells = row.split(" | ")
     assert "faiss-IVF-Flat" in cells[4] and cells[5] == "**4.00×**, one sweep"
     assert cells[6].endswith("(faiss-IVF-Flat)") and cells[7] == "4.00×"
-    (missing,) = render_results.ann(data, {"case": "c", "recalls": [0.99]})
+    (missing,) = result_rows.ann(data, {"case": "c", "recalls": [0.99]})
     assert missing.split(" | ")[3] == "ours: not in the sweep (its best 0.970)"
     # With --rounds against that peer, the page takes the median of the turns, not the sweep.
     turn = {
@@ -68,7 +69,7 @@ def test_an_ann_row_names_the_fastest_peer_that_reaches_its_recall() -> None:
         "qps_ratios": [2.0, 3.0, 4.0],
         "p50_ratio_median": 2.5,
     }
-    (row,) = render_results.ann({**data, "rounds": [turn]}, {"case": "c", "recalls": [0.95]})
+    (row,) = result_rows.ann({**data, "rounds": [turn]}, {"case": "c", "recalls": [0.95]})
     assert row.split(" | ")[5] == "**3.00×**, median of 3 turns" and row.endswith("| 2.50×")
 
 
