@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from retrieval.filters import FilterBatch
+from retrieval.index.plan import SearchParams
 
 
 def as_tensor(value: Any, field: str) -> torch.Tensor:
@@ -94,3 +95,35 @@ def filters_on(fb: FilterBatch, device: torch.device) -> FilterBatch:
     ex = fb.exclude
     here = fb.masks.device == device and fb.negate.device == device
     return fb if here and (ex is None or ex.device == device) else fb.to(device)
+
+
+def search_params(
+    default_nprobe: int,
+    default_rerank: int,
+    keeps_exact_copy: bool,
+    ntotal: int,
+    k: Any,
+    nprobe: Any = None,
+    rerank: Any = None,
+    exact: bool = False,
+    target: torch.Tensor | None = None,
+) -> SearchParams:
+    """The checked settings of a search of an index of ``ntotal`` items: ``k`` in [1, ntotal],
+    ``nprobe`` / ``rerank`` (None: the defaults), a re-rank only where the index keeps an exact
+    copy, ``target [B]`` recall targets (checked by the caller)."""
+    if type(nprobe) is int and nprobe >= 1:  # the common call: no message made
+        nprobe_ = nprobe
+    else:
+        hint = f"; leave it out (None) to probe the index's nprobe ({default_nprobe})"
+        nprobe_ = as_optional_count(nprobe, "nprobe", 1, default_nprobe, hint)
+    rerank_ = as_optional_count(rerank, "rerank", 0, default_rerank)
+    if rerank is not None and rerank_ > 0 and not keeps_exact_copy:
+        raise ValueError(
+            f"rerank={rerank_}: this index keeps no exact copy to re-rank with "
+            f'(exact_copy="none"); build it with rerank > 0 or exact_copy="float16", '
+            "or search with rerank=0"
+        )
+    k_ = as_count(k, "k", 1)
+    if k_ > ntotal:
+        raise ValueError(f"k: at most {ntotal} (the catalog size), got {k_}")
+    return SearchParams(k_, nprobe_, rerank_, bool(exact), target)

@@ -44,10 +44,10 @@ from retrieval.index.format import EXTRA, INDEX_FORMAT, migrate, version_of
 from retrieval.index.fresh import LiveSegment
 from retrieval.index.inputs import (
     as_count,
-    as_optional_count,
     as_queries,
     check_filter_batch,
     filters_on,
+    search_params,
 )
 from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import make_plan
@@ -369,21 +369,11 @@ class IVFIndex(nn.Module):
         exact: bool = False,
         target: torch.Tensor | None = None,
     ) -> SearchParams:
-        """The checked settings of a search: ``k`` in [1, ntotal], ``nprobe`` / ``rerank``
-        (None: the config's), ``target [B]`` recall targets (checked by the caller)."""
-        if type(nprobe) is int and nprobe >= 1:  # the common call: no message made
-            nprobe_ = nprobe
-        else:
-            hint = f"; leave it out (None) to probe the index's nprobe ({self.config.nprobe})"
-            nprobe_ = as_optional_count(nprobe, "nprobe", 1, self.config.nprobe, hint)
-        rerank_ = as_optional_count(rerank, "rerank", 0, self.config.rerank)
-        if rerank is not None and rerank_ > 0 and not self.keeps_exact_copy:
-            raise ValueError(
-                f"rerank={rerank_}: this index keeps no exact copy to re-rank with "
-                f'(exact_copy="none"); build it with rerank > 0 or exact_copy="float16", '
-                "or search with rerank=0"
-            )
-        return SearchParams(self._check_k(k), nprobe_, rerank_, bool(exact), target)
+        """The checked settings of a search (:func:`~retrieval.index.inputs.search_params`)."""
+        return search_params(
+            self.config.nprobe, self.config.rerank, self.keeps_exact_copy, self.ntotal,
+            k, nprobe, rerank, exact, target,
+        )  # fmt: skip
 
     def _plain_params(self, k: int, nprobe: int | None, rerank: int | None) -> SearchParams:
         """:meth:`params` without a target or an exact scan, checked once per ``(k, nprobe,
@@ -451,12 +441,6 @@ class IVFIndex(nn.Module):
     def _check_queries(self, q: torch.Tensor | np.ndarray) -> torch.Tensor:
         """The public edge for queries: ``[B, D]`` floats -> float32 on this index's device."""
         return as_queries(q, self.dim, self._buffers["centroids"].device)  # type: ignore[union-attr]
-
-    def _check_k(self, k: int) -> int:
-        k = as_count(k, "k", 1)
-        if k > self.ntotal:
-            raise ValueError(f"k: at most {self.ntotal} (the catalog size), got {k}")
-        return k
 
     @property
     def keeps_exact_copy(self) -> bool:
