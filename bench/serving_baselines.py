@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving_workload import MODEL
 
 from common.ready import announce
+from common.stop_signals import StopSignals
 from serving.protos import recommend_pb2, recommend_pb2_grpc, shard_pb2, shard_pb2_grpc
 
 
@@ -80,12 +80,9 @@ def serve_baseline(args: argparse.Namespace) -> None:
         recommend_pb2_grpc.add_RecommenderServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    stop = StopSignals(signal.SIGTERM, signal.SIGINT)
     announce("baseline", grpc=f"127.0.0.1:{port}", system=args.serve)
-    while not done.wait(0.5):
-        pass
+    stop.wait()
     server.stop(1).wait()
 
 

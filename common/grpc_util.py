@@ -6,15 +6,8 @@ accept is ``common/security.py``'s business; this module only speaks gRPC."""
 
 from __future__ import annotations
 
-import faulthandler
 import json
-import logging
-import os
-import signal
 import socket
-import sys
-import threading
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,13 +15,6 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
-
-from common.ready import ReadyLine, print_ready
-
-log = logging.getLogger(__name__)
-
-EXIT_MARGIN_S = 5.0
-"""Seconds a server may take past its drain's grace before :func:`exit_if_stuck` ends it."""
 
 
 def format_address(host: str, port: int) -> str:
@@ -153,20 +139,6 @@ def open_channel(
     return grpc.intercept_channel(channel, _BearerToken(auth.token))
 
 
-def _exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # the shell's status for "ended by signal N"
-
-
-def exit_on_signals(*signals: signal.Signals) -> None:
-    """Until the caller installs other handlers, each of ``signals`` ends the process: the main
-    thread raises ``SystemExit(128 + signal)`` wherever it is, a kernel build or a wait for
-    another process's build lock included (``common/cpp_extension.py``). For start-up, when
-    there is nothing to drain yet: a handler that only sets an event would leave a starting
-    process deaf until it is ready, forever when it waits on a build that never ends."""
-    for sig in signals:
-        signal.signal(sig, _exit)
-
-
 @dataclass(frozen=True)
 class MalformedMessage:
     """What a gRPC handler gets, in place of its request message, when the bytes on the wire are
@@ -259,45 +231,3 @@ def add_service(
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
     server.add_registered_method_handlers(service_name, handlers)
     return handlers
-
-
-def serve_until_signal(start: Callable[[], ReadyLine]) -> None:
-    """Runs ``start()`` (which returns the ready line), prints it on stdout (a parent process
-    waits for it: ``common/ready.py``), and blocks until SIGTERM or SIGINT. A signal
-    during ``start()`` ends the start-up at once (:func:`exit_on_signals`); once started, it
-    makes this function return (the caller drains)."""
-    done = threading.Event()
-    exit_on_signals(signal.SIGTERM, signal.SIGINT)
-    line = start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    print_ready(line)
-    while not done.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-        pass
-
-
-def serve_then_stop(
-    start: Callable[[], ReadyLine], stop: Callable[[float], None], grace: float
-) -> None:
-    """:func:`serve_until_signal`, then ``stop(grace)`` (the server drains), bounded by
-    :func:`exit_if_stuck` at ``grace`` + :data:`EXIT_MARGIN_S`: a shard or embedding server's
-    life as a process."""
-    serve_until_signal(start)
-    exit_if_stuck(grace + EXIT_MARGIN_S)
-    stop(grace)
-
-
-def exit_if_stuck(after_s: float, what: str = "the drain") -> None:
-    """Ends the process with status 1 when it is still alive ``after_s`` seconds from now: a
-    drain stuck in gRPC's shutdown, or the interpreter's exit waiting on a handler thread that
-    never returns, would otherwise leave a server deaf to SIGTERM until a SIGKILL. Before
-    exiting it logs every thread's stack (where it was stuck). Call it when the drain starts."""
-
-    def watchdog() -> None:
-        time.sleep(after_s)
-        log.error("%s did not finish within %.1f s; exiting anyway (stacks follow)", what, after_s)
-        faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(1)
-
-    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()

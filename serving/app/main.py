@@ -8,8 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from common.grpc_util import EXIT_MARGIN_S, exit_if_stuck, serve_until_signal
 from common.ready import ReadyLine
+from common.stop_signals import EXIT_MARGIN_S, exit_if_stuck, serve_until_signal
 from serving.app.config import ServeConfig
 from serving.app.processes import serve_processes
 from serving.app.server import ExtraServicer, Server

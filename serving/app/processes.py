@@ -48,8 +48,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from common.grpc_util import bind_tcp, exit_on_signals, format_address, serve_until_signal
+from common.grpc_util import bind_tcp, format_address
 from common.ready import ReadyLine
+from common.stop_signals import StopSignals, exit_on_signals, serve_until_signal
 from serving.app.announce import Addresses, announce_line, serving_ready
 from serving.app.config import ServeConfig
 from serving.app.group_metrics import ProcessMetrics
@@ -329,7 +330,6 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s [process {index}] %(name)s: %(message)s",
     )
-    stop = threading.Event()
     exit_on_signals(signal.SIGTERM)  # while starting (a kernel build: a minute) nothing to drain
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the parent decides
 
@@ -339,7 +339,7 @@ def run_member(config: ServeConfig, index: int, conn: Connection) -> None:
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(2)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # serving: SIGTERM drains
+    stop = StopSignals(signal.SIGTERM)  # serving: SIGTERM drains
     info = server.engine.info()
     conn.send(("ready", ready_facts(info.name, info.version, a, server.security.describe(),
                                     config.router is not None)))  # fmt: skip
@@ -357,19 +357,19 @@ def ready_facts(
             "metrics": a.metrics, "secured": secured, "router": router}  # fmt: skip
 
 
-def serve_until_stopped(conn: Connection, stop: threading.Event) -> None:
+def serve_until_stopped(conn: Connection, stop: StopSignals) -> None:
     """Blocks until ``stop`` (SIGTERM) or the parent's end (its pipe closes: it died)."""
+    gone = threading.Event()
 
     def parent_gone() -> None:
         with contextlib.suppress(EOFError, OSError):
             conn.recv()  # the parent never sends: this ends (EOFError) when it is gone
-        if not stop.is_set():
+        if not stop.received:
             log.error("the parent process is gone: draining")
-            stop.set()
+            gone.set()
 
     threading.Thread(target=parent_gone, name="parent-watch", daemon=True).start()
-    while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-        pass
+    stop.wait(also=gone)
 
 
 def serve_processes(config: ServeConfig) -> None:

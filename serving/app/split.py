@@ -32,12 +32,12 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from common.grpc_util import exit_on_signals, format_address
+from common.grpc_util import format_address
+from common.stop_signals import StopSignals, exit_on_signals
 from serving.app.announce import Addresses
 from serving.app.config import ServeConfig
 from serving.app.processes import (
@@ -132,7 +132,6 @@ def run_engine(config: ServeConfig, addresses: tuple[str, str], conn: Connection
     from serving.engine.zmq_engine import EngineLoop
     from serving.repository.repository import ModelRepository
 
-    stop = threading.Event()
     try:
         config.validate()
         security = config.security.load()
@@ -150,7 +149,7 @@ def run_engine(config: ServeConfig, addresses: tuple[str, str], conn: Connection
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(2)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopSignals(signal.SIGTERM)
     info = engine.info()
     a = Addresses("", None, metrics_address)
     conn.send(("ready", ready_facts(info.name, info.version, a, security.describe())))
@@ -176,7 +175,6 @@ def run_frontend(
     from serving.app.server import Server
     from serving.engine.zmq_client import ZmqEngineClient
 
-    stop = threading.Event()
     try:
         client = ZmqEngineClient(*addresses, name=f"frontend-{index}-{os.getpid()}")
         client.start()
@@ -188,7 +186,7 @@ def run_frontend(
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(2)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopSignals(signal.SIGTERM)
     info = client.info()
     conn.send(("ready", ready_facts(info.name, info.version, a, server.security.describe())))
     serve_until_stopped(conn, stop)
@@ -200,7 +198,7 @@ def run_frontend(
 def serve_split(config: ServeConfig) -> None:
     """:func:`serving.app.main.serve` with ``frontends`` set: the group until SIGTERM or SIGINT,
     then the front ends drain, then the engine; status 1 when one did not drain in time."""
-    from common.grpc_util import serve_until_signal
+    from common.stop_signals import serve_until_signal
 
     group = SplitGroup(config)
     serve_until_signal(group.start)

@@ -34,10 +34,11 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from common.grpc_util import add_service, bind_port, format_address, serve_then_stop
+from common.grpc_util import add_service, bind_port, format_address
 from common.metric_series import Series
 from common.ready import ReadyLine, ready_line
 from common.security import NO_SECURITY, Security
+from common.stop_signals import serve_then_stop
 from common.torch_threads import use_process_threads
 from retrieval.index.ivf import IVFIndex
 from serving.protos import shard_pb2 as pb

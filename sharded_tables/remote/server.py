@@ -43,8 +43,9 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
-from common.grpc_util import add_service, bind_port, format_address, serve_then_stop
+from common.grpc_util import add_service, bind_port, format_address
 from common.ready import ReadyLine, ready_line
+from common.stop_signals import serve_then_stop
 from common.torch_threads import use_process_threads
 from sharded_tables.remote import embedding_pb2 as pb
 from sharded_tables.remote import embedding_pb2_grpc as pb_grpc

@@ -59,7 +59,7 @@ CHILD = """\
 import signal, sys
 from pathlib import Path
 from common.cpp_extension import load_extension
-from common.grpc_util import exit_on_signals
+from common.stop_signals import exit_on_signals
 
 exit_on_signals(signal.SIGTERM, signal.SIGINT)  # as serve_until_signal does around start()
 module = load_extension(sys.argv[1], Path(sys.argv[2]))

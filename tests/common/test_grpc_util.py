@@ -3,11 +3,7 @@ server whose drain or exit is stuck still ends (``exit_if_stuck``)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
@@ -77,38 +73,3 @@ def test_other_errors_are_not_retried(flaky):
 def test_one_attempt_is_no_retry_policy():
     with pytest.raises(ValueError, match="attempts"):
         retry_options(attempts=1)
-
-
-STUCK_EXIT = textwrap.dedent(
-    """
-    import logging, sys, threading, time
-    from common.grpc_util import exit_if_stuck
-    logging.basicConfig()
-    exit_if_stuck(0.3, "the test drain")
-
-    def handler_that_never_returns():
-        threading.Event().wait()
-
-    if sys.argv[1] == "stuck":  # a non-daemon thread: the interpreter's exit waits on it
-        threading.Thread(target=handler_that_never_returns).start()
-    """
-)
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("case", ["stuck", "clean"])
-def test_a_stuck_exit_ends_with_status_1_and_the_stacks_in_the_log(case: str):
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", STUCK_EXIT, case],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if case == "clean":  # ended before the watchdog fired: its own status
-        assert out.returncode == 0 and "did not finish" not in out.stderr
-        return
-    assert out.returncode == 1
-    assert "the test drain did not finish within 0.3 s; exiting anyway" in out.stderr
-    assert "handler_that_never_returns" in out.stderr  # where it was stuck

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from typer.testing import CliRunner
 
-from common.grpc_util import EXIT_MARGIN_S
+from common.stop_signals import EXIT_MARGIN_S
 from recserve.cli import app
 from sharded_tables.interface import TablesUnavailableError
 from sharded_tables.quantize import pack_rows
