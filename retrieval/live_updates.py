@@ -264,7 +264,7 @@ def signature(schema: FilterSchema, attrs: Attributes, item: int = 0) -> torch.T
         try:
             bits[0, schema.value_bits(name, list(values))] = True
         except ValueError as e:
-            if name in schema.numeric_base:
+            if name in schema.numeric_base or name in schema.hashed_base:
                 raise UpdateError("attributes", str(e), item, f".{name}") from None
             v = next(v for v in values if (name, v) not in schema.bit_of)
             raise UpdateError(

@@ -122,7 +122,7 @@ class IVFIndex(nn.Module):
         self.stats = stats or IndexStats()
         """What the build measured (an index derived from another: its measurements)."""
         self.dim = dim
-        self.schema = FilterSchema(attribute_values or {})
+        self.schema = FilterSchema(attribute_values or {}, config.hashed_min_values)
         w = self.schema.num_words
         exact_dtype = EXACT_DTYPES[config.exact_copy] or torch.float32
         self.register_buffer("centroids", torch.zeros(0, dim))
@@ -175,6 +175,7 @@ class IVFIndex(nn.Module):
             "stats": self.stats.model_dump(),
             "dim": self.dim,
             "attribute_values": self.schema.to_dict(),
+            "hashed_digits": dict(self.schema.hashed_digits),
         }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
@@ -189,7 +190,10 @@ class IVFIndex(nn.Module):
             state["config"], where="index state", prefix="config."
         )
         self.stats = IndexStats.from_dict(state["stats"], where="index state", prefix="stats.")
-        self.schema = FilterSchema(state["attribute_values"])
+        # the saved layout: hashed attributes as saved (a state from before them: none)
+        self.schema = FilterSchema(
+            state["attribute_values"], hashed_digits=state.get("hashed_digits", {})
+        )
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

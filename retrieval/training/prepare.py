@@ -119,7 +119,10 @@ class Prepared:
         hist = self.history if history is None else history
         cat = user_codes(ds, list(self.config.user_features), users)
         cfg = self.config
-        schema = FilterSchema(filter_vocabulary(cfg.item_attributes, cfg.numeric_attributes))
+        schema = FilterSchema(
+            filter_vocabulary(cfg.item_attributes, cfg.numeric_attributes),
+            cfg.index.hashed_min_values,
+        )
         rows = None if seen is None else seen.rows(users)
         return make_user_batch(hist[users], cat, ds.user_dense[users], schema, filters, rows)
 
