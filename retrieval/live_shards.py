@@ -126,7 +126,13 @@ def stats_index(
             f"statistics: expected [{index.nlist}] list sizes and {list(index.bit_counts.shape)} "
             f"bit counts, got {list(list_sizes.shape)} and {list(counts.shape)}"
         )
-    out = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
+    out = IVFIndex(
+        index.config,
+        index.dim,
+        index.schema.attribute_values,
+        index.stats,
+        index.schema.hashed_digits,
+    )
     dev = index.centroids.device
     out.centroids = index.centroids
     sizes = list_sizes.to(torch.int64)

@@ -115,6 +115,7 @@ class IVFIndex(nn.Module):
         dim: int,
         attribute_values: Mapping[str, Vocabulary] | None = None,
         stats: IndexStats | None = None,
+        hashed_digits: Mapping[str, int] | None = None,
     ):
         super().__init__()
         config = config.resolved()
@@ -122,7 +123,8 @@ class IVFIndex(nn.Module):
         self.stats = stats or IndexStats()
         """What the build measured (an index derived from another: its measurements)."""
         self.dim = dim
-        self.schema = FilterSchema(attribute_values or {}, config.hashed_min_values)
+        # an index derived from another keeps its hashed layout (``hashed_digits``)
+        self.schema = FilterSchema(attribute_values or {}, config.hashed_min_values, hashed_digits)
         w = self.schema.num_words
         exact_dtype = EXACT_DTYPES[config.exact_copy] or torch.float32
         self.register_buffer("centroids", torch.zeros(0, dim))

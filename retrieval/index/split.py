@@ -97,7 +97,13 @@ def split_index(
 
 
 def _new_like(index: IVFIndex) -> IVFIndex:
-    out = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
+    out = IVFIndex(
+        index.config,
+        index.dim,
+        index.schema.attribute_values,
+        index.stats,
+        index.schema.hashed_digits,
+    )
     return out.to(index.centroids.device)
 
 
