@@ -141,6 +141,19 @@ def eligible(sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor) -> to
     return hit.ne(negate.unsqueeze(-1)).all(dim=-2)
 
 
+def hashed_keys(positions: np.ndarray, digits: int) -> np.ndarray:
+    """Positions ``[n]`` -> their keys ``[n] uint32``: the hexadecimal digits reversed, so the
+    key's top digit, which the first clause of every ``in`` tests alone, is the position's
+    lowest (each of its 16 values a 16th of the items: the one digit worth postings)."""
+    p = np.asarray(positions).astype(np.uint32)
+    key = np.zeros_like(p)
+    for d in range(digits):
+        key |= ((p >> np.uint32(DIGIT_BITS * d)) & np.uint32(15)) << np.uint32(
+            DIGIT_BITS * (digits - 1 - d)
+        )
+    return key
+
+
 class FilterSchema:
     """Assigns one signature bit to every (attribute, value) of the catalog, ``NUMERIC_BITS``
     to every numeric attribute, and ``16 D`` to every hashed one.
@@ -212,7 +225,8 @@ class FilterSchema:
         if base is None:
             return None
         pos = self.position[clause.attribute]
-        keys = [pos[v] for v in clause.values if v in pos]
+        digits = self.hashed_digits[clause.attribute]
+        keys = [int(hashed_keys(np.array([pos[v]]), digits)[0]) for v in clause.values if v in pos]
         return base, self.hashed_digits[clause.attribute], keys
 
     def learn(self, attr: str, value: str) -> int:
@@ -231,6 +245,16 @@ class FilterSchema:
         vocab.append(value)
         self._compiled.clear()  # a filter naming it compiled to "nothing has it"
         return p
+
+    def unindexed_bits(self) -> np.ndarray:
+        """``[W*64] bool``: the bits no postings list: a hashed attribute's digits but its key's
+        top one. Only the clause on that digit tests one digit alone (every other ``in``
+        clause also holds for items whose higher digits differ: most of the catalog), so only
+        its postings can drive a search; the others would cost 4 bytes an item a digit."""
+        out = np.zeros(self.num_words * WORD_BITS, dtype=bool)
+        for attr, base in self.hashed_base.items():
+            out[base : base + ((self.hashed_digits[attr] - 1) << DIGIT_BITS)] = True
+        return out
 
     def to_dict(self) -> dict[str, list[str] | Literal["numeric"]]:
         return {a: v if isinstance(v, str) else list(v) for a, v in self.attribute_values.items()}
@@ -300,9 +324,8 @@ class FilterSchema:
             raise ValueError(f"item_attributes[{attr!r}] is hashed: one value an item, codes [N]")
         if codes.size and (codes.min() < 0 or codes.max() >= size):
             raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {size})")
-        bit = numeric_bits(
-            codes.astype(np.uint32), self.hashed_base[attr], self.hashed_digits[attr]
-        )
+        digits = self.hashed_digits[attr]
+        bit = numeric_bits(hashed_keys(codes, digits), self.hashed_base[attr], digits)
         rows = np.arange(codes.shape[0])
         for col in bit.T:
             sig[rows, col // WORD_BITS] |= np.uint64(1) << (col % WORD_BITS).astype(np.uint64)
@@ -315,7 +338,7 @@ class FilterSchema:
         if attr in self.hashed_base:
             if len(values) != 1:
                 raise ValueError(f"{attr!r} is hashed: one value an item")
-            key = np.array([self.learn(attr, values[0])], dtype=np.uint32)
+            key = hashed_keys(np.array([self.learn(attr, values[0])]), self.hashed_digits[attr])
             return (
                 numeric_bits(key, self.hashed_base[attr], self.hashed_digits[attr]).ravel().tolist()
             )

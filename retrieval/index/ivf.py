@@ -35,6 +35,7 @@ from retrieval.filters import (
     FilterBatch,
     FilterSchema,
     Vocabulary,
+    pack_bits,
 )
 from retrieval.index.candidates import probe
 from retrieval.index.config import METRICS, PROBES, BuiltIVFConfig, IVFConfig
@@ -152,6 +153,11 @@ class IVFIndex(nn.Module):
         """The centroids in int8 for a few queries' probe (``scan.probe_table_cpu``), made by
         :meth:`_refresh` from :data:`PROBE_TABLE_MIN` centroid floats on the CPU."""
         self.posting_offsets: list[int] = [0]
+        self.posting_counts = self.bit_counts
+        """``[W*64]``: the items each bit's postings list (``bit_counts`` but a hashed
+        attribute's bits, which they leave out: 0)."""
+        self.unindexed: torch.Tensor | None = None
+        """``[W] int64``: the bits the postings leave out (None: none)."""
         self.id_order = IdOrder.of(self.item_ids)
         self.live: LiveSegment | None = None
         """What live updates changed since this main index was built (``fresh.py``): fresh
@@ -257,10 +263,26 @@ class IVFIndex(nn.Module):
         self.probe_table = (
             probe_table_cpu(ct) if ct.is_cpu and ct.numel() >= PROBE_TABLE_MIN else None
         )
+        self.posting_counts, self.unindexed = self._posting_counts()
         self.posting_offsets = torch.cat(
-            [self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]
+            [self.posting_counts.new_zeros(1), self.posting_counts.cumsum(0)]
         ).tolist()
         self.id_order = IdOrder.of(self.item_ids)
+
+    def _posting_counts(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(counts [W*64], unindexed [W] int64 or None)``: the items each bit's postings
+        list (0 for a bit they leave out, a hashed attribute's: ``build.bit_index``), and the
+        bits left out as a mask (None: none), read off the postings' length, so an index whose
+        postings list every bit reads as one."""
+        counts = self.bit_counts
+        w = self.sig.shape[1]
+        if not self.schema.hashed_base or self.schema.num_words != w:
+            return counts, None
+        skip = torch.from_numpy(self.schema.unindexed_bits()).to(counts.device)
+        kept = counts.masked_fill(skip, 0)
+        if int(kept.sum()) != self.postings.numel() or int(kept.sum()) == int(counts.sum()):
+            return counts, None
+        return kept, pack_bits(skip.cpu().numpy()[None, :])[0].to(counts.device)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per buffer and per derived lookup (sum / ntotal = bytes per item); a buffer
@@ -493,6 +515,8 @@ class IVFIndex(nn.Module):
             b["bit_counts"],  # type: ignore[arg-type]
             b["postings"],  # type: ignore[arg-type]
             self.posting_offsets,
+            self.posting_counts,
+            self.unindexed,
             b["built_sizes"],  # type: ignore[arg-type]
             b["list_radius"],  # type: ignore[arg-type]
             b["list_bits"],  # type: ignore[arg-type]

@@ -145,7 +145,9 @@ def _has_exact(index: IVFIndex) -> bool:
 def _set_signatures(index: IVFIndex, sig: torch.Tensor) -> None:
     """Installs ``sig [N, W]`` with its per-bit counts and postings, then refreshes."""
     index.sig = sig
-    index.bit_counts, index.postings = (t.to(sig.device) for t in bit_index(sig.cpu()))
+    index.bit_counts, index.postings = (
+        t.to(sig.device) for t in bit_index(sig.cpu(), index.schema.unindexed_bits())
+    )
     index._refresh()
 
 
