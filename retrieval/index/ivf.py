@@ -153,11 +153,6 @@ class IVFIndex(nn.Module):
         """The centroids in int8 for a few queries' probe (``scan.probe_table_cpu``), made by
         :meth:`_refresh` from :data:`PROBE_TABLE_MIN` centroid floats on the CPU."""
         self.posting_offsets: list[int] = [0]
-        self.posting_counts = self.bit_counts
-        """``[W*64]``: the items each bit's postings list (``bit_counts`` but a hashed
-        attribute's bits, which they leave out: 0)."""
-        self.unindexed: torch.Tensor | None = None
-        """``[W] int64``: the bits the postings leave out (None: none)."""
         self.id_order = IdOrder.of(self.item_ids)
         self.live: LiveSegment | None = None
         """What live updates changed since this main index was built (``fresh.py``): fresh
@@ -263,9 +258,9 @@ class IVFIndex(nn.Module):
         self.probe_table = (
             probe_table_cpu(ct) if ct.is_cpu and ct.numel() >= PROBE_TABLE_MIN else None
         )
-        self.posting_counts, self.unindexed = self._posting_counts()
+        posting_counts = self._posting_counts()[0]
         self.posting_offsets = torch.cat(
-            [self.posting_counts.new_zeros(1), self.posting_counts.cumsum(0)]
+            [posting_counts.new_zeros(1), posting_counts.cumsum(0)]
         ).tolist()
         self.id_order = IdOrder.of(self.item_ids)
 
@@ -515,8 +510,7 @@ class IVFIndex(nn.Module):
             b["bit_counts"],  # type: ignore[arg-type]
             b["postings"],  # type: ignore[arg-type]
             self.posting_offsets,
-            self.posting_counts,
-            self.unindexed,
+            *self._posting_counts(),  # of the buffers as they are (a copy may change them)
             b["built_sizes"],  # type: ignore[arg-type]
             b["list_radius"],  # type: ignore[arg-type]
             b["list_bits"],  # type: ignore[arg-type]
