@@ -76,9 +76,7 @@ def shared_exact_ids(
     f = no_filter(q.shape[0], t.lists.sig.shape[1], q.device) if fb is None else fb
     masks, negate = f.masks[0], f.negate[0]
     q = t.scored(q)
-    # the one call drives with any positive clause's postings: none on unindexed bits
-    touch = t.unindexed is not None and bool((masks & t.unindexed).ne(0).any())
-    if _one_call(t) and not touch:
+    if _one_call(t):
         found = exact_search_ids_cpu(t, q, masks, negate, plan.k, FEW_QUERIES, MAX_SCORES)
         if found is not None:
             return found

@@ -56,19 +56,18 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     The most selective non-negated clause drives: the postings of its values are the only
     candidates, and only they are checked against every clause. Cost grows with that
     clause's items, not with the catalog; with no selective clause, every item is checked.
-    A clause on bits the postings leave out (a hashed attribute's, ``t.unindexed``) never
-    drives: the others' candidates are checked against it.
+    A clause on a bit the postings leave out (a hashed attribute's digit, counted ``-1`` in
+    ``t.posting_counts``) never drives.
     """
-    if t.unindexed is not None and masks.shape[0]:
-        touch = (masks & t.unindexed.to(masks.device)).ne(0).any(dim=1)  # [C]
-        if bool(touch.any()):
-            return _past_unindexed(t, masks, negate, touch)
     sig = t.lists.sig
     if sig.device.type == "cpu":  # one C++ call, the same rule
         return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings)
     shifts = torch.arange(64, device=masks.device)
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
-    counts = (bits.long() * t.posting_counts).sum(dim=1).masked_fill(negate, t.ntotal + 1)
+    listed = t.posting_counts.to(masks.device)
+    unlisted = (bits & (listed < 0)).any(dim=1)  # [C]: reads a bit without postings
+    counts = (bits.long() * listed.clamp(min=0)).sum(dim=1)
+    counts = counts.masked_fill(negate | unlisted, t.ntotal + 1)
     c = int(counts.argmin()) if counts.numel() else -1
     if c < 0 or int(counts[c]) > t.ntotal // 4 or t.postings.numel() == 0:
         return filter_mask(sig, masks, negate).nonzero().flatten()
@@ -80,20 +79,6 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     if len(parts) > 1:
         cand = cand.unique()  # a multi-valued attribute may list an item under several values
     return cand[eligible(sig.index_select(0, cand), masks, negate)]
-
-
-def _past_unindexed(
-    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, touch: torch.Tensor
-) -> torch.Tensor:
-    """:func:`eligible_positions` of a filter whose clauses ``touch [C]`` read unindexed bits:
-    the items passing the other clauses (driven by their postings), then those of them
-    passing these; with no other positive clause, one pass over every item."""
-    sig = t.lists.sig
-    if not bool((~touch & ~negate).any()):  # nothing to drive with
-        return filter_mask(sig, masks, negate).nonzero().flatten()
-    rows = eligible_positions(t, masks[~touch], negate[~touch])
-    keep = filter_mask(sig.index_select(0, rows), masks[touch], negate[touch])
-    return rows[keep]
 
 
 def _scorer(t: IndexTensors) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -35,7 +35,6 @@ from retrieval.filters import (
     FilterBatch,
     FilterSchema,
     Vocabulary,
-    pack_bits,
 )
 from retrieval.index.candidates import probe
 from retrieval.index.config import METRICS, PROBES, BuiltIVFConfig, IVFConfig
@@ -258,26 +257,22 @@ class IVFIndex(nn.Module):
         self.probe_table = (
             probe_table_cpu(ct) if ct.is_cpu and ct.numel() >= PROBE_TABLE_MIN else None
         )
-        posting_counts = self._posting_counts()[0]
-        self.posting_offsets = torch.cat(
-            [posting_counts.new_zeros(1), posting_counts.cumsum(0)]
-        ).tolist()
+        listed = self._posting_counts().clamp(min=0)
+        self.posting_offsets = torch.cat([listed.new_zeros(1), listed.cumsum(0)]).tolist()
         self.id_order = IdOrder.of(self.item_ids)
 
-    def _posting_counts(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(counts [W*64], unindexed [W] int64 or None)``: the items each bit's postings
-        list (0 for a bit they leave out, a hashed attribute's: ``build.bit_index``), and the
-        bits left out as a mask (None: none), read off the postings' length, so an index whose
-        postings list every bit reads as one."""
+    def _posting_counts(self) -> torch.Tensor:
+        """``[W*64]``: the items each bit's postings list, ``-1`` for a bit they leave out (a
+        hashed attribute's: ``build.bit_index``), read off the postings' length, so an index
+        whose postings list every bit reads as ``bit_counts``."""
         counts = self.bit_counts
-        w = self.sig.shape[1]
-        if not self.schema.hashed_base or self.schema.num_words != w:
-            return counts, None
+        if not self.schema.hashed_base or self.schema.num_words != self.sig.shape[1]:
+            return counts
         skip = torch.from_numpy(self.schema.unindexed_bits()).to(counts.device)
-        kept = counts.masked_fill(skip, 0)
-        if int(kept.sum()) != self.postings.numel() or int(kept.sum()) == int(counts.sum()):
-            return counts, None
-        return kept, pack_bits(skip.cpu().numpy()[None, :])[0].to(counts.device)
+        listed = int(counts.masked_fill(skip, 0).sum())
+        if listed != self.postings.numel() or listed == int(counts.sum()):
+            return counts
+        return counts.masked_fill(skip, -1)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per buffer and per derived lookup (sum / ntotal = bytes per item); a buffer
@@ -510,7 +505,7 @@ class IVFIndex(nn.Module):
             b["bit_counts"],  # type: ignore[arg-type]
             b["postings"],  # type: ignore[arg-type]
             self.posting_offsets,
-            *self._posting_counts(),  # of the buffers as they are (a copy may change them)
+            self._posting_counts(),  # of the buffers as they are (a copy may change them)
             b["built_sizes"],  # type: ignore[arg-type]
             b["list_radius"],  # type: ignore[arg-type]
             b["list_bits"],  # type: ignore[arg-type]
