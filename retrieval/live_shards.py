@@ -74,6 +74,10 @@ def update_shard(index: IVFIndex, batch: UpdateBatch, shard: int, num_shards: in
         return ShardUpdate(index, torch.zeros(0, dtype=torch.bool))  # table rows: the router's
     ids = batch.ids.cpu()
     held = live_index.locate(index, ids)
+    if not isinstance(batch, RemoveItems):
+        # every value the batch names, in its order, as the router's schema learned them: a
+        # hashed attribute's new value takes the same position on every shard (the next one)
+        signatures(index.schema, batch.attributes)
     if isinstance(batch, UpsertItems):
         if batch.vectors is None or not bool(batch.given().all()):
             raise ValueError("upsert_items: a shard takes resolved batches (every vector given)")

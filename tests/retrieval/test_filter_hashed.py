@@ -259,3 +259,27 @@ def test_a_million_values_cost_few_bytes_an_item():
     assert per_item["sig"] + per_item["postings"] <= 16  # 96 bits: two words at most
     counts = with_creator.bit_counts[with_creator.schema.attribute_bits("creator")]
     assert int(counts.sum()) == 6 * n  # still counted, for the planner
+
+
+def test_new_creators_take_one_position_on_every_shard():
+    """A batch naming two new creators whose items land on different shards: each shard
+    learns both, in the batch's order, as the router does (else a shard's first new creator
+    would take the position the router gave the second)."""
+    from retrieval.live_shards import update_shard
+    from retrieval.update_batches import UpsertItems
+
+    stats, shards = copy.deepcopy(split())
+    spare = torch.arange(N + 1, N + 40)
+    owner = shard_of(spare, 2)
+    # the first new creator's item on shard 1, the second's on shard 0
+    ids = torch.stack([spare[owner == 1][0], spare[owner == 0][0]])
+    attrs = [{"creator": ["first-new"]}, {"creator": ["second-new"]}]
+    batch = UpsertItems(ids, attrs, torch.ones(2, 16), torch.ones(2, dtype=torch.bool))
+    signatures(stats.schema, attrs)  # the router's resolve
+    updated = [update_shard(s, batch, i, 2).index for i, s in enumerate(shards)]
+    for name, item in zip(("first-new", "second-new"), ids.tolist(), strict=True):
+        positions = {s.schema.position["creator"][name] for s in (stats, *updated)}
+        assert len(positions) == 1, name
+        fb = stats.compile_filter(f"creator = {name}", 1)
+        found = [s.search(torch.ones(1, 16), 3, fb, exact=True)[0][0].tolist() for s in updated]
+        assert sorted(i for f in found for i in f if i >= 0) == [item], name
