@@ -126,14 +126,17 @@ HASHED_TEXTS = {
 
 def hashed_columns(a: dict[str, np.ndarray], name: str) -> np.ndarray:
     """``HASHED_TEXTS[name]`` over the columns -> ``[M]`` admitted positions."""
-    five = np.isin(a["creator"], [1, 77, 5000, 123457, 999999])
+
+    def five() -> np.ndarray:
+        return np.isin(a["creator"], [1, 77, 5000, 123457, 999999])
+
     keep = {
         "one creator": lambda: a["creator"] == 123457,
-        "5 creators": lambda: five,
+        "5 creators": five,
         "OR across attributes, negation": lambda: (
-            ((a["category"] == 0) | five) & (a["language"] != 0)
+            ((a["category"] == 0) | five()) & (a["language"] != 0)
         ),
-        "creator not in 5, a category": lambda: (a["category"] == 3) & ~five,
+        "creator not in 5, a category": lambda: (a["category"] == 3) & ~five(),
     }[name]()
     return np.flatnonzero(keep)
 
