@@ -62,6 +62,14 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     sig = t.lists.sig
     if sig.device.type == "cpu":  # one C++ call, the same rule
         return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings)
+    return eligible_positions_torch(t, masks, negate)
+
+
+def eligible_positions_torch(
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor
+) -> torch.Tensor:
+    """:func:`eligible_positions` in torch ops (on a GPU), by the same rule."""
+    sig = t.lists.sig
     shifts = torch.arange(64, device=masks.device)
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
     listed = t.posting_counts.to(masks.device)

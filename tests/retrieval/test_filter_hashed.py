@@ -130,6 +130,23 @@ def index() -> IVFIndex:
     return build_ivf(c["x"], cfg, item_attributes=c["attrs"], attribute_values=VALUES)
 
 
+@settings(max_examples=60, deadline=None)
+@given(expression())
+def test_eligible_positions_drive_past_the_unlisted_digits(e):
+    """The C++ pass and its torch twin (the GPU's) admit what Python admits: a clause on a
+    digit the postings leave out never drives."""
+    from retrieval.index.eligible_scan import eligible_positions, eligible_positions_torch
+
+    text, fn = e
+    compiles(text)
+    idx = index()
+    t, fb = idx.tensors(), idx.compile_filter(text, 1)
+    want = np.flatnonzero(fn(catalog()["attrs"]))
+    for way in (eligible_positions, eligible_positions_torch):
+        got = np.sort(idx.item_ids[way(t, fb.masks[0], fb.negate[0])].numpy())
+        np.testing.assert_array_equal(got, want, err_msg=f"{way.__name__}: {text}")
+
+
 def check_top_k(ids: torch.Tensor, ok: np.ndarray, x: torch.Tensor, k: int, text: str) -> None:
     """``ids [B, k]`` hold every row's best ``k`` eligible items (``ok [N]``), only them."""
     want = (catalog()["q"] @ x.T).masked_fill(~torch.from_numpy(ok), -torch.inf).topk(k, dim=1)
@@ -283,3 +300,26 @@ def test_new_creators_take_one_position_on_every_shard():
         fb = stats.compile_filter(f"creator = {name}", 1)
         found = [s.search(torch.ones(1, 16), 3, fb, exact=True)[0][0].tolist() for s in updated]
         assert sorted(i for f in found for i in f if i >= 0) == [item], name
+
+
+def test_a_clause_on_unlisted_digits_never_drives():
+    """Every item's position a multiple of 16: the key's listed top digit is 0 for all, so the
+    clause "second digit is x, or the top digit is not 0" counts no listed item. Were its
+    unlisted digits counted 0, it would drive with no candidates and admit nothing."""
+    from retrieval.index.eligible_scan import eligible_positions, eligible_positions_torch
+
+    rng = np.random.default_rng(1)
+    creator = rng.integers(0, 5000 // 16, 400) * 16
+    idx = build_ivf(
+        torch.randn(400, 8),
+        IVFConfig(nlist=2, nprobe=2, measure_costs=False),
+        item_attributes={"creator": creator},
+        attribute_values={"creator": CREATORS},
+    )
+    t = idx.tensors()
+    value = int(creator[0])
+    fb = idx.compile_filter(f"creator = c{value}", 1)
+    want = np.flatnonzero(creator == value)
+    for way in (eligible_positions, eligible_positions_torch):
+        got = np.sort(idx.item_ids[way(t, fb.masks[0], fb.negate[0])].numpy())
+        np.testing.assert_array_equal(got, want, err_msg=way.__name__)
