@@ -229,10 +229,10 @@ class FilterSchema:
         keys = [int(hashed_keys(np.array([pos[v]]), digits)[0]) for v in clause.values if v in pos]
         return base, self.hashed_digits[clause.attribute], keys
 
-    def learn(self, attr: str, value: str) -> int:
+    def learn(self, attr: str, value: str, keep: bool = True) -> int:
         """The position of ``value`` of hashed attribute ``attr``, a new one (the next) for a
-        value first named here (a live update's new creator); ``ValueError`` when the
-        attribute's digits hold no more."""
+        value first named here (a live update's new creator), kept unless not ``keep`` (a
+        check: the position it would take); ``ValueError`` when the digits hold no more."""
         pos = self.position[attr]
         p = pos.get(value)
         if p is not None:
@@ -241,10 +241,29 @@ class FilterSchema:
             raise ValueError(f"{attr!r} holds {len(pos)} values, all its digits can")
         vocab = self.attribute_values[attr]
         assert not isinstance(vocab, str)
+        if not keep:
+            return len(vocab)
         pos[value] = p = len(vocab)
         vocab.append(value)
-        self._compiled.clear()  # a filter naming it compiled to "nothing has it"
+        # a fresh memo: a filter naming it compiled to "nothing has it" (and one compiling
+        # meanwhile stores into the old one)
+        self._compiled = {}
         return p
+
+    def hashed_sizes(self) -> dict[str, int]:
+        """Each hashed attribute's values now (what :meth:`forget` goes back to)."""
+        return {a: len(self.position[a]) for a in self.hashed_base}
+
+    def forget(self, sizes: Mapping[str, int]) -> None:
+        """Drops the values learned past ``sizes`` (:meth:`hashed_sizes` before an update that
+        was not applied), so the next new value takes the position it would have."""
+        for attr, size in sizes.items():
+            vocab = self.attribute_values[attr]
+            assert not isinstance(vocab, str)
+            for v in vocab[size:]:
+                del self.position[attr][v]
+            del vocab[size:]
+        self._compiled = {}
 
     def unindexed_bits(self) -> np.ndarray:
         """``[W*64] bool``: the bits no postings list: a hashed attribute's digits but its key's
@@ -330,15 +349,16 @@ class FilterSchema:
         for col in bit.T:
             sig[rows, col // WORD_BITS] |= np.uint64(1) << (col % WORD_BITS).astype(np.uint64)
 
-    def value_bits(self, attr: str, values: Sequence[str]) -> list[int]:
+    def value_bits(self, attr: str, values: Sequence[str], learn: bool = True) -> list[int]:
         """The signature bits an item with ``values`` of ``attr`` sets (a numeric attribute:
-        one number, as text; a hashed one: one value, new ones learned); ``ValueError`` for an
-        unknown name or value."""
+        one number, as text; a hashed one: one value, new ones learned unless not ``learn``);
+        ``ValueError`` for an unknown name or value."""
         self.known(attr)
         if attr in self.hashed_base:
             if len(values) != 1:
                 raise ValueError(f"{attr!r} is hashed: one value an item")
-            key = hashed_keys(np.array([self.learn(attr, values[0])]), self.hashed_digits[attr])
+            p = self.learn(attr, values[0], keep=learn)
+            key = hashed_keys(np.array([p]), self.hashed_digits[attr])
             return (
                 numeric_bits(key, self.hashed_base[attr], self.hashed_digits[attr]).ravel().tolist()
             )
@@ -414,7 +434,8 @@ class FilterSchema:
 
     def _compile_one(self, key: str | Expr | tuple[Clause, ...]) -> tuple[np.ndarray, np.ndarray]:
         """One filter -> ``(masks [C, W] int64, negate [C] bool)``, kept."""
-        hit = self._compiled.get(key)
+        memo = self._compiled  # learning a value starts another
+        hit = memo.get(key)
         if hit is not None:
             return hit
         if isinstance(key, str):
@@ -429,9 +450,9 @@ class FilterSchema:
             for w in range(self.num_words):
                 masks[c, w] = (bits >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
         out = (masks.view(np.int64), np.array([n for _, n in clauses], dtype=bool))
-        if len(self._compiled) >= COMPILED_FILTERS:
-            self._compiled.clear()  # bounded; a served mix refills the texts it uses
-        self._compiled[key] = out
+        if len(memo) >= COMPILED_FILTERS:
+            memo.clear()  # bounded; a served mix refills the texts it uses
+        memo[key] = out
         return out
 
     def empty(self, batch: int) -> FilterBatch:

@@ -279,25 +279,40 @@ def test_a_million_values_cost_few_bytes_an_item():
 
 
 def test_new_creators_take_one_position_on_every_shard():
-    """A batch naming two new creators whose items land on different shards: each shard
-    learns both, in the batch's order, as the router does (else a shard's first new creator
-    would take the position the router gave the second)."""
-    from retrieval.live_shards import update_shard
+    """Two new creators in one batch, their items on different shards: each shard learns
+    both, in the batch's order, as the router does at commit (else a shard's first new creator
+    would take the position the router gave the second). An update a shard prepared and then
+    dropped forgets its new value, so the next one takes the same position everywhere."""
+    from retrieval.live_shards import stats_index, update_shard
     from retrieval.update_batches import UpsertItems
 
     stats, shards = copy.deepcopy(split())
     spare = torch.arange(N + 1, N + 40)
     owner = shard_of(spare, 2)
-    # the first new creator's item on shard 1, the second's on shard 0
-    ids = torch.stack([spare[owner == 1][0], spare[owner == 0][0]])
-    attrs = [{"creator": ["first-new"]}, {"creator": ["second-new"]}]
-    batch = UpsertItems(ids, attrs, torch.ones(2, 16), torch.ones(2, dtype=torch.bool))
-    signatures(stats.schema, attrs)  # the router's resolve
+    ids = torch.stack([spare[owner == 1][0], spare[owner == 0][0]])  # shard 1, then shard 0
+
+    def upsert(names: list[str]) -> UpsertItems:
+        attrs = [{"creator": [v]} for v in names]
+        n = len(names)
+        return UpsertItems(ids[:n], attrs, torch.ones(n, 16), torch.ones(n, dtype=torch.bool))
+
+    def router_commit(router: IVFIndex, batch: UpsertItems, parts: list[IVFIndex]) -> IVFIndex:
+        counts = sum(p.bit_counts for p in parts)
+        sizes = sum(live_index.list_sizes(p) for p in parts)
+        return stats_index(router, sizes, counts, batch)
+
+    dropped = update_shard(shards[0], upsert(["never-applied"]), 0, 2)  # prepared, then
+    dropped.index.schema.forget(dropped.learned_from)  # aborted
+    batch = upsert(["first-new", "second-new"])
+
+    signatures(stats.schema, batch.attributes, learn=False)  # the router's resolve checks
+    assert "first-new" not in stats.schema.position["creator"]
     updated = [update_shard(s, batch, i, 2).index for i, s in enumerate(shards)]
+    router = router_commit(stats, batch, updated)
     for name, item in zip(("first-new", "second-new"), ids.tolist(), strict=True):
-        positions = {s.schema.position["creator"][name] for s in (stats, *updated)}
-        assert len(positions) == 1, name
-        fb = stats.compile_filter(f"creator = {name}", 1)
+        positions = {s.schema.position["creator"][name] for s in (router, *updated)}
+        assert positions == {5000 if name == "first-new" else 5001}, name
+        fb = router.compile_filter(f"creator = {name}", 1)
         found = [s.search(torch.ones(1, 16), 3, fb, exact=True)[0][0].tolist() for s in updated]
         assert sorted(i for f in found for i in f if i >= 0) == [item], name
 
