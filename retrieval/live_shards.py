@@ -83,8 +83,13 @@ def update_shard(index: IVFIndex, batch: UpdateBatch, shard: int, num_shards: in
 
 
 def _update_shard(
-    index: IVFIndex, batch: UpdateBatch, shard: int, num_shards: int, before: dict[str, int]
+    index: IVFIndex,
+    batch: UpsertItems | RemoveItems | SetItemAttributes,
+    shard: int,
+    num_shards: int,
+    before: dict[str, int],
 ) -> ShardUpdate:
+    """:func:`update_shard` of an item batch (``before``: the schema's hashed sizes)."""
     ids = batch.ids.cpu()
     held = live_index.locate(index, ids)
     if not isinstance(batch, RemoveItems):
