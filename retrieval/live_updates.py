@@ -299,7 +299,13 @@ def item_tower_vectors(
     device = next(model.item_tower.parameters()).device
     features = {"item_id": ids.view(-1, 1)}
     for name, vocab in model.config.item_attributes.items():
-        codes = [[vocab.index(v) for v in a.get(name, ())] for a in attributes]
+        held = model.index.schema.position.get(name)  # a hashed attribute's, O(1) a value
+        if held is None:
+            codes = [[vocab.index(v) for v in a.get(name, ())] for a in attributes]
+        else:  # a value learned since training has no row: the item goes without it
+            codes = [
+                [p for v in a.get(name, ()) if (p := held[v]) < len(vocab)] for a in attributes
+            ]
         width = max((len(c) for c in codes), default=0) or 1
         padded = torch.full((len(codes), width), -1, dtype=torch.int64)
         for row, c in enumerate(codes):

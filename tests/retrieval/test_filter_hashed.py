@@ -338,3 +338,46 @@ def test_a_clause_on_unlisted_digits_never_drives():
     for way in (eligible_positions, eligible_positions_torch):
         got = np.sort(idx.item_ids[way(t, fb.masks[0], fb.negate[0])].numpy())
         np.testing.assert_array_equal(got, want, err_msg=way.__name__)
+
+
+def test_a_model_filters_by_a_hashed_creator_and_takes_a_new_one():
+    """The forward (what serving and batch scoring run) with a hashed creator among the item
+    tower's attributes: only and all the items a filter admits; an upsert without a vector
+    names a creator the tower never saw (its item goes without that feature)."""
+    from retrieval.data import SyntheticConfig, generate
+    from retrieval.features import item_feature_ids
+    from retrieval.live_updates import apply_update
+    from retrieval.model import RetrievalModel
+    from retrieval.training.prepare import prepare
+    from retrieval.update_batches import UpsertItems
+
+    c = catalog()
+    prep = prepare(generate(SyntheticConfig(num_users=8, num_items=N, seed=2)), history_len=4)
+    cfg = copy.deepcopy(prep.config)
+    cfg.item_attributes = {"creator": CREATORS, "color": COLORS}  # type: ignore[assignment]
+    cfg.numeric_attributes = ("price",)
+    prep.config = cfg
+    torch.manual_seed(0)
+    model = RetrievalModel(cfg)
+    tower_in = {a: v for a, v in c["attrs"].items() if a != "price"}
+    model.build_index(item_feature_ids(tower_in, N), c["attrs"])
+    model.eval()
+    assert model.index.schema.hashed_digits == {"creator": 4}
+    text = "creator in {c0, c401, c802} or (color = red and creator != c0)"
+    users = np.arange(4)
+    batch = prep.user_batch(users, [text] * len(users))
+    with torch.inference_mode():
+        ids, _ = model(batch, 30)
+    ok = creator_is(["c0", "c401", "c802"])(c["attrs"]) | (
+        (c["attrs"]["color"] == 0) & ~creator_is(["c0"])(c["attrs"])
+    )
+    for row in range(len(users)):
+        allowed = ok.copy()
+        allowed[batch.history[row][batch.history[row] >= 0].numpy()] = False
+        got = ids[row][ids[row] >= 0].numpy()
+        assert allowed[got].all() and len(got) == min(30, int(allowed.sum()))
+    new = N - 1  # replaced, by a creator nobody had, its vector from the tower
+    upsert = UpsertItems(torch.tensor([new]), [{"creator": ["newcomer"], "color": ["red"]}])
+    model = apply_update(model, upsert)
+    ids, _ = model.index.search(torch.ones(1, cfg.out_dim), 5, "creator = newcomer", exact=True)
+    assert ids[0].tolist() == [new, -1, -1, -1, -1]
