@@ -340,7 +340,11 @@ class FilterSchema:
         """Sets the digit bits of hashed attribute ``attr``'s codes ``[N]`` in ``sig [N, W]``."""
         size = len(self.vocabulary(attr))
         if codes.ndim != 1:
-            raise ValueError(f"item_attributes[{attr!r}] is hashed: one value an item, codes [N]")
+            raise ValueError(
+                f"item_attributes[{attr!r}] is hashed ({size} values, hashed_min_values or "
+                "more): one value an item, codes [N]; set hashed_min_values above its size "
+                "for one bit a value"
+            )
         if codes.size and (codes.min() < 0 or codes.max() >= size):
             raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {size})")
         digits = self.hashed_digits[attr]
