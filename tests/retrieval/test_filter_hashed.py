@@ -112,7 +112,7 @@ def test_a_large_vocabulary_is_hashed_in_few_bits():
     assert FilterSchema(VALUES, hashed_min_values=None).num_bits == 5000 + 3 + 128
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(expression())
 def test_compiled_expressions_admit_what_python_admits(e):
     text, fn = e
@@ -340,6 +340,7 @@ def test_a_clause_on_unlisted_digits_never_drives():
         np.testing.assert_array_equal(got, want, err_msg=way.__name__)
 
 
+@pytest.mark.slow
 def test_a_model_filters_by_a_hashed_creator_and_takes_a_new_one():
     """The forward (what serving and batch scoring run) with a hashed creator among the item
     tower's attributes: only and all the items a filter admits; an upsert without a vector
