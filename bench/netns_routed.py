@@ -102,12 +102,14 @@ def serve_on_host(repo: Path, network: str, logs: Path, args: argparse.Namespace
 
 
 @contextmanager
-def routed_on_hosts(repo: Path, network: str, d: Path, args: argparse.Namespace):
+def routed_on_hosts(
+    repo: Path, network: str, d: Path, args: argparse.Namespace, embedding_servers: int = 0
+):
     """``recserve cluster up --hosts netns --network NETWORK --shards 1``; yields (the router
     relay's address, the router's pid); always ``cluster down``."""
     up = recserve(
         "cluster", "up", "--model-repo", str(repo), "--model", MODEL, "--shards", "1",
-        "--embedding-servers", "0", "--directory", str(d), "--hosts", "netns",
+        "--embedding-servers", str(embedding_servers), "--directory", str(d), "--hosts", "netns",
         "--network", network, "--shard-deadline-ms", str(args.shard_deadline_ms),
         timeout=args.startup_timeout_s,
     )  # fmt: skip
