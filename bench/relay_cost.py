@@ -108,8 +108,9 @@ def load(address: str, concurrency: int, size: int, warmup_s: float, seconds: fl
     out: list[float] = []
     while time.perf_counter() < end:
         for key, _ in sel.select(0.5):
-            c = key.fileobj
-            assert isinstance(c, socket.socket)
+            conn = key.fileobj
+            assert isinstance(conn, socket.socket)
+            c = conn
             got = c.recv(65536)
             if not got:
                 raise ConnectionError(f"{address} closed a connection")
@@ -176,9 +177,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cases: list[tuple[str, str, int | None, float]] = [("direct", echo.address, None, 0.0)]
             for suffix, entry in entries.items():
                 for name, profile in (("none", Profile()), ("dc", dc)):
-                    r = start_relay(hosts, entry, echo.address, profile, tmp, f"{name}{suffix}")
-                    runs.append(r)
-                    cases.append((f"relay-{name}{suffix}", r.address, r.proc.pid, profile.delay_ms))
+                    relay = start_relay(hosts, entry, echo.address, profile, tmp, name + suffix)
+                    runs.append(relay)
+                    tag = f"relay-{name}{suffix}"
+                    cases.append((tag, relay.address, relay.proc.pid, profile.delay_ms))
             for c in args.concurrency:
                 for case, address, pid, delay_ms in cases:
                     cpu0 = pid_cpu_s(pid) if pid else None
@@ -199,8 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         flush=True,
                     )
         finally:
-            for r in reversed(runs):
-                stop(r)
+            for run in reversed(runs):
+                stop(run)
     for r in rows:  # beyond the direct round trip and the profile's delay, same concurrency
         direct = next(
             d for d in rows if d["case"] == "direct" and d["concurrency"] == r["concurrency"]

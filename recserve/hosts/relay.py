@@ -167,8 +167,8 @@ class Relay:
     ):
         self.target, self.profile, self.seed = target, profile, seed
         self.max_connections = max_connections
-        family, _, _, _, self._target_addr = socket.getaddrinfo(*target, type=socket.SOCK_STREAM)[0]
-        self._family = family
+        family, _, _, _, addr = socket.getaddrinfo(*target, type=socket.SOCK_STREAM)[0]
+        self._family, self._target_addr = family, addr
         self._server = socket.create_server(listen, backlog=128)
         self._server.setblocking(False)
         self.address: tuple[str, int] = self._server.getsockname()[:2]
