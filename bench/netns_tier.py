@@ -6,10 +6,13 @@ Two clusters up at once (``recserve cluster up --hosts netns --network NETWORK -
 from one synthetic catalog and model (``bench/sharding_workload.py``, untrained by default):
 
 * ``local``: ``--embedding-servers 0``, every table in the router's host tier;
-* ``remote``: ``--embedding-servers 1``, every table but the item table (the hottest) on the
-  embedding server, read through the router's hot-row caches at their default size
-  (``sharding_workload.publish_remote``): a cache miss is a round trip router -> embedding host,
-  through that host's relay, inside the Recommend.
+* ``remote``: ``--embedding-servers 1`` and, with ``--tables item`` (the default), the item
+  table (the hottest and largest: ``history_len`` ids a user) on the embedding server, read
+  through the router's hot-row cache at its default size and never copied whole
+  (``bench/remote_hot.py``'s budgets): a cache miss is a round trip router -> embedding host,
+  through that host's relay, inside the Recommend. ``--tables coldest``: every other table
+  there instead (``sharding_workload.publish_remote``), small enough that the router holds them
+  whole (``router.embedding_hold_bytes``), so no request waits on that host.
 
 One closed-loop load generator in a process of its own (``bench/loadgen.py``), the same requests,
 concurrencies in turns (local at C, remote at C, local at the next C, ...). Printed per side and
@@ -39,18 +42,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadgen import ready
 from netns_routed import check, max_qps, routed_on_hosts
+from remote_hot import hot_item_budgets
 from server_procs import ROOT
 from sharding_load import run_load
-from sharding_workload import MODEL, NO_FILTER, build_workload, publish_remote
+from sharding_workload import MODEL, NO_FILTER, Workload, build_workload, publish_remote
 
 from recserve.hosts.netns import unavailable
 from recserve.hosts.relay import profile_named
+from retrieval.model import table_specs
+from retrieval.tiering import tier_model
 from serving.repository.repository import ModelRepository
+from sharded_tables.planner import plan
+from sharded_tables.specs import DType, Tier
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--network", default="dc", help="profile: none, dc, zone, bad")
+    p.add_argument("--tables", default="item", choices=["item", "coldest"], help="remote ones")
     p.add_argument("--items", type=int, default=20_000)
     p.add_argument("--users", type=int, default=2000)
     p.add_argument("--epochs", type=int, default=0, help="0: untrained weights")
@@ -65,8 +74,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     a.filter = "category in {news, music}"  # build_workload's filtered label (unused here)
-    a.out = a.out or ROOT / "bench" / "results" / f"netns_tier_{a.network}.json"
+    tail = "" if a.tables == "item" else f"_{a.tables}"
+    a.out = a.out or ROOT / "bench" / "results" / f"netns_tier{tail}_{a.network}.json"
     return a
+
+
+def publish_tables(root: Path, work: Workload, tables: str) -> list[str]:
+    """Publishes the ``remote`` side's version (1 shard, ``tables`` on one embedding server);
+    returns the remote tables' names."""
+    if tables == "coldest":
+        remote: list[str] = publish_remote(root, work, shards=1)["remote_tables"]
+        return remote
+    placement = plan(table_specs(work.model.config, DType.FP32), hot_item_budgets(work))
+    assert placement.placement("item").tier is Tier.REMOTE
+    tiered, rows = tier_model(work.model, placement=placement)
+    ModelRepository(root).publish(MODEL, tiered, shards=1, remote_rows=rows)
+    return [p.table for p in placement.tables if p.tier is Tier.REMOTE]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -79,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payloads = work.payloads(NO_FILTER)
     tmp = Path(tempfile.mkdtemp(prefix="netns-tier-"))
     ModelRepository(tmp / "local").publish(MODEL, work.model, shards=1)
-    remote_info = publish_remote(tmp / "remote", work, shards=1)
+    remote_tables = publish_tables(tmp / "remote", work, args.tables)
     rows: dict[str, list[dict[str, Any]]] = {"local": [], "remote": []}
     ctx = multiprocessing.get_context("spawn")
     with (
@@ -125,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "k": args.k,
         "p99_ms": args.p99_ms,
         "shard_deadline_ms": args.shard_deadline_ms,
-        "remote_tables": remote_info["remote_tables"],
+        "tables": args.tables,
+        "remote_tables": remote_tables,
         "cpus": os.cpu_count(),
         "rows": rows,
         "max_qps": best,
