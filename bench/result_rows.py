@@ -206,7 +206,8 @@ def netns_tier(data: Data, spec: Spec) -> Rows:
     refused = {s: sum(n for r in data["rows"][s] for n in r["errors"].values()) for s in p50}
     calls = {s: sum(r["requests"] for r in data["rows"][s]) for s in p50}
     return [
-        f"{data['network']} | {p50['remote']:.2f} / {p50['local']:.2f} ms "
+        f"{data['network']}, shard deadline {data['shard_deadline_ms']:g} ms | "
+        f"{p50['remote']:.2f} / {p50['local']:.2f} ms "
         f"({v['p50_1_delta_ms']:+.2f} ms) | {bold(v['p50_1_ratio'])} | "
         f"{qps(best_qps['remote'])} / {qps(best_qps['local'])} | {ratio_txt} | "
         f"{refused['remote']} of {calls['remote']:,} / {refused['local']} of {calls['local']:,}"
