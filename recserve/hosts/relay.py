@@ -189,6 +189,11 @@ class Relay:
         """Applies to every chunk read from now on (those queued keep their times)."""
         self.profile = profile
 
+    def queued(self) -> int:
+        """Bytes read and not yet sent on, over every direction of every connection (a
+        snapshot from another thread: it may lag the loop by a chunk)."""
+        return sum(d.queued for d in list(self._active))
+
     def close(self) -> None:
         """Stops the loop; every connection and the listener are closed."""
         self._stop = True
