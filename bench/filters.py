@@ -15,10 +15,18 @@ and price < P`` (an OR across attributes, a negation, a range).
    cheapest nprobe reaching ``--target`` recall@K, for our index (its plan: lists or the exact
    scan), faiss SQ8 + bitmap, and the gather + matmul exact scan of the eligible ids (torch).
 
+3. Hashed attribute (``--hashed``, its own JSON: ``bench/results/filters_hashed.json``): a
+   ``creator`` of 10^6 values on ``--eval-n`` items (hashed: 6 hex digits, 96 bits), the bytes
+   an item it adds (signature words and postings, against the same index without it), and
+   evaluating expressions that name it (ours: ``eligible_positions`` and ``eligible``; NumPy
+   over the columns), with the items our compiled test admits before any check against the
+   exact values: its false positives, counted.
+
 Run from the repository root::
 
     .venv/bin/python bench/filters.py --small      # ~1 min: 100k evaluation, 20k x 32 search
     .venv/bin/python bench/filters.py              # 1M evaluation, 200k x 64 search
+    .venv/bin/python bench/filters.py --hashed     # part 3 alone, 1M items
 """
 
 from __future__ import annotations
@@ -101,6 +109,116 @@ def evaluation(n: int, repeats: int) -> dict[str, Any]:
     out["same_items"] = all(np.array_equal(first, v) for v in admitted.values())
     out["selectivity"] = len(first) / n
     return out
+
+
+HASHED_VALUES = 10**6
+HASHED_TEXTS = {
+    "one creator": "creator = k123457",
+    "5 creators": "creator in {k1, k77, k5000, k123457, k999999}",
+    "OR across attributes, negation": (
+        "(category = c0 or creator in {k1, k77, k5000, k123457, k999999}) and language != l0"
+    ),
+    "creator not in 5, a category": (
+        "category = c3 and creator not in {k1, k77, k5000, k123457, k999999}"
+    ),
+}
+
+
+def hashed_columns(a: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """``HASHED_TEXTS[name]`` over the columns -> ``[M]`` admitted positions."""
+
+    def five() -> np.ndarray:
+        return np.isin(a["creator"], [1, 77, 5000, 123457, 999999])
+
+    keep = {
+        "one creator": lambda: a["creator"] == 123457,
+        "5 creators": five,
+        "OR across attributes, negation": lambda: (
+            ((a["category"] == 0) | five()) & (a["language"] != 0)
+        ),
+        "creator not in 5, a category": lambda: (a["category"] == 3) & ~five(),
+    }[name]()
+    return np.flatnonzero(keep)
+
+
+def hashed_attribute(n: int, repeats: int) -> dict[str, Any]:
+    """Part 3: bytes an item of a 10^6-value attribute, and evaluation of expressions naming
+    it (ms a query, items admitted, false positives of the compiled test)."""
+    rng = np.random.default_rng(11)
+    a = {
+        "category": rng.integers(0, 20, n),
+        "language": rng.integers(0, 8, n),
+        # a few creators hold many items, as feeds' do; the rest spread over the vocabulary
+        "creator": np.where(
+            rng.random(n) < 0.01,
+            rng.choice([1, 77, 5000, 123457, 999999], n),
+            rng.integers(0, HASHED_VALUES, n),
+        ),
+    }
+    vocab = {"category": VOCAB["category"], "language": VOCAB["language"]}
+    x, cfg = torch.randn(n, 8), IVFConfig(nlist=16, measure_costs=False)
+    base = build_ivf(
+        x, cfg, item_attributes={k: a[k] for k in vocab}, attribute_values=vocab
+    ).memory_bytes()
+    creators = [f"k{i}" for i in range(HASHED_VALUES)]
+    build = build_ivf(x, cfg, item_attributes=a, attribute_values={**vocab, "creator": creators})
+    mem = build.memory_bytes()
+    out: dict[str, Any] = {
+        "items": n,
+        "values": HASHED_VALUES,
+        "digits": build.schema.hashed_digits["creator"],
+        "bits_an_item": build.schema.hashed_digits["creator"] * 16,
+        "bytes_an_item": {k: (mem[k] - base[k]) / n for k in ("sig", "postings", "bit_counts")},
+        "bytes_an_item_one_bit_a_value": HASHED_VALUES / 8,
+        "cases": {},
+    }
+    out["bytes_an_item"]["total"] = sum(out["bytes_an_item"].values())
+    t = build.tensors()
+    for name, text in HASHED_TEXTS.items():
+        fb = build.compile_filter(text, 1)
+        masks, negate = fb.masks[0], fb.negate[0]
+        ways = {
+            "ours, eligible_positions (C++, postings)": lambda m=masks, g=negate: (
+                eligible_positions(t, m, g)
+            ),
+            "ours, eligible over every signature (torch)": lambda m=masks, g=negate: (
+                eligible(t.lists.sig, m, g).nonzero().flatten()
+            ),
+            "NumPy over the attribute columns": lambda name=name: hashed_columns(a, name),
+        }
+        truth = np.sort(hashed_columns(a, name))
+        case: dict[str, Any] = {
+            "text": text,
+            "clauses": int(masks.shape[0]),
+            "admitted": len(truth),
+        }
+        # what the compiled test admits, before any check against the exact values
+        compiled = np.sort(build.item_ids[eligible_positions(t, masks, negate)].numpy())
+        case["false_positives"] = int(np.setdiff1d(compiled, truth).size)
+        case["missed"] = int(np.setdiff1d(truth, compiled).size)
+        case["ms"] = {k: v * 1e3 for k, v in in_turns(ways, repeats).items()}
+        out["cases"][name] = case
+    return out
+
+
+def render_hashed(h: dict[str, Any]) -> str:
+    b = h["bytes_an_item"]
+    lines = [
+        f"Hashed creator of {h['values']:,} values on {h['items']:,} items: {h['digits']} digits,"
+        f" {h['bits_an_item']} bits; bytes an item over the index without it: signature "
+        f"{b['sig']:.2f}, postings {b['postings']:.2f}, total {b['total']:.2f} (one bit a value: "
+        f"{h['bytes_an_item_one_bit_a_value']:,.0f})",
+        "| expression | clauses | admitted | false positives | eligible_positions ms | "
+        "torch eligible ms | NumPy ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, c in h["cases"].items():
+        m = list(c["ms"].values())
+        lines.append(
+            f"| {name} | {c['clauses']} | {c['admitted']:,} | {c['false_positives']} | "
+            f"{m[0]:.2f} | {m[1]:.2f} | {m[2]:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def in_turns(fns: dict[str, Any], rounds: int) -> dict[str, float]:
@@ -226,6 +344,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--small", action="store_true", help="100k evaluation, 20k x 32 search")
+    p.add_argument("--hashed", action="store_true", help="part 3 alone (filters_hashed.json)")
     p.add_argument("--eval-n", type=int, default=1_000_000)
     p.add_argument("--n", type=int, default=200_000)
     p.add_argument("--d", type=int, default=64)
@@ -247,6 +366,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     set_threads(args.threads)
     wall, load_start = stopwatch(), os.getloadavg()
+    if args.hashed:
+        h = hashed_attribute(args.eval_n, args.rounds)
+        report = render_hashed(h)
+        print(report)
+        out = args.out.with_name(args.out.stem + "_hashed.json")
+        meta = {
+            "argv": sys.argv[1:] if argv is None else argv,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "wall_s": wall(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+        }
+        atomic_write_json(out, {"meta": meta, "hashed": h, "markdown": report}, indent=1)
+        print(f"\nwrote {out} in {wall():.0f} s", file=sys.stderr)
+        return
     ev = evaluation(args.eval_n, args.rounds)
     tk = top_k(args)
     report = render(ev, tk, args.target)

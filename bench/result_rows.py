@@ -424,6 +424,29 @@ def filters(data: Data, spec: Spec) -> Rows:
     return rows
 
 
+def filters_hashed(data: Data, spec: Spec) -> Rows:
+    """``bench/filters.py --hashed``: a 10^6-value attribute's bytes an item, and evaluating
+    expressions naming it (``eligible_positions``) against NumPy over the columns, with the
+    false positives of the compiled test (before any check against the exact values)."""
+    h = data["hashed"]
+    b = h["bytes_an_item"]
+    rows = [
+        f"bytes an item, a {h['values']:,}-value creator on {h['items']:,} items ({h['bits_an_item']}"
+        f" bits) | {b['total']:.2f} (signature {b['sig']:.2f}, postings {b['postings']:.2f}) | "
+        f"one bit a value: {h['bytes_an_item_one_bit_a_value']:,.0f} | target ≤ 16: "
+        + ("**met**" if b["total"] <= 16 else "missed")
+    ]
+    for c in h["cases"].values():
+        ours = c["ms"]["ours, eligible_positions (C++, postings)"]
+        cols = c["ms"]["NumPy over the attribute columns"]
+        rows.append(
+            f"`{c['text']}`: {c['admitted']:,} items, {c['false_positives']} false positives, "
+            f"{c['missed']} missed | {ms(ours)} ms | NumPy over the columns: {ms(cols)} ms | "
+            f"{bold(cols / ours)}"
+        )
+    return rows
+
+
 Kind = Callable[[Data, Spec], Rows]
 BYTES_HEAD = "data | ours, bytes/item | smallest faiss IVF at recall ≥ 0.95 | ours over it"
 KINDS: dict[str, tuple[Kind, str]] = {
@@ -442,6 +465,7 @@ KINDS: dict[str, tuple[Kind, str]] = {
         "data | filter | ours: recall, q/s | fastest peer at recall ≥ 0.95 | ours ÷ peer",
     ),
     "filters": (filters, "case | ours | fastest peer | ours ÷ peer (speed)"),
+    "filters_hashed": (filters_hashed, "case | ours | peer | ours ÷ peer (speed)"),
     "seen": (
         seen,
         "seen items S | batch | skipped in the scan, a query | K + S, then struck | its time ÷ ours | same ids",

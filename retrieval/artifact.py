@@ -239,7 +239,9 @@ def load_shard(directory: Path, map_location: str | torch.device = "cpu") -> IVF
     saved = read_json(meta_path)
     meta = migrate_index({EXTRA: saved}, index_version(saved))[EXTRA]
     config = IVFConfig.from_dict(meta["config"], where=str(meta_path), prefix="config.")
-    index = IVFIndex(config, meta["dim"], meta["attribute_values"])
+    index = IVFIndex(
+        config, meta["dim"], meta["attribute_values"], hashed_digits=meta.get("hashed_digits", {})
+    )
     index.load_state_dict(load_tensors(weights, map_location))
     return index.to(map_location).eval()
 

@@ -39,6 +39,8 @@ class FilterSchema(Protocol):
 
     def clause_bits(self, clause: Clause) -> list[int]: ...
 
+    def hashed(self, clause: Clause) -> tuple[int, int, list[int]] | None: ...
+
 
 DIGITS, DIGIT_BITS = 8, 4
 NUMERIC_BITS = DIGITS << DIGIT_BITS
@@ -63,9 +65,9 @@ def numeric_keys(x: np.ndarray) -> np.ndarray:
     return np.where(u >> 31 != 0, ~u, u | np.uint32(0x80000000)).astype(np.uint32)
 
 
-def numeric_bits(keys: np.ndarray, base: int) -> np.ndarray:
-    """Keys ``[n] uint32`` -> the signature bit of each digit ``[n, DIGITS] int64``."""
-    d = np.arange(DIGITS, dtype=np.uint32)
+def numeric_bits(keys: np.ndarray, base: int, digits: int = DIGITS) -> np.ndarray:
+    """Keys ``[n] uint32`` -> the signature bit of each digit ``[n, digits] int64``."""
+    d = np.arange(digits, dtype=np.uint32)
     digit = (keys.astype(np.uint32)[:, None] >> (d * DIGIT_BITS)) & 15
     return base + (d.astype(np.int64) << DIGIT_BITS) + digit.astype(np.int64)
 
@@ -108,29 +110,29 @@ def _key_ge(base: int, k: int) -> list[_Clause]:
     return out
 
 
-def _key_in(base: int, keys: list[int]) -> list[_Clause]:
+def _key_in(base: int, keys: list[int], width: int = DIGITS) -> list[_Clause]:
     """``key`` is one of ``keys``: for every prefix ``p`` the keys share (a trie node), "the
     key's higher digits differ from ``p``, or its next digit is one that follows ``p``" -- a
     clause of positive bits per node, so a set costs at most 8 clauses a value."""
     out: list[_Clause] = []
-    for d in range(DIGITS - 1, -1, -1):
+    for d in range(width - 1, -1, -1):
         follows: dict[int, int] = {}  # prefix (digits above d) -> the digits that follow it
         for k in keys:
-            prefix = k >> ((d + 1) * DIGIT_BITS) if d < DIGITS - 1 else 0
+            prefix = k >> ((d + 1) * DIGIT_BITS) if d < width - 1 else 0
             follows[prefix] = follows.get(prefix, 0) | 1 << ((k >> (d * DIGIT_BITS)) & 15)
         for prefix, digits in follows.items():
             bits = digits << (base + (d << DIGIT_BITS))
-            for e in range(d + 1, DIGITS):
+            for e in range(d + 1, width):
                 pe = (prefix >> ((e - d - 1) * DIGIT_BITS)) & 15
                 bits |= _digit_range(base, e, 0, 15) & ~_digit_range(base, e, pe, pe)
             out.append((bits, ()))
     return out
 
 
-def _key_ne(base: int, k: int) -> _Clause:
+def _key_ne(base: int, k: int, digits: int = DIGITS) -> _Clause:
     """``key != k``: some digit differs, one clause."""
     bits = 0
-    for d in range(DIGITS):
+    for d in range(digits):
         kd = (k >> (d * DIGIT_BITS)) & 15
         bits |= _digit_range(base, d, 0, 15) & ~_digit_range(base, d, kd, kd)
     return (bits, ())
@@ -193,6 +195,8 @@ class _Lowering:
         negate = neg != c.negate
         if c.attribute in self.schema.numeric_base:
             return self.numeric_set(c, negate)
+        if (hashed := self.schema.hashed(c)) is not None:
+            return self.hashed_set(*hashed, negate)
         bits = 0
         for b in self.schema.clause_bits(c):
             bits |= 1 << b
@@ -203,6 +207,14 @@ class _Lowering:
             f"{c.attribute} != {vals}" if len(c.values) == 1 else f"{c.attribute} not in {{{vals}}}"
         )
         return [(0, ((bits, shown),))]
+
+    def hashed_set(self, base: int, digits: int, keys: list[int], negate: bool) -> list[_Clause]:
+        """A hashed attribute's ``in {values}`` (``not in`` when ``negate``), ``keys`` the
+        values' positions (a value no item was given is left out): the digit tests of a
+        numeric set, exact since an item holds one value, so ``!=`` joins an ``or`` too."""
+        if negate:
+            return self.check([_key_ne(base, k, digits) for k in dict.fromkeys(keys)])
+        return self.check(_key_in(base, keys, digits)) if keys else [_FALSE]
 
     def numeric_set(self, c: Clause, negate: bool) -> list[_Clause]:
         """``attr in {numbers}`` (``not in`` when ``negate``)."""

@@ -18,6 +18,18 @@ A numeric attribute (vocabulary :data:`NUMERIC`) holds one number an item, compa
 ``<=``, ``>``, ``>=``, ``between``, ``=``, ``!=``, ``in``: its value's bits make every
 comparison exact (``retrieval/filter_cnf.py``).
 
+An attribute with many values (creators, stores: ``hashed_min_values`` and more, an
+``IVFConfig`` setting) is **hashed**: one value an item, stored as its value's position ``p``
+(its place in the vocabulary) in ``D`` hexadecimal digits, each one-hot in 16 bits, so ``16 D``
+bits an item whatever the vocabulary (10^6 values: ``D = 6``, 96 bits, where one bit a value
+would take 10^6). It is a partitioned Bloom signature whose ``D`` hash functions are the digits
+of ``p``: since distinct values differ in some digit, an item holding one value passes
+``creator in {a, b}`` only when it holds ``a`` or ``b``: false-positive rate 0, so no
+verification pass. ``in`` / ``=`` compile as a numeric set does (a clause per digit prefix the
+values share: ``D`` clauses for one value), ``!=`` to one clause of positive bits (so it may sit
+inside an ``or``). ``D`` is the fewest digits with ``16**D >= 2 V``: room for as many values
+again, which live updates add as they first name them (a new creator takes the next position).
+
 Values are text. A vocabulary may list integers (``{"label": [0, 1, 2]}``) or booleans: they are
 stored as their text (``"3"``, ``"true"``/``"false"``), so ``label = 3`` and ``available`` name
 them; other types (floats, ...) are refused at build, since ``1.0`` and ``1`` would read alike.
@@ -33,7 +45,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from retrieval.filter_cnf import NUMERIC_BITS, lower, numeric_bits, numeric_keys
+from retrieval.filter_cnf import DIGIT_BITS, NUMERIC_BITS, lower, numeric_bits, numeric_keys
 from retrieval.filter_expr import And, Clause, Compare, Expr, Not, Or, parse_filter
 from retrieval.filter_expr import FilterTooLargeError as FilterTooLargeError
 from retrieval.filter_expr import format_filter as format_filter
@@ -48,6 +60,18 @@ AttributeValue = str | int | bool | np.integer | np.bool_
 NUMERIC: Literal["numeric"] = "numeric"
 """The vocabulary of a numeric attribute (``{"price": NUMERIC}``): one number an item, float32."""
 Vocabulary = Sequence[AttributeValue] | Literal["numeric"]
+HASHED_MIN_VALUES = 4096
+"""Default ``hashed_min_values`` (``IVFConfig``): from this many values an attribute is hashed
+(96 bits or fewer an item, against one a value)."""
+
+
+def hashed_digits(num_values: int) -> int:
+    """Hexadecimal digits ``D`` of a hashed attribute of ``num_values`` values: the fewest with
+    ``16**D >= 2 * num_values`` (room for as many new values as the build saw)."""
+    d = 1
+    while 16**d < 2 * max(num_values, 1):
+        d += 1
+    return d
 
 
 def filter_vocabulary(
@@ -117,15 +141,41 @@ def eligible(sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor) -> to
     return hit.ne(negate.unsqueeze(-1)).all(dim=-2)
 
 
-class FilterSchema:
-    """Assigns one signature bit to every (attribute, value) of the catalog, and
-    ``NUMERIC_BITS`` to every numeric attribute."""
+def hashed_keys(positions: np.ndarray, digits: int) -> np.ndarray:
+    """Positions ``[n]`` -> their keys ``[n] uint32``: the hexadecimal digits reversed, so the
+    key's top digit, which the first clause of every ``in`` tests alone, is the position's
+    lowest (each of its 16 values a 16th of the items: the one digit worth postings)."""
+    p = np.asarray(positions).astype(np.uint32)
+    key = np.zeros_like(p)
+    for d in range(digits):
+        key |= ((p >> np.uint32(DIGIT_BITS * d)) & np.uint32(15)) << np.uint32(
+            DIGIT_BITS * (digits - 1 - d)
+        )
+    return key
 
-    def __init__(self, attribute_values: Mapping[str, Vocabulary]):
+
+class FilterSchema:
+    """Assigns one signature bit to every (attribute, value) of the catalog, ``NUMERIC_BITS``
+    to every numeric attribute, and ``16 D`` to every hashed one.
+
+    ``hashed_min_values``: vocabularies from this size are hashed (None: none).
+    ``hashed_digits``: the hashed attributes and their digits, as a saved schema has them
+    (given: exactly these are hashed, whatever the sizes)."""
+
+    def __init__(
+        self,
+        attribute_values: Mapping[str, Vocabulary],
+        hashed_min_values: int | None = HASHED_MIN_VALUES,
+        hashed_digits: Mapping[str, int] | None = None,
+    ):
         # values as text (see value_text): filters name them, and the schema saves as JSON
         self.attribute_values: dict[str, list[str] | Literal["numeric"]] = {}
         self.bit_of: dict[tuple[str, str], int] = {}
         self.numeric_base: dict[str, int] = {}
+        self.hashed_base: dict[str, int] = {}
+        self.hashed_digits: dict[str, int] = {}
+        self.position: dict[str, dict[str, int]] = {}
+        """A hashed attribute's value -> its position (the key its digits encode)."""
         bits = 0
         for attr, vocab in attribute_values.items():
             if isinstance(vocab, str):
@@ -145,6 +195,12 @@ class FilterSchema:
                     "as text: 1 and '1' are one value)"
                 )
             self.attribute_values[attr] = values
+            digits = self._hashed_digits(attr, len(values), hashed_min_values, hashed_digits)
+            if digits:
+                self.hashed_base[attr], self.hashed_digits[attr] = bits, digits
+                self.position[attr] = {v: p for p, v in enumerate(values)}
+                bits += digits << DIGIT_BITS
+                continue
             for v in values:
                 self.bit_of[(attr, v)] = bits
                 bits += 1
@@ -152,6 +208,72 @@ class FilterSchema:
         self.num_words = (self.num_bits + WORD_BITS - 1) // WORD_BITS
         # filter -> (masks [C, W], negate [C]); the schema never changes, so neither do they
         self._compiled: dict[str | Expr | tuple[Clause, ...], tuple[np.ndarray, np.ndarray]] = {}
+
+    @staticmethod
+    def _hashed_digits(
+        attr: str, size: int, min_values: int | None, saved: Mapping[str, int] | None
+    ) -> int:
+        """The digits of attribute ``attr`` of ``size`` values if it is hashed, else 0."""
+        if saved is not None:
+            return int(saved.get(attr, 0))
+        return hashed_digits(size) if min_values is not None and size >= min_values else 0
+
+    def hashed(self, clause: Clause) -> tuple[int, int, list[int]] | None:
+        """``(first bit, digits, positions of the values filters name)`` of a clause on a
+        hashed attribute (a value no item was given has none), None for another attribute."""
+        base = self.hashed_base.get(clause.attribute)
+        if base is None:
+            return None
+        pos = self.position[clause.attribute]
+        digits = self.hashed_digits[clause.attribute]
+        keys = [int(hashed_keys(np.array([pos[v]]), digits)[0]) for v in clause.values if v in pos]
+        return base, self.hashed_digits[clause.attribute], keys
+
+    def learn(self, attr: str, value: str, keep: bool = True) -> int:
+        """The position of ``value`` of hashed attribute ``attr``, a new one (the next) for a
+        value first named here (a live update's new creator), kept unless not ``keep`` (a
+        check: the position it would take); ``ValueError`` when the digits hold no more."""
+        pos = self.position[attr]
+        p = pos.get(value)
+        if p is not None:
+            return p
+        if len(pos) >= 16 ** self.hashed_digits[attr]:
+            raise ValueError(f"{attr!r} holds {len(pos)} values, all its digits can")
+        vocab = self.attribute_values[attr]
+        assert not isinstance(vocab, str)
+        if not keep:
+            return len(vocab)
+        pos[value] = p = len(vocab)
+        vocab.append(value)
+        # a fresh memo: a filter naming it compiled to "nothing has it" (and one compiling
+        # meanwhile stores into the old one)
+        self._compiled = {}
+        return p
+
+    def hashed_sizes(self) -> dict[str, int]:
+        """Each hashed attribute's values now (what :meth:`forget` goes back to)."""
+        return {a: len(self.position[a]) for a in self.hashed_base}
+
+    def forget(self, sizes: Mapping[str, int]) -> None:
+        """Drops the values learned past ``sizes`` (:meth:`hashed_sizes` before an update that
+        was not applied), so the next new value takes the position it would have."""
+        for attr, size in sizes.items():
+            vocab = self.attribute_values[attr]
+            assert not isinstance(vocab, str)
+            for v in vocab[size:]:
+                del self.position[attr][v]
+            del vocab[size:]
+        self._compiled = {}
+
+    def unindexed_bits(self) -> np.ndarray:
+        """``[W*64] bool``: the bits no postings list: a hashed attribute's digits but its key's
+        top one. Only the clause on that digit tests one digit alone (every other ``in``
+        clause also holds for items whose higher digits differ: most of the catalog), so only
+        its postings can drive a search; the others would cost 4 bytes an item a digit."""
+        out = np.zeros(self.num_words * WORD_BITS, dtype=bool)
+        for attr, base in self.hashed_base.items():
+            out[base : base + ((self.hashed_digits[attr] - 1) << DIGIT_BITS)] = True
+        return out
 
     def to_dict(self) -> dict[str, list[str] | Literal["numeric"]]:
         return {a: v if isinstance(v, str) else list(v) for a, v in self.attribute_values.items()}
@@ -191,6 +313,9 @@ class FilterSchema:
                     )
                 continue
             vocab = self.vocabulary(attr)
+            if attr in self.hashed_base:
+                self._hashed_signatures(sig, attr, arr)
+                continue
             first = self.bit_of[(attr, vocab[0])]
             if arr.ndim == 1:
                 if arr.size and (arr.min() < 0 or arr.max() >= len(vocab)):
@@ -211,10 +336,36 @@ class FilterSchema:
                 )
         return torch.from_numpy(sig.view(np.int64))
 
-    def value_bits(self, attr: str, values: Sequence[str]) -> list[int]:
+    def _hashed_signatures(self, sig: np.ndarray, attr: str, codes: np.ndarray) -> None:
+        """Sets the digit bits of hashed attribute ``attr``'s codes ``[N]`` in ``sig [N, W]``."""
+        size = len(self.vocabulary(attr))
+        if codes.ndim != 1:
+            raise ValueError(
+                f"item_attributes[{attr!r}] is hashed ({size} values, hashed_min_values or "
+                "more): one value an item, codes [N]; set hashed_min_values above its size "
+                "for one bit a value"
+            )
+        if codes.size and (codes.min() < 0 or codes.max() >= size):
+            raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {size})")
+        digits = self.hashed_digits[attr]
+        bit = numeric_bits(hashed_keys(codes, digits), self.hashed_base[attr], digits)
+        rows = np.arange(codes.shape[0])
+        for col in bit.T:
+            sig[rows, col // WORD_BITS] |= np.uint64(1) << (col % WORD_BITS).astype(np.uint64)
+
+    def value_bits(self, attr: str, values: Sequence[str], learn: bool = True) -> list[int]:
         """The signature bits an item with ``values`` of ``attr`` sets (a numeric attribute:
-        one number, as text); ``ValueError`` for an unknown name or value."""
+        one number, as text; a hashed one: one value, new ones learned unless not ``learn``);
+        ``ValueError`` for an unknown name or value."""
         self.known(attr)
+        if attr in self.hashed_base:
+            if len(values) != 1:
+                raise ValueError(f"{attr!r} is hashed: one value an item")
+            p = self.learn(attr, values[0], keep=learn)
+            key = hashed_keys(np.array([p]), self.hashed_digits[attr])
+            return (
+                numeric_bits(key, self.hashed_base[attr], self.hashed_digits[attr]).ravel().tolist()
+            )
         if attr in self.numeric_base:
             if len(values) > 1:
                 raise ValueError(f"{attr!r} is numeric: one value an item")
@@ -231,6 +382,9 @@ class FilterSchema:
         """Every signature bit attribute ``attr`` may set."""
         if attr in self.numeric_base:
             return list(range(self.numeric_base[attr], self.numeric_base[attr] + NUMERIC_BITS))
+        if attr in self.hashed_base:
+            base = self.hashed_base[attr]
+            return list(range(base, base + (self.hashed_digits[attr] << DIGIT_BITS)))
         return [self.bit_of[(attr, v)] for v in self.vocabulary(attr)]
 
     def known(self, attr: str) -> None:
@@ -284,7 +438,8 @@ class FilterSchema:
 
     def _compile_one(self, key: str | Expr | tuple[Clause, ...]) -> tuple[np.ndarray, np.ndarray]:
         """One filter -> ``(masks [C, W] int64, negate [C] bool)``, kept."""
-        hit = self._compiled.get(key)
+        memo = self._compiled  # learning a value starts another
+        hit = memo.get(key)
         if hit is not None:
             return hit
         if isinstance(key, str):
@@ -299,9 +454,9 @@ class FilterSchema:
             for w in range(self.num_words):
                 masks[c, w] = (bits >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
         out = (masks.view(np.int64), np.array([n for _, n in clauses], dtype=bool))
-        if len(self._compiled) >= COMPILED_FILTERS:
-            self._compiled.clear()  # bounded; a served mix refills the texts it uses
-        self._compiled[key] = out
+        if len(memo) >= COMPILED_FILTERS:
+            memo.clear()  # bounded; a served mix refills the texts it uses
+        memo[key] = out
         return out
 
     def empty(self, batch: int) -> FilterBatch:

@@ -26,7 +26,7 @@ the router's merge answers as the unsharded model updated with the same batches
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,10 +49,12 @@ from retrieval.live_updates import (
 class ShardUpdate:
     """One shard's part after an update (a new index: the old one is untouched), and
     ``held [n] bool``: which of the batch's items the shard held before it (empty for a table
-    update)."""
+    update). ``learned_from``: the hashed attributes' sizes before the update learned its new
+    values (``FilterSchema.forget`` them if it is not applied)."""
 
     index: IVFIndex
     held: torch.Tensor
+    learned_from: dict[str, int] = field(default_factory=dict)
 
     def list_sizes(self) -> torch.Tensor:
         """``[nlist] int64``: this part's list sizes."""
@@ -72,8 +74,28 @@ def update_shard(index: IVFIndex, batch: UpdateBatch, shard: int, num_shards: in
     ``num_shards``; ``ValueError`` when the batch does not fit the index (dim, schema)."""
     if not isinstance(batch, UpsertItems | RemoveItems | SetItemAttributes):
         return ShardUpdate(index, torch.zeros(0, dtype=torch.bool))  # table rows: the router's
+    before = index.schema.hashed_sizes()
+    try:
+        return _update_shard(index, batch, shard, num_shards, before)
+    except BaseException:
+        index.schema.forget(before)  # not applied: nor are its new values
+        raise
+
+
+def _update_shard(
+    index: IVFIndex,
+    batch: UpsertItems | RemoveItems | SetItemAttributes,
+    shard: int,
+    num_shards: int,
+    before: dict[str, int],
+) -> ShardUpdate:
+    """:func:`update_shard` of an item batch (``before``: the schema's hashed sizes)."""
     ids = batch.ids.cpu()
     held = live_index.locate(index, ids)
+    if not isinstance(batch, RemoveItems):
+        # every value the batch names, in its order, as the router learns them at commit
+        # (stats_index): a hashed attribute's new value takes the same position everywhere
+        signatures(index.schema, batch.attributes)
     if isinstance(batch, UpsertItems):
         if batch.vectors is None or not bool(batch.given().all()):
             raise ValueError("upsert_items: a shard takes resolved batches (every vector given)")
@@ -92,7 +114,7 @@ def update_shard(index: IVFIndex, batch: UpdateBatch, shard: int, num_shards: in
         attrs = [batch.attributes[int(i)] for i in held.nonzero()]
         sig = rewrite_attributes(index.schema, live_index.signatures_of(index, mine_ids), attrs)
         index = live_index.relabel(index, mine_ids, sig)
-    return ShardUpdate(index, held)
+    return ShardUpdate(index, held, before)
 
 
 def check_held(batch: UpdateBatch, held: Sequence[torch.Tensor], ntotal: int) -> None:
@@ -126,7 +148,13 @@ def stats_index(
             f"statistics: expected [{index.nlist}] list sizes and {list(index.bit_counts.shape)} "
             f"bit counts, got {list(list_sizes.shape)} and {list(counts.shape)}"
         )
-    out = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
+    out = IVFIndex(
+        index.config,
+        index.dim,
+        index.schema.attribute_values,
+        index.stats,
+        index.schema.hashed_digits,
+    )
     dev = index.centroids.device
     out.centroids = index.centroids
     sizes = list_sizes.to(torch.int64)
@@ -135,6 +163,8 @@ def stats_index(
     out.built_sizes = index.built_sizes
     if batch is not None:
         out.list_radius, out.list_bits = bounds_after(index, batch)
+        if isinstance(batch, UpsertItems | SetItemAttributes):  # its new values, in order
+            signatures(out.schema, batch.attributes)
     out._refresh()
     out.served_items = served
     return out

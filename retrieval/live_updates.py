@@ -119,13 +119,14 @@ def resolve_update(
     checks against the items (known ids) are the shards'. -> the model unchanged, the resolved
     batch, and the table row writes to commit."""
     if isinstance(batch, UpsertItems):
-        return PreparedUpdate(model, resolve_upsert(model, batch, hold or nullcontext)[0])
+        resolved = resolve_upsert(model, batch, hold or nullcontext, learn=False)[0]
+        return PreparedUpdate(model, resolved)  # new values learned at commit (stats_index)
     if isinstance(batch, RemoveItems):
         _check_ids(batch.ids)
         return PreparedUpdate(model, batch)
     if isinstance(batch, SetItemAttributes):
         _check_count(batch.attributes, _check_ids(batch.ids).numel())
-        signatures(model.index.schema, batch.attributes)
+        signatures(model.index.schema, batch.attributes, learn=False)  # learned at commit
         return PreparedUpdate(model, batch)
     if isinstance(batch, UpdateEmbeddings | AddSeen):
         return prepare_update(model, batch)  # the router's own tables and seen store
@@ -162,15 +163,16 @@ def _prepare_upsert(model: RetrievalModel, batch: UpsertItems, hold: Hold) -> Pr
 
 
 def resolve_upsert(
-    model: RetrievalModel, batch: UpsertItems, hold: Hold = nullcontext
+    model: RetrievalModel, batch: UpsertItems, hold: Hold = nullcontext, learn: bool = True
 ) -> tuple[UpsertItems, torch.Tensor]:
     """Validates an upsert against ``model``'s config, filter schema and tables (not its
     index's items) and runs the item tower for the vectors not given; -> (the batch with every
-    vector, the items' signatures ``[n, W] int64``)."""
+    vector, the items' signatures ``[n, W] int64``; with ``learn`` False, a new hashed value's
+    bits are those of the position it would take, and the schema is left as it was)."""
     ids = _check_ids(batch.ids)
     n, d = ids.numel(), model.index.dim
     _check_count(batch.attributes, n)
-    sig = signatures(model.index.schema, batch.attributes)
+    sig = signatures(model.index.schema, batch.attributes, learn)
     given = batch.given()
     if tuple(given.shape) != (n,) or given.dtype != torch.bool:
         raise UpdateError(
@@ -207,11 +209,14 @@ def resolve_upsert(
     return resolved, sig
 
 
-def signatures(schema: FilterSchema, attributes: Sequence[Attributes]) -> torch.Tensor:
+def signatures(
+    schema: FilterSchema, attributes: Sequence[Attributes], learn: bool = True
+) -> torch.Tensor:
     """Items' attributes -> their signatures ``[n, W] int64`` (:class:`UpdateError` naming
-    the item for an unknown attribute or value)."""
+    the item for an unknown attribute or value). A hashed attribute's new values are learned
+    (``FilterSchema.learn``) unless not ``learn`` (a check that changes nothing)."""
     n = len(attributes)
-    return torch.cat([signature(schema, a, i) for i, a in enumerate(attributes)]).view(
+    return torch.cat([signature(schema, a, i, learn) for i, a in enumerate(attributes)]).view(
         n, schema.num_words
     )
 
@@ -250,7 +255,9 @@ def rewrite_attributes(
     return sig
 
 
-def signature(schema: FilterSchema, attrs: Attributes, item: int = 0) -> torch.Tensor:
+def signature(
+    schema: FilterSchema, attrs: Attributes, item: int = 0, learn: bool = True
+) -> torch.Tensor:
     """One item's attributes -> its signature ``[1, W] int64``; :class:`UpdateError` naming
     ``attributes[item]`` for an unknown attribute or value."""
     bits = np.zeros((1, schema.num_words * WORD_BITS), dtype=bool)
@@ -262,9 +269,9 @@ def signature(schema: FilterSchema, attrs: Attributes, item: int = 0) -> torch.T
         if isinstance(values, str):
             raise UpdateError("attributes", "expected a list of values", item, f".{name}")
         try:
-            bits[0, schema.value_bits(name, list(values))] = True
+            bits[0, schema.value_bits(name, list(values), learn)] = True
         except ValueError as e:
-            if name in schema.numeric_base:
+            if name in schema.numeric_base or name in schema.hashed_base:
                 raise UpdateError("attributes", str(e), item, f".{name}") from None
             v = next(v for v in values if (name, v) not in schema.bit_of)
             raise UpdateError(
@@ -292,7 +299,13 @@ def item_tower_vectors(
     device = next(model.item_tower.parameters()).device
     features = {"item_id": ids.view(-1, 1)}
     for name, vocab in model.config.item_attributes.items():
-        codes = [[vocab.index(v) for v in a.get(name, ())] for a in attributes]
+        held = model.index.schema.position.get(name)  # a hashed attribute's, O(1) a value
+        if held is None:
+            codes = [[vocab.index(v) for v in a.get(name, ())] for a in attributes]
+        else:  # a value learned since training has no row: the item goes without it
+            codes = [
+                [p for v in a.get(name, ()) if (p := held[v]) < len(vocab)] for a in attributes
+            ]
         width = max((len(c) for c in codes), default=0) or 1
         padded = torch.full((len(codes), width), -1, dtype=torch.int64)
         for row, c in enumerate(codes):

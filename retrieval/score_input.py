@@ -156,7 +156,9 @@ def check_values(f: pq.ParquetFile, job: ScoreJob) -> None:
         raise ScoreInputError(f"model_dir: cannot read {path}: {e}") from None
     check_parts(job, cfg)
     maps = _model_maps(job)
-    schema = FilterSchema(filter_vocabulary(cfg.item_attributes, cfg.numeric_attributes))
+    schema = FilterSchema(
+        filter_vocabulary(cfg.item_attributes, cfg.numeric_attributes), cfg.index.hashed_min_values
+    )
     if job.filter:
         _check_filter(job.filter, schema, "--filter")
     _check_target(job.recall_target, cfg)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from retrieval.filters import Vocabulary
+from retrieval.filters import Vocabulary, pack_bits
 from retrieval.index.bound import list_bits, list_radius, measure_slack, residual_norms
 from retrieval.index.calibrate import calibrates, measure_plan_costs
 from retrieval.index.codes import quantize
@@ -124,7 +124,7 @@ def _lists_index(
     index.config = index.config.model_copy(update={"probe": probe, "assign": by})
     index.exact = x[order].to(exact_dtype) if exact_dtype is not None else torch.zeros(0, d)
     index.sig = sig.contiguous()
-    index.bit_counts, index.postings = bit_index(sig)
+    index.bit_counts, index.postings = bit_index(sig, index.schema.unindexed_bits())
     index.list_radius = list_radius(ls, norms, nlist)
     index.list_bits = list_bits(ls, sig, nlist)
     index._refresh()
@@ -175,15 +175,23 @@ def encode(
     return codes, scales, residual_norms(residuals, codes, scales)
 
 
-def bit_index(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def bit_index(
+    sig: torch.Tensor, unindexed: np.ndarray | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bit_counts [W*64] int64, postings [nnz] int32)`` of ``sig [N, W]``: how many items set
     each bit, and the items of every bit, bit after bit (``scan.bit_index_cpu``: a counting sort
-    in C++, not a NumPy unpacking of every bit)."""
+    in C++, not a NumPy unpacking of every bit), but the bits ``unindexed [W*64] bool``, which
+    are counted and listed in no postings (``FilterSchema.unindexed_bits``)."""
     if sig.shape[1] == 0:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
     if sig.shape[0] >= 2**31:
         raise ValueError("postings hold int32 positions: at most 2**31 - 1 items per index")
-    return bit_index_cpu(sig)
+    if unindexed is None or not unindexed.any():
+        return bit_index_cpu(sig)
+    skip = pack_bits(unindexed[None, :])[0].to(sig.device)  # [W]
+    counts, postings = bit_index_cpu((sig & ~skip).contiguous())
+    counts += bit_index_cpu((sig & skip).contiguous())[0]  # their postings: dropped
+    return counts, postings
 
 
 Vectors = tuple[torch.Tensor, torch.Tensor]

@@ -80,6 +80,10 @@ class IVFConfig(Config):
     """Sample size of k-means, per centroid."""
     seed: int = Field(default=0, ge=0)
     """Seed of the k-means sample and start, and of the build's sample queries."""
+    hashed_min_values: PositiveInt = 4096
+    """Values from which a categorical attribute's signature is hashed (its value's position
+    as hexadecimal digits, one-hot 16 bits a digit: ``retrieval/filters.py``) instead of one
+    bit per value; such an attribute holds one value an item."""
     exact_cost: float = Field(default=2.0, gt=0)
     """Cost of scoring one eligible item exactly, relative to one code in a list, where the build
     measured none (``IndexStats.plan_costs``): a filtered request is then scanned exactly when

@@ -56,13 +56,26 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     The most selective non-negated clause drives: the postings of its values are the only
     candidates, and only they are checked against every clause. Cost grows with that
     clause's items, not with the catalog; with no selective clause, every item is checked.
+    A clause on a bit the postings leave out (a hashed attribute's digit, counted ``-1`` in
+    ``t.posting_counts``) never drives.
     """
     sig = t.lists.sig
     if sig.device.type == "cpu":  # one C++ call, the same rule
-        return eligible_rows_cpu(sig, masks, negate, t.bit_counts, t.postings)
+        return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings)
+    return eligible_positions_torch(t, masks, negate)
+
+
+def eligible_positions_torch(
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor
+) -> torch.Tensor:
+    """:func:`eligible_positions` in torch ops (on a GPU), by the same rule."""
+    sig = t.lists.sig
     shifts = torch.arange(64, device=masks.device)
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
-    counts = (bits.long() * t.bit_counts).sum(dim=1).masked_fill(negate, t.ntotal + 1)
+    listed = t.posting_counts.to(masks.device)
+    unlisted = (bits & (listed < 0)).any(dim=1)  # [C]: reads a bit without postings
+    counts = (bits.long() * listed.clamp(min=0)).sum(dim=1)
+    counts = counts.masked_fill(negate | unlisted, t.ntotal + 1)
     c = int(counts.argmin()) if counts.numel() else -1
     if c < 0 or int(counts[c]) > t.ntotal // 4 or t.postings.numel() == 0:
         return filter_mask(sig, masks, negate).nonzero().flatten()

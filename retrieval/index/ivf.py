@@ -115,6 +115,7 @@ class IVFIndex(nn.Module):
         dim: int,
         attribute_values: Mapping[str, Vocabulary] | None = None,
         stats: IndexStats | None = None,
+        hashed_digits: Mapping[str, int] | None = None,
     ):
         super().__init__()
         config = config.resolved()
@@ -122,7 +123,8 @@ class IVFIndex(nn.Module):
         self.stats = stats or IndexStats()
         """What the build measured (an index derived from another: its measurements)."""
         self.dim = dim
-        self.schema = FilterSchema(attribute_values or {})
+        # an index derived from another keeps its hashed layout (``hashed_digits``)
+        self.schema = FilterSchema(attribute_values or {}, config.hashed_min_values, hashed_digits)
         w = self.schema.num_words
         exact_dtype = EXACT_DTYPES[config.exact_copy] or torch.float32
         self.register_buffer("centroids", torch.zeros(0, dim))
@@ -175,6 +177,7 @@ class IVFIndex(nn.Module):
             "stats": self.stats.model_dump(),
             "dim": self.dim,
             "attribute_values": self.schema.to_dict(),
+            "hashed_digits": dict(self.schema.hashed_digits),
         }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
@@ -189,7 +192,10 @@ class IVFIndex(nn.Module):
             state["config"], where="index state", prefix="config."
         )
         self.stats = IndexStats.from_dict(state["stats"], where="index state", prefix="stats.")
-        self.schema = FilterSchema(state["attribute_values"])
+        # the saved layout: hashed attributes as saved (a state from before them: none)
+        self.schema = FilterSchema(
+            state["attribute_values"], hashed_digits=state.get("hashed_digits", {})
+        )
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -251,10 +257,22 @@ class IVFIndex(nn.Module):
         self.probe_table = (
             probe_table_cpu(ct) if ct.is_cpu and ct.numel() >= PROBE_TABLE_MIN else None
         )
-        self.posting_offsets = torch.cat(
-            [self.bit_counts.new_zeros(1), self.bit_counts.cumsum(0)]
-        ).tolist()
+        listed = self._posting_counts().clamp(min=0)
+        self.posting_offsets = torch.cat([listed.new_zeros(1), listed.cumsum(0)]).tolist()
         self.id_order = IdOrder.of(self.item_ids)
+
+    def _posting_counts(self) -> torch.Tensor:
+        """``[W*64]``: the items each bit's postings list, ``-1`` for a bit they leave out (a
+        hashed attribute's: ``build.bit_index``), read off the postings' length, so an index
+        whose postings list every bit reads as ``bit_counts``."""
+        counts = self.bit_counts
+        if not self.schema.hashed_base or self.schema.num_words != self.sig.shape[1]:
+            return counts
+        skip = torch.from_numpy(self.schema.unindexed_bits()).to(counts.device)
+        listed = int(counts.masked_fill(skip, 0).sum())
+        if listed != self.postings.numel() or listed == int(counts.sum()):
+            return counts
+        return counts.masked_fill(skip, -1)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per buffer and per derived lookup (sum / ntotal = bytes per item); a buffer
@@ -487,6 +505,7 @@ class IVFIndex(nn.Module):
             b["bit_counts"],  # type: ignore[arg-type]
             b["postings"],  # type: ignore[arg-type]
             self.posting_offsets,
+            self._posting_counts(),  # of the buffers as they are (a copy may change them)
             b["built_sizes"],  # type: ignore[arg-type]
             b["list_radius"],  # type: ignore[arg-type]
             b["list_bits"],  # type: ignore[arg-type]

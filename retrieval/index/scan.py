@@ -373,7 +373,7 @@ def exact_search_ids_cpu(
     lists = t.lists
     ids, scores = _extension().exact_search_ids_int8(
         q.contiguous(), t.centroids_t, lists.codes, lists.scales, lists.offsets, lists.sig,
-        fmask.contiguous(), fneg.contiguous(), t.bit_counts, t.postings, t.item_ids, k, few,
+        fmask.contiguous(), fneg.contiguous(), t.posting_counts, t.postings, t.item_ids, k, few,
         max_scores,
     )  # fmt: skip
     return None if ids is None else (ids, scores)

@@ -97,7 +97,13 @@ def split_index(
 
 
 def _new_like(index: IVFIndex) -> IVFIndex:
-    out = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
+    out = IVFIndex(
+        index.config,
+        index.dim,
+        index.schema.attribute_values,
+        index.stats,
+        index.schema.hashed_digits,
+    )
     return out.to(index.centroids.device)
 
 
@@ -111,7 +117,9 @@ def _subset(index: IVFIndex, rows: torch.Tensor, lists: torch.Tensor) -> IVFInde
     out.codes, out.scales = index.codes[rows].clone(), index.scales[rows].clone()
     out.exact = index.exact[rows].clone() if index.exact.shape[0] else index.exact.clone()
     out.sig = index.sig[rows].clone()
-    out.bit_counts, out.postings = (t.to(out.sig.device) for t in bit_index(out.sig.cpu()))
+    out.bit_counts, out.postings = (
+        t.to(out.sig.device) for t in bit_index(out.sig.cpu(), out.schema.unindexed_bits())
+    )
     _copy_catalog_stats(out, index)  # the catalog's: still bounds for a part of it
     out._refresh()
     return out
@@ -201,7 +209,9 @@ def merge_shards(
     has_exact = any(p.exact.shape[0] for p in parts)  # else no exact copy: [0, D] everywhere
     out.exact = _scatter([p.exact for p in parts], dest, n) if has_exact else parts[0].exact.clone()
     out.sig = _scatter([p.sig for p in parts], dest, n)
-    out.bit_counts, out.postings = (t.to(out.sig.device) for t in bit_index(out.sig.cpu()))
+    out.bit_counts, out.postings = (
+        t.to(out.sig.device) for t in bit_index(out.sig.cpu(), out.schema.unindexed_bits())
+    )
     _copy_catalog_stats(out, router)
     out._refresh()
     return out

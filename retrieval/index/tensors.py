@@ -96,7 +96,8 @@ class IndexTensors:
     [L]`` (``|c|^2 / 2``), ``probe_table`` (int8 centroids for a few queries' probe, or None),
     ``exact [N, D] f16|f32`` (or ``[0, D]``: no copy), ``item_ids [N]`` and ``id_order``
     (id -> row), ``bit_counts [W*64]`` / ``postings`` / ``posting_offsets`` (the items of each
-    signature bit), ``built_sizes [L]`` (list sizes as built; empty: saved before them),
+    signature bit; ``posting_counts`` those the postings list, ``-1`` for a bit they leave
+    out, a hashed attribute's), ``built_sizes [L]`` (list sizes as built; empty: saved before them),
     ``list_radius [L]`` / ``list_bits [L, W]`` (``bound.py``'s statistics), ``ntotal`` the items
     the index plans for (a router's statistics-only index holds none of them), ``nlist`` = L;
     ``stats`` what the build measured (the planner's costs and curves, the bound's slack)."""
@@ -114,6 +115,7 @@ class IndexTensors:
     bit_counts: torch.Tensor
     postings: torch.Tensor
     posting_offsets: list[int]
+    posting_counts: torch.Tensor
     built_sizes: torch.Tensor
     list_radius: torch.Tensor
     list_bits: torch.Tensor

@@ -118,7 +118,13 @@ def _rebuilt(
     dev = index.centroids.device
     order = torch.argsort(lists, stable=True)
     counts = torch.bincount(lists, minlength=index.nlist)
-    new = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
+    new = IVFIndex(
+        index.config,
+        index.dim,
+        index.schema.attribute_values,
+        index.stats,
+        index.schema.hashed_digits,
+    )
     new.centroids = index.centroids
     new.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dev)
     new.item_ids = item_ids[order].contiguous().to(dev)
@@ -139,7 +145,9 @@ def _has_exact(index: IVFIndex) -> bool:
 def _set_signatures(index: IVFIndex, sig: torch.Tensor) -> None:
     """Installs ``sig [N, W]`` with its per-bit counts and postings, then refreshes."""
     index.sig = sig
-    index.bit_counts, index.postings = (t.to(sig.device) for t in bit_index(sig.cpu()))
+    index.bit_counts, index.postings = (
+        t.to(sig.device) for t in bit_index(sig.cpu(), index.schema.unindexed_bits())
+    )
     index._refresh()
 
 
@@ -228,7 +236,13 @@ def set_signatures(
     ids = _check_ids(ids)
     sig = _check_sig(index, sig, ids.numel())
     pos = _require_known(index, ids, "ids").to(index.sig.device)
-    new = IVFIndex(index.config, index.dim, index.schema.attribute_values, index.stats)
+    new = IVFIndex(
+        index.config,
+        index.dim,
+        index.schema.attribute_values,
+        index.stats,
+        index.schema.hashed_digits,
+    )
     kept = (
         "centroids",
         "offsets",

@@ -110,16 +110,22 @@ class Prepared:
         filters: list[str | None] | None = None,
         history: np.ndarray | None = None,
         seen: SeenSets | None = None,
+        schema: FilterSchema | None = None,
     ) -> UserBatch:
         """Inputs of ``users [B]``; ``history [U, H]`` defaults to :attr:`history`. ``seen``
         (e.g. :attr:`seen`): every item a user consumed goes with the request and is never
         recommended; None (the default, what a served request without a seen list gets):
-        only the history window is excluded."""
+        only the history window is excluded. ``schema``: what compiles the filters (a model's
+        own, ``model.index.schema``, knows the values live updates added; None: the config's)."""
         ds = self.dataset
         hist = self.history if history is None else history
         cat = user_codes(ds, list(self.config.user_features), users)
         cfg = self.config
-        schema = FilterSchema(filter_vocabulary(cfg.item_attributes, cfg.numeric_attributes))
+        if schema is None:
+            schema = FilterSchema(
+                filter_vocabulary(cfg.item_attributes, cfg.numeric_attributes),
+                cfg.index.hashed_min_values,
+            )
         rows = None if seen is None else seen.rows(users)
         return make_user_batch(hist[users], cat, ds.user_dense[users], schema, filters, rows)
 

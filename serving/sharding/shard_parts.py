@@ -78,6 +78,8 @@ class _Pending:
     sequence: int
     index: IVFIndex
     attempt: str
+    learned_from: dict[str, int]
+    """The hashed attributes' sizes before it learned its batch's new values."""
 
     def named(self, version: int, sequence: int, attempt: str) -> bool:
         """Whether this is the prepare a commit or abort names (an empty ``attempt``: an older
@@ -148,7 +150,7 @@ class ShardParts:
                     f"shard {self.shard} of {self.model!r} v{version} is at update "
                     f"{part.sequence}: update {sequence} needs update {sequence - 1} first",
                 )
-            self._pending = None
+            self._drop_pending()  # replaced
             try:
                 parsed = admin_pb2.LogRecord.FromString(record)
                 batch = from_record(parsed, part.index.dim, None)
@@ -159,7 +161,7 @@ class ShardParts:
                 )
             except (ValueError, DecodeError) as e:  # a record that does not fit this part
                 raise PartRefusedError("INVALID_ARGUMENT", f"update {sequence}: {e}") from None
-            self._pending = _Pending(version, sequence, done.index, attempt)
+            self._pending = _Pending(version, sequence, done.index, attempt, done.learned_from)
             return done
 
     def commit(self, model: str, version: int, sequence: int, attempt: str = "") -> None:
@@ -190,7 +192,14 @@ class ShardParts:
                 self._aborted.append(attempt)
             p = self._pending
             if p is not None and p.named(version, sequence, attempt):
-                self._pending = None
+                self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        """Forgets a pending prepare and the hashed values it learned (the next new value
+        takes the position it would have, as on the router and the other shards)."""
+        p, self._pending = self._pending, None
+        if p is not None:
+            p.index.schema.forget(p.learned_from)
 
     def sequences(self) -> dict[int, int]:
         """Loaded versions -> their update sequence."""

@@ -89,7 +89,8 @@ class Tiny:
     ) -> tuple[np.ndarray, np.ndarray]:
         """In-process forward of ``users`` -> (ids, scores) as numpy."""
         with torch.inference_mode():
-            ids, scores = model.eval()(self.prep.user_batch(users, filters), k)
+            batch = self.prep.user_batch(users, filters, schema=model.index.schema)
+            ids, scores = model.eval()(batch, k)
         return ids.numpy(), scores.numpy()
 
 

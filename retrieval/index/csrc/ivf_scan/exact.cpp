@@ -2,6 +2,8 @@
 // postings bit_index builds), their scores off the int8 codes (score_rows_int8 for a few
 // queries, many_rows_int8 for many), and a selective filter's exact search in one call.
 
+#include <algorithm>
+
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
@@ -256,6 +258,7 @@ at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at:
 // selective non-negated clause drives: the postings of its bits (bit_counts [W * 64], postings: each
 // bit's rows, bit after bit, ascending) are the only candidates, and only they are checked against
 // every clause. With no clause under a quarter of the catalog (or no postings), every row is checked.
+// A bit counted -1 has no postings (a hashed attribute's digit): a clause with one never drives.
 at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
                          const at::Tensor& bit_counts, const at::Tensor& postings) {
   TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
@@ -276,11 +279,12 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
   for (int64_t c = 0; c < c_count; ++c) {
     if (np[c]) continue;
     int64_t count = 0;
-    for (int64_t bit = 0; bit < bits; ++bit) count += set(c, bit) ? counts[bit] : 0;
+    for (int64_t bit = 0; bit < bits && count < best_count; ++bit)
+      if (set(c, bit)) count += counts[bit] < 0 ? best_count : counts[bit];
     if (count < best_count) best = c, best_count = count;
   }
   int64_t nnz = 0;
-  for (int64_t bit = 0; bit < bits; ++bit) nnz += counts[bit];
+  for (int64_t bit = 0; bit < bits; ++bit) nnz += std::max<int64_t>(counts[bit], 0);
   if (best < 0 || postings.numel() != nnz) return filter_mask(sig, fmask, fneg).nonzero().flatten();
   const int32_t* post = postings.data_ptr<int32_t>();
   const int64_t* sp = sig.data_ptr<int64_t>();
@@ -290,7 +294,7 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
   int64_t start = 0;
   for (int64_t bit = 0; bit < bits; ++bit) {
     if (set(best, bit) && counts[bit] > 0) runs.emplace_back(start, start + counts[bit]);
-    start += counts[bit];
+    start += std::max<int64_t>(counts[bit], 0);
   }
   std::vector<int64_t> rows;
   rows.reserve(best_count);
