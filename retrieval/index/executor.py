@@ -39,7 +39,18 @@ from retrieval.index.search import Candidates, run_search
 from retrieval.index.tensors import IndexTensors
 
 BACKEND_ENV = "RECSERVE_INDEX_BACKEND"
-"""``device``: new executors take the device path (``Executor.backend``); unset: ``auto``."""
+"""``device`` / ``auto``: the backend every served index takes, whatever its device
+(:func:`backend_for`); unset: the device's own."""
+
+
+def backend_for(device: str | torch.device) -> str:
+    """The backend an index served on ``device`` runs: ``"device"`` on a GPU (fixed shapes,
+    the plan decided on the device, what a CUDA graph records), ``"auto"`` elsewhere (the
+    host-planned rounds and their C++ backends); ``$RECSERVE_INDEX_BACKEND`` overrides both."""
+    chosen = os.environ.get(BACKEND_ENV)
+    if chosen:
+        return chosen
+    return "device" if torch.device(device).type == "cuda" else "auto"
 
 
 class Executor:

@@ -19,9 +19,12 @@ import torch
 
 from common.device_discipline import DeviceDiscipline, DeviceSyncError
 from retrieval.data import SyntheticConfig, generate
+from retrieval.artifact import load_model, save_model, served_on
 from retrieval.features import UserBatch
 from retrieval.index import device_search as device_module
 from retrieval.index.cuda_graphs import MAX_BATCH, bucket
+from retrieval.index.executor import BACKEND_ENV, Executor, backend_for
+from retrieval.live_updates import with_index
 from retrieval.model import RetrievalModel
 from retrieval.seen_store import SeenStore
 from retrieval.training.prepare import Prepared, prepare
@@ -119,3 +122,30 @@ def test_a_planted_item_fails_naming_the_op_and_the_line(served, tmp_path: Path)
     line = path.read_text().splitlines().index(planted.rstrip("\n")) + 1
     assert "aten._local_scalar_dense" in str(err.value)
     assert f"{path}:{line} in device_search" in str(err.value)
+
+
+def test_the_backend_follows_the_device_and_the_variable_overrides(monkeypatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert backend_for("cuda") == backend_for(torch.device("cuda", 0)) == "device"
+    assert backend_for("cpu") == "auto"
+    monkeypatch.setenv(BACKEND_ENV, "device")
+    assert backend_for("cpu") == "device"
+    monkeypatch.setenv(BACKEND_ENV, "auto")
+    assert backend_for("cuda") == "auto"
+
+
+@pytest.mark.parametrize("served", ["plain"], indirect=True)
+def test_a_model_loaded_on_the_cpu_keeps_auto_and_an_update_keeps_its_backend(
+    served, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    _, model = served
+    saved = on_device(model)  # saved with the device backend: the load chooses anew
+    save_model(saved, tmp_path / "m")
+    loaded = load_model(tmp_path / "m", "cpu")
+    assert loaded.index.executor.backend == "auto"
+    served_on(loaded.index, "cuda")  # what a load onto a GPU chooses (no GPU needed)
+    assert loaded.index.executor.backend == "device"
+    fresh = copy.copy(loaded.index)
+    fresh.executor = Executor()  # an update's new index has its own executor: "auto"
+    assert with_index(loaded, fresh).index.executor.backend == "device"
