@@ -8,7 +8,8 @@ search (the plan decided on the device) -> scoring head -> top-K in one replay.
 A batch of ``B`` requests runs at its bucket (the next power of two, up to the batcher's
 largest batch): rows past ``B`` repeat the first request (a valid request, whatever the model
 checks) and their answers are dropped. The graph's shapes are fixed by its key: the bucket,
-``K``, the clause count, the history width, the seen width (bucketed, ``-1`` padded, which
+``K`` (bucketed too: a graph answers the top ``bucket(K)``, at most the catalog, and the
+first ``K`` of them are returned, as a batch's requests share its largest ``K``), the clause count, the history width, the seen width (bucketed, ``-1`` padded, which
 excludes nothing more) and whether users are given (the seen store's rows). The key also
 holds the index's buffers (storage and version), so an index written in place records anew.
 
@@ -106,6 +107,10 @@ class GraphedForward:
             and batch.size <= self.max_bucket
         )
 
+    def k_of(self, k: int) -> int:
+        """The ``K`` a graph of requests asking for ``k`` answers (its bucket, in the catalog)."""
+        return max(k, min(bucket(k), self.model.index.ntotal))
+
     def key(self, batch: UserBatch, k: int) -> Hashable:
         """What fixes a graph's shapes for ``batch`` and ``k`` (the module docstring)."""
         seen = None if batch.seen is None else bucket(batch.seen.shape[1])
@@ -125,7 +130,8 @@ class GraphedForward:
         if not self.accepts(batch):
             ids, scores = self.model(batch.to(self.device), k, checked=True)
             return ids.cpu(), scores.cpu()
-        entry = self._entry(batch, k)
+        top = self.k_of(k)
+        entry = self._entry(batch, top)
         b = batch.size
         with entry.lock:  # the staging buffers and the graph's tensors are its own
             for name, t in _fields(batch).items():
@@ -136,7 +142,7 @@ class GraphedForward:
                 host.copy_(out, non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the answer's copy back
-            return entry.answers[0][:b].clone(), entry.answers[1][:b].clone()
+            return entry.answers[0][:b, :k].clone(), entry.answers[1][:b, :k].clone()
 
     def record_like(self, other: GraphedForward) -> None:
         """Records, for this (updated or reloaded) model, the graphs ``other`` holds: each from

@@ -295,16 +295,16 @@ class ModelRunner:
             else:
                 some_filter = f"{attr} = {values[0]!r}" if values else None
             break
-        for size, every in [(s, e) for s in batch_sizes for e in self._warm_patterns()]:
+        for size, (f_every, s_every) in [(s, p) for s in batch_sizes for p in self._warm_patterns()]:
             reqs = [
                 RecRequest(
                     history=np.arange(min(self.history_len, self.num_items), dtype=np.int64),
                     categorical=np.zeros(len(self.features), dtype=np.int64),
                     dense=np.zeros(self.dense_dim, dtype=np.float32),
                     k=k,
-                    filter=some_filter if i % every == every - 1 else None,
+                    filter=some_filter if _every(i, f_every) else None,
                     seen=np.arange(min(2, self.num_items), dtype=np.int64)
-                    if i % every == every - 1
+                    if _every(i, s_every)
                     else None,
                 )
                 for i in range(size)
@@ -314,10 +314,17 @@ class ModelRunner:
                     raise RuntimeError(f"warm-up of {self.name} v{self.version} failed: {out}")
 
 
-    def _warm_patterns(self) -> tuple[int, ...]:
-        """Warm-up batches per size: a filter and a seen list on every ``e``-th request (2:
-        half of them; 1, with graphs: all, the filtered shape of a one-request bucket)."""
-        return (2,) if self.graphed is None else (2, 1)
+    def _warm_patterns(self) -> tuple[tuple[int, int], ...]:
+        """Warm-up batches per size, as ``(f, s)``: a filter on every ``f``-th request and a
+        seen list on every ``s``-th (0: none). With graphs, each shape a batch takes (no
+        filter, filters without and with seen lists) in every bucket."""
+        half = ((2, 2),)
+        return half if self.graphed is None else (*half, (0, 0), (1, 0), (1, 1))
+
+
+def _every(i: int, e: int) -> bool:
+    """Whether request ``i`` is an ``e``-th one (``e`` 0: none is)."""
+    return e > 0 and i % e == e - 1
 
 
 def _targets(reqs: list[RecRequest]) -> torch.Tensor | None:
