@@ -187,7 +187,16 @@ class GraphedForward:
         return _Entry(staged, inputs, replay, answers)  # type: ignore[arg-type]
 
     def _index_state(self) -> tuple[tuple[int, int], ...]:
-        return tuple((b.data_ptr(), b._version) for b in self.model.index.buffers())
+        """The index's buffers as (storage, version): a new index or an in-place write."""
+        return tuple((b.data_ptr(), _version(b)) for b in self.model.index.buffers())
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place write count (an inference tensor keeps none: 0)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return 0
 
 
 def _fields(batch: UserBatch) -> dict[str, torch.Tensor]:
