@@ -220,4 +220,3 @@ def _stage(buf: torch.Tensor, t: torch.Tensor) -> None:
 def _batch_of(tensors: dict[str, torch.Tensor]) -> UserBatch:
     """A batch of these fields (the absent ones None)."""
     return UserBatch(**{name: tensors.get(name) for name in FIELDS})  # type: ignore[arg-type]
-

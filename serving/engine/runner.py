@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from retrieval.features import UserBatch
-from retrieval.graphed_forward import GraphedForward
 from retrieval.filters import COMPILED_FILTERS, Expr, parse_filter
+from retrieval.graphed_forward import GraphedForward
 from retrieval.model import RetrievalModel
 from retrieval.seen import pad_lists
 from serving.limits import LimitsConfig
@@ -295,7 +295,9 @@ class ModelRunner:
             else:
                 some_filter = f"{attr} = {values[0]!r}" if values else None
             break
-        for size, (f_every, s_every) in [(s, p) for s in batch_sizes for p in self._warm_patterns()]:
+        for size, (f_every, s_every) in [
+            (s, p) for s in batch_sizes for p in self._warm_patterns()
+        ]:
             reqs = [
                 RecRequest(
                     history=np.arange(min(self.history_len, self.num_items), dtype=np.int64),
@@ -312,7 +314,6 @@ class ModelRunner:
             for out in self.run(reqs):
                 if not isinstance(out, RecResult):
                     raise RuntimeError(f"warm-up of {self.name} v{self.version} failed: {out}")
-
 
     def _warm_patterns(self) -> tuple[tuple[int, int], ...]:
         """Warm-up batches per size, as ``(f, s)``: a filter on every ``f``-th request and a

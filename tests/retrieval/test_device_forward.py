@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from common.device_discipline import DeviceDiscipline, DeviceSyncError
-from retrieval.data import SyntheticConfig, generate
 from retrieval.artifact import load_model, save_model, served_on
+from retrieval.data import SyntheticConfig, generate
 from retrieval.features import UserBatch
-from retrieval.index import device_search as device_module
 from retrieval.graphed_forward import GraphedForward
+from retrieval.index import device_search as device_module
 from retrieval.index import live_index
 from retrieval.index.compaction import fold
 from retrieval.index.cuda_graphs import MAX_BATCH, bucket, inside_whole_graph, run_graphed
