@@ -63,9 +63,10 @@ class Executor:
         self.backend = backend or os.environ.get(BACKEND_ENV, "auto")
         """``"device"``: every search through ``device_search`` (fixed shapes, the plan decided
         on the device, nothing read back: what a CUDA graph records, and what the CPU's device
-        discipline tests run), but a recall target's, which is planned on the host; ``"auto"``
-        (the default, or ``$RECSERVE_INDEX_BACKEND``): the host-planned rounds and their
-        backends."""
+        discipline tests run), but a recall target's, which is planned on the host; ``"auto"``:
+        the host-planned rounds and their backends. A new executor takes
+        ``$RECSERVE_INDEX_BACKEND``, else ``"auto"``; a load for serving sets the device's
+        (:func:`backend_for`)."""
 
     def search(
         self,

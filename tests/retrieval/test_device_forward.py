@@ -2,7 +2,10 @@
 in fixed shapes: ``retrieval/index/device_search.py``), run on CPU tensors: it answers what the
 host-planned forward answers, it runs under the device discipline for every batch bucket with
 and without filters and seen items, and it compiles as one graph (``fullgraph=True``). A copy of
-the device path with a planted ``.item()`` fails, naming the op and the line."""
+the device path with a planted ``.item()`` fails, naming the op and the line. The backend follows
+the device a model is loaded on; the whole forward graphed per bucket (``graphed_forward.py``, its
+capture eager on the CPU) answers as the eager forward in every bucket, under the discipline, and
+records anew after an update."""
 
 from __future__ import annotations
 
@@ -228,7 +231,8 @@ def test_run_graphed_inside_the_whole_graph_calls_the_search_directly() -> None:
 @pytest.mark.parametrize("served", ["head"], indirect=True)
 def test_the_whole_forward_captures_as_a_cuda_graph(served) -> None:
     prep, model = served
-    gpu = on_device(model).to("cuda")
+    gpu = copy.deepcopy(model).to("cuda")  # its own modules: the fixture's stay on the CPU
+    served_on(gpu.index, "cuda")
     graphed = GraphedForward(gpu, max_batch=8)
     with torch.inference_mode():
         for b, filtered in ((1, False), (5, True)):
