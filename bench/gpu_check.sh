@@ -15,19 +15,23 @@
 # which needs fbgemm's TBE, cannot run: test_tiering's fixture errors and the served model is
 # untrained, --epochs 0).
 #
-# Every step has a time limit cut to what is left of $GPU_CHECK_BUDGET_S (default 390 s), so
-# one hang cannot take the whole lease; a step with under 15 s left is skipped.
-# $GPU_CHECK_STEPS picks steps (default all: pytest,gpu,device,serving,cpu). Writes into $OUT:
-# gpu_check.log (everything printed), gpu_pytest.log, gpu.json, gpu_device.json,
-# serving_cuda.json, serving_cuda_device.json, serving_cpu.json, gpu_cpu.json. The steps add up
-# to more than the default budget: a run that must have the device path's figures first picks
-# GPU_CHECK_STEPS=pytest,device,serving (serving: the GPU, its device path, then the CPU).
+# Every step has a time limit cut to what is left of $GPU_CHECK_BUDGET_S (default 470 s: with
+# the wheels and the kernel builds, one run of about 8 minutes), so one hang cannot take the
+# whole lease; a step with under 15 s left is skipped. The figures of the GPU targets, in one
+# run: the index alone at 1M (one query's p50, unfiltered and 5 %; K 100 and 1000; filters 50 /
+# 5 / 0.5 % and none), at 10M x 64 and x 128 (a batch of 1024 vs GEMM + topk, with recall), and
+# served end to end (`bench/serving.py --device cuda` vs `--device cpu`: p50 at 1 client, max
+# q/s at p99 <= 20 ms). $GPU_CHECK_STEPS picks steps (default all:
+# pytest,gpu,gpu10m,device,serving,cpu). Writes into $OUT: gpu_check.log (everything printed),
+# gpu_pytest.log, gpu.json, gpu_10m_64.json, gpu_10m_128.json, gpu_device.json,
+# serving_cuda.json, serving_cpu.json, gpu_cpu.json. $SERVING_ITEMS: the served catalog
+# (default 200k; the targets' 1M and 10M need a longer run).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 WHL=${WHL:-.whl}
-BUDGET=${GPU_CHECK_BUDGET_S:-390}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
 ITEMS=${SERVING_ITEMS:-200000}
-STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,device,serving,cpu},
+STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,gpu10m,device,serving,cpu},
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -93,48 +97,58 @@ EOF
 
 # 1. the gpu-marked tests (their files only: collecting the whole suite needs packages that are
 # not here)
-[[ $STEPS == *,pytest,* ]] && step "pytest -m gpu" 150 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
+[[ $STEPS == *,pytest,* ]] && step "pytest -m gpu" 60 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
     $(grep -rl 'mark.gpu' tests | sort | tr '\n' ' ') 2>&1 | tee '$OUT/gpu_pytest.log'"
 wait # the kernel builds (normally long done)
 
-# 2. the index: kernel vs reference on the device, then whole searches at 1M vs GEMM + topk
-[[ $STEPS == *,gpu,* ]] && step "bench/gpu.py cuda 1M" 100 python3 bench/gpu.py --device cuda --check --threads "$(nproc)" \
-    --sizes 1000000 --batches 1,16,128,1024 --ks 100 --selectivities 1,0.5,0.05,0.005 \
-    --nprobes 16,32,64 --budget-s 0.2 --out "$OUT/gpu.json"
+# 2. the index alone at 1M: kernel vs reference on the device, then whole searches vs GEMM + topk,
+# one query and a batch of 1024, K 100 and 1000, no filter and filters passing 50 / 5 / 0.5 %
+[[ $STEPS == *,gpu,* ]] && step "bench/gpu.py cuda 1M" 75 python3 bench/gpu.py --device cuda --check --threads "$(nproc)" \
+    --sizes 1000000 --batches 1,1024 --ks 100,1000 --selectivities 1,0.5,0.05,0.005 \
+    --nprobes 16,32,64 --budget-s 0.1 --out "$OUT/gpu.json"
 
-# 2b. the device path (the plan decided on the device, fixed shapes): the host-planned search vs
-# the device path eager and replayed from CUDA graphs, vs GEMM + topk, at 1M (the gpu-marked tests
-# of step 1 check its graphs' answers against the CPU's)
-[[ $STEPS == *,device,* ]] && step "bench/gpu_device_path.py cuda 1M" 90 python3 bench/gpu_device_path.py \
-    --device cuda --size 1000000 --batches 1,16,32 --k 100 --selectivities 1,0.05 --budget-s 0.1 \
+# 2b. the index alone at 10M, 64-d and 128-d: a batch of 1024 vs GEMM + topk, recall@100 against
+# exact search, unfiltered and 5 %
+for dim in 64 128; do
+    [[ $STEPS == *,gpu10m,* ]] && step "bench/gpu.py cuda 10M x $dim" 70 python3 bench/gpu.py --device cuda \
+        --threads "$(nproc)" --sizes 10000000 --dim "$dim" --batches 1024 --ks 100 \
+        --selectivities 1,0.05 --nprobes 16,32,64 --budget-s 0.1 --out "$OUT/gpu_10m_$dim.json"
+done
+
+# 2c. the device path (the plan decided on the device, fixed shapes): one query's p50 on the index
+# alone at 1M, unfiltered and 5 %: the host-planned search vs the device path eager and graphed
+[[ $STEPS == *,device,* ]] && step "bench/gpu_device_path.py cuda 1M" 40 python3 bench/gpu_device_path.py \
+    --device cuda --size 1000000 --batches 1,32 --k 100 --selectivities 1,0.05 --budget-s 0.1 \
     --out "$OUT/gpu_device.json"
 
-# 3. serving: the same model (untrained, --epochs 0: no fbgemm here to train with) served by
-# `recserve serve model` on the GPU, then on the CPU (one process; and one per core)
+# 3. served end to end: the same model (untrained, --epochs 0: no fbgemm here to train with)
+# served by `recserve serve model` on the GPU (loaded on cuda: the device backend and the whole
+# forward's graphs), then on the CPU (one process, and one per core); p50 at 1 client and the
+# max q/s at p99 <= 20 ms
 if [[ $STEPS == *,serving,* ]] && python3 -c "import recserve.cli, serving.frontends.recommend_grpc, serving.frontends.kserve_grpc, \
 serving.frontends.kserve_http, tritonclient.grpc" 2>&1; then
-    SERVE=(python3 bench/serving.py --small --items "$ITEMS" --epochs 0 --concurrency 1,8,32,64
-        --seconds 2 --warmup-s 0.5 --startup-timeout-s 75)
-    step "bench/serving.py cuda" 100 "${SERVE[@]}" --systems ours-1proc --device cuda \
+    SERVE=(python3 bench/serving.py --small --items "$ITEMS" --epochs 0 --concurrency 1,8,32,64,128
+        --seconds 2 --warmup-s 0.5 --p99-ms 20 --startup-timeout-s 75)
+    step "bench/serving.py cuda" 75 "${SERVE[@]}" --systems ours-1proc --device cuda \
         --out "$OUT/serving_cuda.json"
     if [[ ! -f $OUT/serving_cuda.json ]]; then # the server's log went with its temp folder
-        step "warm-up on cuda, with a traceback" 40 python3 - <<'EOF'
+        step "warm-up on cuda, with a traceback" 30 python3 - <<'EOF'
 import sys, traceback
 sys.path.append("bench")  # after the root: bench/serving.py is not the package
 from bench_model import trained_model
+from retrieval.artifact import served_on
 from serving.engine.runner import ModelRunner
 _, model = trained_model(300, 20000, 0)
+model = model.to("cuda")
+served_on(model.index, "cuda")  # as a load onto the GPU chooses: the whole forward's graphs
 try:
-    ModelRunner(model.to("cuda"), "diag", 1).warmup()
+    ModelRunner(model, "diag", 1).warmup()
     print("warm-up on cuda: ok")
 except Exception:
     traceback.print_exc()
 EOF
     fi
-    # the same, the index on its device path ($RECSERVE_INDEX_BACKEND reaches the server)
-    step "bench/serving.py cuda, device path" 100 env RECSERVE_INDEX_BACKEND=device "${SERVE[@]}" \
-        --systems ours-1proc --device cuda --out "$OUT/serving_cuda_device.json"
-    step "bench/serving.py cpu" 80 "${SERVE[@]}" --systems ours-1proc,ours --device cpu \
+    step "bench/serving.py cpu" 65 "${SERVE[@]}" --systems ours-1proc,ours --device cpu \
         --out "$OUT/serving_cpu.json"
 else
     echo "== serving: not run (not asked for, or the serving stack does not import)"

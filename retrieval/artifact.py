@@ -33,6 +33,7 @@ from retrieval.config import ModelConfig
 from retrieval.data.id_map import IdMaps
 from retrieval.format import load_config, migrate, version_of, with_format
 from retrieval.index.compaction import fold
+from retrieval.index.executor import backend_for
 from retrieval.index.format import EXTRA
 from retrieval.index.format import migrate as migrate_index
 from retrieval.index.format import version_of as index_version
@@ -83,7 +84,17 @@ def load_model(
     model = RetrievalModel(cfg, remote=remote, table_device=map_location)
     load_state(model, load_tensors(weights, map_location))
     model.id_maps = read_id_maps(directory, cfg)
-    return model.to(map_location)
+    model = model.to(map_location)
+    served_on(model.index, map_location)
+    return model
+
+
+def served_on(index: IVFIndex, device: str | torch.device) -> IVFIndex:
+    """``index`` searching with the backend of ``device`` (``executor.backend_for``): the one
+    place every load for serving or scoring (``serve model / router / shard``, ``score``)
+    chooses it."""
+    index.executor.backend = backend_for(device)
+    return index
 
 
 def read_id_maps(directory: Path, cfg: ModelConfig) -> IdMaps | None:
@@ -243,7 +254,7 @@ def load_shard(directory: Path, map_location: str | torch.device = "cpu") -> IVF
         config, meta["dim"], meta["attribute_values"], hashed_digits=meta.get("hashed_digits", {})
     )
     index.load_state_dict(load_tensors(weights, map_location))
-    return index.to(map_location).eval()
+    return served_on(index.to(map_location).eval(), map_location)
 
 
 def load_whole_model(
@@ -291,6 +302,7 @@ def load_whole_model(
             model.index = merge_shards(parts, model.index.cpu(), rows).to(map_location)
         except ValueError as e:
             raise ValueError(f"{shards_dir}: {e}") from None
+        served_on(model.index, map_location)
     return model.eval()
 
 

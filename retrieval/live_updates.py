@@ -355,7 +355,9 @@ def _known_positions(model: RetrievalModel, ids: torch.Tensor) -> None:
 
 
 def with_index(model: RetrievalModel, index: IVFIndex) -> RetrievalModel:
-    """A shallow copy of ``model`` whose ``index`` is ``index`` (``model`` keeps its own)."""
+    """A shallow copy of ``model`` whose ``index`` is ``index`` (``model`` keeps its own),
+    searching on the backend ``model``'s index was served with (an update's index is new)."""
+    index.executor.backend = model.index.executor.backend
     new = copy.copy(model)
     new._modules = dict(model._modules)  # its own module table: setting index leaves model's
     new.index = index

@@ -11,7 +11,9 @@ Graphs are kept per index (a weak map: not in the module, so copies and saves ne
 at most :data:`MAX_GRAPHS`) and keyed by
 the index's tensors (storage and version), so a live update, a reload or a move records anew.
 A capture that fails (an op that cannot be captured) is remembered and that key runs eagerly.
-``RECSERVE_CUDA_GRAPHS=0`` turns graphs off.
+``RECSERVE_CUDA_GRAPHS=0`` turns graphs off. Inside a graph of the whole forward
+(``retrieval/graphed_forward.py``: :func:`inside_whole_graph`) the search runs as it is: it is
+recorded as part of that graph.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +52,21 @@ _CACHES: weakref.WeakKeyDictionary[Any, dict[Hashable, _Graph]] = weakref.WeakKe
 _CACHES_LOCK = threading.Lock()
 
 
+_WHOLE = threading.local()
+
+
+@contextmanager
+def inside_whole_graph() -> Iterator[None]:
+    """This thread runs (or records) the whole forward's graph: :func:`run_graphed` calls its
+    function directly meanwhile (a graph cannot be captured inside another's capture)."""
+    before = getattr(_WHOLE, "on", False)
+    _WHOLE.on = True
+    try:
+        yield
+    finally:
+        _WHOLE.on = before
+
+
 def bucket(b: int) -> int:
     """The batch size a graph of ``b`` rows is recorded at: the next power of two."""
     return 1 << max(0, (b - 1).bit_length())
@@ -71,7 +89,12 @@ def run_graphed(
     dimensions, reading only ``inputs`` and ``tensors`` (the index's buffers) on the GPU."""
     q = inputs[0]
     b = q.shape[0]
-    if q.device.type != "cuda" or b > MAX_BATCH or os.environ.get(GRAPHS_ENV) == "0":
+    if (
+        q.device.type != "cuda"
+        or b > MAX_BATCH
+        or os.environ.get(GRAPHS_ENV) == "0"
+        or getattr(_WHOLE, "on", False)
+    ):
         return fn(*inputs)
     size = bucket(b)
     shapes = tuple((t.dtype, tuple(t.shape[1:])) for t in inputs)

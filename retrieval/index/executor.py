@@ -39,7 +39,18 @@ from retrieval.index.search import Candidates, run_search
 from retrieval.index.tensors import IndexTensors
 
 BACKEND_ENV = "RECSERVE_INDEX_BACKEND"
-"""``device``: new executors take the device path (``Executor.backend``); unset: ``auto``."""
+"""``device`` / ``auto``: the backend every served index takes, whatever its device
+(:func:`backend_for`); unset: the device's own."""
+
+
+def backend_for(device: str | torch.device) -> str:
+    """The backend an index served on ``device`` runs: ``"device"`` on a GPU (fixed shapes,
+    the plan decided on the device, what a CUDA graph records), ``"auto"`` elsewhere (the
+    host-planned rounds and their C++ backends); ``$RECSERVE_INDEX_BACKEND`` overrides both."""
+    chosen = os.environ.get(BACKEND_ENV)
+    if chosen:
+        return chosen
+    return "device" if torch.device(device).type == "cuda" else "auto"
 
 
 class Executor:
@@ -52,9 +63,10 @@ class Executor:
         self.backend = backend or os.environ.get(BACKEND_ENV, "auto")
         """``"device"``: every search through ``device_search`` (fixed shapes, the plan decided
         on the device, nothing read back: what a CUDA graph records, and what the CPU's device
-        discipline tests run), but a recall target's, which is planned on the host; ``"auto"``
-        (the default, or ``$RECSERVE_INDEX_BACKEND``): the host-planned rounds and their
-        backends."""
+        discipline tests run), but a recall target's, which is planned on the host; ``"auto"``:
+        the host-planned rounds and their backends. A new executor takes
+        ``$RECSERVE_INDEX_BACKEND``, else ``"auto"``; a load for serving sets the device's
+        (:func:`backend_for`)."""
 
     def search(
         self,

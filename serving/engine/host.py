@@ -231,8 +231,12 @@ class ModelHost:
     ) -> ModelRunner:
         """Serves ``loaded`` (the served version, updated) from the next batch on: waits for
         running batches, runs ``commit`` (in-place writes; must not fail), swaps the runner.
-        Call inside :meth:`updating`. No warm-up: same version, same shapes of work."""
+        Call inside :meth:`updating`. No warm-up: same version, same shapes of work; with
+        whole-forward graphs, the updated runner records the buckets the served one had."""
         runner = self.make_runner(loaded)
+        served = self._served
+        if runner.graphed is not None and served is not None and served.runner.graphed is not None:
+            runner.graphed.record_like(served.runner.graphed)
         with self.gate.exclusive():
             if commit is not None:
                 commit()

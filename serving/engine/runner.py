@@ -30,6 +30,7 @@ import torch
 
 from retrieval.features import UserBatch
 from retrieval.filters import COMPILED_FILTERS, Expr, parse_filter
+from retrieval.graphed_forward import GraphedForward
 from retrieval.model import RetrievalModel
 from retrieval.seen import pad_lists
 from serving.limits import LimitsConfig
@@ -43,6 +44,9 @@ from serving.types import (
     check_request,
 )
 from sharded_tables.interface import TablesUnavailableError
+
+GRAPH_MAX_BATCH = 32
+"""The batcher's default largest batch (``serving/app/config.py``): the largest graph bucket."""
 
 Outcome = RecResult | RequestError | ModelNotFoundError
 
@@ -93,7 +97,10 @@ def check_target(name: str, served: int, model: str, version: int | None) -> Non
 class ModelRunner:
     """One loaded model version and the code that turns requests into its input tensors."""
 
-    def __init__(self, model: RetrievalModel, name: str, version: int):
+    def __init__(
+        self, model: RetrievalModel, name: str, version: int, max_batch: int = GRAPH_MAX_BATCH
+    ):
+        """``max_batch``: the largest batch the batcher sends (the largest graph's bucket)."""
         self.model = model.eval()
         self.name, self.version = name, version
         cfg = model.config
@@ -107,6 +114,11 @@ class ModelRunner:
         self.item_map = None if model.id_maps is None else model.id_maps.items
         """The raw item ids answers are rendered with (None: a model without id maps)."""
         self._checked_filters: dict[tuple[str, tuple[int, int, int] | None], Expr] = {}
+        self.graphed: GraphedForward | None = None
+        """On a GPU with the device backend: the whole forward replayed per batch bucket
+        (``retrieval/graphed_forward.py``; batches stay on the host until it copies them in)."""
+        if self.device.type == "cuda" and model.index.executor.backend == "device":
+            self.graphed = GraphedForward(model, max_batch)
 
     # ---- edge -------------------------------------------------------------------------------
     def check_target(self, model: str, version: int | None) -> None:
@@ -238,7 +250,10 @@ class ModelRunner:
         answer)``. ``deadline``: the batch's earliest request deadline (``time.monotonic()``);
         the model runs in this process, so nothing can be missing. ``batch`` comes from
         :meth:`admit`-ted requests (the model's own validation would repeat it)."""
-        ids, scores = self.model(batch, k, checked=True)
+        if self.graphed is not None:  # the batch is on the host (:meth:`_batch`)
+            ids, scores = self.graphed(batch, k)
+        else:
+            ids, scores = self.model(batch, k, checked=True)
         return ids, scores, []
 
     def _batch(self, reqs: list[RecRequest], clauses: list[Expr | None]) -> UserBatch:
@@ -261,11 +276,17 @@ class ModelRunner:
             _targets(reqs),
             _users(reqs),
         )
-        return batch if self.device.type == "cpu" else batch.to(self.device)  # built on the host
+        if self.device.type == "cpu" or self.graphed is not None:  # the graph copies it in
+            return batch
+        return batch.to(self.device)  # built on the host
 
     def warmup(self, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
         """Runs dummy batches (with and without a filter and a seen list) so the first real
-        batch is not slow; raises when the model cannot answer them."""
+        batch is not slow; raises when the model cannot answer them. With graphs: every
+        bucket, unfiltered and filtered, so that each is recorded before the version serves."""
+        if self.graphed is not None:
+            top = self.graphed.max_bucket
+            batch_sizes = tuple(1 << i for i in range(top.bit_length()) if 1 << i <= top)
         k = min(10, self.model.index.ntotal)
         some_filter = None
         for attr, values in self.schema.attribute_values.items():
@@ -274,21 +295,37 @@ class ModelRunner:
             else:
                 some_filter = f"{attr} = {values[0]!r}" if values else None
             break
-        for size in batch_sizes:
+        for size, (f_every, s_every) in [
+            (s, p) for s in batch_sizes for p in self._warm_patterns()
+        ]:
             reqs = [
                 RecRequest(
                     history=np.arange(min(self.history_len, self.num_items), dtype=np.int64),
                     categorical=np.zeros(len(self.features), dtype=np.int64),
                     dense=np.zeros(self.dense_dim, dtype=np.float32),
                     k=k,
-                    filter=some_filter if i % 2 else None,
-                    seen=np.arange(min(2, self.num_items), dtype=np.int64) if i % 2 else None,
+                    filter=some_filter if _every(i, f_every) else None,
+                    seen=np.arange(min(2, self.num_items), dtype=np.int64)
+                    if _every(i, s_every)
+                    else None,
                 )
                 for i in range(size)
             ]
             for out in self.run(reqs):
                 if not isinstance(out, RecResult):
                     raise RuntimeError(f"warm-up of {self.name} v{self.version} failed: {out}")
+
+    def _warm_patterns(self) -> tuple[tuple[int, int], ...]:
+        """Warm-up batches per size, as ``(f, s)``: a filter on every ``f``-th request and a
+        seen list on every ``s``-th (0: none). With graphs, each shape a batch takes (no
+        filter, filters without and with seen lists) in every bucket."""
+        half = ((2, 2),)
+        return half if self.graphed is None else (*half, (0, 0), (1, 0), (1, 1))
+
+
+def _every(i: int, e: int) -> bool:
+    """Whether request ``i`` is an ``e``-th one (``e`` 0: none is)."""
+    return e > 0 and i % e == e - 1
 
 
 def _targets(reqs: list[RecRequest]) -> torch.Tensor | None:

@@ -88,6 +88,7 @@ class RouterRunner(ModelRunner):
     ):
         """``sequence``: the live updates ``model`` has (the shards answer from that state)."""
         super().__init__(model, name, version)
+        self.graphed = None  # the search runs on the shards: no whole-forward graph here
         self.client, self.sequence = client, sequence
         # Batches overlap only while they wait on shards: the tables' hot-row caches are not
         # safe for two forwards at once, so the tower runs one batch at a time.

@@ -2,7 +2,10 @@
 in fixed shapes: ``retrieval/index/device_search.py``), run on CPU tensors: it answers what the
 host-planned forward answers, it runs under the device discipline for every batch bucket with
 and without filters and seen items, and it compiles as one graph (``fullgraph=True``). A copy of
-the device path with a planted ``.item()`` fails, naming the op and the line."""
+the device path with a planted ``.item()`` fails, naming the op and the line. The backend follows
+the device a model is loaded on; the whole forward graphed per bucket (``graphed_forward.py``, its
+capture eager on the CPU) answers as the eager forward in every bucket, under the discipline, and
+records anew after an update."""
 
 from __future__ import annotations
 
@@ -18,10 +21,16 @@ import pytest
 import torch
 
 from common.device_discipline import DeviceDiscipline, DeviceSyncError
+from retrieval.artifact import load_model, save_model, served_on
 from retrieval.data import SyntheticConfig, generate
 from retrieval.features import UserBatch
+from retrieval.graphed_forward import GraphedForward
 from retrieval.index import device_search as device_module
-from retrieval.index.cuda_graphs import MAX_BATCH, bucket
+from retrieval.index import live_index
+from retrieval.index.compaction import fold
+from retrieval.index.cuda_graphs import MAX_BATCH, bucket, inside_whole_graph, run_graphed
+from retrieval.index.executor import BACKEND_ENV, Executor, backend_for
+from retrieval.live_updates import with_index
 from retrieval.model import RetrievalModel
 from retrieval.seen_store import SeenStore
 from retrieval.training.prepare import Prepared, prepare
@@ -119,3 +128,115 @@ def test_a_planted_item_fails_naming_the_op_and_the_line(served, tmp_path: Path)
     line = path.read_text().splitlines().index(planted.rstrip("\n")) + 1
     assert "aten._local_scalar_dense" in str(err.value)
     assert f"{path}:{line} in device_search" in str(err.value)
+
+
+def test_the_backend_follows_the_device_and_the_variable_overrides(monkeypatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert backend_for("cuda") == backend_for(torch.device("cuda", 0)) == "device"
+    assert backend_for("cpu") == "auto"
+    monkeypatch.setenv(BACKEND_ENV, "device")
+    assert backend_for("cpu") == "device"
+    monkeypatch.setenv(BACKEND_ENV, "auto")
+    assert backend_for("cuda") == "auto"
+
+
+@pytest.mark.parametrize("served", ["plain"], indirect=True)
+def test_a_model_loaded_on_the_cpu_keeps_auto_and_an_update_keeps_its_backend(
+    served, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    _, model = served
+    saved = on_device(model)  # saved with the device backend: the load chooses anew
+    save_model(saved, tmp_path / "m")
+    loaded = load_model(tmp_path / "m", "cpu")
+    assert loaded.index.executor.backend == "auto"
+    served_on(loaded.index, "cuda")  # what a load onto a GPU chooses (no GPU needed)
+    assert loaded.index.executor.backend == "device"
+    fresh = copy.copy(loaded.index)
+    fresh.executor = Executor()  # an update's new index has its own executor: "auto"
+    assert with_index(loaded, fresh).index.executor.backend == "device"
+
+
+def disciplined(run):
+    """A recorder whose "graph" runs the recorded forward under the device discipline."""
+
+    def replay():
+        with DeviceDiscipline():
+            return run()
+
+    return replay
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("filtered", "seen"), [(False, False), (True, True)])
+def test_the_graphed_forward_answers_as_the_eager_one_in_every_bucket(
+    served, filtered, seen
+) -> None:
+    """Each batch padded to its bucket, the whole forward recorded once per bucket (and run
+    under the discipline), the answer unpadded: the host-planned forward's answer."""
+    prep, model = served
+    graphed = GraphedForward(on_device(model), max_batch=32, recorder=disciplined)
+    with torch.inference_mode():
+        for b in (1, 2, 3, 4, 5, 9, 17):
+            batch = batch_of(prep, b, filtered, seen)
+            got = graphed(batch, 20)
+            assert got[0].shape == (b, 20)
+            assert_same_topk(*got, *model(batch, 20))
+    assert graphed.records == len({bucket(b) for b in (1, 2, 3, 4, 5, 9, 17)})  # 3, 4 share one
+    assert not graphed.accepts(batch_of(prep, 33, filtered, seen))  # past the largest bucket
+
+
+@pytest.mark.parametrize("served", ["head"], indirect=True)
+def test_an_update_records_the_served_buckets_anew(served) -> None:
+    """A live update's model records the buckets the served one had, and answers as its own
+    eager forward (the removed items gone); an index written in place records anew too."""
+    prep, model = served
+    graphed = GraphedForward(on_device(model), max_batch=8)
+    with torch.inference_mode():
+        for b in (1, 3):
+            graphed(batch_of(prep, b, True, True), 10)
+    assert graphed.records == 2
+    gone = model.index.item_ids[:50].clone()
+    updated = with_index(model, fold(live_index.remove(model.index, gone)))
+    again = GraphedForward(on_device(updated), max_batch=8)
+    again.record_like(graphed)
+    assert again.records == 2
+    with torch.inference_mode():
+        batch = batch_of(prep, 3, True, True)
+        ids, scores = again(batch, 10)
+        assert again.records == 2  # recorded before the first batch
+        assert_same_topk(ids, scores, *updated(batch, 10))
+        assert not torch.isin(ids, gone).any()
+    with torch.no_grad():
+        again.model.index.list_radius.mul_(1.0)  # written in place: a new version
+    with torch.inference_mode():
+        again(batch, 10)
+    assert again.records == 3
+
+
+def test_run_graphed_inside_the_whole_graph_calls_the_search_directly() -> None:
+    calls = []
+
+    def fn(q: torch.Tensor) -> tuple[torch.Tensor]:
+        calls.append(q.shape)
+        return (q * 2,)
+
+    q = torch.ones(3, 4)
+    with inside_whole_graph():
+        (out,) = run_graphed(object(), "k", fn, (q,), ())
+    assert calls == [(3, 4)] and torch.equal(out, q * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("served", ["head"], indirect=True)
+def test_the_whole_forward_captures_as_a_cuda_graph(served) -> None:
+    prep, model = served
+    gpu = copy.deepcopy(model).to("cuda")  # its own modules: the fixture's stay on the CPU
+    served_on(gpu.index, "cuda")
+    graphed = GraphedForward(gpu, max_batch=8)
+    with torch.inference_mode():
+        for b, filtered in ((1, False), (5, True)):
+            batch = batch_of(prep, b, filtered, True)
+            assert_same_topk(*graphed(batch, 10), *model(batch, 10), atol=1e-3)
+    assert graphed.records == 2

@@ -208,3 +208,53 @@ def test_a_model_on_the_gpu_answers_as_on_the_cpu(tiny):
         assert isinstance(got, RecResult) and isinstance(ref, RecResult)
         np.testing.assert_allclose(got.scores, ref.scores, rtol=1e-4, atol=1e-4)
         assert len(set(got.item_ids) & set(ref.item_ids)) >= 19
+
+
+def _graphed_runner(model, version: int = 3) -> ModelRunner:
+    """A runner whose forward goes through the whole-forward graphs (the CPU's eager "graph")
+    on the device backend, as a runner on a GPU does."""
+    import copy
+
+    from retrieval.artifact import served_on
+    from retrieval.graphed_forward import GraphedForward
+
+    m = copy.copy(model)
+    m.index = copy.copy(model.index)
+    m.index.executor = copy.copy(model.index.executor)
+    served_on(m.index, "cuda")  # the backend a load onto a GPU chooses
+    runner = ModelRunner(m, "demo", version, max_batch=8)
+    assert runner.graphed is None  # on the CPU a runner keeps the eager forward
+    runner.graphed = GraphedForward(m, 8)
+    return runner
+
+
+def test_a_graphed_runner_warms_every_bucket_and_answers_as_the_eager_one(tiny):
+    runner = _graphed_runner(tiny.model)
+    runner.warmup()
+    assert {key[0] for key in runner.graphed._entries} == {1, 2, 4, 8}
+    recorded = runner.graphed.records
+    reqs = [tiny.request(i, k=9, filter="language = en" if i % 2 else None) for i in range(6)]
+    want = ModelRunner(tiny.model, "demo", 3).run(reqs)
+    for got, ref in zip(runner.run(reqs), want, strict=True):
+        assert isinstance(got, RecResult) and isinstance(ref, RecResult)
+        np.testing.assert_array_equal(got.item_ids, ref.item_ids)
+        np.testing.assert_allclose(got.scores, ref.scores, rtol=1e-5, atol=1e-5)
+    assert runner.graphed.records == recorded  # a warmed bucket, K bucket and shape: no new one
+
+
+@pytest.mark.gpu
+def test_a_model_loaded_on_the_gpu_serves_through_the_whole_forward_graph(tiny):
+    import copy
+
+    from retrieval.artifact import served_on
+
+    model = copy.deepcopy(tiny.model).to("cuda")
+    served_on(model.index, "cuda")
+    gpu = ModelRunner(model, "demo", 3)
+    assert gpu.graphed is not None
+    gpu.warmup()
+    reqs = [tiny.request(i, k=20, filter="language = en" if i % 2 else None) for i in range(8)]
+    want = ModelRunner(tiny.model, "demo", 3).run(reqs)
+    for got, ref in zip(gpu.run(reqs), want, strict=True):
+        assert isinstance(got, RecResult) and isinstance(ref, RecResult)
+        assert len(set(got.item_ids) & set(ref.item_ids)) >= 19
