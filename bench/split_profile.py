@@ -11,8 +11,8 @@ every stage belongs to the i-th call. The stages, wrapped here without touching 
     admit          -> ``_submit`` returns (decode + edge check + batcher queue)
     to batcher     -> the batcher's ``run_batch`` starts (the batcher thread's wake-up)
     forward        ``run_batch``
-    answer         -> the answer is sent (encode + send, on the batcher thread)
-    to client      -> the client's receiving thread starts decoding (IPC + wake-up)
+    answer         -> the answer is encoded (the futures' callbacks + encode, batcher thread)
+    to client      -> the client's receiving thread starts decoding (send + IPC + wake-up)
     complete       -> the futures are completed (decode + set_result)
     to caller      -> the caller's ``result()`` returns (its wake-up)
 
@@ -73,6 +73,7 @@ def stamped(fn: Callable[..., Any], at_start: list[float] | None, at_end: list[f
 def engine_child(root: str, addresses: tuple[str, str], calls: int, conn: Any) -> None:
     """The engine process: the in-process baseline, then the ``EngineLoop`` with stamps; sends
     ``{"baseline": [s...], "stamps": {stage: [t...]}}`` once told to stop."""
+    from serving.engine import wire
     from serving.engine.batching import BatchPolicy
     from serving.engine.client import InProcessEngine
     from serving.engine.host import ModelHost
@@ -91,10 +92,10 @@ def engine_child(root: str, addresses: tuple[str, str], calls: int, conn: Any) -
         t0 = time.perf_counter()
         engine.submit([reqs[i % len(reqs)]])[0].result()
         baseline.append(time.perf_counter() - t0)
-    s: dict[str, list[float]] = {k: [] for k in ("recv", "admitted", "b0", "b1", "sent")}
+    s: dict[str, list[float]] = {k: [] for k in ("recv", "admitted", "b0", "b1", "encoded")}
     loop = EngineLoop(engine, *addresses)
     loop._submit = stamped(loop._submit, s["recv"], s["admitted"])  # type: ignore[method-assign]
-    loop._answer = stamped(loop._answer, None, s["sent"])  # type: ignore[method-assign]
+    wire.encode_results = stamped(wire.encode_results, None, s["encoded"])  # the loop reads it
     engine.batcher.run_batch = stamped(engine.batcher.run_batch, s["b0"], s["b1"])
     loop.start()
     conn.send("ready")
@@ -136,7 +137,7 @@ def stages(engine: dict[str, list[float]], client: dict[str, list[float]]) -> di
     e = {k: np.array(v[-n:]) for k, v in engine.items()}
     c = {k: np.array(v) for k, v in client.items()}
     # a done callback added after completion runs at once: "set" is then the caller's own stamp
-    seq = [c["t0"], c["sent"], e["recv"], e["admitted"], e["b0"], e["b1"], e["sent"], c["recv"]]
+    seq = [c["t0"], c["sent"], e["recv"], e["admitted"], e["b0"], e["b1"], e["encoded"], c["recv"]]
     seq += [np.minimum(c["set"], c["woke"]), c["woke"]]
     out = {name: float(np.median(b - a) * 1e6) for name, a, b in zip(STAGES, seq, seq[1:])}
     out["total"] = float(np.median(c["woke"] - c["t0"]) * 1e6)
