@@ -139,7 +139,10 @@ def stages(engine: dict[str, list[float]], client: dict[str, list[float]]) -> di
     # a done callback added after completion runs at once: "set" is then the caller's own stamp
     seq = [c["t0"], c["sent"], e["recv"], e["admitted"], e["b0"], e["b1"], e["encoded"], c["recv"]]
     seq += [np.minimum(c["set"], c["woke"]), c["woke"]]
-    out = {name: float(np.median(b - a) * 1e6) for name, a, b in zip(STAGES, seq, seq[1:])}
+    out = {
+        name: float(np.median(b - a) * 1e6)
+        for name, a, b in zip(STAGES, seq[:-1], seq[1:], strict=True)
+    }
     out["total"] = float(np.median(c["woke"] - c["t0"]) * 1e6)
     return out
 
@@ -152,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    from serving.types import RecRequest
     from serving.repository.repository import ModelRepository
+    from serving.types import RecRequest
 
     prep, model = trained_model(args.users, args.items, args.epochs)
     reqs = []
