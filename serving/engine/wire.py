@@ -65,14 +65,22 @@ _TEXTS = ("raw_history", "raw_seen")
 _SCALARS = ("k", "filter", "user_id", "deadline", "model", "version", "recall_target", "user")
 
 
+_DUMPS = json.JSONEncoder(separators=(",", ":")).encode
+"""One encoder for every message: ``json.dumps`` with options builds a new one per call."""
+_LOADS = json.JSONDecoder().decode
+
+
 def header(frames: Frames) -> dict[str, Any]:
     """The JSON header of a received message."""
     first = frames[0]
-    return dict(json.loads(bytes(first.buffer if hasattr(first, "buffer") else first)))
+    head = _LOADS(bytes(first.buffer if hasattr(first, "buffer") else first).decode())
+    if not isinstance(head, dict):
+        raise ValueError(f"message header: a JSON object expected, got {type(head).__name__}")
+    return head
 
 
 def message(head: dict[str, Any], *buffers: Any) -> Frames:
-    return [json.dumps(head, separators=(",", ":")).encode(), *buffers]
+    return [_DUMPS(head).encode(), *buffers]
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -92,6 +100,8 @@ def exception_of(err: Sequence[str]) -> BaseException:
 # ---- requests ------------------------------------------------------------------------------------
 def encode_requests(head: dict[str, Any], reqs: Sequence[RecRequest]) -> Frames:
     """The rows of one call -> a ``sub`` message (``head`` gives ``fe`` and ``id``)."""
+    if len(reqs) == 1:
+        return _encode_one(head, reqs[0])
     arrays: dict[str, Any] = {}
     buffers: list[Any] = []
     for name, dtype in _ARRAYS:
@@ -115,6 +125,8 @@ def encode_requests(head: dict[str, Any], reqs: Sequence[RecRequest]) -> Frames:
 def decode_requests(head: dict[str, Any], frames: Frames) -> list[RecRequest]:
     """A ``sub`` message -> its rows (the arrays are views of the received frames)."""
     rows = head["rows"]
+    if len(rows) == 1:
+        return [_decode_one(head, frames)]
     fields: dict[str, list[Any]] = {}
     for frame, (name, (dtype, lengths)) in zip(frames[1:], head["arrays"].items(), strict=True):
         flat = (
@@ -141,6 +153,48 @@ def decode_requests(head: dict[str, Any], frames: Frames) -> list[RecRequest]:
 
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int64)
+_DTYPES = {dtype: np.dtype(dtype) for _, dtype in _ARRAYS}
+
+
+def _encode_one(head: dict[str, Any], req: RecRequest) -> Frames:
+    """:func:`encode_requests` of a one-row call (most calls): the same message, built without
+    the per-field lists and concatenations of many rows."""
+    arrays: dict[str, Any] = {}
+    buffers: list[Any] = []
+    for name, dtype in _ARRAYS:
+        part = getattr(req, name)
+        if part is not None:
+            flat = np.asarray(part, dtype=_DTYPES[dtype]).reshape(-1)
+            arrays[name] = [dtype, [len(flat)]]
+            buffers.append(flat)
+    for name in _TEXTS:
+        part = getattr(req, name)
+        if part is not None:
+            arrays[name] = ["BYTES", [len(part)]]
+            buffers.append(encode_text(part))
+    row = {n: getattr(req, n) for n in _SCALARS}
+    return message({**head, "t": "sub", "rows": [row], "arrays": arrays}, *buffers)
+
+
+def _decode_one(head: dict[str, Any], frames: Frames) -> RecRequest:
+    """:func:`decode_requests` of a one-row call: each frame is the row's whole array."""
+    arrays: dict[str, Any] = {}
+    for frame, (name, (dtype, lengths)) in zip(frames[1:], head["arrays"].items(), strict=True):
+        if lengths[0] < 0:
+            continue
+        buf = _buffer(frame)
+        arrays[name] = decode_text(buf) if dtype == "BYTES" else np.frombuffer(buf, dtype=dtype)
+        if len(arrays[name]) != lengths[0]:
+            raise ValueError(f"{name}: {len(arrays[name])} values, the header says {lengths[0]}")
+    return RecRequest(
+        history=arrays.get("history", _EMPTY_IDS),
+        categorical=arrays["categorical"],
+        dense=arrays["dense"],
+        seen=arrays.get("seen"),
+        raw_history=arrays.get("raw_history"),
+        raw_seen=arrays.get("raw_seen"),
+        **head["rows"][0],
+    )
 
 
 def _split(flat: np.ndarray, lengths: list[int]) -> list[np.ndarray | None]:
@@ -177,14 +231,25 @@ def encode_results(head: dict[str, Any], outcomes: Sequence[RecResult | BaseExce
         scores.append(out.scores)
         if out.item_map is not None:
             raw.extend(raw_item_ids(out.item_ids.reshape(1, -1), out.item_map)[0].tolist())
-    cat_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    cat_scores = np.concatenate(scores) if scores else np.zeros(0, np.float32)
+    cat_ids = _joined(ids, _NO_IDS)
+    cat_scores = _joined(scores, _NO_SCORES)
     return message(
         {**head, "t": "res", "rows": rows},
         cat_ids.astype("<i8", copy=False),
         cat_scores.astype("<f4", copy=False),
         encode_text(raw),
     )
+
+
+_NO_IDS = np.zeros(0, np.int64)
+_NO_SCORES = np.zeros(0, np.float32)
+
+
+def _joined(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
+    """``parts`` end to end (the one part itself: no copy for a one-row answer)."""
+    if len(parts) == 1:
+        return np.ascontiguousarray(parts[0]).reshape(-1)
+    return np.concatenate(parts) if parts else empty
 
 
 def decode_results(head: dict[str, Any], frames: Frames) -> list[RecResult | BaseException]:
