@@ -4,7 +4,8 @@ index's max q/s, the served p99 with and without updates, and acknowledged upser
 In one process, on clustered vectors as ``bench/ann_data.py`` (N x D, IVF):
 
 * **max q/s**: one query at a time, back to back (``--probe-s``); the serving rate is half of it;
-* **phases in turns** (``--turns`` of each, ``--phase-s`` long): ``quiet`` (searches only) and
+* **phases in turns** (``--turns`` of each, ``--phase-s`` long, each from the index as built):
+  ``quiet`` (searches only) and
   ``updates`` (searches, and an updater thread applying upsert, attribute-flip and remove
   batches of ``--batch`` items at ``--upserts-per-s`` / ``--flips-per-s`` / ``--removes-per-s``,
   each swapped in as a new index reference, as a server's update path does; past
@@ -226,6 +227,7 @@ def run_setting(index: IVFIndex, q: torch.Tensor, rate: float, args: argparse.Na
     updaters: list[Updater] = []
     for turn in range(args.turns):
         for phase in ("quiet", "updates"):
+            served.index = index  # each phase from the index as built: no segment left over
             up = None
             if phase == "updates":
                 up = Updater(served, args, first_id=args.n + turn * 10_000_000, seed=turn)
