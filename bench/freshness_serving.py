@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="5000:20000:1000,1000:2000:200",
         help="settings of upserts:flips:removes per second, each run in its own phases",
     )
-    p.add_argument("--compact-at", type=int, default=10_000)
+    p.add_argument("--compact-at", type=int, default=10_000, help="0: never fold")
     p.add_argument("--phase-s", type=float, default=10.0)
     p.add_argument("--probe-s", type=float, default=4.0)
     p.add_argument("--turns", type=int, default=2)
@@ -191,7 +191,12 @@ class Updater(threading.Thread):
         self.items[kind] += len(ids) - (kind == "upsert")
         self.batch_ms[kind].append(1e3 * (acked - t0))
         seg = index.live
-        if seg is not None and seg.size >= a.compact_at and not self.served.compacting:
+        if (
+            a.compact_at > 0
+            and seg is not None
+            and seg.size >= a.compact_at
+            and not self.served.compacting
+        ):
             self.served.compacting = True
             t = threading.Thread(target=compact, args=(self.served,), daemon=True)
             self.served.compactor = t
