@@ -5,7 +5,8 @@ serve pays one.
 Both run on hosts of their own (``recserve/hosts/``), each behind its host's relay with the same
 profile (``--network``, default ``dc``): ``recserve serve model`` on one host; ``recserve
 cluster up --hosts netns --shards 1 --embedding-servers 0`` (router and shard server on two
-hosts). One synthetic catalog and model (``bench/sharding_workload.py``, untrained weights by
+hosts; ``--replicas 2`` gives the shard a second replica on a third host, for the router's
+hedge, ``--hedge-after-ms`` its delay, 0 adaptive). One synthetic catalog and model (``bench/sharding_workload.py``, untrained weights by
 default: the network, not the model, is measured), the same requests, one closed-loop load
 generator in a process of its own (``bench/loadgen.py``) on this machine, reaching each through
 the bridge. Concurrencies in turns (serve at C, routed at C, serve at the next C, ...), since this
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--p99-ms", type=float, default=20.0)
     p.add_argument("--shard-deadline-ms", type=float, default=200.0)
+    p.add_argument("--replicas", type=int, default=1, help="routed: replicas of its one shard")
+    p.add_argument("--hedge-after-ms", type=float, default=0.0, help="routed: 0 adaptive")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
@@ -102,13 +105,17 @@ def serve_on_host(repo: Path, network: str, logs: Path, args: argparse.Namespace
 
 
 @contextmanager
-def routed_on_hosts(repo: Path, network: str, d: Path, args: argparse.Namespace):
+def routed_on_hosts(
+    repo: Path, network: str, d: Path, args: argparse.Namespace, embedding_servers: int = 0
+):
     """``recserve cluster up --hosts netns --network NETWORK --shards 1``; yields (the router
     relay's address, the router's pid); always ``cluster down``."""
     up = recserve(
         "cluster", "up", "--model-repo", str(repo), "--model", MODEL, "--shards", "1",
-        "--embedding-servers", "0", "--directory", str(d), "--hosts", "netns",
+        "--embedding-servers", str(embedding_servers), "--directory", str(d), "--hosts", "netns",
         "--network", network, "--shard-deadline-ms", str(args.shard_deadline_ms),
+        "--replicas", str(getattr(args, "replicas", 1)),
+        "--hedge-after-ms", str(getattr(args, "hedge_after_ms", 0.0)),
         timeout=args.startup_timeout_s,
     )  # fmt: skip
     try:
@@ -121,6 +128,11 @@ def routed_on_hosts(repo: Path, network: str, d: Path, args: argparse.Namespace)
             recserve("cluster", "down", "--directory", str(d), timeout=120)
 
 
+CHECK_TRIES = 3
+"""Calls per checked user: a lossy profile may refuse one (a stall past the shard deadline),
+which is no wrong answer."""
+
+
 def check(address: str, work: Workload) -> None:
     """A few users' answers equal the in-process model's (ids)."""
     users = work.users[:4]
@@ -128,7 +140,14 @@ def check(address: str, work: Workload) -> None:
     with grpc.insecure_channel(address) as channel:
         stub = recommend_pb2_grpc.RecommenderStub(channel)
         for row, u in enumerate(users):
-            got = list(stub.Recommend(work.message(int(u), NO_FILTER), timeout=30).item_ids)
+            for tries_left in range(CHECK_TRIES - 1, -1, -1):
+                try:
+                    reply = stub.Recommend(work.message(int(u), NO_FILTER), timeout=30)
+                    break
+                except grpc.RpcError as e:
+                    if tries_left == 0 or e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+            got = list(reply.item_ids)
             if got != want[row].tolist():
                 raise RuntimeError(f"{address}: user {u}'s answer differs from the model's")
 
@@ -198,7 +217,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "k": args.k,
         "p99_ms": args.p99_ms,
         "shard_deadline_ms": args.shard_deadline_ms,
+        "replicas": args.replicas,
+        "hedge_after_ms": args.hedge_after_ms,
         "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
         "rows": rows,
         "max_qps": best,
         "p50_1_ms": p50,

@@ -188,11 +188,49 @@ def netns(data: Data, spec: Spec) -> Rows:
     argv = data["meta"]["argv"]
     flag = "--shard-deadline-ms"
     deadline = float(argv[argv.index(flag) + 1]) if flag in argv else 200.0
+    label = f"{data['network']}, shard deadline {deadline:g} ms"
+    if data.get("replicas", 1) > 1:
+        hedge = data.get("hedge_after_ms", 0.0)
+        label += f", {data['replicas']} replicas, hedge {f'{hedge:g} ms' if hedge else 'adaptive'}"
     return [
-        f"{data['network']}, shard deadline {deadline:g} ms | {qps(best_qps['routed'])} | "
+        f"{label} | {qps(best_qps['routed'])} | "
         f"{qps(best_qps['serve'])} | {ratio_txt} | {p50['routed']:.2f} / {p50['serve']:.2f} ms "
         f"({v['p50_1_delta_ms']:+.2f} ms) | {errors} of {calls:,}"
     ]
+
+
+def netns_tier(data: Data, spec: Spec) -> Rows:
+    """Recommend with the coldest tables on an embedding host against all tables local."""
+    v, best_qps, p50 = data["verdict"], data["max_qps"], data["p50_1_ms"]
+    ratio_txt = "—" if v["max_qps_ratio"] is None else ratio(v["max_qps_ratio"])
+    refused = {s: sum(n for r in data["rows"][s] for n in r["errors"].values()) for s in p50}
+    calls = {s: sum(r["requests"] for r in data["rows"][s]) for s in p50}
+    return [
+        f"{data['network']}, shard deadline {data['shard_deadline_ms']:g} ms | "
+        f"{p50['remote']:.2f} / {p50['local']:.2f} ms "
+        f"({v['p50_1_delta_ms']:+.2f} ms) | {bold(v['p50_1_ratio'])} | "
+        f"{qps(best_qps['remote'])} / {qps(best_qps['local'])} | {ratio_txt} | "
+        f"{refused['remote']} of {calls['remote']:,} / {refused['local']} of {calls['local']:,}"
+    ]
+
+
+def relay_cost(data: Data, spec: Spec) -> Rows:
+    """``bench/relay_cost.py``: echo round trips through the relay against direct ones."""
+    rows = data["rows"]
+    out = []
+    for r in rows:
+        if r["case"] == "direct":
+            continue
+        direct = next(
+            d for d in rows if d["case"] == "direct" and d["concurrency"] == r["concurrency"]
+        )
+        out.append(
+            f"{r['case']} | {r['concurrency']} | {qps(r['round_trips_per_s'])}, p50 {ms(r['p50_ms'])} ms"
+            f" | {qps(direct['round_trips_per_s'])}, p50 {ms(direct['p50_ms'])} ms | "
+            f"{r['profile_rtt_ms']:g} ms | **{r['added_p50_ms'] * 1e3:+.0f} µs** | "
+            f"{r['relay_cpu_ms'] * 1e3:.0f} µs"
+        )
+    return out
 
 
 def remote_hot(data: Data, spec: Spec) -> Rows:
@@ -443,6 +481,14 @@ KINDS: dict[str, tuple[Kind, str]] = {
     "netns": (
         netns,
         "network | routed, 1 shard: max q/s at p99 ≤ 20 ms | serve, same turns | routed ÷ serve | p50 at 1 client: routed / serve | routed calls refused",
+    ),
+    "netns_tier": (
+        netns_tier,
+        "network | Recommend p50 at 1 client: remote tier / all local | remote ÷ local (p50) | max q/s at p99 ≤ 20 ms: remote / local | remote ÷ local (q/s) | calls refused: remote / local",
+    ),
+    "relay_cost": (
+        relay_cost,
+        "relay, profile | connections | through the relay: round trips/s, p50 | direct | profile's round trip delay | p50 beyond direct + profile | relay CPU a round trip",
     ),
     "remote_hot": (remote_hot, "filter | clients | p50 ÷ all tables local | q/s ÷ local | target"),
     "gpu": (

@@ -1,179 +1,157 @@
-"""A seeded fault-injecting TCP relay: what ``netem`` would do to a host's links, done in user
-space because this kernel has no ``netem``.
+"""A seeded fault-injecting TCP relay: a host's links as a :class:`Profile` says, done in user
+space because this kernel has no ``netem`` (``profiles.py`` says what delay, jitter and loss mean
+on a TCP stream).
 
-It listens on one address and forwards every connection to one target, both directions, with a
-:class:`Profile`'s faults on each chunk of bytes it reads:
+It listens on one address and forwards every connection to one target, both directions, with the
+profile's faults on each chunk of bytes it reads. One thread serves every connection: a
+``select`` loop (its timeout has microseconds, where epoll's has whole milliseconds, so a delay
+under a millisecond is kept) reads what arrives, stamps each chunk with when it is due, and sends
+every due chunk of a direction in one ``send``; a chunk due at once (no delay drawn) goes on from
+the read itself. So what the relay adds is its profile's delay, and of its own only a wake-up
+and a copy per chunk: no hand-off between threads, no sleep per chunk. The loop's thread asks
+the kernel for a tight timer slack and wakes as much earlier than a chunk is due as its wake-ups
+have come late (a running average, at most ``MAX_EARLY_S``), so a chunk goes on when due on
+average rather than a scheduling delay later. Bounded: at most ``max_connections`` at once (a
+socket numbered past ``select``'s limit is refused as over the bound), each direction holding at
+most ``MAX_QUEUED`` bytes before its source is no longer read (TCP's window); a connect to the
+target not finished in ``CONNECT_TIMEOUT_S`` closes the client's connection.
 
-* **delay and jitter**: a chunk goes on ``delay_ms`` +- ``jitter_ms`` (uniform) after it
-  arrived, each direction (a round trip pays it twice). A TCP stream is delivered in order, so
-  a chunk never overtakes the one before it: jitter shows as head-of-line waits, as it does
-  for a TCP receiver whose packets arrive reordered.
-* **loss**: TCP loses no bytes; a lost segment costs its stream a retransmission. Each chunk
-  counts as ``ceil(len / MSS)`` segments, each lost with probability ``loss``; a chunk with a
-  lost segment is held back ``stall_ms`` (the retransmission timeout, by default Linux's
-  minimum ``TCP_RTO_MIN``, doubled for each further loss of the same segment), and everything
-  behind it in that direction waits too. Real stacks often recover a loss sooner (fast retransmit, tail loss
-  probes a few round trips later), so this is the pessimistic case of a short RPC whose only
-  segment is lost. No connection is reset and no byte is dropped: a partition (no packet at
-  all) is the host's link going down (``netns.py``), not this relay.
-
-The relay's own hop costs tens of microseconds and a sleep overshoots by about as much, so a
-round trip through it is somewhat slower than its profile says (measured in
-``bench/RELIABILITY.md``). Bandwidth caps are the kernel's (``tc tbf`` on the host's link,
-``netns.py``); the profile carries the rate for whoever sets up the link.
-
-Draws are seeded: connection ``c`` direction ``d`` draws from ``Random(f"{seed}-{c}-{d}")``, so
-a run makes the same fault decisions for the same sequence of chunks (the chunking and the
-timing are the network's). Two threads per direction (a reader stamps each chunk with when it
-is due, a writer sleeps until then: a delay never serialises the chunks behind it), bounded:
-at most ``max_connections`` at once, each direction holding at most ``MAX_QUEUED`` bytes
-before its reader waits (TCP's window).
+Draws are seeded: connection ``c`` direction ``d`` draws from ``Random(f"{seed}-{c}-{d}")``, so a
+run makes the same fault decisions for the same sequence of chunks (the chunking and the timing
+are the network's).
 
 In a test or a cluster a relay runs on the host it fronts (``python -m recserve.hosts.relay``,
-inside the host's namespace) and re-reads its profile file when it changes, so a test can
-raise a loss or jitter spike while traffic flows.
+inside the host's namespace) and re-reads its profile file when it changes, so a test can raise
+a loss or jitter spike while traffic flows.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import random
+import ctypes
+import errno
+import selectors
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from random import Random
 
-MSS = 1448
-"""Bytes of one TCP segment on a 1500-byte Ethernet link."""
+from recserve.hosts.profiles import (
+    MAX_RETRIES,
+    MSS,
+    PROFILES,
+    Profile,
+    profile_named,
+    read_profile,
+    write_profile,
+)
+
 MAX_QUEUED = 4 << 20
 CHUNK = 65536
-MAX_RETRIES = 6
-"""Losses of one segment counted at most (then it gets through): bounds a chunk's stall."""
 CONNECT_TIMEOUT_S = 2.0
 WATCH_S = 0.05
 """How often the profile file is checked for a change."""
+FD_LIMIT = 1024
+"""``select``'s ``FD_SETSIZE``: a socket numbered at or past it cannot be watched."""
+TIMER_SLACK_NS = 1000
+MAX_EARLY_S = 100e-6
+"""The loop wakes this much earlier at most than a chunk is due, to make up for a wake-up's
+lateness (scheduling on a busy machine): a chunk goes on when due on average."""
+LATE_WEIGHT = 0.1
+"""Weight of each timed wake-up's lateness in the running average."""
+_PR_SET_TIMERSLACK = 29
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
-@dataclass(frozen=True)
-class Profile:
-    """The faults of a host's links (see the module docstring for what each means)."""
+class _Direction:
+    """One direction of one connection: chunks read from ``src``, each sent to ``dst`` when due
+    (in order: a chunk is never due before the one ahead of it)."""
 
-    delay_ms: float = 0.0
-    """One-way delay of a chunk, each direction."""
-    jitter_ms: float = 0.0
-    """The one-way delay varies uniformly by +- this (never below 0)."""
-    loss: float = 0.0
-    """Probability that a segment is lost (and retransmitted after ``stall_ms``)."""
-    stall_ms: float = 200.0
-    """What one loss costs the stream: a retransmission timeout (Linux's ``TCP_RTO_MIN``)."""
-    rate: str = ""
-    """Bandwidth cap of the host's link (a tc rate, ``"10mbit"``; "" none): set by
-    ``netns.HostSet.rate``, not by the relay."""
+    __slots__ = (
+        "blocked",
+        "conn",
+        "done",
+        "dst",
+        "eof",
+        "last_due",
+        "queue",
+        "queued",
+        "rng",
+        "src",
+    )
 
-    def one_way_s(self, rng: random.Random, nbytes: int) -> float:
-        """Seconds a chunk of ``nbytes`` waits before it goes on (delay, jitter, losses)."""
-        d = self.delay_ms
-        if self.jitter_ms > 0:
-            d = max(0.0, d + rng.uniform(-self.jitter_ms, self.jitter_ms))
-        if self.loss > 0:
-            stall = self.stall_ms
-            for _ in range(math.ceil(nbytes / MSS)):
-                for _ in range(MAX_RETRIES):  # lost, and maybe its retransmissions too
-                    if rng.random() >= self.loss:
-                        break
-                    d += stall
-                    stall *= 2
-        return d / 1000.0
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> Profile:
-        return cls(**d)
-
-
-PROFILES: dict[str, Profile] = {
-    "none": Profile(),
-    # one datacentre: sub-millisecond round trips
-    "dc": Profile(delay_ms=0.1, jitter_ms=0.05),
-    # across the zones of a region: round trips of a millisecond or two, rare losses
-    "zone": Profile(delay_ms=0.75, jitter_ms=0.25, loss=0.001),
-    # a bad link: round trips that vary as much as they take, frequent losses, a thin pipe
-    "bad": Profile(delay_ms=2.5, jitter_ms=2.5, loss=0.01, rate="20mbit"),
-}
-"""The named network profiles (``recserve cluster up --network NAME``)."""
-
-
-def profile_named(name: str) -> Profile:
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"network profile: one of {sorted(PROFILES)}, got {name!r}") from None
-
-
-class _Pipe:
-    """One direction of one connection: a reader stamps chunks, a writer sends them when due."""
-
-    def __init__(self, relay: Relay, src: socket.socket, dst: socket.socket, rng: random.Random):
-        self.relay, self.src, self.dst, self.rng = relay, src, dst, rng
-        self.queue: deque[tuple[float, bytes]] = deque()
+    def __init__(self, conn: _Connection, src: socket.socket, dst: socket.socket, rng: Random):
+        self.conn, self.src, self.dst, self.rng = conn, src, dst, rng
+        self.queue: deque[tuple[float, bytes]] = deque()  # (due, bytes); b"": the stream's end
         self.queued = 0
-        self.cond = threading.Condition()
-        self.closed = False
+        self.last_due = 0.0
+        self.eof = False  # src ended (its b"" queued)
+        self.done = False  # the end passed on: dst shut for writing
+        self.blocked = False  # dst's buffer was full: waits until it is writable
 
-    def read(self) -> None:
-        last = 0.0
-        try:
-            while True:
-                data = self.src.recv(CHUNK)
-                now = time.monotonic()
-                due = max(now + self.relay.profile.one_way_s(self.rng, len(data)), last)
-                last = due
-                with self.cond:
-                    while self.queued > MAX_QUEUED and not self.closed:
-                        self.cond.wait(0.1)
-                    self.queue.append((due, data))  # b"": the end of the stream, in order
-                    self.queued += len(data)
-                    self.cond.notify_all()
-                if not data or self.closed:
-                    return
-        except OSError:
-            self._close()
+    def push(self, data: bytes, now: float, profile: Profile) -> None:
+        due = max(now + profile.one_way_s(self.rng, len(data)), self.last_due)
+        self.last_due = due
+        self.queue.append((due, data))
+        self.queued += len(data)
+        self.eof = not data
 
-    def write(self) -> None:
-        try:
-            while True:
-                with self.cond:
-                    while not self.queue and not self.closed:
-                        self.cond.wait(0.5)
-                    if not self.queue:
-                        return
-                    due, data = self.queue.popleft()
-                    self.queued -= len(data)
-                    self.cond.notify_all()
-                wait = due - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                if not data:
-                    self.dst.shutdown(socket.SHUT_WR)
-                    return
-                self.dst.sendall(data)
-        except OSError:
-            self._close()
+    def flush(self, now: float) -> None:
+        """Sends every chunk due by ``now``, joined into one send (what a full buffer refuses
+        stays at the head); passes the stream's end on once it is due. Raises ``OSError``."""
+        q = self.queue
+        parts: list[bytes] = []
+        due = 0.0
+        while q and q[0][0] <= now and q[0][1]:
+            due, data = q.popleft()
+            parts.append(data)
+        self.blocked = False
+        if parts:
+            buf = parts[0] if len(parts) == 1 else b"".join(parts)
+            try:
+                n = self.dst.send(buf)
+            except BlockingIOError:
+                n = 0
+            self.queued -= n
+            if n < len(buf):
+                q.appendleft((due, buf[n:]))
+                self.blocked = True
+                return
+        if q and q[0][0] <= now and not q[0][1]:
+            q.popleft()
+            self.dst.shutdown(socket.SHUT_WR)
+            self.done = True
 
-    def _close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-        for s in (self.src, self.dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+
+class _Connection:
+    """A client's connection and its upstream one to the target, a direction each way."""
+
+    __slots__ = ("client", "connect_by", "connecting", "down", "masks", "up", "upstream")
+
+    def __init__(self, index: int, client: socket.socket, upstream: socket.socket, seed: int):
+        self.client, self.upstream = client, upstream
+        self.up = _Direction(self, client, upstream, Random(f"{seed}-{index}-up"))
+        self.down = _Direction(self, upstream, client, Random(f"{seed}-{index}-down"))
+        self.connecting = True
+        self.connect_by = time.monotonic() + CONNECT_TIMEOUT_S
+        self.masks = {client: 0, upstream: 0}
+
+    def reading(self, s: socket.socket) -> _Direction:
+        return self.up if s is self.client else self.down
+
+    def writing(self, s: socket.socket) -> _Direction:
+        return self.down if s is self.client else self.up
+
+    def wants(self, s: socket.socket) -> int:
+        """The events to watch ``s`` for: readable while its direction has room, writable
+        while connecting (the upstream) or while its incoming direction is blocked."""
+        r, w = self.reading(s), self.writing(s)
+        mask = _READ if not r.eof and r.queued <= MAX_QUEUED else 0
+        if (s is self.upstream and self.connecting) or w.blocked:
+            mask |= _WRITE
+        return mask
 
 
 class Relay:
@@ -189,67 +167,191 @@ class Relay:
     ):
         self.target, self.profile, self.seed = target, profile, seed
         self.max_connections = max_connections
+        family, _, _, _, addr = socket.getaddrinfo(*target, type=socket.SOCK_STREAM)[0]
+        self._family, self._target_addr = family, addr
         self._server = socket.create_server(listen, backlog=128)
+        self._server.setblocking(False)
         self.address: tuple[str, int] = self._server.getsockname()[:2]
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel = selectors.SelectSelector()
+        self._conns: set[_Connection] = set()
+        self._active: set[_Direction] = set()  # those with chunks queued
         self._count = 0
-        self._stop = threading.Event()
+        self._late = 0.0  # how late a timed wake-up comes, on average (seconds)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="relay", daemon=True)
 
     def start(self) -> Relay:
-        self._spawn(self._accept, "relay-accept")
+        self._thread.start()
         return self
 
     def set_profile(self, profile: Profile) -> None:
         """Applies to every chunk read from now on (those queued keep their times)."""
         self.profile = profile
 
-    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
-        threading.Thread(target=target, args=args, name=name, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):
-                client.close()  # over the bound: refused, as a full backlog would
-                continue
-            self._count += 1
-            self._spawn(self._serve, f"relay-conn-{self._count}", client, self._count)
-
-    def _serve(self, client: socket.socket, index: int) -> None:
-        try:
-            try:
-                upstream = socket.create_connection(self.target, timeout=CONNECT_TIMEOUT_S)
-            except OSError:
-                client.close()
-                return
-            upstream.settimeout(None)
-            for s in (client, upstream):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pipes = [
-                _Pipe(self, client, upstream, random.Random(f"{self.seed}-{index}-up")),
-                _Pipe(self, upstream, client, random.Random(f"{self.seed}-{index}-down")),
-            ]
-            workers = [
-                threading.Thread(target=f, daemon=True) for p in pipes for f in (p.read, p.write)
-            ]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            client.close()
-            upstream.close()
-        finally:
-            self._slots.release()
+    def queued(self) -> int:
+        """Bytes read and not yet sent on, over every direction of every connection (a
+        snapshot from another thread: it may lag the loop by a chunk)."""
+        return sum(d.queued for d in list(self._active))
 
     def close(self) -> None:
-        self._stop.set()
-        self._server.close()
+        """Stops the loop; every connection and the listener are closed."""
+        self._stop = True
+        if not self._thread.is_alive():  # never started: nothing else closes them
+            for s in (self._server, self._wake_r, self._wake_w):
+                s.close()
+            return
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(5.0)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        _tight_timer_slack()
+        self._sel.register(self._server, _READ)
+        self._sel.register(self._wake_r, _READ)
+        try:
+            while not self._stop:
+                now = time.monotonic()
+                timeout = self._timeout(now)
+                ready = self._sel.select(timeout)
+                if timeout and not ready:  # woken by its timeout: learn how late wake-ups come
+                    late = min(max(time.monotonic() - now - timeout, 0.0), MAX_EARLY_S)
+                    self._late += LATE_WEIGHT * (late - self._late)
+                for key, events in ready:
+                    if key.fileobj is self._server:
+                        self._accept()
+                    elif key.data is not None:
+                        assert isinstance(key.fileobj, socket.socket)
+                        self._on_ready(key.data, key.fileobj, events)
+                self._send_due(time.monotonic() + self._late)
+        finally:
+            for conn in list(self._conns):
+                self._drop(conn)
+            self._sel.close()
+            for s in (self._server, self._wake_r, self._wake_w):
+                s.close()
+
+    def _timeout(self, now: float) -> float | None:
+        """Seconds until the next chunk is due or a connect times out (None: nothing waits)."""
+        soonest = min(
+            (d.queue[0][0] for d in self._active if not d.blocked and not d.conn.connecting),
+            default=None,
+        )
+        for conn in self._conns:
+            if conn.connecting and (soonest is None or conn.connect_by < soonest):
+                soonest = conn.connect_by
+        return None if soonest is None else max(0.0, soonest - now - self._late)
+
+    def _accept(self) -> None:
+        for _ in range(self.max_connections):  # bounded: at most what the backlog holds
+            try:
+                client, _ = self._server.accept()
+            except OSError:  # nothing more waiting (or the listener closed)
+                return
+            if len(self._conns) >= self.max_connections or client.fileno() >= FD_LIMIT:
+                client.close()  # over the bound: refused, as a full backlog would
+                continue
+            upstream = socket.socket(self._family, socket.SOCK_STREAM)
+            for s in (client, upstream):
+                s.setblocking(False)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            err = upstream.connect_ex(self._target_addr)
+            if upstream.fileno() >= FD_LIMIT or err not in (0, errno.EINPROGRESS):
+                client.close()
+                upstream.close()
+                continue
+            self._count += 1
+            conn = _Connection(self._count, client, upstream, self.seed)
+            self._conns.add(conn)
+            self._watch(conn)
+
+    def _on_ready(self, conn: _Connection, s: socket.socket, events: int) -> None:
+        now = time.monotonic()
+        try:
+            if events & _WRITE and s is conn.upstream and conn.connecting:
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    raise ConnectionRefusedError
+                conn.connecting = False
+                self._flush(conn.up, now)
+            elif events & _WRITE:
+                self._flush(conn.writing(s), now)
+            if events & _READ:
+                d = conn.reading(s)
+                data = s.recv(CHUNK)
+                d.push(data, now, self.profile)
+                self._active.add(d)
+                if not conn.connecting:
+                    self._flush(d, now)  # due at once: no wait for the loop's next turn
+        except OSError:
+            self._drop(conn)
+            return
+        self._settle(conn)
+
+    def _send_due(self, now: float) -> None:
+        """Flushes every direction with a chunk due by ``now`` (the loop's clock plus how late
+        its wake-ups come); drops connections past their connect deadline."""
+        touched = set()
+        for d in list(self._active):
+            conn = d.conn
+            if conn.connecting or d.blocked or d.queue[0][0] > now:
+                continue
+            try:
+                self._flush(d, now)
+            except OSError:
+                self._drop(conn)
+                continue
+            touched.add(conn)
+        for conn in list(self._conns):
+            if conn.connecting and now > conn.connect_by:
+                self._drop(conn)
+        for conn in touched & self._conns:
+            self._settle(conn)
+
+    def _flush(self, d: _Direction, now: float) -> None:
+        d.flush(now)
+        if not d.queue:
+            self._active.discard(d)
+
+    def _settle(self, conn: _Connection) -> None:
+        """Closes ``conn`` once both ends are passed on, else watches what it now needs."""
+        if conn.up.done and conn.down.done:
+            self._drop(conn)
+        else:
+            self._watch(conn)
+
+    def _watch(self, conn: _Connection) -> None:
+        for s in (conn.client, conn.upstream):
+            old, new = conn.masks[s], conn.wants(s)
+            if old == new:
+                continue
+            if old == 0:
+                self._sel.register(s, new, conn)
+            elif new == 0:
+                self._sel.unregister(s)
+            else:
+                self._sel.modify(s, new, conn)
+            conn.masks[s] = new
+
+    def _drop(self, conn: _Connection) -> None:
+        self._conns.discard(conn)
+        for d in (conn.up, conn.down):
+            self._active.discard(d)
+        for s in (conn.client, conn.upstream):
+            if conn.masks[s]:
+                self._sel.unregister(s)
+                conn.masks[s] = 0
+            s.close()
 
 
-def _watch(relay: Relay, path: Path) -> None:
+def _tight_timer_slack() -> None:
+    """Asks Linux to wake this thread within ``TIMER_SLACK_NS`` of its timeouts (the default
+    slack is tens of microseconds, as much as a short delay itself)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
+
+
+def _watch_file(relay: Relay, path: Path) -> None:
     """Re-reads ``path`` (a profile's JSON) whenever its modification time changes."""
     seen = None
     while True:
@@ -257,17 +359,10 @@ def _watch(relay: Relay, path: Path) -> None:
             mtime = path.stat().st_mtime_ns
             if mtime != seen:
                 seen = mtime
-                relay.set_profile(Profile.from_json(json.loads(path.read_text())))
+                relay.set_profile(read_profile(path))
         except (OSError, ValueError, TypeError):
             pass  # a half-written or removed file: keep the last profile
         time.sleep(WATCH_S)
-
-
-def write_profile(path: Path, profile: Profile) -> None:
-    """Writes ``profile`` where a relay watches (replaced whole: a reader never sees half)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(profile.to_json()))
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -285,13 +380,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     host, port = a.to.rsplit(":", 1)
-    relay = Relay(
-        (a.host, a.grpc_port),
-        (host, int(port)),
-        Profile.from_json(json.loads(a.profile_file.read_text())),
-        a.seed,
-    ).start()
-    threading.Thread(target=_watch, args=(relay, a.profile_file), daemon=True).start()
+    profile = read_profile(a.profile_file)
+    relay = Relay((a.host, a.grpc_port), (host, int(port)), profile, a.seed).start()
+    threading.Thread(target=_watch_file, args=(relay, a.profile_file), daemon=True).start()
     announce("relay", grpc=f"{relay.address[0]}:{relay.address[1]}", to=a.to)
     threading.Event().wait()
 
@@ -300,4 +391,13 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["PROFILES", "Profile", "Relay", "main", "profile_named", "write_profile"]
+__all__ = [
+    "MAX_RETRIES",
+    "MSS",
+    "PROFILES",
+    "Profile",
+    "Relay",
+    "main",
+    "profile_named",
+    "write_profile",
+]

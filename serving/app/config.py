@@ -13,7 +13,7 @@ Example ``serve.toml`` (every key optional; flags override the file)::
 
     [router]              # serve a document-sharded version: route to its shard servers
     shards = [["10.0.0.1:8101", "10.0.0.2:8101"], ["10.0.0.3:8101"]]  # per shard: replicas
-    shard_deadline_ms = 200.0
+    shard_deadline_ms = 300.0
     hedge_after_ms = 0.0  # > 0: ask the next replica when the first is this slow
     batches_in_flight = 2  # batches routed at once (1 where the shards share these cores)
     embedding_servers = ["10.0.0.9:8201"]  # the version's remote tables, server 0, 1, ...

@@ -27,10 +27,14 @@ class RouterConfig(Config):
 
     shards: list[Annotated[list[Address], Field(min_length=1)]] = Field(default_factory=list)
     """Per shard (in shard order): the addresses of its replicas."""
-    shard_deadline_ms: Annotated[WaitMs, Field(gt=0)] = 200.0
+    shard_deadline_ms: Annotated[WaitMs, Field(gt=0)] = 300.0
     """Longest a batch waits for a shard; a shard that misses it makes the answer partial. The
-    default leaves room for a busy host (a cold or CPU-starved shard on shared cores answers
-    many times slower than a warm one); a fleet with spare cores sets it lower."""
+    default is above one TCP retransmission timeout (Linux's ``TCP_RTO_MIN``: what one lost
+    segment of a shard's answer costs when no fast retransmit saves it) plus a busy host's
+    answer, so a single loss on the router-shard link is no partial answer (a deadline equal to
+    that timeout made every such loss one: ``bench/RELIABILITY.md``). It also leaves room for a
+    busy host (a cold or CPU-starved shard on shared cores answers many times slower than a warm
+    one); a fleet with spare cores on a lossless network sets it lower."""
     hedge_after_ms: WaitMs = 0.0
     """> 0: a shard replica that has not answered after this long gets a twin call to the next
     replica, and the first answer wins. 0: the delay follows ``hedge`` (a replica that fails

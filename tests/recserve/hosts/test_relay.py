@@ -13,7 +13,16 @@ from random import Random
 
 import pytest
 
-from recserve.hosts.relay import MAX_RETRIES, MSS, PROFILES, Profile, Relay, profile_named
+from recserve.hosts.relay import (
+    CHUNK,
+    MAX_QUEUED,
+    MAX_RETRIES,
+    MSS,
+    PROFILES,
+    Profile,
+    Relay,
+    profile_named,
+)
 
 
 @pytest.fixture
@@ -135,5 +144,43 @@ def test_a_client_that_sends_half_a_message_and_vanishes_frees_its_connection(ec
             except (ConnectionError, TimeoutError):
                 assert time.monotonic() < deadline, "the vanished client's slot was never freed"
                 time.sleep(0.05)
+    finally:
+        relay.close()
+
+
+def test_a_reader_that_stops_reading_holds_the_relay_to_its_bound_and_loses_nothing(echo):
+    relay = Relay(("127.0.0.1", 0), echo, Profile(delay_ms=0.5, jitter_ms=0.5)).start()
+    payload = random.Random(2).randbytes(10 * MAX_QUEUED)  # more than both directions may hold
+    try:
+        with socket.create_connection(relay.address, timeout=20) as c:
+            t = threading.Thread(target=c.sendall, args=(payload,), daemon=True)
+            t.start()
+            # nothing read back for a while: the relay reads no more than its bound lets it
+            # (the kernel's socket buffers take the rest, then hold the sender back)
+            peak = 0
+            for _ in range(50):
+                peak = max(peak, relay.queued())
+                time.sleep(0.02)
+            assert peak <= 2 * (MAX_QUEUED + CHUNK), peak
+            got = bytearray()
+            while len(got) < len(payload):
+                data = c.recv(1 << 20)
+                assert data, "the relay closed the connection"
+                got.extend(data)
+            t.join(20)
+        assert bytes(got) == payload
+    finally:
+        relay.close()
+
+
+def test_a_target_that_refuses_closes_the_clients_connection():
+    closed = socket.create_server(("127.0.0.1", 0))
+    target = closed.getsockname()[:2]
+    closed.close()  # nothing listens there now
+    relay = Relay(("127.0.0.1", 0), target, Profile()).start()
+    try:
+        with socket.create_connection(relay.address, timeout=10) as c:
+            c.sendall(b"hello")
+            assert c.recv(10) == b""  # closed, not left open
     finally:
         relay.close()
