@@ -392,6 +392,32 @@ def freshness(data: Data, spec: Spec) -> Rows:
     return rows
 
 
+def freshness_serving(data: Data, spec: Spec) -> Rows:
+    """``bench/freshness_serving.py``: searches served at half the max q/s while updates are
+    applied at each setting of the rates, against the same searches with no updates."""
+    case = spec["case"]
+    rows = []
+    for st in data["settings"]:
+        t, got = st["target_per_s"], st["updates_per_s"]
+        quiet, busy, ans = st["served"]["quiet"], st["served"]["updates"], st["answerable_ms"]
+        aim = f"{qps(t['upsert'])} / {qps(t['flip'])} / {qps(t['remove'])}"
+        rows.append(
+            f"{case} | updates/s asked: {aim} (upsert / flip / remove) | achieved "
+            f"{qps(got['upsert'])} / {qps(got['flip'])} / {qps(got['remove'])}, "
+            f"{st['compactions']} compactions | — | —"
+        )
+        rows.append(
+            f"{case} | served p99 at {qps(data['served_qps'])} q/s, updates {aim} | "
+            f"{ms(busy['p99_ms'])} ms ({busy['n']:,} served, {busy['backlog']:,} behind) | "
+            f"no updates: {ms(quiet['p99_ms'])} ms | {bold(st['p99_ratio'])}"
+        )
+        rows.append(
+            f"{case} | upsert acknowledged → answered while serving, updates {aim} | "
+            f"{ms(ans['median'])} ms median, {ms(ans['max'])} ms max ({ans['n']}) | — | —"
+        )
+    return rows
+
+
 def filters(data: Data, spec: Spec) -> Rows:
     """``bench/filters.py``: filtered top-K under an OR expression (each system at its cheapest
     setting reaching the run's recall target, q/s the median of turns) against the fastest
@@ -496,6 +522,10 @@ KINDS: dict[str, tuple[Kind, str]] = {
     "tables": (tables, "ids | dtype | ours | fastest peer | ours ÷ peer"),
     "quality": (quality, "data | ours | recall@100 | best baseline | ours ÷ baseline"),
     "freshness": (freshness, "data | measure | ours | against | ours ÷ against"),
+    "freshness_serving": (
+        freshness_serving,
+        "data | measure | with updates | against | ours ÷ against",
+    ),
     "hashed": (
         hashed,
         "case | working rows | recall@100 | examples/s | recall − all resident (target ≥ −0.01) | speed ÷ all resident",

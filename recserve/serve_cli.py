@@ -170,6 +170,7 @@ def serve_shard_cmd(
     keep: int = _shard("keep"),
     device: str = _shard("device"),
     torch_threads: int = _shard("torch_threads"),
+    compact_at: int = _shard("compact_at"),
     token_file: Path = _sec("token_file"),
     token_env: str = _sec("token_env"),
     auth_serving: bool = _sec("auth_serving"),
@@ -210,6 +211,7 @@ def _run_shard(cfg: ShardServerConfig, security: Any) -> None:
         ModelRepository(cfg.model_repo), only_model(cfg.model_repo, cfg.model or None),
         cfg.shard, host=cfg.host, port=cfg.grpc_port, metrics_port=cfg.metrics_port,
         poll_s=cfg.poll_s, keep=cfg.keep, device=cfg.device, security=security,
+        compact_at=cfg.compact_at,
     )  # fmt: skip
     serve_shard(server)
 

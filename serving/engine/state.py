@@ -35,6 +35,7 @@ from serving.engine.host import ModelHost
 from serving.engine.metrics import ServingMetrics
 from serving.engine.runner import Admission, Outcome
 from serving.limits import LimitsConfig
+from serving.live.pending import PendingUpdates
 from serving.types import (
     DeadlineExceededError,
     RecRequest,
@@ -105,6 +106,11 @@ class ServingState:
     """Request size limits (``[limits]``), checked before a filter is parsed."""
     remote_updates: bool = False
     """The engine is another process with live updates on: the admin API forwards them."""
+    pending_updates: PendingUpdates = field(init=False)
+    """Admin calls in flight, bounded by ``limits.max_pending_updates`` (back-pressure)."""
+
+    def __post_init__(self) -> None:
+        self.pending_updates = PendingUpdates(self.limits.max_pending_updates)
 
     @property
     def host(self) -> ModelHost:

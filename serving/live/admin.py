@@ -174,11 +174,12 @@ class AdminServicer(pb_grpc.AdminServicer):
                 raise RequestError(request.message)
             self._check_on()
             call = UpdateCall.checked(request.update_id, _seconds_left(context), _gone(context))
-            if self.state.updates is None:  # the engine is another process
-                return self._forward(kind, request, call)
-            return apply_update(
-                self.state.updates, self.state.host, self.state.limits, kind, request, call
-            )
+            with self.state.pending_updates.admitted():  # RESOURCE_EXHAUSTED past the bound
+                if self.state.updates is None:  # the engine is another process
+                    return self._forward(kind, request, call)
+                return apply_update(
+                    self.state.updates, self.state.host, self.state.limits, kind, request, call
+                )
         except Exception as e:
             code, reason = self._status(e)
             if code == "INTERNAL":

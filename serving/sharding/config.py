@@ -121,6 +121,7 @@ class ShardServerConfig(Config):
         "keep": "--keep",
         "device": "--device",
         "torch_threads": "--torch-threads",
+        "compact_at": "--compact-at",
     }
 
     model_repo: PathValue
@@ -144,3 +145,7 @@ class ShardServerConfig(Config):
     Triton kernel, ``retrieval/index/gpu_scan.py``). Checked at start."""
     torch_threads: int = Field(default=0, ge=0, le=2**31 - 1)
     """Intra-op threads (0: torch's default)."""
+    compact_at: int = Field(default=10_000, ge=0)
+    """Live updates: the shard's fresh segment size (fresh rows plus tombstones) from which it
+    is folded into its main lists on a background thread (``serving/sharding/shard_compaction.py``,
+    as ``ServeConfig.compact_at`` on a single server). 0: never fold (until the next publish)."""

@@ -21,6 +21,10 @@ in the router's log; a shard holds nothing the router did not commit.
 A search names (version, sequence) and gets exactly that part, or FAILED_PRECONDITION when this
 shard is not there (a restarted shard is at 0 until the router replays its log to it).
 Prepare and commit are serialized; searches read an immutable snapshot of ``versions``.
+
+A commit that leaves the part's fresh segment at ``compact_at`` rows or more folds it into the
+main lists in the background (``shard_compaction.py``); the folded part replaces the current one
+at the same sequence, and the pending prepare is rebased onto it.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from dataclasses import dataclass
 import torch
 from google.protobuf.message import DecodeError
 
+from retrieval.index.compaction import rebase
 from retrieval.index.ivf import IVFIndex
 from retrieval.live_shards import ShardUpdate, update_shard
 from serving.live.messages import from_record
 from serving.protos import admin_pb2
+from serving.sharding.shard_compaction import ShardCompactor
 
 ABORTS_REMEMBERED = 64
 """Aborted attempts a shard remembers (their late prepares are refused); the router aborts at
@@ -90,10 +96,12 @@ class _Pending:
 
 
 class ShardParts:
-    """Shard ``shard`` of ``num_shards``: its loaded versions and their live updates."""
+    """Shard ``shard`` of ``num_shards``: its loaded versions and their live updates
+    (``compact_at``: the fresh segment's size from which it is folded; 0: never)."""
 
-    def __init__(self, model: str, shard: int, keep: int):
+    def __init__(self, model: str, shard: int, keep: int, compact_at: int = 0):
         self.model, self.shard, self.keep = model, shard, keep
+        self.compactor = ShardCompactor(f"shard {shard} of {model!r}", compact_at)
         self.num_shards = 0
         self.versions: dict[int, PartVersion] = {}
         """Loaded versions -> their part; replaced (never mutated) on a change."""
@@ -175,6 +183,7 @@ class ShardParts:
                 held[version] = part.advanced(pending.index, pending.attempt)
                 self.versions = held
                 self._pending = None
+                self.compactor.after_commit(version, pending.index, self._swap_folded)
                 return
             if part.sequence == sequence and (not attempt or attempt == part.attempt):
                 return  # committed before: a retried commit
@@ -200,6 +209,28 @@ class ShardParts:
         p, self._pending = self._pending, None
         if p is not None:
             p.index.schema.forget(p.learned_from)
+
+    def _swap_folded(self, version: int, base: IVFIndex, folded: IVFIndex) -> bool:
+        """Serves ``folded`` (the fold of part ``base`` of ``version``) with what was committed
+        since ``base`` rebased onto it, at the current sequence; the pending prepare is rebased
+        too, so its commit keeps the fold -> whether it swapped."""
+        assert base.live is not None
+        with self._lock:
+            part = self.versions.get(version)
+            if part is None:
+                return False
+            now = rebase(folded, base.live, part.index)
+            if now is None:
+                return False
+            p = self._pending
+            if p is not None and p.version == version:
+                ahead = rebase(folded, base.live, p.index)
+                if ahead is not None:  # else its commit serves it unfolded: the next one folds
+                    self._pending = _Pending(p.version, p.sequence, ahead, p.attempt)
+            held = dict(self.versions)
+            held[version] = PartVersion(part.sequence, now, part.previous, part.attempt)
+            self.versions = held
+            return True
 
     def sequences(self) -> dict[int, int]:
         """Loaded versions -> their update sequence."""

@@ -236,6 +236,7 @@ class ShardServer:
         device: str = "cpu",
         registry: CollectorRegistry | None = None,
         security: Security = NO_SECURITY,
+        compact_at: int = 0,
     ):
         if shard < 0:
             raise ValueError(f"--shard: must be >= 0, got {shard}")
@@ -244,8 +245,9 @@ class ShardServer:
         self.repo, self.model, self.shard = repo, model, shard
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.poll_s, self.device = poll_s, device
-        self.parts = ShardParts(model, shard, keep)
-        """Loaded versions -> this shard's part, with their live updates."""
+        self.parts = ShardParts(model, shard, keep, compact_at)
+        """Loaded versions -> this shard's part, with their live updates (a fresh segment of
+        ``compact_at`` rows or more folded in the background; 0: never)."""
         self.watcher = VersionWatcher(
             lambda: repo.versions(model),
             self._load,

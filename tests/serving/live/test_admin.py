@@ -261,6 +261,33 @@ def test_an_update_waits_for_the_running_batch(start, tiny, pristine):
     assert done.is_set() and live_index.served(server.host.current().model.index) == 301
 
 
+def test_updates_past_the_pending_bound_are_refused_at_once(start, tiny, pristine):
+    server = start(repo_of(pristine), limits={"max_pending_updates": 2})
+    stub, _ = stubs(server)
+    replies: list[pb.UpdateReply] = []
+    with server.host.gate.shared():  # a batch is running: the first update waits for it
+        held = [
+            threading.Thread(target=lambda u=u: replies.append(upsert_new(stub, tiny, user=u)))
+            for u in range(2)
+        ]
+        for t in held:
+            t.start()
+        pending = server.state.pending_updates
+        wait_until(lambda: pending.count == 2, WAIT, "two updates waiting")
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            upsert_new(stub, tiny, user=3)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_pending_updates = 2" in err.value.details()
+        assert time.monotonic() - started < WAIT / 2  # refused, not queued behind the batch
+    for t in held:
+        t.join(WAIT)
+    assert sorted(r.sequence for r in replies) == [1, 2] and pending.count == 0
+    assert sample(server, "recserve_update_failures_total", kind="upsert_items",
+                  reason="queue_full") == 1  # fmt: skip
+    upsert_new(stub, tiny)  # room again
+
+
 def test_concurrent_requests_see_the_update_between_batches(start, tiny, pristine):
     server = start(repo_of(pristine))
     stub, rec = stubs(server)
