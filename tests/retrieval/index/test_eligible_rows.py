@@ -1,6 +1,7 @@
 """The rows passing one filter in one C++ call (``scan.eligible_rows_cpu``): driven by the
 postings of the filter's most selective clause, they must be exactly the rows the full
-signature check admits, ascending, for any vocabulary, multi-valued attributes and negations."""
+signature check admits, ascending, for any vocabulary, multi-valued attributes and negations.
+So must the bit-sliced evaluation (``scan.sliced_mask_cpu`` / ``sliced_rows_cpu``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from hypothesis import strategies as st
 
 from retrieval.filters import FilterSchema, eligible
 from retrieval.index.build import bit_index
-from retrieval.index.scan import eligible_rows_cpu
+from retrieval.index.scan import (
+    bit_slices_cpu,
+    eligible_rows_cpu,
+    sliced_mask_cpu,
+    sliced_rows_cpu,
+)
 
 
 def masks_of(schema: FilterSchema, clauses: list[tuple[int, list[int]]]) -> torch.Tensor:
@@ -64,3 +70,8 @@ def test_rows_from_postings_equal_the_full_check(vocabs, multi, n, picks, seed):
     # without postings (an index saved before them): every row is checked, same answer
     none = torch.zeros(0, dtype=torch.int32)
     assert torch.equal(eligible_rows_cpu(sig, masks, negate, counts, none), want)
+    # bit-sliced, 64 items a word (n not a multiple of 64 included)
+    slices = bit_slices_cpu(sig)
+    assert slices.shape == (schema.num_words * 64, (n + 63) // 64)
+    assert torch.equal(sliced_mask_cpu(slices, masks, negate, n), eligible(sig, masks, negate))
+    assert torch.equal(sliced_rows_cpu(slices, masks, negate, n), want)
