@@ -37,9 +37,9 @@ import faiss
 import numpy as np
 import torch
 from ann_data import exact_topk, make_data, recall_at_k
+from ann_peers import EligibleScan, bitmap_selector, build_faiss_ivfs, faiss_search, ivf_params
 from filters_silvertorch import compare, load_silvertorch
 from filters_silvertorch import render as render_silvertorch
-from ann_peers import EligibleScan, bitmap_selector, build_faiss_ivfs, faiss_search, ivf_params
 from timing import set_threads, stopwatch, time_batched
 
 from common.atomic import atomic_write_json
@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
         "loadavg_end": os.getloadavg(),
     }
     atomic_write_json(
-        args.out, {"meta": meta, "evaluation": ev, "top_k": tk, "silvertorch": st, "markdown": report}, indent=1
+        args.out,
+        {"meta": meta, "evaluation": ev, "top_k": tk, "silvertorch": st, "markdown": report},
+        indent=1,
     )
     print(f"\nwrote {args.out} in {wall():.0f} s", file=sys.stderr)
 

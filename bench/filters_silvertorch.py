@@ -122,7 +122,6 @@ def compare(
         attribute_values=vocab,
     )  # signatures and postings; the vectors do not matter here
     t = build.tensors()
-    item_ids = build.item_ids.numpy()
     slices = bit_slices_cpu(t.lists.sig)  # held once, as the signatures are
 
     st = torch.ops.st
@@ -130,7 +129,6 @@ def compare(
     offsets = torch.arange(0, n * features * per_doc + 1, per_doc, dtype=torch.int64)
     feature_ids = torch.arange(1, features + 1, dtype=torch.int32)
     bloom, bundle = st.bloom_index_build(feature_ids, offsets, flat, b_multiplier, hash_k)
-    vals = torch.from_numpy(docs)
 
     sig_bytes = t.lists.sig.numel() * 8
     post_bytes = t.postings.numel() * 4 + t.bit_counts.numel() * 8
@@ -149,70 +147,91 @@ def compare(
     }
     for groups in groups_list:
         q = queries(groups, features, values, per_doc)
-        fb = build.compile_filter(our_text(q), 1)
-        masks, negate = fb.masks[0], fb.negate[0]
-        _, (plans, plan_off) = st.parse_expression_query_batch(
-            [st_text(q)], torch.ones(1, dtype=torch.long), hash_k, True, 5
+        out["groups"][str(groups)] = one_query(
+            q, build, slices, docs, values, (bloom, bundle), hash_k, rounds, in_turns
         )
-
-        def bloom_mask() -> torch.Tensor:
-            return st.bloom_index_search_batch(bloom, bundle, plans, plan_off, hash_k, hash_k, True)
-
-        def bloom_verified() -> torch.Tensor:
-            cand = bloom_mask()[0, :n].nonzero().flatten()
-            return verify(vals, cand, q, values)
-
-        ways = {
-            "ours, sliced_mask (exact bool mask, bit slices, C++)": lambda: sliced_mask_cpu(
-                slices, masks, negate, n
-            ),
-            "ours, sliced_rows (exact positions, bit slices, C++)": lambda: sliced_rows_cpu(
-                slices, masks, negate, n
-            ),
-            "ours, filter_mask (exact bool mask, C++)": lambda: filter_mask(
-                t.lists.sig, masks, negate
-            ),
-            "ours, eligible_positions (exact positions, C++)": lambda: eligible_positions(
-                t, masks, negate
-            ),
-            "silvertorch, bloom_index_search_batch (bool mask)": bloom_mask,
-            "silvertorch, bloom search + exact verification (positions)": bloom_verified,
-        }
-        truth = reference(docs, q)
-        ours_ids = np.sort(item_ids[eligible_positions(t, masks, negate).numpy()])
-        ours_mask_ids = np.sort(item_ids[filter_mask(t.lists.sig, masks, negate).numpy()])
-        sliced_ids = np.sort(item_ids[sliced_rows_cpu(slices, masks, negate, n).numpy()])
-        sliced_mask_ids = np.sort(item_ids[sliced_mask_cpu(slices, masks, negate, n).numpy()])
-        cand = bloom_mask()[0, :n].nonzero().flatten().numpy()
-        verified = np.sort(bloom_verified().numpy())
-        ms = in_turns(ways, rounds)
-        out["groups"][str(groups)] = {
-            "clauses": int(masks.shape[0]),
-            "selectivity": len(truth) / n,
-            "ms": {k: v * 1e3 for k, v in ms.items()},
-            "admitted": {
-                "reference": len(truth),
-                "ours": len(ours_ids),
-                "silvertorch candidates": len(cand),
-                "silvertorch verified": len(verified),
-            },
-            "false_positives": {
-                "ours": int(len(np.setdiff1d(ours_ids, truth))),
-                "silvertorch candidates": int(len(np.setdiff1d(cand, truth))),
-            },
-            "missed": {
-                "ours": int(len(np.setdiff1d(truth, ours_ids))),
-                "silvertorch": int(len(np.setdiff1d(truth, cand))),
-            },
-            "equal_answers": bool(
-                np.array_equal(ours_ids, truth)
-                and np.array_equal(ours_mask_ids, truth)
-                and np.array_equal(sliced_ids, truth)
-                and np.array_equal(sliced_mask_ids, truth)
-                and np.array_equal(verified, truth)
-            ),
-        }
     return out
+
+
+def one_query(
+    q: list[tuple[int, list[int]]],
+    build: Any,
+    slices: torch.Tensor,
+    docs: np.ndarray,
+    values: int,
+    bloom_index: tuple[torch.Tensor, torch.Tensor],
+    hash_k: int,
+    rounds: int,
+    in_turns: Any,
+) -> dict[str, Any]:
+    """One query ``q`` every way (``docs [N, F, per_doc]`` of ``values`` values each; the Bloom
+    index ``(bloom, bundle offsets)``) -> ms, admitted counts, false positives, equal answers."""
+    st = torch.ops.st
+    t, item_ids = build.tensors(), build.item_ids.numpy()
+    n = docs.shape[0]
+    bloom, bundle = bloom_index
+    vals = torch.from_numpy(docs)
+    fb = build.compile_filter(our_text(q), 1)
+    masks, negate = fb.masks[0], fb.negate[0]
+    _, (plans, plan_off) = st.parse_expression_query_batch(
+        [st_text(q)], torch.ones(1, dtype=torch.long), hash_k, True, 5
+    )
+
+    def bloom_mask() -> torch.Tensor:
+        return st.bloom_index_search_batch(bloom, bundle, plans, plan_off, hash_k, hash_k, True)
+
+    def bloom_verified() -> torch.Tensor:
+        cand = bloom_mask()[0, :n].nonzero().flatten()
+        return verify(vals, cand, q, values)
+
+    ways = {
+        "ours, sliced_mask (exact bool mask, bit slices, C++)": lambda: sliced_mask_cpu(
+            slices, masks, negate, n
+        ),
+        "ours, sliced_rows (exact positions, bit slices, C++)": lambda: sliced_rows_cpu(
+            slices, masks, negate, n
+        ),
+        "ours, filter_mask (exact bool mask, C++)": lambda: filter_mask(t.lists.sig, masks, negate),
+        "ours, eligible_positions (exact positions, C++)": lambda: eligible_positions(
+            t, masks, negate
+        ),
+        "silvertorch, bloom_index_search_batch (bool mask)": bloom_mask,
+        "silvertorch, bloom search + exact verification (positions)": bloom_verified,
+    }
+    truth = reference(docs, q)
+    ours_ids = np.sort(item_ids[eligible_positions(t, masks, negate).numpy()])
+    ours_mask_ids = np.sort(item_ids[filter_mask(t.lists.sig, masks, negate).numpy()])
+    sliced_ids = np.sort(item_ids[sliced_rows_cpu(slices, masks, negate, n).numpy()])
+    sliced_mask_ids = np.sort(item_ids[sliced_mask_cpu(slices, masks, negate, n).numpy()])
+    cand = bloom_mask()[0, :n].nonzero().flatten().numpy()
+    verified = np.sort(bloom_verified().numpy())
+    ms = in_turns(ways, rounds)
+    return {
+        "clauses": int(masks.shape[0]),
+        "selectivity": len(truth) / n,
+        "ms": {k: v * 1e3 for k, v in ms.items()},
+        "admitted": {
+            "reference": len(truth),
+            "ours": len(ours_ids),
+            "silvertorch candidates": len(cand),
+            "silvertorch verified": len(verified),
+        },
+        "false_positives": {
+            "ours": len(np.setdiff1d(ours_ids, truth)),
+            "silvertorch candidates": len(np.setdiff1d(cand, truth)),
+        },
+        "missed": {
+            "ours": len(np.setdiff1d(truth, ours_ids)),
+            "silvertorch": len(np.setdiff1d(truth, cand)),
+        },
+        "equal_answers": bool(
+            np.array_equal(ours_ids, truth)
+            and np.array_equal(ours_mask_ids, truth)
+            and np.array_equal(sliced_ids, truth)
+            and np.array_equal(sliced_mask_ids, truth)
+            and np.array_equal(verified, truth)
+        ),
+    }
 
 
 def render(r: dict[str, Any]) -> str:
@@ -221,8 +240,7 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"Against SilverTorch's CPU Bloom search, {r['items']:,} documents of its benchmark's "
         f"shape ({s['features']} features x {s['values']} values, {s['per_doc']} a document); "
-        "bytes per document: "
-        + ", ".join(f"{k} {v:.0f}" for k, v in r["bytes_per_item"].items()),
+        "bytes per document: " + ", ".join(f"{k} {v:.0f}" for k, v in r["bytes_per_item"].items()),
         "| OR-groups | way | ms a query | admitted | false positives |",
         "|---|---|---|---|---|",
     ]
