@@ -3,7 +3,9 @@ no more than the lists (``planner.py``), and the reference the index is measured
 
 The items passing a filter are found from the postings of its most selective clause
 (:func:`eligible_positions`), so the cost grows with that clause's items, not the catalog;
-rows sharing one filter are searched together (:func:`exact_search`).
+with no selective clause, on CPU, from the signatures bit-sliced (one bitmap of the catalog per
+bit, kept beside the signatures once a filter needs them), which reads only the filter's bits.
+Rows sharing one filter are searched together (:func:`exact_search`).
 """
 
 from __future__ import annotations
@@ -11,11 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from retrieval.filters import eligible
 from retrieval.index.exact import exact_topk
 from retrieval.index.readout import scores_at
-from retrieval.index.scan import eligible_rows_cpu, filter_mask
+from retrieval.index.scan import (
+    bit_slices_cpu,
+    eligible_rows_cpu,
+    filter_mask,
+    sliced_rows_cpu,
+)
 from retrieval.index.tensors import IndexTensors
 
 
@@ -59,6 +67,8 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     """
     sig = t.lists.sig
     if sig.device.type == "cpu":  # one C++ call, the same rule
+        if _dense(t, masks, negate) and _sliced_cheaper(masks, negate):
+            return sliced_rows_cpu(_slices(sig), masks, negate, sig.shape[0])
         return eligible_rows_cpu(sig, masks, negate, t.bit_counts, t.postings)
     shifts = torch.arange(64, device=masks.device)
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
@@ -74,6 +84,38 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     if len(parts) > 1:
         cand = cand.unique()  # a multi-valued attribute may list an item under several values
     return cand[eligible(sig.index_select(0, cand), masks, negate)]
+
+
+_SLICES = WeakIdKeyDictionary()
+"""Signatures (by identity) -> (their version, their bit slices): built on the first dense filter, rebuilt
+when the signatures change in place (a live update bumps the tensor's version)."""
+
+
+def _slices(sig: torch.Tensor) -> torch.Tensor:
+    """``sig [N, W]``'s bit slices ``[W * 64, ceil(N / 64)]``, kept while ``sig`` is unchanged."""
+    kept = _SLICES.get(sig)
+    if kept is None or kept[0] != sig._version:
+        kept = (sig._version, bit_slices_cpu(sig))
+        _SLICES[sig] = kept
+    return kept[1]
+
+
+def _dense(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> bool:
+    """No non-negated clause under a quarter of the catalog: the postings would not narrow the
+    candidates (``eligible_rows`` then checks every row)."""
+    if t.postings.numel() == 0 or masks.shape[0] == 0:
+        return True
+    shifts = torch.arange(64)
+    bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
+    counts = (bits.long() * t.bit_counts).sum(dim=1).masked_fill(negate, t.ntotal + 1)
+    return int(counts.min()) > t.ntotal // 4
+
+
+def _sliced_cheaper(masks: torch.Tensor, negate: torch.Tensor) -> bool:
+    """Reading the filter's bits (a word of 64 items each) costs less than every row's whole
+    signature against every clause (``C * W`` words an item)."""
+    set_bits = sum(bin(int(m) & (2**64 - 1)).count("1") for m in masks.flatten().tolist())
+    return set_bits < 64 * masks.shape[0] * masks.shape[1]
 
 
 def _scorer(t: IndexTensors) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

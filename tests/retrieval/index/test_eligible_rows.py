@@ -75,3 +75,33 @@ def test_rows_from_postings_equal_the_full_check(vocabs, multi, n, picks, seed):
     assert slices.shape == (schema.num_words * 64, (n + 63) // 64)
     assert torch.equal(sliced_mask_cpu(slices, masks, negate, n), eligible(sig, masks, negate))
     assert torch.equal(sliced_rows_cpu(slices, masks, negate, n), want)
+
+
+def test_a_dense_filter_reads_the_bit_slices_and_follows_changes_to_the_signatures():
+    """No clause narrows the catalog (each passes most items): ``eligible_positions`` answers
+    from the bit slices, equal to the full check, and again after the signatures change in
+    place (the kept slices are rebuilt, never read stale)."""
+    from retrieval.index import IVFConfig, build_ivf
+    from retrieval.index.eligible_scan import _SLICES, eligible_positions
+
+    rng = np.random.default_rng(3)
+    n = 3000
+    vocab = {"tag": [f"t{i}" for i in range(10)], "lang": ["a", "b", "c"]}
+    idx = build_ivf(
+        torch.randn(n, 8),
+        IVFConfig(nlist=8, measure_costs=False),
+        item_attributes={"tag": rng.random((n, 10)) < 0.5, "lang": rng.integers(0, 3, n)},
+        attribute_values=vocab,
+    )
+    t = idx.tensors()
+    fb = idx.compile_filter("tag in {t0, t1, t2} and (lang != c) and not tag = t9", 1)
+    masks, negate = fb.masks[0], fb.negate[0]
+    sig = t.lists.sig
+    assert torch.equal(
+        eligible_positions(t, masks, negate), eligible(sig, masks, negate).nonzero().flatten()
+    )
+    assert _SLICES.get(sig) is not None  # the slices answered
+    sig[: n // 2] = 0  # in place: half the items lose every value
+    want = eligible(sig, masks, negate).nonzero().flatten()
+    assert torch.equal(eligible_positions(t, masks, negate), want)
+    assert want.min() >= n // 2
