@@ -388,12 +388,12 @@ def filters(data: Data, spec: Spec) -> Rows:
 
 def filters_silvertorch(data: Data, spec: Spec) -> Rows:
     """``bench/filters.py``'s SilverTorch part: our exact evaluation of OR-groups over the catalog
-    (the bit-sliced one, positions out) against SilverTorch's Bloom search (a candidate mask with
+    (``eligible_positions``, the index's own call, positions out) against SilverTorch's Bloom search (a candidate mask with
     false positives) and its search plus exact verification (equal answers), and bytes per item."""
     st = data["silvertorch"]
     if "skipped" in st:
         return [f"not measured | {st['skipped']} | | "]
-    ours_way = "ours, sliced_rows (exact positions, bit slices, C++)"
+    ours_way = "ours, eligible_positions (exact positions, C++)"
     bloom = "silvertorch, bloom_index_search_batch (bool mask)"
     verified = "silvertorch, bloom search + exact verification (positions)"
     rows = []
