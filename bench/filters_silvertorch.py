@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from retrieval.index import IVFConfig, build_ivf
-from retrieval.index.eligible_scan import eligible_positions
+from retrieval.index.eligible_scan import SLICES_AFTER, eligible_positions
 from retrieval.index.scan import bit_slices_cpu, filter_mask, sliced_mask_cpu, sliced_rows_cpu
 
 
@@ -198,6 +198,8 @@ def one_query(
         "silvertorch, bloom_index_search_batch (bool mask)": bloom_mask,
         "silvertorch, bloom search + exact verification (positions)": bloom_verified,
     }
+    for _ in range(SLICES_AFTER):  # as a serving index is after a few dense filters: slices kept
+        eligible_positions(t, masks, negate)
     truth = reference(docs, q)
     ours_ids = np.sort(item_ids[eligible_positions(t, masks, negate).numpy()])
     ours_mask_ids = np.sort(item_ids[filter_mask(t.lists.sig, masks, negate).numpy()])

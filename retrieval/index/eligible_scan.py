@@ -4,7 +4,8 @@ no more than the lists (``planner.py``), and the reference the index is measured
 The items passing a filter are found from the postings of its most selective clause
 (:func:`eligible_positions`), so the cost grows with that clause's items, not the catalog;
 with no selective clause, on CPU, from the signatures bit-sliced (one bitmap of the catalog per
-bit, kept beside the signatures once a filter needs them), which reads only the filter's bits.
+bit, kept beside the signatures once a few such filters met them), which reads only the filter's
+bits.
 Rows sharing one filter are searched together (:func:`exact_search`).
 """
 
@@ -68,7 +69,9 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     sig = t.lists.sig
     if sig.device.type == "cpu":  # one C++ call, the same rule
         if _dense(t, masks, negate) and _sliced_cheaper(masks, negate):
-            return sliced_rows_cpu(_slices(sig), masks, negate, sig.shape[0])
+            slices = _slices(sig)
+            if slices is not None:
+                return sliced_rows_cpu(slices, masks, negate, sig.shape[0])
         return eligible_rows_cpu(sig, masks, negate, t.bit_counts, t.postings)
     shifts = torch.arange(64, device=masks.device)
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
@@ -87,16 +90,24 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
 
 
 _SLICES = WeakIdKeyDictionary()
-"""Signatures (by identity) -> (their version, their bit slices): built on the first dense filter, rebuilt
-when the signatures change in place (a live update bumps the tensor's version)."""
+"""Signatures (by identity) -> ``[their version, their bit slices or None, dense filters seen at
+that version]``; a live update replaces the signatures or bumps their version in place."""
+SLICES_AFTER = 8
+"""Dense filters one version of the signatures answers through the full check before its bit
+slices are built: building reads every item's bits, a few full checks' worth, so signatures that
+change between every few filters never pay for slices they would not reuse."""
 
 
-def _slices(sig: torch.Tensor) -> torch.Tensor:
-    """``sig [N, W]``'s bit slices ``[W * 64, ceil(N / 64)]``, kept while ``sig`` is unchanged."""
+def _slices(sig: torch.Tensor) -> torch.Tensor | None:
+    """``sig [N, W]``'s bit slices ``[W * 64, ceil(N / 64)]`` once :data:`SLICES_AFTER` dense
+    filters met this version of ``sig``; None before (the caller checks every row)."""
     kept = _SLICES.get(sig)
     if kept is None or kept[0] != sig._version:
-        kept = (sig._version, bit_slices_cpu(sig))
+        kept = [sig._version, None, 0]
         _SLICES[sig] = kept
+    kept[2] += 1
+    if kept[1] is None and kept[2] >= SLICES_AFTER:
+        kept[1] = bit_slices_cpu(sig)
     return kept[1]
 
 

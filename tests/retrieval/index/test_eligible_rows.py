@@ -79,10 +79,10 @@ def test_rows_from_postings_equal_the_full_check(vocabs, multi, n, picks, seed):
 
 def test_a_dense_filter_reads_the_bit_slices_and_follows_changes_to_the_signatures():
     """No clause narrows the catalog (each passes most items): ``eligible_positions`` answers
-    from the bit slices, equal to the full check, and again after the signatures change in
-    place (the kept slices are rebuilt, never read stale)."""
+    from the full check, then, after a few such filters, from the bit slices, equal to it; after
+    the signatures change in place the kept slices are dropped (never read stale) and rebuilt."""
     from retrieval.index import IVFConfig, build_ivf
-    from retrieval.index.eligible_scan import _SLICES, eligible_positions
+    from retrieval.index.eligible_scan import _SLICES, SLICES_AFTER, eligible_positions
 
     rng = np.random.default_rng(3)
     n = 3000
@@ -97,11 +97,11 @@ def test_a_dense_filter_reads_the_bit_slices_and_follows_changes_to_the_signatur
     fb = idx.compile_filter("tag in {t0, t1, t2} and (lang != c) and not tag = t9", 1)
     masks, negate = fb.masks[0], fb.negate[0]
     sig = t.lists.sig
-    assert torch.equal(
-        eligible_positions(t, masks, negate), eligible(sig, masks, negate).nonzero().flatten()
-    )
-    assert _SLICES.get(sig) is not None  # the slices answered
-    sig[: n // 2] = 0  # in place: half the items lose every value
-    want = eligible(sig, masks, negate).nonzero().flatten()
-    assert torch.equal(eligible_positions(t, masks, negate), want)
-    assert want.min() >= n // 2
+    for change in range(2):
+        want = eligible(sig, masks, negate).nonzero().flatten()
+        for call in range(SLICES_AFTER + 1):
+            assert torch.equal(eligible_positions(t, masks, negate), want)
+            built = _SLICES.get(sig)[1] is not None
+            assert built == (call + 1 >= SLICES_AFTER), (change, call)
+        sig[: n // 2] = 0  # in place: half the items lose every value
+        assert eligible(sig, masks, negate).nonzero().min() >= n // 2
