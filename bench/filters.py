@@ -14,8 +14,10 @@ and price < P`` (an OR across attributes, a negation, a range).
 2. Filtered top-K (``--n`` x ``--d``): one batch of queries sharing the filter, q/s at the
    cheapest nprobe reaching ``--target`` recall@K, for our index (its plan: lists or the exact
    scan), faiss SQ8 + bitmap, and the gather + matmul exact scan of the eligible ids (torch).
+3. Against SilverTorch's CPU Bloom search (``filters_silvertorch.py``) on its benchmark's shape,
+   when it is importable (or built in ``--silvertorch-path``); the JSON says why not otherwise.
 
-3. Hashed attribute (``--hashed``, its own JSON: ``bench/results/filters_hashed.json``): a
+4. Hashed attribute (``--hashed``, its own JSON: ``bench/results/filters_hashed.json``): a
    ``creator`` of 10^6 values on ``--eval-n`` items (hashed: 6 hex digits, 96 bits), the bytes
    an item it adds (signature words and postings, against the same index without it), and
    evaluating expressions that name it (ours: ``eligible_positions`` and ``eligible``; NumPy
@@ -26,7 +28,8 @@ Run from the repository root::
 
     .venv/bin/python bench/filters.py --small      # ~1 min: 100k evaluation, 20k x 32 search
     .venv/bin/python bench/filters.py              # 1M evaluation, 200k x 64 search
-    .venv/bin/python bench/filters.py --hashed     # part 3 alone, 1M items
+    .venv/bin/python bench/filters.py --hashed     # part 4 alone, 1M items
+    .venv/bin/python bench/filters.py --silvertorch-path DIR   # a built SilverTorch checkout
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import numpy as np
 import torch
 from ann_data import exact_topk, make_data, recall_at_k
 from ann_peers import EligibleScan, bitmap_selector, build_faiss_ivfs, faiss_search, ivf_params
+from filters_silvertorch import compare, load_silvertorch
+from filters_silvertorch import render as render_silvertorch
 from timing import set_threads, stopwatch, time_batched
 
 from common.atomic import atomic_write_json
@@ -321,6 +326,8 @@ def render(ev: dict[str, Any], tk: dict[str, Any], target: float) -> str:
     for name, r in ev.items():
         if isinstance(r, dict):
             lines.append(f"| {name} | {r['ms']:.2f} | {r['admitted']:,} |")
+    if not tk:
+        return "\n".join(lines)
     lines += [
         "",
         f"Filtered top-{tk['k']}, {tk['items']:,} x {tk['dim']} (selectivity {tk['selectivity']:.3f})"
@@ -355,10 +362,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each sweep setting")
     p.add_argument("--rounds", type=int, default=15, help="turns timing the chosen settings")
+    p.add_argument("--silvertorch-path", type=Path, default=None, help="a built checkout")
+    p.add_argument("--st-n", type=int, default=1_000_000, help="documents against SilverTorch")
+    p.add_argument("--st-groups", default="2,10", help="OR-group counts against SilverTorch")
+    p.add_argument("--skip-top-k", action="store_true", help="parts 1 and 3 only")
     p.add_argument("--out", type=Path, default=Path("bench/results/filters.json"))
     args = p.parse_args(argv)
     if args.small:
-        args.eval_n, args.n, args.d, args.nlist = 100_000, 20_000, 32, 128
+        args.eval_n, args.n, args.d, args.nlist, args.st_n = 100_000, 20_000, 32, 128, 100_000
     return args
 
 
@@ -384,8 +395,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nwrote {out} in {wall():.0f} s", file=sys.stderr)
         return
     ev = evaluation(args.eval_n, args.rounds)
-    tk = top_k(args)
+    tk = {} if args.skip_top_k else top_k(args)
     report = render(ev, tk, args.target)
+    loaded, where = load_silvertorch(args.silvertorch_path)
+    st: dict[str, Any] = {"skipped": where}
+    if loaded:
+        groups = [int(g) for g in args.st_groups.split(",")]
+        st = {"from": where, **compare(args.st_n, groups, args.rounds, in_turns)}
+        report += "\n\n" + render_silvertorch(st)
+    else:
+        report += f"\n\nAgainst SilverTorch: skipped, {where}"
     print(report)
     meta = {
         "argv": sys.argv[1:] if argv is None else argv,
@@ -400,7 +419,9 @@ def main(argv: list[str] | None = None) -> None:
         "loadavg_end": os.getloadavg(),
     }
     atomic_write_json(
-        args.out, {"meta": meta, "evaluation": ev, "top_k": tk, "markdown": report}, indent=1
+        args.out,
+        {"meta": meta, "evaluation": ev, "top_k": tk, "silvertorch": st, "markdown": report},
+        indent=1,
     )
     print(f"\nwrote {args.out} in {wall():.0f} s", file=sys.stderr)
 

@@ -473,6 +473,45 @@ def filters_hashed(data: Data, spec: Spec) -> Rows:
     return rows
 
 
+def filters_silvertorch(data: Data, spec: Spec) -> Rows:
+    """``bench/filters.py``'s SilverTorch part: our exact evaluation of OR-groups over the catalog
+    (``eligible_positions``, the index's own call, positions out) against SilverTorch's Bloom search (a candidate mask with
+    false positives) and its search plus exact verification (equal answers), and bytes per item."""
+    st = data["silvertorch"]
+    if "skipped" in st:
+        return [f"not measured | {st['skipped']} | | "]
+    ours_way = "ours, eligible_positions (exact positions, C++)"
+    bloom = "silvertorch, bloom_index_search_batch (bool mask)"
+    verified = "silvertorch, bloom search + exact verification (positions)"
+    rows = []
+    for g, r in st["groups"].items():
+        ms, fp = r["ms"], r["false_positives"]
+        case = (
+            f"{g} OR-groups, {st['items']:,} docs, {100 * r['selectivity']:.1f} % pass "
+            f"(equal answers: {r['equal_answers']})"
+        )
+        rows.append(
+            f"{case} | {ms[ours_way]:.2f} ms, {fp['ours']} false positives | Bloom search: "
+            f"{ms[bloom]:.2f} ms, {fp['silvertorch candidates']:,} false positives | "
+            + bold(ms[bloom] / ms[ours_way])
+        )
+        rows.append(
+            f"the same, its candidates verified exactly (our torch verification over the value "
+            f"lists) | {ms[ours_way]:.2f} ms | "
+            f"{ms[verified]:.2f} ms | " + bold(ms[verified] / ms[ours_way])
+        )
+    b = st["bytes_per_item"]
+    sig, sliced = b["ours, signatures"], b["ours, bit slices"]
+    rows.append(
+        f"bytes per document | signatures {sig:.0f} + bit slices {sliced:.0f} = "
+        f"{sig + sliced:.0f} (postings, where kept: "
+        f"+{b['ours, signatures + postings'] - sig:.0f})"
+        f" | Bloom index {b['silvertorch, bloom index']:.0f} (+ value lists "
+        f"{b['value lists (its exact verification)']:.0f} to verify) | "
+    )
+    return rows
+
+
 Kind = Callable[[Data, Spec], Rows]
 BYTES_HEAD = "data | ours, bytes/item | smallest faiss IVF at recall ≥ 0.95 | ours over it"
 KINDS: dict[str, tuple[Kind, str]] = {
@@ -492,6 +531,10 @@ KINDS: dict[str, tuple[Kind, str]] = {
     ),
     "filters": (filters, "case | ours | fastest peer | ours ÷ peer (speed)"),
     "filters_hashed": (filters_hashed, "case | ours | peer | ours ÷ peer (speed)"),
+    "filters_silvertorch": (
+        filters_silvertorch,
+        "case | ours (exact) | SilverTorch CPU | it ÷ ours (speed)",
+    ),
     "seen": (
         seen,
         "seen items S | batch | skipped in the scan, a query | K + S, then struck | its time ÷ ours | same ids",

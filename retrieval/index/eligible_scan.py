@@ -3,7 +3,10 @@ no more than the lists (``planner.py``), and the reference the index is measured
 
 The items passing a filter are found from the postings of its most selective clause
 (:func:`eligible_positions`), so the cost grows with that clause's items, not the catalog;
-rows sharing one filter are searched together (:func:`exact_search`).
+with no selective clause, on CPU, from the signatures bit-sliced (one bitmap of the catalog per
+bit, kept beside the signatures once a few such filters met them), which reads only the filter's
+bits.
+Rows sharing one filter are searched together (:func:`exact_search`).
 """
 
 from __future__ import annotations
@@ -11,11 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from retrieval.filters import eligible
 from retrieval.index.exact import exact_topk
 from retrieval.index.readout import scores_at
-from retrieval.index.scan import eligible_rows_cpu, filter_mask
+from retrieval.index.scan import (
+    bit_slices_cpu,
+    eligible_rows_cpu,
+    filter_mask,
+    sliced_rows_cpu,
+)
 from retrieval.index.tensors import IndexTensors
 
 
@@ -61,6 +70,10 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     """
     sig = t.lists.sig
     if sig.device.type == "cpu":  # one C++ call, the same rule
+        if _dense(t, masks, negate) and _sliced_cheaper(masks, negate):
+            slices = _slices(sig)
+            if slices is not None:
+                return sliced_rows_cpu(slices, masks, negate, sig.shape[0])
         return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings)
     return eligible_positions_torch(t, masks, negate)
 
@@ -70,12 +83,7 @@ def eligible_positions_torch(
 ) -> torch.Tensor:
     """:func:`eligible_positions` in torch ops (on a GPU), by the same rule."""
     sig = t.lists.sig
-    shifts = torch.arange(64, device=masks.device)
-    bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
-    listed = t.posting_counts.to(masks.device)
-    unlisted = (bits & (listed < 0)).any(dim=1)  # [C]: reads a bit without postings
-    counts = (bits.long() * listed.clamp(min=0)).sum(dim=1)
-    counts = counts.masked_fill(negate | unlisted, t.ntotal + 1)
+    bits, counts = _driving_counts(t, masks, negate)
     c = int(counts.argmin()) if counts.numel() else -1
     if c < 0 or int(counts[c]) > t.ntotal // 4 or t.postings.numel() == 0:
         return filter_mask(sig, masks, negate).nonzero().flatten()
@@ -87,6 +95,56 @@ def eligible_positions_torch(
     if len(parts) > 1:
         cand = cand.unique()  # a multi-valued attribute may list an item under several values
     return cand[eligible(sig.index_select(0, cand), masks, negate)]
+
+
+_SLICES = WeakIdKeyDictionary()
+"""Signatures (by identity) -> ``[their version, their bit slices or None, dense filters seen at
+that version]``; a live update replaces the signatures or bumps their version in place."""
+SLICES_AFTER = 8
+"""Dense filters one version of the signatures answers through the full check before its bit
+slices are built: building reads every item's bits, a few full checks' worth, so signatures that
+change between every few filters never pay for slices they would not reuse."""
+
+
+def _slices(sig: torch.Tensor) -> torch.Tensor | None:
+    """``sig [N, W]``'s bit slices ``[W * 64, ceil(N / 64)]`` once :data:`SLICES_AFTER` dense
+    filters met this version of ``sig``; None before (the caller checks every row)."""
+    kept = _SLICES.get(sig)
+    if kept is None or kept[0] != sig._version:
+        kept = [sig._version, None, 0]
+        _SLICES[sig] = kept
+    kept[2] += 1
+    if kept[1] is None and kept[2] >= SLICES_AFTER:
+        kept[1] = bit_slices_cpu(sig)
+    return kept[1]
+
+
+def _dense(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> bool:
+    """No non-negated clause under a quarter of the catalog: the postings would not narrow the
+    candidates (``eligible_rows`` then checks every row)."""
+    if t.postings.numel() == 0 or masks.shape[0] == 0:
+        return True
+    return int(_driving_counts(t, masks, negate)[1].min()) > t.ntotal // 4
+
+
+def _driving_counts(
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each clause's bits ``[C, W*64]`` and the items its postings list ``[C]``; a negated
+    clause, or one reading a bit without postings, counts ``ntotal + 1`` (it never drives)."""
+    shifts = torch.arange(64, device=masks.device)
+    bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
+    listed = t.posting_counts.to(masks.device)
+    unlisted = (bits & (listed < 0)).any(dim=1)  # [C]: reads a bit without postings
+    counts = (bits.long() * listed.clamp(min=0)).sum(dim=1)
+    return bits, counts.masked_fill(negate | unlisted, t.ntotal + 1)
+
+
+def _sliced_cheaper(masks: torch.Tensor, negate: torch.Tensor) -> bool:
+    """Reading the filter's bits (a word of 64 items each) costs less than every row's whole
+    signature against every clause (``C * W`` words an item)."""
+    set_bits = sum(bin(int(m) & (2**64 - 1)).count("1") for m in masks.flatten().tolist())
+    return set_bits < 64 * masks.shape[0] * masks.shape[1]
 
 
 def _scorer(t: IndexTensors) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

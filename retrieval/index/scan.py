@@ -334,6 +334,29 @@ def filter_mask(sig: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor) -> t
     return _extension().filter_mask(sig, fmask.contiguous(), fneg.contiguous())
 
 
+def bit_slices_cpu(sig: torch.Tensor) -> torch.Tensor:
+    """``sig [N, W]`` bit-sliced -> ``[W * 64, ceil(N / 64)] int64``: word ``j`` of bit ``b``
+    holds bit ``b`` of items ``64 j .. 64 j + 63`` (item ``i`` at bit ``i % 64``)."""
+    return _extension().bit_slices(sig.cpu().contiguous())
+
+
+def sliced_mask_cpu(
+    slices: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor, n: int
+) -> torch.Tensor:
+    """Items passing one filter (``fmask [C, W]``, ``fneg [C]``) read from the bit slices of
+    :func:`bit_slices_cpu` -> ``[n] bool``, equal to :func:`filter_mask`: only the clauses'
+    bits are read, 64 items a word, so the cost grows with the filter's bits, not the
+    signature's width."""
+    return _extension().sliced_mask(slices, fmask.contiguous(), fneg.contiguous(), n)
+
+
+def sliced_rows_cpu(
+    slices: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor, n: int
+) -> torch.Tensor:
+    """The items of :func:`sliced_mask_cpu` as positions -> ``[M] int64`` ascending."""
+    return _extension().sliced_rows(slices, fmask.contiguous(), fneg.contiguous(), n)
+
+
 def decode_rows_cpu(pos: torch.Tensor, lists: Lists, centroids_t: torch.Tensor) -> torch.Tensor:
     """Rows ``pos [M]`` of int8 codes decoded to ``[M, D]`` float32 (centroid + scale * code)
     in one C++ pass; ``centroids_t [D, L]``: the centroids in the probe's layout."""

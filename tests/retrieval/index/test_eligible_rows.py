@@ -1,6 +1,7 @@
 """The rows passing one filter in one C++ call (``scan.eligible_rows_cpu``): driven by the
 postings of the filter's most selective clause, they must be exactly the rows the full
-signature check admits, ascending, for any vocabulary, multi-valued attributes and negations."""
+signature check admits, ascending, for any vocabulary, multi-valued attributes and negations.
+So must the bit-sliced evaluation (``scan.sliced_mask_cpu`` / ``sliced_rows_cpu``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from hypothesis import strategies as st
 
 from retrieval.filters import FilterSchema, eligible
 from retrieval.index.build import bit_index
-from retrieval.index.scan import eligible_rows_cpu
+from retrieval.index.scan import (
+    bit_slices_cpu,
+    eligible_rows_cpu,
+    sliced_mask_cpu,
+    sliced_rows_cpu,
+)
 
 
 def masks_of(schema: FilterSchema, clauses: list[tuple[int, list[int]]]) -> torch.Tensor:
@@ -64,3 +70,38 @@ def test_rows_from_postings_equal_the_full_check(vocabs, multi, n, picks, seed):
     # without postings (an index saved before them): every row is checked, same answer
     none = torch.zeros(0, dtype=torch.int32)
     assert torch.equal(eligible_rows_cpu(sig, masks, negate, counts, none), want)
+    # bit-sliced, 64 items a word (n not a multiple of 64 included)
+    slices = bit_slices_cpu(sig)
+    assert slices.shape == (schema.num_words * 64, (n + 63) // 64)
+    assert torch.equal(sliced_mask_cpu(slices, masks, negate, n), eligible(sig, masks, negate))
+    assert torch.equal(sliced_rows_cpu(slices, masks, negate, n), want)
+
+
+def test_a_dense_filter_reads_the_bit_slices_and_follows_changes_to_the_signatures():
+    """No clause narrows the catalog (each passes most items): ``eligible_positions`` answers
+    from the full check, then, after a few such filters, from the bit slices, equal to it; after
+    the signatures change in place the kept slices are dropped (never read stale) and rebuilt."""
+    from retrieval.index import IVFConfig, build_ivf
+    from retrieval.index.eligible_scan import _SLICES, SLICES_AFTER, eligible_positions
+
+    rng = np.random.default_rng(3)
+    n = 3000
+    vocab = {"tag": [f"t{i}" for i in range(10)], "lang": ["a", "b", "c"]}
+    idx = build_ivf(
+        torch.randn(n, 8),
+        IVFConfig(nlist=8, measure_costs=False),
+        item_attributes={"tag": rng.random((n, 10)) < 0.5, "lang": rng.integers(0, 3, n)},
+        attribute_values=vocab,
+    )
+    t = idx.tensors()
+    fb = idx.compile_filter("tag in {t0, t1, t2} and (lang != c) and not tag = t9", 1)
+    masks, negate = fb.masks[0], fb.negate[0]
+    sig = t.lists.sig
+    for change in range(2):
+        want = eligible(sig, masks, negate).nonzero().flatten()
+        for call in range(SLICES_AFTER + 1):
+            assert torch.equal(eligible_positions(t, masks, negate), want)
+            built = _SLICES.get(sig)[1] is not None
+            assert built == (call + 1 >= SLICES_AFTER), (change, call)
+        sig[: n // 2] = 0  # in place: half the items lose every value
+        assert eligible(sig, masks, negate).nonzero().min() >= n // 2

@@ -254,6 +254,98 @@ at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at:
   return out;
 }
 
+// The signatures bit-sliced: sig [N, W] int64 -> slices [W * 64, ceil(N / 64)] int64, word j of
+// bit b holding bit b of items 64j .. 64j + 63 (item i at bit i % 64). A filter then reads only
+// its clauses' bits, 64 items a word, instead of every item's whole signature.
+at::Tensor bit_slices(const at::Tensor& sig) {
+  TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous() && sig.device().is_cpu(),
+              "sig must be contiguous CPU int64 [N, W]");
+  const int64_t n = sig.size(0), w = sig.size(1), words = (n + 63) / 64;
+  auto out = at::zeros({w * 64, words}, sig.options());
+  const uint64_t* sp = reinterpret_cast<const uint64_t*>(sig.data_ptr<int64_t>());
+  uint64_t* op = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
+  // parallel over blocks of 64 items: each block writes its own word of every slice
+  at::parallel_for(0, words, 256, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t i = j * 64; i < std::min(n, j * 64 + 64); ++i)
+        for (int64_t k = 0; k < w; ++k)
+          for (uint64_t word = sp[i * w + k]; word; word &= word - 1)
+            op[(k * 64 + __builtin_ctzll(word)) * words + j] |= uint64_t(1) << (i % 64);
+  });
+  return out;
+}
+
+namespace {
+
+// The words of items passing one filter, from the bit slices: clause c is the OR of its bits'
+// slices (complemented when negated), the filter the AND of its clauses, 64 items a word.
+std::vector<uint64_t> sliced_words(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg,
+                                   int64_t n) {
+  TORCH_CHECK(slices.dim() == 2 && slices.scalar_type() == at::kLong && slices.is_contiguous() &&
+              slices.size(0) % 64 == 0 && slices.size(1) == (n + 63) / 64,
+              "slices must be contiguous int64 [W * 64, ceil(n / 64)]");
+  const int64_t w = slices.size(0) / 64, words = slices.size(1), c_count = fmask.size(0);
+  TORCH_CHECK(fmask.dim() == 2 && fmask.size(1) == w && fmask.scalar_type() == at::kLong && fmask.is_contiguous(),
+              "fmask must be contiguous int64 [C, W]");
+  TORCH_CHECK(fneg.dim() == 1 && fneg.size(0) == c_count && fneg.scalar_type() == at::kBool && fneg.is_contiguous(),
+              "fneg must be bool [C]");
+  const uint64_t* sl = reinterpret_cast<const uint64_t*>(slices.data_ptr<int64_t>());
+  const uint64_t* mp = reinterpret_cast<const uint64_t*>(fmask.data_ptr<int64_t>());
+  const bool* np = fneg.data_ptr<bool>();
+  std::vector<std::vector<int64_t>> bits(c_count);  // each clause's set bits, read once
+  for (int64_t c = 0; c < c_count; ++c)
+    for (int64_t k = 0; k < w; ++k)
+      for (uint64_t m = mp[c * w + k]; m; m &= m - 1) bits[c].push_back(k * 64 + __builtin_ctzll(m));
+  std::vector<uint64_t> acc(words);
+  at::parallel_for(0, words, 1 << 10, [&](int64_t j0, int64_t j1) {
+    constexpr int64_t kBlock = 256;  // words kept in L1 while every clause is applied to them
+    uint64_t any[kBlock];
+    for (int64_t b0 = j0; b0 < j1; b0 += kBlock) {
+      const int64_t len = std::min(kBlock, j1 - b0);
+      uint64_t* a = acc.data() + b0;
+      for (int64_t j = 0; j < len; ++j) a[j] = ~uint64_t(0);
+      for (int64_t c = 0; c < c_count; ++c) {
+        for (int64_t j = 0; j < len; ++j) any[j] = 0;
+        for (int64_t bit : bits[c]) {
+          const uint64_t* s = sl + bit * words + b0;
+          for (int64_t j = 0; j < len; ++j) any[j] |= s[j];
+        }
+        const uint64_t flip = np[c] ? ~uint64_t(0) : 0;
+        for (int64_t j = 0; j < len; ++j) a[j] &= any[j] ^ flip;
+      }
+    }
+  });
+  if (n % 64) acc.back() &= (uint64_t(1) << (n % 64)) - 1;  // past the last item: nothing
+  return acc;
+}
+
+}  // namespace
+
+// Items passing one filter from the bit slices (slices [W * 64, ceil(N / 64)], fmask [C, W], fneg
+// [C]) -> bool [n]. The same rule as filter_mask, reading only the filter's bits.
+at::Tensor sliced_mask(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, int64_t n) {
+  const std::vector<uint64_t> acc = sliced_words(slices, fmask, fneg, n);
+  auto out = at::empty({n}, slices.options().dtype(at::kBool));
+  bool* op = out.data_ptr<bool>();
+  at::parallel_for(0, (int64_t)acc.size(), 1 << 12, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t i = 0, m = std::min<int64_t>(64, n - j * 64); i < m; ++i) op[j * 64 + i] = (acc[j] >> i) & 1;
+  });
+  return out;
+}
+
+// The same items as positions: int64 [M] ascending (no [n] mask in between).
+at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, int64_t n) {
+  const std::vector<uint64_t> acc = sliced_words(slices, fmask, fneg, n);
+  int64_t m = 0;
+  for (uint64_t a : acc) m += __builtin_popcountll(a);
+  auto out = at::empty({m}, slices.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t j = 0; j < (int64_t)acc.size(); ++j)
+    for (uint64_t a = acc[j]; a; a &= a - 1) *op++ = j * 64 + __builtin_ctzll(a);
+  return out;
+}
+
 // Rows passing one filter (sig [N, W], fmask [C, W], fneg [C]) -> int64 [M] ascending. The most
 // selective non-negated clause drives: the postings of its bits (bit_counts [W * 64], postings: each
 // bit's rows, bit after bit, ascending) are the only candidates, and only they are checked against

@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("probe_table", &ivf::probe_table, "The centroids quantized for the probe of a few queries", nogil);
   m.def("filter_mask", &ivf::filter_mask, "Items passing one filter", nogil);
+  m.def("bit_slices", &ivf::bit_slices, "The filter signatures bit-sliced, 64 items a word", nogil);
+  m.def("sliced_mask", &ivf::sliced_mask, "Items passing one filter, from the bit slices", nogil);
+  m.def("sliced_rows", &ivf::sliced_rows, "Positions passing one filter, from the bit slices", nogil);
   m.def("many_rows_int8",
         [](const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
            const at::Tensor& offsets, const at::Tensor& centroids_t) {

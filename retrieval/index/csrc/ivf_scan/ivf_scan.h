@@ -528,6 +528,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> second_round_lists(const at::Tens
 // exact.cpp
 std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig);
 at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg);
+at::Tensor bit_slices(const at::Tensor& sig);
+at::Tensor sliced_mask(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, int64_t n);
+at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, int64_t n);
 at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
                          const at::Tensor& bit_counts, const at::Tensor& postings);
 at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
