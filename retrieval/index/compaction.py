@@ -76,4 +76,6 @@ def rebase(folded: IVFIndex, base: LiveSegment, now: IVFIndex) -> IVFIndex | Non
         alive = seg.alive
     tomb_rows = folded.id_order.positions(tomb).cpu().sort().values  # each a main row
     segment = LiveSegment(store, m, alive.to(t.device), tomb.to(t.device), tomb_rows.to(t.device))
-    return with_live(folded, segment if segment.size else None)
+    out = with_live(folded, segment if segment.size else None)
+    out.schema = now.schema  # the values learned since the snapshot (a hashed attribute's new ones)
+    return out

@@ -382,3 +382,24 @@ def test_a_model_filters_by_a_hashed_creator_and_takes_a_new_one():
     model = apply_update(model, upsert)
     ids, _ = model.index.search(torch.ones(1, cfg.out_dim), 5, "creator = newcomer", exact=True)
     assert ids[0].tolist() == [new, -1, -1, -1, -1]
+
+
+def test_a_creator_learned_during_a_compaction_is_found_after_it():
+    """The fold reads a snapshot; a new creator learned by an update meanwhile stays known to
+    the rebased index (it adopts the latest schema, not the snapshot's)."""
+    from retrieval.index.compaction import fold, rebase
+
+    idx = copy.deepcopy(index())
+    q = catalog()["q"][:1]
+    first = live_index.upsert(
+        idx, torch.tensor([N + 1]), torch.ones(1, 16), signatures(idx.schema, [{"creator": ["c7"]}])
+    )
+    folded = fold(first)  # the snapshot, before the newcomer
+    sig = signatures(first.schema, [{"creator": ["latecomer"], "color": ["blue"]}])
+    now = live_index.upsert(first, torch.tensor([N + 2]), torch.ones(1, 16), sig)
+    assert first.live is not None
+    served = rebase(folded, first.live, now)
+    assert served is not None
+    for exact in (True, False):
+        ids, _ = served.search(q, 5, "creator = latecomer and color = blue", exact=exact)
+        assert ids[0].tolist() == [N + 2, -1, -1, -1, -1]
