@@ -78,7 +78,7 @@ class LimitsConfig(Config):
     max_pending_updates: int = Field(default=8, ge=0, le=1 << 20)
     """Admin API: most live-update calls waiting or applying at once in this process (updates
     apply one at a time); one more is refused at once with RESOURCE_EXHAUSTED, so a client
-    sending faster than updates apply backs off (``serving/live/pending.py``). 0: no limit."""
+    sending faster than updates apply backs off (``serving/engine/pending.py``). 0: no limit."""
     max_http_connections: int = Field(default=1024, ge=1, le=1 << 20)
     """Most HTTP connections open at once; one more is answered 503 and closed as it opens
     (the process keeps file descriptors for its model files and update logs)."""

@@ -33,9 +33,9 @@ from serving.engine.batching import BatchPolicy, DynamicBatcher
 from serving.engine.client import EngineClient, InProcessEngine, row_note
 from serving.engine.host import ModelHost
 from serving.engine.metrics import ServingMetrics
+from serving.engine.pending import PendingUpdates
 from serving.engine.runner import Admission, Outcome
 from serving.limits import LimitsConfig
-from serving.live.pending import PendingUpdates
 from serving.types import (
     DeadlineExceededError,
     RecRequest,
