@@ -226,7 +226,9 @@ class ShardParts:
             if p is not None and p.version == version:
                 ahead = rebase(folded, base.live, p.index)
                 if ahead is not None:  # else its commit serves it unfolded: the next one folds
-                    self._pending = _Pending(p.version, p.sequence, ahead, p.attempt, p.learned_from)
+                    self._pending = _Pending(
+                        p.version, p.sequence, ahead, p.attempt, p.learned_from
+                    )
             held = dict(self.versions)
             held[version] = PartVersion(part.sequence, now, part.previous, part.attempt)
             self.versions = held
