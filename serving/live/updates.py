@@ -144,7 +144,7 @@ class LiveUpdates:
         the background (``serving/live/compactor.py``; 0: never; a server passes
         ``ServeConfig.compact_at``)."""
         self.state_dir, self.model, self.metrics = Path(state_dir), model, metrics
-        self.compactor = Compactor(model, compact_at)
+        self.compactor = Compactor(f"model {model}", compact_at)
         self.versions = versions
         self._logs: dict[int, UpdateLog] = {}
         self._replies: dict[int, _Replies] = {}

@@ -147,5 +147,5 @@ class ShardServerConfig(Config):
     """Intra-op threads (0: torch's default)."""
     compact_at: int = Field(default=10_000, ge=0)
     """Live updates: the shard's fresh segment size (fresh rows plus tombstones) from which it
-    is folded into its main lists on a background thread (``serving/sharding/shard_compaction.py``,
-    as ``ServeConfig.compact_at`` on a single server). 0: never fold (until the next publish)."""
+    is folded into its main lists on a background thread (``serving/live/compactor.py``, as
+    ``ServeConfig.compact_at`` on a single server). 0: never fold (until the next publish)."""

@@ -23,8 +23,10 @@ shard is not there (a restarted shard is at 0 until the router replays its log t
 Prepare and commit are serialized; searches read an immutable snapshot of ``versions``.
 
 A commit that leaves the part's fresh segment at ``compact_at`` rows or more folds it into the
-main lists in the background (``shard_compaction.py``); the folded part replaces the current one
-at the same sequence, and the pending prepare is rebased onto it.
+main lists in the background (``serving.live.compactor.Compactor``, with this class's swap); the
+folded part replaces the current one at the same sequence, and the pending prepare is rebased onto
+it. Nothing is logged: a shard's updates are durable in the router's log, which catches a shard
+restarted after a ``kill -9`` (at any point of a compaction) up to the same state.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ from google.protobuf.message import DecodeError
 from retrieval.index.compaction import rebase
 from retrieval.index.ivf import IVFIndex
 from retrieval.live_shards import ShardUpdate, update_shard
+from serving.live.compactor import Compactor
 from serving.live.messages import from_record
 from serving.protos import admin_pb2
-from serving.sharding.shard_compaction import ShardCompactor
 
 ABORTS_REMEMBERED = 64
 """Aborted attempts a shard remembers (their late prepares are refused); the router aborts at
@@ -101,7 +103,7 @@ class ShardParts:
 
     def __init__(self, model: str, shard: int, keep: int, compact_at: int = 0):
         self.model, self.shard, self.keep = model, shard, keep
-        self.compactor = ShardCompactor(f"shard {shard} of {model!r}", compact_at)
+        self.compactor = Compactor(f"shard {shard} of {model!r}", compact_at)
         self.num_shards = 0
         self.versions: dict[int, PartVersion] = {}
         """Loaded versions -> their part; replaced (never mutated) on a change."""
@@ -183,7 +185,7 @@ class ShardParts:
                 held[version] = part.advanced(pending.index, pending.attempt)
                 self.versions = held
                 self._pending = None
-                self.compactor.after_commit(version, pending.index, self._swap_folded)
+                self.compactor.start(version, pending.index, self._swap_folded)
                 return
             if part.sequence == sequence and (not attempt or attempt == part.attempt):
                 return  # committed before: a retried commit

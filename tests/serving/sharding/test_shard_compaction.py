@@ -1,4 +1,4 @@
-"""Compaction of a document shard's fresh segment (serving/sharding/shard_compaction.py), in one
+"""Compaction of a document shard's fresh segment (serving/live/compactor.py, the shard's swap), in one
 process: a commit past ``compact_at`` folds the part in the background at the same sequence and
 it answers exactly as before (and as the unsharded model); a prepare pending while a fold swaps
 in is rebased onto it; a restarted shard replaying the router's records (what a kill -9 during a
