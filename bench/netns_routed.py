@@ -157,6 +157,49 @@ def max_qps(rows: list[dict[str, Any]], p99_ms: float) -> float:
     return max(fits, default=0.0)
 
 
+def load_in_turns(
+    pool: ProcessPoolExecutor,
+    sides: list[tuple[str, str, int]],
+    payloads: list[bytes],
+    levels: list[int],
+    args: argparse.Namespace,
+) -> dict[str, list[dict[str, Any]]]:
+    """Each ``(side, address, pid)`` loaded at every concurrency, the sides in turns per level
+    -> side -> its rows (``run_load``'s, with ``concurrency``)."""
+    rows: dict[str, list[dict[str, Any]]] = {side: [] for side, _, _ in sides}
+    for c in levels:
+        for side, address, pid in sides:
+            r = pool.submit(
+                run_load, address, payloads, c, args.warmup_s, args.seconds, {side: pid}
+            ).result()
+            r["concurrency"] = c
+            rows[side].append(r)
+            print(
+                f"{side:6s} C={c}: {r['qps']:7.1f} q/s  p50 {r['p50_ms']:6.2f} ms  "
+                f"p99 {r['p99_ms']:6.2f} ms  partial {r['partial']}  errors {r['errors']}",
+                flush=True,
+            )
+    return rows
+
+
+def verdict(
+    rows: dict[str, list[dict[str, Any]]], side: str, base: str, p99_ms: float
+) -> tuple[dict[str, float], dict[str, float], dict[str, float | None]]:
+    """``side`` against ``base`` -> (max q/s at p99 <= ``p99_ms`` and p50 at one client, each
+    side's; their ratios)."""
+    p50 = {s: next(r["p50_ms"] for r in rows[s] if r["concurrency"] == 1) for s in (side, base)}
+    best = {s: max_qps(rows[s], p99_ms) for s in (side, base)}
+    return (
+        best,
+        p50,
+        {
+            "max_qps_ratio": best[side] / best[base] if best[base] else None,
+            "p50_1_ratio": p50[side] / p50[base],
+            "p50_1_delta_ms": p50[side] - p50[base],
+        },
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     reason = unavailable()
@@ -170,7 +213,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     one.publish(MODEL, work.model)
     routed_repo.publish(MODEL, work.model, shards=1)
     (tmp / "logs").mkdir()
-    rows: dict[str, list[dict[str, Any]]] = {"serve": [], "routed": []}
     ctx = multiprocessing.get_context("spawn")
     with (
         ProcessPoolExecutor(1, mp_context=ctx) as pool,
@@ -183,28 +225,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pool.submit(ready).result()
         for address in (serve_at, routed_at):
             check(address, work)
-        for c in levels:
-            for side, address, pid in (
-                ("serve", serve_at, serve_pid),
-                ("routed", routed_at, router_pid),
-            ):
-                r = pool.submit(
-                    run_load, address, payloads, c, args.warmup_s, args.seconds, {side: pid}
-                ).result()
-                r["concurrency"] = c
-                rows[side].append(r)
-                print(
-                    f"{side:6s} C={c}: {r['qps']:7.1f} q/s  p50 {r['p50_ms']:6.2f} ms  "
-                    f"p99 {r['p99_ms']:6.2f} ms  partial {r['partial']}  errors {r['errors']}",
-                    flush=True,
-                )
-    p50 = {s: next(r["p50_ms"] for r in rows[s] if r["concurrency"] == 1) for s in rows}
-    best = {s: max_qps(rows[s], args.p99_ms) for s in rows}
-    verdict = {
-        "max_qps_ratio": best["routed"] / best["serve"] if best["serve"] else None,
-        "p50_1_ratio": p50["routed"] / p50["serve"],
-        "p50_1_delta_ms": p50["routed"] - p50["serve"],
-    }
+        sides = [("serve", serve_at, serve_pid), ("routed", routed_at, router_pid)]
+        rows = load_in_turns(pool, sides, payloads, levels, args)
+    best, p50, ratios = verdict(rows, "routed", "serve", args.p99_ms)
     out = {
         "bench": "netns_routed",
         "meta": {
@@ -224,14 +247,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "max_qps": best,
         "p50_1_ms": p50,
-        "verdict": verdict,
+        "verdict": ratios,
     }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(
         f"\n{args.network}: max q/s at p99 <= {args.p99_ms:g} ms routed/serve "
-        f"{best['routed']:.0f}/{best['serve']:.0f} = {verdict['max_qps_ratio'] or 0:.2f}x "
+        f"{best['routed']:.0f}/{best['serve']:.0f} = {ratios['max_qps_ratio'] or 0:.2f}x "
         f"(target >= 0.75x); p50 at 1 client {p50['routed']:.2f}/{p50['serve']:.2f} ms = "
-        f"{verdict['p50_1_ratio']:.2f}x ({verdict['p50_1_delta_ms']:+.2f} ms); {args.out}"
+        f"{ratios['p50_1_ratio']:.2f}x ({ratios['p50_1_delta_ms']:+.2f} ms); {args.out}"
     )
     return out
 

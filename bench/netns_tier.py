@@ -41,10 +41,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadgen import ready
-from netns_routed import check, max_qps, routed_on_hosts
+from netns_routed import check, load_in_turns, routed_on_hosts, verdict
 from remote_hot import hot_item_budgets
 from server_procs import ROOT
-from sharding_load import run_load
 from sharding_workload import MODEL, NO_FILTER, Workload, build_workload, publish_remote
 
 from recserve.hosts.netns import unavailable
@@ -103,7 +102,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="netns-tier-"))
     ModelRepository(tmp / "local").publish(MODEL, work.model, shards=1)
     remote_tables = publish_tables(tmp / "remote", work, args.tables)
-    rows: dict[str, list[dict[str, Any]]] = {"local": [], "remote": []}
     ctx = multiprocessing.get_context("spawn")
     with (
         ProcessPoolExecutor(1, mp_context=ctx) as pool,
@@ -116,25 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pool.submit(ready).result()
         for address in (local_at, remote_at):
             check(address, work)
-        for c in levels:
-            for side, address, pid in (("local", local_at, lpid), ("remote", remote_at, rpid)):
-                r = pool.submit(
-                    run_load, address, payloads, c, args.warmup_s, args.seconds, {side: pid}
-                ).result()
-                r["concurrency"] = c
-                rows[side].append(r)
-                print(
-                    f"{side:6s} C={c}: {r['qps']:7.1f} q/s  p50 {r['p50_ms']:6.2f} ms  "
-                    f"p99 {r['p99_ms']:6.2f} ms  partial {r['partial']}  errors {r['errors']}",
-                    flush=True,
-                )
-    p50 = {s: next(r["p50_ms"] for r in rows[s] if r["concurrency"] == 1) for s in rows}
-    best = {s: max_qps(rows[s], args.p99_ms) for s in rows}
-    verdict = {
-        "max_qps_ratio": best["remote"] / best["local"] if best["local"] else None,
-        "p50_1_ratio": p50["remote"] / p50["local"],
-        "p50_1_delta_ms": p50["remote"] - p50["local"],
-    }
+        sides = [("local", local_at, lpid), ("remote", remote_at, rpid)]
+        rows = load_in_turns(pool, sides, payloads, levels, args)
+    best, p50, ratios = verdict(rows, "remote", "local", args.p99_ms)
     out = {
         "bench": "netns_tier",
         "meta": {
@@ -154,14 +136,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "max_qps": best,
         "p50_1_ms": p50,
-        "verdict": verdict,
+        "verdict": ratios,
     }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(
         f"\n{args.network}: p50 at 1 client remote/local {p50['remote']:.2f}/{p50['local']:.2f} ms"
-        f" = {verdict['p50_1_ratio']:.2f}x ({verdict['p50_1_delta_ms']:+.2f} ms); max q/s at p99"
+        f" = {ratios['p50_1_ratio']:.2f}x ({ratios['p50_1_delta_ms']:+.2f} ms); max q/s at p99"
         f" <= {args.p99_ms:g} ms {best['remote']:.0f}/{best['local']:.0f} = "
-        f"{verdict['max_qps_ratio'] or 0:.2f}x; {args.out}"
+        f"{ratios['max_qps_ratio'] or 0:.2f}x; {args.out}"
     )
     return out
 
