@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +29,21 @@ CACHE_MISSES = Counter("recserve_cache_misses", "Hot-row cache lookups that miss
 CACHE_EVICTIONS = Counter(
     "recserve_cache_evictions", "Rows evicted from a hot-row cache", ["cache"]
 )
+
+
+class Admitted(NamedTuple):
+    """What one :meth:`HotRowCache.insert` changed (``int64``, CPU)."""
+
+    ids: torch.Tensor
+    """``[m]`` the ids kept (those admitted, at most ``capacity``)."""
+    slots: torch.Tensor
+    """``[m]`` their storage slots."""
+    evicted: torch.Tensor
+    """``[e]`` the ids evicted to make room (their slots are among ``slots``)."""
+
+
+_NONE = torch.empty(0, dtype=torch.int64)
+_NOTHING = Admitted(_NONE, _NONE, _NONE)
 
 
 class HotRowCache:
@@ -139,6 +155,11 @@ class HotRowCache:
         """Admits ``rows uint8 [n, row_bytes]`` under ``ids int64 [n]`` (unique), evicting per
         policy; ids already cached get their row replaced. Only the first ``capacity`` ids of a
         larger batch are kept (a batch may not evict itself)."""
+        self.insert(ids, rows)
+
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> Admitted:
+        """:meth:`put` that says what changed: the ids kept, their slots and the ids evicted
+        (a caller holding its own id -> slot map on a device updates it from these)."""
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.row_bytes:
             raise ValueError(
                 f"rows must be uint8 [n, {self.row_bytes}], got {rows.dtype} {tuple(rows.shape)}"
@@ -151,7 +172,7 @@ class HotRowCache:
                 admitted = self._sketch.add(ids).numpy() >= self.admit_after
             if not admitted.all():  # NumPy: a miss of a served batch is a few ids
                 if not admitted.any():
-                    return  # none seen often enough yet: nothing to keep
+                    return _NOTHING  # none seen often enough yet: nothing to keep
                 at = np.flatnonzero(admitted)
                 ids = torch.from_numpy(ids.numpy()[at])
                 on_cpu = rows.device.type == "cpu"
@@ -166,6 +187,7 @@ class HotRowCache:
                 self.storage[slots.to(self.device)] = rows.to(self.device)
             self._evictions += len(evicted)
         self._metrics[2].inc(len(evicted))
+        return Admitted(ids, slots, evicted)
 
     def invalidate(self, ids: torch.Tensor) -> None:
         """Forgets ``ids int64 [n]`` (absent ones are ignored); their rows are free again."""

@@ -117,7 +117,13 @@ class TableCollection(Protocol):
         ...
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
-        """``{table: counters}`` of the hot-row caches of remote tables (``{}``: none)."""
+        """``{table: counters}`` of the hot-row caches of remote tables, and ``{row store:
+        counters}`` of device caches of host tables (``{}``: none)."""
+        ...
+
+    def between_batches(self) -> None:
+        """Work the tables do between two batches, outside the forward (device caches admit
+        the rows the last lookups missed); the served model's runner calls it after each."""
         ...
 
     def remote_stats(self) -> RemoteStats:
@@ -147,6 +153,9 @@ class TableHooks:
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
         return {}
+
+    def between_batches(self) -> None:
+        return None
 
     def remote_stats(self) -> RemoteStats:
         return RemoteStats()

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from common.compile_boundary import eager_under_compile
+from sharded_tables.device_cache import DeviceRowCache
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.specs import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS, DType, row_bytes
 
@@ -41,6 +42,9 @@ class LocalTable:
     dtype: DType
     features: tuple[str, ...]
     pooling: str = "mean"
+    cache_rows: int = 0
+    """Host tier, torch backend: rows of the table kept on the device (:class:`DeviceRowCache`,
+    pooled with those of the tables sharing its row store); ignored elsewhere."""
 
 
 @dataclass
@@ -52,6 +56,8 @@ class _Group:
     store: torch.Tensor  # uint8 [sum of rows, row_bytes]
     features: list[int]  # feature positions read from this store
     base: list[int]  # first store row of each feature's table
+    cache: DeviceRowCache | None = None  # host tier: hot rows on the device
+    base_t: torch.Tensor | None = None  # ``base`` on the device [F_g] (made once, not per call)
 
 
 def fbgemm_installed() -> bool:
@@ -98,8 +104,13 @@ class LocalTables(nn.Module):
         tier: str = "host",
         device: torch.device | str = "cpu",
         backend: str | None = None,
+        cache_policy: str = "hybrid",
+        cache_admit_after: int = 2,
     ):
+        """``cache_policy`` / ``cache_admit_after``: eviction policy and admission threshold of
+        the host tier's device caches (tables with ``cache_rows``, torch backend)."""
         super().__init__()
+        self._cache_policy, self._cache_admit_after = cache_policy, cache_admit_after
         if tier not in ("device", "host"):
             raise ValueError(f"tier must be 'device' or 'host', got {tier!r}")
         self.tables = list(tables)
@@ -181,6 +192,7 @@ class LocalTables(nn.Module):
         groups: list[_Group] = []
         pinned = self.device.type == "cuda" and self.tier == "host"
         self._packed = [torch.empty(0)] * len(self.tables)
+        self._place: dict[int, tuple[_Group, int]] = {}  # table -> (its store, first row)
         for dtype, dim in dict.fromkeys((t.dtype, t.dim) for t in self.tables):
             members = [i for i, t in enumerate(self.tables) if (t.dtype, t.dim) == (dtype, dim)]
             rows = sum(self.tables[i].rows for i in members)
@@ -193,8 +205,51 @@ class LocalTables(nn.Module):
                 start += self.tables[i].rows
             feats = [j for j, t in enumerate(self.feature_table) if t in members]
             base = [first_row[self.feature_table[j]] for j in feats]
-            groups.append(_Group(dtype, dim, store, feats, base))
+            g = _Group(dtype, dim, store, feats, base, self._cache_for(store, members, dtype, dim))
+            g.base_t = torch.tensor(base, device=self.device)
+            groups.append(g)
+            for i in members:
+                self._place[i] = (g, first_row[i])
         return groups
+
+    def _cache_for(
+        self, store: torch.Tensor, members: list[int], dtype: DType, dim: int
+    ) -> DeviceRowCache | None:
+        """A host store's device cache, sized by its tables' ``cache_rows`` (None: none)."""
+        rows = sum(self.tables[i].cache_rows for i in members)
+        if self.tier != "host" or rows == 0:
+            return None
+        name = f"{self.tier}/{dtype.value}/{dim}"
+        policy, admit = self._cache_policy, self._cache_admit_after
+        return DeviceRowCache(store, rows, self.device, policy, admit, name=name)
+
+    def _read(self, g: _Group, rows: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """Packed rows ``uint8 [n, row_bytes]`` on the device of store rows ``rows [n]`` (in
+        range) of group ``g``; ``present bool [n]``: which are real ids (the cache logs those)."""
+        if g.cache is not None:
+            return g.cache.read(rows, present)
+        return g.store[rows.to(g.store.device)].to(self.device, non_blocking=True)
+
+    def admit_cached(self) -> int:
+        """Between batches: each device cache admits the rows its lookups missed -> rows
+        admitted (0 without caches)."""
+        return sum(g.cache.admit() for g in getattr(self, "_groups", []) if g.cache is not None)
+
+    def cache_stats(self) -> dict[str, dict[str, float]]:
+        """``{cache name: counters}`` of the device caches (:meth:`DeviceRowCache.stats`)."""
+        return {
+            g.cache.policy.name: g.cache.stats()
+            for g in getattr(self, "_groups", [])
+            if g.cache is not None
+        }
+
+    def rows_written(self, name: str, rows: torch.Tensor) -> None:
+        """Table ``name``'s rows ``rows int64 [n]`` were rewritten (through :meth:`rows_view`):
+        a device cache forgets its copies of them."""
+        if self._tbe is None:
+            g, first = self._place[self._index(name)]
+            if g.cache is not None:
+                g.cache.invalidate(rows.cpu() + first)
 
     def _index(self, name: str) -> int:
         for i, t in enumerate(self.tables):
@@ -221,6 +276,7 @@ class LocalTables(nn.Module):
                 weights.copy_(packed)
         else:
             self._packed[i].copy_(packed)
+            self.rows_written(name, torch.arange(t.rows))
 
     def rows_view(self, name: str) -> torch.Tensor:
         """Table ``name``'s packed rows ``uint8 [rows, row_bytes]`` as a writable view of what
@@ -394,7 +450,7 @@ class LocalTables(nn.Module):
             flat = torch.cat([m.to(self.device).reshape(-1) for m in features])  # [n]
             mask = flat >= 0
             base = self._bag_index(b, widths, g.base)  # [n] first store row of each id's table
-            packed = g.store[(flat.clamp(min=0) + base).to(g.store.device)].to(self.device)
+            packed = self._read(g, flat.clamp(min=0) + base, mask)
             dense = unpack_rows(packed, g.dtype, g.dim) * mask[:, None]  # [n, D]
             f = len(features)
             bags = self._bag_index(b, widths)
@@ -410,7 +466,7 @@ class LocalTables(nn.Module):
             ids = [features[j].to(self.device) for j in g.features]
             rows = torch.cat([m.clamp(min=0).reshape(-1) + g.base[i] for i, m in enumerate(ids)])
             present = torch.cat([(m >= 0).reshape(-1) for m in ids]).float()  # [n]
-            packed = g.store[rows.to(g.store.device)].to(self.device, non_blocking=True)
+            packed = self._read(g, rows, present > 0)
             dense = unpack_rows(packed, g.dtype, g.dim) * present[:, None]  # [n, D]
             bags = self._bag_index(b, tuple(m.shape[1] for m in ids))  # [n] bag of each id
             sums = torch.zeros(len(ids) * b, g.dim, device=self.device).index_add_(0, bags, dense)
@@ -453,8 +509,9 @@ class LocalTables(nn.Module):
             indices, offsets = indices.to(self.device), offsets.to(self.device)
             n = torch.arange(indices.numel(), device=self.device)
             bags = torch.searchsorted(offsets, n, right=True) - 1  # [n]
-            base = torch.tensor(g.base, device=self.device)[bags // b]  # features in order
-            packed = g.store[(indices + base).to(g.store.device)].to(self.device)
+            assert g.base_t is not None
+            base = g.base_t[bags // b]  # features in order
+            packed = self._read(g, indices + base, torch.ones_like(indices, dtype=torch.bool))
             dense = unpack_rows(packed, g.dtype, g.dim)  # [n, D]
             f = len(self.feature_names)
             sums = torch.zeros(f * b, g.dim, device=self.device).index_add_(0, bags, dense)

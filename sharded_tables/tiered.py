@@ -29,7 +29,7 @@ from sharded_tables.cache import HotRowCache
 from sharded_tables.collection import check_id_features
 from sharded_tables.interface import RemoteStats, RowUpdateRefusedError
 from sharded_tables.keyed_bag import KeyedBag
-from sharded_tables.planner import PlacementPlan
+from sharded_tables.planner import PlacementPlan, TablePlacement
 from sharded_tables.quantize import pack_rows, unpack_rows
 from sharded_tables.remote_tier import RemoteFetcher, RemoteTier, pool_rows, present_ids
 from sharded_tables.specs import DType, TableSpec, Tier
@@ -79,7 +79,15 @@ class TieredEmbeddingCollection(nn.Module):
         for tier in self._local_tiers():
             for backend in ("fbgemm", "torch"):
                 tables = [
-                    LocalTable(s.name, s.rows, s.dim, p.dtype, s.feature_names(), s.pooling)
+                    LocalTable(
+                        s.name,
+                        s.rows,
+                        s.dim,
+                        p.dtype,
+                        s.feature_names(),
+                        s.pooling,
+                        cache_rows=self._device_cache_rows(p),
+                    )
                     for s, p in self._placed()
                     if self._local_tier_of(p.tier) == tier
                     and not s.hashed
@@ -91,6 +99,8 @@ class TieredEmbeddingCollection(nn.Module):
                         tier=tier,
                         device=self.device,
                         backend="torch" if backend == "torch" else None,
+                        cache_policy=cache_policy,
+                        cache_admit_after=cache_admit_after,
                     )
                     self.tiers[tier if backend == "fbgemm" else f"{tier}/{backend}"] = module
                     self._module_of.update({t.name: module for t in tables})
@@ -133,6 +143,12 @@ class TieredEmbeddingCollection(nn.Module):
         if tier is Tier.REMOTE:
             return None
         return tier.value if self.device.type == "cuda" else "host"
+
+    def _device_cache_rows(self, p: TablePlacement) -> int:
+        """A host table's rows cached in HBM: the plan's, on a GPU (on a CPU the host tier is
+        already the fastest copy). Only the torch backend builds the cache (fbgemm's CUDA
+        kernel caches host rows itself, UVM)."""
+        return p.cache_rows if self.device.type == "cuda" and p.tier is Tier.HOST else 0
 
     def _is_remote(self, table: str) -> bool:
         """Whether ``table``'s lookups go through the hot-row path (remote, not copied whole)."""
@@ -206,6 +222,7 @@ class TieredEmbeddingCollection(nn.Module):
                 module.set_packed(table, whole)
                 return
             view[rows.to(view.device)] = packed.to(view.device)
+            module.rows_written(table, rows)  # a device cache forgets its old copies
 
         return write
 
@@ -375,8 +392,18 @@ class TieredEmbeddingCollection(nn.Module):
         return remote
 
     def cache_stats(self) -> dict[str, dict[str, float]]:
-        """``{table: counters}`` of each remote table's hot-row cache."""
-        return {t: c.stats() for t, c in self.caches.items()}
+        """``{table: counters}`` of each remote table's hot-row cache, and ``{row store:
+        counters}`` (``"host/int8/64"``) of each of the host tier's device caches."""
+        out = {t: c.stats() for t, c in self.caches.items()}
+        for module in self.tiers.values():
+            out.update(module.cache_stats())
+        return out
+
+    def between_batches(self) -> None:
+        """The host tier's device caches admit what the last batches missed (a host read
+        each, outside the forward: a graph of the forward only reads the caches)."""
+        for module in self.tiers.values():
+            module.admit_cached()
 
     def remote_stats(self) -> RemoteStats:
         """The counters of lookups that left the local tiers (the live object)."""

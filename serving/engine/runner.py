@@ -254,6 +254,7 @@ class ModelRunner:
             ids, scores = self.graphed(batch, k)
         else:
             ids, scores = self.model(batch, k, checked=True)
+        self.model.tables.between_batches()  # device caches admit outside the forward (graph)
         return ids, scores, []
 
     def _batch(self, reqs: list[RecRequest], clauses: list[Expr | None]) -> UserBatch:
