@@ -25,7 +25,8 @@ repository. Every system serves it on 127.0.0.1 as its own process:
 
 The load generator is a separate process: closed loop, C clients (``--concurrency``), each a
 thread with its own channel and connection, sending the next request as soon as the last answers; 1 query per
-request, K = 100, unfiltered, the same users in the same order for every system. Reported per
+request, K = 100, unfiltered (``--filter 50|5|0.5``: every request filtered, passing about
+that % of the catalog; the share measured is recorded), the same users in the same order for every system. Reported per
 (system, C): q/s, p50, p99, errors, and the share of the 2 cores used by processes outside this
 run. All systems are up at once and take turns at each C (noop, naive, triton, ours at C = 1,
 then at the next C): this machine's speed drifts over minutes, and systems measured one after
@@ -88,7 +89,14 @@ from server_procs import (  # noqa: E402
     wait_triton,
 )
 from serving_report import PROTOCOL, render, summarize  # noqa: E402
-from serving_workload import MODEL, Workload, build_workload, publish, threads_each  # noqa: E402
+from serving_workload import (  # noqa: E402
+    FILTERS,
+    MODEL,
+    Workload,
+    build_workload,
+    publish,
+    threads_each,
+)
 from timing import OtherLoad, int_list, percentiles  # noqa: E402
 
 from serving.protos import recommend_pb2, recommend_pb2_grpc  # noqa: E402
@@ -122,6 +130,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--concurrency", type=int_list, default=[1, 4, 8, 16, 32], help="closed-loop clients"
     )
     p.add_argument("--k", type=int, default=100, help="results per request")
+    p.add_argument(
+        "--filter",
+        choices=list(FILTERS),
+        default="none",
+        help="every request's filter, by the %% of the catalog it passes (serving_workload.py)",
+    )
     p.add_argument("--seconds", type=float, help="measured seconds per load case (default 5; 2)")
     p.add_argument("--warmup-s", type=float, default=1.0, help="untimed seconds per load case")
     p.add_argument("--p99-ms", type=float, default=20.0, help="latency budget of the headline")
@@ -406,6 +420,7 @@ def environment(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__,
         "grpc": grpc.__version__, "items": idx.ntotal, "dim": idx.dim, "nlist": idx.nlist,
         "nprobe": idx.config.nprobe, "codes": idx.config.codes, "epochs": args.epochs,
+        "filter": work.filter, "filter_passes": work.passing(),
         "argv": sys.argv[1:], "other_load_at_start": load.stop(), "loadavg_at_start": os.getloadavg(),
         "top_processes_at_start": top_other_processes(),
     }  # fmt: skip

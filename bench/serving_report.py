@@ -72,6 +72,12 @@ def render(results: dict[str, Any]) -> str:
             )
     if (r := summary["ratios"].get("triton (both KServe)")) is not None:
         lines.append(f"\nours-kserve / triton (same protocol): {r['ratio']:.2f}")
+    env = results.get("environment", {})
+    if env.get("filter"):
+        lines.append(
+            f"\nevery request filtered: `{env['filter']}` "
+            f"(passes {env['filter_passes']:.2%} of the catalog)"
+        )
     lines += ["", *render_cases(results), "", *render_sizes(results)]
     return "\n".join(lines)
 

@@ -12,11 +12,23 @@ import numpy as np
 import torch
 from bench_model import trained_model, user_inputs
 
+from retrieval.filters import eligible
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import Prepared
 from serving.protos import recommend_pb2
 
 MODEL = "bench"
+
+FILTERS: dict[str, str | None] = {
+    "none": None,
+    "50": "language in {en, fr} and available",
+    "5": "language = es and age_rating = all and available",
+    "0.5": "language = hi and age_rating = '16+' and available",
+}
+"""``--filter``: each request's eligibility filter by the share of the catalog (%) it is meant
+to pass, over the synthetic catalog's independent attributes (``language`` 45 + 10 %,
+``age_rating`` ``all`` 35 % / ``16+`` 12 %, ``available`` 90 %, ``retrieval/data/synthetic.py``);
+the share each passes on the served catalog is measured (:meth:`Workload.passing`)."""
 
 
 @dataclass
@@ -27,6 +39,8 @@ class Workload:
     model: RetrievalModel
     users: np.ndarray
     k: int
+    filter: str | None = None
+    """Every request's filter (None: unfiltered)."""
 
     def history(self, user: int) -> np.ndarray:
         """The user's recent items, newest first (pads dropped; ``[-1]`` when there are none)."""
@@ -47,6 +61,7 @@ class Workload:
             categorical=self.categorical(user).tolist(),
             dense=self.dense(user).tolist(),
             k=self.k,
+            filter=self.filter or "",
         ).SerializeToString()
 
     def model_infer(self, user: int) -> bytes:
@@ -68,6 +83,10 @@ class Workload:
         for name, (dtype, a) in tensors.items():
             req.inputs.add(name=name, datatype=dtype, shape=list(a.shape))
             req.raw_input_contents.append(np.ascontiguousarray(a).tobytes())
+        if self.filter:  # BYTES [1, 1]: the text after its 4-byte little-endian length
+            text = self.filter.encode()
+            req.inputs.add(name="filter", datatype="BYTES", shape=[1, 1])
+            req.raw_input_contents.append(len(text).to_bytes(4, "little") + text)
         for name in ("item_ids", "scores"):
             req.outputs.add(name=name)
         return req.SerializeToString()
@@ -78,12 +97,24 @@ class Workload:
 
     def expected_ids(self, users: np.ndarray) -> np.ndarray:
         """In-process ``model(batch, k)`` ids of ``users`` (one forward per user)."""
+        filters = None if self.filter is None else [self.filter]
+        schema = self.model.index.schema
         with torch.inference_mode():
             rows = [
-                self.model(self.prep.user_batch(users[i : i + 1]), self.k)[0]
+                self.model(self.prep.user_batch(users[i : i + 1], filters, schema=schema), self.k)[
+                    0
+                ]
                 for i in range(len(users))
             ]
         return torch.cat(rows).numpy()
+
+    def passing(self) -> float:
+        """The share of the served catalog the filter passes (1.0 unfiltered)."""
+        if self.filter is None:
+            return 1.0
+        index = self.model.index
+        fb = index.schema.compile([self.filter])
+        return float(eligible(index.sig, fb.masks[0], fb.negate[0]).float().mean())
 
 
 def build_workload(items: int, args: argparse.Namespace) -> tuple[Workload, float]:
@@ -91,7 +122,7 @@ def build_workload(items: int, args: argparse.Namespace) -> tuple[Workload, floa
     returns the workload and build seconds."""
     t0 = time.perf_counter()
     prep, model = trained_model(args.users, items, args.epochs)
-    work = Workload(prep, model, np.arange(args.request_users), args.k)
+    work = Workload(prep, model, np.arange(args.request_users), args.k, FILTERS[args.filter])
     return work, time.perf_counter() - t0
 
 
