@@ -21,16 +21,20 @@
 # run: the index alone at 1M (one query's p50, unfiltered and 5 %; K 100 and 1000; filters 50 /
 # 5 / 0.5 % and none), at 10M x 64 and x 128 (a batch of 1024 vs GEMM + topk, with recall), and
 # served end to end (`bench/serving.py --device cuda` vs `--device cpu`: p50 at 1 client, max
-# q/s at p99 <= 20 ms). $GPU_CHECK_STEPS picks steps (default all:
-# pytest,gpu,gpu10m,device,serving,cpu). Writes into $OUT: gpu_check.log (everything printed),
-# gpu_pytest.log, gpu.json, gpu_10m_64.json, gpu_10m_128.json, gpu_device.json,
-# serving_cuda.json, serving_cpu.json, gpu_cpu.json. $SERVING_ITEMS: the served catalog
-# (default 200k; the targets' 1M and 10M need a longer run).
+# q/s at p99 <= 20 ms), unfiltered and with every request filtered (`--filter`, passing about
+# 5 % of the catalog; $SERVING_FILTERS, default "none 5", any of none 50 5 0.5: the filtered
+# runs take fewer client counts, 1,32,128, to stay in the budget). $GPU_CHECK_STEPS picks steps
+# (default all: pytest,gpu,gpu10m,device,serving,cpu). Writes into $OUT: gpu_check.log
+# (everything printed), gpu_pytest.log, gpu.json, gpu_10m_64.json, gpu_10m_128.json,
+# gpu_device.json, serving_cuda.json, serving_cpu.json (unfiltered), serving_cuda_f5.json,
+# serving_cpu_f5.json (filtered, one pair per filter), gpu_cpu.json. $SERVING_ITEMS: the served
+# catalog (default 200k; the targets' 1M and 10M need a longer run).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 WHL=${WHL:-.whl}
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
 ITEMS=${SERVING_ITEMS:-200000}
+FILTERS=${SERVING_FILTERS:-none 5}
 STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,gpu10m,device,serving,cpu},
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -124,15 +128,17 @@ done
 # 3. served end to end: the same model (untrained, --epochs 0: no fbgemm here to train with)
 # served by `recserve serve model` on the GPU (loaded on cuda: the device backend and the whole
 # forward's graphs), then on the CPU (one process, and one per core); p50 at 1 client and the
-# max q/s at p99 <= 20 ms
+# max q/s at p99 <= 20 ms; then each filter of $SERVING_FILTERS the same way
 if [[ $STEPS == *,serving,* ]] && python3 -c "import recserve.cli, serving.frontends.recommend_grpc, serving.frontends.kserve_grpc, \
 serving.frontends.kserve_http, tritonclient.grpc" 2>&1; then
-    SERVE=(python3 bench/serving.py --small --items "$ITEMS" --epochs 0 --concurrency 1,8,32,64,128
-        --seconds 2 --warmup-s 0.5 --p99-ms 20 --startup-timeout-s 75)
-    step "bench/serving.py cuda" 75 "${SERVE[@]}" --systems ours-1proc --device cuda \
-        --out "$OUT/serving_cuda.json"
-    if [[ ! -f $OUT/serving_cuda.json ]]; then # the server's log went with its temp folder
-        step "warm-up on cuda, with a traceback" 30 python3 - <<'EOF'
+    SERVE=(python3 bench/serving.py --small --items "$ITEMS" --epochs 0 --seconds 2
+        --warmup-s 0.5 --p99-ms 20 --startup-timeout-s 75)
+    for f in $FILTERS; do
+        if [[ $f == none ]]; then tag="" levels=1,8,32,64,128; else tag="_f$f" levels=1,32,128; fi
+        step "bench/serving.py cuda, filter $f" 75 "${SERVE[@]}" --concurrency "$levels" \
+            --filter "$f" --systems ours-1proc --device cuda --out "$OUT/serving_cuda$tag.json"
+        if [[ ! -f $OUT/serving_cuda$tag.json && $f == none ]]; then # the log went with its folder
+            step "warm-up on cuda, with a traceback" 30 python3 - <<'EOF'
 import sys, traceback
 sys.path.append("bench")  # after the root: bench/serving.py is not the package
 from bench_model import trained_model
@@ -147,9 +153,10 @@ try:
 except Exception:
     traceback.print_exc()
 EOF
-    fi
-    step "bench/serving.py cpu" 65 "${SERVE[@]}" --systems ours-1proc,ours --device cpu \
-        --out "$OUT/serving_cpu.json"
+        fi
+        step "bench/serving.py cpu, filter $f" 65 "${SERVE[@]}" --concurrency "$levels" \
+            --filter "$f" --systems ours-1proc,ours --device cpu --out "$OUT/serving_cpu$tag.json"
+    done
 else
     echo "== serving: not run (not asked for, or the serving stack does not import)"
 fi
