@@ -52,6 +52,8 @@ def tier_model(
             dataclasses.replace(s, rows=max(1, len(keyed[s.name][0]))) if s.name in keyed else s
             for s in table_specs(model.config, dtype, allowed)
         ]
+        if torch.device(device).type == "cuda" and not budgets.has_gpu:
+            budgets = dataclasses.replace(budgets, has_gpu=True)  # host tables' caches in HBM
         placement = plan(specs, budgets)
     cfg = copy.deepcopy(model.config)
     cfg.table_plan = placement.to_dict()

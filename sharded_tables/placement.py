@@ -224,7 +224,8 @@ class TablePlacement(_Serde):
     """Hot rows cached one tier up: remote tables in host memory, host tables on the device. All
     the rows of a ranged remote table: cached whole (``sharded_tables.remote_tier``)."""
     cache_bytes: int = 0
-    """Bytes of that cache (``cache_rows`` packed rows at ``dtype``)."""
+    """Bytes of that cache: ``cache_rows`` packed rows at ``dtype`` (a host table's device cache
+    also holds its slot map, ``planner.SLOT_MAP_BYTES`` per table row)."""
 
     def __post_init__(self) -> None:
         where = f"placement {self.table!r}"

@@ -31,8 +31,9 @@ Algorithm
    (``cache_rows = rows``, whatever its skew): its lookups never leave the process, where a
    partial cache of a small table still misses on most requests. Then tables with
    ``expected_hit_rate >= 0.5``: a remote table caches ``ceil(rows * cache_fraction)`` rows in
-   host memory; a host table caches as many in device memory when ``has_gpu``. A cache shrinks
-   to what fits (possibly 0), so caches never force a narrower dtype.
+   host memory; a host table caches as many in device memory when ``has_gpu`` (with its slot
+   map, ``SLOT_MAP_BYTES`` per table row). A cache shrinks to what fits (possibly 0), so caches
+   never force a narrower dtype.
 
 Example::
 
@@ -69,6 +70,7 @@ from sharded_tables.specs import DType, TableSpec, Tier
 __all__ = [
     "CACHE_MIN_HIT_RATE",
     "PARTITIONS",
+    "SLOT_MAP_BYTES",
     "Budgets",
     "PlacementPlan",
     "PlanError",
@@ -80,6 +82,10 @@ __all__ = [
 
 CACHE_MIN_HIT_RATE = 0.5
 """Tables whose ``expected_hit_rate`` is at least this get a hot-row cache."""
+
+SLOT_MAP_BYTES = 4
+"""Device memory per **table** row of a host table's device cache: its slot map (``int32``,
+``sharded_tables.device_cache``), which a lookup reads by id in fixed shapes."""
 
 
 @dataclass
@@ -221,15 +227,18 @@ def _add_caches(
         if p.cache_tier is Tier.DEVICE and not budgets.has_gpu:
             continue
         row_bytes = spec.row_bytes(p.dtype)
-        free = room.host if p.cache_tier is Tier.HOST else room.device
-        rows = min(math.ceil(spec.rows * fraction), free // row_bytes)
+        on_host = p.cache_tier is Tier.HOST
+        slot_map = 0 if on_host else SLOT_MAP_BYTES * spec.rows
+        free = room.host if on_host else room.device - slot_map
+        rows = min(math.ceil(spec.rows * fraction), max(free, 0) // row_bytes)
         if rows == 0:
             continue
-        placed[spec.name] = replace(p, cache_rows=rows, cache_bytes=rows * row_bytes)
-        if p.cache_tier is Tier.HOST:
-            room.host -= rows * row_bytes
+        size = rows * row_bytes + slot_map
+        placed[spec.name] = replace(p, cache_rows=rows, cache_bytes=size)
+        if on_host:
+            room.host -= size
         else:
-            room.device -= rows * row_bytes
+            room.device -= size
 
 
 def _refusal(missing: list[TableSpec], dtypes: Mapping[str, DType], room: _Room) -> str:

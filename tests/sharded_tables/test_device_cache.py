@@ -12,8 +12,10 @@ import torch
 
 from common.device_discipline import DeviceDiscipline, DeviceSyncError
 from sharded_tables.device_cache import DeviceRowCache, device_readable
-from sharded_tables.specs import DType, row_bytes
+from sharded_tables.planner import SLOT_MAP_BYTES, Budgets, PlacementPlan, plan
+from sharded_tables.specs import DType, TableSpec, Tier, row_bytes
 from sharded_tables.tbe import LocalTable, LocalTables
+from sharded_tables.tiered import TieredEmbeddingCollection
 
 DTYPES = [DType.FP32, DType.FP16, DType.FP8, DType.INT8, DType.INT4]
 
@@ -145,6 +147,11 @@ def test_the_lookup_keeps_the_device_discipline_and_the_admission_does_not() -> 
             cached.admit_cached()  # a host read: between batches only
 
 
+def test_the_slot_map_costs_what_the_planner_reserves() -> None:
+    cache = _cache(capacity=2)
+    assert cache.slot_of.shape == (50,) and cache.slot_of.element_size() == SLOT_MAP_BYTES
+
+
 def test_the_store_is_read_in_place_on_the_cpu() -> None:
     store = torch.zeros(3, row_bytes(8, DType.INT8), dtype=torch.uint8)
     assert device_readable(store, torch.device("cpu")) is store
@@ -176,3 +183,42 @@ def test_on_cuda_the_pinned_store_is_read_by_the_device_and_a_graph_replays_it()
             torch.testing.assert_close(out.cpu(), cpu.forward_padded([ids]))
             gpu.admit_cached()
     assert gpu.cache_stats()["host/int8/16"]["hits"] > 0
+
+
+def _planned(device_bytes: int) -> tuple[list[TableSpec], PlacementPlan]:
+    """A host table with a device cache in the plan (the device budget holds a share of it)."""
+    specs = [TableSpec("item", 2000, 16, DType.INT8, features=("history",))]
+    budgets = Budgets(device=device_bytes, host=1 << 20, has_gpu=True)
+    return specs, plan(specs, budgets)
+
+
+def test_on_a_cpu_the_collection_builds_no_device_cache() -> None:
+    specs, placement = _planned(20_000)  # the table (40 000 B) does not fit: host, cached
+    assert placement.placement("item").tier is Tier.HOST
+    assert placement.placement("item").cache_rows == 200
+    coll = TieredEmbeddingCollection(specs, placement)
+    coll.load_float({"item": torch.randn(2000, 16)})
+    coll({"history": torch.tensor([[1, 2, -1]])})
+    coll.between_batches()
+    assert coll.cache_stats() == {}  # the host tier is already the fastest copy
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_collection_caches_a_planned_host_table_in_hbm() -> None:
+    specs, placement = _planned(20_000)
+    weights = {"item": torch.randn(2000, 16)}
+    cpu = TieredEmbeddingCollection(specs, placement)
+    cpu.load_float(weights)
+    gpu = TieredEmbeddingCollection(specs, placement, device="cuda")
+    gpu.load_float(weights)
+    if gpu.tiers["host"].backend != "torch":
+        pytest.skip("fbgemm's CUDA kernel caches host rows itself (UVM)")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        feats = {"history": torch.randint(-1, 50, (16, 8), generator=g)}
+        with torch.inference_mode():
+            got = gpu({"history": feats["history"].cuda()})["history"]
+        torch.testing.assert_close(got.cpu(), cpu(feats)["history"])
+        gpu.between_batches()
+    stats = gpu.cache_stats()["host/int8/16"]
+    assert stats["hits"] > 0 and stats["capacity"] == 200

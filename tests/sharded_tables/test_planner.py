@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sharded_tables.planner import (
+    SLOT_MAP_BYTES,
     Budgets,
     PlacementPlan,
     PlanError,
@@ -107,10 +108,13 @@ def test_keyed_tables_use_all_servers_with_ceil_shares():
 
 def test_host_tables_get_device_caches_only_with_a_gpu():
     spec = TableSpec("t", rows=1_000, dim=16)  # 64 000 B
-    for has_gpu, rows in ((False, 0), (True, 100)):
+    for has_gpu, rows in ((False, 0), (True, 93)):  # wants 100; its slot map takes 4 000 B
         p = plan([spec], Budgets(device=10_000, host=100_000, has_gpu=has_gpu))
         assert p.placement("t").tier is Tier.HOST
         assert p.placement("t").cache_rows == rows
+        assert p.placement("t").cache_bytes == rows * 64 + (SLOT_MAP_BYTES * 1_000 if rows else 0)
+    p = plan([spec], Budgets(device=4_000, host=100_000, has_gpu=True))
+    assert p.placement("t").cache_rows == 0  # room for the slot map alone: no cache
 
 
 def test_cache_shrinks_to_the_host_room_left():
@@ -298,7 +302,8 @@ def check_plan(specs: list[TableSpec], budgets: Budgets, p: PlacementPlan) -> No
         else:
             assert t.bytes == s.rows * rb and not t.servers
         use[t.tier] += t.bytes
-        assert t.cache_bytes == t.cache_rows * rb
+        slot_map = SLOT_MAP_BYTES * s.rows if t.cache_tier is Tier.DEVICE and t.cache_rows else 0
+        assert t.cache_bytes == t.cache_rows * rb + slot_map
         whole = t.tier is Tier.REMOTE and not s.hashed and t.cache_rows == s.rows
         if whole and t.bytes <= budgets.cache_whole_max:
             pass  # cached whole: small enough, from the cache room, whatever its skew
