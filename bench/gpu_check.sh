@@ -24,7 +24,8 @@
 # q/s at p99 <= 20 ms), unfiltered and with every request filtered (`--filter`, passing about
 # 5 % of the catalog; $SERVING_FILTERS, default "none 5", any of none 50 5 0.5: the filtered
 # runs take fewer client counts, 1,32,128, to stay in the budget). $GPU_CHECK_STEPS picks steps
-# (default all: pytest,gpu,gpu10m,device,serving,cpu). Writes into $OUT: gpu_check.log
+# (default all: pytest,gpu,gpu10m,device,hostcache,serving,cpu; hostcache: the host tier's HBM
+# cache, bench/host_cache.py, into gpu_host_cache.json). Writes into $OUT: gpu_check.log
 # (everything printed), gpu_pytest.log, gpu.json, gpu_10m_64.json, gpu_10m_128.json,
 # gpu_device.json, serving_cuda.json, serving_cpu.json (unfiltered), serving_cuda_f5.json,
 # serving_cpu_f5.json (filtered, one pair per filter), gpu_cpu.json. $SERVING_ITEMS: the served
@@ -35,7 +36,7 @@ WHL=${WHL:-.whl}
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
 ITEMS=${SERVING_ITEMS:-200000}
 FILTERS=${SERVING_FILTERS:-none 5}
-STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,gpu10m,device,serving,cpu},
+STEPS=,${GPU_CHECK_STEPS:-pytest,gpu,gpu10m,device,hostcache,serving,cpu},
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -124,6 +125,11 @@ done
 [[ $STEPS == *,device,* ]] && step "bench/gpu_device_path.py cuda 1M" 40 python3 bench/gpu_device_path.py \
     --device cuda --size 1000000 --batches 1,32 --k 100 --selectivities 1,0.05 --budget-s 0.1 \
     --out "$OUT/gpu_device.json"
+
+# 2d. the host tier's HBM cache: one 1M x 64 INT8 table, Zipf(1.1) batches of 256 x 50 ids, the
+# host tier uncached vs cached (eager and as one graph) vs the device tier, hit rate and ms
+[[ $STEPS == *,hostcache,* ]] && step "bench/host_cache.py cuda" 30 python3 bench/host_cache.py \
+    --device cuda --out "$OUT/gpu_host_cache.json"
 
 # 3. served end to end: the same model (untrained, --epochs 0: no fbgemm here to train with)
 # served by `recserve serve model` on the GPU (loaded on cuda: the device backend and the whole
