@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -157,9 +158,17 @@ class HotRowCache:
         larger batch are kept (a batch may not evict itself)."""
         self.insert(ids, rows)
 
-    def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> Admitted:
+    def insert(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        before_write: Callable[[torch.Tensor], None] | None = None,
+    ) -> Admitted:
         """:meth:`put` that says what changed: the ids kept, their slots and the ids evicted
-        (a caller holding its own id -> slot map on a device updates it from these)."""
+        (a caller holding its own id -> slot map on a device updates it from these).
+        ``before_write(evicted ids)`` runs after the map chose the victims and before their
+        slots are overwritten (such a caller unmaps them there, so no reader of its map meets
+        a slot holding another id's row)."""
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.row_bytes:
             raise ValueError(
                 f"rows must be uint8 [n, {self.row_bytes}], got {rows.dtype} {tuple(rows.shape)}"
@@ -181,6 +190,8 @@ class HotRowCache:
             ids, rows = ids[: self.capacity], rows[: self.capacity]
         with self._lock:
             slots, evicted, _ = self._map.insert(ids)
+            if before_write is not None:
+                before_write(evicted)
             if self.device.type == "cpu":  # NumPy: a served batch's misses are a few rows
                 self.storage.numpy()[slots.numpy()] = rows.cpu().numpy()
             else:

@@ -20,7 +20,9 @@ Between two :meth:`admit` calls the cache does not change, so the hits and misse
 counts from the log are those the lookups saw (ids beyond the log's size between two calls are
 neither counted nor ranked: :attr:`DeviceRowCache.unlogged` counts them). Lookups and
 admissions are ordered by running on one stream (a graph replay is one launch; the eager
-lookup enqueues its reads under the cache's lock).
+lookup enqueues its reads under the cache's lock), and an admission unmaps its victims before
+their slots take new rows and maps the new ids last, so a lookup that runs between its steps
+reads a row it asked for or a miss, never another id's row.
 
 On a CPU the same code runs on CPU tensors (the "device" is the host; the store is read
 directly), which is how the tests check it.
@@ -186,8 +188,9 @@ class DeviceRowCache:
             missed = torch.from_numpy(keys[slots < 0])
             if len(missed) == 0:
                 return 0
-            done = self.policy.insert(missed, self.store[missed])  # rows into the device rows
-            self._set_slots(done.evicted, None)
+            # evicted ids unmapped before their slots take new rows, new ids mapped after
+            forget = lambda evicted: self._set_slots(evicted, None)  # noqa: E731
+            done = self.policy.insert(missed, self.store[missed], before_write=forget)
             self._set_slots(done.ids, done.slots)
             return len(done.ids)
 

@@ -115,3 +115,18 @@ def test_admission_keeps_one_off_ids_out():
     assert cache.get(_t([1, 9]))[1].tolist() == [True, False]
     with pytest.raises(ValueError, match="admit_after"):
         HotRowCache(4, 3, admit_after=0)
+
+
+def test_insert_hands_over_the_victims_before_their_slots_take_new_rows() -> None:
+    """A caller with its own id -> slot map (the device cache) unmaps victims in time."""
+    cache = HotRowCache(capacity_rows=1, row_bytes=2, policy="lru")
+    cache.put(torch.tensor([5]), torch.tensor([[1, 1]], dtype=torch.uint8))
+    seen = []
+
+    def unmap(evicted: torch.Tensor) -> None:
+        seen.append((evicted.tolist(), cache.storage[0].tolist()))
+
+    done = cache.insert(torch.tensor([6]), torch.tensor([[2, 2]], dtype=torch.uint8), unmap)
+    assert seen == [([5], [1, 1])]  # the old row still in its slot when the hook ran
+    assert (done.ids.tolist(), done.slots.tolist(), done.evicted.tolist()) == ([6], [0], [5])
+    assert cache.storage[0].tolist() == [2, 2]
