@@ -147,7 +147,8 @@ class DynamicBatcher(Generic[Item]):
     ``run_batch(items) -> outcomes`` gets up to ``max_batch_size`` items and returns one
     outcome per item (a result, or an exception the request's future raises).
     ``on_batch(waits)``, when given, hears the queue wait (seconds) of every request of each
-    batch before it runs (metrics).
+    batch before it runs (metrics). ``after_batch()``, when given, runs on the worker once a
+    batch's answers are delivered (upkeep that must not delay them, e.g. cache admissions).
     """
 
     def __init__(
@@ -156,6 +157,7 @@ class DynamicBatcher(Generic[Item]):
         run_batch: Callable[[list[Item]], Sequence[Any]],
         *,
         on_batch: Callable[[list[float]], None] | None = None,
+        after_batch: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         name: str = "batcher",
         start: bool = True,
@@ -164,6 +166,7 @@ class DynamicBatcher(Generic[Item]):
         if workers < 1:
             raise ValueError(f"workers: must be >= 1, got {workers}")
         self.policy, self.run_batch, self.on_batch, self.clock = policy, run_batch, on_batch, clock
+        self.after_batch = after_batch
         self.gate = threading.Event()
         self.gate.set()
         self._queue: deque[_Entry[Item]] = deque()
@@ -297,6 +300,11 @@ class DynamicBatcher(Generic[Item]):
                 entry.future.set_exception(out)
             else:
                 entry.future.set_result(out)
+        if self.after_batch is not None:
+            try:
+                self.after_batch()
+            except Exception:  # upkeep must never stop the worker
+                log.exception("after_batch failed")
 
 
 def _fail(fut: Future[Any], exc: BaseException) -> None:

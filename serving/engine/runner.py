@@ -254,8 +254,12 @@ class ModelRunner:
             ids, scores = self.graphed(batch, k)
         else:
             ids, scores = self.model(batch, k, checked=True)
-        self.model.tables.between_batches()  # device caches admit outside the forward (graph)
         return ids, scores, []
+
+    def between_batches(self) -> None:
+        """Upkeep between forwards, after a batch's answers went out: the tables' device
+        caches admit the rows the last batches missed (host work, outside any graph)."""
+        self.model.tables.between_batches()
 
     def _batch(self, reqs: list[RecRequest], clauses: list[Expr | None]) -> UserBatch:
         """Admitted requests -> tensors on the model's device (trusted: :meth:`admit` ran)."""

@@ -207,10 +207,15 @@ def make_batcher(
         metrics.batch_computed(runner.version, len(admitted), time.monotonic() - start)
         return out
 
+    def after_batch() -> None:
+        with host.running() as runner:
+            runner.between_batches()
+
     batcher = DynamicBatcher(
         policy,
         run_batch,
         on_batch=lambda waits: metrics.batch_queued(host.version, waits),
+        after_batch=after_batch,
         name=f"batcher-{host.name}",
         workers=workers,
     )

@@ -114,3 +114,27 @@ def test_check_target(tiny, repo):
         host.check_target("other", None)
     with pytest.raises(ModelNotFoundError, match=r"^version"):
         host.check_target("demo", 7)
+
+
+def test_the_tables_work_between_batches_after_the_answers_went_out(tiny, repo, monkeypatch):
+    """A device cache admits outside the forward and after the batch's answers are delivered:
+    the engine's batcher calls the runner's upkeep once a batch's futures hold their results."""
+    host = ModelHost(repo, "demo", poll_s=0)
+    host.start()
+    events: list[str] = []
+    batcher = make_batcher(host, BatchPolicy(8, 0.0, 0), ServingMetrics("demo"))
+    futures = []
+
+    def between() -> None:
+        events.append("between:" + ",".join(str(f.done()) for f in futures))
+
+    monkeypatch.setattr(host.current().model.tables, "between_batches", between)
+    for i in range(2):
+        futures.append(batcher.submit(tiny.request(i)))
+        futures[-1].result(10.0)
+        until = time.monotonic() + 10.0
+        while len(events) <= i and time.monotonic() < until:
+            time.sleep(0.005)
+    batcher.stop()
+    host.stop(timeout=10.0)
+    assert events == ["between:True", "between:True,True"]

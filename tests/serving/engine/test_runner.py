@@ -194,24 +194,6 @@ def test_an_embedding_server_in_trouble_is_unavailable_and_a_caller_bug_is_not(t
         assert "127.0.0.1:1" in str(got.value)
 
 
-def test_the_tables_work_between_batches_after_each_one(tiny, monkeypatch):
-    """A device cache admits outside the forward: the runner calls the hook after each batch's
-    forward (a forward that fails calls nothing)."""
-    runner = ModelRunner(tiny.model, "demo", 1)
-    events: list[str] = []
-    model_forward = type(tiny.model).forward
-
-    def forward(self, *args, **kwargs):
-        events.append("forward")
-        return model_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(tiny.model), "forward", forward)
-    monkeypatch.setattr(tiny.model.tables, "between_batches", lambda: events.append("between"))
-    runner.run([tiny.request(0)])
-    runner.run([tiny.request(1), tiny.request(2)])
-    assert events == ["forward", "between", "forward", "between"]
-
-
 @pytest.mark.gpu
 def test_a_model_on_the_gpu_answers_as_on_the_cpu(tiny):
     """`serve --device cuda`: requests go up through pinned memory, the tower, tables and the
