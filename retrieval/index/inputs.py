@@ -79,6 +79,11 @@ def check_filter_batch(fb: FilterBatch, batch: int, words: int) -> None:
         raise ValueError(
             f"filters: expected masks [B={batch}, C, W={words}], got {tuple(fb.masks.shape)}"
         )
+    if fb.neg_masks is not None:  # the reference filter evaluates it; the scans do not yet
+        raise ValueError(
+            "filters: a negated category inside an 'or' (neg_masks) is not evaluated by the "
+            "index scans yet"
+        )
     ex = fb.exclude
     if ex is not None and (ex.dim() != 2 or ex.shape[0] != batch or ex.dtype != torch.int64):
         raise ValueError(
