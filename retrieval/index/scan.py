@@ -449,7 +449,7 @@ def scan_reference(
         score = dots * scales[pos].float() + coarse_rows
         valid = valid.flatten(1)
         if part.fmask.shape[1] > 0:
-            valid &= eligible(lists.sig[pos], part.fmask, part.fneg)
+            valid &= eligible(lists.sig[pos], part.fmask, part.fneg, part.fnone)
         if part.excl is not None:
             valid &= ~is_excluded(pos, part.excl)
         score = score.masked_fill(~valid, float("-inf"))
