@@ -432,12 +432,7 @@ class FilterSchema:
     def check(self, f: str | Expr | Sequence[Clause]) -> None:
         """``ValueError`` unless filter ``f`` compiles here (unknown names, a negated category
         inside an 'or', too many clauses); what compiles is kept for :meth:`compile`."""
-        _, _, neg = self._compile_one(_filter_key(f))
-        if neg.any():
-            raise ValueError(
-                f"filter {f!r}: a negated category inside an 'or' is evaluated by the reference "
-                "filter and not yet by the scans"
-            )
+        self._compile_one(_filter_key(f))
 
     def compile(self, filters: Sequence[str | Expr | Sequence[Clause] | None]) -> FilterBatch:
         """One filter per request (text, parsed expression or clauses, or None) ->
