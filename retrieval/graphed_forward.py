@@ -42,7 +42,14 @@ Recorder = Callable[[Callable[[], Outputs]], Callable[[], Outputs]]
 recomputes it (after new inputs were copied in) and returns its outputs."""
 
 FIELDS = (
-    "history", "categorical", "dense", "filter_masks", "filter_negate", "seen", "user", "filter_none"
+    "history",
+    "categorical",
+    "dense",
+    "filter_masks",
+    "filter_negate",
+    "seen",
+    "user",
+    "filter_none",
 )
 """The batch's fields a graph reads (a recall target is never graphed)."""
 

@@ -276,7 +276,14 @@ def graphed_search(
     lists = t.lists
     kept = (t.centroids, lists.codes, lists.scales, lists.offsets, lists.sig, t.built_sizes,
             t.item_ids, t.exact, t.bit_counts, t.list_radius, t.list_bits)  # fmt: skip
-    key = ("device", params.k, params.nprobe, params.rerank, params.exact, ex is not None)
-    key += (none is not None,)
+    key = (
+        "device",
+        params.k,
+        params.nprobe,
+        params.rerank,
+        params.exact,
+        ex is not None,
+        none is not None,
+    )
     pos, scores = run_graphed(owner, key, search, tuple(inputs), kept)
     return pos, scores

@@ -162,7 +162,7 @@ class PlanCache:
         (:func:`make_plan` then plans them). Kept per filter and batch size."""
         masks, negate = fb.masks[:1], fb.negate[:1]
         none = None if fb.neg_masks is None else fb.neg_masks[:1]
-        filt = (masks.numpy().tobytes(), negate.numpy().tobytes())
+        filt: tuple[bytes, ...] = (masks.numpy().tobytes(), negate.numpy().tobytes())
         if none is not None:
             filt += (none.numpy().tobytes(),)
         key = (*filt, params.k, params.nprobe, params.rerank, b)

@@ -366,9 +366,7 @@ def sliced_mask_cpu(
     :func:`bit_slices_cpu` -> ``[n] bool``, equal to :func:`filter_mask`: only the clauses'
     bits are read, 64 items a word, so the cost grows with the filter's bits, not the
     signature's width."""
-    return _extension().sliced_mask(
-        slices, fmask.contiguous(), fneg.contiguous(), _none(fnone), n
-    )
+    return _extension().sliced_mask(slices, fmask.contiguous(), fneg.contiguous(), _none(fnone), n)
 
 
 def sliced_rows_cpu(
@@ -379,9 +377,7 @@ def sliced_rows_cpu(
     fnone: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The items of :func:`sliced_mask_cpu` as positions -> ``[M] int64`` ascending."""
-    return _extension().sliced_rows(
-        slices, fmask.contiguous(), fneg.contiguous(), _none(fnone), n
-    )
+    return _extension().sliced_rows(slices, fmask.contiguous(), fneg.contiguous(), _none(fnone), n)
 
 
 def decode_rows_cpu(pos: torch.Tensor, lists: Lists, centroids_t: torch.Tensor) -> torch.Tensor:
