@@ -30,6 +30,8 @@ class UserBatch:
     1] (0: the index's settings), or None (``retrieval/index/targets.py``).
     user: ``[B] int64`` the requests' users (dense user index, ``-1``: none), whose seen items a
     model with a seen store excludes too (``retrieval/seen_store.py``), or None.
+    filter_none: ``[B, C, W] int64`` each clause's "or none of these bits" part
+    (``FilterBatch.neg_masks``), or None where no clause has one.
     """
 
     history: torch.Tensor
@@ -40,6 +42,7 @@ class UserBatch:
     seen: torch.Tensor | None = None
     recall_target: torch.Tensor | None = None
     user: torch.Tensor | None = None
+    filter_none: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -47,7 +50,7 @@ class UserBatch:
 
     @property
     def filters(self) -> FilterBatch:
-        return FilterBatch(self.filter_masks, self.filter_negate)
+        return FilterBatch(self.filter_masks, self.filter_negate, None, self.filter_none)
 
     def rows(self, rows: torch.Tensor) -> UserBatch:
         """The requests ``rows [B'] int64`` of this batch."""
@@ -60,6 +63,7 @@ class UserBatch:
             None if self.seen is None else self.seen[rows],
             None if self.recall_target is None else self.recall_target[rows],
             None if self.user is None else self.user[rows],
+            None if self.filter_none is None else self.filter_none[rows],
         )
 
     def to(self, device: torch.device | str) -> UserBatch:
@@ -82,6 +86,7 @@ class UserBatch:
             None if self.seen is None else move(self.seen),
             None if self.recall_target is None else move(self.recall_target),
             None if self.user is None else move(self.user),
+            None if self.filter_none is None else move(self.filter_none),
         )
 
 
@@ -104,6 +109,7 @@ def make_user_batch(
         fb.masks,
         fb.negate,
         None if seen is None else torch.as_tensor(seen, dtype=torch.int64),
+        filter_none=fb.neg_masks,
     )
 
 

@@ -1,11 +1,12 @@
 """A filter expression -> the clauses the scans evaluate: a conjunction of "any of these bits"
-clauses and "none of these bits" clauses (``masks [C, W]`` / ``negate [C]``, see
-``retrieval/filters.py``).
+clauses and "none of these bits" clauses, either joined in one clause with a "none of these
+bits" part (``masks [C, W]`` / ``negate [C]`` / ``none [C, W]``, see ``retrieval/filters.py``).
 
 ``not`` is pushed down to the predicates, then ``or`` is distributed over ``and`` (conjunctive
 normal form), so a clause is a disjunction of predicates: it keeps the scans' shape when its
-predicates are all positive (their bits OR together) or it is one negated predicate alone.
-A negated category inside an ``or`` ("a != x or b = y") is refused, naming it.
+predicates are all positive (their bits OR together), one negated predicate alone, or
+positive predicates and one negated category ("a != x or b = y": "any of these bits, or none
+of those"). Two negated categories in one ``or`` are refused, naming them.
 
 Numbers compare as float32 (an item's value and the filter's bound both rounded to the nearest
 float32, so ``price = 0.1`` finds the items given 0.1), exactly, without a second pass over
@@ -233,20 +234,29 @@ class _Lowering:
 
 def lower(
     schema: FilterSchema, e: Expr, max_clauses: int = MAX_COMPILED_CLAUSES
-) -> list[tuple[int, bool]]:
-    """``e`` -> its clauses as ``(bits, negate)`` (bits: an int as a bit set): ``negate`` False
-    holds with any bit, True with none. ``ValueError`` names a negated category inside an
-    ``or``, an unknown name or value; :class:`FilterTooLargeError` past ``max_clauses``."""
-    out: list[tuple[int, bool]] = []
-    for pos, nones in _Lowering(schema, max_clauses).cnf(e, False):
+) -> list[tuple[int, bool, int]]:
+    """``e`` -> its clauses as ``(bits, negate, none_bits)`` (bit sets as ints): the clause
+    holds when the item has any of ``bits`` (none of them when ``negate``), or, when
+    ``none_bits`` is set, none of ``none_bits`` -- an ``or`` of positive predicates and at most
+    one negated category ("a != x or b = y"). ``ValueError`` names a second negated category
+    in one ``or`` (its test would need a mask per negation), an unknown name or value;
+    :class:`FilterTooLargeError` past ``max_clauses``."""
+    out: list[tuple[int, bool, int]] = []
+    for pos, parts in _Lowering(schema, max_clauses).cnf(e, False):
+        nones = dict(parts)  # bits -> text: the same negation twice is one
         if not nones:
-            out.append((pos, False))
-        elif pos == 0 and len(nones) == 1:
-            out.append((nones[0][0], True))
-        else:
+            out.append((pos, False, 0))
+        elif 0 in nones:
+            continue  # "none of no bits" always holds: so does the clause
+        elif len(nones) > 1:
+            shown = list(nones.values())
             raise ValueError(
-                f"filter: {nones[0][1]!r} is negated inside an 'or' with other conditions; "
-                "negated categories may only be joined with 'and' (for a one-value attribute "
-                "write NAME in {the other values})"
+                f"filter: {shown[0]!r} and {shown[1]!r} are both negated inside one 'or'; "
+                "a clause may hold one negated category (for a one-value attribute write "
+                "NAME in {the other values})"
             )
+        elif pos == 0:
+            out.append((next(iter(nones)), True, 0))
+        else:
+            out.append((pos, False, next(iter(nones))))
     return out

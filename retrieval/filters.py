@@ -4,8 +4,10 @@ Every item carries a signature ``sig [N, W] int64``: bit ``b`` is set when the i
 (attribute, value) that :class:`FilterSchema` assigned to ``b``. A request's filter is a conjunction
 of clauses, each "the item has one of these values of this attribute" (optionally negated), and is
 compiled to ``masks [B, C, W] int64`` and ``negate [B, C] bool``: clause ``c`` holds for an item when
-``(sig & masks[:, c]) != 0`` differs from ``negate[:, c]``. The same tensors drive the in-scan
-filter of the IVF kernel and the exact fallback, so both apply the same rule.
+``(sig & masks[:, c]) != 0`` differs from ``negate[:, c]``, or when its row of ``neg_masks [B, C,
+W]`` (None: all zero) is set and ``(sig & neg_masks[:, c]) == 0``: "a != x or b = y" on a
+multi-valued ``a``. The same tensors drive the in-scan filter of the IVF kernel and the exact
+fallback, so both apply the same rule.
 
 Filter text (parsed by :func:`parse_filter`, grammar in ``retrieval/filter_expr.py``; compiled to
 those clauses by ``retrieval/filter_cnf.py``)::
@@ -109,21 +111,25 @@ class FilterBatch:
     pads; None: none), its user's seen items (``retrieval/index/exclude.py``).
 
     ``C`` is the largest clause count in the batch; rows with fewer clauses are padded with an
-    always-true clause (zero mask, negated).
+    always-true clause (zero mask, negated). ``neg_masks [B, C, W] int64`` (None when no
+    clause has one) is each clause's "or none of these bits" part, zero where it has none.
     """
 
     masks: torch.Tensor
     negate: torch.Tensor
     exclude: torch.Tensor | None = None
+    neg_masks: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> FilterBatch:
         ex = None if self.exclude is None else self.exclude.to(device)
-        return FilterBatch(self.masks.to(device), self.negate.to(device), ex)
+        nm = None if self.neg_masks is None else self.neg_masks.to(device)
+        return FilterBatch(self.masks.to(device), self.negate.to(device), ex, nm)
 
     def rows(self, rows: torch.Tensor) -> FilterBatch:
         """The filters of rows ``rows [b] int64``."""
         ex = None if self.exclude is None else self.exclude[rows]
-        return FilterBatch(self.masks[rows], self.negate[rows], ex)
+        nm = None if self.neg_masks is None else self.neg_masks[rows]
+        return FilterBatch(self.masks[rows], self.negate[rows], ex, nm)
 
     @property
     def active(self) -> bool:
@@ -131,14 +137,25 @@ class FilterBatch:
         return self.masks.shape[1] > 0
 
 
-def eligible(sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
-    """Which items pass. ``sig [..., M, W]``, ``masks [..., C, W]``, ``negate [..., C]`` -> ``[..., M] bool``.
+def eligible(
+    sig: torch.Tensor,
+    masks: torch.Tensor,
+    negate: torch.Tensor,
+    neg_masks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which items pass. ``sig [..., M, W]``, ``masks [..., C, W]``, ``negate [..., C]``,
+    ``neg_masks [..., C, W]`` (None: no clause has a negated part) -> ``[..., M] bool``.
 
     Leading dims broadcast (e.g. ``sig [B, M, W]`` with ``masks [B, C, W]``, or ``sig [M, W]``
     with ``masks [C, W]`` for one request over a whole catalog).
     """
     hit = (sig.unsqueeze(-3) & masks.unsqueeze(-2)).ne(0).any(dim=-1)  # [..., C, M]
-    return hit.ne(negate.unsqueeze(-1)).all(dim=-2)
+    ok = hit.ne(negate.unsqueeze(-1))
+    if neg_masks is not None:
+        has = neg_masks.ne(0).any(dim=-1, keepdim=True)  # [..., C, 1]
+        miss = (sig.unsqueeze(-3) & neg_masks.unsqueeze(-2)).eq(0).all(dim=-1)  # [..., C, M]
+        ok = ok | (has & miss)
+    return ok.all(dim=-2)
 
 
 def hashed_keys(positions: np.ndarray, digits: int) -> np.ndarray:
@@ -207,7 +224,9 @@ class FilterSchema:
         self.num_bits = bits
         self.num_words = (self.num_bits + WORD_BITS - 1) // WORD_BITS
         # filter -> (masks [C, W], negate [C]); the schema never changes, so neither do they
-        self._compiled: dict[str | Expr | tuple[Clause, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self._compiled: dict[
+            str | Expr | tuple[Clause, ...], tuple[np.ndarray, np.ndarray, np.ndarray]
+        ] = {}
 
     @staticmethod
     def _hashed_digits(
@@ -428,16 +447,20 @@ class FilterSchema:
         row_of: dict[str | Expr | tuple[Clause, ...], int] = {}
         rows = [row_of.setdefault(_filter_key(f), len(row_of)) for f in filters]  # [B]
         compiled = [self._compile_one(key) for key in row_of]
-        c_max = max((len(n) for _, n in compiled), default=0)
+        c_max = max((len(n) for _, n, _ in compiled), default=0)
         masks = np.zeros((len(compiled), c_max, self.num_words), dtype=np.int64)
         negate = np.ones((len(compiled), c_max), dtype=bool)  # padding: "not (nothing)" is true
-        for u, (m, n) in enumerate(compiled):
-            masks[u, : len(n)], negate[u, : len(n)] = m, n
+        neg = np.zeros_like(masks)  # padding and most clauses: no negated part
+        for u, (m, n, g) in enumerate(compiled):
+            masks[u, : len(n)], negate[u, : len(n)], neg[u, : len(n)] = m, n, g
         take = np.asarray(rows, dtype=np.int64)
-        return FilterBatch(torch.from_numpy(masks[take]), torch.from_numpy(negate[take]))
+        nm = torch.from_numpy(neg[take]) if neg.any() else None
+        return FilterBatch(torch.from_numpy(masks[take]), torch.from_numpy(negate[take]), None, nm)
 
-    def _compile_one(self, key: str | Expr | tuple[Clause, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """One filter -> ``(masks [C, W] int64, negate [C] bool)``, kept."""
+    def _compile_one(
+        self, key: str | Expr | tuple[Clause, ...]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One filter -> ``(masks [C, W] int64, negate [C] bool, neg_masks [C, W] int64)``, kept."""
         memo = self._compiled  # learning a value starts another
         hit = memo.get(key)
         if hit is not None:
@@ -450,10 +473,13 @@ class FilterSchema:
             expr = key
         clauses = lower(self, expr)
         masks = np.zeros((len(clauses), self.num_words), dtype=np.uint64)
-        for c, (bits, _) in enumerate(clauses):
+        neg = np.zeros_like(masks)
+        for c, (bits, _, none) in enumerate(clauses):
             for w in range(self.num_words):
                 masks[c, w] = (bits >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
-        out = (masks.view(np.int64), np.array([n for _, n in clauses], dtype=bool))
+                neg[c, w] = (none >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
+        negate = np.array([n for _, n, _ in clauses], dtype=bool)
+        out = (masks.view(np.int64), negate, neg.view(np.int64))
         if len(memo) >= COMPILED_FILTERS:
             memo.clear()  # bounded; a served mix refills the texts it uses
         memo[key] = out
@@ -502,4 +528,9 @@ def estimate_selectivity(fb: FilterBatch, counts: torch.Tensor, num_items: int) 
     per_bit = counts.cpu().numpy().astype(np.float64) / max(num_items, 1)
     frac = np.minimum(bits @ per_bit, 1.0)  # [B, C]
     frac = np.where(negate, 1.0 - frac, frac)
+    if fb.neg_masks is not None:  # "or none of these": at least the share holding none
+        nb = np.ascontiguousarray(fb.neg_masks.cpu().numpy()).view(np.uint8).reshape(b, c, -1)
+        none = np.unpackbits(nb, axis=2, bitorder="little")
+        held = np.minimum(none @ per_bit, 1.0)
+        frac = np.where(none.any(axis=2), frac + (1.0 - frac) * (1.0 - held), frac)
     return torch.from_numpy(frac.prod(axis=1).astype(np.float32))

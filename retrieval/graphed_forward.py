@@ -41,7 +41,16 @@ Recorder = Callable[[Callable[[], Outputs]], Callable[[], Outputs]]
 """``record(run) -> replay``: ``run`` computes the forward from the static inputs; ``replay()``
 recomputes it (after new inputs were copied in) and returns its outputs."""
 
-FIELDS = ("history", "categorical", "dense", "filter_masks", "filter_negate", "seen", "user")
+FIELDS = (
+    "history",
+    "categorical",
+    "dense",
+    "filter_masks",
+    "filter_negate",
+    "seen",
+    "user",
+    "filter_none",
+)
 """The batch's fields a graph reads (a recall target is never graphed)."""
 
 
@@ -121,6 +130,7 @@ class GraphedForward:
             batch.history.shape[1],
             seen,
             batch.user is not None,
+            batch.filter_none is not None,
             self._index_state(),
         )
 

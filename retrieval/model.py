@@ -252,6 +252,12 @@ class RetrievalModel(nn.Module):
             raise ValueError(
                 f"filter_masks: expected int64 [{b}, C, {w}], got {batch.filter_masks.dtype} {tuple(batch.filter_masks.shape)}"
             )
+        fn = batch.filter_none
+        if fn is not None and (fn.shape != batch.filter_masks.shape or fn.dtype != torch.int64):
+            raise ValueError(
+                f"filter_none: expected int64 {list(batch.filter_masks.shape)}, got {fn.dtype} "
+                f"{list(fn.shape)}"
+            )
         self.tables.validate(self.user_sparse(batch))
         if not torch.isfinite(batch.dense).all():
             raise ValueError("dense: contains NaN or infinity")
@@ -298,7 +304,7 @@ class RetrievalModel(nn.Module):
             self.index.ntotal, max(k, self.config.head_candidates if self.head is not None else 0)
         )
         exclude = seen if seen.shape[1] else None
-        return r, FilterBatch(batch.filter_masks, batch.filter_negate, exclude)
+        return r, FilterBatch(batch.filter_masks, batch.filter_negate, exclude, batch.filter_none)
 
     def rank(
         self,

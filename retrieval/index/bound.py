@@ -231,10 +231,13 @@ def with_bounds(
             ip.contiguous(), index.half_norms if index.config.probe == "l2" else None,
             index.list_bits, fb.masks[rows].contiguous(), fb.negate[rows].contiguous(),
             sizes, nprobe, factor, index.list_radius, mine, p,
+            None if fb.neg_masks is None else fb.neg_masks[rows].contiguous(),
         )  # fmt: skip
     else:
         reach = torch.ones_like(ip, dtype=torch.bool)  # [b, nlist]: may hold an admitted item
-        reach[mine.to(dev)] = _may_hold(index, fb.masks[rows[mine]], fb.negate[rows[mine]])
+        some = rows[mine]
+        none = None if fb.neg_masks is None else fb.neg_masks[some]
+        reach[mine.to(dev)] = _may_hold(index, fb.masks[some], fb.negate[some], none)
         reach &= sizes[None, :] > 0
         first, bounds = _list_bounds(index, ip, reach, nprobe, factor, mine, p)
     if rows.numel() == b:
@@ -289,23 +292,31 @@ def _norm_bound(index: IndexTensors, q: torch.Tensor) -> torch.Tensor:
     return n
 
 
-def _may_hold(index: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+def _may_hold(
+    index: IndexTensors,
+    masks: torch.Tensor,
+    negate: torch.Tensor,
+    none: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[b, nlist] bool``: lists that may hold an item passing each row's filter (``masks
     [b, C, W]``, ``negate [b, C]``): every non-negated clause shares a bit with ``list_bits``.
     Negated clauses cannot rule a list out (its bits say which values it holds, not that all
-    its items hold them)."""
+    its items hold them); nor can a clause with a "none of these bits" part (``none [b, C, W]``)."""
     b, nlist = masks.shape[0], index.nlist
     out = torch.ones(b, nlist, dtype=torch.bool, device=masks.device)
     if masks.shape[1] == 0 or index.list_bits.numel() == 0:
         return out
     bits = index.list_bits.to(masks.device)  # [nlist, W]
-    key = torch.cat([masks.flatten(1), negate.long()], dim=1)
+    rules = ~negate  # [b, C]: the clauses that may rule a list out
+    if none is not None:
+        rules &= none.eq(0).all(dim=-1)
+    key = torch.cat([masks.flatten(1), rules.long()], dim=1)
     uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # few distinct filters a batch
     for g in range(uniq.shape[0]):
         row = int((inverse == g).nonzero()[0])
         ok = torch.ones(nlist, dtype=torch.bool, device=masks.device)
         for c in range(masks.shape[1]):
-            if not bool(negate[row, c]):
+            if bool(rules[row, c]):
                 ok &= (bits & masks[row, c][None, :]).ne(0).any(dim=1)
         out[inverse == g] = ok
     return out

@@ -46,7 +46,7 @@ def candidates(
         out.put(rows, list_candidates(t, q[rows], plan.rows(rows), fb.rows(rows)))
     rows = exact_rows.nonzero().flatten()
     f = fb.rows(rows)
-    pos, s = exact_search(t, q[rows], plan.k, f.masks, f.negate, f.exclude)
+    pos, s = exact_search(t, q[rows], plan.k, f.masks, f.negate, f.exclude, f.neg_masks)
     out.put(rows, Candidates(pos, s, s))
     return out
 
@@ -70,7 +70,7 @@ def excluding(t: IndexTensors, fb: FilterBatch) -> FilterBatch:
     if fb.exclude is None or isinstance(fb, ExcludedRows):
         return fb
     rows = excluded_positions(t.id_order, fb.exclude)  # the id order lives on the CPU
-    return FilterBatch(fb.masks, fb.negate, rows.to(fb.masks.device))
+    return FilterBatch(fb.masks, fb.negate, rows.to(fb.masks.device), fb.neg_masks)
 
 
 def probe(t: IndexTensors, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +92,7 @@ def list_candidates(
         fb.negate.contiguous(),
         fb.exclude,
         None if plan.reranks else plan.floor,  # re-ranked: approximate scores differ
+        fb.neg_masks,
     )
     cand, approx = scan(t.lists, rows, plan.r)
     if not plan.reranks:

@@ -60,7 +60,8 @@ def lists_ids(
         excl = fb.exclude.contiguous() if fb.exclude is not None else _no_ids(b)
     scored = t.scored(q)
     scored = scored if scored.is_contiguous() else scored.contiguous()
-    found = search_ids_cpu(t, scored, masks, negate, excl, p, plan.r, least, plan.hold)
+    none = None if fb is None else fb.neg_masks
+    found = search_ids_cpu(t, scored, masks, negate, excl, p, plan.r, least, plan.hold, none)
     if found is None or (whole and found[2]):
         return None
     return found[0], found[1]
@@ -75,12 +76,13 @@ def shared_exact_ids(
         return None
     f = no_filter(q.shape[0], t.lists.sig.shape[1], q.device) if fb is None else fb
     masks, negate = f.masks[0], f.negate[0]
+    none = None if f.neg_masks is None else f.neg_masks[0]
     q = t.scored(q)
     if _one_call(t):
-        found = exact_search_ids_cpu(t, q, masks, negate, plan.k, FEW_QUERIES, MAX_SCORES)
+        found = exact_search_ids_cpu(t, q, masks, negate, plan.k, FEW_QUERIES, MAX_SCORES, none)
         if found is not None:
             return found
-    eligible = eligible_positions(t, masks, negate)
+    eligible = eligible_positions(t, masks, negate, none)
     pos, scores = exact_topk(q, plan.k, eligible, lambda qq, rows: scores_at(t, qq, rows))
     return ids_at(t, pos), scores
 

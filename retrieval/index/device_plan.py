@@ -60,9 +60,12 @@ class DevicePlan:
     budget: torch.Tensor
 
 
-def selectivity(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
-    """``filters.estimate_selectivity`` in tensor ops: ``masks [B, C, W]``, ``negate [B, C]``
-    -> ``[B] float32`` (float64 sums, as the host's NumPy)."""
+def selectivity(
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``filters.estimate_selectivity`` in tensor ops: ``masks [B, C, W]``, ``negate [B, C]``,
+    ``none [B, C, W]`` (None: no "none of" parts) -> ``[B] float32`` (float64 sums, as the
+    host's NumPy)."""
     b, c = masks.shape[:2]
     if c == 0:
         return torch.ones(b, device=masks.device)
@@ -71,6 +74,10 @@ def selectivity(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> t
     per_bit = t.bit_counts.to(masks.device).double() / max(t.ntotal, 1)
     frac = (bits @ per_bit).clamp(max=1.0)  # [B, C]
     frac = torch.where(negate, 1.0 - frac, frac)
+    if none is not None:  # "or none of these": at least the share holding none
+        nbits = ((none.unsqueeze(-1) >> shifts) & 1).flatten(2).double()
+        held = (nbits @ per_bit).clamp(max=1.0)
+        frac = torch.where(nbits.sum(-1) > 0, frac + (1.0 - frac) * (1.0 - held), frac)
     return frac.prod(dim=1).float()
 
 
@@ -95,15 +102,19 @@ def cheaper_exact(t: IndexTensors, sel: torch.Tensor, lists: torch.Tensor) -> to
     return (s < 1.0) & (s * n * float(t.config.exact_cost) <= lists.double() * per_list)
 
 
-def may_hold(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+def may_hold(
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
+) -> torch.Tensor:
     """``bound._may_hold`` of every row at once: ``[B, L] bool``, lists that may hold an item
-    passing each row's filter (every non-negated clause shares a bit with the list's bits)."""
+    passing each row's filter (every clause neither negated nor with a "none of" part, ``none
+    [B, C, W]``, shares a bit with the list's bits)."""
     b, nlist = masks.shape[0], t.nlist
     if masks.shape[1] == 0 or t.list_bits.numel() == 0:
         return torch.ones(b, nlist, dtype=torch.bool, device=masks.device)
     bits = t.list_bits.to(masks.device)  # [L, W]
     hit = (masks[:, :, None, :] & bits[None, None]).ne(0).any(dim=-1)  # [B, C, L]
-    return (hit | negate[:, :, None]).all(dim=1)
+    free = negate if none is None else negate | none.ne(0).any(dim=-1)  # rule no list out
+    return (hit | free[:, :, None]).all(dim=1)
 
 
 def first_width(t: IndexTensors, r: int, nprobe: int, clauses: int, excluded: int) -> int:
@@ -142,13 +153,15 @@ def device_plan(
     nprobe: int,
     width: int,
     exact: bool = False,
+    none: torch.Tensor | None = None,
 ) -> DevicePlan:
     """The plan of ``q [B, D]`` (as scored) under filters ``masks [B, C, W]`` / ``negate [B,
     C]``, rows excluding ``excluded [B]`` items, ``k`` results from ``r`` candidates probing at
     least ``nprobe`` lists in ``width`` slots (:func:`first_width`); ``exact``: every row scans
-    exactly (as ``SearchParams.exact``)."""
+    exactly (as ``SearchParams.exact``); ``none [B, C, W]``: the clauses' "none of these bits"
+    parts (None: none)."""
     b, dev, c = q.shape[0], q.device, masks.shape[1]
-    sel = selectivity(t, masks, negate)  # [B]
+    sel = selectivity(t, masks, negate, none)  # [B]
     need = r + excluded
     lists = row_lists(t, sel, nprobe, need)  # [B]
     least = torch.where(sel >= 1.0, torch.full_like(lists, nprobe), lists)
@@ -165,7 +178,7 @@ def device_plan(
     checked = (sel < 1.0) & ~rows_exact & bounds_on
     reach = torch.ones(b, t.nlist, dtype=torch.bool, device=dev)
     if bounds_on:  # rows without a check may reach every list
-        reach = torch.where(checked[:, None], may_hold(t, masks, negate), reach)
+        reach = torch.where(checked[:, None], may_hold(t, masks, negate, none), reach)
     reach &= (t.lists.offsets[1:] - t.lists.offsets[:-1]).to(dev)[None, :] > 0
     factor = slack * _norm_bound(t, q)  # [B]
     budget = (sel.double() * t.ntotal * float(t.config.exact_cost)).float()

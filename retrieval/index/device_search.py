@@ -55,6 +55,7 @@ def device_search(
     w = t.lists.sig.shape[1]
     masks = fb.masks if fb is not None else q.new_zeros((b, 0, w), dtype=torch.int64)
     negate = fb.negate if fb is not None else q.new_zeros((b, 0), dtype=torch.bool)
+    none = fb.neg_masks if fb is not None else None
     ids = fb.exclude if fb is not None else None
     qs = t.scored(q).float().contiguous()
     excl = excluded_rows(t, ids) if ids is not None else None
@@ -63,11 +64,11 @@ def device_search(
     s = 0 if ids is None else ids.shape[1]
     width = first_width(t, r, params.nprobe, masks.shape[1], s)
     plan = device_plan(
-        t, qs, masks, negate, excluded, params.k, r, params.nprobe, width, params.exact
+        t, qs, masks, negate, excluded, params.k, r, params.nprobe, width, params.exact, none
     )
     ip = qs @ t.centroids.T  # [B, L]
     key = ip - t.half_norms[None, :] if t.config.probe == "l2" else ip
-    lists_scan = _Scan(t, qs, ip, masks, negate, excl, plan)
+    lists_scan = _Scan(t, qs, ip, masks, negate, excl, plan, none)
     probes = _first_lists(t, key, plan)
     first = lists_scan(probes)
     top = select_top(first, plan.k, plan.r)
@@ -80,7 +81,7 @@ def device_search(
     wider = torch.where((slot < plan.nprobe[:, None] * WIDEN) & short[:, None], order, -1)
     top = _where(short, select_top(lists_scan(wider), plan.k, plan.r), top)
     exact = plan.exact | second_exact | ((top.keys[:, -1] < 0) & ~plan.exact)
-    pos, scores = exact_all(t, qs, plan.k, masks, negate, excl)
+    pos, scores = exact_all(t, qs, plan.k, masks, negate, excl, none)
     pos = torch.where(exact[:, None], pos, top.keys)
     return pos, torch.where(exact[:, None], scores, top.scores)
 
@@ -143,13 +144,17 @@ class _Scan:
         negate: torch.Tensor,
         excl: torch.Tensor | None,
         plan: DevicePlan,
+        none: torch.Tensor | None = None,
     ) -> None:
         self.t, self.q, self.ip, self.plan = t, q, ip, plan
         self.masks, self.negate, self.excl = masks.contiguous(), negate.contiguous(), excl
+        self.none = None if none is None else none.contiguous()
 
     def __call__(self, probes: torch.Tensor) -> Candidates:
         coarse = self.ip.gather(1, probes.clamp(min=0))
-        rows = ScanRows(self.q, probes.contiguous(), coarse, self.masks, self.negate, self.excl)
+        rows = ScanRows(
+            self.q, probes.contiguous(), coarse, self.masks, self.negate, self.excl, None, self.none
+        )
         pos, approx = scan(self.t.lists, rows, self.plan.r)
         if self.plan.r == self.plan.k:
             return Candidates(pos, approx, approx)
@@ -184,15 +189,17 @@ def exact_all(
     masks: torch.Tensor,
     negate: torch.Tensor,
     excl: torch.Tensor | None,
+    none: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-``k`` of ``q [B, D]`` over every item passing each row's filter, less the rows
+    """Exact top-``k`` of ``q [B, D]`` over every item passing each row's filter (``none``: its
+    clauses' "none of these bits" parts, None: none), less the rows
     it excludes -> ``(positions [B, k], scores [B, k])``, ``-1`` / ``-inf`` padded: every item
     scored (the exact copy, else the codes decoded), so the shape is the catalog's."""
     n = t.ntotal
     scores = q @ all_vectors(t).T  # [B, N]
     pos = torch.arange(n, device=q.device)
     if masks.shape[1]:
-        scores = scores.masked_fill(~eligible_all(t.lists.sig, masks, negate), NEG_INF)
+        scores = scores.masked_fill(~eligible_all(t.lists.sig, masks, negate, none), NEG_INF)
     if excl is not None and excl.shape[1]:
         scores = scores.masked_fill(is_excluded(pos.expand(q.shape[0], -1), excl), NEG_INF)
     top, idx = scores.topk(min(k, n), dim=1)
@@ -203,17 +210,25 @@ def exact_all(
     return found, top
 
 
-def eligible_all(sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
+def eligible_all(
+    sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
+) -> torch.Tensor:
     """``filters.eligible`` of every item for every row: ``sig [N, W]``, ``masks [B, C, W]``,
-    ``negate [B, C]`` -> ``[B, N] bool``, a clause and a word at a time, so the temporaries
+    ``negate [B, C]``, ``none [B, C, W]`` (None: no "none of" parts) -> ``[B, N] bool``, a clause and a word at a time, so the temporaries
     stay ``[B, N]`` (``eligible`` broadcasts to ``[B, C, N, W]``)."""
     b, c, w = masks.shape
     ok = torch.ones(b, sig.shape[0], dtype=torch.bool, device=sig.device)
     for ci in range(c):
         hit = torch.zeros_like(ok)
+        held = torch.zeros_like(ok)
         for wi in range(w):
             hit |= (sig[None, :, wi] & masks[:, ci, wi, None]) != 0
-        ok &= hit != negate[:, ci, None]
+            if none is not None:
+                held |= (sig[None, :, wi] & none[:, ci, wi, None]) != 0
+        clause = hit != negate[:, ci, None]
+        if none is not None:
+            clause |= none[:, ci].ne(0).any(dim=-1)[:, None] & ~held
+        ok &= clause
     return ok
 
 
@@ -244,6 +259,9 @@ def graphed_search(
     masks = fb.masks if fb is not None else q.new_zeros((b, 0, w), dtype=torch.int64)
     negate = fb.negate if fb is not None else q.new_zeros((b, 0), dtype=torch.bool)
     inputs = [q, masks, negate]
+    none = fb.neg_masks if fb is not None else None
+    if none is not None:
+        inputs.append(none)
     ex = fb.exclude if fb is not None else None
     if ex is not None:
         width = bucket(ex.shape[1])
@@ -252,11 +270,20 @@ def graphed_search(
     def search(
         qq: torch.Tensor, mm: torch.Tensor, nn: torch.Tensor, *more: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return device_search(t, qq, FilterBatch(mm, nn, more[0] if more else None), params)
+        nm, rest = (more[0], more[1:]) if none is not None else (None, more)
+        return device_search(t, qq, FilterBatch(mm, nn, rest[0] if rest else None, nm), params)
 
     lists = t.lists
     kept = (t.centroids, lists.codes, lists.scales, lists.offsets, lists.sig, t.built_sizes,
             t.item_ids, t.exact, t.bit_counts, t.list_radius, t.list_bits)  # fmt: skip
-    key = ("device", params.k, params.nprobe, params.rerank, params.exact, ex is not None)
+    key = (
+        "device",
+        params.k,
+        params.nprobe,
+        params.rerank,
+        params.exact,
+        ex is not None,
+        none is not None,
+    )
     pos, scores = run_graphed(owner, key, search, tuple(inputs), kept)
     return pos, scores

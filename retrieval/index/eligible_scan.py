@@ -35,22 +35,26 @@ def exact_search(
     masks: torch.Tensor,
     negate: torch.Tensor,
     excl: torch.Tensor | None = None,
+    none: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``k`` of ``q [B, D]`` among the items passing each row's filter (``masks [B, C,
-    W]``, ``negate [B, C]``) less the rows it excludes (``excl [B, S]``), per group of rows
+    W]``, ``negate [B, C]``, ``none [B, C, W]`` or None) less the rows it excludes (``excl [B, S]``), per group of rows
     sharing one filter -> ``(positions [B, k], scores [B, k])``, ``-1`` / ``-inf`` padded."""
     b = q.shape[0]
     pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
     scores = torch.full((b, k), float("-inf"), device=q.device)
     if masks.shape[1]:
         key = torch.cat([masks.flatten(1), negate.long()], dim=1)
+        if none is not None:
+            key = torch.cat([key, none.flatten(1)], dim=1)
         inverse = torch.unique(key, dim=0, return_inverse=True)[1]
     else:  # no clauses: one group
         inverse = torch.zeros(b, dtype=torch.int64, device=q.device)
     for g in range(int(inverse.max()) + 1 if b else 0):
         rows = (inverse == g).nonzero().flatten()
         if masks.shape[1]:
-            subset = eligible_positions(t, masks[rows[0]], negate[rows[0]])
+            one = None if none is None else none[rows[0]]
+            subset = eligible_positions(t, masks[rows[0]], negate[rows[0]], one)
         else:
             subset = torch.arange(t.ntotal, device=q.device)
         ex = None if excl is None else excl[rows]
@@ -59,10 +63,13 @@ def exact_search(
     return pos, scores
 
 
-def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> torch.Tensor:
-    """Positions of the items passing one filter (``masks [C, W]``, ``negate [C]``) -> ``[M]``.
+def eligible_positions(
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Positions of the items passing one filter (``masks [C, W]``, ``negate [C]``, ``none [C,
+    W]``: the clauses' "none of these bits" parts, None: none) -> ``[M]``.
 
-    The most selective non-negated clause drives: the postings of its values are the only
+    The most selective clause neither negated nor with a "none of" part drives: the postings of its values are the only
     candidates, and only they are checked against every clause. Cost grows with that
     clause's items, not with the catalog; with no selective clause, every item is checked.
     A clause on a bit the postings leave out (a hashed attribute's digit, counted ``-1`` in
@@ -70,23 +77,23 @@ def eligible_positions(t: IndexTensors, masks: torch.Tensor, negate: torch.Tenso
     """
     sig = t.lists.sig
     if sig.device.type == "cpu":  # one C++ call, the same rule
-        if _dense(t, masks, negate) and _sliced_cheaper(masks, negate):
+        if _dense(t, masks, negate, none) and _sliced_cheaper(masks, negate, none):
             slices = _slices(sig)
             if slices is not None:
-                return sliced_rows_cpu(slices, masks, negate, sig.shape[0])
-        return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings)
-    return eligible_positions_torch(t, masks, negate)
+                return sliced_rows_cpu(slices, masks, negate, sig.shape[0], none)
+        return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings, none)
+    return eligible_positions_torch(t, masks, negate, none)
 
 
 def eligible_positions_torch(
-    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
 ) -> torch.Tensor:
     """:func:`eligible_positions` in torch ops (on a GPU), by the same rule."""
     sig = t.lists.sig
-    bits, counts = _driving_counts(t, masks, negate)
+    bits, counts = _driving_counts(t, masks, negate, none)
     c = int(counts.argmin()) if counts.numel() else -1
     if c < 0 or int(counts[c]) > t.ntotal // 4 or t.postings.numel() == 0:
-        return filter_mask(sig, masks, negate).nonzero().flatten()
+        return filter_mask(sig, masks, negate, none).nonzero().flatten()
     off = t.posting_offsets
     parts = [t.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
     cand = (
@@ -94,7 +101,7 @@ def eligible_positions_torch(
     )
     if len(parts) > 1:
         cand = cand.unique()  # a multi-valued attribute may list an item under several values
-    return cand[eligible(sig.index_select(0, cand), masks, negate)]
+    return cand[eligible(sig.index_select(0, cand), masks, negate, none)]
 
 
 _SLICES = WeakIdKeyDictionary()
@@ -119,31 +126,40 @@ def _slices(sig: torch.Tensor) -> torch.Tensor | None:
     return kept[1]
 
 
-def _dense(t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor) -> bool:
+def _dense(
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None
+) -> bool:
     """No non-negated clause under a quarter of the catalog: the postings would not narrow the
     candidates (``eligible_rows`` then checks every row)."""
     if t.postings.numel() == 0 or masks.shape[0] == 0:
         return True
-    return int(_driving_counts(t, masks, negate)[1].min()) > t.ntotal // 4
+    return int(_driving_counts(t, masks, negate, none)[1].min()) > t.ntotal // 4
 
 
 def _driving_counts(
-    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each clause's bits ``[C, W*64]`` and the items its postings list ``[C]``; a negated
-    clause, or one reading a bit without postings, counts ``ntotal + 1`` (it never drives)."""
+    clause, one with a "none of these bits" part (an item holding none passes whatever its
+    postings), or one reading a bit without postings, counts ``ntotal + 1`` (it never drives)."""
     shifts = torch.arange(64, device=masks.device)
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [C, W*64]
     listed = t.posting_counts.to(masks.device)
     unlisted = (bits & (listed < 0)).any(dim=1)  # [C]: reads a bit without postings
     counts = (bits.long() * listed.clamp(min=0)).sum(dim=1)
-    return bits, counts.masked_fill(negate | unlisted, t.ntotal + 1)
+    never = negate | unlisted
+    if none is not None:
+        never = never | none.ne(0).any(dim=-1)
+    return bits, counts.masked_fill(never, t.ntotal + 1)
 
 
-def _sliced_cheaper(masks: torch.Tensor, negate: torch.Tensor) -> bool:
+def _sliced_cheaper(
+    masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
+) -> bool:
     """Reading the filter's bits (a word of 64 items each) costs less than every row's whole
     signature against every clause (``C * W`` words an item)."""
-    set_bits = sum(bin(int(m) & (2**64 - 1)).count("1") for m in masks.flatten().tolist())
+    read = masks.flatten().tolist() + ([] if none is None else none.flatten().tolist())
+    set_bits = sum(bin(int(m) & (2**64 - 1)).count("1") for m in read)
     return set_bits < 64 * masks.shape[0] * masks.shape[1]
 
 

@@ -81,11 +81,11 @@ class ExcludedRows(FilterBatch):
 
     def rows(self, rows: torch.Tensor) -> ExcludedRows:
         part = super().rows(rows)
-        return ExcludedRows(part.masks, part.negate, part.exclude)
+        return ExcludedRows(part.masks, part.negate, part.exclude, part.neg_masks)
 
     def to(self, device: torch.device | str) -> ExcludedRows:
         moved = super().to(device)
-        return ExcludedRows(moved.masks, moved.negate, moved.exclude)
+        return ExcludedRows(moved.masks, moved.negate, moved.exclude, moved.neg_masks)
 
 
 def excluded_positions(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:

@@ -293,7 +293,7 @@ class LiveSegment:
         else:
             seen = excluded_positions(t.id_order, fb.exclude).to(dev)  # [B, S], PAD padded
             excl = torch.cat([seen, tomb.expand(b, -1)], dim=1).sort(dim=1).values
-        return ExcludedRows(fb.masks, fb.negate, excl)
+        return ExcludedRows(fb.masks, fb.negate, excl, fb.neg_masks)
 
     def candidates(
         self, q: torch.Tensor, fb: FilterBatch | None, width: int, base: int
@@ -305,7 +305,7 @@ class LiveSegment:
         ok: torch.Tensor | None = None if self.all_alive else self.alive.expand_as(scores)
         if fb is not None:
             if fb.masks.shape[1]:
-                hit = eligible(self.sig, fb.masks, fb.negate)  # [B, n]
+                hit = eligible(self.sig, fb.masks, fb.negate, fb.neg_masks)  # [B, n]
                 ok = hit if ok is None else ok & hit
             if fb.exclude is not None and fb.exclude.shape[1]:
                 seen = fb.exclude.sort(dim=1).values.contiguous()  # [B, S]

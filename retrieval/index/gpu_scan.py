@@ -59,6 +59,7 @@ def _scan_kernel(
     sig_ptr,  # [N, W] int64
     fmask_ptr,  # [B, C, W] int64
     fneg_ptr,  # [B, C] int8
+    fnone_ptr,  # [B, C, W] int64: "or none of these bits" (HAS_NONE; unused otherwise)
     excl_ptr,  # [B, S] int64, ascending, PAD padded
     out_ptr,  # [B, width] float32, -inf filled
     D,
@@ -69,6 +70,7 @@ def _scan_kernel(
     S,
     EXCL_STEPS,
     FP8: tl.constexpr,
+    HAS_NONE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -120,12 +122,18 @@ def _scan_kernel(
         ok = q_ok[:, None] & i_ok[None, :]
         for c in range(C):  # every clause: (any bit of the item in the clause's mask) != negate
             hit = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int1)
+            held = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int1)  # any of the "none of" bits
+            has = tl.zeros((BLOCK_Q,), dtype=tl.int1)  # the clause has a "none of" part
             for w in range(W):
                 sw = tl.load(sig_ptr + items * W + w, mask=i_ok, other=0)
                 mw = tl.load(fmask_ptr + (b * C + c) * W + w, mask=q_ok, other=0)
                 hit = hit | ((sw[None, :] & mw[:, None]) != 0)
+                if HAS_NONE:
+                    nw = tl.load(fnone_ptr + (b * C + c) * W + w, mask=q_ok, other=0)
+                    held = held | ((sw[None, :] & nw[:, None]) != 0)
+                    has = has | (nw != 0)
             neg = tl.load(fneg_ptr + b * C + c, mask=q_ok, other=0) != 0
-            ok = ok & (hit != neg[:, None])
+            ok = ok & ((hit != neg[:, None]) | (has[:, None] & ~held))
         if S > 0:  # lower bound of each item in its query's excluded rows
             lo_i = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int64)
             hi_i = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int64) + S
@@ -225,7 +233,9 @@ def scan_triton(lists: Lists, rows: ScanRows, r: int) -> tuple[torch.Tensor, tor
     b, p = rows.probes.shape
     width = width_bound(lists.offsets, p)
     step = max(1, BUFFER_FLOATS // width)
-    full = ScanRows(rows.q, rows.probes, rows.coarse, rows.fmask, rows.fneg, rows.excluded())
+    full = ScanRows(
+        rows.q, rows.probes, rows.coarse, rows.fmask, rows.fneg, rows.excluded(), None, rows.fnone
+    )
     parts = [  # a bounded score buffer: the batch in query chunks
         _scan_batch(lists, full.part(sl), r, width)
         for sl in (slice(s, s + step) for s in range(0, max(b, 1), step))  # B = 0: one empty
@@ -273,6 +283,7 @@ def _scan_batch(
             sig,
             fmask,
             rows.fneg.to(torch.int8),
+            fmask if rows.fnone is None else rows.fnone.contiguous(),
             excl,
             out,
             q.shape[1],
@@ -283,6 +294,7 @@ def _scan_batch(
             s,
             max(s, 1).bit_length(),
             FP8=fp8,
+            HAS_NONE=rows.fnone is not None,
             BLOCK_Q=BQ,
             BLOCK_N=BN,
             BLOCK_D=block_d(q.shape[1]),

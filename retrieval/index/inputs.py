@@ -79,6 +79,12 @@ def check_filter_batch(fb: FilterBatch, batch: int, words: int) -> None:
         raise ValueError(
             f"filters: expected masks [B={batch}, C, W={words}], got {tuple(fb.masks.shape)}"
         )
+    nm = fb.neg_masks
+    if nm is not None and (nm.shape != fb.masks.shape or nm.dtype != torch.int64):
+        raise ValueError(
+            f"filters.neg_masks: expected int64 {tuple(fb.masks.shape)}, got {nm.dtype} "
+            f"{tuple(nm.shape)}"
+        )
     ex = fb.exclude
     if ex is not None and (ex.dim() != 2 or ex.shape[0] != batch or ex.dtype != torch.int64):
         raise ValueError(
@@ -94,6 +100,7 @@ def filters_on(fb: FilterBatch, device: torch.device) -> FilterBatch:
     passed to every search would otherwise be copied, a no-op per tensor, each call)."""
     ex = fb.exclude
     here = fb.masks.device == device and fb.negate.device == device
+    here = here and (fb.neg_masks is None or fb.neg_masks.device == device)
     return fb if here and (ex is None or ex.device == device) else fb.to(device)
 
 

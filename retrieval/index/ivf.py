@@ -297,9 +297,12 @@ class IVFIndex(nn.Module):
             fb = filters
         elif isinstance(filters, str):  # one filter for every row: compiled once, copied
             one = self.schema.compile([filters])
+            none = one.neg_masks
             fb = FilterBatch(
                 one.masks.expand(batch, -1, -1).contiguous(),
                 one.negate.expand(batch, -1).contiguous(),
+                None,
+                None if none is None else none.expand(batch, -1, -1).contiguous(),
             )
         else:
             fb = self.schema.compile(list(filters))

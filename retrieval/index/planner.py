@@ -161,14 +161,17 @@ class PlanCache:
         exactly, as :func:`make_plan` decides (``cheaper_exact``); None where they take lists
         (:func:`make_plan` then plans them). Kept per filter and batch size."""
         masks, negate = fb.masks[:1], fb.negate[:1]
-        filt = (masks.numpy().tobytes(), negate.numpy().tobytes())
+        none = None if fb.neg_masks is None else fb.neg_masks[:1]
+        filt: tuple[bytes, ...] = (masks.numpy().tobytes(), negate.numpy().tobytes())
+        if none is not None:
+            filt += (none.numpy().tobytes(),)
         key = (*filt, params.k, params.nprobe, params.rerank, b)
         if key in self._shared:
             return self._shared[key]
         if len(self._shared) >= COMPILED_FILTERS:
             self._shared.clear()
         r = _candidates(t, params)
-        sel = estimate_selectivity(FilterBatch(masks, negate), t.bit_counts, t.ntotal)
+        sel = estimate_selectivity(FilterBatch(masks, negate, None, none), t.bit_counts, t.ntotal)
         lists = lists_for(t, float(sel[0]), params.nprobe, r)
         exact = searched_exactly(t) or bool(cheaper_exact(t, sel, torch.tensor([lists]), b)[0])
         nprobe = torch.full((b,), lists, dtype=torch.int64)
@@ -229,7 +232,9 @@ def _one_filter(fb: FilterBatch) -> bool:
     masks, negate = fb.masks, fb.negate
     if masks.shape[0] <= 1:
         return True
-    return bool((masks == masks[:1]).all()) and bool((negate == negate[:1]).all())
+    same = bool((masks == masks[:1]).all()) and bool((negate == negate[:1]).all())
+    none = fb.neg_masks
+    return same and (none is None or bool((none == none[:1]).all()))
 
 
 def excluded_counts(fb: FilterBatch | None, b: int) -> np.ndarray:

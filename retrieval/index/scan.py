@@ -51,12 +51,13 @@ def ivf_scan_int8(
     sig: torch.Tensor,
     fmask: torch.Tensor,
     fneg: torch.Tensor,
+    fnone: torch.Tensor,
     excl: torch.Tensor,
     r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(
         _extension().ivf_scan_int8(
-            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r, _NO_FLOOR
+            q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, fnone, excl, r, _NO_FLOOR
         )
     )
 
@@ -73,12 +74,13 @@ def ivf_scan_fp8(
     sig: torch.Tensor,
     fmask: torch.Tensor,
     fneg: torch.Tensor,
+    fnone: torch.Tensor,
     excl: torch.Tensor,
     r: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(
         _extension().ivf_scan_fp8(
-            q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, excl, r
+            q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, fnone, excl, r
         )
     )
 
@@ -108,6 +110,12 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 _NO_HALF = torch.zeros(0)
 _NO_FLOOR = torch.zeros(0)
 _NO_SIZES = torch.zeros(0, dtype=torch.int64)
+_NO_NONE = torch.zeros(0, dtype=torch.int64)
+"""The kernels' ``fnone`` where no clause has a "none of these bits" part."""
+
+
+def _none(fnone: torch.Tensor | None) -> torch.Tensor:
+    return _NO_NONE if fnone is None else fnone.contiguous()
 
 
 def list_bounds_cpu(
@@ -122,6 +130,7 @@ def list_bounds_cpu(
     radius: torch.Tensor,
     check: torch.Tensor,
     p: int,
+    none: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A filtered plan's first-round lists and bounds in one C++ pass a row (``bound.py``'s
     ``_list_bounds`` after ``_may_hold`` gives the same): ``ip [B, L]`` = q·c, ``half [L]`` (the
@@ -130,11 +139,12 @@ def list_bounds_cpu(
     item it admits), ``sizes [L]``, ``nprobe [B]``, ``factor [B]`` (slack x the query's norm
     bound), ``radius [L]``, ``check [B]`` -> ``(first [B, p]`` the best ``nprobe`` reachable
     non-empty lists, ``-1`` padded, ``bounds [B, L]`` = ip + factor x radius, ``-inf`` for lists
-    probed first, out of reach, or rows without a check)."""
+    probed first, out of reach, or rows without a check). ``none [B, C, W]``: the clauses'
+    "none of these bits" parts (None: none; such a clause rules no list out)."""
     no_half = _NO_HALF if half is None else half
     ext = _extension()
     out = ext.list_bounds(
-        ip, no_half, list_bits, masks, negate, sizes, nprobe, factor, radius, check, p
+        ip, no_half, list_bits, masks, negate, _none(none), sizes, nprobe, factor, radius, check, p
     )
     return out[0], out[1]
 
@@ -198,6 +208,7 @@ def search_ids_cpu(
     r: int,
     least: int = 0,
     hold: torch.Tensor | None = None,
+    fnone: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """A plain int8 search on the CPU keyed by item id, in one C++ call: the item ids each query
     excludes (``excl_ids [B, S]``, ``-1`` pads) mapped to rows through the index's id order
@@ -208,7 +219,8 @@ def search_ids_cpu(
     lists until they hold ``hold[b]`` items by the index's list sizes as built, at least
     ``least`` (``probe.lists_holding``); else every probed list. None where it does not apply
     (not int8, a forced kernel, inside a trace): the caller takes the step-by-step path, which
-    gives the same answer."""
+    gives the same answer. ``fnone [B, C, W]``: the clauses' "none of these bits" parts (None:
+    none)."""
     lists = t.lists
     if lists.codes.dtype != torch.int8 or torch.compiler.is_compiling():
         return None
@@ -217,7 +229,7 @@ def search_ids_cpu(
     cut = hold is not None and least < nprobe and t.built_sizes.numel() > 0
     ids, scores, short = _extension().ivf_search_ids_int8(
         q, t.centroids_t, half, nprobe, lists.codes, lists.scales, lists.offsets, lists.sig,
-        fmask, fneg, excl_ids, t.id_order.item_ids, t.id_order.perm, r,
+        fmask, fneg, _none(fnone), excl_ids, t.id_order.item_ids, t.id_order.perm, r,
         t.built_sizes if cut else _NO_SIZES, least if cut else nprobe,
         hold if cut else _NO_SIZES, t.probe_table,
     )  # fmt: skip
@@ -230,12 +242,12 @@ def _fake_out(probes: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @ivf_scan_int8.register_fake
-def _(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, excl, r):
+def _(q, probes, coarse, codes, scales, offsets, sig, fmask, fneg, fnone, excl, r):
     return _fake_out(probes, r)
 
 
 @ivf_scan_fp8.register_fake
-def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, excl, r):
+def _(q, codes_u8, lut, probes, coarse, scales, offsets, sig, fmask, fneg, fnone, excl, r):
     return _fake_out(probes, r)
 
 
@@ -263,16 +275,16 @@ def scan(
     # Eager callers skip the op dispatcher (its cost per call rivals a small scan); traced code
     # needs the ops.
     eager = not torch.compiler.is_compiling()
-    excl = rows.excluded()
+    excl, fnone = rows.excluded(), _none(rows.fnone)
     if lists.codes.dtype == torch.int8:
         args = (q, rows.probes, rows.coarse, lists.codes, lists.scales, lists.offsets, lists.sig)
         if not eager:
-            return tuple(ivf_scan_int8(*args, rows.fmask, rows.fneg, excl, r))
+            return tuple(ivf_scan_int8(*args, rows.fmask, rows.fneg, fnone, excl, r))
         fl = _NO_FLOOR if rows.floor is None else rows.floor.float().contiguous()
-        return tuple(_extension().ivf_scan_int8(*args, rows.fmask, rows.fneg, excl, r, fl))
+        return tuple(_extension().ivf_scan_int8(*args, rows.fmask, rows.fneg, fnone, excl, r, fl))
     op8 = _extension().ivf_scan_fp8 if eager else ivf_scan_fp8
     codes_u8, probed = lists.codes.view(torch.uint8), (rows.probes, rows.coarse)
-    tail = (lists.scales, lists.offsets, lists.sig, rows.fmask, rows.fneg, excl, r)
+    tail = (lists.scales, lists.offsets, lists.sig, rows.fmask, rows.fneg, fnone, excl, r)
     return tuple(op8(q, codes_u8, _FP8_LUT, *probed, *tail))
 
 
@@ -324,14 +336,17 @@ def encode_int8_cpu(
     return codes, scales, norms
 
 
-def filter_mask(sig: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor) -> torch.Tensor:
-    """Items passing one request's filter: ``sig [N, W]``, ``fmask [C, W]``, ``fneg [C]`` ->
-    ``[N] bool`` (the kernel's rule, in one parallel pass on CPU)."""
+def filter_mask(
+    sig: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor, fnone: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Items passing one request's filter: ``sig [N, W]``, ``fmask [C, W]``, ``fneg [C]``,
+    ``fnone [C, W]`` (None: no "none of these bits" part) -> ``[N] bool`` (the kernel's rule,
+    in one parallel pass on CPU)."""
     if sig.device.type != "cpu":
         from retrieval.filters import eligible
 
-        return eligible(sig, fmask, fneg)
-    return _extension().filter_mask(sig, fmask.contiguous(), fneg.contiguous())
+        return eligible(sig, fmask, fneg, fnone)
+    return _extension().filter_mask(sig, fmask.contiguous(), fneg.contiguous(), _none(fnone))
 
 
 def bit_slices_cpu(sig: torch.Tensor) -> torch.Tensor:
@@ -341,20 +356,28 @@ def bit_slices_cpu(sig: torch.Tensor) -> torch.Tensor:
 
 
 def sliced_mask_cpu(
-    slices: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor, n: int
+    slices: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    n: int,
+    fnone: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Items passing one filter (``fmask [C, W]``, ``fneg [C]``) read from the bit slices of
     :func:`bit_slices_cpu` -> ``[n] bool``, equal to :func:`filter_mask`: only the clauses'
     bits are read, 64 items a word, so the cost grows with the filter's bits, not the
     signature's width."""
-    return _extension().sliced_mask(slices, fmask.contiguous(), fneg.contiguous(), n)
+    return _extension().sliced_mask(slices, fmask.contiguous(), fneg.contiguous(), _none(fnone), n)
 
 
 def sliced_rows_cpu(
-    slices: torch.Tensor, fmask: torch.Tensor, fneg: torch.Tensor, n: int
+    slices: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    n: int,
+    fnone: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The items of :func:`sliced_mask_cpu` as positions -> ``[M] int64`` ascending."""
-    return _extension().sliced_rows(slices, fmask.contiguous(), fneg.contiguous(), n)
+    return _extension().sliced_rows(slices, fmask.contiguous(), fneg.contiguous(), _none(fnone), n)
 
 
 def decode_rows_cpu(pos: torch.Tensor, lists: Lists, centroids_t: torch.Tensor) -> torch.Tensor:
@@ -386,6 +409,7 @@ def exact_search_ids_cpu(
     k: int,
     few: int,
     max_scores: int,
+    fnone: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Queries ``q [B, D]`` scanned exactly over the rows passing one filter (``fmask [C, W]``,
     ``fneg [C]``) in one C++ call -> ``(ids [B, k], scores [B, k])``, ``-1`` / ``-inf``
@@ -396,7 +420,8 @@ def exact_search_ids_cpu(
     lists = t.lists
     ids, scores = _extension().exact_search_ids_int8(
         q.contiguous(), t.centroids_t, lists.codes, lists.scales, lists.offsets, lists.sig,
-        fmask.contiguous(), fneg.contiguous(), t.posting_counts, t.postings, t.item_ids, k, few,
+        fmask.contiguous(), fneg.contiguous(), _none(fnone), t.posting_counts, t.postings,
+        t.item_ids, k, few,
         max_scores,
     )  # fmt: skip
     return None if ids is None else (ids, scores)
@@ -408,12 +433,13 @@ def eligible_rows_cpu(
     fneg: torch.Tensor,
     bit_counts: torch.Tensor,
     postings: torch.Tensor,
+    fnone: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows passing one filter (``sig [N, W]``, ``fmask [C, W]``, ``fneg [C]``) -> ``[M]``
     int64 ascending, in one C++ call: the postings of the most selective clause are the
     candidates (``eligible_scan.eligible_positions`` says how it chooses)."""
     return _extension().eligible_rows(
-        sig, fmask.contiguous(), fneg.contiguous(), bit_counts, postings
+        sig, fmask.contiguous(), fneg.contiguous(), _none(fnone), bit_counts, postings
     )
 
 
@@ -449,7 +475,7 @@ def scan_reference(
         score = dots * scales[pos].float() + coarse_rows
         valid = valid.flatten(1)
         if part.fmask.shape[1] > 0:
-            valid &= eligible(lists.sig[pos], part.fmask, part.fneg)
+            valid &= eligible(lists.sig[pos], part.fmask, part.fneg, part.fnone)
         if part.excl is not None:
             valid &= ~is_excluded(pos, part.excl)
         score = score.masked_fill(~valid, float("-inf"))

@@ -57,7 +57,8 @@ class ScanRows:
     slot), ``coarse [B, P] float32`` q·centroid of each probed list, ``fmask [B, C, W] int64`` /
     ``fneg [B, C] bool`` each row's filter, ``excl [B, S] int64`` rows each excludes (ascending,
     ``exclude.PAD`` padded; None: none), ``floor [B] float32`` a second round's K-th score so far
-    (candidates below it may be left out; None: keep all)."""
+    (candidates below it may be left out; None: keep all), ``fnone [B, C, W] int64`` each
+    clause's "or none of these bits" part (``FilterBatch.neg_masks``; None: no clause has one)."""
 
     q: torch.Tensor
     probes: torch.Tensor
@@ -66,6 +67,7 @@ class ScanRows:
     fneg: torch.Tensor
     excl: torch.Tensor | None = None
     floor: torch.Tensor | None = None
+    fnone: torch.Tensor | None = None
 
     def excluded(self) -> torch.Tensor:
         """``excl``, or ``[B, 0]`` where the rows exclude nothing (what the kernels take)."""
@@ -83,6 +85,7 @@ class ScanRows:
             self.fneg[rows],
             None if self.excl is None else self.excl[rows],
             None if self.floor is None else self.floor[rows],
+            None if self.fnone is None else self.fnone[rows],
         )
 
 

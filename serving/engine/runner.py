@@ -280,6 +280,7 @@ class ModelRunner:
             pad_lists([r.seen for r in reqs]),  # [B, S] or None: no request has a seen list
             _targets(reqs),
             _users(reqs),
+            fb.neg_masks,
         )
         if self.device.type == "cpu" or self.graphed is not None:  # the graph copies it in
             return batch

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aserving/protos/shard.proto\x12\x11recserve.shard.v1\"\xfd\x02\n\rSearchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x03 \x01(\x05\x12\x0b\n\x03\x64im\x18\x04 \x01(\x05\x12\x0f\n\x07queries\x18\x05 \x01(\x0c\x12\t\n\x01k\x18\x06 \x01(\x05\x12\t\n\x01r\x18\x07 \x01(\x05\x12\x0e\n\x06nprobe\x18\x08 \x01(\x0c\x12\r\n\x05\x65xact\x18\t \x01(\x0c\x12\x0f\n\x07\x63lauses\x18\n \x01(\x05\x12\r\n\x05words\x18\x0b \x01(\x05\x12\x14\n\x0c\x66ilter_masks\x18\x0c \x01(\x0c\x12\x15\n\rfilter_negate\x18\r \x01(\x0c\x12\x14\n\x0cwith_vectors\x18\x0e \x01(\x08\x12\x10\n\x08sequence\x18\x0f \x01(\x03\x12\x12\n\nlist_width\x18\x10 \x01(\x05\x12\r\n\x05lists\x18\x11 \x01(\x0c\x12\x15\n\rexclude_width\x18\x12 \x01(\x05\x12\x0f\n\x07\x65xclude\x18\x13 \x01(\x0c\x12\r\n\x05\x66loor\x18\x14 \x01(\x0c\x12\r\n\x05least\x18\x15 \x01(\x0c\x12\x0c\n\x04hold\x18\x16 \x01(\x0c\"}\n\x0eSearchResponse\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\x12\x0e\n\x06\x61pprox\x18\x05 \x01(\x0c\x12\x0e\n\x06scores\x18\x06 \x01(\x0c\x12\x0f\n\x07vectors\x18\x07 \x01(\x0c\"\r\n\x0bInfoRequest\"e\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12\x11\n\tsequences\x18\x05 \x03(\x03\"c\n\x0ePrepareRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\t\"f\n\x0fPrepareResponse\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0c\n\x04held\x18\x02 \x01(\x0c\x12\x12\n\nlist_sizes\x18\x03 \x01(\x0c\x12\x12\n\nbit_counts\x18\x04 \x01(\x0c\x12\x0e\n\x06served\x18\x05 \x01(\x03\"R\n\rCommitRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\t\"\x10\n\x0e\x43ommitResponse2\x8e\x03\n\x05Shard\x12M\n\x06Search\x12 .recserve.shard.v1.SearchRequest\x1a!.recserve.shard.v1.SearchResponse\x12G\n\x04Info\x12\x1e.recserve.shard.v1.InfoRequest\x1a\x1f.recserve.shard.v1.InfoResponse\x12P\n\x07Prepare\x12!.recserve.shard.v1.PrepareRequest\x1a\".recserve.shard.v1.PrepareResponse\x12M\n\x06\x43ommit\x12 .recserve.shard.v1.CommitRequest\x1a!.recserve.shard.v1.CommitResponse\x12L\n\x05\x41\x62ort\x12 .recserve.shard.v1.CommitRequest\x1a!.recserve.shard.v1.CommitResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aserving/protos/shard.proto\x12\x11recserve.shard.v1\"\x92\x03\n\rSearchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x03 \x01(\x05\x12\x0b\n\x03\x64im\x18\x04 \x01(\x05\x12\x0f\n\x07queries\x18\x05 \x01(\x0c\x12\t\n\x01k\x18\x06 \x01(\x05\x12\t\n\x01r\x18\x07 \x01(\x05\x12\x0e\n\x06nprobe\x18\x08 \x01(\x0c\x12\r\n\x05\x65xact\x18\t \x01(\x0c\x12\x0f\n\x07\x63lauses\x18\n \x01(\x05\x12\r\n\x05words\x18\x0b \x01(\x05\x12\x14\n\x0c\x66ilter_masks\x18\x0c \x01(\x0c\x12\x15\n\rfilter_negate\x18\r \x01(\x0c\x12\x14\n\x0cwith_vectors\x18\x0e \x01(\x08\x12\x10\n\x08sequence\x18\x0f \x01(\x03\x12\x12\n\nlist_width\x18\x10 \x01(\x05\x12\r\n\x05lists\x18\x11 \x01(\x0c\x12\x15\n\rexclude_width\x18\x12 \x01(\x05\x12\x0f\n\x07\x65xclude\x18\x13 \x01(\x0c\x12\r\n\x05\x66loor\x18\x14 \x01(\x0c\x12\r\n\x05least\x18\x15 \x01(\x0c\x12\x0c\n\x04hold\x18\x16 \x01(\x0c\x12\x13\n\x0b\x66ilter_none\x18\x17 \x01(\x0c\"}\n\x0eSearchResponse\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\x12\x0e\n\x06\x61pprox\x18\x05 \x01(\x0c\x12\x0e\n\x06scores\x18\x06 \x01(\x0c\x12\x0f\n\x07vectors\x18\x07 \x01(\x0c\"\r\n\x0bInfoRequest\"e\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12\x11\n\tsequences\x18\x05 \x03(\x03\"c\n\x0ePrepareRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\t\"f\n\x0fPrepareResponse\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0c\n\x04held\x18\x02 \x01(\x0c\x12\x12\n\nlist_sizes\x18\x03 \x01(\x0c\x12\x12\n\nbit_counts\x18\x04 \x01(\x0c\x12\x0e\n\x06served\x18\x05 \x01(\x03\"R\n\rCommitRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\t\"\x10\n\x0e\x43ommitResponse2\x8e\x03\n\x05Shard\x12M\n\x06Search\x12 .recserve.shard.v1.SearchRequest\x1a!.recserve.shard.v1.SearchResponse\x12G\n\x04Info\x12\x1e.recserve.shard.v1.InfoRequest\x1a\x1f.recserve.shard.v1.InfoResponse\x12P\n\x07Prepare\x12!.recserve.shard.v1.PrepareRequest\x1a\".recserve.shard.v1.PrepareResponse\x12M\n\x06\x43ommit\x12 .recserve.shard.v1.CommitRequest\x1a!.recserve.shard.v1.CommitResponse\x12L\n\x05\x41\x62ort\x12 .recserve.shard.v1.CommitRequest\x1a!.recserve.shard.v1.CommitResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.protos.shard_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SEARCHREQUEST']._serialized_start=50
-  _globals['_SEARCHREQUEST']._serialized_end=431
-  _globals['_SEARCHRESPONSE']._serialized_start=433
-  _globals['_SEARCHRESPONSE']._serialized_end=558
-  _globals['_INFOREQUEST']._serialized_start=560
-  _globals['_INFOREQUEST']._serialized_end=573
-  _globals['_INFORESPONSE']._serialized_start=575
-  _globals['_INFORESPONSE']._serialized_end=676
-  _globals['_PREPAREREQUEST']._serialized_start=678
-  _globals['_PREPAREREQUEST']._serialized_end=777
-  _globals['_PREPARERESPONSE']._serialized_start=779
-  _globals['_PREPARERESPONSE']._serialized_end=881
-  _globals['_COMMITREQUEST']._serialized_start=883
-  _globals['_COMMITREQUEST']._serialized_end=965
-  _globals['_COMMITRESPONSE']._serialized_start=967
-  _globals['_COMMITRESPONSE']._serialized_end=983
-  _globals['_SHARD']._serialized_start=986
-  _globals['_SHARD']._serialized_end=1384
+  _globals['_SEARCHREQUEST']._serialized_end=452
+  _globals['_SEARCHRESPONSE']._serialized_start=454
+  _globals['_SEARCHRESPONSE']._serialized_end=579
+  _globals['_INFOREQUEST']._serialized_start=581
+  _globals['_INFOREQUEST']._serialized_end=594
+  _globals['_INFORESPONSE']._serialized_start=596
+  _globals['_INFORESPONSE']._serialized_end=697
+  _globals['_PREPAREREQUEST']._serialized_start=699
+  _globals['_PREPAREREQUEST']._serialized_end=798
+  _globals['_PREPARERESPONSE']._serialized_start=800
+  _globals['_PREPARERESPONSE']._serialized_end=902
+  _globals['_COMMITREQUEST']._serialized_start=904
+  _globals['_COMMITREQUEST']._serialized_end=986
+  _globals['_COMMITRESPONSE']._serialized_start=988
+  _globals['_COMMITRESPONSE']._serialized_end=1004
+  _globals['_SHARD']._serialized_start=1007
+  _globals['_SHARD']._serialized_end=1405
 # @@protoc_insertion_point(module_scope)

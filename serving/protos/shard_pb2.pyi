@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SearchRequest(_message.Message):
-    __slots__ = ("model", "version", "batch", "dim", "queries", "k", "r", "nprobe", "exact", "clauses", "words", "filter_masks", "filter_negate", "with_vectors", "sequence", "list_width", "lists", "exclude_width", "exclude", "floor", "least", "hold")
+    __slots__ = ("model", "version", "batch", "dim", "queries", "k", "r", "nprobe", "exact", "clauses", "words", "filter_masks", "filter_negate", "with_vectors", "sequence", "list_width", "lists", "exclude_width", "exclude", "floor", "least", "hold", "filter_none")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class SearchRequest(_message.Message):
     FLOOR_FIELD_NUMBER: _ClassVar[int]
     LEAST_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    FILTER_NONE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     batch: int
@@ -54,7 +55,8 @@ class SearchRequest(_message.Message):
     floor: bytes
     least: bytes
     hold: bytes
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., batch: _Optional[int] = ..., dim: _Optional[int] = ..., queries: _Optional[bytes] = ..., k: _Optional[int] = ..., r: _Optional[int] = ..., nprobe: _Optional[bytes] = ..., exact: _Optional[bytes] = ..., clauses: _Optional[int] = ..., words: _Optional[int] = ..., filter_masks: _Optional[bytes] = ..., filter_negate: _Optional[bytes] = ..., with_vectors: _Optional[bool] = ..., sequence: _Optional[int] = ..., list_width: _Optional[int] = ..., lists: _Optional[bytes] = ..., exclude_width: _Optional[int] = ..., exclude: _Optional[bytes] = ..., floor: _Optional[bytes] = ..., least: _Optional[bytes] = ..., hold: _Optional[bytes] = ...) -> None: ...
+    filter_none: bytes
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., batch: _Optional[int] = ..., dim: _Optional[int] = ..., queries: _Optional[bytes] = ..., k: _Optional[int] = ..., r: _Optional[int] = ..., nprobe: _Optional[bytes] = ..., exact: _Optional[bytes] = ..., clauses: _Optional[int] = ..., words: _Optional[int] = ..., filter_masks: _Optional[bytes] = ..., filter_negate: _Optional[bytes] = ..., with_vectors: _Optional[bool] = ..., sequence: _Optional[int] = ..., list_width: _Optional[int] = ..., lists: _Optional[bytes] = ..., exclude_width: _Optional[int] = ..., exclude: _Optional[bytes] = ..., floor: _Optional[bytes] = ..., least: _Optional[bytes] = ..., hold: _Optional[bytes] = ..., filter_none: _Optional[bytes] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
     __slots__ = ("shard", "version", "width", "ids", "approx", "scores", "vectors")

@@ -275,6 +275,7 @@ def run_rows(
         fb.negate,
         _seen_batch(requests),
         user=_user_batch(requests),
+        filter_none=fb.neg_masks,
     ).to(device)
     with torch.inference_mode():
         ids_t, scores_t = model(batch, int(k.max()))  # [B, K], [B, K]

@@ -49,7 +49,8 @@ def encode_request(
     with_vectors: bool,
     sequence: int = 0,
 ) -> pb.SearchRequest:
-    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` / ``exclude [B, S]``
+    """``q [B, D]``, the filter ``masks [B, C, W]`` / ``negate [B, C]`` / ``exclude [B, S]`` /
+    ``neg_masks [B, C, W]`` (sent only where a clause has a "none of these bits" part)
     and the plan (its ``lists [B, P]`` and ``floor [B]`` when a second round gives them, its
     ``least`` and ``hold [B]`` when lists go by their sizes),
     against ``version`` after ``sequence`` live updates."""
@@ -79,6 +80,7 @@ def encode_request(
         floor=b"" if floor is None else tensor_bytes(floor, np.float32),
         least=b"" if plan.least is None else tensor_bytes(plan.least, np.int64),
         hold=b"" if plan.hold is None else tensor_bytes(plan.hold, np.int64),
+        filter_none=b"" if fb.neg_masks is None else tensor_bytes(fb.neg_masks, np.int64),
     )
 
 
@@ -110,6 +112,9 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
     exact = bytes_flags(msg.exact, (b,), "exact")
     masks = bytes_tensor(msg.filter_masks, np.int64, (b, c, w), "filter_masks")
     negate = bytes_flags(msg.filter_negate, (b, c), "filter_negate")
+    none = None
+    if msg.filter_none:
+        none = bytes_tensor(msg.filter_none, np.int64, (b, c, w), "filter_none")
     lists = None
     if msg.list_width > 0:
         lists = bytes_array(msg.lists, np.int32, (b, msg.list_width), "lists")
@@ -144,7 +149,8 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         hold=None if hold is None else torch.from_numpy(hold.copy()),
         exact_rows=exact,
     )
-    fb = FilterBatch(masks, negate, None if exclude is None else torch.from_numpy(exclude.copy()))
+    ex_t = None if exclude is None else torch.from_numpy(exclude.copy())
+    fb = FilterBatch(masks, negate, ex_t, none)
     return q, fb, plan
 
 

@@ -29,6 +29,8 @@ FILTERS = [
     "bucket = 1",  # wide: lists with the bound check
     "shard in {1, 2, 3} and not bucket = 0",
     "shard = 3 and bucket = 2",  # fewer items than a large k
+    "shard != 3 or bucket = 1",  # a clause with a "none of these bits" part: wide
+    "shard in {1, 2} and (shard != 1 or bucket = 2)",  # and narrow
 ]
 
 
@@ -60,7 +62,7 @@ def batch_filter(index: IVFIndex, q: torch.Tensor, f: str | None, seen: bool) ->
     index.executor.backend = "auto"
     ids = index.search(q, 30)[0]  # each row's own best, some cut short
     ids[0, 10:] = -1
-    return FilterBatch(fb.masks, fb.negate, ids)
+    return FilterBatch(fb.masks, fb.negate, ids, fb.neg_masks)
 
 
 def both(index: IVFIndex, q: torch.Tensor, k: int, fb: FilterBatch, **kw):

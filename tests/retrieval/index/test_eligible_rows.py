@@ -15,6 +15,7 @@ from retrieval.index.build import bit_index
 from retrieval.index.scan import (
     bit_slices_cpu,
     eligible_rows_cpu,
+    filter_mask,
     sliced_mask_cpu,
     sliced_rows_cpu,
 )
@@ -41,8 +42,11 @@ def masks_of(schema: FilterSchema, clauses: list[tuple[int, list[int]]]) -> torc
         st.tuples(st.integers(0, 2), st.floats(0.0, 1.0), st.booleans()), min_size=0, max_size=3
     ),
     seed=st.integers(0, 99),
+    nones=st.lists(st.tuples(st.integers(0, 2), st.floats(0.0, 1.0)), max_size=3),
 )
-def test_rows_from_postings_equal_the_full_check(vocabs, multi, n, picks, seed):
+def test_rows_from_postings_equal_the_full_check(vocabs, multi, n, picks, seed, nones):
+    """``nones``: "or none of these values" parts of the first clauses (``fnone``: "a != x or
+    b = y" on a multi-valued ``a``), which never drive."""
     rng = np.random.default_rng(seed)
     schema = FilterSchema(
         {f"a{j}": [str(v) for v in range(vocab)] for j, vocab in enumerate(vocabs)}
@@ -64,17 +68,28 @@ def test_rows_from_postings_equal_the_full_check(vocabs, multi, n, picks, seed):
         else torch.zeros(0, schema.num_words, dtype=torch.int64)
     )
     negate = torch.tensor([neg for _j, _s, neg in picks], dtype=torch.bool)
-    want = eligible(sig, masks, negate).nonzero().flatten()
-    got = eligible_rows_cpu(sig, masks, negate, counts, postings)
+    parts = []
+    for j, share in nones[: len(picks)]:
+        j %= len(vocabs)
+        parts.append((j, [v for v in range(vocabs[j]) if rng.random() < share] or [0]))
+    fnone = None
+    if parts:
+        fnone = torch.zeros_like(masks)
+        fnone[: len(parts)] = masks_of(schema, parts)
+        negate[: len(parts)] = False  # a clause with a "none of" part is otherwise positive
+    ok = eligible(sig, masks, negate, fnone)
+    want = ok.nonzero().flatten()
+    got = eligible_rows_cpu(sig, masks, negate, counts, postings, fnone)
     assert torch.equal(got, want)
     # without postings (an index saved before them): every row is checked, same answer
     none = torch.zeros(0, dtype=torch.int32)
-    assert torch.equal(eligible_rows_cpu(sig, masks, negate, counts, none), want)
+    assert torch.equal(eligible_rows_cpu(sig, masks, negate, counts, none, fnone), want)
+    assert torch.equal(filter_mask(sig, masks, negate, fnone), ok)
     # bit-sliced, 64 items a word (n not a multiple of 64 included)
     slices = bit_slices_cpu(sig)
     assert slices.shape == (schema.num_words * 64, (n + 63) // 64)
-    assert torch.equal(sliced_mask_cpu(slices, masks, negate, n), eligible(sig, masks, negate))
-    assert torch.equal(sliced_rows_cpu(slices, masks, negate, n), want)
+    assert torch.equal(sliced_mask_cpu(slices, masks, negate, n, fnone), ok)
+    assert torch.equal(sliced_rows_cpu(slices, masks, negate, n, fnone), want)
 
 
 def test_a_dense_filter_reads_the_bit_slices_and_follows_changes_to_the_signatures():

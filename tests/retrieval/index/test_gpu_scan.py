@@ -194,6 +194,34 @@ def test_expressions_with_or_and_ranges_compiled_by_the_schema():
     assert_same(*run_both(c, 64))
 
 
+def test_a_negated_category_inside_an_or_on_a_multi_valued_attribute():
+    """ "tag != x or genre = y" (a clause with a "none of these bits" part, ``fnone``) on a
+    multi-valued ``tag``: the kernel evaluates it as the reference does."""
+    from retrieval.filters import eligible
+
+    schema = FilterSchema({"genre": ["a", "b", "c"], "tag": ["t0", "t1", "t2"]})
+    n = 300
+    rng = np.random.default_rng(2)
+    attrs = {"genre": rng.integers(0, 3, n), "tag": rng.random((n, 3)) < 0.5}
+    sig = schema.signatures(attrs, n)
+    texts = ["tag != t1 or genre = a", "(tag != t0 or genre in {b, c}) and tag = t2", "genre = b"]
+    fb = schema.compile([*texts, "(not tag = t2 or genre = c) and (tag != t1 or genre = a)"])
+    assert fb.neg_masks is not None
+    want = (~attrs["tag"][:, 1]) | (attrs["genre"] == 0)
+    got = eligible(sig, fb.masks[0], fb.negate[0], fb.neg_masks[0]).numpy()
+    assert np.array_equal(got, want)
+    c = case([100, 120, 80], 4, 3, 16, "int8", 1, sig.shape[1], 0, seed=6)
+    c.update(sig=sig, fmask=fb.masks, fneg=fb.negate)
+    lists, rows = bundled(c)
+    rows = ScanRows(
+        rows.q, rows.probes, rows.coarse, rows.fmask, rows.fneg, rows.excl, None, fb.neg_masks
+    )
+    ref, got_scan = scan_reference(lists, rows, 64), gpu_scan.scan_triton(lists, rows, 64)
+    assert_same(ref, got_scan)
+    plain = scan_reference(*bundled(c), 64)  # without the negated part: other answers
+    assert not torch.equal(plain[0], ref[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("codes", ["int8", "fp8"])
 def test_index_on_cuda_finds_what_the_cpu_index_finds(codes, catalog):

@@ -39,6 +39,16 @@ def test_rows_answer_like_the_model(tiny) -> None:
     np.testing.assert_array_equal(ids_b, want_b)
 
 
+def test_a_negated_category_inside_an_or_answers_like_the_model(tiny) -> None:
+    """ "category != news or language = fr": a clause with a "none of these bits" part reaches
+    the forward (``UserBatch.filter_none``) as the model's own batch carries it."""
+    text = "category != news or language = fr"
+    req = tiny.inputs(USERS[:2], k=6)
+    req["filter"] = np.array([[text.encode()]] * 2, dtype=object)
+    ((ids, _),) = run_rows(tiny.model, [check_inputs(req, tiny.model)])
+    np.testing.assert_array_equal(ids, tiny.expected(tiny.model, USERS[:2], 6, [text] * 2)[0])
+
+
 def test_rows_with_smaller_k_are_padded(tiny) -> None:
     req = tiny.inputs(USERS[:2], k=6)
     req["k"] = np.array([[6], [2]], dtype=np.int32)

@@ -28,18 +28,23 @@ EXPRESSIONS = [
     "price between 5 and 30 or (available and region in {eu, na})",
     "not (price < 3 or price > 40) and not category = news",
     "not (price >= 10) and (language in {en, de} or category = sports)",
+    # a negated category inside an 'or' on the multi-valued region ("not blocked, or followed")
+    "(region != eu or category = news) and (region != na or price < 15)",
 ]
 
 
 @pytest.fixture(scope="module")
 def priced() -> Tiny:
-    """2,000 items with a numeric ``price`` besides the synthetic attributes."""
+    """2,000 items with a numeric ``price`` besides the synthetic attributes, ``region``
+    multi-valued in the index (an item offered in several regions)."""
     prep = prepare(generate(SyntheticConfig(num_users=32, num_items=2000, seed=5)), history_len=8)
     prep.config = copy.deepcopy(prep.config)
     prep.config.numeric_attributes = ("price",)
     rng = np.random.default_rng(0)
-    price = np.round(rng.gamma(2.0, 10.0, prep.dataset.num_items), 2)
-    attrs = {**prep.dataset.item_attributes, "price": price}
+    n = prep.dataset.num_items
+    price = np.round(rng.gamma(2.0, 10.0, n), 2)
+    regions = rng.random((n, len(prep.config.item_attributes["region"]))) < 0.4
+    attrs = {**prep.dataset.item_attributes, "price": price, "region": regions}
     torch.manual_seed(0)
     model = RetrievalModel(prep.config)
     model.build_index(prep.train.item_features, attrs)

@@ -9,21 +9,26 @@
 
 namespace ivf {
 
-// Whether rows a and b of masks [B, C, W] / negate [B, C] hold the same filter.
-inline bool same_filter(const int64_t* masks, const bool* negate, int64_t c_count, int64_t w, int64_t a, int64_t b) {
+// Whether rows a and b of masks [B, C, W] / negate [B, C] / none [B, C, W] (nullptr: none) hold
+// the same filter.
+inline bool same_filter(const int64_t* masks, const bool* negate, const int64_t* none, int64_t c_count, int64_t w,
+                        int64_t a, int64_t b) {
   return std::equal(masks + a * c_count * w, masks + (a + 1) * c_count * w, masks + b * c_count * w) &&
-         std::equal(negate + a * c_count, negate + (a + 1) * c_count, negate + b * c_count);
+         std::equal(negate + a * c_count, negate + (a + 1) * c_count, negate + b * c_count) &&
+         (!none || std::equal(none + a * c_count * w, none + (a + 1) * c_count * w, none + b * c_count * w));
 }
 
-// out[l] = whether list l may hold an item the filter (mask [C, W], neg [C]) admits: every
-// non-negated clause shares a bit with list_bits[l] (a negated clause rules no list out).
+// out[l] = whether list l may hold an item the filter (mask [C, W], neg [C], none [C, W]) admits:
+// every non-negated clause shares a bit with list_bits[l] (a negated clause, or one with a "none
+// of these bits" part, rules no list out: list_bits say which bits some item holds, not which all).
 inline void lists_admitting(const int64_t* list_bits, int64_t nlist, int64_t w, const int64_t* mask, const bool* neg,
-                            int64_t c_count, uint8_t* out) {
+                            const int64_t* none, int64_t c_count, uint8_t* out) {
   for (int64_t l = 0; l < nlist; ++l) {
     const int64_t* bits = list_bits + l * w;
     bool ok = true;
     for (int64_t c = 0; c < c_count; ++c) {
-      if (neg[c]) continue;
+      if (neg[c] || (none && std::any_of(none + c * w, none + (c + 1) * w, [](int64_t x) { return x != 0; })))
+        continue;
       int64_t hit = 0;
       for (int64_t k = 0; k < w; ++k) hit |= bits[k] & mask[c * w + k];
       ok &= hit != 0;
@@ -43,7 +48,7 @@ inline void lists_admitting(const int64_t* list_bits, int64_t nlist, int64_t w, 
 __attribute__((optimize("fp-contract=off")))
 std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::Tensor& half, const at::Tensor& list_bits,
                                                const at::Tensor& masks, const at::Tensor& negate,
-                                               const at::Tensor& sizes, const at::Tensor& nprobe,
+                                               const at::Tensor& none, const at::Tensor& sizes, const at::Tensor& nprobe,
                                                const at::Tensor& factor, const at::Tensor& radius,
                                                const at::Tensor& check, int64_t p) {
   TORCH_CHECK(ip.dim() == 2 && ip.scalar_type() == at::kFloat && ip.is_contiguous() && ip.device().is_cpu(),
@@ -73,6 +78,7 @@ std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::T
   const int64_t* lbp = has_bits ? list_bits.data_ptr<int64_t>() : nullptr;
   const int64_t* mp = masks.data_ptr<int64_t>();
   const bool* ngp = negate.data_ptr<bool>();
+  const int64_t* nop = none_ptr(none, masks);
   const int64_t* sp = sizes.data_ptr<int64_t>();
   const int64_t* np_ = nprobe.data_ptr<int64_t>();
   const float* fp = factor.data_ptr<float>();
@@ -89,8 +95,9 @@ std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::T
     for (int64_t b = b0; b < b1; ++b) {
       const float* row = ipp + b * nlist;
       const bool filtered = has_bits && cp[b];
-      if (filtered && !(reach_of >= 0 && same_filter(mp, ngp, c_count, w, reach_of, b))) {
-        lists_admitting(lbp, nlist, w, mp + b * c_count * w, ngp + b * c_count, c_count, reach.data());
+      if (filtered && !(reach_of >= 0 && same_filter(mp, ngp, nop, c_count, w, reach_of, b))) {
+        lists_admitting(lbp, nlist, w, mp + b * c_count * w, ngp + b * c_count,
+                        nop ? nop + b * c_count * w : nullptr, c_count, reach.data());
         reach_of = b;
       }
       for (int64_t l = 0; l < nlist; ++l)

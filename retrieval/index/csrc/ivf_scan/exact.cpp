@@ -227,8 +227,9 @@ at::Tensor many_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::
   return at::matmul(q, decode_rows_int8(pos, codes, scales, offsets, centroids_t).t()).contiguous();
 }
 
-// Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C] -> bool [N].
-at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg) {
+// Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C], fnone [C, W] (empty:
+// no clause has a "none of these bits" part) -> bool [N].
+at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone) {
   TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
   TORCH_CHECK(fmask.dim() == 2 && fmask.size(1) == sig.size(1) && fmask.scalar_type() == at::kLong && fmask.is_contiguous(),
               "fmask must be contiguous int64 [C, W]");
@@ -239,9 +240,10 @@ at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at:
   const int64_t* sp = sig.data_ptr<int64_t>();
   const int64_t* mp = fmask.data_ptr<int64_t>();
   const bool* np = fneg.data_ptr<bool>();
+  const int64_t* gp = none_ptr(fnone, fmask);
   bool* op = out.data_ptr<bool>();
   at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
-    if (w == 1) {  // one signature word (up to 64 attribute values): branch-free, vectorizes
+    if (w == 1 && !gp) {  // one signature word (up to 64 attribute values): branch-free, vectorizes
       for (int64_t i = i0; i < i1; ++i) {
         bool ok = true;
         for (int64_t c = 0; c < c_count; ++c) ok &= ((sp[i] & mp[c]) != 0) != np[c];
@@ -249,7 +251,7 @@ at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at:
       }
       return;
     }
-    for (int64_t i = i0; i < i1; ++i) op[i] = passes(sp + i * w, mp, np, c_count, w);
+    for (int64_t i = i0; i < i1; ++i) op[i] = passes(sp + i * w, mp, np, gp, c_count, w);
   });
   return out;
 }
@@ -278,9 +280,10 @@ at::Tensor bit_slices(const at::Tensor& sig) {
 namespace {
 
 // The words of items passing one filter, from the bit slices: clause c is the OR of its bits'
-// slices (complemented when negated), the filter the AND of its clauses, 64 items a word.
+// slices (complemented when negated; ORed with the complement of its "none of" bits' OR where it
+// has them), the filter the AND of its clauses, 64 items a word.
 std::vector<uint64_t> sliced_words(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg,
-                                   int64_t n) {
+                                   const at::Tensor& fnone, int64_t n) {
   TORCH_CHECK(slices.dim() == 2 && slices.scalar_type() == at::kLong && slices.is_contiguous() &&
               slices.size(0) % 64 == 0 && slices.size(1) == (n + 63) / 64,
               "slices must be contiguous int64 [W * 64, ceil(n / 64)]");
@@ -292,14 +295,17 @@ std::vector<uint64_t> sliced_words(const at::Tensor& slices, const at::Tensor& f
   const uint64_t* sl = reinterpret_cast<const uint64_t*>(slices.data_ptr<int64_t>());
   const uint64_t* mp = reinterpret_cast<const uint64_t*>(fmask.data_ptr<int64_t>());
   const bool* np = fneg.data_ptr<bool>();
-  std::vector<std::vector<int64_t>> bits(c_count);  // each clause's set bits, read once
+  const uint64_t* gp = reinterpret_cast<const uint64_t*>(none_ptr(fnone, fmask));
+  std::vector<std::vector<int64_t>> bits(c_count), nones(c_count);  // each clause's set bits, read once
   for (int64_t c = 0; c < c_count; ++c)
-    for (int64_t k = 0; k < w; ++k)
+    for (int64_t k = 0; k < w; ++k) {
       for (uint64_t m = mp[c * w + k]; m; m &= m - 1) bits[c].push_back(k * 64 + __builtin_ctzll(m));
+      for (uint64_t m = gp ? gp[c * w + k] : 0; m; m &= m - 1) nones[c].push_back(k * 64 + __builtin_ctzll(m));
+    }
   std::vector<uint64_t> acc(words);
   at::parallel_for(0, words, 1 << 10, [&](int64_t j0, int64_t j1) {
     constexpr int64_t kBlock = 256;  // words kept in L1 while every clause is applied to them
-    uint64_t any[kBlock];
+    uint64_t any[kBlock], held[kBlock];
     for (int64_t b0 = j0; b0 < j1; b0 += kBlock) {
       const int64_t len = std::min(kBlock, j1 - b0);
       uint64_t* a = acc.data() + b0;
@@ -311,7 +317,16 @@ std::vector<uint64_t> sliced_words(const at::Tensor& slices, const at::Tensor& f
           for (int64_t j = 0; j < len; ++j) any[j] |= s[j];
         }
         const uint64_t flip = np[c] ? ~uint64_t(0) : 0;
-        for (int64_t j = 0; j < len; ++j) a[j] &= any[j] ^ flip;
+        for (int64_t j = 0; j < len; ++j) any[j] ^= flip;
+        if (!nones[c].empty()) {  // "or none of these bits"
+          for (int64_t j = 0; j < len; ++j) held[j] = 0;
+          for (int64_t bit : nones[c]) {
+            const uint64_t* s = sl + bit * words + b0;
+            for (int64_t j = 0; j < len; ++j) held[j] |= s[j];
+          }
+          for (int64_t j = 0; j < len; ++j) any[j] |= ~held[j];
+        }
+        for (int64_t j = 0; j < len; ++j) a[j] &= any[j];
       }
     }
   });
@@ -322,9 +337,10 @@ std::vector<uint64_t> sliced_words(const at::Tensor& slices, const at::Tensor& f
 }  // namespace
 
 // Items passing one filter from the bit slices (slices [W * 64, ceil(N / 64)], fmask [C, W], fneg
-// [C]) -> bool [n]. The same rule as filter_mask, reading only the filter's bits.
-at::Tensor sliced_mask(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, int64_t n) {
-  const std::vector<uint64_t> acc = sliced_words(slices, fmask, fneg, n);
+// [C], fnone [C, W] or empty) -> bool [n]. The same rule as filter_mask, reading only the filter's bits.
+at::Tensor sliced_mask(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
+                       int64_t n) {
+  const std::vector<uint64_t> acc = sliced_words(slices, fmask, fneg, fnone, n);
   auto out = at::empty({n}, slices.options().dtype(at::kBool));
   bool* op = out.data_ptr<bool>();
   at::parallel_for(0, (int64_t)acc.size(), 1 << 12, [&](int64_t j0, int64_t j1) {
@@ -335,8 +351,9 @@ at::Tensor sliced_mask(const at::Tensor& slices, const at::Tensor& fmask, const 
 }
 
 // The same items as positions: int64 [M] ascending (no [n] mask in between).
-at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, int64_t n) {
-  const std::vector<uint64_t> acc = sliced_words(slices, fmask, fneg, n);
+at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
+                       int64_t n) {
+  const std::vector<uint64_t> acc = sliced_words(slices, fmask, fneg, fnone, n);
   int64_t m = 0;
   for (uint64_t a : acc) m += __builtin_popcountll(a);
   auto out = at::empty({m}, slices.options());
@@ -346,12 +363,12 @@ at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const 
   return out;
 }
 
-// Rows passing one filter (sig [N, W], fmask [C, W], fneg [C]) -> int64 [M] ascending. The most
-// selective non-negated clause drives: the postings of its bits (bit_counts [W * 64], postings: each
+// Rows passing one filter (sig [N, W], fmask [C, W], fneg [C], fnone [C, W] or empty) -> int64 [M]
+// ascending. The most selective non-negated clause without a "none of" part drives: the postings of its bits (bit_counts [W * 64], postings: each
 // bit's rows, bit after bit, ascending) are the only candidates, and only they are checked against
 // every clause. With no clause under a quarter of the catalog (or no postings), every row is checked.
 // A bit counted -1 has no postings (a hashed attribute's digit): a clause with one never drives.
-at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
+at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
                          const at::Tensor& bit_counts, const at::Tensor& postings) {
   TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
   TORCH_CHECK(fmask.dim() == 2 && fmask.size(1) == sig.size(1) && fmask.scalar_type() == at::kLong && fmask.is_contiguous(),
@@ -366,10 +383,12 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
   const int64_t* counts = bit_counts.data_ptr<int64_t>();
   const int64_t* mp = fmask.data_ptr<int64_t>();
   const bool* np = fneg.data_ptr<bool>();
+  const int64_t* gp = none_ptr(fnone, fmask);
   auto set = [&](int64_t c, int64_t bit) { return (mp[c * w + bit / 64] >> (bit % 64)) & 1; };
   int64_t best = -1, best_count = n / 4 + 1;
   for (int64_t c = 0; c < c_count; ++c) {
-    if (np[c]) continue;
+    // an item holding none of a clause's "none of" bits passes it whatever its postings say
+    if (np[c] || (gp && std::any_of(gp + c * w, gp + (c + 1) * w, [](int64_t x) { return x != 0; }))) continue;
     int64_t count = 0;
     for (int64_t bit = 0; bit < bits && count < best_count; ++bit)
       if (set(c, bit)) count += counts[bit] < 0 ? best_count : counts[bit];
@@ -377,7 +396,7 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
   }
   int64_t nnz = 0;
   for (int64_t bit = 0; bit < bits; ++bit) nnz += std::max<int64_t>(counts[bit], 0);
-  if (best < 0 || postings.numel() != nnz) return filter_mask(sig, fmask, fneg).nonzero().flatten();
+  if (best < 0 || postings.numel() != nnz) return filter_mask(sig, fmask, fneg, fnone).nonzero().flatten();
   const int32_t* post = postings.data_ptr<int32_t>();
   const int64_t* sp = sig.data_ptr<int64_t>();
   // One bit's postings are ascending rows. Several bits' are merged through a bitmap of the
@@ -401,7 +420,7 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
   }
   int64_t kept = 0;
   for (int64_t r : rows)
-    if (passes(sp + r * w, mp, np, c_count, w)) rows[kept++] = r;
+    if (passes(sp + r * w, mp, np, gp, c_count, w)) rows[kept++] = r;
   auto out = at::empty({kept}, sig.options());
   std::copy(rows.begin(), rows.begin() + kept, out.data_ptr<int64_t>());
   return out;
@@ -417,12 +436,12 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& codes, const at::Tensor& scales,
     const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
-    const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
+    const at::Tensor& fnone, const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
     int64_t few, int64_t max_scores) {
   TORCH_CHECK(k >= 1, "k must be >= 1");
   TORCH_CHECK(item_ids.dim() == 1 && item_ids.size(0) == codes.size(0) && item_ids.scalar_type() == at::kLong,
               "item_ids must be int64 [N]");
-  const at::Tensor rows = eligible_rows(sig, fmask, fneg, bit_counts, postings);
+  const at::Tensor rows = eligible_rows(sig, fmask, fneg, fnone, bit_counts, postings);
   const int64_t b_count = q.size(0), m = rows.numel();
   if (b_count * m > max_scores) return {at::Tensor(), at::Tensor()};  // the caller scans in chunks
   // IVFIndex.scores_at's two ways, so that the scores are its bits

@@ -146,7 +146,7 @@ void hold_lists(at::Tensor& probes, const at::Tensor& sizes, int64_t least, cons
 std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& half, int64_t p,
     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
-    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl_ids,
+    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone, const at::Tensor& excl_ids,
     const at::Tensor& item_ids, const at::Tensor& perm, int64_t r, const at::Tensor& sizes, int64_t least,
     const at::Tensor& hold, const ProbeTable& table) {
   // A kernel forced by $RECSERVE_SCAN_KERNEL (retrieval.index.scan.KERNEL_ENV: set, and not
@@ -162,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
   auto probed = ivf_probe(q, centroids_t, half, p, table);
   if (sizes.numel() && least < p) hold_lists(std::get<1>(probed), sizes, least, hold);
   auto found = ivf_scan_int8(q, std::get<1>(probed), std::get<0>(probed), codes, scales, offsets, sig,
-                             fmask, fneg, excl, r, at::Tensor());
+                             fmask, fneg, fnone, excl, r, at::Tensor());
   at::Tensor pos = std::get<0>(found);
   int64_t* pp = pos.data_ptr<int64_t>();
   bool short_row = false;  // a row that found fewer than r: its caller widens it

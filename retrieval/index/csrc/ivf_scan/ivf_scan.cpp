@@ -48,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Exclusions by id -> rows, probe, int8 scan, rows -> ids: a plain search in one call", pybind11::arg("q"),
         pybind11::arg("centroids_t"), pybind11::arg("half"), pybind11::arg("p"), pybind11::arg("codes"),
         pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("sig"), pybind11::arg("fmask"),
-        pybind11::arg("fneg"), pybind11::arg("excl_ids"), pybind11::arg("item_ids"), pybind11::arg("perm"),
+        pybind11::arg("fneg"), pybind11::arg("fnone"), pybind11::arg("excl_ids"), pybind11::arg("item_ids"), pybind11::arg("perm"),
         pybind11::arg("r"), pybind11::arg("sizes"), pybind11::arg("least"), pybind11::arg("hold"),
         pybind11::arg("table") = pybind11::none(), nogil);
   m.def("ivf_scan_fp8", &ivf::ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter", nogil);

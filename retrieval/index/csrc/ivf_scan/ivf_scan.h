@@ -86,14 +86,37 @@ RECSERVE_TARGET("avx2") inline int32_t sum_lanes_epi32(__m256i v) {
 // rounding costs no precision (the row's largest value lands within a quarter step of 127).
 using Scale = at::BFloat16;
 
-// An item passes when every clause holds: clause c holds when (sig & mask_c) != 0, negated if neg_c.
-inline bool passes(const int64_t* sig, const int64_t* mask, const bool* neg, int64_t c_count, int64_t w) {
+// A clause's "none of these bits" part (none [C, W], FilterBatch.neg_masks; nullptr: no clause
+// has one): whether clause c has one and the item holds none of its bits.
+inline bool holds_none(const int64_t* sig, const int64_t* none, int64_t c, int64_t w) {
+  if (!none) return false;
+  bool has = false, held = false;
+  for (int64_t k = 0; k < w; ++k) {
+    has |= none[c * w + k] != 0;
+    held |= (sig[k] & none[c * w + k]) != 0;
+  }
+  return has && !held;
+}
+
+// An item passes when every clause holds: clause c holds when (sig & mask_c) != 0, negated if
+// neg_c, or when its "none of these bits" part holds (holds_none).
+inline bool passes(const int64_t* sig, const int64_t* mask, const bool* neg, const int64_t* none, int64_t c_count,
+                   int64_t w) {
   for (int64_t c = 0; c < c_count; ++c) {
     bool hit = false;
     for (int64_t k = 0; k < w; ++k) hit |= (sig[k] & mask[c * w + k]) != 0;
-    if (hit == neg[c]) return false;
+    if (hit == neg[c] && !holds_none(sig, none, c, w)) return false;
   }
   return true;
+}
+
+// fnone as the kernels read it: nullptr when empty (no clause has a "none of" part), else int64
+// shaped as fmask.
+inline const int64_t* none_ptr(const at::Tensor& fnone, const at::Tensor& fmask) {
+  if (!fnone.defined() || fnone.numel() == 0) return nullptr;
+  TORCH_CHECK(fnone.sizes() == fmask.sizes() && fnone.scalar_type() == at::kLong && fnone.is_contiguous(),
+              "fnone must be contiguous int64 shaped as fmask, or empty");
+  return fnone.data_ptr<int64_t>();
 }
 
 // Pushes s[0..n) into a bounded min-heap of the best r (positions pos0 + i). Entries not above the
@@ -500,11 +523,11 @@ void row_topk(const float* row, int64_t m, int64_t k, std::vector<Cand>& heap, S
 std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
     const at::Tensor& q, const at::Tensor& probes, const at::Tensor& coarse, const at::Tensor& codes,
     const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask,
-    const at::Tensor& fneg, const at::Tensor& excl, int64_t r, const at::Tensor& floor);
+    const at::Tensor& fneg, const at::Tensor& fnone, const at::Tensor& excl, int64_t r, const at::Tensor& floor);
 std::tuple<at::Tensor, at::Tensor> ivf_scan_fp8(
     const at::Tensor& q, const at::Tensor& codes_u8, const at::Tensor& lut, const at::Tensor& probes,
     const at::Tensor& coarse, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
-    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl, int64_t r);
+    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone, const at::Tensor& excl, int64_t r);
 
 // topk.cpp
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k);
@@ -519,7 +542,7 @@ at::Tensor centroid_dots(const at::Tensor& q, const at::Tensor& centroids_t);
 // bounds.cpp
 std::tuple<at::Tensor, at::Tensor> list_bounds(const at::Tensor& ip, const at::Tensor& half, const at::Tensor& list_bits,
                                                const at::Tensor& masks, const at::Tensor& negate,
-                                               const at::Tensor& sizes, const at::Tensor& nprobe,
+                                               const at::Tensor& none, const at::Tensor& sizes, const at::Tensor& nprobe,
                                                const at::Tensor& factor, const at::Tensor& radius,
                                                const at::Tensor& check, int64_t p);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> second_round_lists(const at::Tensor& bounds, const at::Tensor& kth,
@@ -527,11 +550,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> second_round_lists(const at::Tens
 
 // exact.cpp
 std::tuple<at::Tensor, at::Tensor> bit_index(const at::Tensor& sig);
-at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg);
+at::Tensor filter_mask(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone);
 at::Tensor bit_slices(const at::Tensor& sig);
-at::Tensor sliced_mask(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, int64_t n);
-at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, int64_t n);
-at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
+at::Tensor sliced_mask(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
+                       int64_t n);
+at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
+                       int64_t n);
+at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
                          const at::Tensor& bit_counts, const at::Tensor& postings);
 at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
                            const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& coarse);
@@ -541,7 +566,7 @@ at::Tensor many_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& codes, const at::Tensor& scales,
     const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
-    const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
+    const at::Tensor& fnone, const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
     int64_t few, int64_t max_scores);
 
 // codes.cpp
@@ -557,7 +582,7 @@ at::Tensor id_rows(const at::Tensor& item_ids, const at::Tensor& perm, const at:
 std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& half, int64_t p,
     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
-    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl_ids,
+    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone, const at::Tensor& excl_ids,
     const at::Tensor& item_ids, const at::Tensor& perm, int64_t r, const at::Tensor& sizes, int64_t least,
     const at::Tensor& hold, const ProbeTable& table);
 

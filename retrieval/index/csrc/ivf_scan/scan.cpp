@@ -334,6 +334,7 @@ struct Batch {  // one chunk of queries [b0, b1)
   int64_t b0, b1, p;
   const int64_t* probes; const float* coarse;
   const int64_t* fmask; const bool* fneg; int64_t c_count;
+  const int64_t* fnone;  // [B, C, W] "none of these bits" parts; nullptr: none
   const int64_t* excl; int64_t s;  // excl [B, s]: rows each query excludes, ascending (int64 max pads)
   const float* floor = nullptr;     // [B]: keep no candidate scoring below it (a second round's K-th)
 };
@@ -393,8 +394,9 @@ bool passing(const Index& ix, const Batch& bt, int64_t b, int64_t i0, int64_t i1
              std::vector<uint8_t>& keep) {
   const int64_t* fm = bt.fmask + b * bt.c_count * ix.w;
   const bool* fn = bt.fneg + b * bt.c_count;
+  const int64_t* fo = bt.fnone ? bt.fnone + b * bt.c_count * ix.w : nullptr;
   const int64_t n = i1 - i0;
-  if (bt.c_count == 1 && ix.w == 1) {
+  if (bt.c_count == 1 && ix.w == 1 && !fo) {
     const int64_t mask = fm[0];
     const bool neg = fn[0];
     some.resize(n);
@@ -411,7 +413,7 @@ bool passing(const Index& ix, const Batch& bt, int64_t b, int64_t i0, int64_t i1
   }
   some.clear();
   for (int64_t i = i0; i < i1; ++i)
-    if (passes(ix.sig + i * ix.w, fm, fn, bt.c_count, ix.w)) some.push_back(i - i0);
+    if (passes(ix.sig + i * ix.w, fm, fn, fo, bt.c_count, ix.w)) some.push_back(i - i0);
   return false;
 }
 
@@ -448,7 +450,9 @@ void score_pairs(const Index& ix, const Batch& bt, const Plan& pl, float* buf, M
           const bool same = passed_for >= 0 &&
                             std::equal(bt.fmask + b * fw, bt.fmask + (b + 1) * fw, bt.fmask + passed_for * fw) &&
                             std::equal(bt.fneg + b * bt.c_count, bt.fneg + (b + 1) * bt.c_count,
-                                       bt.fneg + passed_for * bt.c_count);
+                                       bt.fneg + passed_for * bt.c_count) &&
+                            (!bt.fnone || std::equal(bt.fnone + b * fw, bt.fnone + (b + 1) * fw,
+                                                     bt.fnone + passed_for * fw));
           if (!same) {
             if (!passing(ix, bt, b, i0, i1, some, keep)) {  // several clauses: keep from some
               keep.assign(n, 0);
@@ -665,7 +669,8 @@ struct Checked {
 
 Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Tensor& coarse,
               const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
-              const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl, int64_t r) {
+              const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone, const at::Tensor& excl,
+              int64_t r) {
   TORCH_CHECK(r >= 1, "r must be >= 1");
   TORCH_CHECK(probes.dim() == 2 && probes.size(0) == b_count && probes.scalar_type() == at::kLong, "probes must be int64 [B, P]");
   TORCH_CHECK(coarse.sizes() == probes.sizes() && coarse.scalar_type() == at::kFloat, "coarse must be float32 [B, P]");
@@ -688,7 +693,7 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
               "probe ids must be < nlist");
   Checked c{Index{scales.data_ptr<Scale>(), offsets.data_ptr<int64_t>(), nlist, sig.data_ptr<int64_t>(), sig.size(1)},
             Batch{0, b_count, probes.size(1), probes.data_ptr<int64_t>(), coarse.data_ptr<float>(),
-                  fmask.data_ptr<int64_t>(), fneg.data_ptr<bool>(), fmask.size(1),
+                  fmask.data_ptr<int64_t>(), fneg.data_ptr<bool>(), fmask.size(1), none_ptr(fnone, fmask),
                   excl.data_ptr<int64_t>(), excl.size(1)},
             at::empty({b_count, r}, probes.options()), at::empty({b_count, r}, coarse.options())};
   return c;
@@ -700,12 +705,12 @@ Checked check(int64_t b_count, int64_t n, const at::Tensor& probes, const at::Te
 std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
     const at::Tensor& q, const at::Tensor& probes, const at::Tensor& coarse, const at::Tensor& codes,
     const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask,
-    const at::Tensor& fneg, const at::Tensor& excl, int64_t r, const at::Tensor& floor) {
+    const at::Tensor& fneg, const at::Tensor& fnone, const at::Tensor& excl, int64_t r, const at::Tensor& floor) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == q.size(1) && codes.is_contiguous(),
               "codes must be contiguous int8 [N, D] with the query's D");
   const int64_t b_count = q.size(0), d = q.size(1);
-  auto c = check(b_count, codes.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, excl, r);
+  auto c = check(b_count, codes.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, fnone, excl, r);
   const bool floored = floor.defined() && floor.numel() > 0;  // undefined or empty: no floor
   TORCH_CHECK(!floored || (floor.numel() == b_count && floor.scalar_type() == at::kFloat && floor.is_contiguous()),
               "floor must be float32 [B] or empty");
@@ -727,13 +732,13 @@ std::tuple<at::Tensor, at::Tensor> ivf_scan_int8(
 std::tuple<at::Tensor, at::Tensor> ivf_scan_fp8(
     const at::Tensor& q, const at::Tensor& codes_u8, const at::Tensor& lut, const at::Tensor& probes,
     const at::Tensor& coarse, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& sig,
-    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& excl, int64_t r) {
+    const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone, const at::Tensor& excl, int64_t r) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
   TORCH_CHECK(codes_u8.dim() == 2 && codes_u8.scalar_type() == at::kByte && codes_u8.size(1) == q.size(1) && codes_u8.is_contiguous(),
               "codes must be contiguous uint8 [N, D] (fp8 bytes) with the query's D");
   TORCH_CHECK(lut.numel() == 256 && lut.scalar_type() == at::kFloat && lut.is_contiguous(), "lut must be float32 [256]");
   const int64_t b_count = q.size(0), d = q.size(1);
-  auto c = check(b_count, codes_u8.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, excl, r);
+  auto c = check(b_count, codes_u8.size(0), probes, coarse, scales, offsets, sig, fmask, fneg, fnone, excl, r);
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = codes_u8.data_ptr<uint8_t>();
   const float* lp = lut.data_ptr<float>();
