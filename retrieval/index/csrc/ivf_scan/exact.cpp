@@ -364,12 +364,16 @@ at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const 
 }
 
 // Rows passing one filter (sig [N, W], fmask [C, W], fneg [C], fnone [C, W] or empty) -> int64 [M]
-// ascending. The most selective non-negated clause without a "none of" part drives: the postings of its bits (bit_counts [W * 64], postings: each
-// bit's rows, bit after bit, ascending) are the only candidates, and only they are checked against
-// every clause. With no clause under a quarter of the catalog (or no postings), every row is checked.
-// A bit counted -1 has no postings (a hashed attribute's digit): a clause with one never drives.
+// ascending. The most selective non-negated clause without a "none of" part drives: the postings of
+// its bits (bit_counts [W * 64], postings: each bit's rows, bit after bit, ascending) are the only
+// candidates, and only they are checked against every clause. A bit counted -1 has no postings (a
+// hashed attribute's digit): a clause with one never drives. A hashed attribute's clauses on its
+// bucket digits drive together instead, through its values' postings (value_layout [A, 4],
+// value_offsets [S + 1], value_postings: values.cpp), when their buckets hold fewer items. With no
+// driver under a quarter of the catalog (or no postings), every row is checked.
 at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
-                         const at::Tensor& bit_counts, const at::Tensor& postings) {
+                         const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& value_layout,
+                         const at::Tensor& value_offsets, const at::Tensor& value_postings) {
   TORCH_CHECK(sig.dim() == 2 && sig.scalar_type() == at::kLong && sig.is_contiguous(), "sig must be contiguous int64 [N, W]");
   TORCH_CHECK(fmask.dim() == 2 && fmask.size(1) == sig.size(1) && fmask.scalar_type() == at::kLong && fmask.is_contiguous(),
               "fmask must be contiguous int64 [C, W]");
@@ -380,41 +384,60 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
               bit_counts.is_contiguous(), "bit_counts must be contiguous int64 [W * 64]");
   TORCH_CHECK(postings.dim() == 1 && postings.scalar_type() == at::kInt && postings.is_contiguous(),
               "postings must be contiguous int32 [nnz]");
+  check_value_postings(value_layout, value_offsets, value_postings, w);
   const int64_t* counts = bit_counts.data_ptr<int64_t>();
   const int64_t* mp = fmask.data_ptr<int64_t>();
   const bool* np = fneg.data_ptr<bool>();
   const int64_t* gp = none_ptr(fnone, fmask);
   auto set = [&](int64_t c, int64_t bit) { return (mp[c * w + bit / 64] >> (bit % 64)) & 1; };
   int64_t best = -1, best_count = n / 4 + 1;
-  for (int64_t c = 0; c < c_count; ++c) {
-    // an item holding none of a clause's "none of" bits passes it whatever its postings say
-    if (np[c] || (gp && std::any_of(gp + c * w, gp + (c + 1) * w, [](int64_t x) { return x != 0; }))) continue;
-    int64_t count = 0;
-    for (int64_t bit = 0; bit < bits && count < best_count; ++bit)
-      if (set(c, bit)) count += counts[bit] < 0 ? best_count : counts[bit];
-    if (count < best_count) best = c, best_count = count;
-  }
   int64_t nnz = 0;
   for (int64_t bit = 0; bit < bits; ++bit) nnz += std::max<int64_t>(counts[bit], 0);
-  if (best < 0 || postings.numel() != nnz) return filter_mask(sig, fmask, fneg, fnone).nonzero().flatten();
-  const int32_t* post = postings.data_ptr<int32_t>();
-  const int64_t* sp = sig.data_ptr<int64_t>();
-  // One bit's postings are ascending rows. Several bits' are merged through a bitmap of the
-  // catalog (an item of a multi-valued attribute may sit under more than one), read back in order.
-  std::vector<std::pair<int64_t, int64_t>> runs;
-  int64_t start = 0;
-  for (int64_t bit = 0; bit < bits; ++bit) {
-    if (set(best, bit) && counts[bit] > 0) runs.emplace_back(start, start + counts[bit]);
-    start += std::max<int64_t>(counts[bit], 0);
+  if (postings.numel() == nnz)
+    for (int64_t c = 0; c < c_count; ++c) {
+      // an item holding none of a clause's "none of" bits passes it whatever its postings say
+      if (np[c] || (gp && std::any_of(gp + c * w, gp + (c + 1) * w, [](int64_t x) { return x != 0; }))) continue;
+      int64_t count = 0;
+      for (int64_t bit = 0; bit < bits && count < best_count; ++bit)
+        if (set(c, bit)) count += counts[bit] < 0 ? best_count : counts[bit];
+      if (count < best_count) best = c, best_count = count;
+    }
+  // the candidates: runs of postings, each ascending
+  std::vector<std::pair<const int32_t*, const int32_t*>> runs;
+  const int64_t* vo = value_offsets.data_ptr<int64_t>();
+  const bool values_listed = value_offsets.numel() >= 1 && vo[value_offsets.numel() - 1] == value_postings.numel();
+  std::vector<int64_t> slots, best_slots;
+  for (int64_t a = 0; values_listed && a < value_layout.size(0); ++a) {
+    slots.clear();
+    if (!value_slots(value_layout.data_ptr<int64_t>(), a, mp, np, gp, c_count, w, slots)) continue;
+    int64_t count = 0;
+    for (int64_t s : slots) count += vo[s + 1] - vo[s];
+    if (count < best_count) best = c_count + a, best_count = count, best_slots.swap(slots);
   }
+  if (best < 0) return filter_mask(sig, fmask, fneg, fnone).nonzero().flatten();
+  if (best >= c_count) {  // a hashed attribute's buckets
+    const int32_t* vp = value_postings.data_ptr<int32_t>();
+    for (int64_t s : best_slots)
+      if (vo[s + 1] > vo[s]) runs.emplace_back(vp + vo[s], vp + vo[s + 1]);
+  } else {
+    const int32_t* post = postings.data_ptr<int32_t>();
+    int64_t start = 0;
+    for (int64_t bit = 0; bit < bits; ++bit) {
+      if (set(best, bit) && counts[bit] > 0) runs.emplace_back(post + start, post + start + counts[bit]);
+      start += std::max<int64_t>(counts[bit], 0);
+    }
+  }
+  const int64_t* sp = sig.data_ptr<int64_t>();
+  // Several runs are merged through a bitmap of the catalog (an item of a multi-valued attribute
+  // may sit under more than one bit), read back in order.
   std::vector<int64_t> rows;
   rows.reserve(best_count);
   if (runs.size() == 1) {
-    for (int64_t i = runs[0].first; i < runs[0].second; ++i) rows.push_back(post[i]);
+    rows.assign(runs[0].first, runs[0].second);
   } else if (runs.size() > 1) {
     std::vector<uint64_t> seen((n + 63) / 64, 0);
     for (const auto& [i0, i1] : runs)
-      for (int64_t i = i0; i < i1; ++i) seen[post[i] / 64] |= uint64_t(1) << (post[i] % 64);
+      for (const int32_t* i = i0; i < i1; ++i) seen[*i / 64] |= uint64_t(1) << (*i % 64);
     for (int64_t word = 0; word < (int64_t)seen.size(); ++word)
       for (uint64_t m = seen[word]; m; m &= m - 1) rows.push_back(word * 64 + __builtin_ctzll(m));
   }
@@ -436,12 +459,14 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& codes, const at::Tensor& scales,
     const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
-    const at::Tensor& fnone, const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
-    int64_t few, int64_t max_scores) {
+    const at::Tensor& fnone, const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& value_layout,
+    const at::Tensor& value_offsets, const at::Tensor& value_postings, const at::Tensor& item_ids, int64_t k, int64_t few,
+    int64_t max_scores) {
   TORCH_CHECK(k >= 1, "k must be >= 1");
   TORCH_CHECK(item_ids.dim() == 1 && item_ids.size(0) == codes.size(0) && item_ids.scalar_type() == at::kLong,
               "item_ids must be int64 [N]");
-  const at::Tensor rows = eligible_rows(sig, fmask, fneg, fnone, bit_counts, postings);
+  const at::Tensor rows =
+      eligible_rows(sig, fmask, fneg, fnone, bit_counts, postings, value_layout, value_offsets, value_postings);
   const int64_t b_count = q.size(0), m = rows.numel();
   if (b_count * m > max_scores) return {at::Tensor(), at::Tensor()};  // the caller scans in chunks
   // IVFIndex.scores_at's two ways, so that the scores are its bits

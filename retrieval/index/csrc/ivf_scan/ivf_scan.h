@@ -7,6 +7,7 @@
 //   probe.cpp     the lists each query probes (ivf_probe, its int8 table) and q·c of every list
 //   bounds.cpp    the bound check's lists: the filtered first round's and the second round's
 //   exact.cpp     the rows passing a filter and their exact scores, and the exact search in one call
+//   values.cpp    the postings of hashed attributes' values and the buckets a filter reads of them
 //   codes.cpp     int8 quantization: the build's codes, the scan's queries, rows decoded to floats
 //   ids.cpp       item ids <-> rows, and the plain search keyed by ids in one call
 //   ivf_scan.cpp  the Python module: every op's binding
@@ -557,7 +558,8 @@ at::Tensor sliced_mask(const at::Tensor& slices, const at::Tensor& fmask, const 
 at::Tensor sliced_rows(const at::Tensor& slices, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
                        int64_t n);
 at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone,
-                         const at::Tensor& bit_counts, const at::Tensor& postings);
+                         const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& value_layout,
+                         const at::Tensor& value_offsets, const at::Tensor& value_postings);
 at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
                            const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& coarse);
 at::Tensor many_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
@@ -566,8 +568,15 @@ at::Tensor many_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& codes, const at::Tensor& scales,
     const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
-    const at::Tensor& fnone, const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& item_ids, int64_t k,
-    int64_t few, int64_t max_scores);
+    const at::Tensor& fnone, const at::Tensor& bit_counts, const at::Tensor& postings, const at::Tensor& value_layout,
+    const at::Tensor& value_offsets, const at::Tensor& value_postings, const at::Tensor& item_ids, int64_t k, int64_t few,
+    int64_t max_scores);
+
+// values.cpp
+void check_value_postings(const at::Tensor& layout, const at::Tensor& offsets, const at::Tensor& postings, int64_t w);
+std::tuple<at::Tensor, at::Tensor> value_index(const at::Tensor& sig, const at::Tensor& layout);
+bool value_slots(const int64_t* layout, int64_t a, const int64_t* mp, const bool* np, const int64_t* gp,
+                 int64_t c_count, int64_t w, std::vector<int64_t>& out);
 
 // codes.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, const at::Tensor& order,
