@@ -160,8 +160,9 @@ def eligible(
 
 def hashed_keys(positions: np.ndarray, digits: int) -> np.ndarray:
     """Positions ``[n]`` -> their keys ``[n] uint32``: the hexadecimal digits reversed, so the
-    key's top digit, which the first clause of every ``in`` tests alone, is the position's
-    lowest (each of its 16 values a 16th of the items: the one digit worth postings)."""
+    key's top digits, which the first clauses of every ``in`` test alone, are the position's
+    lowest (spread evenly over the values: the bucket its postings list an item under,
+    :func:`bucket_digits`)."""
     p = np.asarray(positions).astype(np.uint32)
     key = np.zeros_like(p)
     for d in range(digits):
@@ -169,6 +170,15 @@ def hashed_keys(positions: np.ndarray, digits: int) -> np.ndarray:
             DIGIT_BITS * (digits - 1 - d)
         )
     return key
+
+
+def bucket_digits(digits: int) -> int:
+    """Key digits ``b`` a hashed attribute of ``digits`` lists its items by (its values'
+    postings, ``retrieval/index/csrc/ivf_scan/values.cpp``): ``16**b`` buckets, the position
+    modulo ``16**b``, so 8 to 128 of the values the build saw share a bucket (``16**D``, the
+    room for twice them, is under 16 times as many), at 8 bytes of offsets a bucket: under one
+    byte an item where the catalog has as many items as values."""
+    return max(1, digits - 2)
 
 
 class FilterSchema:
@@ -284,15 +294,28 @@ class FilterSchema:
             del vocab[size:]
         self._compiled = {}
 
-    def unindexed_bits(self) -> np.ndarray:
-        """``[W*64] bool``: the bits no postings list: a hashed attribute's digits but its key's
-        top one. Only the clause on that digit tests one digit alone (every other ``in``
-        clause also holds for items whose higher digits differ: most of the catalog), so only
-        its postings can drive a search; the others would cost 4 bytes an item a digit."""
+    def unindexed_bits(self, listed_top_digit: bool = False) -> np.ndarray:
+        """``[W*64] bool``: the bits no postings list: a hashed attribute's digits, whose
+        items its values' postings list instead (:meth:`value_layout`): a digit's postings
+        hold a 16th of the catalog, a value's bucket its items. ``listed_top_digit``: the
+        layout of an index saved before the values' postings, which listed the key's top
+        digit."""
         out = np.zeros(self.num_words * WORD_BITS, dtype=bool)
         for attr, base in self.hashed_base.items():
-            out[base : base + ((self.hashed_digits[attr] - 1) << DIGIT_BITS)] = True
+            out[base : base + ((self.hashed_digits[attr] - listed_top_digit) << DIGIT_BITS)] = True
         return out
+
+    def value_layout(self) -> torch.Tensor:
+        """``[A, 4] int64``, a row per hashed attribute: its first bit, digits ``D``, bucket
+        digits (:func:`bucket_digits`) and first slot in its index's values' postings (each
+        attribute ``16**b`` buckets, then one slot of items whose bucket digits are not
+        one-hot: a signature written by hand)."""
+        rows, first = [], 0
+        for attr, base in self.hashed_base.items():
+            d = self.hashed_digits[attr]
+            rows.append([base, d, bucket_digits(d), first])
+            first += 16 ** bucket_digits(d) + 1
+        return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
 
     def to_dict(self) -> dict[str, list[str] | Literal["numeric"]]:
         return {a: v if isinstance(v, str) else list(v) for a, v in self.attribute_values.items()}

@@ -1,8 +1,9 @@
 """Exact search of a filter's eligible items: what the plan falls back to when scanning them costs
 no more than the lists (``planner.py``), and the reference the index is measured against.
 
-The items passing a filter are found from the postings of its most selective clause
-(:func:`eligible_positions`), so the cost grows with that clause's items, not the catalog;
+The items passing a filter are found from the postings of its most selective clause, or of
+the buckets of a hashed attribute's values its clauses leave (:func:`value_drive`), whichever
+hold fewer items (:func:`eligible_positions`), so the cost grows with those items, not the catalog;
 with no selective clause, on CPU, from the signatures bit-sliced (one bitmap of the catalog per
 bit, kept beside the signatures once a few such filters met them), which reads only the filter's
 bits.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -73,7 +75,9 @@ def eligible_positions(
     candidates, and only they are checked against every clause. Cost grows with that
     clause's items, not with the catalog; with no selective clause, every item is checked.
     A clause on a bit the postings leave out (a hashed attribute's digit, counted ``-1`` in
-    ``t.posting_counts``) never drives.
+    ``t.posting_counts``) never drives alone: a hashed attribute's clauses on its bucket
+    digits drive together, through its values' postings (:func:`value_drive`), when their
+    buckets hold fewer items.
     """
     sig = t.lists.sig
     if sig.device.type == "cpu":  # one C++ call, the same rule
@@ -81,7 +85,7 @@ def eligible_positions(
             slices = _slices(sig)
             if slices is not None:
                 return sliced_rows_cpu(slices, masks, negate, sig.shape[0], none)
-        return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings, none)
+        return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings, t.values, none)
     return eligible_positions_torch(t, masks, negate, none)
 
 
@@ -92,10 +96,18 @@ def eligible_positions_torch(
     sig = t.lists.sig
     bits, counts = _driving_counts(t, masks, negate, none)
     c = int(counts.argmin()) if counts.numel() else -1
-    if c < 0 or int(counts[c]) > t.ntotal // 4 or t.postings.numel() == 0:
+    best = int(counts[c]) if c >= 0 and t.postings.numel() else t.ntotal + 1
+    by_value = value_drive(t, masks, negate, none)
+    if by_value is not None and by_value[0] < min(best, t.ntotal // 4 + 1):  # its buckets
+        at = torch.tensor(by_value[1], dtype=torch.int64, device=t.values.offsets.device)
+        starts, ends = t.values.offsets[at].tolist(), t.values.offsets[at + 1].tolist()
+        vp = t.values.postings
+        parts = [vp[i:j] for i, j in zip(starts, ends, strict=True) if j > i]
+    elif best > t.ntotal // 4:
         return filter_mask(sig, masks, negate, none).nonzero().flatten()
-    off = t.posting_offsets
-    parts = [t.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
+    else:
+        off = t.posting_offsets
+        parts = [t.postings[off[b] : off[b + 1]] for b in bits[c].nonzero().flatten().tolist()]
     cand = (
         torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64, device=masks.device)
     )
@@ -131,9 +143,88 @@ def _dense(
 ) -> bool:
     """No non-negated clause under a quarter of the catalog: the postings would not narrow the
     candidates (``eligible_rows`` then checks every row)."""
-    if t.postings.numel() == 0 or masks.shape[0] == 0:
+    if masks.shape[0] == 0:
+        return True
+    by_value = value_drive(t, masks, negate, none)
+    if by_value is not None and by_value[0] <= t.ntotal // 4:
+        return False
+    if t.postings.numel() == 0:
         return True
     return int(_driving_counts(t, masks, negate, none)[1].min()) > t.ntotal // 4
+
+
+VALUE_BUCKETS_MAX = 1 << 14
+"""Buckets one filter may read of a hashed attribute's values (``kMaxBuckets`` in
+``csrc/ivf_scan/values.cpp``): past it (a ``!=`` on the leading digit, say) the candidates are
+most of the attribute's items."""
+
+
+def value_drive(
+    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
+) -> tuple[int, list[int]] | None:
+    """The hashed attribute whose values' postings (``t.values``) hold the fewest candidates for
+    one filter (``masks [C, W]``, ``negate [C]``, ``none [C, W]``) -> ``(items, slots)``, or
+    None when none drives: the rule of ``csrc/ivf_scan/values.cpp`` (``value_slots``), which
+    the C++ path applies itself."""
+    layout, offsets = t.values.layout, t.values.offsets
+    if layout.shape[0] == 0 or offsets.numel() != value_slot_count(layout) + 1:
+        return None
+    words = masks.cpu().numpy().astype(np.uint64)
+    driving = ~negate.cpu().numpy()
+    if none is not None:
+        driving &= ~none.cpu().numpy().any(axis=1)
+    clauses = [
+        sum(int(x) << (64 * k) for k, x in enumerate(row))
+        for row in words[driving]  # a negated clause, or one with a "none of" part, never drives
+    ]
+    best: tuple[int, list[int]] | None = None
+    for row in layout.tolist():
+        slots = _value_slots(row, clauses)
+        if slots is None:
+            continue
+        at = torch.tensor(slots, dtype=torch.int64, device=offsets.device)
+        items = int((offsets[at + 1] - offsets[at]).sum())
+        if best is None or items < best[0]:
+            best = (items, slots)
+    return best
+
+
+def value_slot_count(layout: torch.Tensor) -> int:
+    """Slots of the values' postings of ``layout [A, 4]``: each attribute's buckets and one."""
+    return sum(16 ** int(b) + 1 for b in layout[:, 2].tolist())
+
+
+def _value_slots(row: list[int], clauses: list[int]) -> list[int] | None:
+    """The slots of one hashed attribute (``row``: first bit, digits, bucket digits, first
+    slot) whose items may pass every one of ``clauses`` (bit sets) that reads only its bucket
+    digits, the overflow slot last; None when none does, or past :data:`VALUE_BUCKETS_MAX`."""
+    base, digits, b, first = row
+    lo, hi = base + (digits - b) * 16, base + digits * 16
+    inside = ((1 << hi) - 1) ^ ((1 << lo) - 1)
+    group = [
+        [(m >> (base + (digits - 1 - j) * 16)) & 0xFFFF for j in range(b)]
+        for m in clauses
+        if m & ~inside == 0
+    ]
+    if not group:
+        return None
+    if any(not any(g) for g in group):
+        return []  # a clause with no bits: nothing passes
+    last = [max(j for j in range(b) if g[j]) for g in group]
+    live = [0]
+    for j in range(b):
+        ending = [g for g, e in zip(group, last, strict=True) if e == j]
+        grown = []
+        for p in live:
+            allowed = 0xFFFF
+            for g in ending:
+                if not any((g[i] >> ((p >> (4 * i)) & 15)) & 1 for i in range(j)):
+                    allowed &= g[j]
+            grown += [p | v << (4 * j) for v in range(16) if (allowed >> v) & 1]
+        if len(grown) > VALUE_BUCKETS_MAX:
+            return None
+        live = grown
+    return [first + p for p in live] + [first + (16**b)]
 
 
 def _driving_counts(

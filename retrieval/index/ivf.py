@@ -53,11 +53,11 @@ from retrieval.index.plan import SearchParams, SearchPlan
 from retrieval.index.planner import make_plan
 from retrieval.index.probe import half_sq_norms
 from retrieval.index.readout import ids_at, scores_at, vectors_at
-from retrieval.index.scan import probe_table_cpu
+from retrieval.index.scan import probe_table_cpu, value_index_cpu
 from retrieval.index.search import Candidates
 from retrieval.index.stats import IndexStats
 from retrieval.index.targets import check_targets
-from retrieval.index.tensors import IndexTensors, Lists, ProbeTable
+from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ValuePostings
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 __all__ = [
@@ -141,6 +141,9 @@ class IVFIndex(nn.Module):
         self.register_buffer("bit_counts", torch.zeros(w * 64, dtype=torch.int64))
         # items of each signature bit, bit after bit (int32 positions; offsets = cumsum(bit_counts))
         self.register_buffer("postings", torch.zeros(0, dtype=torch.int32))
+        # the items of each hashed attribute's values, derived from sig at _refresh: not saved
+        self.register_buffer("value_offsets", torch.zeros(0, dtype=torch.int64), persistent=False)
+        self.register_buffer("value_postings", torch.zeros(0, dtype=torch.int32), persistent=False)
         self.register_buffer("list_radius", torch.zeros(0))
         self.register_buffer("list_bits", torch.zeros(0, w, dtype=torch.int64))
         self.register_buffer("built_sizes", torch.zeros(0, dtype=torch.int64))
@@ -152,6 +155,8 @@ class IVFIndex(nn.Module):
         """The centroids in int8 for a few queries' probe (``scan.probe_table_cpu``), made by
         :meth:`_refresh` from :data:`PROBE_TABLE_MIN` centroid floats on the CPU."""
         self.posting_offsets: list[int] = [0]
+        self.value_layout = self.schema.value_layout()
+        """``FilterSchema.value_layout``: where the values' postings list each hashed attribute."""
         self.id_order = IdOrder.of(self.item_ids)
         self.live: LiveSegment | None = None
         """What live updates changed since this main index was built (``fresh.py``): fresh
@@ -259,20 +264,36 @@ class IVFIndex(nn.Module):
         )
         listed = self._posting_counts().clamp(min=0)
         self.posting_offsets = torch.cat([listed.new_zeros(1), listed.cumsum(0)]).tolist()
+        self._value_index()
         self.id_order = IdOrder.of(self.item_ids)
 
     def _posting_counts(self) -> torch.Tensor:
         """``[W*64]``: the items each bit's postings list, ``-1`` for a bit they leave out (a
         hashed attribute's: ``build.bit_index``), read off the postings' length, so an index
-        whose postings list every bit reads as ``bit_counts``."""
+        saved when they listed its key's top digit, or every bit, reads as it was saved."""
         counts = self.bit_counts
         if not self.schema.hashed_base or self.schema.num_words != self.sig.shape[1]:
             return counts
-        skip = torch.from_numpy(self.schema.unindexed_bits()).to(counts.device)
-        listed = int(counts.masked_fill(skip, 0).sum())
-        if listed != self.postings.numel() or listed == int(counts.sum()):
-            return counts
-        return counts.masked_fill(skip, -1)
+        for top in (False, True):
+            skip = torch.from_numpy(self.schema.unindexed_bits(top)).to(counts.device)
+            if int(counts.masked_fill(skip, 0).sum()) == self.postings.numel():
+                return counts.masked_fill(skip, -1)
+        return counts
+
+    def _value_index(self) -> None:
+        """The items of each hashed attribute's values (``ValuePostings``), from ``sig``: one
+        C++ pass, at every change of the signatures (a live update's new value lands in its
+        bucket like any other)."""
+        self.value_layout = self.schema.value_layout()
+        sig = self._buffers["sig"]
+        assert sig is not None
+        words = self.schema.num_words
+        if self.value_layout.shape[0] == 0 or sig.shape[0] == 0 or sig.shape[1] != words:
+            offsets, postings = sig.new_zeros(0), sig.new_zeros(0, dtype=torch.int32)
+        else:
+            listed = value_index_cpu(sig, self.value_layout)
+            offsets, postings = (t.to(sig.device) for t in listed)
+        self.value_offsets, self.value_postings = offsets, postings
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per buffer and per derived lookup (sum / ntotal = bytes per item); a buffer
@@ -509,6 +530,7 @@ class IVFIndex(nn.Module):
             b["postings"],  # type: ignore[arg-type]
             self.posting_offsets,
             self._posting_counts(),  # of the buffers as they are (a copy may change them)
+            ValuePostings(self.value_layout, b["value_offsets"], b["value_postings"]),  # type: ignore[arg-type]
             b["built_sizes"],  # type: ignore[arg-type]
             b["list_radius"],  # type: ignore[arg-type]
             b["list_bits"],  # type: ignore[arg-type]

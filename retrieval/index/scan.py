@@ -23,7 +23,7 @@ import torch
 from retrieval.index.codes import fp8_lut, quantize_query_int8
 from retrieval.index.exclude import is_excluded
 from retrieval.index.kernels import extension as _extension
-from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ScanRows
+from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ScanRows, ValuePostings
 
 KERNEL_ENV = "RECSERVE_SCAN_KERNEL"
 """Forces the list scan's kernel: ``triton`` (also on CPU tensors, where it needs Triton's
@@ -322,6 +322,14 @@ def bit_index_cpu(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, postings
 
 
+def value_index_cpu(sig: torch.Tensor, layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sig [N, W]`` int64 -> ``(offsets [S + 1] int64, postings [M] int32)``: the items of each
+    bucket of the values of the hashed attributes of ``layout [A, 4]``
+    (``FilterSchema.value_layout``), ascending (one C++ counting sort)."""
+    offsets, postings = _extension().value_index(sig.cpu().contiguous(), layout.contiguous())
+    return offsets, postings
+
+
 def encode_int8_cpu(
     x: torch.Tensor, order: torch.Tensor, lists: torch.Tensor, centroids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -421,7 +429,7 @@ def exact_search_ids_cpu(
     ids, scores = _extension().exact_search_ids_int8(
         q.contiguous(), t.centroids_t, lists.codes, lists.scales, lists.offsets, lists.sig,
         fmask.contiguous(), fneg.contiguous(), _none(fnone), t.posting_counts, t.postings,
-        t.item_ids, k, few,
+        t.values.layout, t.values.offsets, t.values.postings, t.item_ids, k, few,
         max_scores,
     )  # fmt: skip
     return None if ids is None else (ids, scores)
@@ -433,14 +441,17 @@ def eligible_rows_cpu(
     fneg: torch.Tensor,
     bit_counts: torch.Tensor,
     postings: torch.Tensor,
+    values: ValuePostings,
     fnone: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows passing one filter (``sig [N, W]``, ``fmask [C, W]``, ``fneg [C]``) -> ``[M]``
-    int64 ascending, in one C++ call: the postings of the most selective clause are the
-    candidates (``eligible_scan.eligible_positions`` says how it chooses)."""
+    int64 ascending, in one C++ call: the postings of the most selective clause, or of the
+    buckets of a hashed attribute's values its clauses leave, are the candidates
+    (``eligible_scan.eligible_positions`` says how it chooses)."""
     return _extension().eligible_rows(
-        sig, fmask.contiguous(), fneg.contiguous(), _none(fnone), bit_counts, postings
-    )
+        sig, fmask.contiguous(), fneg.contiguous(), _none(fnone), bit_counts, postings,
+        values.layout, values.offsets, values.postings,
+    )  # fmt: skip
 
 
 def scan_reference(

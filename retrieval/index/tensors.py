@@ -90,6 +90,19 @@ class ScanRows:
 
 
 @dataclass(frozen=True, slots=True)
+class ValuePostings:
+    """The items of each hashed attribute's values (``FilterSchema.value_layout``,
+    ``csrc/ivf_scan/values.cpp``): ``layout [A, 4] int64`` on the CPU (an attribute's first
+    bit, digits, bucket digits, first slot), ``offsets [S + 1] int64`` and ``postings [M]
+    int32``: slot ``s`` (a bucket of one attribute's values) holds ``postings[offsets[s] :
+    offsets[s + 1]]``, ascending. ``offsets`` empty: none listed (its attributes never drive)."""
+
+    layout: torch.Tensor
+    offsets: torch.Tensor
+    postings: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class IndexTensors:
     """Everything a search reads of an index (:class:`~retrieval.index.ivf.IVFIndex`'s buffers
     and what ``_refresh`` derives from them), read once per search from the module's buffer
@@ -100,7 +113,8 @@ class IndexTensors:
     ``exact [N, D] f16|f32`` (or ``[0, D]``: no copy), ``item_ids [N]`` and ``id_order``
     (id -> row), ``bit_counts [W*64]`` / ``postings`` / ``posting_offsets`` (the items of each
     signature bit; ``posting_counts`` those the postings list, ``-1`` for a bit they leave
-    out, a hashed attribute's), ``built_sizes [L]`` (list sizes as built; empty: saved before them),
+    out, a hashed attribute's), ``values`` (the items of a hashed attribute's values, which
+    its filters drive from: :class:`ValuePostings`), ``built_sizes [L]`` (list sizes as built; empty: saved before them),
     ``list_radius [L]`` / ``list_bits [L, W]`` (``bound.py``'s statistics), ``ntotal`` the items
     the index plans for (a router's statistics-only index holds none of them), ``nlist`` = L;
     ``stats`` what the build measured (the planner's costs and curves, the bound's slack)."""
@@ -119,6 +133,7 @@ class IndexTensors:
     postings: torch.Tensor
     posting_offsets: list[int]
     posting_counts: torch.Tensor
+    values: ValuePostings
     built_sizes: torch.Tensor
     list_radius: torch.Tensor
     list_bits: torch.Tensor

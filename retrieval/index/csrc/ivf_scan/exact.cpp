@@ -405,7 +405,9 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
   // the candidates: runs of postings, each ascending
   std::vector<std::pair<const int32_t*, const int32_t*>> runs;
   const int64_t* vo = value_offsets.data_ptr<int64_t>();
-  const bool values_listed = value_offsets.numel() >= 1 && vo[value_offsets.numel() - 1] == value_postings.numel();
+  // (an index whose values' postings were not made lists none: its attributes never drive)
+  const bool values_listed = value_offsets.numel() == value_slot_count(value_layout) + 1 &&
+                             vo[value_offsets.numel() - 1] == value_postings.numel();
   std::vector<int64_t> slots, best_slots;
   for (int64_t a = 0; values_listed && a < value_layout.size(0); ++a) {
     slots.clear();

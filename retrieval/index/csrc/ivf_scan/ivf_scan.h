@@ -573,6 +573,7 @@ std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
     int64_t max_scores);
 
 // values.cpp
+int64_t value_slot_count(const at::Tensor& layout);
 void check_value_postings(const at::Tensor& layout, const at::Tensor& offsets, const at::Tensor& postings, int64_t w);
 std::tuple<at::Tensor, at::Tensor> value_index(const at::Tensor& sig, const at::Tensor& layout);
 bool value_slots(const int64_t* layout, int64_t a, const int64_t* mp, const bool* np, const int64_t* gp,

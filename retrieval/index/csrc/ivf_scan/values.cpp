@@ -57,6 +57,13 @@ int64_t slot_of(const uint64_t* row, const Layout& l) {
 
 }  // namespace
 
+int64_t value_slot_count(const at::Tensor& layout) {
+  const int64_t* lp = layout.data_ptr<int64_t>();
+  int64_t slots = 0;
+  for (int64_t a = 0; a < layout.size(0); ++a) slots += layout_row(lp, a).buckets() + 1;
+  return slots;
+}
+
 void check_value_postings(const at::Tensor& layout, const at::Tensor& offsets, const at::Tensor& postings, int64_t w) {
   TORCH_CHECK(layout.dim() == 2 && layout.size(1) == 4 && layout.scalar_type() == at::kLong && layout.is_contiguous() &&
                   layout.device().is_cpu(),
@@ -84,12 +91,9 @@ std::tuple<at::Tensor, at::Tensor> value_index(const at::Tensor& sig, const at::
   auto offsets = at::zeros({1}, sig.options());
   check_value_postings(layout, offsets, at::empty({0}, sig.options().dtype(at::kInt)), w);
   const int64_t* lp = layout.data_ptr<int64_t>();
-  int64_t slots = 0;
-  for (int64_t a = 0; a < attrs; ++a) {
-    const Layout l = layout_row(lp, a);
-    TORCH_CHECK(l.first == slots, "value layout row ", a, ": its first slot must follow the last attribute's");
-    slots += l.buckets() + 1;
-  }
+  for (int64_t a = 0, first = 0; a < attrs; first += layout_row(lp, a).buckets() + 1, ++a)
+    TORCH_CHECK(layout_row(lp, a).first == first, "value layout row ", a, ": its first slot must follow the last attribute's");
+  const int64_t slots = value_slot_count(layout);
   offsets = at::zeros({slots + 1}, sig.options());
   int64_t* op = offsets.data_ptr<int64_t>();
   const uint64_t* sp = reinterpret_cast<const uint64_t*>(sig.data_ptr<int64_t>());
