@@ -172,13 +172,16 @@ def hashed_keys(positions: np.ndarray, digits: int) -> np.ndarray:
     return key
 
 
-def bucket_digits(digits: int) -> int:
-    """Key digits ``b`` a hashed attribute of ``digits`` lists its items by (its values'
-    postings, ``retrieval/index/csrc/ivf_scan/values.cpp``): ``16**b`` buckets, the position
-    modulo ``16**b``, so 8 to 128 of the values the build saw share a bucket (``16**D``, the
-    room for twice them, is under 16 times as many), at 8 bytes of offsets a bucket: under one
-    byte an item where the catalog has as many items as values."""
-    return max(1, digits - 2)
+def bucket_digits(digits: int, items: int) -> int:
+    """Key digits ``b`` a hashed attribute of ``digits`` lists an index's ``items`` by (its
+    values' postings, ``retrieval/index/csrc/ivf_scan/values.cpp``): ``16**b`` buckets, the
+    position modulo ``16**b``; at most ``digits - 2`` (8 to 128 of the values the build saw a
+    bucket: ``16**D``, the room for twice them, is under 16 times as many), and at least 4
+    items a bucket on average, so their offsets (8 bytes a bucket) cost at most 2 bytes an item."""
+    by_items = 0
+    while 4 * 16 ** (by_items + 1) <= items:
+        by_items += 1
+    return max(1, min(digits - 2, by_items))
 
 
 class FilterSchema:
@@ -305,16 +308,17 @@ class FilterSchema:
             out[base : base + ((self.hashed_digits[attr] - listed_top_digit) << DIGIT_BITS)] = True
         return out
 
-    def value_layout(self) -> torch.Tensor:
+    def value_layout(self, items: int) -> torch.Tensor:
         """``[A, 4] int64``, a row per hashed attribute: its first bit, digits ``D``, bucket
-        digits (:func:`bucket_digits`) and first slot in its index's values' postings (each
-        attribute ``16**b`` buckets, then one slot of items whose bucket digits are not
-        one-hot: a signature written by hand)."""
+        digits (:func:`bucket_digits` for an index of ``items``) and first slot in the
+        index's values' postings (each attribute ``16**b`` buckets, then one slot of items
+        whose bucket digits are not one-hot: a signature written by hand)."""
         rows, first = [], 0
         for attr, base in self.hashed_base.items():
             d = self.hashed_digits[attr]
-            rows.append([base, d, bucket_digits(d), first])
-            first += 16 ** bucket_digits(d) + 1
+            b = bucket_digits(d, items)
+            rows.append([base, d, b, first])
+            first += 16**b + 1
         return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
 
     def to_dict(self) -> dict[str, list[str] | Literal["numeric"]]:

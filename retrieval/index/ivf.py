@@ -155,7 +155,7 @@ class IVFIndex(nn.Module):
         """The centroids in int8 for a few queries' probe (``scan.probe_table_cpu``), made by
         :meth:`_refresh` from :data:`PROBE_TABLE_MIN` centroid floats on the CPU."""
         self.posting_offsets: list[int] = [0]
-        self.value_layout = self.schema.value_layout()
+        self.value_layout = self.schema.value_layout(0)
         """``FilterSchema.value_layout``: where the values' postings list each hashed attribute."""
         self.id_order = IdOrder.of(self.item_ids)
         self.live: LiveSegment | None = None
@@ -284,9 +284,9 @@ class IVFIndex(nn.Module):
         """The items of each hashed attribute's values (``ValuePostings``), from ``sig``: one
         C++ pass, at every change of the signatures (a live update's new value lands in its
         bucket like any other)."""
-        self.value_layout = self.schema.value_layout()
         sig = self._buffers["sig"]
         assert sig is not None
+        self.value_layout = self.schema.value_layout(sig.shape[0])
         words = self.schema.num_words
         if self.value_layout.shape[0] == 0 or sig.shape[0] == 0 or sig.shape[1] != words:
             offsets, postings = sig.new_zeros(0), sig.new_zeros(0, dtype=torch.int32)

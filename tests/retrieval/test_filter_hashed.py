@@ -255,7 +255,8 @@ def test_the_layout_survives_a_save_and_a_grown_vocabulary():
 
 def test_a_million_values_cost_few_bytes_an_item():
     """Memory per item of a 10^6-value attribute over the same index without it: signature
-    words, and postings of one digit (the inverted index over bits leaves the others out)."""
+    words, and its values' postings (4 bytes an item and the buckets' offsets; the inverted
+    index over bits lists none of its digits)."""
     n = 4000
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((n, 8)).astype(np.float32))
@@ -271,11 +272,13 @@ def test_a_million_values_cost_few_bytes_an_item():
     )
     per_item = {
         name: (with_creator.memory_bytes()[name] - base.memory_bytes()[name]) / n
-        for name in ("sig", "postings")
+        for name in ("sig", "postings", "value_postings", "value_offsets")
     }
     assert with_creator.schema.hashed_digits == {"creator": 6}
-    assert per_item["postings"] == 4  # the key's top digit alone is listed
-    assert per_item["sig"] + per_item["postings"] <= 16  # 96 bits: two words at most
+    assert per_item["postings"] == 0  # no digit is listed by bit
+    assert per_item["value_postings"] == 4  # an item under its value's bucket
+    assert per_item["value_offsets"] <= 2  # at least 4 items a bucket
+    assert sum(per_item.values()) <= 16  # 96 bits: two words at most
     counts = with_creator.bit_counts[with_creator.schema.attribute_bits("creator")]
     assert int(counts.sum()) == 6 * n  # still counted, for the planner
 
