@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -26,6 +25,7 @@ from retrieval.index.scan import (
     eligible_rows_cpu,
     filter_mask,
     sliced_rows_cpu,
+    value_drive_cpu,
 )
 from retrieval.index.tensors import IndexTensors
 
@@ -99,7 +99,7 @@ def eligible_positions_torch(
     best = int(counts[c]) if c >= 0 and t.postings.numel() else t.ntotal + 1
     by_value = value_drive(t, masks, negate, none)
     if by_value is not None and by_value[0] < min(best, t.ntotal // 4 + 1):  # its buckets
-        at = torch.tensor(by_value[1], dtype=torch.int64, device=t.values.offsets.device)
+        at = by_value[1].to(t.values.offsets.device)
         starts, ends = t.values.offsets[at].tolist(), t.values.offsets[at + 1].tolist()
         vp = t.values.postings
         parts = [vp[i:j] for i, j in zip(starts, ends, strict=True) if j > i]
@@ -153,78 +153,20 @@ def _dense(
     return int(_driving_counts(t, masks, negate, none)[1].min()) > t.ntotal // 4
 
 
-VALUE_BUCKETS_MAX = 1 << 14
-"""Buckets one filter may read of a hashed attribute's values (``kMaxBuckets`` in
-``csrc/ivf_scan/values.cpp``): past it (a ``!=`` on the leading digit, say) the candidates are
-most of the attribute's items."""
-
-
 def value_drive(
     t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
-) -> tuple[int, list[int]] | None:
+) -> tuple[int, torch.Tensor] | None:
     """The hashed attribute whose values' postings (``t.values``) hold the fewest candidates for
-    one filter (``masks [C, W]``, ``negate [C]``, ``none [C, W]``) -> ``(items, slots)``, or
-    None when none drives: the rule of ``csrc/ivf_scan/values.cpp`` (``value_slots``), which
-    the C++ path applies itself."""
-    layout, offsets = t.values.layout, t.values.offsets
-    if layout.shape[0] == 0 or offsets.numel() != value_slot_count(layout) + 1:
+    one filter (``masks [C, W]``, ``negate [C]``, ``none [C, W]``) -> ``(items, slots [k]
+    int64)``, or None when none narrows it: the buckets its clauses on the attribute's bucket
+    digits leave, by the rule the C++ path applies itself (``csrc/ivf_scan/values.cpp``). On
+    a GPU the filter and the offsets (8 bytes a bucket) are read on the host."""
+    values = t.values
+    if values.layout.shape[0] == 0 or values.offsets.numel() == 0:
         return None
-    words = masks.cpu().numpy().astype(np.uint64)
-    driving = ~negate.cpu().numpy()
-    if none is not None:
-        driving &= ~none.cpu().numpy().any(axis=1)
-    clauses = [
-        sum(int(x) << (64 * k) for k, x in enumerate(row))
-        for row in words[driving]  # a negated clause, or one with a "none of" part, never drives
-    ]
-    best: tuple[int, list[int]] | None = None
-    for row in layout.tolist():
-        slots = _value_slots(row, clauses)
-        if slots is None:
-            continue
-        at = torch.tensor(slots, dtype=torch.int64, device=offsets.device)
-        items = int((offsets[at + 1] - offsets[at]).sum())
-        if best is None or items < best[0]:
-            best = (items, slots)
-    return best
-
-
-def value_slot_count(layout: torch.Tensor) -> int:
-    """Slots of the values' postings of ``layout [A, 4]``: each attribute's buckets and one."""
-    return sum(16 ** int(b) + 1 for b in layout[:, 2].tolist())
-
-
-def _value_slots(row: list[int], clauses: list[int]) -> list[int] | None:
-    """The slots of one hashed attribute (``row``: first bit, digits, bucket digits, first
-    slot) whose items may pass every one of ``clauses`` (bit sets) that reads only its bucket
-    digits, the overflow slot last; None when none does, or past :data:`VALUE_BUCKETS_MAX`."""
-    base, digits, b, first = row
-    lo, hi = base + (digits - b) * 16, base + digits * 16
-    inside = ((1 << hi) - 1) ^ ((1 << lo) - 1)
-    group = [
-        [(m >> (base + (digits - 1 - j) * 16)) & 0xFFFF for j in range(b)]
-        for m in clauses
-        if m & ~inside == 0
-    ]
-    if not group:
-        return None
-    if any(not any(g) for g in group):
-        return []  # a clause with no bits: nothing passes
-    last = [max(j for j in range(b) if g[j]) for g in group]
-    live = [0]
-    for j in range(b):
-        ending = [g for g, e in zip(group, last, strict=True) if e == j]
-        grown = []
-        for p in live:
-            allowed = 0xFFFF
-            for g in ending:
-                if not any((g[i] >> ((p >> (4 * i)) & 15)) & 1 for i in range(j)):
-                    allowed &= g[j]
-            grown += [p | v << (4 * j) for v in range(16) if (allowed >> v) & 1]
-        if len(grown) > VALUE_BUCKETS_MAX:
-            return None
-        live = grown
-    return [first + p for p in live] + [first + (16**b)]
+    host = None if none is None else none.cpu()
+    items, slots = value_drive_cpu(values.layout, values.offsets.cpu(), masks.cpu(), negate.cpu(), host)
+    return None if items < 0 else (items, slots)
 
 
 def _driving_counts(

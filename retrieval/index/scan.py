@@ -330,6 +330,23 @@ def value_index_cpu(sig: torch.Tensor, layout: torch.Tensor) -> tuple[torch.Tens
     return offsets, postings
 
 
+def value_drive_cpu(
+    layout: torch.Tensor,
+    offsets: torch.Tensor,
+    fmask: torch.Tensor,
+    fneg: torch.Tensor,
+    fnone: torch.Tensor | None = None,
+) -> tuple[int, torch.Tensor]:
+    """The buckets of the hashed attributes' values (``layout [A, 4]``, ``offsets [S + 1]``,
+    CPU) one filter (``fmask [C, W]``, ``fneg [C]``, ``fnone [C, W]``) reads: ``(items, slots
+    [k] int64)`` of the attribute whose buckets hold the fewest, ``items`` -1 where none
+    narrows it (what ``eligible_rows_cpu`` drives from)."""
+    items, slots = _extension().value_drive(
+        layout, offsets.contiguous(), fmask.contiguous(), fneg.contiguous(), _none(fnone)
+    )
+    return int(items), slots
+
+
 def encode_int8_cpu(
     x: torch.Tensor, order: torch.Tensor, lists: torch.Tensor, centroids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -404,20 +404,15 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
     }
   // the candidates: runs of postings, each ascending
   std::vector<std::pair<const int32_t*, const int32_t*>> runs;
-  const int64_t* vo = value_offsets.data_ptr<int64_t>();
-  // (an index whose values' postings were not made lists none: its attributes never drive)
-  const bool values_listed = value_offsets.numel() == value_slot_count(value_layout) + 1 &&
-                             vo[value_offsets.numel() - 1] == value_postings.numel();
-  std::vector<int64_t> slots, best_slots;
-  for (int64_t a = 0; values_listed && a < value_layout.size(0); ++a) {
-    slots.clear();
-    if (!value_slots(value_layout.data_ptr<int64_t>(), a, mp, np, gp, c_count, w, slots)) continue;
-    int64_t count = 0;
-    for (int64_t s : slots) count += vo[s + 1] - vo[s];
-    if (count < best_count) best = c_count + a, best_count = count, best_slots.swap(slots);
-  }
+  std::vector<int64_t> best_slots;
+  const bool values_listed = value_offsets.numel() && value_offsets.data_ptr<int64_t>()[value_offsets.numel() - 1] ==
+                                                          value_postings.numel();
+  const int64_t by_value =
+      values_listed ? best_value_slots(value_layout, value_offsets, mp, np, gp, c_count, w, best_slots) : -1;
+  if (by_value >= 0 && by_value < best_count) best = c_count, best_count = by_value;
   if (best < 0) return filter_mask(sig, fmask, fneg, fnone).nonzero().flatten();
-  if (best >= c_count) {  // a hashed attribute's buckets
+  if (best == c_count) {  // a hashed attribute's buckets
+    const int64_t* vo = value_offsets.data_ptr<int64_t>();
     const int32_t* vp = value_postings.data_ptr<int32_t>();
     for (int64_t s : best_slots)
       if (vo[s + 1] > vo[s]) runs.emplace_back(vp + vo[s], vp + vo[s + 1]);

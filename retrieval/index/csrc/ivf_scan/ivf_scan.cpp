@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ids_of_positions", &ivf::ids_of_positions, "Positions (-1 pads) -> item ids (-1 pads)", nogil);
   m.def("bit_index", &ivf::bit_index, "Per-bit item counts and postings of the filter signatures", nogil);
   m.def("value_index", &ivf::value_index, "The items of each bucket of the hashed attributes' values", nogil);
+  m.def("value_drive", &ivf::value_drive, "The buckets of a hashed attribute's values one filter reads", nogil);
   m.def("encode_int8", &ivf::encode_int8, "The build's int8 residual codes, scales and norms in list-sorted order", nogil);
   m.def("ivf_scan_int8", &ivf::ivf_scan_int8, "List-major IVF scan over int8 residual codes with in-scan filter", nogil);
   m.def("int8_isa", [] { return std::string(ivf::isa_name(ivf::int8_isa())); },

@@ -578,6 +578,10 @@ void check_value_postings(const at::Tensor& layout, const at::Tensor& offsets, c
 std::tuple<at::Tensor, at::Tensor> value_index(const at::Tensor& sig, const at::Tensor& layout);
 bool value_slots(const int64_t* layout, int64_t a, const int64_t* mp, const bool* np, const int64_t* gp,
                  int64_t c_count, int64_t w, std::vector<int64_t>& out);
+int64_t best_value_slots(const at::Tensor& layout, const at::Tensor& offsets, const int64_t* mp, const bool* np,
+                         const int64_t* gp, int64_t c_count, int64_t w, std::vector<int64_t>& slots);
+std::tuple<int64_t, at::Tensor> value_drive(const at::Tensor& layout, const at::Tensor& offsets, const at::Tensor& fmask,
+                                            const at::Tensor& fneg, const at::Tensor& fnone);
 
 // codes.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_int8(const at::Tensor& x, const at::Tensor& order,

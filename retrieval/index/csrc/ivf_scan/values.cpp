@@ -166,4 +166,42 @@ bool value_slots(const int64_t* layout, int64_t a, const int64_t* mp, const bool
   return true;
 }
 
+// The hashed attribute of layout whose buckets hold the fewest items that may pass one filter
+// (value_slots), value_offsets [S + 1] giving each slot's items -> their count, and its slots in
+// `slots`; -1 when no attribute's clauses narrow it (or the offsets list none: an index that did
+// not make them).
+int64_t best_value_slots(const at::Tensor& layout, const at::Tensor& offsets, const int64_t* mp, const bool* np,
+                         const int64_t* gp, int64_t c_count, int64_t w, std::vector<int64_t>& slots) {
+  const int64_t* vo = offsets.data_ptr<int64_t>();
+  if (offsets.numel() != value_slot_count(layout) + 1) return -1;
+  int64_t best = -1;
+  std::vector<int64_t> mine;
+  for (int64_t a = 0; a < layout.size(0); ++a) {
+    mine.clear();
+    if (!value_slots(layout.data_ptr<int64_t>(), a, mp, np, gp, c_count, w, mine)) continue;
+    int64_t count = 0;
+    for (int64_t s : mine) count += vo[s + 1] - vo[s];
+    if (best < 0 || count < best) best = count, slots.swap(mine);
+  }
+  return best;
+}
+
+// best_value_slots for one filter (fmask [C, W], fneg [C], fnone [C, W] or empty) as tensors ->
+// (items, slots [k] int64): what eligible_rows drives from, for the torch path and the planner.
+std::tuple<int64_t, at::Tensor> value_drive(const at::Tensor& layout, const at::Tensor& offsets, const at::Tensor& fmask,
+                                            const at::Tensor& fneg, const at::Tensor& fnone) {
+  TORCH_CHECK(fmask.dim() == 2 && fmask.scalar_type() == at::kLong && fmask.is_contiguous() && fmask.device().is_cpu(),
+              "fmask must be contiguous CPU int64 [C, W]");
+  TORCH_CHECK(fneg.dim() == 1 && fneg.size(0) == fmask.size(0) && fneg.scalar_type() == at::kBool && fneg.is_contiguous(),
+              "fneg must be bool [C]");
+  TORCH_CHECK(offsets.device().is_cpu(), "value offsets must be on the CPU");
+  check_value_postings(layout, offsets, at::empty({0}, offsets.options().dtype(at::kInt)), fmask.size(1));
+  std::vector<int64_t> slots;
+  const int64_t count = best_value_slots(layout, offsets, fmask.data_ptr<int64_t>(), fneg.data_ptr<bool>(),
+                                         none_ptr(fnone, fmask), fmask.size(0), fmask.size(1), slots);
+  auto out = at::empty({(int64_t)slots.size()}, offsets.options());
+  std::copy(slots.begin(), slots.end(), out.data_ptr<int64_t>());
+  return {count, out};
+}
+
 }  // namespace ivf
