@@ -19,7 +19,8 @@ and price < P`` (an OR across attributes, a negation, a range).
 
 4. Hashed attribute (``--hashed``, its own JSON: ``bench/results/filters_hashed.json``): a
    ``creator`` of 10^6 values on ``--eval-n`` items (hashed: 6 hex digits, 96 bits), the bytes
-   an item it adds (signature words and postings, against the same index without it), and
+   an item it adds (signature words, bit postings and its values' postings, against the same
+   index without it), and
    evaluating expressions that name it (ours: ``eligible_positions`` and ``eligible``; NumPy
    over the columns), with the items our compiled test admits before any check against the
    exact values: its false positives, counted.
@@ -173,7 +174,10 @@ def hashed_attribute(n: int, repeats: int) -> dict[str, Any]:
         "values": HASHED_VALUES,
         "digits": build.schema.hashed_digits["creator"],
         "bits_an_item": build.schema.hashed_digits["creator"] * 16,
-        "bytes_an_item": {k: (mem[k] - base[k]) / n for k in ("sig", "postings", "bit_counts")},
+        "bytes_an_item": {
+            k: (mem[k] - base[k]) / n
+            for k in ("sig", "postings", "bit_counts", "value_postings", "value_offsets")
+        },
         "bytes_an_item_one_bit_a_value": HASHED_VALUES / 8,
         "cases": {},
     }
@@ -211,7 +215,9 @@ def render_hashed(h: dict[str, Any]) -> str:
     lines = [
         f"Hashed creator of {h['values']:,} values on {h['items']:,} items: {h['digits']} digits,"
         f" {h['bits_an_item']} bits; bytes an item over the index without it: signature "
-        f"{b['sig']:.2f}, postings {b['postings']:.2f}, total {b['total']:.2f} (one bit a value: "
+        f"{b['sig']:.2f}, bit postings {b['postings']:.2f}, its values' postings "
+        f"{b['value_postings']:.2f} and offsets {b['value_offsets']:.2f}, total {b['total']:.2f} "
+        "(one bit a value: "
         f"{h['bytes_an_item_one_bit_a_value']:,.0f})",
         "| expression | clauses | admitted | false positives | eligible_positions ms | "
         "torch eligible ms | NumPy ms |",

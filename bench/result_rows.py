@@ -458,7 +458,13 @@ def filters_hashed(data: Data, spec: Spec) -> Rows:
     b = h["bytes_an_item"]
     rows = [
         f"bytes an item, a {h['values']:,}-value creator on {h['items']:,} items ({h['bits_an_item']}"
-        f" bits) | {b['total']:.2f} (signature {b['sig']:.2f}, postings {b['postings']:.2f}) | "
+        f" bits) | {b['total']:.2f} (signature {b['sig']:.2f}, postings {b['postings']:.2f}"
+        + (
+            f", its values' {b['value_postings'] + b['value_offsets']:.2f}"
+            if "value_postings" in b
+            else ""
+        )
+        + ") | "
         f"one bit a value: {h['bytes_an_item_one_bit_a_value']:,.0f} | target ≤ 16: "
         + ("**met**" if b["total"] <= 16 else "missed")
     ]

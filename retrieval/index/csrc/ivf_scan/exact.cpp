@@ -438,9 +438,13 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
     for (int64_t word = 0; word < (int64_t)seen.size(); ++word)
       for (uint64_t m = seen[word]; m; m &= m - 1) rows.push_back(word * 64 + __builtin_ctzll(m));
   }
+  // each candidate's signature checked (a row is a cache miss: the next ones are fetched meanwhile)
+  const int64_t m = rows.size();
   int64_t kept = 0;
-  for (int64_t r : rows)
-    if (passes(sp + r * w, mp, np, gp, c_count, w)) rows[kept++] = r;
+  for (int64_t i = 0; i < m; ++i) {
+    if (i + 8 < m) __builtin_prefetch(sp + rows[i + 8] * w);
+    if (passes(sp + rows[i] * w, mp, np, gp, c_count, w)) rows[kept++] = rows[i];
+  }
   auto out = at::empty({kept}, sig.options());
   std::copy(rows.begin(), rows.begin() + kept, out.data_ptr<int64_t>());
   return out;
