@@ -31,6 +31,10 @@ verification pass. ``in`` / ``=`` compile as a numeric set does (a clause per di
 values share: ``D`` clauses for one value), ``!=`` to one clause of positive bits (so it may sit
 inside an ``or``). ``D`` is the fewest digits with ``16**D >= 2 V``: room for as many values
 again, which live updates add as they first name them (a new creator takes the next position).
+An index lists its items by value, not by digit (a digit's postings hold a 16th of the catalog):
+each under its value's bucket, the position modulo ``16**b`` (:func:`bucket_digits`), so
+``creator = k`` reads the items of ``k``'s bucket alone and checks them against the clauses
+(``retrieval/index/csrc/ivf_scan/values.cpp``).
 
 Values are text. A vocabulary may list integers (``{"label": [0, 1, 2]}``) or booleans: they are
 stored as their text (``"3"``, ``"true"``/``"false"``), so ``label = 3`` and ``available`` name

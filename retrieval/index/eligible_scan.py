@@ -165,7 +165,9 @@ def value_drive(
     if values.layout.shape[0] == 0 or values.offsets.numel() == 0:
         return None
     host = None if none is None else none.cpu()
-    items, slots = value_drive_cpu(values.layout, values.offsets.cpu(), masks.cpu(), negate.cpu(), host)
+    items, slots = value_drive_cpu(
+        values.layout, values.offsets.cpu(), masks.cpu(), negate.cpu(), host
+    )
     return None if items < 0 else (items, slots)
 
 

@@ -47,7 +47,10 @@ def answers(idx, text: str) -> list[np.ndarray]:
     nm = None if fb.neg_masks is None else fb.neg_masks[0]
     args = (t, fb.masks[0], fb.negate[0], nm)
     every = eligible(t.lists.sig, *args[1:]).nonzero().flatten()
-    return [np.sort(p.numpy()) for p in (every, eligible_positions(*args), eligible_positions_torch(*args))]
+    return [
+        np.sort(p.numpy())
+        for p in (every, eligible_positions(*args), eligible_positions_torch(*args))
+    ]
 
 
 def test_each_item_is_listed_under_its_values_bucket():
@@ -151,7 +154,9 @@ def test_an_index_that_listed_the_top_digit_answers_as_it_did():
     """Postings as indexes saved before the values' postings hold them (the key's top digit
     listed): that digit counts again, and every answer is unchanged."""
     idx, _ = built()
-    old = type(idx)(idx.config, idx.dim, idx.schema.attribute_values, idx.stats, idx.schema.hashed_digits)
+    old = type(idx)(
+        idx.config, idx.dim, idx.schema.attribute_values, idx.stats, idx.schema.hashed_digits
+    )
     old.load_state_dict(idx.state_dict())
     old.bit_counts, old.postings = bit_index(old.sig, old.schema.unindexed_bits(True))
     old._refresh()
