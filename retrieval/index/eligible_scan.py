@@ -85,7 +85,7 @@ def eligible_positions(
             slices = _slices(sig)
             if slices is not None:
                 return sliced_rows_cpu(slices, masks, negate, sig.shape[0], none)
-        return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings, t.values, none)
+        return eligible_rows_cpu(sig, masks, negate, t.posting_counts, t.postings, none, t.values)
     return eligible_positions_torch(t, masks, negate, none)
 
 

@@ -458,17 +458,25 @@ def eligible_rows_cpu(
     fneg: torch.Tensor,
     bit_counts: torch.Tensor,
     postings: torch.Tensor,
-    values: ValuePostings,
     fnone: torch.Tensor | None = None,
+    values: ValuePostings | None = None,
 ) -> torch.Tensor:
     """Rows passing one filter (``sig [N, W]``, ``fmask [C, W]``, ``fneg [C]``) -> ``[M]``
     int64 ascending, in one C++ call: the postings of the most selective clause, or of the
-    buckets of a hashed attribute's values its clauses leave, are the candidates
-    (``eligible_scan.eligible_positions`` says how it chooses)."""
+    buckets of a hashed attribute's values (``values``; None: none) its clauses leave, are the
+    candidates (``eligible_scan.eligible_positions`` says how it chooses)."""
+    v = values or _NO_VALUES
     return _extension().eligible_rows(
         sig, fmask.contiguous(), fneg.contiguous(), _none(fnone), bit_counts, postings,
-        values.layout, values.offsets, values.postings,
+        v.layout, v.offsets, v.postings,
     )  # fmt: skip
+
+
+_NO_VALUES = ValuePostings(
+    torch.zeros(0, 4, dtype=torch.int64),
+    torch.zeros(0, dtype=torch.int64),
+    torch.zeros(0, dtype=torch.int32),
+)
 
 
 def scan_reference(

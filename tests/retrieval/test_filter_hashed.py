@@ -323,9 +323,9 @@ def test_new_creators_take_one_position_on_every_shard():
 
 
 def test_a_clause_on_unlisted_digits_never_drives():
-    """Every item's position a multiple of 16: the key's listed top digit is 0 for all, so the
-    clause "second digit is x, or the top digit is not 0" counts no listed item. Were its
-    unlisted digits counted 0, it would drive with no candidates and admit nothing."""
+    """Every item's position a multiple of 16: the key's top digit is 0 for all, and no bit
+    postings list a digit. Were those digits counted 0, a clause on them would drive with no
+    candidates and admit nothing; the values' buckets drive instead."""
     from retrieval.index.eligible_scan import eligible_positions, eligible_positions_torch
 
     rng = np.random.default_rng(1)
