@@ -280,6 +280,16 @@ class IVFIndex(nn.Module):
                 return counts.masked_fill(skip, -1)
         return counts
 
+    def _value_postings(self) -> ValuePostings:
+        """The values' postings of the buffers as they are: none where the signatures are not
+        the schema's (a calibration copy's one bit a row: ``calibrate._filtered``)."""
+        b, layout = self._buffers, self.value_layout
+        sig = b["sig"]
+        assert sig is not None
+        if sig.shape[1] != self.schema.num_words or layout.shape[0] == 0:
+            layout = layout[:0]
+        return ValuePostings(layout, b["value_offsets"], b["value_postings"])  # type: ignore[arg-type]
+
     def _value_index(self) -> None:
         """The items of each hashed attribute's values (``ValuePostings``), from ``sig``: one
         C++ pass, at every change of the signatures (a live update's new value lands in its
@@ -530,7 +540,7 @@ class IVFIndex(nn.Module):
             b["postings"],  # type: ignore[arg-type]
             self.posting_offsets,
             self._posting_counts(),  # of the buffers as they are (a copy may change them)
-            ValuePostings(self.value_layout, b["value_offsets"], b["value_postings"]),  # type: ignore[arg-type]
+            self._value_postings(),
             b["built_sizes"],  # type: ignore[arg-type]
             b["list_radius"],  # type: ignore[arg-type]
             b["list_bits"],  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval.filters import bucket_digits, eligible
+from retrieval.filters import NUMERIC, bucket_digits, eligible
 from retrieval.index import IVFConfig, build_ivf
 from retrieval.index.build import bit_index
 from retrieval.index.eligible_scan import eligible_positions, eligible_positions_torch, value_drive
@@ -167,3 +167,24 @@ def test_an_index_that_listed_the_top_digit_answers_as_it_did():
         every, cpp, torch_way = answers(old, text)
         np.testing.assert_array_equal(cpp, every, err_msg=text)
         np.testing.assert_array_equal(torch_way, every, err_msg=text)
+
+
+def test_a_build_measuring_costs_with_the_creator_past_the_first_word():
+    """The build's cost calibration searches a copy whose signatures are one bit a row: the
+    values' postings, laid out for the schema's words, are not read there (they would name bits
+    past its one word); the built index then drives by them."""
+    rng = np.random.default_rng(0)
+    attrs = {"price": rng.normal(10, 5, 2000), "creator": rng.integers(0, 5000, 2000)}
+    attrs["creator"][:3] = 7
+    idx = build_ivf(
+        torch.randn(2000, 8),
+        IVFConfig(nlist=8, nprobe=2),
+        item_attributes=attrs,
+        attribute_values={"price": NUMERIC, "creator": CREATORS},
+    )
+    assert idx.stats.plan_costs and idx.schema.hashed_base["creator"] == 128
+    want = set(np.flatnonzero(attrs["creator"] == 7).tolist())
+    ids, _ = idx.search(torch.randn(1, 8), 5, "creator = c7", exact=True)
+    assert {i for i in ids[0].tolist() if i >= 0} == want and len(want) >= 3
+    fb = idx.compile_filter("creator = c7", 1)
+    assert value_drive(idx.tensors(), fb.masks[0], fb.negate[0]) is not None
