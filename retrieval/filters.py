@@ -539,29 +539,3 @@ def pack_bits(bits: np.ndarray) -> torch.Tensor:
     m, words = bits.shape[0], bits.shape[1] // WORD_BITS
     packed = np.packbits(np.ascontiguousarray(bits, dtype=bool), axis=1, bitorder="little")
     return torch.from_numpy(packed.view("<u8").astype(np.uint64).view(np.int64).reshape(m, words))
-
-
-def estimate_selectivity(fb: FilterBatch, counts: torch.Tensor, num_items: int) -> torch.Tensor:
-    """Fraction of items each request admits, assuming clauses are independent -> ``[B] float32``.
-
-    A clause's fraction is the summed frequency of its bits (capped at 1; exact for single-valued
-    attributes), complemented when negated. Used only to plan the search; correctness never
-    depends on it.
-    """
-    if not fb.active:
-        return torch.ones(fb.masks.shape[0])
-    # NumPy on the host, where planning runs: for one row, a handful of torch ops cost more in
-    # dispatch than the work
-    masks, negate = fb.masks.cpu().numpy(), fb.negate.cpu().numpy()
-    b, c = masks.shape[:2]
-    as_bytes = np.ascontiguousarray(masks).view(np.uint8).reshape(b, c, -1)  # little-endian words
-    bits = np.unpackbits(as_bytes, axis=2, bitorder="little")  # [B, C, W*64]
-    per_bit = counts.cpu().numpy().astype(np.float64) / max(num_items, 1)
-    frac = np.minimum(bits @ per_bit, 1.0)  # [B, C]
-    frac = np.where(negate, 1.0 - frac, frac)
-    if fb.neg_masks is not None:  # "or none of these": at least the share holding none
-        nb = np.ascontiguousarray(fb.neg_masks.cpu().numpy()).view(np.uint8).reshape(b, c, -1)
-        none = np.unpackbits(nb, axis=2, bitorder="little")
-        held = np.minimum(none @ per_bit, 1.0)
-        frac = np.where(none.any(axis=2), frac + (1.0 - frac) * (1.0 - held), frac)
-    return torch.from_numpy(frac.prod(axis=1).astype(np.float32))

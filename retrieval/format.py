@@ -70,7 +70,7 @@ def migrate(state: dict[str, Any], version: int) -> dict[str, Any]:
     shared), without the format entry: what ``load_state_dict`` takes."""
     out = run_steps(state, version, STATE_STEPS, MODEL_FORMAT, "model.pt")
     out.pop(FORMAT_KEY, None)
-    return out
+    return _index_migrated(out)
 
 
 def with_format(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -94,7 +94,13 @@ def _config_from_unversioned(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def _state_from_unversioned(state: dict[str, Any]) -> dict[str, Any]:
-    """Version 0 -> 1 of ``model.pt``: the index's entries migrated by the index's own steps
+    """Version 0 -> 1 of ``model.pt``: a format entry (the index's entries carry their own
+    version: :func:`migrate` brings them to this one whatever the model's)."""
+    return {**state, FORMAT_KEY: 1}
+
+
+def _index_migrated(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the index's entries brought to this index format by its own steps
     (before ``load_state`` checks names, so that buffers it added later are there)."""
     from retrieval.index.format import EXTRA
     from retrieval.index.format import migrate as migrate_index
@@ -110,7 +116,6 @@ def _state_from_unversioned(state: dict[str, Any]) -> dict[str, Any]:
         }
         for key, value in migrate_index(mine, index_version(extra)).items():
             out[INDEX_PREFIX + key] = value
-    out[FORMAT_KEY] = 1
     return out
 
 

@@ -5,7 +5,7 @@ The CPU planner reads each batch's selectivities back to the host and plans in P
 batch, and a plan whose shapes follow the data cannot be recorded as a CUDA graph. Here every
 row's decision is a tensor of the batch's fixed shape, with nothing read back::
 
-    sel      [B]   estimated selectivity            (filters.estimate_selectivity)
+    sel      [B]   estimated selectivity            (selectivity.estimate_device)
     nprobe   [B]   lists_for(sel, nprobe, r + S_b)  (planner.lists_for)
     least    [B]   nprobe where the row has no clause, else its lists; hold = FILL (r + S_b)
     exact    [B]   cheaper_exact(sel, lists), or every row where the plan is exact
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from retrieval.index.planner import FILL, lists_for, searched_exactly
+from retrieval.index.selectivity import estimate_device
 from retrieval.index.tensors import IndexTensors
 
 NEG_INF = float("-inf")
@@ -58,27 +59,6 @@ class DevicePlan:
     reach: torch.Tensor
     factor: torch.Tensor
     budget: torch.Tensor
-
-
-def selectivity(
-    t: IndexTensors, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``filters.estimate_selectivity`` in tensor ops: ``masks [B, C, W]``, ``negate [B, C]``,
-    ``none [B, C, W]`` (None: no "none of" parts) -> ``[B] float32`` (float64 sums, as the
-    host's NumPy)."""
-    b, c = masks.shape[:2]
-    if c == 0:
-        return torch.ones(b, device=masks.device)
-    shifts = torch.arange(64, device=masks.device)
-    bits = ((masks.unsqueeze(-1) >> shifts) & 1).flatten(2).double()  # [B, C, W*64]
-    per_bit = t.bit_counts.to(masks.device).double() / max(t.ntotal, 1)
-    frac = (bits @ per_bit).clamp(max=1.0)  # [B, C]
-    frac = torch.where(negate, 1.0 - frac, frac)
-    if none is not None:  # "or none of these": at least the share holding none
-        nbits = ((none.unsqueeze(-1) >> shifts) & 1).flatten(2).double()
-        held = (nbits @ per_bit).clamp(max=1.0)
-        frac = torch.where(nbits.sum(-1) > 0, frac + (1.0 - frac) * (1.0 - held), frac)
-    return frac.prod(dim=1).float()
 
 
 def row_lists(t: IndexTensors, sel: torch.Tensor, base: int, need: torch.Tensor) -> torch.Tensor:
@@ -161,7 +141,7 @@ def device_plan(
     exactly (as ``SearchParams.exact``); ``none [B, C, W]``: the clauses' "none of these bits"
     parts (None: none)."""
     b, dev, c = q.shape[0], q.device, masks.shape[1]
-    sel = selectivity(t, masks, negate, none)  # [B]
+    sel = estimate_device(t.filter_sample, t.bit_counts, t.ntotal, masks, negate, none)  # [B]
     need = r + excluded
     lists = row_lists(t, sel, nprobe, need)  # [B]
     least = torch.where(sel >= 1.0, torch.full_like(lists, nprobe), lists)

@@ -14,6 +14,8 @@ Versions:
   lists assigned by L2), the buffers ``list_radius``, ``list_bits`` (no bound check) and
   ``built_sizes`` (``nprobe`` lists a row), or keep float32 row scales.
 - 1: a ``format`` in the extra state; the measurements in ``stats`` (``stats.py``).
+- 2: the buffer ``filter_sample`` (``selectivity.py``); an older index with items takes its
+  signatures' sample, one without (a router's) none: it estimates as its version did.
 
 ``tests/retrieval/test_format.py`` loads a fixture of each (model folders and shards).
 """
@@ -25,10 +27,12 @@ from typing import Any
 
 import torch
 
+from retrieval.index.selectivity import sample_rows
+
 State = dict[str, Any]
 Step = Callable[[State], State]
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2
 """The version this code writes."""
 EXTRA = "_extra_state"
 MEASURED = ("filter_bound_slack", "slack_curve", "recall_curve", "plan_costs")
@@ -97,5 +101,17 @@ def _buffers_of_version_0(state: State) -> None:
             state["list_radius"] = widened_radius(radius, codes, state["scales"], state["offsets"])
 
 
-STEPS: dict[int, Step] = {0: _from_unversioned}
+def _with_filter_sample(state: State) -> State:
+    """Version 1 -> 2: the planner's sample of signatures, read off the saved ones (an
+    index's ``_refresh`` reads it again whenever it holds items)."""
+    extra = dict(state[EXTRA])
+    extra["format"] = 2
+    state[EXTRA] = extra
+    if "sig" in state:  # the buffers (not a shard's index.json)
+        sig = state["sig"]
+        state.setdefault("filter_sample", sig[sample_rows(sig.shape[0]).to(sig.device)])
+    return state
+
+
+STEPS: dict[int, Step] = {0: _from_unversioned, 1: _with_filter_sample}
 """``STEPS[v]`` turns a version-``v`` state into a version ``v + 1`` one."""

@@ -55,6 +55,7 @@ from retrieval.index.probe import half_sq_norms
 from retrieval.index.readout import ids_at, scores_at, vectors_at
 from retrieval.index.scan import probe_table_cpu, value_index_cpu
 from retrieval.index.search import Candidates
+from retrieval.index.selectivity import FilterSample, sample_rows
 from retrieval.index.stats import IndexStats
 from retrieval.index.targets import check_targets
 from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ValuePostings
@@ -88,6 +89,9 @@ class IVFIndex(nn.Module):
     ``postings [sum(bit_counts)] i32`` (the items of each bit: an inverted index over attributes),
     ``list_radius [nlist] f32`` and ``list_bits [nlist, W] i64`` (each list's largest residual and
     the OR of its signatures: ``retrieval/index/bound.py``; empty: no bound check),
+    ``filter_sample [S, W] i64`` (the signatures of ``selectivity.sample_rows``: what the
+    planner estimates a filter's share from; read again off ``sig`` with every bundle, kept as
+    given by an index without items, a router's),
     ``built_sizes [nlist] i64`` (each list's items as built, the whole catalog's in a document
     shard too, which live updates leave as they are: what a row's list count is read from,
     ``probe.lists_holding``; empty: ``nprobe`` lists a row).
@@ -108,6 +112,7 @@ class IVFIndex(nn.Module):
     list_radius: torch.Tensor
     list_bits: torch.Tensor
     built_sizes: torch.Tensor
+    filter_sample: torch.Tensor
 
     def __init__(
         self,
@@ -147,6 +152,7 @@ class IVFIndex(nn.Module):
         self.register_buffer("list_radius", torch.zeros(0))
         self.register_buffer("list_bits", torch.zeros(0, w, dtype=torch.int64))
         self.register_buffer("built_sizes", torch.zeros(0, dtype=torch.int64))
+        self.register_buffer("filter_sample", torch.zeros(0, w, dtype=torch.int64))
         self.max_list = 0
         self._ntotal = 0
         self.executor = Executor()
@@ -217,7 +223,7 @@ class IVFIndex(nn.Module):
             adoptable = name == "exact" and saved.dtype in (torch.float16, torch.float32)
             if (saved.dtype != buf.dtype and not adoptable) or (
                 saved.shape[1:] != buf.shape[1:]
-                and name not in ("sig", "bit_counts", "postings", "list_bits")
+                and name not in ("sig", "bit_counts", "postings", "list_bits", "filter_sample")
             ):
                 error_msgs.append(
                     f"{prefix}{name}: saved {tuple(saved.shape)} {saved.dtype}, expected [*, "
@@ -266,6 +272,17 @@ class IVFIndex(nn.Module):
         self.posting_offsets = torch.cat([listed.new_zeros(1), listed.cumsum(0)]).tolist()
         self._value_index()
         self.id_order = IdOrder.of(self.item_ids)
+        self._filter_sample()  # the buffer a save writes agrees with the signatures
+
+    def _filter_sample(self) -> FilterSample:
+        """The planner's sample of the signatures as they are (``selectivity.sample_rows``), kept
+        as the buffer ``filter_sample`` too (what a save writes); an index without items (a
+        router's) plans from the one it was given."""
+        b = self._buffers
+        sig = b["sig"]
+        if sig is not None and sig.shape[0]:  # set in the dict: not a new bundle
+            b["filter_sample"] = sig[sample_rows(sig.shape[0]).to(sig.device)]
+        return FilterSample.of(b["filter_sample"], self._ntotal)  # type: ignore[arg-type]
 
     def _posting_counts(self) -> torch.Tensor:
         """``[W*64]``: the items each bit's postings list, ``-1`` for a bit they leave out (a
@@ -541,6 +558,7 @@ class IVFIndex(nn.Module):
             self.posting_offsets,
             self._posting_counts(),  # of the buffers as they are (a copy may change them)
             self._value_postings(),
+            self._filter_sample(),  # of the signatures as they are
             b["built_sizes"],  # type: ignore[arg-type]
             b["list_radius"],  # type: ignore[arg-type]
             b["list_bits"],  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ Reads only an index's statistics (``ntotal``, ``nlist``, ``bit_counts``, ``list_
 Each row's kind (``plan.RowKind``) says which of these it is: ``PLAIN`` rows (no clause, target,
 re-rank or exact scan in the batch), ``LISTS``, ``EXACT``, or ``SHARED_EXACT`` where a whole batch
 scans exactly under one filter. :class:`PlanCache` keeps the plans a served index repeats.
-``sel_b`` is the filter's estimated selectivity. With the queries, filtered rows that probe lists
+``sel_b`` is the filter's estimated selectivity, the whole expression's (``selectivity.py``). With the queries, filtered rows that probe lists
 skip the lists their filter rules out and get a bound check for a second round
 (``retrieval/index/bound.py``), with the slack their recall target reads.
 """
@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrieval.filters import COMPILED_FILTERS, FilterBatch, estimate_selectivity
+from retrieval.filters import COMPILED_FILTERS, FilterBatch
 from retrieval.index.bound import with_bounds
 from retrieval.index.costs import exact_codes, on_cpu, plan_seconds
 from retrieval.index.plan import RowKind, SearchParams, SearchPlan, every, kinds
+from retrieval.index.selectivity import estimate
 from retrieval.index.targets import row_settings
 from retrieval.index.tensors import IndexTensors
 
@@ -78,7 +79,7 @@ def make_plan(
     # per row: Python numbers and NumPy (a batch's few rows: each torch op costs more)
     sel_t = None
     if fb is not None and active:
-        sel_t = estimate_selectivity(fb, t.bit_counts, t.ntotal).cpu()
+        sel_t = estimate(t.filter_sample, t.bit_counts, t.ntotal, fb)
     sel = [1.0] * b if sel_t is None else sel_t.tolist()  # [B]
     base = rows.nprobe.tolist() if rows is not None else [params.nprobe] * b
     excluded = excluded_counts(fb, b).tolist()
@@ -171,7 +172,9 @@ class PlanCache:
         if len(self._shared) >= COMPILED_FILTERS:
             self._shared.clear()
         r = _candidates(t, params)
-        sel = estimate_selectivity(FilterBatch(masks, negate, None, none), t.bit_counts, t.ntotal)
+        sel = estimate(
+            t.filter_sample, t.bit_counts, t.ntotal, FilterBatch(masks, negate, None, none)
+        )
         lists = lists_for(t, float(sel[0]), params.nprobe, r)
         exact = searched_exactly(t) or bool(cheaper_exact(t, sel, torch.tensor([lists]), b)[0])
         nprobe = torch.full((b,), lists, dtype=torch.int64)

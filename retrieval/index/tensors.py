@@ -14,12 +14,16 @@ Adding a tensor to the index adds a field here; no kernel signature repeats the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from retrieval.index.config import IVFConfig
 from retrieval.index.exclude import IdOrder
 from retrieval.index.stats import IndexStats
+
+if TYPE_CHECKING:  # it evaluates with the scans, which read these bundles
+    from retrieval.index.selectivity import FilterSample
 
 ProbeTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``scan.probe_table_cpu``'s quantized centroids: what a few queries' probe reads first."""
@@ -114,7 +118,9 @@ class IndexTensors:
     (id -> row), ``bit_counts [W*64]`` / ``postings`` / ``posting_offsets`` (the items of each
     signature bit; ``posting_counts`` those the postings list, ``-1`` for a bit they leave
     out, a hashed attribute's), ``values`` (the items of a hashed attribute's values, which
-    its filters drive from: :class:`ValuePostings`), ``built_sizes [L]`` (list sizes as built; empty: saved before them),
+    its filters drive from: :class:`ValuePostings`), ``filter_sample`` the signatures the
+    planner estimates a filter's share from (``selectivity.py``), ``built_sizes [L]`` (list
+    sizes as built; empty: saved before them),
     ``list_radius [L]`` / ``list_bits [L, W]`` (``bound.py``'s statistics), ``ntotal`` the items
     the index plans for (a router's statistics-only index holds none of them), ``nlist`` = L;
     ``stats`` what the build measured (the planner's costs and curves, the bound's slack)."""
@@ -134,6 +140,7 @@ class IndexTensors:
     posting_offsets: list[int]
     posting_counts: torch.Tensor
     values: ValuePostings
+    filter_sample: FilterSample
     built_sizes: torch.Tensor
     list_radius: torch.Tensor
     list_bits: torch.Tensor

@@ -18,7 +18,6 @@ from retrieval.filters import (
     FilterSchema,
     FilterTooLargeError,
     eligible,
-    estimate_selectivity,
     parse_filter,
 )
 from retrieval.index import IVFConfig, build_ivf
@@ -234,34 +233,6 @@ def test_upserted_numbers_encode_as_built_ones():
     assert torch.equal(sig, live)
     with pytest.raises(ValueError, match="NaN"):
         schema.signatures({"price": np.array([float("nan")])}, 1)
-
-
-def test_selectivity_estimate_follows_or_and_ranges():
-    c = catalog()
-    counts = torch.from_numpy(
-        np.unpackbits(c["sig"].numpy().view(np.uint8), axis=1, bitorder="little")
-        .sum(axis=0)
-        .astype(np.int64)
-    )
-    n = c["sig"].shape[0]
-    for text in [
-        "color = red or color = blue",
-        "price < 3",
-        "(color = red or flag) and price >= 0",
-        "(tag != t1 or color = red) and tag = t2",  # a clause with a "none of" part
-    ]:
-        fb = c["schema"].compile([text])
-        nm = None if fb.neg_masks is None else fb.neg_masks[0]
-        truth = eligible(c["sig"], fb.masks[0], fb.negate[0], nm).float().mean().item()
-        est = estimate_selectivity(fb, counts, n).item()
-        assert truth / 3 <= est <= min(1.0, truth * 3), (text, est, truth)
-        if nm is not None:  # the device plan's estimate is the host's
-            from retrieval.index.device_plan import selectivity
-
-            t = index().tensors()
-            host = estimate_selectivity(fb, t.bit_counts, t.ntotal)
-            dev = selectivity(t, fb.masks, fb.negate, fb.neg_masks)
-            torch.testing.assert_close(dev, host)
 
 
 @functools.cache

@@ -17,7 +17,6 @@ from retrieval.filters import (
     FilterSchema,
     FilterTooLargeError,
     eligible,
-    estimate_selectivity,
     format_filter,
     parse_filter,
 )
@@ -153,13 +152,6 @@ def test_a_filter_is_parsed_once_then_kept_compiled_within_a_bound(schema_and_it
         schema.compile([text])
         assert len(schema._compiled) <= 3
     assert parsed == ["language = en", "language = fr", "genre = drama", "genre = comedy"]
-
-
-def test_selectivity_estimate_is_exact_for_single_valued(schema_and_items):
-    schema, attrs, sig = schema_and_items
-    fb = schema.compile(["language in {en, fr}"])
-    est = estimate_selectivity(fb, bit_index(sig)[0], sig.shape[0])
-    assert est.item() == pytest.approx((attrs["language"] <= 1).mean())
 
 
 def test_more_than_64_values_span_several_words():

@@ -97,6 +97,24 @@ def test_a_sharded_version_of_an_earlier_format_loads_whole_and_by_shard():
     assert router.stats.recall_curve == whole.index.stats.recall_curve != ()
 
 
+def test_an_index_of_an_earlier_format_inside_this_model_format_is_migrated(tmp_path):
+    """The index carries its own version: a model.pt of this model format whose index was
+    saved before its ``filter_sample`` (index format 1) loads, the sample read off its
+    signatures, and answers as before."""
+    model = load_model(FIXTURES / "model-7aeebd7")
+    folder = save_model(model, tmp_path / "now")
+    state = torch.load(folder / "model.pt", weights_only=True)
+    sample = state.pop("index.filter_sample")
+    state["index._extra_state"] = {**state["index._extra_state"], "format": 1}
+    torch.save(state, folder / "model.pt")
+    again = load_model(folder)
+    assert torch.equal(again.index.filter_sample, sample) and sample.shape[0] > 0
+    assert (
+        answered(again, FIXTURES / "model-7aeebd7")[0]
+        == answered(model, FIXTURES / "model-7aeebd7")[0]
+    )
+
+
 def test_a_state_of_this_format_passes_unchanged():
     index = load_model(FIXTURES / "model-7aeebd7").index
     state = index.state_dict()
@@ -113,7 +131,9 @@ def test_a_newer_format_is_refused_naming_it(tmp_path):
     index = load_model(FIXTURES / "model-7aeebd7").index
     state = index.state_dict()
     state["_extra_state"] = {**state["_extra_state"], "format": INDEX_FORMAT + 1}
-    with pytest.raises(ValueError, match="index state: format 2 was written by a newer"):
+    with pytest.raises(
+        ValueError, match=f"index state: format {INDEX_FORMAT + 1} was written by a newer"
+    ):
         index.load_state_dict(state)
 
 
