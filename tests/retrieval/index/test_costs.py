@@ -208,3 +208,34 @@ def test_the_list_plan_is_timed_as_a_search_plans_it(index, catalog, monkeypatch
     monkeypatch.setattr(calibrate, "_list_plan", spy)
     calibrate.measure_plan_costs(index, catalog["x"][:BATCH])
     assert seen and all(s == index.stats.model_copy(update={"plan_costs": ()}) for s in seen)
+
+
+def test_the_plans_are_timed_on_one_thread_and_the_threads_restored(index, catalog, monkeypatch):
+    """Both plans run on one thread while timed (their ratio is what the planner reads; a
+    parallel run on a shared machine times its threads' waits), and the caller's thread count
+    comes back, also when a timed run fails."""
+    import retrieval.index.calibrate as calibrate
+
+    threads: list[int] = []
+    timed = calibrate._list_plan
+
+    def spy(*args, **kwargs):
+        threads.append(torch.get_num_threads())
+        return timed(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(calibrate, "_list_plan", spy)
+        calibrate.measure_plan_costs(index, catalog["x"][:BATCH])
+        assert threads and set(threads) == {1} and torch.get_num_threads() == 2
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("a timed run failed")
+
+        monkeypatch.setattr(calibrate, "_list_plan", fails)
+        with pytest.raises(RuntimeError):
+            calibrate.measure_plan_costs(index, catalog["x"][:BATCH])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -82,12 +82,11 @@ def list_scan_scores(index, q, pos):
     return (q @ index.centroids.T).index_select(1, lists) + scale[None, :] * qs[:, None] * dots
 
 
-@pytest.fixture(scope="module")
-def wide():
-    """160-d: past the GEMM's 128 dimensions; 3,000 items, half of them in group 0. No measured
-    costs and a tiny exact cost: a filtered row's plan is the exact scan."""
+def grouped(d: int):
+    """3,000 items of ``d`` dimensions, half of them in group 0. No measured costs and a tiny
+    exact cost: a filtered row's plan is the exact scan."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(3000, 160, generator=g)
+    x = torch.randn(3000, d, generator=g)
     group = torch.arange(3000) % 2
     return build_ivf(
         x,
@@ -95,6 +94,18 @@ def wide():
         item_attributes={"group": group},
         attribute_values={"group": [0, 1]},
     )
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """160-d: past the GEMM's 128 dimensions (:func:`grouped`)."""
+    return grouped(160)
+
+
+@pytest.fixture(scope="module")
+def narrow():
+    """50-d: below the GEMM's 128 dimensions, decoded rows and float matmuls (:func:`grouped`)."""
+    return grouped(50)
 
 
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
@@ -134,3 +145,20 @@ def test_the_one_call_exact_search_answers_the_planned_path_over_the_gemm(wide):
         want, scores = planned_ids(wide, q, 100, fb, 16)
         assert bool(plan_exact.exact.all()) and got is not None
         assert torch.equal(got[0], want) and torch.equal(got[1], scores)
+
+
+@pytest.mark.parametrize("batch", [FEW_QUERIES + 1, 40, 77, 200])
+def test_the_one_call_answers_the_planned_path_a_block_of_queries_at_a_time(narrow, batch):
+    """Many queries over decoded rows (50-d): the one call scores, selects and maps a block of
+    queries at a time, the planned path's ``scores_at`` scores the same blocks; the same ids and
+    scores, whatever the batch's split into blocks, and the scores the torch formula's."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(batch, 50, generator=g)
+    fb = narrow.compile_filter("group = 0", batch)
+    got = cpu_backend.shared_exact_ids(narrow.tensors(), q, fb, kept_plan(narrow, q, 100, fb, 16))
+    want, scores = planned_ids(narrow, q, 100, fb, 16)
+    assert got is not None and torch.equal(got[0], want) and torch.equal(got[1], scores)
+    pos = torch.arange(0, narrow.ntotal, 2)  # the list-sorted rows, every other one
+    torch.testing.assert_close(
+        narrow.scores_at(q, pos), torch_scores(narrow, q, pos), rtol=1e-5, atol=1e-4
+    )

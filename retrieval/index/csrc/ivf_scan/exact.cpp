@@ -6,7 +6,8 @@
 
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/matmul.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 
 #include "ivf_scan.h"
@@ -129,8 +130,11 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
   const bool avx2 = int8_isa() != Isa::kPortable && __builtin_cpu_supports("fma");
 #endif
   // a row and query are little work: a thread team (woken, then spinning after) pays off only
-  // past a few thousand rows
-  at::parallel_for(0, m, std::max<int64_t>(1, 4096 / std::max<int64_t>(b_count, 1)), [&](int64_t i0, int64_t i1) {
+  // past a few thousand rows, and past ~2M multiply-adds a thread at narrow dimensions (on a
+  // shared machine each wake-up may wait out a time slice: one 50-d query over 5,000 rows had a
+  // median of 12 ms at 2 threads, 1.7 ms on one)
+  const int64_t grain = std::max<int64_t>(4096, (int64_t(1) << 21) / std::max<int64_t>(d, 1));
+  at::parallel_for(0, m, std::max<int64_t>(1, grain / std::max<int64_t>(b_count, 1)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = pp[i];
       const int64_t list = std::upper_bound(off, off + nlist + 1, row) - off - 1;
@@ -149,66 +153,15 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
   return out;
 }
 
-// Many queries' scores of chosen rows (the exact plan's, B > a few), as the list scan scores them:
-// q [B, D] f32, pos [M], centroids_t [D, L] -> [B, M] f32 = q·c[list] + scale * qscale[b] * dot,
-// the query quantized as the scan quantizes it (quantize_queries), every dot from one int8 GEMM
+// Many queries' scores of chosen rows (the exact plan's, B > a few), a block of queries at a time:
+// q [B, D] f32, pos [M] (list-sorted rows), centroids_t [D, L] -> [B, M] f32. From kGemmRows rows
+// and kGemmDims dimensions, as the list scan scores them, q·c[list] + scale * qscale[b] * dot, the
+// query quantized as the scan quantizes it (quantize_queries), the dots from an int8 GEMM
 // (at::_int_mm: faster than the float matmul of decoded rows it replaces, and no [M, D] float
-// copy), q·c as the probe computes it (centroid_dots), the scores written over the int32 dots:
-// into `into` (int32, at least B x M elements, reused by the caller: a fresh [B, M] costs the
-// page faults of a large result) or, undefined, a new tensor.
-
-at::Tensor gemm_rows_int8_into(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
-                               const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t,
-                               const at::Tensor& into) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
-  check_rows_of_codes(pos, codes, scales, offsets);
-  TORCH_CHECK(codes.size(1) == q.size(1), "codes must have the query's D");
-  const int64_t b_count = q.size(0), d = q.size(1), m = pos.numel(), nlist = offsets.size(0) - 1;
-  TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(0) == d && centroids_t.size(1) == nlist &&
-              centroids_t.scalar_type() == at::kFloat, "centroids_t must be float32 [D, L]");
-  if (b_count == 0 || m == 0) return at::empty({b_count, m}, q.options());
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  const Scale* sp = scales.data_ptr<Scale>();
-  // runs of rows in one list (pos ascending: a run per list), and every row's scale as a float
-  std::vector<int64_t> run_start, run_list;
-  std::vector<float> scale(m);
-  for (int64_t i = 0, prev = -1; i < m; ++i) {
-    const int64_t l = std::upper_bound(off, off + nlist + 1, pp[i]) - off - 1;
-    if (l != prev) run_start.push_back(i), run_list.push_back(l), prev = l;
-    scale[i] = float(sp[pp[i]]);
-  }
-  run_start.push_back(m);
-  // q·c of every list as the probe computes it: a row's score does not depend on which rows
-  // share the call (a chunked scan's and a whole one's agree)
-  const at::Tensor coarse = centroid_dots(q, centroids_t);  // [B, L]
-  auto q8 = at::empty({b_count, d}, codes.options());
-  std::vector<float> qs(b_count);
-  std::vector<int32_t> qsum(b_count);
-  quantize_queries(q.data_ptr<float>(), b_count, d, q8.data_ptr<int8_t>(), d, qs.data(), qsum.data());
-  at::Tensor dots = into.defined() ? into.flatten().narrow(0, 0, b_count * m).view({b_count, m})
-                                   : at::empty({b_count, m}, q.options().dtype(at::kInt));
-  at::_int_mm_out(dots, q8, codes.index_select(0, pos).t());
-  at::Tensor out = dots.view(at::kFloat);  // [B, M], scores over the dots
-  float* op = out.data_ptr<float>();
-  const float* cp = coarse.data_ptr<float>();
-  at::parallel_for(0, b_count, std::max<int64_t>(1, 16384 / m), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      float* row = op + b * m;
-      const float* base = cp + b * nlist;
-      const float qscale = qs[b];
-      for (size_t r = 0; r + 1 < run_start.size(); ++r) {
-        const float c = base[run_list[r]];
-        for (int64_t i = run_start[r]; i < run_start[r + 1]; ++i) {
-          int32_t dot;
-          std::memcpy(&dot, row + i, 4);
-          row[i] = c + scale[i] * qscale * float(dot);
-        }
-      }
-    }
-  });
-  return out;
-}
+// copy), q·c as the probe computes it (centroid_dots: a row's score does not depend on which rows
+// share the call, so a chunked scan's and a whole one's agree); else the rows decoded once and a
+// float matmul. many_rows_int8 and the exact search's one call score through it alike, so their
+// bits agree, and the one call selects each block's best while its scores are still in cache.
 
 // Below this many rows or dimensions, the int8 GEMM's other costs (the queries quantized, the
 // lists' q·c, its epilogue over [B, M]) outweigh its faster dots: decoded rows and a float matmul
@@ -216,15 +169,110 @@ at::Tensor gemm_rows_int8_into(const at::Tensor& q, const at::Tensor& pos, const
 // dimensions; at narrow ones the float path stays ahead longer).
 constexpr int64_t kGemmRows = 1024, kGemmDims = 128;
 
+namespace {
+
+// Queries a block scores at most: each of a thread's blocks is one single-threaded GEMM (its team
+// woken once for the whole call, not once per step: on a shared machine each wake-up may wait out
+// a time slice), [32, M] scores stay in L2 for their selection, and 32 rows keep the GEMM near its
+// full-matrix speed (8 ran at 0.6x of it).
+constexpr int64_t kBlockQueries = 32;
+
+class RowScores {
+ public:
+  RowScores(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
+            const at::Tensor& offsets, const at::Tensor& centroids_t)
+      : q_(q), b_count_(q.size(0)), m_(pos.numel()), nlist_(offsets.size(0) - 1) {
+    TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, D]");
+    check_rows_of_codes(pos, codes, scales, offsets);
+    const int64_t d = q.size(1);
+    TORCH_CHECK(codes.size(1) == d, "codes must have the query's D");
+    TORCH_CHECK(centroids_t.dim() == 2 && centroids_t.size(0) == d && centroids_t.size(1) == nlist_ &&
+                centroids_t.scalar_type() == at::kFloat, "centroids_t must be float32 [D, L]");
+    gemm_ = m_ >= kGemmRows && d >= kGemmDims;
+    // blocks of at most kBlockQueries, as many a thread as its neighbours' (none idles at the end)
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t blocks = threads * ((b_count_ + threads * kBlockQueries - 1) / (threads * kBlockQueries));
+    block_ = std::max<int64_t>(1, (b_count_ + blocks - 1) / std::max<int64_t>(blocks, 1));
+    if (b_count_ == 0 || m_ == 0) return;
+    if (!gemm_) {
+      rows_t_ = decode_rows_int8(pos, codes, scales, offsets, centroids_t).t();  // [D, M]
+      return;
+    }
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    const int64_t* off = offsets.data_ptr<int64_t>();
+    const Scale* sp = scales.data_ptr<Scale>();
+    // runs of rows in one list (pos ascending: a run per list), and every row's scale as a float
+    scale_.resize(m_);
+    for (int64_t i = 0, prev = -1; i < m_; ++i) {
+      const int64_t l = std::upper_bound(off, off + nlist_ + 1, pp[i]) - off - 1;
+      if (l != prev) run_start_.push_back(i), run_list_.push_back(l), prev = l;
+      scale_[i] = float(sp[pp[i]]);
+    }
+    run_start_.push_back(m_);
+    coarse_ = centroid_dots(q, centroids_t);  // [B, L]
+    q8_ = at::empty({b_count_, d}, codes.options());
+    qs_.resize(b_count_);
+    std::vector<int32_t> qsum(b_count_);
+    quantize_queries(q.data_ptr<float>(), b_count_, d, q8_.data_ptr<int8_t>(), d, qs_.data(), qsum.data());
+    rows_t_ = codes.index_select(0, pos).t();  // [D, M] int8
+  }
+
+  int64_t queries() const { return b_count_; }
+  int64_t rows() const { return m_; }
+  int64_t blocks() const { return (b_count_ + block_ - 1) / block_; }
+  int64_t block_queries() const { return block_; }
+
+  // Scores of block j's queries ([j * block, ...), at most block_queries()) into out [that many, M]
+  // f32, row-major. Called from inside a parallel region: the GEMM runs on the calling thread.
+  void score(int64_t j, float* out) const {
+    const int64_t b0 = j * block_, nb = std::min(block_, b_count_ - b0);
+    if (!gemm_) {
+      at::Tensor o = at::from_blob(out, {nb, m_}, q_.options());
+      at::mm_out(o, q_.narrow(0, b0, nb), rows_t_);
+      return;
+    }
+    at::Tensor dots = at::from_blob(out, {nb, m_}, q_.options().dtype(at::kInt));
+    at::_int_mm_out(dots, q8_.narrow(0, b0, nb), rows_t_);
+    const float* cp = coarse_.data_ptr<float>();
+    for (int64_t b = 0; b < nb; ++b) {  // the scores over the dots
+      float* row = out + b * m_;
+      const float* base = cp + (b0 + b) * nlist_;
+      const float qscale = qs_[b0 + b];
+      for (size_t r = 0; r + 1 < run_start_.size(); ++r) {
+        const float c = base[run_list_[r]];
+        for (int64_t i = run_start_[r]; i < run_start_[r + 1]; ++i) {
+          int32_t dot;
+          std::memcpy(&dot, row + i, 4);
+          row[i] = c + scale_[i] * qscale * float(dot);
+        }
+      }
+    }
+  }
+
+ private:
+  const at::Tensor& q_;
+  int64_t b_count_, m_, nlist_, block_ = 1;
+  bool gemm_ = false;
+  at::Tensor rows_t_, coarse_, q8_;  // the rows [D, M] (decoded f32, or the int8 codes)
+  std::vector<float> qs_, scale_;
+  std::vector<int64_t> run_start_, run_list_;
+};
+
+}  // namespace
+
 // Many queries' scores of chosen rows (IVFIndex.scores_at past a few queries): q [B, D] f32,
-// pos [M] -> [B, M] f32, by gemm_rows_int8_into from kGemmRows rows and kGemmDims dimensions
-// (into: as it takes it), else q @ decode_rows_int8(pos)^T.
+// pos [M] -> [B, M] f32, by RowScores, its blocks in one parallel region.
 at::Tensor many_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
-                          const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t,
-                          const at::Tensor& into) {
-  if (pos.numel() >= kGemmRows && q.size(1) >= kGemmDims)
-    return gemm_rows_int8_into(q, pos, codes, scales, offsets, centroids_t, into);
-  return at::matmul(q, decode_rows_int8(pos, codes, scales, offsets, centroids_t).t()).contiguous();
+                          const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t) {
+  const RowScores scores(q, pos, codes, scales, offsets, centroids_t);
+  auto out = at::empty({scores.queries(), scores.rows()}, q.options());
+  if (out.numel() == 0) return out;
+  float* op = out.data_ptr<float>();
+  const int64_t stride = scores.block_queries() * scores.rows();
+  at::parallel_for(0, scores.blocks(), 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) scores.score(j, op + j * stride);
+  });
+  return out;
 }
 
 // Which items pass one request's filter: sig [N, W], fmask [C, W], fneg [C], fnone [C, W] (empty:
@@ -452,10 +500,11 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
 
 // A selective filter's exact search in one call: the rows passing one filter (eligible_rows),
 // their scores off the codes as IVFIndex.scores_at computes them (up to `few` queries against the
-// float queries, score_rows_int8; more, many_rows_int8), the best k (topk_rows, as
+// float queries, score_rows_int8; more, RowScores as many_rows_int8), the best k (row_topk, as
 // exact.exact_topk picks them) and the rows' item ids ->
 // (ids [B, k], scores [B, k]), -1 / -inf padded. The same answer as the planned path's exact scan.
-// Undefined tensors where B x M would pass max_scores (the caller then scans in chunks).
+// Undefined tensors where B x M would pass max_scores (the caller then scans in chunks). Many
+// queries are scored, selected and mapped to ids a block at a time in one parallel region.
 
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& codes, const at::Tensor& scales,
@@ -470,24 +519,40 @@ std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
       eligible_rows(sig, fmask, fneg, fnone, bit_counts, postings, value_layout, value_offsets, value_postings);
   const int64_t b_count = q.size(0), m = rows.numel();
   if (b_count * m > max_scores) return {at::Tensor(), at::Tensor()};  // the caller scans in chunks
-  // IVFIndex.scores_at's two ways, so that the scores are its bits
-  // the many queries' scores in this thread's buffer, kept for its next call (only topk reads them)
-  static thread_local at::Tensor buffer;
-  if (b_count > few && m >= kGemmRows && q.size(1) >= kGemmDims && (!buffer.defined() || buffer.numel() < b_count * m))
-    buffer = at::empty({std::max<int64_t>(b_count * m, buffer.defined() ? 2 * buffer.numel() : 0)},
-                       q.options().dtype(at::kInt));
-  const at::Tensor scores =
-      b_count <= few ? score_rows_int8(q, rows, codes, scales, offsets, centroid_dots(q, centroids_t))
-                     : many_rows_int8(q, rows, codes, scales, offsets, centroids_t, buffer);
-  auto [best, idx] = topk_rows(scores, k);  // pads -1 / -inf where fewer than k rows pass
-  // the positions' item ids in place (six [B, k] tensor ops in its place cost more than the loop)
-  int64_t* ip = idx.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* item = item_ids.data_ptr<int64_t>();
-  at::parallel_for(0, b_count * k, 1 << 14, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) ip[i] = ip[i] >= 0 ? item[rp[ip[i]]] : -1;
+  if (b_count <= few || m == 0) {  // IVFIndex.scores_at's way for a few queries, so its bits
+    const at::Tensor scores = score_rows_int8(q, rows, codes, scales, offsets, centroid_dots(q, centroids_t));
+    auto [best, idx] = topk_rows(scores, k);  // pads -1 / -inf where fewer than k rows pass
+    // the positions' item ids in place (six [B, k] tensor ops in its place cost more than the loop)
+    int64_t* ip = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < b_count * k; ++i) ip[i] = ip[i] >= 0 ? item[rp[ip[i]]] : -1;
+    return {idx, best};
+  }
+  const RowScores scores(q, rows, codes, scales, offsets, centroids_t);
+  auto best = at::empty({b_count, k}, q.options());
+  auto ids = at::empty({b_count, k}, item_ids.options());
+  float* vp = best.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t block = scores.block_queries();
+  at::parallel_for(0, scores.blocks(), 1, [&](int64_t j0, int64_t j1) {
+    static thread_local std::vector<float> buffer;  // a block's scores, kept for the next call
+    if ((int64_t)buffer.size() < block * m) buffer.resize(block * m);
+    std::vector<Cand> heap;
+    SelectScratch scratch;
+    for (int64_t j = j0; j < j1; ++j) {
+      scores.score(j, buffer.data());
+      for (int64_t b = j * block; b < std::min(b_count, (j + 1) * block); ++b) {
+        row_topk(buffer.data() + (b - j * block) * m, m, k, heap, scratch);
+        for (int64_t i = 0; i < k; ++i) {
+          const bool have = i < (int64_t)heap.size();
+          vp[b * k + i] = have ? heap[i].first : kNegInf;
+          ip[b * k + i] = have ? item[rp[heap[i].second]] : -1;
+        }
+      }
+    }
   });
-  return {idx, best};
+  return {ids, best};
 }
 
 }  // namespace ivf

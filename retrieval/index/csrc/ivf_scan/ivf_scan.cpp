@@ -18,15 +18,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bit_slices", &ivf::bit_slices, "The filter signatures bit-sliced, 64 items a word", nogil);
   m.def("sliced_mask", &ivf::sliced_mask, "Items passing one filter, from the bit slices", nogil);
   m.def("sliced_rows", &ivf::sliced_rows, "Positions passing one filter, from the bit slices", nogil);
-  m.def("many_rows_int8",
-        [](const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes, const at::Tensor& scales,
-           const at::Tensor& offsets, const at::Tensor& centroids_t) {
-          return ivf::many_rows_int8(q, pos, codes, scales, offsets, centroids_t, at::Tensor());
-        },
-        "Many queries' scores of chosen rows: one int8 GEMM of quantized queries, or decoded rows and a matmul", nogil);
+  m.def("many_rows_int8", &ivf::many_rows_int8,
+        "Many queries' scores of chosen rows: int8 GEMMs of quantized queries, or decoded rows and matmuls", nogil);
   m.def("decode_rows_int8", &ivf::decode_rows_int8, "Float vectors of chosen rows off the int8 codes, one pass", nogil);
   m.def("exact_search_ids_int8", &ivf::exact_search_ids_int8,
-        "A selective filter's exact search for a few queries: eligible rows, scores, top-k, ids", nogil);
+        "A selective filter's exact search: eligible rows, scores, top-k, ids", nogil);
   m.def("eligible_rows", &ivf::eligible_rows, "Rows passing one filter, driven by its most selective clause's postings", nogil);
   m.def("id_rows", &ivf::id_rows, "Rows of item ids through the index's id order (missing where absent)", nogil);
   m.def("centroid_dots", &ivf::centroid_dots, "q · every centroid, as the probe computes it", nogil);

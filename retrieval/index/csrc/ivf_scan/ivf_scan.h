@@ -563,8 +563,7 @@ at::Tensor eligible_rows(const at::Tensor& sig, const at::Tensor& fmask, const a
 at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
                            const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& coarse);
 at::Tensor many_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at::Tensor& codes,
-                          const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t,
-                          const at::Tensor& into);
+                          const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& centroids_t);
 std::tuple<at::Tensor, at::Tensor> exact_search_ids_int8(
     const at::Tensor& q, const at::Tensor& centroids_t, const at::Tensor& codes, const at::Tensor& scales,
     const at::Tensor& offsets, const at::Tensor& sig, const at::Tensor& fmask, const at::Tensor& fneg,
