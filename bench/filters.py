@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     tk = {} if args.skip_top_k else top_k(args)
     report = render(ev, tk, args.target)
     loaded, where = load_silvertorch(args.silvertorch_path)
-    st: dict[str, Any] = {"skipped": where}
+    st: dict[str, Any] = {"skipped": where if args.st_groups else "no --st-groups"}
     st_tk: dict[str, Any] = {"skipped": where if args.st_top_k else "no --st-top-k"}
     if loaded:
         groups = [int(g) for g in args.st_groups.split(",") if g]
