@@ -67,9 +67,13 @@ class SilverTorchPipeline:
         self.sizes = self.offsets[1:] - self.offsets[:-1]
         self.centroids = tensors.centroids
         self.probe, self.values, self.n = probe, values, x.shape[0]
-        xs = torch.from_numpy(x).index_select(0, self.order)
-        self.scale = float(xs.abs().max()) / 127  # one scale: int32 scores, exact
-        self.codes = (xs / self.scale).round().clamp(-127, 127).to(torch.int8)
+        xt = torch.from_numpy(x)
+        self.scale = float(xt.abs().max()) / 127  # one scale: int32 scores, exact
+        self.codes = torch.empty(x.shape, dtype=torch.int8)
+        # in list order, a chunk at a time: a whole copy of 10M x 64 floats would be 2.5 GB
+        for s in range(0, self.n, 1 << 20):
+            rows = xt.index_select(0, self.order[s : s + (1 << 20)])
+            self.codes[s : s + rows.shape[0]] = (rows / self.scale).round().clamp(-127, 127)
         docs_sorted = docs[self.order.numpy()]
         self.vals = torch.from_numpy(docs_sorted)  # value lists in list order, to verify
         self.bloom = bloom_index(docs_sorted, 2.0, 5)
