@@ -56,8 +56,8 @@ def pack_lsb(mask: torch.Tensor, n: int) -> torch.Tensor:
 class SilverTorchPipeline:
     """Its filtered search over our lists: Bloom mask -> fused int8 ANN -> top 2K verified.
 
-    ``x [N, D] float32`` in catalog order, ``docs [N, F, per_doc] int8``; ``lists`` our index's
-    tensors (centroids ``[L, D]``, offsets ``[L + 1]``, item ids ``[N]`` in list order)."""
+    ``x [N, D] float32`` in catalog order, ``docs [N, F, per_doc] int8``; ``tensors`` our index's
+    (centroids ``[L, D]``, offsets ``[L + 1]``, item ids ``[N]`` in list order)."""
 
     def __init__(
         self, x: np.ndarray, docs: np.ndarray, tensors: Any, probe: str, values: int
@@ -143,7 +143,6 @@ def top_k(
     q = torch.from_numpy(data.q)
     pipeline = SilverTorchPipeline(data.x, docs, index.tensors(), index.config.probe, values)
     scan = EligibleScan(torch.from_numpy(data.x))
-    vals = torch.from_numpy(docs)
     probes = [2**i for i in range(12) if 2**i <= nlist]
     out: dict[str, Any] = {
         "items": n, "dim": d, "nlist": nlist, "k": k, "queries": n_queries,
@@ -183,7 +182,6 @@ def top_k(
             "points": points,
             "turns_qps": {s: n_queries / t for s, t in in_turns(fns, rounds).items()},
         }
-    del vals
     return out
 
 
