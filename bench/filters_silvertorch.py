@@ -16,12 +16,14 @@ signature (``filter_mask``, a bool mask like the Bloom search's) and the admitte
 from __future__ import annotations
 
 import importlib
+import resource
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from timing import stopwatch
 
 from retrieval.index import IVFConfig, build_ivf
 from retrieval.index.eligible_scan import SLICES_AFTER, eligible_positions
@@ -41,10 +43,12 @@ def load_silvertorch(path: Path | None) -> tuple[bool, str]:
 
 
 def documents(n: int, features: int, values: int, per_doc: int, seed: int = 12345) -> np.ndarray:
-    """Each document's values: ``[n, features, per_doc]`` int64 in ``[0, values)``, ascending,
-    distinct within a feature (generated in chunks: a full ``[n, F, V]`` float array is large)."""
+    """Each document's values: ``[n, features, per_doc]`` int8 in ``[0, values)``, ascending,
+    distinct within a feature (generated in chunks: a full ``[n, F, V]`` float array is large;
+    int8, as 10M documents' value lists in int64 would be 4 GB)."""
+    assert values <= 127
     rng = np.random.default_rng(seed)
-    out = np.empty((n, features, per_doc), dtype=np.int64)
+    out = np.empty((n, features, per_doc), dtype=np.int8)
     for s in range(0, n, 100_000):
         e = min(n, s + 100_000)
         r = rng.random((e - s, features, values), dtype=np.float32)
@@ -52,15 +56,54 @@ def documents(n: int, features: int, values: int, per_doc: int, seed: int = 1234
     return out
 
 
+BUNDLE_DOCS = 32 * 64
+"""Documents in one of SilverTorch's Bloom column bundles (32 columns of 64): bundles are sized
+and filled from their own documents alone, so an index built a whole number of bundles at a
+time and concatenated is the index built at once."""
+
+
+def bloom_index(
+    docs: np.ndarray, b_multiplier: float, hash_k: int, chunk: int = 100 * BUNDLE_DOCS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SilverTorch's Bloom index of ``docs [N, F, per_doc]`` -> ``(bloom [*] int64, bundle
+    offsets [N / 2048 + 1] int64)``, built ``chunk`` documents at a time (its build takes the
+    values as int64 with their offsets: 96 bytes a value held at once, 4.8 GB at 10M)."""
+    assert chunk % BUNDLE_DOCS == 0
+    n, features, per_doc = docs.shape
+    feature_ids = torch.arange(1, features + 1, dtype=torch.int32)
+    blooms, bundles, base = [], [torch.zeros(1, dtype=torch.int64)], 0
+    for s in range(0, n, chunk):
+        part = torch.from_numpy(docs[s : s + chunk].reshape(-1)).long() + 1  # its values from 1
+        offsets = torch.arange(0, part.numel() + 1, per_doc, dtype=torch.int64)
+        bloom, bundle = torch.ops.st.bloom_index_build(
+            feature_ids, offsets, part, b_multiplier, hash_k
+        )
+        blooms.append(bloom)
+        bundles.append(bundle[1:] + base)
+        base += int(bundle[-1])
+    return torch.cat(blooms), torch.cat(bundles)
+
+
 def queries(
-    groups: int, features: int, values: int, per_doc: int, seed: int = 12345
+    groups: int, features: int, values: int, per_doc: int, seed: int = 12345, per_group: int = 0
 ) -> list[tuple[int, list[int]]]:
-    """``groups`` OR-groups ``(feature, values)``, the features cycling as SilverTorch's
-    benchmark cycles them."""
+    """``groups`` OR-groups ``(feature, values)`` of ``per_group`` values (``per_doc`` by
+    default), the features cycling as SilverTorch's benchmark cycles them."""
     rng = np.random.default_rng(seed + groups)
-    return [
-        (g % features, sorted(rng.permutation(values)[:per_doc].tolist())) for g in range(groups)
-    ]
+    m = per_group or per_doc
+    return [(g % features, sorted(rng.permutation(values)[:m].tolist())) for g in range(groups)]
+
+
+def present_values(docs: np.ndarray, values: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``docs [N, F, per_doc]`` as our multi-valued attributes: ``f{i}`` -> ``[N, values]``
+    bool, and their vocabularies ``v0 .. v{values - 1}``."""
+    attrs: dict[str, np.ndarray] = {}
+    for f in range(docs.shape[1]):
+        present = np.zeros((docs.shape[0], values), dtype=bool)
+        np.put_along_axis(present, docs[:, f, :].astype(np.int64), True, axis=1)
+        attrs[f"f{f}"] = present
+    vocab: dict[str, Any] = {f: [f"v{v}" for v in range(values)] for f in attrs}
+    return attrs, vocab
 
 
 def our_text(q: list[tuple[int, list[int]]]) -> str:
@@ -80,18 +123,25 @@ def reference(docs: np.ndarray, q: list[tuple[int, list[int]]]) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
-def verify(
+def passes(
     vals: torch.Tensor, cand: torch.Tensor, q: list[tuple[int, list[int]]], values: int
 ) -> torch.Tensor:
-    """The candidates ``cand [M]`` whose value lists (``vals [N, F, per_doc]``) pass ``q``:
-    each group a lookup table of its values, read at the candidates' values."""
+    """Whether each candidate of ``cand [M]`` passes ``q`` -> ``[M]`` bool, read from the value
+    lists ``vals [N, F, per_doc]``: each group a lookup table of its values."""
     rows = vals.index_select(0, cand)  # [M, F, per_doc]
     keep = torch.ones(cand.numel(), dtype=torch.bool)
     for f, vs in q:
         lut = torch.zeros(values, dtype=torch.bool)
         lut[vs] = True
-        keep &= lut[rows[:, f]].any(dim=1)
-    return cand[keep]
+        keep &= lut[rows[:, f].int()].any(dim=1)  # int8 values: widened to index
+    return keep
+
+
+def verify(
+    vals: torch.Tensor, cand: torch.Tensor, q: list[tuple[int, list[int]]], values: int
+) -> torch.Tensor:
+    """The candidates ``cand [M]`` that pass ``q`` (:func:`passes`)."""
+    return cand[passes(vals, cand, q, values)]
 
 
 def compare(
@@ -108,13 +158,8 @@ def compare(
     """Ms per query of each way at each OR-group count, admitted counts, false positives, bytes
     per document. Needs ``torch.ops.st`` loaded (:func:`load_silvertorch`)."""
     docs = documents(n, features, values, per_doc)
-    present = np.zeros((n, values), dtype=bool)
-    attrs: dict[str, np.ndarray] = {}
-    for f in range(features):
-        present[:] = False
-        np.put_along_axis(present, docs[:, f, :], True, axis=1)
-        attrs[f"f{f}"] = present.copy()
-    vocab: dict[str, Any] = {f"f{f}": [f"v{v}" for v in range(values)] for f in range(features)}
+    attrs, vocab = present_values(docs, values)
+    elapsed = stopwatch()
     build = build_ivf(
         torch.randn(n, 8),
         IVFConfig(nlist=16, measure_costs=False),
@@ -123,12 +168,13 @@ def compare(
     )  # signatures and postings; the vectors do not matter here
     t = build.tensors()
     slices = bit_slices_cpu(t.lists.sig)  # held once, as the signatures are
+    ours_s = elapsed()
+    del attrs  # [N, V] bools a feature: 1 GB at 10M, read by the build only
 
-    st = torch.ops.st
-    flat = torch.from_numpy(docs.reshape(-1) + 1)
-    offsets = torch.arange(0, n * features * per_doc + 1, per_doc, dtype=torch.int64)
-    feature_ids = torch.arange(1, features + 1, dtype=torch.int32)
-    bloom, bundle = st.bloom_index_build(feature_ids, offsets, flat, b_multiplier, hash_k)
+    elapsed = stopwatch()
+    bloom, bundle = bloom_index(docs, b_multiplier, hash_k)
+    bloom_s = elapsed()
+    vals = torch.from_numpy(docs)  # what its exact verification reads
 
     sig_bytes = t.lists.sig.numel() * 8
     post_bytes = t.postings.numel() * 4 + t.bit_counts.numel() * 8
@@ -141,8 +187,9 @@ def compare(
             "ours, signatures + postings": (sig_bytes + post_bytes) / n,
             "ours, bit slices": slices.numel() * 8 / n,
             "silvertorch, bloom index": (bloom.numel() * bloom.element_size()) / n,
-            "value lists (its exact verification)": flat.numel() * 8 / n,
+            "value lists (its exact verification)": vals.numel() * vals.element_size() / n,
         },
+        "build_s": {"ours (signatures, postings, slices)": ours_s, "silvertorch bloom": bloom_s},
         "groups": {},
     }
     for groups in groups_list:
@@ -150,6 +197,7 @@ def compare(
         out["groups"][str(groups)] = one_query(
             q, build, slices, docs, values, (bloom, bundle), hash_k, rounds, in_turns
         )
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return out
 
 

@@ -515,6 +515,46 @@ def filters_silvertorch(data: Data, spec: Spec) -> Rows:
         f" | Bloom index {b['silvertorch, bloom index']:.0f} (+ value lists "
         f"{b['value lists (its exact verification)']:.0f} to verify) | "
     )
+    if "peak_rss_gib" in st:
+        build = st["build_s"]
+        rows.append(
+            f"build, {st['items']:,} docs (the run's peak memory "
+            f"{st['peak_rss_gib']:.1f} GiB) | signatures, postings, slices "
+            f"{build['ours (signatures, postings, slices)']:.0f} s | Bloom index "
+            f"{build['silvertorch bloom']:.0f} s | "
+        )
+    return rows
+
+
+def filters_silvertorch_top_k(data: Data, spec: Spec) -> Rows:
+    """``bench/filters.py --st-top-k``: filtered top-K end to end, ours against SilverTorch's
+    two CPU pipelines, each at its cheapest nprobe reaching the target recall."""
+    st = data["silvertorch_top_k"]
+    if "skipped" in st:
+        return [f"not measured | {st['skipped']} | | "]
+    target = float(data["meta"]["args"]["target"])
+
+    def point(f: Data, system: str) -> tuple[str, float | None]:
+        reach = [p for p in f["points"][system] if p["recall"] >= target]
+        q = f["turns_qps"].get(system)
+        if not reach or q is None:
+            return "recall not reached", None
+        b = max(reach, key=lambda p: p["qps"])
+        probe = f"nprobe {b['nprobe']}, " if b["nprobe"] else ""
+        return f"{probe}recall {b['recall']:.3f}, {qps(q)} q/s", q
+
+    rows = []
+    for name, f in st["filters"].items():
+        ours, ours_q = point(f, "ours")
+        for system in f["points"]:
+            if system == "ours":
+                continue
+            theirs, their_q = point(f, system)
+            speed = bold(ours_q / their_q) if ours_q and their_q else ""
+            rows.append(
+                f"{name}, {100 * f['selectivity']:.1f} % pass, {st['items']:,} x {st['dim']} | "
+                f"{ours} | {system.removeprefix('silvertorch, ')}: {theirs} | {speed}"
+            )
     return rows
 
 
@@ -540,6 +580,10 @@ KINDS: dict[str, tuple[Kind, str]] = {
     "filters_silvertorch": (
         filters_silvertorch,
         "case | ours (exact) | SilverTorch CPU | it ÷ ours (speed)",
+    ),
+    "filters_silvertorch_top_k": (
+        filters_silvertorch_top_k,
+        "filter, documents | ours: setting, recall@100, q/s | SilverTorch CPU pipeline | ours ÷ it (q/s)",
     ),
     "seen": (
         seen,
