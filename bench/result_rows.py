@@ -450,6 +450,24 @@ def filters(data: Data, spec: Spec) -> Rows:
     return rows
 
 
+def selectivity(data: Data, spec: Spec) -> Rows:
+    """``bench/selectivity.py``: per expression, the truth, the sampled estimate and the
+    independent one ("as before"), each one's plan, recall@K and q/s (the same index, in turns)."""
+    rows = []
+    for c in data["result"]["cases"]:
+        s, b = c["sampled"], c["as before"]
+
+        def plan(p: dict[str, Any]) -> str:
+            return ", ".join(f"{k} {v}" for k, v in p["kinds"].items())
+
+        rows.append(
+            f"`{c['text']}` | {100 * c['truth']:.3f} % | {100 * s['estimate']:.3f} % / "
+            f"{100 * b['estimate']:.3f} % | {plan(s)} / {plan(b)} | {s['recall']:.3f} / "
+            f"{b['recall']:.3f} | {qps(s['qps'])} / {qps(b['qps'])} | {bold(s['qps'] / b['qps'])}"
+        )
+    return rows
+
+
 def filters_hashed(data: Data, spec: Spec) -> Rows:
     """``bench/filters.py --hashed``: a 10^6-value attribute's bytes an item, and evaluating
     expressions naming it (``eligible_positions``) against NumPy over the columns, with the
@@ -577,6 +595,10 @@ KINDS: dict[str, tuple[Kind, str]] = {
     ),
     "filters": (filters, "case | ours | fastest peer | ours ÷ peer (speed)"),
     "filters_hashed": (filters_hashed, "case | ours | peer | ours ÷ peer (speed)"),
+    "selectivity": (
+        selectivity,
+        "expression | admits | estimate: sampled / as before | plan: sampled / as before | recall@100: sampled / as before | q/s: sampled / as before | sampled ÷ as before",
+    ),
     "filters_silvertorch": (
         filters_silvertorch,
         "case | ours (exact) | SilverTorch CPU | it ÷ ours (speed)",

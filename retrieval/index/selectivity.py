@@ -145,23 +145,27 @@ def _combine(independent: Any, narrowest: Any, hits: Any, s: int, n: int, xp: An
 
 
 def _hits_host(sample: FilterSample, fb: FilterBatch) -> np.ndarray:
-    """``[B] float64``: sample items each row admits, one C++ evaluation a distinct filter."""
+    """``[B] float64``: sample items each row admits, one C++ evaluation a distinct filter (a
+    batch sharing one, the common case, costs one)."""
     masks, negate = fb.masks.cpu(), fb.negate.cpu()
     none = None if fb.neg_masks is None else fb.neg_masks.cpu()
-    out = np.empty(masks.shape[0], dtype=np.float64)
-    seen: dict[bytes, float] = {}
-    for row in range(masks.shape[0]):
+    b = masks.shape[0]
+    parts = [masks.numpy().reshape(b, -1), negate.numpy().reshape(b, -1).astype(np.int64)]
+    if none is not None:
+        parts.append(none.numpy().reshape(b, -1))
+    keys = np.concatenate(parts, axis=1)  # [B, row's filter]
+    if (keys == keys[:1]).all():
+        firsts, inverse = np.zeros(1, dtype=np.int64), np.zeros(b, dtype=np.int64)
+    else:
+        _, firsts, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    hits = np.empty(len(firsts), dtype=np.float64)
+    for i, row in enumerate(firsts.tolist()):
         nm = None if none is None else none[row]
-        key = masks[row].numpy().tobytes() + negate[row].numpy().tobytes()
-        if nm is not None:
-            key += nm.numpy().tobytes()
-        if key not in seen:
-            rows = eligible_rows_cpu(
-                sample.host, masks[row], negate[row], sample.counts, sample.postings, nm
-            )
-            seen[key] = float(rows.numel())
-        out[row] = seen[key]
-    return out
+        rows = eligible_rows_cpu(
+            sample.host, masks[row], negate[row], sample.counts, sample.postings, nm
+        )
+        hits[i] = rows.numel()
+    return hits[inverse.reshape(-1)]
 
 
 def _hits_device(
