@@ -210,6 +210,9 @@ class FilterSchema:
         self.hashed_digits: dict[str, int] = {}
         self.position: dict[str, dict[str, int]] = {}
         """A hashed attribute's value -> its position (the key its digits encode)."""
+        self.multi_valued: set[str] = set()
+        """The hashed attributes whose items hold several values (their signatures a superset,
+        answers verified against the index's value lists: ``retrieval/value_lists.py``)."""
         bits = 0
         for attr, vocab in attribute_values.items():
             if isinstance(vocab, str):
@@ -345,6 +348,9 @@ class FilterSchema:
         for attr, arr in item_attributes.items():
             if attr not in self.attribute_values:
                 raise ValueError(f"item_attributes[{attr!r}] has no vocabulary in attribute_values")
+            if attr in self.hashed_base and isinstance(arr, list | tuple):
+                self._multi_hashed_signatures(sig, attr, arr)
+                continue
             arr = np.asarray(arr)
             if arr.shape[0] != num_items:
                 raise ValueError(
@@ -403,11 +409,33 @@ class FilterSchema:
         for col in bit.T:
             sig[rows, col // WORD_BITS] |= np.uint64(1) << (col % WORD_BITS).astype(np.uint64)
 
+    def _multi_hashed_signatures(
+        self, sig: np.ndarray, attr: str, lists: Sequence[Sequence[int]]
+    ) -> None:
+        """Sets, in ``sig [N, W]``, the digit bits of every value of multi-valued hashed
+        attribute ``attr`` each item holds (``lists``: each item's codes): a superset test."""
+        size = len(self.vocabulary(attr))
+        if len(lists) != sig.shape[0]:
+            raise ValueError(f"item_attributes[{attr!r}] has {len(lists)} rows, expected {len(sig)}")
+        rows = np.repeat(np.arange(len(lists)), [len(v) for v in lists])
+        codes = np.fromiter((int(c) for v in lists for c in v), np.int64, rows.shape[0])
+        if codes.size and (codes.min() < 0 or codes.max() >= size):
+            raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {size})")
+        digits = self.hashed_digits[attr]
+        bit = numeric_bits(hashed_keys(codes, digits), self.hashed_base[attr], digits)
+        for col in bit.T:
+            np.bitwise_or.at(
+                sig, (rows, col // WORD_BITS), np.uint64(1) << (col % WORD_BITS).astype(np.uint64)
+            )
+        self.multi_valued.add(attr)
+
     def value_bits(self, attr: str, values: Sequence[str], learn: bool = True) -> list[int]:
         """The signature bits an item with ``values`` of ``attr`` sets (a numeric attribute:
-        one number, as text; a hashed one: one value, new ones learned unless not ``learn``);
-        ``ValueError`` for an unknown name or value."""
+        one number, as text; a hashed one: one value, new ones learned unless not ``learn``,
+        or several of a multi-valued one); ``ValueError`` for an unknown name or value."""
         self.known(attr)
+        if attr in self.multi_valued:
+            return sorted({b for v in values for b in self.value_bits_one(attr, v, learn)})
         if attr in self.hashed_base:
             if len(values) != 1:
                 raise ValueError(f"{attr!r} is hashed: one value an item")
@@ -427,6 +455,12 @@ class FilterSchema:
                 ) from None
             return numeric_bits(keys, self.numeric_base[attr]).ravel().tolist()
         return self.clause_bits(Clause(attr, tuple(values)))
+
+    def value_bits_one(self, attr: str, value: str, learn: bool = True) -> list[int]:
+        """The digit bits of one value of hashed attribute ``attr`` (learned unless not ``learn``)."""
+        p = self.learn(attr, value, keep=learn)
+        key = hashed_keys(np.array([p]), self.hashed_digits[attr])
+        return numeric_bits(key, self.hashed_base[attr], self.hashed_digits[attr]).ravel().tolist()
 
     def attribute_bits(self, attr: str) -> list[int]:
         """Every signature bit attribute ``attr`` may set."""

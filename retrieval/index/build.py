@@ -16,6 +16,7 @@ from retrieval.index.calibrate import calibrates, measure_plan_costs
 from retrieval.index.codes import quantize
 from retrieval.index.exact import exact_search, recall_at_k
 from retrieval.index.inputs import as_tensor
+from retrieval.value_lists import ValueLists
 from retrieval.index.ivf import EXACT_DTYPES, BuiltIVFConfig, IVFConfig, IVFIndex
 from retrieval.index.kmeans import assign, train_centroids
 from retrieval.index.probe import unit_norm
@@ -79,7 +80,11 @@ def build_ivf(
     best: IVFIndex | None = None
     for probe_, by_ in rules:
         index = _lists_index(x, ids, config, probe_, by_, item_attributes, attribute_values)
+        # the calibration times compiled sample filters (the signature test, a superset on a
+        # multi-valued hashed attribute: its costs, not its answers); the value lists join after
+        lists, index.value_lists = index.value_lists, {}
         _calibrate(index, sample, (x, ids))
+        index.value_lists = lists
         if best is None or index.config.nprobe < best.config.nprobe:
             best = index
     assert best is not None
@@ -127,6 +132,10 @@ def _lists_index(
     index.bit_counts, index.postings = bit_index(sig, index.schema.unindexed_bits())
     index.list_radius = list_radius(ls, norms, nlist)
     index.list_bits = list_bits(ls, sig, nlist)
+    # a multi-valued hashed attribute's exact values, by id: what its answers are verified by
+    index.value_lists = {
+        a: ValueLists.of(ids.numpy(), (item_attributes or {})[a]) for a in index.schema.multi_valued
+    }
     index._refresh()
     return index
 

@@ -58,6 +58,8 @@ from retrieval.index.search import Candidates
 from retrieval.index.selectivity import FilterSample, sample_rows
 from retrieval.index.stats import IndexStats
 from retrieval.index.targets import check_targets
+from retrieval.index.verified import refuse_compiled, routed_rows, verified_search
+from retrieval.value_lists import ValueLists
 from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ValuePostings
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
@@ -169,6 +171,9 @@ class IVFIndex(nn.Module):
         rows and tombstones, searched beside the main lists. None: nothing."""
         self.served_items: int | None = None
         """A router's statistics-only index: the items its shards serve (None: ``ntotal``)."""
+        self.value_lists: dict[str, ValueLists] = {}
+        """Each multi-valued hashed attribute's exact values by item id (saved with the
+        index): what :mod:`~retrieval.index.verified` checks its superset signatures against."""
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -189,6 +194,7 @@ class IVFIndex(nn.Module):
             "dim": self.dim,
             "attribute_values": self.schema.to_dict(),
             "hashed_digits": dict(self.schema.hashed_digits),
+            "value_lists": {a: v.state() for a, v in self.value_lists.items()},
         }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
@@ -207,6 +213,9 @@ class IVFIndex(nn.Module):
         self.schema = FilterSchema(
             state["attribute_values"], hashed_digits=state.get("hashed_digits", {})
         )
+        lists = state.get("value_lists", {})
+        self.value_lists = {a: ValueLists.from_state(v) for a, v in lists.items()}
+        self.schema.multi_valued = set(self.value_lists)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -384,6 +393,13 @@ class IVFIndex(nn.Module):
         :meth:`search_plan` tells, per row, how many lists the search will probe.
         """
         q = self._check_queries(q)
+        if self.value_lists and filters is not None:
+            if isinstance(filters, FilterBatch):
+                refuse_compiled(self.schema, filters, "a compiled FilterBatch")
+            else:
+                found = self._verified(q, k, filters, positions, nprobe, rerank)
+                if found is not None:
+                    return found
         fb = None if filters is None else self.compile_filter(filters, q.shape[0])
         if recall_target is None and not exact:
             params = self._plain_params(k, nprobe, rerank)
@@ -397,6 +413,41 @@ class IVFIndex(nn.Module):
         # a direct search: no compile boundary (:meth:`execute` is this call on trusted inputs)
         return self.executor.search(self.tensors(), q, fb, params, positions, self.live)
 
+    def _verified(
+        self,
+        q: torch.Tensor,
+        k: int,
+        filters: str | Sequence[str | None],
+        positions: bool,
+        nprobe: int | None,
+        rerank: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`search` where some rows' filters name a multi-valued hashed attribute: those
+        rows scan their eligible items exactly, verified (``verified.py``), the others search
+        as usual; None when no row does."""
+        rows, exprs = routed_rows(self.value_lists, filters, q.shape[0])
+        if not rows:
+            return None
+        if self.live is not None and self.live.size > 0:
+            raise ValueError(
+                f"filter on {sorted(self.value_lists)}: multi-valued hashed attributes are not "
+                "verified in the fresh segment of live updates; compact the index first"
+            )
+        t = self.tensors()
+        pos, scores = verified_search(t, q[rows], as_count(k, "k", 1), exprs, self.schema, self.value_lists)
+        out = pos if positions else ids_at(t, pos)
+        others = [i for i in range(q.shape[0]) if i not in set(rows)]
+        if not others:
+            return out, scores
+        texts = [filters] * q.shape[0] if isinstance(filters, str) else list(filters)
+        o_ids, o_scores = self.search(
+            q[others], k, [texts[i] for i in others], nprobe=nprobe, rerank=rerank, positions=positions
+        )
+        ids = torch.empty((q.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
+        sc = torch.empty((q.shape[0], out.shape[1]), dtype=scores.dtype, device=scores.device)
+        ids[rows], sc[rows], ids[others], sc[others] = out, scores, o_ids, o_scores
+        return ids, sc
+
     def _execute(
         self,
         q: torch.Tensor,
@@ -407,6 +458,8 @@ class IVFIndex(nn.Module):
         """:meth:`search` on validated inputs (the model's forward checks its batch at its own
         edge): ``q [B, D]`` float32 on this index's device, ``fb`` on it too (None: no clause,
         nothing excluded), ``params`` from :meth:`params`."""
+        if self.value_lists and fb is not None:
+            refuse_compiled(self.schema, fb, "IVFIndex.execute")
         return self.executor.search(self.tensors(), q, fb, params, positions, self.live)
 
     # The host plan branches on data (which rows are exact, how many lists each probes), so
@@ -505,6 +558,8 @@ class IVFIndex(nn.Module):
         document shard answers), with their vectors ``[B, r, D]`` when ``with_vectors`` (for a
         scoring head): list rows' best ``r`` approximate scores of the probed lists (re-scored
         exactly when the plan re-ranks), exact rows' best ``k`` eligible items."""
+        if self.value_lists:
+            refuse_compiled(self.schema, fb, "a shard's item_candidates")
         return self.executor.item_candidates(self.tensors(), q, fb, plan, with_vectors, self.live)
 
     def _check_queries(self, q: torch.Tensor | np.ndarray) -> torch.Tensor:

@@ -28,9 +28,12 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
+from retrieval.filters import pack_bits
 from retrieval.index.bound import grown
 from retrieval.index.build import bit_index
 from retrieval.index.codes import quantize
@@ -133,8 +136,16 @@ def _rebuilt(
     new.exact = (exact[order] if _has_exact(index) else exact[:0]).contiguous().to(dev)
     new.list_radius, new.list_bits = bounds or (index.list_radius, index.list_bits)
     new.built_sizes = index.built_sizes  # as built: a shard's stay the catalog's
+    _keep_value_lists(new, index)
     _set_signatures(new, sig[order].contiguous().to(dev))
     return new
+
+
+def _keep_value_lists(new: IVFIndex, index: IVFIndex) -> None:
+    """``new`` keeps ``index``'s multi-valued hashed attributes' value lists (by id: they hold
+    through any reordering; an item added without them holds none of those values)."""
+    new.value_lists = dict(index.value_lists)
+    new.schema.multi_valued = set(index.value_lists)
 
 
 def _has_exact(index: IVFIndex) -> bool:
@@ -260,7 +271,34 @@ def set_signatures(
     new.list_bits = index.list_bits | spread.to(index.list_bits.device).view(1, -1)
     all_sig = index.sig.clone()
     all_sig[pos] = sig.to(all_sig.device)
+    _keep_value_lists(new, index)
     _set_signatures(new, all_sig)
+    return new
+
+
+def set_values(
+    index: IVFIndex, ids: torch.Tensor | np.ndarray, attr: str, values: Sequence[Sequence[str]]
+) -> IVFIndex:
+    """A new index where items ``ids [n]`` hold ``values`` (one list each) of multi-valued
+    hashed attribute ``attr``, new values learned: their signatures' digits of ``attr``
+    rewritten (the superset of the new values) and their value lists replaced."""
+    if attr not in index.value_lists:
+        raise ValueError(f"{attr!r} is not a multi-valued hashed attribute of this index")
+    ids = _check_ids(ids)
+    if len(values) != ids.numel():
+        raise ValueError(f"values: {len(values)} lists for {ids.numel()} ids")
+    pos = _require_known(index, ids, "ids").to(index.sig.device)
+    schema = index.schema
+    sig = index.sig[pos].cpu().numpy().view(np.uint64).copy()  # [n, W]
+    clear = np.zeros(schema.num_words * 64, dtype=bool)
+    clear[schema.attribute_bits(attr)] = True
+    sig &= ~pack_bits(clear[None, :]).numpy().view(np.uint64)
+    for row, vs in enumerate(values):
+        for b in schema.value_bits(attr, list(vs)):
+            sig[row, b // 64] |= np.uint64(1) << np.uint64(b % 64)
+    lists = [[schema.position[attr][v] for v in vs] for vs in values]
+    new = set_signatures(index, ids, torch.from_numpy(sig.view(np.int64)))
+    new.value_lists = {**index.value_lists, attr: index.value_lists[attr].replaced(ids.numpy(), lists)}
     return new
 
 

@@ -1,0 +1,135 @@
+"""Exact values of a multi-valued hashed attribute (tags: an item holds several of 10^5 values).
+
+A hashed attribute's signature stores a value's position in ``D`` one-hot hexadecimal digits
+(``retrieval/filters.py``). An item holding one value passes exactly the clauses naming it; an item
+holding several sets every value's digits, which mix (``0x12`` and ``0x34`` also read as ``0x14``),
+so its signature is a superset: no false negatives, some false positives. The index keeps, for
+each such attribute, every item's value positions (:class:`ValueLists`, a CSR by item id: ids
+survive the lists' reordering by builds and updates), and every answer under a filter naming
+the attribute is verified against them (:func:`verify`) before its top-K is taken.
+
+Bytes an item: 8 (its id) + 8 (its offset) + 4 a value it holds, beside its ``16 D`` signature bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from retrieval.filter_expr import And, Clause, Compare, Expr, Not, Or
+
+
+@dataclass(frozen=True)
+class ValueLists:
+    """Items' value positions: ``ids [N] int64`` ascending, ``offsets [N+1] int64`` and
+    ``positions [nnz] int32``: item ``ids[i]`` holds ``positions[offsets[i] : offsets[i+1]]``.
+    An id not listed holds no value."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    positions: np.ndarray
+
+    @staticmethod
+    def of(ids: np.ndarray, lists: Sequence[Sequence[int]]) -> ValueLists:
+        """Item ids ``[N]`` (distinct) and each one's value positions -> their lists."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(lists) != ids.shape[0]:
+            raise ValueError(f"{len(lists)} value lists for {ids.shape[0]} items")
+        if np.unique(ids).shape[0] != ids.shape[0]:
+            raise ValueError("value lists: item ids repeat")
+        order = np.argsort(ids, kind="stable")
+        sizes = np.array([len(lists[i]) for i in order], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        flat = [int(p) for i in order for p in lists[i]]
+        return ValueLists(ids[order], offsets, np.asarray(flat, dtype=np.int32))
+
+    @staticmethod
+    def empty() -> ValueLists:
+        return ValueLists.of(np.zeros(0, np.int64), [])
+
+    def lists(self) -> dict[int, list[int]]:
+        """``{item id: its positions}`` (for a rewrite of a few items)."""
+        p = self.positions.tolist()
+        o = self.offsets.tolist()
+        return {int(i): p[o[j] : o[j + 1]] for j, i in enumerate(self.ids.tolist())}
+
+    def replaced(self, ids: np.ndarray, lists: Sequence[Sequence[int]]) -> ValueLists:
+        """A copy where items ``ids [n]`` hold ``lists`` instead (new ids join)."""
+        held = self.lists()
+        held.update({int(i): list(v) for i, v in zip(np.asarray(ids).tolist(), lists, strict=True)})
+        return ValueLists.of(np.fromiter(held, np.int64, len(held)), list(held.values()))
+
+    def holds(self, ids: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+        """Whether each of items ``ids [M]`` holds one of ``positions`` -> ``[M] bool``."""
+        ids = np.asarray(ids, dtype=np.int64)
+        out = np.zeros(ids.shape[0], dtype=bool)
+        if not positions or not self.ids.size:
+            return out
+        at = np.searchsorted(self.ids, ids).clip(max=self.ids.size - 1)
+        listed = self.ids[at] == ids
+        hit = np.isin(self.positions, np.asarray(positions, dtype=np.int32))  # [nnz]
+        # hits before each item's first value: its hits are the difference of two of them
+        before = np.concatenate([[0], np.cumsum(hit)])
+        starts, ends = self.offsets[at], self.offsets[at + 1]
+        out[listed] = (before[ends] - before[starts])[listed] > 0
+        return out
+
+    def nbytes(self) -> int:
+        return self.ids.nbytes + self.offsets.nbytes + self.positions.nbytes
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What a saved index holds (tensors)."""
+        return {
+            "ids": torch.from_numpy(self.ids.copy()),
+            "offsets": torch.from_numpy(self.offsets.copy()),
+            "positions": torch.from_numpy(self.positions.copy()),
+        }
+
+    @staticmethod
+    def from_state(state: Mapping[str, torch.Tensor]) -> ValueLists:
+        return ValueLists(
+            state["ids"].numpy().astype(np.int64),
+            state["offsets"].numpy().astype(np.int64),
+            state["positions"].numpy().astype(np.int32),
+        )
+
+
+def names_any(expr: Expr, attributes: Mapping[str, object]) -> str | None:
+    """The first of ``attributes`` that ``expr`` names, or None."""
+    if isinstance(expr, Clause | Compare):
+        return expr.attribute if expr.attribute in attributes else None
+    if isinstance(expr, Not):
+        return names_any(expr.child, attributes)
+    for child in expr.children:
+        found = names_any(child, attributes)
+        if found is not None:
+            return found
+    return None
+
+
+def verify(
+    expr: Expr,
+    atom_test: object,
+    ids: np.ndarray,
+    value_lists: Mapping[str, ValueLists],
+    position: Mapping[str, Mapping[str, int]],
+) -> np.ndarray:
+    """Which of items ``ids [M]`` pass ``expr`` exactly -> ``[M] bool``: a clause on a
+    multi-valued hashed attribute from its value lists (``position``: value -> position), any
+    other atom by ``atom_test(atom) -> [M] bool`` (its signature test, exact for one atom)."""
+    if isinstance(expr, Clause) and expr.attribute in value_lists:
+        pos = position[expr.attribute]
+        held = value_lists[expr.attribute].holds(ids, [pos[v] for v in expr.values if v in pos])
+        return ~held if expr.negate else held
+    if isinstance(expr, Clause | Compare):
+        return np.asarray(atom_test(expr), dtype=bool)  # type: ignore[operator]
+    if isinstance(expr, Not):
+        return ~verify(expr.child, atom_test, ids, value_lists, position)
+    parts = [verify(c, atom_test, ids, value_lists, position) for c in expr.children]
+    if isinstance(expr, And):
+        return np.logical_and.reduce(parts) if parts else np.ones(ids.shape[0], bool)
+    assert isinstance(expr, Or)
+    return np.logical_or.reduce(parts) if parts else np.zeros(ids.shape[0], bool)
