@@ -416,7 +416,9 @@ class FilterSchema:
         attribute ``attr`` each item holds (``lists``: each item's codes): a superset test."""
         size = len(self.vocabulary(attr))
         if len(lists) != sig.shape[0]:
-            raise ValueError(f"item_attributes[{attr!r}] has {len(lists)} rows, expected {len(sig)}")
+            raise ValueError(
+                f"item_attributes[{attr!r}] has {len(lists)} rows, expected {len(sig)}"
+            )
         rows = np.repeat(np.arange(len(lists)), [len(v) for v in lists])
         codes = np.fromiter((int(c) for v in lists for c in v), np.int64, rows.shape[0])
         if codes.size and (codes.min() < 0 or codes.max() >= size):

@@ -16,12 +16,12 @@ from retrieval.index.calibrate import calibrates, measure_plan_costs
 from retrieval.index.codes import quantize
 from retrieval.index.exact import exact_search, recall_at_k
 from retrieval.index.inputs import as_tensor
-from retrieval.value_lists import ValueLists
 from retrieval.index.ivf import EXACT_DTYPES, BuiltIVFConfig, IVFConfig, IVFIndex
 from retrieval.index.kmeans import assign, train_centroids
 from retrieval.index.probe import unit_norm
 from retrieval.index.scan import bit_index_cpu, encode_int8_cpu
 from retrieval.index.targets import CURVE_TOP, SLACK_QUANTILES, curve_nprobe
+from retrieval.value_lists import ValueLists
 
 
 def build_ivf(
@@ -133,8 +133,9 @@ def _lists_index(
     index.list_radius = list_radius(ls, norms, nlist)
     index.list_bits = list_bits(ls, sig, nlist)
     # a multi-valued hashed attribute's exact values, by id: what its answers are verified by
+    given = item_attributes or {}  # a multi-valued one: each item's codes, a list
     index.value_lists = {
-        a: ValueLists.of(ids.numpy(), (item_attributes or {})[a]) for a in index.schema.multi_valued
+        a: ValueLists.of(ids.numpy(), list(given[a])) for a in index.schema.multi_valued
     }
     index._refresh()
     return index

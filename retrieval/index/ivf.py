@@ -58,9 +58,9 @@ from retrieval.index.search import Candidates
 from retrieval.index.selectivity import FilterSample, sample_rows
 from retrieval.index.stats import IndexStats
 from retrieval.index.targets import check_targets
+from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ValuePostings
 from retrieval.index.verified import refuse_compiled, routed_rows, verified_search
 from retrieval.value_lists import ValueLists
-from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ValuePostings
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
 __all__ = [
@@ -397,7 +397,8 @@ class IVFIndex(nn.Module):
             if isinstance(filters, FilterBatch):
                 refuse_compiled(self.schema, filters, "a compiled FilterBatch")
             else:
-                found = self._verified(q, k, filters, positions, nprobe, rerank)
+                opts = {"nprobe": nprobe, "rerank": rerank, "exact": exact}
+                found = self._verified(q, k, filters, positions, opts, recall_target)
                 if found is not None:
                     return found
         fb = None if filters is None else self.compile_filter(filters, q.shape[0])
@@ -419,8 +420,8 @@ class IVFIndex(nn.Module):
         k: int,
         filters: str | Sequence[str | None],
         positions: bool,
-        nprobe: int | None,
-        rerank: int | None,
+        opts: dict[str, Any],
+        recall_target: float | torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`search` where some rows' filters name a multi-valued hashed attribute: those
         rows scan their eligible items exactly, verified (``verified.py``), the others search
@@ -434,14 +435,23 @@ class IVFIndex(nn.Module):
                 "verified in the fresh segment of live updates; compact the index first"
             )
         t = self.tensors()
-        pos, scores = verified_search(t, q[rows], as_count(k, "k", 1), exprs, self.schema, self.value_lists)
+        k = as_count(k, "k", 1)
+        pos, scores = verified_search(t, q[rows], k, exprs, self.schema, self.value_lists)
         out = pos if positions else ids_at(t, pos)
         others = [i for i in range(q.shape[0]) if i not in set(rows)]
         if not others:
             return out, scores
         texts = [filters] * q.shape[0] if isinstance(filters, str) else list(filters)
+        target = recall_target
+        if isinstance(target, torch.Tensor) and target.ndim:
+            target = target[others]
         o_ids, o_scores = self.search(
-            q[others], k, [texts[i] for i in others], nprobe=nprobe, rerank=rerank, positions=positions
+            q[others],
+            k,
+            [texts[i] for i in others],
+            recall_target=target,
+            positions=positions,
+            **opts,
         )
         ids = torch.empty((q.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
         sc = torch.empty((q.shape[0], out.shape[1]), dtype=scores.dtype, device=scores.device)

@@ -104,6 +104,9 @@ def _new_like(index: IVFIndex) -> IVFIndex:
         index.stats,
         index.schema.hashed_digits,
     )
+    # the value lists are by id: each shard keeps them whole (its own items' are what it reads)
+    out.value_lists = dict(index.value_lists)
+    out.schema.multi_valued = set(index.value_lists)
     return out.to(index.centroids.device)
 
 

@@ -298,7 +298,10 @@ def set_values(
             sig[row, b // 64] |= np.uint64(1) << np.uint64(b % 64)
     lists = [[schema.position[attr][v] for v in vs] for vs in values]
     new = set_signatures(index, ids, torch.from_numpy(sig.view(np.int64)))
-    new.value_lists = {**index.value_lists, attr: index.value_lists[attr].replaced(ids.numpy(), lists)}
+    new.value_lists = {
+        **index.value_lists,
+        attr: index.value_lists[attr].replaced(ids.numpy(), lists),
+    }
     return new
 
 

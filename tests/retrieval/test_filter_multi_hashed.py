@@ -86,7 +86,12 @@ def expression(draw) -> tuple[str, np.ndarray]:
 
 
 def check_top_k(
-    ids: torch.Tensor, ok: np.ndarray, x: torch.Tensor, k: int, text: str, q: torch.Tensor | None = None
+    ids: torch.Tensor,
+    ok: np.ndarray,
+    x: torch.Tensor,
+    k: int,
+    text: str,
+    q: torch.Tensor | None = None,
 ) -> None:
     """``ids [B, k]`` hold every row's best ``k`` eligible items (``ok [N]``) for queries ``q``
     (None: the catalog's), only them."""
@@ -134,7 +139,7 @@ def test_a_live_rewrite_adds_a_value_to_an_item():
     """Item 3 takes a value no item had, and keeps its own: both filters find it."""
     idx = index()
     held = [TAGS[p] for p in catalog()["attrs"]["tag"][3]]
-    new = set_values(idx, torch.tensor([3]), "tag", [held + ["brand-new"]])
+    new = set_values(idx, torch.tensor([3]), "tag", [[*held, "brand-new"]])
     q = catalog()["x"][3:4]
     for text in ("tag = brand-new", f"tag = {held[0]}"):
         ids, _ = new.search(q, 1, text)
