@@ -237,6 +237,7 @@ def save_shard(index: IVFIndex, directory: Path) -> None:
     """One shard's index: ``index.json`` (how to build the module) + ``index.pt`` (buffers)."""
     directory.mkdir(parents=True, exist_ok=True)
     meta = index.get_extra_state()  # format, config, stats, dim, attribute values
+    meta.pop("value_lists", None)  # tensors: index.pt holds them (the state's extra state)
     save_tensors(index.state_dict(), directory / SHARD_INDEX_FILE)
     (directory / SHARD_META_FILE).write_text(json.dumps(meta, indent=2))
 

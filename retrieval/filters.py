@@ -66,6 +66,9 @@ AttributeValue = str | int | bool | np.integer | np.bool_
 NUMERIC: Literal["numeric"] = "numeric"
 """The vocabulary of a numeric attribute (``{"price": NUMERIC}``): one number an item, float32."""
 Vocabulary = Sequence[AttributeValue] | Literal["numeric"]
+NO_VALUE = "\x00none"
+"""The value a multi-valued hashed attribute's signature gives an item that holds none (no
+filter can name it: filter text holds no NUL); its value lists hold nothing for it."""
 HASHED_MIN_VALUES = 4096
 """Default ``hashed_min_values`` (``IVFConfig``): from this many values an attribute is hashed
 (96 bits or fewer an item, against one a value)."""
@@ -419,10 +422,13 @@ class FilterSchema:
             raise ValueError(
                 f"item_attributes[{attr!r}] has {len(lists)} rows, expected {len(sig)}"
             )
+        flat = [int(c) for v in lists for c in v]
+        if flat and (min(flat) < 0 or max(flat) >= size):
+            raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {size})")
+        none = self.learn(attr, NO_VALUE)  # an item holding none sets its digits
+        lists = [v if len(v) else [none] for v in lists]
         rows = np.repeat(np.arange(len(lists)), [len(v) for v in lists])
         codes = np.fromiter((int(c) for v in lists for c in v), np.int64, rows.shape[0])
-        if codes.size and (codes.min() < 0 or codes.max() >= size):
-            raise ValueError(f"item_attributes[{attr!r}] has codes outside [0, {size})")
         digits = self.hashed_digits[attr]
         bit = numeric_bits(hashed_keys(codes, digits), self.hashed_base[attr], digits)
         for col in bit.T:
@@ -433,11 +439,14 @@ class FilterSchema:
 
     def value_bits(self, attr: str, values: Sequence[str], learn: bool = True) -> list[int]:
         """The signature bits an item with ``values`` of ``attr`` sets (a numeric attribute:
-        one number, as text; a hashed one: one value, new ones learned unless not ``learn``,
-        or several of a multi-valued one); ``ValueError`` for an unknown name or value."""
+        one number, as text; a hashed one: one value, new ones learned unless not ``learn``;
+        a multi-valued hashed one refused); ``ValueError`` for an unknown name or value."""
         self.known(attr)
-        if attr in self.multi_valued:
-            return sorted({b for v in values for b in self.value_bits_one(attr, v, learn)})
+        if attr in self.multi_valued:  # its index's value lists would not follow
+            raise ValueError(
+                f"{attr!r} is a multi-valued hashed attribute: its values change through "
+                "retrieval.index.update.set_values (live updates keep no value lists)"
+            )
         if attr in self.hashed_base:
             if len(values) != 1:
                 raise ValueError(f"{attr!r} is hashed: one value an item")
@@ -458,11 +467,16 @@ class FilterSchema:
             return numeric_bits(keys, self.numeric_base[attr]).ravel().tolist()
         return self.clause_bits(Clause(attr, tuple(values)))
 
-    def value_bits_one(self, attr: str, value: str, learn: bool = True) -> list[int]:
-        """The digit bits of one value of hashed attribute ``attr`` (learned unless not ``learn``)."""
-        p = self.learn(attr, value, keep=learn)
-        key = hashed_keys(np.array([p]), self.hashed_digits[attr])
-        return numeric_bits(key, self.hashed_base[attr], self.hashed_digits[attr]).ravel().tolist()
+    def multi_bits(self, attr: str, values: Sequence[str]) -> list[int]:
+        """The signature bits an item holding ``values`` of multi-valued hashed attribute
+        ``attr`` sets (new values learned): every value's digits, or :data:`NO_VALUE`'s for
+        none (so that ``!=`` / ``not in``, which test for a digit bit other than the named
+        values', pass it: the superset holds for an item with no value too)."""
+        out: set[int] = set()
+        for v in values or [NO_VALUE]:
+            key = hashed_keys(np.array([self.learn(attr, v)]), self.hashed_digits[attr])
+            out.update(numeric_bits(key, self.hashed_base[attr], self.hashed_digits[attr]).ravel())
+        return sorted(int(b) for b in out)
 
     def attribute_bits(self, attr: str) -> list[int]:
         """Every signature bit attribute ``attr`` may set."""

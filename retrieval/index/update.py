@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from retrieval.filters import pack_bits
+from retrieval.filters import FilterSchema, pack_bits
 from retrieval.index.bound import grown
 from retrieval.index.build import bit_index
 from retrieval.index.codes import quantize
@@ -185,6 +185,8 @@ def add_items(
     if not vectors.is_floating_point() or not bool(torch.isfinite(vectors).all()):
         raise ValueError("vectors: expected finite floats")
     sig = _check_sig(index, sig, n)
+    for attr in index.value_lists:  # an added item holds none of its values until set_values
+        sig = _with_values(index.schema, sig.cpu(), attr, [[] for _ in range(n)])
     if index.nlist == 0:
         raise ValueError("the index has no centroids: build it before adding items")
     x = vectors.detach().cpu().float()
@@ -199,7 +201,7 @@ def add_items(
     kept[keep[keep >= 0]] = False  # replaced items leave their old row
     old_exact = index.exact.cpu()
     exact = torch.cat([old_exact[kept], x.to(old_exact.dtype)]) if _has_exact(index) else old_exact
-    return _rebuilt(
+    new = _rebuilt(
         index,
         torch.cat([_list_of_rows(index)[kept], lists_new]),
         torch.cat([index.item_ids.cpu()[kept], ids]),
@@ -209,6 +211,11 @@ def add_items(
         torch.cat([index.sig.cpu()[kept], sig.cpu()]),
         grown(index.tensors(), x, sig),
     )
+    # an added item holds no value of a multi-valued hashed attribute until set_values gives
+    # it some (a replaced id forgets its old ones: they were the old item's)
+    none: list[list[int]] = [[] for _ in range(n)]
+    new.value_lists = {a: v.replaced(ids.numpy(), none) for a, v in index.value_lists.items()}
+    return new
 
 
 def remove_items(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> IVFIndex:
@@ -276,6 +283,21 @@ def set_signatures(
     return new
 
 
+def _with_values(
+    schema: FilterSchema, sig: torch.Tensor, attr: str, values: Sequence[Sequence[str]]
+) -> torch.Tensor:
+    """Signatures ``sig [n, W]`` with multi-valued hashed ``attr``'s digits those of ``values``
+    (one list a row; new values learned) -> a new ``[n, W] int64``."""
+    out = sig.numpy().view(np.uint64).copy()
+    clear = np.zeros(schema.num_words * 64, dtype=bool)
+    clear[schema.attribute_bits(attr)] = True
+    out &= ~pack_bits(clear[None, :]).numpy().view(np.uint64)
+    for row, vs in enumerate(values):
+        for b in schema.multi_bits(attr, list(vs)):
+            out[row, b // 64] |= np.uint64(1) << np.uint64(b % 64)
+    return torch.from_numpy(out.view(np.int64))
+
+
 def set_values(
     index: IVFIndex, ids: torch.Tensor | np.ndarray, attr: str, values: Sequence[Sequence[str]]
 ) -> IVFIndex:
@@ -289,15 +311,9 @@ def set_values(
         raise ValueError(f"values: {len(values)} lists for {ids.numel()} ids")
     pos = _require_known(index, ids, "ids").to(index.sig.device)
     schema = index.schema
-    sig = index.sig[pos].cpu().numpy().view(np.uint64).copy()  # [n, W]
-    clear = np.zeros(schema.num_words * 64, dtype=bool)
-    clear[schema.attribute_bits(attr)] = True
-    sig &= ~pack_bits(clear[None, :]).numpy().view(np.uint64)
-    for row, vs in enumerate(values):
-        for b in schema.value_bits(attr, list(vs)):
-            sig[row, b // 64] |= np.uint64(1) << np.uint64(b % 64)
+    sig = _with_values(schema, index.sig[pos].cpu(), attr, values)
     lists = [[schema.position[attr][v] for v in vs] for vs in values]
-    new = set_signatures(index, ids, torch.from_numpy(sig.view(np.int64)))
+    new = set_signatures(index, ids, sig)
     new.value_lists = {
         **index.value_lists,
         attr: index.value_lists[attr].replaced(ids.numpy(), lists),

@@ -30,8 +30,8 @@ POPULAR = [i * 7919 % 100_000 for i in range(24)]  # what filters name: a few it
 def catalog() -> dict:
     rng = np.random.default_rng(5)
     tags = []
-    for _ in range(N):  # 1 to 6 values an item, most from a small popular set (digits collide)
-        n = int(rng.integers(1, 7))
+    for i in range(N):  # 0 to 6 values an item, most from a small popular set (digits collide)
+        n = int(rng.integers(0 if i >= 10 else 1, 7))
         pick = np.where(rng.random(n) < 0.6, rng.choice(POPULAR, n), rng.integers(0, 100_000, n))
         tags.append(sorted(set(pick.tolist())))
     attrs = {"tag": tags, "color": rng.integers(0, 3, N)}
@@ -182,3 +182,38 @@ def test_a_schema_without_lists_refuses_several_values():
     schema = FilterSchema(VALUES)
     with pytest.raises(ValueError, match="one value an item"):
         schema.value_bits("tag", ["t1", "t2"])
+
+
+def test_live_updates_refuse_its_values():
+    """The live messages keep no value lists: naming the attribute there is refused, not lost."""
+    from retrieval.live_updates import UpdateError, signatures
+
+    with pytest.raises(UpdateError, match="set_values"):
+        signatures(index().schema, [{"tag": ["t1", "t2"]}])
+
+
+def test_an_added_item_forgets_the_values_of_the_id_it_replaces():
+    from retrieval.index.update import add_items
+
+    idx = index()
+    held = TAGS[catalog()["attrs"]["tag"][4][0]]
+    x = catalog()["x"][4:5]
+    new = add_items(
+        idx, torch.tensor([4]), x, torch.zeros(1, idx.schema.num_words, dtype=torch.int64)
+    )
+    assert idx.search(x, 1, f"tag = {held}")[0].tolist() == [[4]]
+    assert 4 not in new.search(x, N, f"tag = {held}")[0].tolist()[0]
+    assert 4 in new.search(x, N, f"tag != {held}")[0].tolist()[0]  # it holds none now
+
+
+def test_a_saved_shard_keeps_its_value_lists(tmp_path):
+    from retrieval.artifact import load_shard, save_shard
+
+    idx = index()
+    save_shard(idx, tmp_path)
+    loaded = load_shard(tmp_path)
+    assert set(loaded.value_lists) == {"tag"}
+    text = f"tag != {TAGS[POPULAR[3]]} and color = red"
+    assert torch.equal(
+        idx.search(catalog()["q"], 10, text)[0], loaded.search(catalog()["q"], 10, text)[0]
+    )
