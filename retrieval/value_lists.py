@@ -38,29 +38,40 @@ class ValueLists:
         ids = np.asarray(ids, dtype=np.int64)
         if len(lists) != ids.shape[0]:
             raise ValueError(f"{len(lists)} value lists for {ids.shape[0]} items")
+        sizes = np.fromiter((len(v) for v in lists), np.int64, len(lists))
+        flat = np.fromiter((int(p) for v in lists for p in v), np.int32, int(sizes.sum()))
+        return ValueLists._sorted(ids, sizes, flat)
+
+    @staticmethod
+    def _sorted(ids: np.ndarray, sizes: np.ndarray, flat: np.ndarray) -> ValueLists:
+        """Items ``ids [N]`` (distinct, any order) holding ``sizes [N]`` values each, laid out
+        one after the other in ``flat [nnz]`` -> their lists, sorted by id."""
         if np.unique(ids).shape[0] != ids.shape[0]:
             raise ValueError("value lists: item ids repeat")
         order = np.argsort(ids, kind="stable")
-        sizes = np.array([len(lists[i]) for i in order], dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        flat = [int(p) for i in order for p in lists[i]]
-        return ValueLists(ids[order], offsets, np.asarray(flat, dtype=np.int32))
+        starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+        offsets = np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
+        # each value's source: its item's old start plus its place in the item's list
+        item = np.repeat(order, sizes[order])
+        within = np.arange(item.shape[0]) - np.repeat(offsets[:-1], sizes[order])
+        return ValueLists(ids[order], offsets, flat[starts[item] + within].astype(np.int32))
 
     @staticmethod
     def empty() -> ValueLists:
         return ValueLists.of(np.zeros(0, np.int64), [])
 
-    def lists(self) -> dict[int, list[int]]:
-        """``{item id: its positions}`` (for a rewrite of a few items)."""
-        p = self.positions.tolist()
-        o = self.offsets.tolist()
-        return {int(i): p[o[j] : o[j + 1]] for j, i in enumerate(self.ids.tolist())}
-
     def replaced(self, ids: np.ndarray, lists: Sequence[Sequence[int]]) -> ValueLists:
         """A copy where items ``ids [n]`` hold ``lists`` instead (new ids join)."""
-        held = self.lists()
-        held.update({int(i): list(v) for i, v in zip(np.asarray(ids).tolist(), lists, strict=True)})
-        return ValueLists.of(np.fromiter(held, np.int64, len(held)), list(held.values()))
+        ids = np.asarray(ids, dtype=np.int64)
+        keep = ~np.isin(self.ids, ids)  # [N]
+        sizes = np.diff(self.offsets)
+        kept = self.positions[np.repeat(keep, sizes)]
+        new = ValueLists.of(ids, lists)  # sorted by id too
+        return ValueLists._sorted(
+            np.concatenate([self.ids[keep], new.ids]),
+            np.concatenate([sizes[keep], np.diff(new.offsets)]),
+            np.concatenate([kept, new.positions]),
+        )
 
     def holds(self, ids: np.ndarray, positions: Sequence[int]) -> np.ndarray:
         """Whether each of items ``ids [M]`` holds one of ``positions`` -> ``[M] bool``."""

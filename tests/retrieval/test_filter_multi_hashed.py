@@ -217,3 +217,25 @@ def test_a_saved_shard_keeps_its_value_lists(tmp_path):
     assert torch.equal(
         idx.search(catalog()["q"], 10, text)[0], loaded.search(catalog()["q"], 10, text)[0]
     )
+
+
+LISTS = st.dictionaries(
+    st.integers(0, 40), st.lists(st.integers(0, 99_999), max_size=4), max_size=12
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(LISTS, LISTS)
+def test_value_lists_replace_as_a_dict_does(old, new):
+    from retrieval.value_lists import ValueLists
+
+    v = ValueLists.of(np.array(list(old), np.int64), list(old.values()))
+    w = v.replaced(np.array(list(new), np.int64), list(new.values()))
+    got = {
+        int(i): w.positions[w.offsets[j] : w.offsets[j + 1]].tolist() for j, i in enumerate(w.ids)
+    }
+    assert got == {**old, **new}
+    assert (np.diff(w.ids) > 0).all()
+    for p in range(0, 100_000, 9_973):
+        want = [p in got[int(i)] for i in w.ids]
+        assert w.holds(w.ids, [p]).tolist() == want
