@@ -56,10 +56,6 @@ class ValueLists:
         within = np.arange(item.shape[0]) - np.repeat(offsets[:-1], sizes[order])
         return ValueLists(ids[order], offsets, flat[starts[item] + within].astype(np.int32))
 
-    @staticmethod
-    def empty() -> ValueLists:
-        return ValueLists.of(np.zeros(0, np.int64), [])
-
     def replaced(self, ids: np.ndarray, lists: Sequence[Sequence[int]]) -> ValueLists:
         """A copy where items ``ids [n]`` hold ``lists`` instead (new ids join)."""
         ids = np.asarray(ids, dtype=np.int64)
