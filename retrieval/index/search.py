@@ -213,5 +213,25 @@ def _second_round(
     more = fetch(sub, rows)
     # list rows: the best of both rounds (what one round over all their lists gives);
     # exact rows: the scan alone
+    if top.keys.is_cpu and first.vectors is None and more.vectors is None:
+        _merge_rounds_cpu(top, first, rows, sub, more)
+        return
     earlier = first.rows(rows.to(first.keys.device)).emptied(sub.exact)
     top.put(rows, select(Candidates.concat([earlier, more]).unique(), sub))
+
+
+def _merge_rounds_cpu(
+    top: Candidates, first: Candidates, rows: torch.Tensor, sub: SearchPlan, more: Candidates
+) -> None:
+    """:func:`_second_round`'s merge on the CPU, what the torch ops below it answer (``select``
+    of the rounds side by side, each key once, written into ``top``'s ``rows``), in one C++ pass
+    over blocks of rows: each of those ops, big enough for torch to run on every thread, paid
+    the thread team's wake-up (on a loaded 2-core machine, more than its work). ``top`` may be
+    ``first`` itself (the C++ reads a row whole before it writes it)."""
+    from retrieval.index.kernels import extension  # the C++ library; loaded on first use
+
+    extension().merge_rounds(
+        top.keys, top.approx, top.scores, first.keys.contiguous(), first.approx.contiguous(),
+        first.scores.contiguous(), rows.contiguous(), sub.exact.cpu().contiguous(),
+        more.keys.contiguous(), more.approx.contiguous(), more.scores.contiguous(), sub.r,
+    )  # fmt: skip
