@@ -213,21 +213,22 @@ def _second_round(
     more = fetch(sub, rows)
     # list rows: the best of both rounds (what one round over all their lists gives);
     # exact rows: the scan alone
-    if top.keys.is_cpu and first.vectors is None and more.vectors is None:
-        _merge_rounds_cpu(top, first, rows, sub, more)
-        return
-    earlier = first.rows(rows.to(first.keys.device)).emptied(sub.exact)
-    top.put(rows, select(Candidates.concat([earlier, more]).unique(), sub))
+    merge_rounds(top, first, rows, sub, more)
 
 
-def _merge_rounds_cpu(
+def merge_rounds(
     top: Candidates, first: Candidates, rows: torch.Tensor, sub: SearchPlan, more: Candidates
 ) -> None:
-    """:func:`_second_round`'s merge on the CPU, what the torch ops below it answer (``select``
-    of the rounds side by side, each key once, written into ``top``'s ``rows``), in one C++ pass
-    over blocks of rows: each of those ops, big enough for torch to run on every thread, paid
-    the thread team's wake-up (on a loaded 2-core machine, more than its work). ``top`` may be
-    ``first`` itself (the C++ reads a row whole before it writes it)."""
+    """Writes into ``top``'s ``rows [b]`` the ``select`` of each row's first-round candidates
+    (``first [B, W1]``; none for ``sub``'s exact rows) beside its second round's (``more
+    [b, W2]``), each key once. On the CPU in one C++ pass over blocks of rows: each of the torch
+    ops of :func:`merge_rounds_torch`, big enough for torch to run on every thread, paid the
+    thread team's wake-up (on a loaded 2-core machine, more than its work); equal scores there
+    come in column order (first round first), where torch's top-k leaves their order open.
+    ``top`` may be ``first`` itself (the C++ reads a row whole before it writes it)."""
+    if not top.keys.is_cpu or first.vectors is not None or more.vectors is not None:
+        merge_rounds_torch(top, first, rows, sub, more)
+        return
     from retrieval.index.kernels import extension  # the C++ library; loaded on first use
 
     extension().merge_rounds(
@@ -235,3 +236,11 @@ def _merge_rounds_cpu(
         first.scores.contiguous(), rows.contiguous(), sub.exact.cpu().contiguous(),
         more.keys.contiguous(), more.approx.contiguous(), more.scores.contiguous(), sub.r,
     )  # fmt: skip
+
+
+def merge_rounds_torch(
+    top: Candidates, first: Candidates, rows: torch.Tensor, sub: SearchPlan, more: Candidates
+) -> None:
+    """:func:`merge_rounds` in torch ops: a GPU's rounds (and candidates with vectors)."""
+    earlier = first.rows(rows.to(first.keys.device)).emptied(sub.exact)
+    top.put(rows, select(Candidates.concat([earlier, more]).unique(), sub))
