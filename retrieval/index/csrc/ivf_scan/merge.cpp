@@ -25,13 +25,35 @@ struct Before {
   }
 };
 
-// The best n of `e` by `by` into its front, in that order.
-template <float Entry::*by>
-void keep_front(std::vector<Entry>& e, size_t n) {
-  n = std::min(n, e.size());
-  std::partial_sort(e.begin(), e.begin() + n, e.end(), Before<by>());
-  e.resize(n);
+// The best n of `e` by score, in that order (a selection, then a sort of the n).
+void keep_best_scores(std::vector<Entry>& e, size_t n) {
+  if (n < e.size()) {
+    std::nth_element(e.begin(), e.begin() + n, e.end(), Before<&Entry::score>());
+    e.resize(n);
+  }
+  std::sort(e.begin(), e.end(), Before<&Entry::score>());
 }
+
+// Keys met in a row, open addressing (key + 1 in a slot, 0 free): a row's repeats in one pass.
+class SeenKeys {
+ public:
+  void reset(size_t n) {
+    size_t want = 16;
+    while (want < 2 * n) want *= 2;
+    slots_.assign(want, 0);
+  }
+  // False when key was met before (key >= 0).
+  bool insert(int64_t key) {
+    const size_t mask = slots_.size() - 1;
+    for (size_t h = (uint64_t(key) * 0x9E3779B97F4A7C15ull) >> 40 & mask;; h = (h + 1) & mask) {
+      if (slots_[h] == key + 1) return false;
+      if (slots_[h] == 0) return slots_[h] = key + 1, true;
+    }
+  }
+
+ private:
+  std::vector<int64_t> slots_;
+};
 
 void check_round(const at::Tensor& keys, const at::Tensor& approx, const at::Tensor& scores, int64_t rows,
                  const char* what) {
@@ -73,30 +95,24 @@ void merge_rounds(at::Tensor& top_keys, at::Tensor& top_approx, at::Tensor& top_
   float *ta = top_approx.data_ptr<float>(), *ts = top_scores.data_ptr<float>();
   at::parallel_for(0, b, 64, [&](int64_t i0, int64_t i1) {
     std::vector<Entry> e;
-    std::vector<std::pair<int64_t, int64_t>> by_key;  // (key, index in e)
-    std::vector<char> again;
+    SeenKeys seen;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = rp[i];
       e.clear();
-      // emptied entries (-1 / -inf) can only be picked as -1 / -inf pads: left out
+      seen.reset(size_t(w1 + w2));
+      // a key met again is emptied (the first met kept, as its scores are the same); emptied
+      // entries (-1 / -inf) can only be picked as -1 / -inf pads: left out
       const auto add = [&](int64_t key, float a, float s, int64_t col) {
-        if (key >= 0 || a > kNegInf || s > kNegInf) e.push_back({a, s, key, col});
+        if (key >= 0 ? seen.insert(key) : (a > kNegInf || s > kNegInf)) e.push_back({a, s, key, col});
       };
       if (!dp[i])
         for (int64_t j = 0; j < w1; ++j) add(fk[row * w1 + j], fa[row * w1 + j], fs[row * w1 + j], j);
       for (int64_t j = 0; j < w2; ++j) add(mk[i * w2 + j], ma[i * w2 + j], ms[i * w2 + j], w1 + j);
-      by_key.clear();
-      for (size_t j = 0; j < e.size(); ++j)
-        if (e[j].key >= 0) by_key.emplace_back(e[j].key, int64_t(j));
-      std::sort(by_key.begin(), by_key.end());  // equal keys: the lower column first
-      again.assign(e.size(), 0);
-      for (size_t j = 1; j < by_key.size(); ++j) again[by_key[j].second] = by_key[j].first == by_key[j - 1].first;
-      size_t kept = 0;
-      for (size_t j = 0; j < e.size(); ++j)
-        if (!again[j]) e[kept++] = e[j];
-      e.resize(kept);
-      if (w1 + w2 > r) keep_front<&Entry::approx>(e, size_t(r));
-      keep_front<&Entry::score>(e, size_t(k));
+      if (w1 + w2 > r && int64_t(e.size()) > r) {  // the best r by approx, in no order
+        std::nth_element(e.begin(), e.begin() + r, e.end(), Before<&Entry::approx>());
+        e.resize(size_t(r));
+      }
+      keep_best_scores(e, size_t(k));
       for (int64_t j = 0; j < k; ++j) {
         const bool have = j < int64_t(e.size()) && e[j].score > kNegInf;
         tk[row * k + j] = have ? e[j].key : -1;
