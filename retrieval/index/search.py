@@ -206,9 +206,10 @@ def _second_round(
     rows = todo.nonzero().flatten()
     kth = top.scores[rows.to(top.scores.device), -1]  # what a list's candidate must reach
     second = exact.cpu()[rows]
+    # the check's [B, nlist] bounds and the first round's lists are replaced: not copied per row
     sub = replace(
-        plan.rows(rows), kind=kinds(second), exact_rows=second, lists=lists.cpu()[rows],
-        check=None, floor=kth,
+        replace(plan, check=None, lists=None).rows(rows), kind=kinds(second), exact_rows=second,
+        lists=lists.cpu()[rows], floor=kth,
     )  # fmt: skip
     more = fetch(sub, rows)
     # list rows: the best of both rounds (what one round over all their lists gives);
