@@ -206,12 +206,42 @@ def _second_round(
     rows = todo.nonzero().flatten()
     kth = top.scores[rows.to(top.scores.device), -1]  # what a list's candidate must reach
     second = exact.cpu()[rows]
+    # the check's [B, nlist] bounds and the first round's lists are replaced: not copied per row
     sub = replace(
-        plan.rows(rows), kind=kinds(second), exact_rows=second, lists=lists.cpu()[rows],
-        check=None, floor=kth,
+        replace(plan, check=None, lists=None).rows(rows), kind=kinds(second), exact_rows=second,
+        lists=lists.cpu()[rows], floor=kth,
     )  # fmt: skip
     more = fetch(sub, rows)
     # list rows: the best of both rounds (what one round over all their lists gives);
     # exact rows: the scan alone
+    merge_rounds(top, first, rows, sub, more)
+
+
+def merge_rounds(
+    top: Candidates, first: Candidates, rows: torch.Tensor, sub: SearchPlan, more: Candidates
+) -> None:
+    """Writes into ``top``'s ``rows [b]`` the ``select`` of each row's first-round candidates
+    (``first [B, W1]``; none for ``sub``'s exact rows) beside its second round's (``more
+    [b, W2]``), each key once. On the CPU in one C++ pass over blocks of rows: each of the torch
+    ops of :func:`merge_rounds_torch`, big enough for torch to run on every thread, paid the
+    thread team's wake-up (on a loaded 2-core machine, more than its work); equal scores there
+    come in column order (first round first), where torch's top-k leaves their order open.
+    ``top`` may be ``first`` itself (the C++ reads a row whole before it writes it)."""
+    if not top.keys.is_cpu or first.vectors is not None or more.vectors is not None:
+        merge_rounds_torch(top, first, rows, sub, more)
+        return
+    from retrieval.index.kernels import extension  # the C++ library; loaded on first use
+
+    extension().merge_rounds(
+        top.keys, top.approx, top.scores, first.keys.contiguous(), first.approx.contiguous(),
+        first.scores.contiguous(), rows.contiguous(), sub.exact.cpu().contiguous(),
+        more.keys.contiguous(), more.approx.contiguous(), more.scores.contiguous(), sub.r,
+    )  # fmt: skip
+
+
+def merge_rounds_torch(
+    top: Candidates, first: Candidates, rows: torch.Tensor, sub: SearchPlan, more: Candidates
+) -> None:
+    """:func:`merge_rounds` in torch ops: a GPU's rounds (and candidates with vectors)."""
     earlier = first.rows(rows.to(first.keys.device)).emptied(sub.exact)
     top.put(rows, select(Candidates.concat([earlier, more]).unique(), sub))

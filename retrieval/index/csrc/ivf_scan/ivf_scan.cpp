@@ -49,5 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("fneg"), pybind11::arg("fnone"), pybind11::arg("excl_ids"), pybind11::arg("item_ids"), pybind11::arg("perm"),
         pybind11::arg("r"), pybind11::arg("sizes"), pybind11::arg("least"), pybind11::arg("hold"),
         pybind11::arg("table") = pybind11::none(), nogil);
+  m.def("merge_rounds", &ivf::merge_rounds, "The bound check's two rounds of chosen rows merged into their top-k",
+        nogil);
   m.def("ivf_scan_fp8", &ivf::ivf_scan_fp8, "List-major IVF scan over fp8 e4m3 residual codes with in-scan filter", nogil);
 }

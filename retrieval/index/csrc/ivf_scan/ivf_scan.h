@@ -10,6 +10,7 @@
 //   values.cpp    the postings of hashed attributes' values and the buckets a filter reads of them
 //   codes.cpp     int8 quantization: the build's codes, the scan's queries, rows decoded to floats
 //   ids.cpp       item ids <-> rows, and the plain search keyed by ids in one call
+//   merge.cpp     the bound check's merge of a row's two rounds into its top-k
 //   ivf_scan.cpp  the Python module: every op's binding
 //
 // Here: what more than one of them uses. The selection primitives (the bounded heap, the AVX
@@ -598,5 +599,11 @@ std::tuple<at::Tensor, at::Tensor, bool> ivf_search_ids_int8(
     const at::Tensor& fmask, const at::Tensor& fneg, const at::Tensor& fnone, const at::Tensor& excl_ids,
     const at::Tensor& item_ids, const at::Tensor& perm, int64_t r, const at::Tensor& sizes, int64_t least,
     const at::Tensor& hold, const ProbeTable& table);
+
+// merge.cpp
+void merge_rounds(at::Tensor& top_keys, at::Tensor& top_approx, at::Tensor& top_scores, const at::Tensor& first_keys,
+                  const at::Tensor& first_approx, const at::Tensor& first_scores, const at::Tensor& rows,
+                  const at::Tensor& drop, const at::Tensor& more_keys, const at::Tensor& more_approx,
+                  const at::Tensor& more_scores, int64_t r);
 
 }  // namespace ivf
