@@ -20,6 +20,7 @@ from retrieval.index.costs import exact_codes, plan_seconds
 from retrieval.index.plan import RowKind
 from retrieval.index.scan import bit_index_cpu
 from retrieval.index.stats import IndexStats
+from support.plan_costs import with_costs
 from tests.retrieval.index.reference import kept_plan, planned_ids
 
 # (batch, selectivity, exact s per item, list s per query, first-round lists, codes per query)
@@ -92,17 +93,6 @@ def test_nothing_is_measured_without_attributes_or_when_told_not_to(catalog):
         attribute_values=catalog["values"],
     )
     assert off.stats.plan_costs == ()
-
-
-def with_costs(index: IVFIndex, exact_item_s: float, list_query_s: float) -> IVFIndex:
-    """A copy of ``index`` whose recorded costs are flat: these seconds at every selectivity."""
-    rows = tuple(
-        (b, s, exact_item_s, list_query_s, 1.0, 1000.0) for b in (1.0, 32.0) for s in (0.5, 0.01)
-    )
-    out = IVFIndex(index.config, index.dim, index.schema.attribute_values)
-    out.load_state_dict(index.state_dict())
-    out.stats = index.stats.model_copy(update={"plan_costs": rows})
-    return out
 
 
 @pytest.mark.parametrize("list_query_s", [1e-6, 1e-2])
