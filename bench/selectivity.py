@@ -37,7 +37,8 @@ from retrieval.filters import FilterBatch
 from retrieval.index import IVFConfig, IVFIndex, build_ivf, planner
 from retrieval.index.executor import Executor
 from retrieval.index.plan import RowKind
-from retrieval.index.selectivity import FilterSample, estimate
+from retrieval.index.selectivity import estimate
+from retrieval.index.tensors import FilterSample
 
 OVERLAPS = (0.1, 0.01, 0.001)
 """``overlap_i`` of the pairs ``(a_i, b_i)``: ``a_i = x and b_i = x`` admits half of it."""

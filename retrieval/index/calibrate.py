@@ -55,9 +55,9 @@ def measure_plan_costs(index: IVFIndex, sample: torch.Tensor) -> tuple[tuple[flo
 
     Timed on one thread: the planner reads only the ratio of the two plans' times, which is
     their work where both spread over the threads alike, and a parallel run's time on a shared
-    machine is mostly its threads waiting for each other (2 threads, load ~7: one point's times
-    ranged 50x between builds, and a 5 % filter's 5x faster exact scan was priced above its
-    lists)."""
+    machine is mostly its threads waiting for each other (under load one point's times swung
+    between builds far enough to price a faster exact scan above its lists: the journal,
+    2026-12-03)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -135,6 +135,7 @@ def _filtered(
     copy.config, copy.stats = config, stats
     copy.sig = passing.long().unsqueeze(1).contiguous()
     copy.bit_counts, copy.postings = bit_index_cpu(copy.sig)
+    copy.sample_filters()  # the planner's estimate reads the one bit too
     # lists holding a passing row, from a prefix sum (``bound.list_bits`` ORs every signature
     # through NumPy's ufunc.at: seconds at 10M rows, for one bit)
     held = torch.cat([torch.zeros(1, dtype=torch.int64), passing.long().cumsum(0)])[index.offsets]
@@ -144,8 +145,8 @@ def _filtered(
 
 TIMED_RUNS = 3
 """Timed runs of each plan at each point; the fastest is kept: on a shared machine a run may
-lose time slices to other processes (one run a point had priced a 50-d index's 5 % filter's
-exact scan, 10x faster in fact, above its lists)."""
+lose time slices to other processes (one slow run had priced a faster exact scan above its
+lists)."""
 
 
 def _timed(run: Callable[[], object], warmed: set[tuple[int, str]], kind: tuple[int, str]) -> float:

@@ -55,10 +55,10 @@ from retrieval.index.probe import half_sq_norms
 from retrieval.index.readout import ids_at, scores_at, vectors_at
 from retrieval.index.scan import probe_table_cpu, value_index_cpu
 from retrieval.index.search import Candidates
-from retrieval.index.selectivity import FilterSample, sample_rows
+from retrieval.index.selectivity import sample_of, sample_rows
 from retrieval.index.stats import IndexStats
 from retrieval.index.targets import check_targets
-from retrieval.index.tensors import IndexTensors, Lists, ProbeTable, ValuePostings
+from retrieval.index.tensors import FilterSample, IndexTensors, Lists, ProbeTable, ValuePostings
 from retrieval.index.verified import refuse_compiled, routed_rows, verified_search
 from retrieval.value_lists import ValueLists
 
@@ -163,6 +163,9 @@ class IVFIndex(nn.Module):
         """The centroids in int8 for a few queries' probe (``scan.probe_table_cpu``), made by
         :meth:`_refresh` from :data:`PROBE_TABLE_MIN` centroid floats on the CPU."""
         self.posting_offsets: list[int] = [0]
+        self.filter_host = sample_of(self.filter_sample, 0)
+        """The planner's sample (``selectivity.py``) with its host side, made by
+        :meth:`sample_filters`; each bundle takes the buffer's rows where they are."""
         self.value_layout = self.schema.value_layout(0)
         """``FilterSchema.value_layout``: where the values' postings list each hashed attribute."""
         self.id_order = IdOrder.of(self.item_ids)
@@ -281,17 +284,20 @@ class IVFIndex(nn.Module):
         self.posting_offsets = torch.cat([listed.new_zeros(1), listed.cumsum(0)]).tolist()
         self._value_index()
         self.id_order = IdOrder.of(self.item_ids)
-        self._filter_sample()  # the buffer a save writes agrees with the signatures
+        self.sample_filters()
+
+    def sample_filters(self) -> None:
+        """Reads ``filter_sample`` again off ``sig`` (``selectivity.sample_rows``), with its host
+        side; an index without items (a router's) keeps the one it was given."""
+        if self.sig.shape[0]:
+            self.filter_sample = self.sig[sample_rows(self.sig.shape[0]).to(self.sig.device)]
+        self.filter_host = sample_of(self.filter_sample, self._ntotal)
 
     def _filter_sample(self) -> FilterSample:
-        """The planner's sample of the signatures as they are (``selectivity.sample_rows``), kept
-        as the buffer ``filter_sample`` too (what a save writes); an index without items (a
-        router's) plans from the one it was given."""
-        b = self._buffers
-        sig = b["sig"]
-        if sig is not None and sig.shape[0]:  # set in the dict: not a new bundle
-            b["filter_sample"] = sig[sample_rows(sig.shape[0]).to(sig.device)]
-        return FilterSample.of(b["filter_sample"], self._ntotal)  # type: ignore[arg-type]
+        """The bundle's sample: :attr:`filter_host` with the buffer as it is (moved or not);
+        attribute reads only, so a compiled forward traces it."""
+        s = self.filter_host
+        return FilterSample(self._buffers["filter_sample"], s.host, s.counts, s.postings, s.ntotal)  # type: ignore[arg-type]
 
     def _posting_counts(self) -> torch.Tensor:
         """``[W*64]``: the items each bit's postings list, ``-1`` for a bit they leave out (a
@@ -623,7 +629,7 @@ class IVFIndex(nn.Module):
             self.posting_offsets,
             self._posting_counts(),  # of the buffers as they are (a copy may change them)
             self._value_postings(),
-            self._filter_sample(),  # of the signatures as they are
+            self._filter_sample(),
             b["built_sizes"],  # type: ignore[arg-type]
             b["list_radius"],  # type: ignore[arg-type]
             b["list_bits"],  # type: ignore[arg-type]

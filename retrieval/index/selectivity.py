@@ -34,7 +34,6 @@ same counts, so the same plans.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 
 from retrieval.filters import FilterBatch, eligible
 from retrieval.index.scan import bit_index_cpu, eligible_rows_cpu
+from retrieval.index.tensors import FilterSample
 
 SAMPLE_ITEMS = 4096
 """Signatures a sample holds (fewer in a smaller catalog: all of them). 4096 x W words is
@@ -65,32 +65,17 @@ def sample_rows(n: int, size: int = SAMPLE_ITEMS) -> torch.Tensor:
     return torch.arange(s, dtype=torch.int64) * n // max(s, 1)
 
 
-@dataclass(frozen=True, slots=True)
-class FilterSample:
-    """A catalog's sample of signatures as the estimate reads it: ``sig [S, W] int64`` on the
-    index's device, ``host [S, W]`` on the CPU with its ``counts [W*64]`` / ``postings`` (every
-    bit listed: what the C++ evaluation drives from), ``ntotal`` the items sampled from."""
-
-    sig: torch.Tensor
-    host: torch.Tensor
-    counts: torch.Tensor
-    postings: torch.Tensor
-    ntotal: int
-
-    @classmethod
-    def of(cls, sig: torch.Tensor, ntotal: int) -> FilterSample:
-        """The sample ``sig [S, W]`` of a catalog of ``ntotal`` items."""
-        host = sig.cpu().contiguous()
-        if host.shape[0] and host.shape[1]:
-            counts, postings = bit_index_cpu(host)
-        else:
-            counts = torch.zeros(host.shape[1] * 64, dtype=torch.int64)
-            postings = torch.zeros(0, dtype=torch.int32)
-        return cls(sig, host, counts, postings, ntotal)
-
-    @property
-    def size(self) -> int:
-        return int(self.host.shape[0])
+def sample_of(sig: torch.Tensor, ntotal: int) -> FilterSample:
+    """The sample ``sig [S, W]`` of a catalog of ``ntotal`` items with its host side: the rows on
+    the CPU and their ``counts`` / ``postings`` over every bit (what the C++ evaluation drives
+    from)."""
+    host = sig.cpu().contiguous()
+    if host.shape[0] and host.shape[1]:
+        counts, postings = bit_index_cpu(host)
+    else:
+        counts = torch.zeros(host.shape[1] * 64, dtype=torch.int64)
+        postings = torch.zeros(0, dtype=torch.int32)
+    return FilterSample(sig, host, counts, postings, ntotal)
 
 
 def estimate(

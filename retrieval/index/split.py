@@ -143,7 +143,7 @@ def _stats_only(index: IVFIndex) -> IVFIndex:
     out.centroids = index.centroids.clone()
     out.offsets = index.offsets.clone()
     out.bit_counts = index.bit_counts.clone()
-    out.filter_sample = index.tensors().filter_sample.sig.clone()  # the catalog's, as it is
+    out.filter_sample = index.filter_sample.clone()  # the catalog's: what it plans from
     _copy_catalog_stats(out, index)
     out._refresh()
     return out

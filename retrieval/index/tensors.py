@@ -14,16 +14,12 @@ Adding a tensor to the index adds a field here; no kernel signature repeats the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from retrieval.index.config import IVFConfig
 from retrieval.index.exclude import IdOrder
 from retrieval.index.stats import IndexStats
-
-if TYPE_CHECKING:  # it evaluates with the scans, which read these bundles
-    from retrieval.index.selectivity import FilterSample
 
 ProbeTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``scan.probe_table_cpu``'s quantized centroids: what a few queries' probe reads first."""
@@ -104,6 +100,24 @@ class ValuePostings:
     layout: torch.Tensor
     offsets: torch.Tensor
     postings: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class FilterSample:
+    """A catalog's sample of signatures, as the planner's estimate reads it
+    (``selectivity.py``): ``sig [S, W] int64`` on the index's device, ``host [S, W]`` on the CPU
+    with its ``counts [W*64]`` / ``postings`` (every bit listed), ``ntotal`` the items sampled
+    from."""
+
+    sig: torch.Tensor
+    host: torch.Tensor
+    counts: torch.Tensor
+    postings: torch.Tensor
+    ntotal: int
+
+    @property
+    def size(self) -> int:
+        return int(self.host.shape[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,6 +179,7 @@ def test_a_kept_plan_choice_follows_the_costs_and_the_catalog(index, catalog):
     )  # every item now holds every value: shard = 0 passes all
     idx.bit_counts, idx.postings = bit_index_cpu(everyone)
     idx.sig = everyone
+    idx.sample_filters()  # as an update's refresh does: the estimate's sample too
     assert not shared_exact(idx, q, fb)  # admits all: lists, as alone
 
 

@@ -15,9 +15,9 @@ from retrieval.index.build import bit_index
 from retrieval.index.exact import recall_at_k
 from retrieval.index.selectivity import (
     SAMPLE_ITEMS,
-    FilterSample,
     estimate,
     estimate_device,
+    sample_of,
     sample_rows,
 )
 from retrieval.index.split import split_index
@@ -65,7 +65,7 @@ def catalog():
     schema = FilterSchema(VALUES)
     sig = schema.signatures(items(n), n)
     counts = bit_index(sig)[0]
-    sample = FilterSample.of(sig[sample_rows(n)], n)
+    sample = sample_of(sig[sample_rows(n)], n)
     return schema, sig, counts, sample
 
 
@@ -80,7 +80,7 @@ def test_sample_rows_spread_over_the_catalog():
 def test_independent_estimate_misreads_what_the_sample_reads(catalog):
     schema, sig, counts, sample = catalog
     n = sig.shape[0]
-    empty = FilterSample.of(sig[:0], n)  # no sample: the clauses taken as independent
+    empty = sample_of(sig[:0], n)  # no sample: the clauses taken as independent
     fb = schema.compile(["a = x and b = x"])
     truth = share(schema, sig, "a = x and b = x")
     independent = float(estimate(empty, counts, n, fb)[0])
@@ -104,7 +104,7 @@ def test_a_catalog_sampled_whole_estimates_exactly():
     n = 3000  # fewer than SAMPLE_ITEMS: every item is in the sample
     schema = FilterSchema(VALUES)
     sig = schema.signatures(items(n, seed=1), n)
-    sample = FilterSample.of(sig[sample_rows(n)], n)
+    sample = sample_of(sig[sample_rows(n)], n)
     for text in TEXTS:
         est = float(estimate(sample, bit_index(sig)[0], n, schema.compile([text]))[0])
         assert est == pytest.approx(share(schema, sig, text), abs=1e-6), text
@@ -114,7 +114,7 @@ def test_single_valued_clauses_read_their_exact_share_without_a_sample(catalog):
     schema, sig, counts, _ = catalog
     n = sig.shape[0]
     fb = schema.compile(["language in {en, fr}"])
-    est = float(estimate(FilterSample.of(sig[:0], n), counts, n, fb)[0])
+    est = float(estimate(sample_of(sig[:0], n), counts, n, fb)[0])
     assert est == pytest.approx(share(schema, sig, "language in {en, fr}"))
 
 
@@ -174,7 +174,7 @@ def test_the_router_plans_from_the_whole_catalogs_sample(anti):
         stats.plan(stats.compile_filter("a = x and b = x", q.shape[0]), params, q),
     )
     assert torch.equal(whole.nprobe, routed.nprobe) and torch.equal(whole.kind, routed.kind)
-    assert all(s.tensors().filter_sample.size == min(s.ntotal, SAMPLE_ITEMS) for s in shards)
+    assert all(s.filter_sample.shape[0] == min(s.ntotal, SAMPLE_ITEMS) for s in shards)
 
 
 def test_a_live_update_reads_the_sample_again(anti):

@@ -131,8 +131,7 @@ at::Tensor score_rows_int8(const at::Tensor& q, const at::Tensor& pos, const at:
 #endif
   // a row and query are little work: a thread team (woken, then spinning after) pays off only
   // past a few thousand rows, and past ~2M multiply-adds a thread at narrow dimensions (on a
-  // shared machine each wake-up may wait out a time slice: one 50-d query over 5,000 rows had a
-  // median of 12 ms at 2 threads, 1.7 ms on one)
+  // shared machine each wake-up may wait out a time slice: the journal, 2026-12-03)
   const int64_t grain = std::max<int64_t>(4096, (int64_t(1) << 21) / std::max<int64_t>(d, 1));
   at::parallel_for(0, m, std::max<int64_t>(1, grain / std::max<int64_t>(b_count, 1)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -174,7 +173,7 @@ namespace {
 // Queries a block scores at most: each of a thread's blocks is one single-threaded GEMM (its team
 // woken once for the whole call, not once per step: on a shared machine each wake-up may wait out
 // a time slice), [32, M] scores stay in L2 for their selection, and 32 rows keep the GEMM near its
-// full-matrix speed (8 ran at 0.6x of it).
+// full-matrix speed (fewer rows ran well below it).
 constexpr int64_t kBlockQueries = 32;
 
 class RowScores {
