@@ -26,6 +26,7 @@ from retrieval.index.plan import SearchPlan
 from retrieval.index.search import Candidates, run_search
 from retrieval.index.split import shard_of, split_index
 from retrieval.live_updates import signatures
+from support.topk_check import assert_best_eligible
 
 CREATORS = [f"c{i}" for i in range(5000)]
 COLORS = ["red", "green", "blue"]
@@ -151,13 +152,7 @@ def test_eligible_positions_drive_past_the_unlisted_digits(e):
 
 def check_top_k(ids: torch.Tensor, ok: np.ndarray, x: torch.Tensor, k: int, text: str) -> None:
     """``ids [B, k]`` hold every row's best ``k`` eligible items (``ok [N]``), only them."""
-    want = (catalog()["q"] @ x.T).masked_fill(~torch.from_numpy(ok), -torch.inf).topk(k, dim=1)
-    n_ok = min(k, int(ok.sum()))
-    for row in range(ids.shape[0]):
-        got = ids[row]
-        assert (got[:n_ok] >= 0).all() and (got[n_ok:] == -1).all(), text
-        assert ok[got[:n_ok]].all(), text  # never an ineligible item
-        assert set(got[:n_ok].tolist()) == set(want.indices[row, :n_ok].tolist()), text
+    assert_best_eligible(ids, ok, catalog()["q"], x, k, text)
 
 
 @settings(max_examples=60, deadline=None)

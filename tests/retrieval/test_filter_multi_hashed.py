@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from retrieval.filters import FilterSchema
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.update import set_values
+from support.topk_check import assert_best_eligible
 
 TAGS = [f"t{i}" for i in range(100_000)]
 COLORS = ["red", "green", "blue"]
@@ -95,14 +96,7 @@ def check_top_k(
 ) -> None:
     """``ids [B, k]`` hold every row's best ``k`` eligible items (``ok [N]``) for queries ``q``
     (None: the catalog's), only them."""
-    want = (catalog()["q"] if q is None else q) @ x.T
-    want = want.masked_fill(~torch.from_numpy(ok), -torch.inf).topk(k, dim=1)
-    n_ok = min(k, int(ok.sum()))
-    for row in range(ids.shape[0]):
-        got = ids[row]
-        assert (got[:n_ok] >= 0).all() and (got[n_ok:] == -1).all(), text
-        assert ok[got[:n_ok]].all(), text  # never an ineligible item
-        assert set(got[:n_ok].tolist()) == set(want.indices[row, :n_ok].tolist()), text
+    assert_best_eligible(ids, ok, catalog()["q"] if q is None else q, x, k, text)
 
 
 def test_the_signatures_alone_admit_false_positives():

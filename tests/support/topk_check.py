@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -26,3 +27,18 @@ def assert_same_topk(
         gap_next = torch.cat([s[:, :-1] - s[:, 1:], torch.full_like(s[:, :1], float("inf"))], 1)
         tie = (gap_prev <= atol) | (gap_next <= atol)
         assert bool(tie[differ].all()), f"ids differ where scores do not tie: {differ.sum()} slots"
+
+
+def assert_best_eligible(
+    ids: torch.Tensor, ok: np.ndarray, q: torch.Tensor, x: torch.Tensor, k: int, text: str
+) -> None:
+    """``ids [B, k]`` (``-1`` pads) hold each row's best ``k`` items of those ``ok [N]`` admits by
+    inner product of ``q [B, D]`` with ``x [N, D]``, and only them (``text``: the filter, for the
+    message)."""
+    want = (q @ x.T).masked_fill(~torch.from_numpy(ok), -torch.inf).topk(k, dim=1)
+    n_ok = min(k, int(ok.sum()))
+    for row in range(ids.shape[0]):
+        got = ids[row]
+        assert (got[:n_ok] >= 0).all() and (got[n_ok:] == -1).all(), text
+        assert ok[got[:n_ok]].all(), text  # never an ineligible item
+        assert set(got[:n_ok].tolist()) == set(want.indices[row, :n_ok].tolist()), text
