@@ -20,6 +20,8 @@ is a reference loop (its GPU kernel is the production path); the q/s say what a 
 
 from __future__ import annotations
 
+import resource
+import sys
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ from filters_silvertorch import (
     st_text,
     verify,
 )
+from timing import stopwatch
 
 from retrieval.index import IVFConfig, build_ivf
 from retrieval.index.eligible_scan import SLICES_AFTER
@@ -129,28 +132,44 @@ def top_k(
     per_doc: int = 5,
 ) -> dict[str, Any]:
     """Each filter of ``filters``: recall and q/s of ours and SilverTorch's two ways, sweeps
-    (``sweep(fn, truth, settings, target)``) then the chosen settings timed in turns."""
+    (``sweep(fn, truth, settings, target)``) then the chosen settings timed in turns; the
+    builds' seconds and the process's peak memory. Progress goes to stderr (a 10M build is
+    minutes)."""
+    wall = stopwatch()
+
+    def progress(what: str) -> None:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(f"[st top-k {wall():6.0f} s, peak {rss:.1f} GiB] {what}", file=sys.stderr, flush=True)
+
     data = make_data(n, d, n_queries)
     docs = documents(n, features, values, per_doc)
     attrs, vocab = present_values(docs, values)
+    progress(f"data: {n:,} x {d} vectors, documents")
+    elapsed = stopwatch()
     index = build_ivf(
         torch.from_numpy(data.x),
         IVFConfig(nlist=nlist),
         item_attributes=attrs,
         attribute_values=vocab,
     )
-    del attrs
+    build_s = {"ours": elapsed()}
+    del attrs  # [N, V] bools a feature: 1 GB at 10M, read by the build only
+    progress(f"our index built in {build_s['ours']:.0f} s")
     q = torch.from_numpy(data.q)
+    elapsed = stopwatch()
     pipeline = SilverTorchPipeline(data.x, docs, index.tensors(), index.config.probe, values)
+    build_s["silvertorch (int8 codes, Bloom index)"] = elapsed()
+    progress(f"its int8 codes and Bloom index built in {elapsed():.0f} s")
     scan = EligibleScan(torch.from_numpy(data.x))
     probes = [2**i for i in range(12) if 2**i <= nlist]
     out: dict[str, Any] = {
         "items": n, "dim": d, "nlist": nlist, "k": k, "queries": n_queries,
-        "probe": index.config.probe, "filters": {},
+        "probe": index.config.probe, "build_s": build_s, "filters": {},
     }  # fmt: skip
     for name, query in filters.items():
         text = our_text(query)
         truth = exact_topk(data.x, data.q, k, reference(docs, query))
+        progress(f"{name}: exact truth")
         for _ in range(SLICES_AFTER):  # as a serving index is after a few dense filters
             index.search(q, k, text, nprobe=1)
 
@@ -173,7 +192,10 @@ def top_k(
             ),
             "silvertorch, Bloom + verification + exact scan": (bloom_scan, [0]),
         }
-        points = {s: sweep(fn, truth, ps, target) for s, (fn, ps) in systems.items()}
+        points = {}
+        for s, (fn, ps) in systems.items():
+            points[s] = sweep(fn, truth, ps, target)
+            progress(f"{name}: {s} swept, {points[s][-1]}")
         chosen = {s: best(points[s], target) for s in systems}
         fns = {s: (lambda fn=systems[s][0], c=c: fn(c["nprobe"])) for s, c in chosen.items() if c}
         out["filters"][name] = {
@@ -182,6 +204,8 @@ def top_k(
             "points": points,
             "turns_qps": {s: n_queries / t for s, t in in_turns(fns, rounds).items()},
         }
+        progress(f"{name}: turns {out['filters'][name]['turns_qps']}")
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return out
 
 
