@@ -10,8 +10,9 @@ item's signature against each query's filter clauses and blanks the rows each qu
 
 Selection happens in the kernel: for a best ``r`` of at most ``SELECT_MAX`` (= ``BN``), each
 program keeps a running best ``R`` per query across its list's tiles (``R`` the power of two
-``>= r``; keys are the score's bits and the item, sorted with ``tl.sort``, merged as in a
-bitonic merge, and a tile none of whose items beats the worst kept is skipped) and writes only
+``>= r``; int64 keys, the score's bits and the item, through ``tl.topk``'s bitonic network: a
+tile's best ``R`` merged into the kept ones, a tile none of whose items beats the worst kept
+skipped) and writes only
 the list's best ``min(r, size)`` (score, item within the list) per query: no full score row.
 That is exact: the row's best ``r`` hold at most ``r`` items of any one list, and those are
 among that list's best ``r``. For a larger ``r`` (up to any K: 10,000 and more), or where no
@@ -42,6 +43,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import constexpr_function
 
 from retrieval.index.codes import fp8_lut, quantize_query_int8
 from retrieval.index.tensors import Lists, ScanRows
@@ -77,15 +79,76 @@ def _score(ordered):
     return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
+@constexpr_function
+def _log2(n):  # type: ignore[no-untyped-def]
+    log = 0
+    while n > 1:
+        n >>= 1
+        log += 1
+    return log
+
+
+# A bitonic sort / top-k of int64 keys along the last dim: ``tl.sort`` / ``tl.topk``'s network
+# (``triton/language/standard.py``, 3.7) but for how a compare-and-swap finds its partner: the
+# sum of the pair less itself (two's complement wraps, exactly), where Triton takes their xor.
+# Both are a reduction over a size-2 axis held in one thread on a GPU; under the interpreter a
+# sum is one numpy call and an xor is a Python loop per element (seconds a tile).
+
+
 @triton.jit
-def _merge(run, key, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr):
-    """The best ``R`` of ``run [BQ, R]`` and a tile's ``key [BQ, BN]`` per row (unordered).
-    Sorted ascending, the tile's last ``R`` keys are its best (the max over its ``BN / R``
-    groups of ``R`` picks the last group); the best ``R`` of two sorted runs, one descending and
-    one ascending, are their element-wise maximum (a bitonic merge's first step). No slicing:
-    Triton has none."""
-    tile_best = tl.max(tl.reshape(tl.sort(key), (BLOCK_Q, BLOCK_N // R, R)), axis=1)
-    return tl.maximum(tl.sort(run, descending=True), tile_best)
+def _indicator(n_dims: tl.constexpr, j: tl.constexpr):
+    return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+
+
+@triton.jit
+def _compare_and_swap(x, flip, i: tl.constexpr):
+    n_dims: tl.constexpr = _log2(x.numel)
+    y = tl.sum(x, n_dims - 1 - i, keep_dims=True) - x  # the partner along hypercube axis i
+    return tl.where((x > y) != (flip ^ _indicator(n_dims, i)), y, x)
+
+
+@triton.jit
+def _bitonic_merge(x, stage: tl.constexpr, order: tl.constexpr):
+    """``stage`` rounds of compare-and-swap on the hypercube ``x``: order 0 ascending, 1
+    descending, 2 alternating (sub-sequences of ``2 ** stage``)."""
+    if order == 2:
+        flip = _indicator(_log2(x.numel), stage)
+    else:
+        flip = order
+    for i in tl.static_range(stage):
+        x = _compare_and_swap(x, flip, stage - 1 - i)
+    return x
+
+
+@triton.jit
+def _sorted(x, K: tl.constexpr, DESC: tl.constexpr, BITONIC: tl.constexpr):
+    """The best ``K`` (a power of two) of each row of ``x [M, N]`` in order (``DESC``: largest
+    first; ``K < N`` keeps the largest ``K`` when ``DESC``, else the smallest), as
+    ``tl.topk``. ``BITONIC``: the rows are bitonic already (one merge sorts them)."""
+    log_n: tl.constexpr = _log2(x.shape[1])
+    log_k: tl.constexpr = _log2(K)
+    n_dims: tl.constexpr = _log2(x.numel)
+    h = tl.reshape(x, [2] * n_dims)
+    if BITONIC:
+        h = _bitonic_merge(h, log_n, DESC)
+    else:
+        for i in tl.static_range(1, log_k + 1):
+            h = _bitonic_merge(h, i, 2 if i < log_n else DESC)
+        for i in tl.static_range(log_k + 1, log_n + 1):  # halve: the better of each pair
+            if DESC:
+                h = tl.max(h, axis=_log2(h.numel) - 1 - log_k)
+            else:
+                h = tl.min(h, axis=_log2(h.numel) - 1 - log_k)
+            h = _bitonic_merge(h, log_k, 2 if i < log_n else DESC)
+    return tl.reshape(h, [x.shape[0], K])
+
+
+@triton.jit
+def _merge(run, key, R: tl.constexpr):
+    """The best ``R`` of ``run [BQ, R]`` (ascending) and a tile's ``key [BQ, BN]`` per row,
+    ascending. The best ``R`` of two sorted runs, one ascending and one descending, are their
+    element-wise maximum, a bitonic sequence that one merge sorts."""
+    return _sorted(tl.maximum(run, _sorted(key, R, 1, 0)), R, 0, 1)
 
 
 @triton.jit
@@ -154,7 +217,7 @@ def _scan_kernel(
         qs = tl.load(qscale_ptr + b, mask=q_ok, other=0.0)
     co = tl.load(coarse_ptr + b * P + slot, mask=q_ok, other=0.0)
     col = tl.load(col_ptr + b * P + slot, mask=q_ok, other=0)  # [BQ]
-    run = tl.full((BLOCK_Q, R), _NONE, tl.int64)  # SELECT: each query's best R keys so far
+    run = tl.full((BLOCK_Q, R), _NONE, tl.int64)  # SELECT: each query's best R keys, ascending
 
     for tile in range(0, tl.cdiv(list_end - list_start, BLOCK_N)):
         items = list_start + tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] list-sorted
@@ -202,17 +265,16 @@ def _scan_kernel(
             key = tl.where(ok, _key(score, items - list_start), _NONE)
             worst = tl.min(run, axis=1)  # [BQ]
             if tl.max((key > worst[:, None]).to(tl.int32)) > 0:
-                run = _merge(run, key, BLOCK_Q, BLOCK_N, R)
+                run = _merge(run, key, R)
         else:
             at = col[:, None] + (items - list_start)[None, :]
             # within the row even if the host's bound were stale: candidates lost, never memory
             tl.store(out_ptr + b[:, None] * width + at, score, mask=ok & (at < width))
 
     if SELECT:  # the list's best min(KEEP, its length), best first, from column col
-        run = tl.sort(run, descending=True)
-        j = tl.arange(0, R)
-        at = col[:, None] + j[None, :]
-        keep = q_ok[:, None] & (j[None, :] < KEEP) & (run > _NONE) & (at < width)
+        rank = R - 1 - tl.arange(0, R)  # run is ascending
+        at = col[:, None] + rank[None, :]
+        keep = q_ok[:, None] & (rank[None, :] < KEEP) & (run > _NONE) & (at < width)
         hi = run >> 32
         tl.store(out_ptr + b[:, None] * width + at, _score(hi.to(tl.int32)), mask=keep)
         tl.store(idx_ptr + b[:, None] * width + at, (run - (hi << 32)).to(tl.int32), mask=keep)
