@@ -1,4 +1,4 @@
-"""The IVF list scan on a GPU: one Triton kernel scores, filters and blanks the probed lists.
+"""The IVF list scan on a GPU: one Triton kernel scores, filters, blanks and selects the probed lists.
 
 Same contract as :func:`retrieval.index.scan.scan` (the CPU kernel and :func:`scan_reference`).
 The work is list-major, as on the CPU: the batch's (query, probe) pairs are grouped by list, and
@@ -7,12 +7,23 @@ each program takes up to ``BQ`` queries that probe one list and walks its items 
 (``tl.dot``, exact int32 sums). In the same pass it adds the list's coarse score, tests every
 item's signature against each query's filter clauses and blanks the rows each query excludes
 (a binary search in its sorted ``excl`` row). The grid is one program per chunk of pairs.
-Scores land in a ``[B, width]`` buffer, each query's probed
-lists side by side (``-inf`` where nothing passed; ``width``: the ``P`` longest lists, known on
-the host), and the best ``r`` of each row come from ``torch.topk`` (a radix select on CUDA, any
-``r``: no 2,048 cap). Nothing here waits for the GPU (but the first call on an index state,
-which reads its list sizes): the grid is sized from shapes alone and the pair grouping is torch
-ops on the device, so a search can be recorded as a CUDA graph (``cuda_graphs.py``).
+
+Selection happens in the kernel: for a best ``r`` of at most ``SELECT_MAX`` (= ``BN``), each
+program keeps a running best ``R`` per query across its list's tiles (``R`` the power of two
+``>= r``; int64 keys, the score's bits and the item, through ``tl.topk``'s bitonic network: a
+tile's best ``R`` merged into the kept ones, a tile none of whose items beats the worst kept
+skipped) and writes only
+the list's best ``min(r, size)`` (score, item within the list) per query: no full score row.
+That is exact: the row's best ``r`` hold at most ``r`` items of any one list, and those are
+among that list's best ``r``. For a larger ``r`` (up to any K: 10,000 and more), or where no
+list is longer than ``r``, every passing item's score is written, as selecting keeps them all.
+Either way the candidates land in a ``[B, width]`` buffer, each query's probed lists side by
+side (``-inf`` where nothing passed; ``width``: the ``P`` longest lists, each capped at ``r``
+where selecting, known on the host; never wider than the full rows), and the best ``r`` of each
+row come from ``torch.topk`` over it (a radix select on CUDA, any ``r``: no 2,048 cap). Nothing
+here waits for the GPU (but the first call on an index state, which reads its list sizes): the
+grid is sized from shapes alone and the pair grouping is torch ops on the device, so a search
+can be recorded as a CUDA graph (``cuda_graphs.py``).
 
 FP8 codes are decoded through a 256-entry float16 table (exact: every e4m3 value is a float16)
 and scored against the query split in two float16 halves (``q = hi + lo``), so the tensor cores
@@ -24,11 +35,15 @@ no GPU is) against :func:`scan_reference`; tests marked ``gpu`` run it compiled.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 import weakref
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import constexpr_function
 
 from retrieval.index.codes import fp8_lut, quantize_query_int8
 from retrieval.index.tensors import Lists, ScanRows
@@ -39,6 +54,101 @@ BN = 128
 """Items of a list a program scores at once (a tile)."""
 BUFFER_FLOATS = 1 << 26
 """Score-buffer floats per call (256 MB): larger batches go through in query chunks."""
+SELECT_MAX = BN
+"""The largest best-``r`` the kernel selects itself (a running best of ``r`` per query held in
+registers); above it every probed item's score is written (0: never select, the full rows)."""
+
+
+_NONE: tl.constexpr = tl.constexpr(-(2**63))
+"""The key of no candidate (filtered out, past the list's end): below every item's key."""
+
+
+@triton.jit
+def _key(score, within):
+    """``[BQ, BN]`` float32 scores and ``[BN]`` int64 item indices within the list -> int64 keys
+    ordered as the scores: the score's bits made order-preserving as an int32 (negative floats
+    count down) in the high half, the index in the low half (so every key is distinct)."""
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | within[None, :]
+
+
+@triton.jit
+def _score(ordered):
+    """The float32 score of a key's high half (``_key`` undone: the flip is its own inverse)."""
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@constexpr_function
+def _log2(n):  # type: ignore[no-untyped-def]
+    log = 0
+    while n > 1:
+        n >>= 1
+        log += 1
+    return log
+
+
+# A bitonic sort / top-k of int64 keys along the last dim: ``tl.sort`` / ``tl.topk``'s network
+# (``triton/language/standard.py``, 3.7) but for how a compare-and-swap finds its partner: the
+# sum of the pair less itself (two's complement wraps, exactly), where Triton takes their xor.
+# Both are a reduction over a size-2 axis held in one thread on a GPU; under the interpreter a
+# sum is one numpy call and an xor is a Python loop per element (seconds a tile).
+
+
+@triton.jit
+def _indicator(n_dims: tl.constexpr, j: tl.constexpr):
+    return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+
+
+@triton.jit
+def _compare_and_swap(x, flip, i: tl.constexpr):
+    n_dims: tl.constexpr = _log2(x.numel)
+    y = tl.sum(x, n_dims - 1 - i, keep_dims=True) - x  # the partner along hypercube axis i
+    return tl.where((x > y) != (flip ^ _indicator(n_dims, i)), y, x)
+
+
+@triton.jit
+def _bitonic_merge(x, stage: tl.constexpr, order: tl.constexpr):
+    """``stage`` rounds of compare-and-swap on the hypercube ``x``: order 0 ascending, 1
+    descending, 2 alternating (sub-sequences of ``2 ** stage``)."""
+    if order == 2:  # noqa: SIM108 (a static if, as in Triton's own sort: two types of flip)
+        flip = _indicator(_log2(x.numel), stage)
+    else:
+        flip = order
+    for i in tl.static_range(stage):
+        x = _compare_and_swap(x, flip, stage - 1 - i)
+    return x
+
+
+@triton.jit
+def _sorted(x, K: tl.constexpr, DESC: tl.constexpr, BITONIC: tl.constexpr):
+    """The best ``K`` (a power of two) of each row of ``x [M, N]`` in order (``DESC``: largest
+    first; ``K < N`` keeps the largest ``K`` when ``DESC``, else the smallest), as
+    ``tl.topk``. ``BITONIC``: the rows are bitonic already (one merge sorts them)."""
+    log_n: tl.constexpr = _log2(x.shape[1])
+    log_k: tl.constexpr = _log2(K)
+    n_dims: tl.constexpr = _log2(x.numel)
+    h = tl.reshape(x, [2] * n_dims)
+    if BITONIC:
+        h = _bitonic_merge(h, log_n, DESC)
+    else:
+        for i in tl.static_range(1, log_k + 1):
+            h = _bitonic_merge(h, i, 2 if i < log_n else DESC)
+        for i in tl.static_range(log_k + 1, log_n + 1):  # halve: the better of each pair
+            if DESC:
+                h = tl.max(h, axis=_log2(h.numel) - 1 - log_k)
+            else:
+                h = tl.min(h, axis=_log2(h.numel) - 1 - log_k)
+            h = _bitonic_merge(h, log_k, 2 if i < log_n else DESC)
+    return tl.reshape(h, [x.shape[0], K])
+
+
+@triton.jit
+def _merge(run, key, R: tl.constexpr):
+    """The best ``R`` of ``run [BQ, R]`` (ascending) and a tile's ``key [BQ, BN]`` per row,
+    ascending. The best ``R`` of two sorted runs, one ascending and one descending, are their
+    element-wise maximum, a bitonic sequence that one merge sorts."""
+    return _sorted(tl.maximum(run, _sorted(key, R, 1, 0)), R, 0, 1)
 
 
 @triton.jit
@@ -62,6 +172,7 @@ def _scan_kernel(
     fnone_ptr,  # [B, C, W] int64: "or none of these bits" (HAS_NONE; unused otherwise)
     excl_ptr,  # [B, S] int64, ascending, PAD padded
     out_ptr,  # [B, width] float32, -inf filled
+    idx_ptr,  # [B, width] int32: each kept score's item within its list (SELECT; unused otherwise)
     D,
     P,
     width,
@@ -69,8 +180,11 @@ def _scan_kernel(
     W,
     S,
     EXCL_STEPS,
+    KEEP,  # candidates kept per (query, list) (SELECT: r <= R; unused otherwise)
     FP8: tl.constexpr,
     HAS_NONE: tl.constexpr,
+    SELECT: tl.constexpr,
+    R: tl.constexpr,  # the running best's size: a power of two, KEEP <= R <= BLOCK_N
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -103,6 +217,7 @@ def _scan_kernel(
         qs = tl.load(qscale_ptr + b, mask=q_ok, other=0.0)
     co = tl.load(coarse_ptr + b * P + slot, mask=q_ok, other=0.0)
     col = tl.load(col_ptr + b * P + slot, mask=q_ok, other=0)  # [BQ]
+    run = tl.full((BLOCK_Q, R), _NONE, tl.int64)  # SELECT: each query's best R keys, ascending
 
     for tile in range(0, tl.cdiv(list_end - list_start, BLOCK_N)):
         items = list_start + tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] list-sorted
@@ -146,9 +261,23 @@ def _scan_kernel(
                 hi_i = tl.where(right | ~live, hi_i, mid)
             hit_ex = tl.load(excl_ptr + b[:, None] * S + lo_i, mask=ok & (lo_i < S), other=-1)
             ok = ok & (hit_ex != items[None, :])
-        at = col[:, None] + (items - list_start)[None, :]
-        # within the row even if the host's bound were stale: candidates lost, never memory
-        tl.store(out_ptr + b[:, None] * width + at, score, mask=ok & (at < width))
+        if SELECT:  # the tile's keys into the running best (only if one beats its worst)
+            key = tl.where(ok, _key(score, items - list_start), _NONE)
+            worst = tl.min(run, axis=1)  # [BQ]
+            if tl.max((key > worst[:, None]).to(tl.int32)) > 0:
+                run = _merge(run, key, R)
+        else:
+            at = col[:, None] + (items - list_start)[None, :]
+            # within the row even if the host's bound were stale: candidates lost, never memory
+            tl.store(out_ptr + b[:, None] * width + at, score, mask=ok & (at < width))
+
+    if SELECT:  # the list's best min(KEEP, its length), best first, from column col
+        rank = R - 1 - tl.arange(0, R)  # run is ascending
+        at = col[:, None] + rank[None, :]
+        keep = q_ok[:, None] & (rank[None, :] < KEEP) & (run > _NONE) & (at < width)
+        hi = run >> 32
+        tl.store(out_ptr + b[:, None] * width + at, _score(hi.to(tl.int32)), mask=keep)
+        tl.store(idx_ptr + b[:, None] * width + at, (run - (hi << 32)).to(tl.int32), mask=keep)
 
 
 def block_d(d: int) -> int:
@@ -207,37 +336,58 @@ def _lut(device: torch.device) -> torch.Tensor:
     return _LUTS[device]
 
 
-_PREFIX: dict[int, tuple[weakref.ref[torch.Tensor], int, list[int]]] = {}
+_SIZES: dict[int, tuple[weakref.ref[torch.Tensor], int, list[int], list[int]]] = {}
 
 
-def width_bound(offsets: torch.Tensor, p: int) -> int:
-    """Score columns a query probing ``p`` lists can need: the sum of the ``p`` longest lists.
-    Read once per index state (this ``offsets`` tensor at this version: one device sync then,
-    none in later searches), so the buffer is sized from host numbers alone."""
-    held = _PREFIX.get(id(offsets))
+def _list_sizes(offsets: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``offsets``' list sizes, longest first, and their prefix sums (``[0, s0, s0 + s1, ...]``),
+    as host numbers. Read once per index state (this ``offsets`` tensor at this version: one
+    device sync then, none in later searches), so buffers are sized from host numbers alone."""
+    held = _SIZES.get(id(offsets))
     if held is None or held[0]() is not offsets or held[1] != offsets._version:
-        sizes = (offsets[1:] - offsets[:-1]).sort(descending=True).values
-        prefix = [0, *sizes.cumsum(0).tolist()]
-        for key in [k for k, v in _PREFIX.items() if v[0]() is None]:  # freed tensors
-            del _PREFIX[key]
-        held = (weakref.ref(offsets), offsets._version, prefix)
-        _PREFIX[id(offsets)] = held
-    prefix = held[2]
-    return max(prefix[min(p, len(prefix) - 1)], 1)
+        sizes = (offsets[1:] - offsets[:-1]).sort(descending=True).values.tolist()
+        prefix = [0, *itertools.accumulate(sizes)]
+        for key in [k for k, v in _SIZES.items() if v[0]() is None]:  # freed tensors
+            del _SIZES[key]
+        held = (weakref.ref(offsets), offsets._version, sizes, prefix)
+        _SIZES[id(offsets)] = held
+    return held[2], held[3]
+
+
+def width_bound(offsets: torch.Tensor, p: int, keep: int | None = None) -> int:
+    """Columns a query probing ``p`` lists can need when each list gives at most ``keep``
+    candidates (None: all its items): the sum of ``min(keep, size)`` over the ``p`` longest
+    lists (at least 1)."""
+    sizes, prefix = _list_sizes(offsets)
+    p = min(p, len(sizes))
+    if keep is None:
+        return max(prefix[p], 1)
+    capped = min(p, bisect.bisect_left(sizes, -keep, key=operator.neg))  # the lists over keep
+    return max(keep * capped + prefix[p] - prefix[capped], 1)
+
+
+def kept_per_list(offsets: torch.Tensor, r: int) -> int | None:
+    """Candidates the kernel keeps of each probed list for a best ``r``: ``r`` where it selects
+    (``r <= SELECT_MAX`` and some list is longer than ``r``), None where it writes every item.
+    Exact either way: a list's best ``r`` hold every one of its items in the row's best ``r``."""
+    sizes, _ = _list_sizes(offsets)
+    return r if 0 < r <= min(SELECT_MAX, BN) and sizes and sizes[0] > r else None
 
 
 def scan_triton(lists: Lists, rows: ScanRows, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`retrieval.index.scan.scan` with the Triton kernel: ``lists.codes [N, D]`` int8 or
     float8_e4m3fn -> ``(positions [B, r] int64, scores [B, r] float32)``, best first, ``-1`` /
-    ``-inf`` pads. Each row's buffer is :func:`width_bound` wide (not ``lists.max_list``)."""
+    ``-inf`` pads. Each row's buffer is :func:`width_bound` wide for :func:`kept_per_list`
+    candidates a list (not ``lists.max_list``)."""
     b, p = rows.probes.shape
-    width = width_bound(lists.offsets, p)
+    keep = kept_per_list(lists.offsets, r)
+    width = width_bound(lists.offsets, p, keep)
     step = max(1, BUFFER_FLOATS // width)
     full = ScanRows(
         rows.q, rows.probes, rows.coarse, rows.fmask, rows.fneg, rows.excluded(), None, rows.fnone
     )
     parts = [  # a bounded score buffer: the batch in query chunks
-        _scan_batch(lists, full.part(sl), r, width)
+        _scan_batch(lists, full.part(sl), r, width, keep)
         for sl in (slice(s, s + step) for s in range(0, max(b, 1), step))  # B = 0: one empty
     ]
     if len(parts) == 1:
@@ -246,10 +396,11 @@ def scan_triton(lists: Lists, rows: ScanRows, r: int) -> tuple[torch.Tensor, tor
 
 
 def _scan_batch(
-    lists: Lists, rows: ScanRows, r: int, width: int
+    lists: Lists, rows: ScanRows, r: int, width: int, keep: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One bounded batch: each query's probed lists side by side in a row of ``width`` columns
-    (``col [B, P]`` where each starts), the kernel, then the best ``r`` of each row."""
+    (``col [B, P]`` where each starts; ``min(keep, size)`` columns each), the kernel, then the
+    best ``r`` of each row."""
     q, probes, coarse, excl = rows.q, rows.probes, rows.coarse, rows.excluded()
     codes, scales, offsets, sig = lists.codes, lists.scales, lists.offsets, lists.sig
     fmask = rows.fmask
@@ -260,8 +411,12 @@ def _scan_batch(
     listed = probes >= 0
     probed = probes.clamp(min=0)
     lens = torch.where(listed, offsets[probed + 1] - offsets[probed], 0)  # [B, P]
+    if keep is not None:
+        lens = lens.clamp(max=keep)
     col = torch.cumsum(lens, dim=1) - lens  # [B, P]
     out = torch.full((b, width), float("-inf"), device=dev)
+    # the item of each kept score within its list (selecting; else its column says it)
+    within = torch.empty((b, width) if keep is not None else (0,), dtype=torch.int32, device=dev)
     if b and p and nlist > 0:
         qa, qlo, qs = _queries(q, fp8)
         pairs, lst, first, count = _chunks(probes, nlist)
@@ -286,6 +441,7 @@ def _scan_batch(
             fmask if rows.fnone is None else rows.fnone.contiguous(),
             excl,
             out,
+            within,
             q.shape[1],
             p,
             width,
@@ -293,8 +449,11 @@ def _scan_batch(
             sig.shape[1],
             s,
             max(s, 1).bit_length(),
+            keep or 0,
             FP8=fp8,
             HAS_NONE=rows.fnone is not None,
+            SELECT=keep is not None,
+            R=run_size(keep),
             BLOCK_Q=BQ,
             BLOCK_N=BN,
             BLOCK_D=block_d(q.shape[1]),
@@ -302,9 +461,17 @@ def _scan_batch(
     kk = min(r, width)
     top, idx = out.topk(kk, dim=1)
     slot = (torch.searchsorted(col, idx, right=True) - 1).clamp(min=0)  # the list holding idx
-    at = offsets[probed.gather(1, slot)] + idx - col.gather(1, slot)
+    item = within.gather(1, idx).long() if keep is not None else idx - col.gather(1, slot)
+    at = offsets[probed.gather(1, slot)] + item
     pos = torch.where(top > float("-inf"), at, torch.full_like(idx, -1))
     if kk < r:
         pos = torch.nn.functional.pad(pos, (0, r - kk), value=-1)
         top = torch.nn.functional.pad(top, (0, r - kk), value=float("-inf"))
     return pos, top
+
+
+def run_size(keep: int | None) -> int:
+    """The kernel's running best per query (``R``) for ``keep`` candidates a list: a power of
+    two, 16 at least (small tiles are the shapes a GPU compile is least tried on), at most
+    :data:`BN` (None: not selecting, the smallest)."""
+    return min(BN, max(16, triton.next_power_of_2(keep or 1)))
