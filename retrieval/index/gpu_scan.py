@@ -80,7 +80,7 @@ def _score(ordered):
 
 
 @constexpr_function
-def _log2(n):  # type: ignore[no-untyped-def]
+def _log2(n: int) -> int:
     log = 0
     while n > 1:
         n >>= 1
