@@ -126,8 +126,9 @@ def _around(centres: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
     x = rng.standard_normal((n, centres.shape[1]), dtype=np.float32)
     # the centres added in place, a chunk at a time: ``centres[labels] + noise`` would hold
     # three [n, D] arrays at once (7.7 GB at 10M x 64); the sums are the same floats
-    for s in range(0, n, 1 << 20):
-        x[s : s + (1 << 20)] += centres[labels[s : s + (1 << 20)]]
+    step = 1 << 20
+    for s in range(0, n, step):
+        x[s : s + step] += centres[labels[s : s + step]]
     return x
 
 

@@ -158,8 +158,8 @@ def top_k(
     q = torch.from_numpy(data.q)
     elapsed = stopwatch()
     pipeline = SilverTorchPipeline(data.x, docs, index.tensors(), index.config.probe, values)
-    build_s["silvertorch (int8 codes, Bloom index)"] = elapsed()
-    progress(f"its int8 codes and Bloom index built in {elapsed():.0f} s")
+    build_s["silvertorch (int8 codes, Bloom index)"] = st_s = elapsed()
+    progress(f"its int8 codes and Bloom index built in {st_s:.0f} s")
     scan = EligibleScan(torch.from_numpy(data.x))
     probes = [2**i for i in range(12) if 2**i <= nlist]
     out: dict[str, Any] = {

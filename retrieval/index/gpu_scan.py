@@ -10,11 +10,10 @@ item's signature against each query's filter clauses and blanks the rows each qu
 
 Selection happens in the kernel: for a best ``r`` of at most ``SELECT_MAX`` (= ``BN``), each
 program keeps a running best ``R`` per query across its list's tiles (``R`` the power of two
-``>= r``; int64 keys, the score's bits and the item, through ``tl.topk``'s bitonic network: a
-tile's best ``R`` merged into the kept ones, a tile none of whose items beats the worst kept
-skipped) and writes only
-the list's best ``min(r, size)`` (score, item within the list) per query: no full score row.
-That is exact: the row's best ``r`` hold at most ``r`` items of any one list, and those are
+``>= r``; int64 keys, the score's bits and the item, through a bitonic network written here
+(``_sorted``): a tile's best ``R`` merged into the kept ones, a tile none of whose items beats
+the worst kept skipped) and writes only the list's best ``min(r, size)`` (score, item within
+the list) per query: no full score row. That is exact: the row's best ``r`` hold at most ``r`` items of any one list, and those are
 among that list's best ``r``. For a larger ``r`` (up to any K: 10,000 and more), or where no
 list is longer than ``r``, every passing item's score is written, as selecting keeps them all.
 Either way the candidates land in a ``[B, width]`` buffer, each query's probed lists side by

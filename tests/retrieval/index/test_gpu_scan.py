@@ -330,6 +330,30 @@ def test_width_bound_follows_the_offsets_it_was_read_for():
     assert gpu_scan.width_bound(torch.tensor([0, 3, 4]), 1) == 3  # another tensor
 
 
+def test_width_bound_caps_each_list_at_what_the_kernel_keeps():
+    offsets = torch.tensor([0, 5, 12, 14])  # lists of 5, 7, 2
+    assert gpu_scan.width_bound(offsets, 2, keep=3) == 6  # the two longest, 3 each
+    assert gpu_scan.width_bound(offsets, 3, keep=6) == 6 + 5 + 2  # only the 7 is capped
+    assert gpu_scan.width_bound(offsets, 3, keep=9) == gpu_scan.width_bound(offsets, 3)
+    assert gpu_scan.kept_per_list(offsets, 3) == 3  # a list longer than r: the kernel selects
+    assert gpu_scan.kept_per_list(offsets, 7) is None  # no list longer: every item written
+    assert gpu_scan.kept_per_list(torch.tensor([0, 500]), gpu_scan.SELECT_MAX + 1) is None
+
+
+def test_selecting_in_the_kernel_answers_as_the_full_rows(monkeypatch):
+    """The in-kernel selection against the full score rows it replaces, ties included."""
+    c = case([700, 0, 260, 33, 129], 20, 3, 16, "fp8", 1, 1, 3, seed=8)
+    c["codes"][100:300], c["scales"][100:300] = c["codes"][100], c["scales"][100]  # ties
+    for r in (1, 16, 100):
+        picked = gpu_scan.scan_triton(*bundled(c), r)
+        monkeypatch.setattr(gpu_scan, "SELECT_MAX", 0)
+        full = gpu_scan.scan_triton(*bundled(c), r)
+        monkeypatch.undo()
+        assert gpu_scan.kept_per_list(c["offsets"], r) == r
+        torch.testing.assert_close(picked[1], full[1])
+        assert_same(picked, full)
+
+
 def test_the_d_tile_is_what_an_int8_dot_compiles_for():
     """An H200 refused K = 16 for int8 `tl.dot` (the interpreter does not): D = 16 pads to 32."""
     assert [gpu_scan.block_d(d) for d in (1, 16, 32, 33, 64, 100)] == [32, 32, 32, 64, 64, 128]
