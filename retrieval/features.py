@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from retrieval.filter_verify import FilterVerify
 from retrieval.filters import Clause, Expr, FilterBatch, FilterSchema
 
 
@@ -32,6 +33,8 @@ class UserBatch:
     model with a seen store excludes too (``retrieval/seen_store.py``), or None.
     filter_none: ``[B, C, W] int64`` each clause's "or none of these bits" part
     (``FilterBatch.neg_masks``), or None where no clause has one.
+    filter_verify: the exact clauses of requests whose filter names a multi-valued hashed
+    attribute (``FilterBatch.verify``), or None where none does.
     """
 
     history: torch.Tensor
@@ -43,6 +46,7 @@ class UserBatch:
     recall_target: torch.Tensor | None = None
     user: torch.Tensor | None = None
     filter_none: torch.Tensor | None = None
+    filter_verify: FilterVerify | None = None
 
     @property
     def size(self) -> int:
@@ -50,7 +54,9 @@ class UserBatch:
 
     @property
     def filters(self) -> FilterBatch:
-        return FilterBatch(self.filter_masks, self.filter_negate, None, self.filter_none)
+        return FilterBatch(
+            self.filter_masks, self.filter_negate, None, self.filter_none, self.filter_verify
+        )
 
     def rows(self, rows: torch.Tensor) -> UserBatch:
         """The requests ``rows [B'] int64`` of this batch."""
@@ -64,6 +70,7 @@ class UserBatch:
             None if self.recall_target is None else self.recall_target[rows],
             None if self.user is None else self.user[rows],
             None if self.filter_none is None else self.filter_none[rows],
+            None if self.filter_verify is None else self.filter_verify.take(rows),
         )
 
     def to(self, device: torch.device | str) -> UserBatch:
@@ -87,6 +94,7 @@ class UserBatch:
             None if self.recall_target is None else move(self.recall_target),
             None if self.user is None else move(self.user),
             None if self.filter_none is None else move(self.filter_none),
+            None if self.filter_verify is None else self.filter_verify.to(dev),
         )
 
 
@@ -110,6 +118,7 @@ def make_user_batch(
         fb.negate,
         None if seen is None else torch.as_tensor(seen, dtype=torch.int64),
         filter_none=fb.neg_masks,
+        filter_verify=fb.verify,
     )
 
 

@@ -21,7 +21,7 @@ upsert brings encodes the same way; the build chooses nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -139,9 +139,14 @@ def _key_ne(base: int, k: int, digits: int = DIGITS) -> _Clause:
     return (bits, ())
 
 
+Virtual = Callable[[Clause], int | None]
+"""A clause -> the first of its two virtual bits (``b``: it holds, ``b + 1``: it does not), or
+None to compile it from the signature's own bits (``retrieval/filter_verify.py``)."""
+
+
 class _Lowering:
-    def __init__(self, schema: FilterSchema, max_clauses: int):
-        self.schema, self.max_clauses = schema, max_clauses
+    def __init__(self, schema: FilterSchema, max_clauses: int, virtual: Virtual | None = None):
+        self.schema, self.max_clauses, self.virtual = schema, max_clauses, virtual
 
     def cnf(self, e: Expr, neg: bool) -> list[_Clause]:
         """``e`` (its negation when ``neg``) as clauses; ``[]`` is true, ``[_FALSE]`` false."""
@@ -194,6 +199,9 @@ class _Lowering:
 
     def clause(self, c: Clause, neg: bool) -> list[_Clause]:
         negate = neg != c.negate
+        bit = None if self.virtual is None else self.virtual(c)
+        if bit is not None:  # its truth given as a bit and its negation as the next: positive
+            return [(1 << (bit + negate), ())]
         if c.attribute in self.schema.numeric_base:
             return self.numeric_set(c, negate)
         if (hashed := self.schema.hashed(c)) is not None:
@@ -233,16 +241,20 @@ class _Lowering:
 
 
 def lower(
-    schema: FilterSchema, e: Expr, max_clauses: int = MAX_COMPILED_CLAUSES
+    schema: FilterSchema,
+    e: Expr,
+    max_clauses: int = MAX_COMPILED_CLAUSES,
+    virtual: Virtual | None = None,
 ) -> list[tuple[int, bool, int]]:
     """``e`` -> its clauses as ``(bits, negate, none_bits)`` (bit sets as ints): the clause
     holds when the item has any of ``bits`` (none of them when ``negate``), or, when
     ``none_bits`` is set, none of ``none_bits`` -- an ``or`` of positive predicates and at most
     one negated category ("a != x or b = y"). ``ValueError`` names a second negated category
     in one ``or`` (its test would need a mask per negation), an unknown name or value;
-    :class:`FilterTooLargeError` past ``max_clauses``."""
+    :class:`FilterTooLargeError` past ``max_clauses``. ``virtual``: the clauses read as
+    virtual bits past the signature's (``Virtual``), their own bits never read."""
     out: list[tuple[int, bool, int]] = []
-    for pos, parts in _Lowering(schema, max_clauses).cnf(e, False):
+    for pos, parts in _Lowering(schema, max_clauses, virtual).cnf(e, False):
         nones = dict(parts)  # bits -> text: the same negation twice is one
         if not nones:
             out.append((pos, False, 0))

@@ -55,6 +55,8 @@ from retrieval.filter_cnf import DIGIT_BITS, NUMERIC_BITS, lower, numeric_bits, 
 from retrieval.filter_expr import And, Clause, Compare, Expr, Not, Or, parse_filter
 from retrieval.filter_expr import FilterTooLargeError as FilterTooLargeError
 from retrieval.filter_expr import format_filter as format_filter
+from retrieval.filter_verify import FilterVerify, OneVerify, batch_verify, compile_verify
+from retrieval.value_lists import names_any
 
 WORD_BITS = 64
 COMPILED_FILTERS = 4096
@@ -120,23 +122,28 @@ class FilterBatch:
     ``C`` is the largest clause count in the batch; rows with fewer clauses are padded with an
     always-true clause (zero mask, negated). ``neg_masks [B, C, W] int64`` (None when no
     clause has one) is each clause's "or none of these bits" part, zero where it has none.
+    ``verify``: the exact clauses of rows naming a multi-valued hashed attribute, whose
+    clauses here are a superset test (``retrieval/filter_verify.py``; None: no such row).
     """
 
     masks: torch.Tensor
     negate: torch.Tensor
     exclude: torch.Tensor | None = None
     neg_masks: torch.Tensor | None = None
+    verify: FilterVerify | None = None
 
     def to(self, device: torch.device | str) -> FilterBatch:
         ex = None if self.exclude is None else self.exclude.to(device)
         nm = None if self.neg_masks is None else self.neg_masks.to(device)
-        return FilterBatch(self.masks.to(device), self.negate.to(device), ex, nm)
+        v = None if self.verify is None else self.verify.to(device)
+        return FilterBatch(self.masks.to(device), self.negate.to(device), ex, nm, v)
 
     def rows(self, rows: torch.Tensor) -> FilterBatch:
         """The filters of rows ``rows [b] int64``."""
         ex = None if self.exclude is None else self.exclude[rows]
         nm = None if self.neg_masks is None else self.neg_masks[rows]
-        return FilterBatch(self.masks[rows], self.negate[rows], ex, nm)
+        v = None if self.verify is None else self.verify.take(rows)
+        return FilterBatch(self.masks[rows], self.negate[rows], ex, nm, v)
 
     @property
     def active(self) -> bool:
@@ -189,6 +196,10 @@ def bucket_digits(digits: int, items: int) -> int:
     while 4 * 16 ** (by_items + 1) <= items:
         by_items += 1
     return max(1, min(digits - 2, by_items))
+
+
+Compiled = tuple[np.ndarray, np.ndarray, np.ndarray, OneVerify | None]
+"""One filter compiled: ``(masks [C, W] int64, negate [C], neg_masks [C, W], exact clauses)``."""
 
 
 class FilterSchema:
@@ -246,10 +257,9 @@ class FilterSchema:
                 bits += 1
         self.num_bits = bits
         self.num_words = (self.num_bits + WORD_BITS - 1) // WORD_BITS
-        # filter -> (masks [C, W], negate [C]); the schema never changes, so neither do they
-        self._compiled: dict[
-            str | Expr | tuple[Clause, ...], tuple[np.ndarray, np.ndarray, np.ndarray]
-        ] = {}
+        # filter -> (masks [C, W], negate [C], neg_masks [C, W], exact clauses or None); the
+        # schema changes only by learning a value, which starts the memo afresh
+        self._compiled: dict[str | Expr | tuple[Clause, ...], Compiled] = {}
 
     @staticmethod
     def _hashed_digits(
@@ -528,20 +538,23 @@ class FilterSchema:
         row_of: dict[str | Expr | tuple[Clause, ...], int] = {}
         rows = [row_of.setdefault(_filter_key(f), len(row_of)) for f in filters]  # [B]
         compiled = [self._compile_one(key) for key in row_of]
-        c_max = max((len(n) for _, n, _ in compiled), default=0)
+        c_max = max((len(c[1]) for c in compiled), default=0)
         masks = np.zeros((len(compiled), c_max, self.num_words), dtype=np.int64)
         negate = np.ones((len(compiled), c_max), dtype=bool)  # padding: "not (nothing)" is true
         neg = np.zeros_like(masks)  # padding and most clauses: no negated part
-        for u, (m, n, g) in enumerate(compiled):
+        for u, (m, n, g, _) in enumerate(compiled):
             masks[u, : len(n)], negate[u, : len(n)], neg[u, : len(n)] = m, n, g
         take = np.asarray(rows, dtype=np.int64)
         nm = torch.from_numpy(neg[take]) if neg.any() else None
-        return FilterBatch(torch.from_numpy(masks[take]), torch.from_numpy(negate[take]), None, nm)
+        verify = batch_verify([c[3] for c in compiled], take)
+        return FilterBatch(
+            torch.from_numpy(masks[take]), torch.from_numpy(negate[take]), None, nm, verify
+        )
 
-    def _compile_one(
-        self, key: str | Expr | tuple[Clause, ...]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One filter -> ``(masks [C, W] int64, negate [C] bool, neg_masks [C, W] int64)``, kept."""
+    def _compile_one(self, key: str | Expr | tuple[Clause, ...]) -> Compiled:
+        """One filter -> ``(masks [C, W] int64, negate [C] bool, neg_masks [C, W] int64, its
+        exact clauses or None)``, kept: the exact clauses where it names a multi-valued
+        hashed attribute (``retrieval/filter_verify.py``)."""
         memo = self._compiled  # learning a value starts another
         hit = memo.get(key)
         if hit is not None:
@@ -560,7 +573,11 @@ class FilterSchema:
                 masks[c, w] = (bits >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
                 neg[c, w] = (none >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
         negate = np.array([n for _, n, _ in clauses], dtype=bool)
-        out = (masks.view(np.int64), negate, neg.view(np.int64))
+        verify = None
+        if self.multi_valued and names_any(expr, dict.fromkeys(self.multi_valued)) is not None:
+            multi = sorted(self.multi_valued)
+            verify = compile_verify(self, expr, self.num_words, multi, self.position)
+        out = (masks.view(np.int64), negate, neg.view(np.int64), verify)
         if len(memo) >= COMPILED_FILTERS:
             memo.clear()  # bounded; a served mix refills the texts it uses
         memo[key] = out

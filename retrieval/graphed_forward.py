@@ -112,6 +112,7 @@ class GraphedForward:
         return (
             index.executor.backend == "device"
             and batch.recall_target is None
+            and batch.filter_verify is None  # exact clauses: eager (their atoms' shapes vary)
             and not live
             and batch.size <= self.max_bucket
         )

@@ -214,11 +214,16 @@ def signatures(
 ) -> torch.Tensor:
     """Items' attributes -> their signatures ``[n, W] int64`` (:class:`UpdateError` naming
     the item for an unknown attribute or value). A hashed attribute's new values are learned
-    (``FilterSchema.learn``) unless not ``learn`` (a check that changes nothing)."""
+    (``FilterSchema.learn``) unless not ``learn`` (a check that changes nothing). A
+    multi-valued hashed attribute, which live messages do not set, holds no value: its
+    digits those of ``NO_VALUE``, so its superset test admits the item wherever it holds
+    none (``retrieval/filter_verify.py`` then checks it exactly)."""
     n = len(attributes)
-    return torch.cat([signature(schema, a, i, learn) for i, a in enumerate(attributes)]).view(
-        n, schema.num_words
-    )
+    sig = torch.cat([signature(schema, a, i, learn) for i, a in enumerate(attributes)])
+    bits = np.zeros((1, schema.num_words * WORD_BITS), dtype=bool)
+    for attr in schema.multi_valued:
+        bits[0, schema.multi_bits(attr, [])] = True
+    return (sig | pack_bits(bits)).view(n, schema.num_words)
 
 
 def _prepare_attributes(model: RetrievalModel, batch: SetItemAttributes) -> PreparedUpdate:

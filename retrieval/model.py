@@ -9,6 +9,7 @@ the whole retrieval stack. Training uses the same tables and towers (``user_vect
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -304,7 +305,7 @@ class RetrievalModel(nn.Module):
             self.index.ntotal, max(k, self.config.head_candidates if self.head is not None else 0)
         )
         exclude = seen if seen.shape[1] else None
-        return r, FilterBatch(batch.filter_masks, batch.filter_negate, exclude, batch.filter_none)
+        return r, dataclasses.replace(batch.filters, exclude=exclude)
 
     def rank(
         self,

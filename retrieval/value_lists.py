@@ -84,6 +84,18 @@ class ValueLists:
         out[listed] = (before[ends] - before[starts])[listed] > 0
         return out
 
+    def lists_of(self, ids: np.ndarray) -> list[list[int]]:
+        """The value positions each of items ``ids [M]`` holds (``[]``: not listed)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not self.ids.size:
+            return [[] for _ in range(ids.shape[0])]
+        at = np.searchsorted(self.ids, ids).clip(max=self.ids.size - 1)
+        listed = self.ids[at] == ids
+        return [
+            self.positions[self.offsets[j] : self.offsets[j + 1]].tolist() if ok else []
+            for j, ok in zip(at.tolist(), listed.tolist(), strict=True)
+        ]
+
     def nbytes(self) -> int:
         return self.ids.nbytes + self.offsets.nbytes + self.positions.nbytes
 

@@ -9,6 +9,7 @@ for every fetch; a document shard answers them :func:`keyed_by_id`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -46,7 +47,7 @@ def candidates(
         out.put(rows, list_candidates(t, q[rows], plan.rows(rows), fb.rows(rows)))
     rows = exact_rows.nonzero().flatten()
     f = fb.rows(rows)
-    pos, s = exact_search(t, q[rows], plan.k, f.masks, f.negate, f.exclude, f.neg_masks)
+    pos, s = exact_search(t, q[rows], plan.k, f.masks, f.negate, f.exclude, f.neg_masks, f.verify)
     out.put(rows, Candidates(pos, s, s))
     return out
 
@@ -70,7 +71,7 @@ def excluding(t: IndexTensors, fb: FilterBatch) -> FilterBatch:
     if fb.exclude is None or isinstance(fb, ExcludedRows):
         return fb
     rows = excluded_positions(t.id_order, fb.exclude)  # the id order lives on the CPU
-    return FilterBatch(fb.masks, fb.negate, rows.to(fb.masks.device), fb.neg_masks)
+    return dataclasses.replace(fb, exclude=rows.to(fb.masks.device))
 
 
 def probe(t: IndexTensors, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:

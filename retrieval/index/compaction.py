@@ -43,7 +43,8 @@ def fold(index: IVFIndex) -> IVFIndex:
     alive = live.alive.cpu()
     if bool(alive.any()):
         rows = alive.nonzero().flatten().to(live.ids.device)
-        main = add_items(main, live.ids[rows].cpu(), live.vectors[rows].cpu(), live.sig[rows].cpu())
+        ids, x, sig = live.ids[rows].cpu(), live.vectors[rows].cpu(), live.sig[rows].cpu()
+        main = add_items(main, ids, x, sig, index.value_lists)  # by id: what each holds
     return main
 
 
@@ -76,6 +77,7 @@ def rebase(folded: IVFIndex, base: LiveSegment, now: IVFIndex) -> IVFIndex | Non
         alive = seg.alive
     tomb_rows = folded.id_order.positions(tomb).cpu().sort().values  # each a main row
     segment = LiveSegment(store, m, alive.to(t.device), tomb.to(t.device), tomb_rows.to(t.device))
-    out = with_live(folded, segment if segment.size else None)
+    # the values by id as ``now`` has them (updates since the snapshot changed some)
+    out = with_live(folded, segment if segment.size else None, now.value_lists)
     out.schema = now.schema  # the values learned since the snapshot (a hashed attribute's new ones)
     return out

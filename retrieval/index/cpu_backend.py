@@ -30,6 +30,7 @@ from retrieval.index.probe import FEW_QUERIES
 from retrieval.index.readout import ids_at, scores_at
 from retrieval.index.scan import KERNEL_ENV, exact_search_ids_cpu, search_ids_cpu
 from retrieval.index.tensors import IndexTensors
+from retrieval.index.verified import verified_positions
 
 MAX_SCORES = 1 << 24
 """Scores (B x eligible rows) the one exact call holds at most (64 MiB); past it, chunks."""
@@ -78,11 +79,11 @@ def shared_exact_ids(
     masks, negate = f.masks[0], f.negate[0]
     none = None if f.neg_masks is None else f.neg_masks[0]
     q = t.scored(q)
-    if _one_call(t):
+    if _one_call(t) and f.verify is None:  # the C++ call checks no exact clauses
         found = exact_search_ids_cpu(t, q, masks, negate, plan.k, FEW_QUERIES, MAX_SCORES, none)
         if found is not None:
             return found
-    eligible = eligible_positions(t, masks, negate, none)
+    eligible = verified_positions(t, eligible_positions(t, masks, negate, none), f.verify, 0)
     pos, scores = exact_topk(q, plan.k, eligible, lambda qq, rows: scores_at(t, qq, rows))
     return ids_at(t, pos), scores
 

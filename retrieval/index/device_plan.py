@@ -134,12 +134,14 @@ def device_plan(
     width: int,
     exact: bool = False,
     none: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
 ) -> DevicePlan:
     """The plan of ``q [B, D]`` (as scored) under filters ``masks [B, C, W]`` / ``negate [B,
     C]``, rows excluding ``excluded [B]`` items, ``k`` results from ``r`` candidates probing at
     least ``nprobe`` lists in ``width`` slots (:func:`first_width`); ``exact``: every row scans
     exactly (as ``SearchParams.exact``); ``none [B, C, W]``: the clauses' "none of these bits"
-    parts (None: none)."""
+    parts (None: none); ``forced [B] bool``: rows that scan exactly whatever they cost (exact
+    clauses to verify: ``retrieval/filter_verify.py``; None: none)."""
     b, dev, c = q.shape[0], q.device, masks.shape[1]
     sel = estimate_device(t.filter_sample, t.bit_counts, t.ntotal, masks, negate, none)  # [B]
     need = r + excluded
@@ -153,6 +155,8 @@ def device_plan(
         rows_exact = cheaper_exact(t, sel, lists)
     else:
         rows_exact = torch.zeros(b, dtype=torch.bool, device=dev)
+    if forced is not None:
+        rows_exact = rows_exact | forced
     slack = float(t.stats.filter_bound_slack)
     bounds_on = c > 0 and t.config.filter_bound > 0 and slack > 0 and t.list_radius.numel() > 0
     checked = (sel < 1.0) & ~rows_exact & bounds_on

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from retrieval.filter_verify import FilterVerify
 from retrieval.filters import FilterBatch
 from retrieval.index.codes import dequantize
 from retrieval.index.cuda_graphs import bucket, run_graphed
@@ -38,6 +39,7 @@ from retrieval.index.probe import lists_holding, rescore
 from retrieval.index.scan import scan
 from retrieval.index.search import WIDEN, Candidates, select_top
 from retrieval.index.tensors import IndexTensors, ScanRows
+from retrieval.index.verified import extended
 
 NEG_INF = float("-inf")
 
@@ -56,6 +58,7 @@ def device_search(
     masks = fb.masks if fb is not None else q.new_zeros((b, 0, w), dtype=torch.int64)
     negate = fb.negate if fb is not None else q.new_zeros((b, 0), dtype=torch.bool)
     none = fb.neg_masks if fb is not None else None
+    verify = fb.verify if fb is not None else None
     ids = fb.exclude if fb is not None else None
     qs = t.scored(q).float().contiguous()
     excl = excluded_rows(t, ids) if ids is not None else None
@@ -63,8 +66,20 @@ def device_search(
     r = max(params.k, params.rerank) if params.rerank and t.keeps_exact_copy else params.k
     s = 0 if ids is None else ids.shape[1]
     width = first_width(t, r, params.nprobe, masks.shape[1], s)
+    forced = None if verify is None else verify.rows
     plan = device_plan(
-        t, qs, masks, negate, excluded, params.k, r, params.nprobe, width, params.exact, none
+        t,
+        qs,
+        masks,
+        negate,
+        excluded,
+        params.k,
+        r,
+        params.nprobe,
+        width,
+        params.exact,
+        none,
+        forced,
     )
     ip = qs @ t.centroids.T  # [B, L]
     key = ip - t.half_norms[None, :] if t.config.probe == "l2" else ip
@@ -81,7 +96,7 @@ def device_search(
     wider = torch.where((slot < plan.nprobe[:, None] * WIDEN) & short[:, None], order, -1)
     top = _where(short, select_top(lists_scan(wider), plan.k, plan.r), top)
     exact = plan.exact | second_exact | ((top.keys[:, -1] < 0) & ~plan.exact)
-    pos, scores = exact_all(t, qs, plan.k, masks, negate, excl, none)
+    pos, scores = exact_all(t, qs, plan.k, masks, negate, excl, none, verify)
     pos = torch.where(exact[:, None], pos, top.keys)
     return pos, torch.where(exact[:, None], scores, top.scores)
 
@@ -190,9 +205,11 @@ def exact_all(
     negate: torch.Tensor,
     excl: torch.Tensor | None,
     none: torch.Tensor | None = None,
+    verify: FilterVerify | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``k`` of ``q [B, D]`` over every item passing each row's filter (``none``: its
-    clauses' "none of these bits" parts, None: none), less the rows
+    clauses' "none of these bits" parts, None: none; ``verify``: the exact clauses of rows
+    naming a multi-valued hashed attribute), less the rows
     it excludes -> ``(positions [B, k], scores [B, k])``, ``-1`` / ``-inf`` padded: every item
     scored (the exact copy, else the codes decoded), so the shape is the catalog's."""
     n = t.ntotal
@@ -200,6 +217,8 @@ def exact_all(
     pos = torch.arange(n, device=q.device)
     if masks.shape[1]:
         scores = scores.masked_fill(~eligible_all(t.lists.sig, masks, negate, none), NEG_INF)
+    if verify is not None:
+        scores = scores.masked_fill(~verified_all(t, verify), NEG_INF)
     if excl is not None and excl.shape[1]:
         scores = scores.masked_fill(is_excluded(pos.expand(q.shape[0], -1), excl), NEG_INF)
     top, idx = scores.topk(min(k, n), dim=1)
@@ -210,21 +229,31 @@ def exact_all(
     return found, top
 
 
+def verified_all(t: IndexTensors, v: FilterVerify) -> torch.Tensor:
+    """Every item against every row's exact clauses (``verified.py``), in fixed shapes ->
+    ``[B, N] bool`` (true for rows without them)."""
+    pos = torch.arange(t.ntotal, device=t.lists.sig.device)
+    ext = extended(t.value_keys, pos, t.lists.sig, v)  # [B, N, W2]
+    return eligible_all(ext, v.masks, v.negate, v.neg_masks) | ~v.rows[:, None]
+
+
 def eligible_all(
     sig: torch.Tensor, masks: torch.Tensor, negate: torch.Tensor, none: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``filters.eligible`` of every item for every row: ``sig [N, W]``, ``masks [B, C, W]``,
-    ``negate [B, C]``, ``none [B, C, W]`` (None: no "none of" parts) -> ``[B, N] bool``, a clause and a word at a time, so the temporaries
-    stay ``[B, N]`` (``eligible`` broadcasts to ``[B, C, N, W]``)."""
+    """``filters.eligible`` of every item for every row: ``sig [N, W]`` (or each row's, ``[B, N,
+    W]``), ``masks [B, C, W]``, ``negate [B, C]``, ``none [B, C, W]`` (None: no "none of"
+    parts) -> ``[B, N] bool``, a clause and a word at a time, so the temporaries stay ``[B,
+    N]`` (``eligible`` broadcasts to ``[B, C, N, W]``)."""
     b, c, w = masks.shape
-    ok = torch.ones(b, sig.shape[0], dtype=torch.bool, device=sig.device)
+    rows = sig if sig.dim() == 3 else sig.unsqueeze(0)  # [B or 1, N, W]
+    ok = torch.ones(b, sig.shape[-2], dtype=torch.bool, device=sig.device)
     for ci in range(c):
         hit = torch.zeros_like(ok)
         held = torch.zeros_like(ok)
         for wi in range(w):
-            hit |= (sig[None, :, wi] & masks[:, ci, wi, None]) != 0
+            hit |= (rows[:, :, wi] & masks[:, ci, wi, None]) != 0
             if none is not None:
-                held |= (sig[None, :, wi] & none[:, ci, wi, None]) != 0
+                held |= (rows[:, :, wi] & none[:, ci, wi, None]) != 0
         clause = hit != negate[:, ci, None]
         if none is not None:
             clause |= none[:, ci].ne(0).any(dim=-1)[:, None] & ~held
@@ -262,6 +291,11 @@ def graphed_search(
     none = fb.neg_masks if fb is not None else None
     if none is not None:
         inputs.append(none)
+    verify = fb.verify if fb is not None else None
+    if verify is not None:
+        inputs += [verify.masks, verify.negate, verify.atoms, verify.rows]
+        if verify.neg_masks is not None:
+            inputs.append(verify.neg_masks)
     ex = fb.exclude if fb is not None else None
     if ex is not None:
         width = bucket(ex.shape[1])
@@ -270,12 +304,18 @@ def graphed_search(
     def search(
         qq: torch.Tensor, mm: torch.Tensor, nn: torch.Tensor, *more: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        nm, rest = (more[0], more[1:]) if none is not None else (None, more)
-        return device_search(t, qq, FilterBatch(mm, nn, rest[0] if rest else None, nm), params)
+        rest = list(more)
+        nm = rest.pop(0) if none is not None else None
+        v = None
+        if verify is not None:
+            vm, vn, va, vr = rest[:4]
+            del rest[:4]
+            v = FilterVerify(vm, vn, rest.pop(0) if verify.neg_masks is not None else None, va, vr)
+        return device_search(t, qq, FilterBatch(mm, nn, rest[0] if rest else None, nm, v), params)
 
     lists = t.lists
     kept = (t.centroids, lists.codes, lists.scales, lists.offsets, lists.sig, t.built_sizes,
-            t.item_ids, t.exact, t.bit_counts, t.list_radius, t.list_bits)  # fmt: skip
+            t.item_ids, t.exact, t.bit_counts, t.list_radius, t.list_bits, t.value_keys)  # fmt: skip
     key = (
         "device",
         params.k,
@@ -284,6 +324,7 @@ def graphed_search(
         params.exact,
         ex is not None,
         none is not None,
+        None if verify is None else verify.neg_masks is not None,
     )
     pos, scores = run_graphed(owner, key, search, tuple(inputs), kept)
     return pos, scores

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from retrieval.filter_verify import FilterVerify
 from retrieval.filters import eligible
 from retrieval.index.exact import exact_topk
 from retrieval.index.readout import scores_at
@@ -28,6 +29,7 @@ from retrieval.index.scan import (
     value_drive_cpu,
 )
 from retrieval.index.tensors import IndexTensors
+from retrieval.index.verified import verified_positions
 
 
 def exact_search(
@@ -38,17 +40,22 @@ def exact_search(
     negate: torch.Tensor,
     excl: torch.Tensor | None = None,
     none: torch.Tensor | None = None,
+    verify: FilterVerify | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``k`` of ``q [B, D]`` among the items passing each row's filter (``masks [B, C,
-    W]``, ``negate [B, C]``, ``none [B, C, W]`` or None) less the rows it excludes (``excl [B, S]``), per group of rows
-    sharing one filter -> ``(positions [B, k], scores [B, k])``, ``-1`` / ``-inf`` padded."""
+    W]``, ``negate [B, C]``, ``none [B, C, W]`` or None; ``verify``: exact clauses the
+    candidates are checked against, ``verified.py``) less the rows it excludes (``excl [B,
+    S]``), per group of rows sharing one filter -> ``(positions [B, k], scores [B, k])``,
+    ``-1`` / ``-inf`` padded."""
     b = q.shape[0]
     pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
     scores = torch.full((b, k), float("-inf"), device=q.device)
-    if masks.shape[1]:
+    if masks.shape[1] or verify is not None:
         key = torch.cat([masks.flatten(1), negate.long()], dim=1)
         if none is not None:
             key = torch.cat([key, none.flatten(1)], dim=1)
+        if verify is not None:
+            key = torch.cat([key, verify.key().to(key.device)], dim=1)
         inverse = torch.unique(key, dim=0, return_inverse=True)[1]
     else:  # no clauses: one group
         inverse = torch.zeros(b, dtype=torch.int64, device=q.device)
@@ -59,6 +66,7 @@ def exact_search(
             subset = eligible_positions(t, masks[rows[0]], negate[rows[0]], one)
         else:
             subset = torch.arange(t.ntotal, device=q.device)
+        subset = verified_positions(t, subset, verify, int(rows[0]))
         ex = None if excl is None else excl[rows]
         p, s = exact_topk(q[rows], k, subset, _scorer(t), excl=ex)  # none eligible: empty
         pos[rows], scores[rows] = p, s

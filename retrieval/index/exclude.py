@@ -81,11 +81,11 @@ class ExcludedRows(FilterBatch):
 
     def rows(self, rows: torch.Tensor) -> ExcludedRows:
         part = super().rows(rows)
-        return ExcludedRows(part.masks, part.negate, part.exclude, part.neg_masks)
+        return ExcludedRows(part.masks, part.negate, part.exclude, part.neg_masks, part.verify)
 
     def to(self, device: torch.device | str) -> ExcludedRows:
         moved = super().to(device)
-        return ExcludedRows(moved.masks, moved.negate, moved.exclude, moved.neg_masks)
+        return ExcludedRows(moved.masks, moved.negate, moved.exclude, moved.neg_masks, moved.verify)
 
 
 def excluded_positions(order: IdOrder, exclude: torch.Tensor) -> torch.Tensor:

@@ -43,11 +43,13 @@ Example::
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
+from retrieval.filter_verify import value_keys
 from retrieval.filters import FilterBatch, eligible
 from retrieval.index.exclude import ExcludedRows, excluded_positions
 from retrieval.index.kmeans import assign
@@ -56,6 +58,8 @@ from retrieval.index.readout import vectors_at as main_vectors_at
 from retrieval.index.scan import topk_rows
 from retrieval.index.search import NEG_INF, Candidates
 from retrieval.index.tensors import IndexTensors
+from retrieval.index.verified import extended
+from retrieval.value_lists import ValueLists
 
 MIN_CAPACITY = 1024
 """Rows a new store holds before it first grows (then it doubles: amortised O(1) an item)."""
@@ -127,13 +131,22 @@ class LiveSegment:
     """One snapshot of an index's live changes: the store's first ``n`` rows, ``alive [n] bool``,
     ``tombstones [T] int64`` (sorted main item ids) and ``tomb_rows [T] int64`` (their main rows,
     ascending: what each search's scan skips). Never changed: every update returns a new one
-    (the module docstring's protocol)."""
+    (the module docstring's protocol). ``value_lists``: what every served item holds of the
+    multi-valued hashed attributes, by id (the index's: ``live_index.with_live`` gives them),
+    which a filter naming one verifies its fresh candidates against."""
 
     store: FreshStore
     n: int
     alive: torch.Tensor
     tombstones: torch.Tensor
     tomb_rows: torch.Tensor
+    value_lists: Mapping[str, ValueLists] = field(default_factory=dict)
+
+    @cached_property
+    def value_keys(self) -> torch.Tensor:
+        """``IndexTensors.value_keys`` of the fresh rows (position: the row)."""
+        keys = value_keys(self.ids.cpu().numpy(), self.value_lists, sorted(self.value_lists))
+        return keys.to(self.alive.device)
 
     @classmethod
     def empty(cls, t: IndexTensors) -> LiveSegment:
@@ -293,7 +306,7 @@ class LiveSegment:
         else:
             seen = excluded_positions(t.id_order, fb.exclude).to(dev)  # [B, S], PAD padded
             excl = torch.cat([seen, tomb.expand(b, -1)], dim=1).sort(dim=1).values
-        return ExcludedRows(fb.masks, fb.negate, excl, fb.neg_masks)
+        return ExcludedRows(fb.masks, fb.negate, excl, fb.neg_masks, fb.verify)
 
     def candidates(
         self, q: torch.Tensor, fb: FilterBatch | None, width: int, base: int
@@ -306,6 +319,12 @@ class LiveSegment:
         if fb is not None:
             if fb.masks.shape[1]:
                 hit = eligible(self.sig, fb.masks, fb.negate, fb.neg_masks)  # [B, n]
+                ok = hit if ok is None else ok & hit
+            if fb.verify is not None:  # a relabeled item's tags came with its signature
+                rows = torch.arange(self.n, device=scores.device)
+                v, keys = fb.verify, self.value_keys
+                hit = eligible(extended(keys, rows, self.sig, v), v.masks, v.negate, v.neg_masks)
+                hit = hit | ~v.rows[:, None]
                 ok = hit if ok is None else ok & hit
             if fb.exclude is not None and fb.exclude.shape[1]:
                 seen = fb.exclude.sort(dim=1).values.contiguous()  # [B, S]

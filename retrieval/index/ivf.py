@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from common.compile_boundary import eager_under_compile
+from retrieval.filter_verify import value_keys
 from retrieval.filters import (
     FilterBatch,
     FilterSchema,
@@ -59,7 +60,6 @@ from retrieval.index.selectivity import sample_of, sample_rows
 from retrieval.index.stats import IndexStats
 from retrieval.index.targets import check_targets
 from retrieval.index.tensors import FilterSample, IndexTensors, Lists, ProbeTable, ValuePostings
-from retrieval.index.verified import refuse_compiled, routed_rows, verified_search
 from retrieval.value_lists import ValueLists
 
 FilterArg = FilterBatch | str | Sequence[str | None] | None
@@ -359,14 +359,7 @@ class IVFIndex(nn.Module):
         elif isinstance(filters, FilterBatch):
             fb = filters
         elif isinstance(filters, str):  # one filter for every row: compiled once, copied
-            one = self.schema.compile([filters])
-            none = one.neg_masks
-            fb = FilterBatch(
-                one.masks.expand(batch, -1, -1).contiguous(),
-                one.negate.expand(batch, -1).contiguous(),
-                None,
-                None if none is None else none.expand(batch, -1, -1).contiguous(),
-            )
+            fb = self.schema.compile([filters]).rows(torch.zeros(batch, dtype=torch.int64))
         else:
             fb = self.schema.compile(list(filters))
         check_filter_batch(fb, batch, self.schema.num_words)
@@ -399,14 +392,6 @@ class IVFIndex(nn.Module):
         :meth:`search_plan` tells, per row, how many lists the search will probe.
         """
         q = self._check_queries(q)
-        if self.value_lists and filters is not None:
-            if isinstance(filters, FilterBatch):
-                refuse_compiled(self.schema, filters, "a compiled FilterBatch")
-            else:
-                opts = {"nprobe": nprobe, "rerank": rerank, "exact": exact}
-                found = self._verified(q, k, filters, positions, opts, recall_target)
-                if found is not None:
-                    return found
         fb = None if filters is None else self.compile_filter(filters, q.shape[0])
         if recall_target is None and not exact:
             params = self._plain_params(k, nprobe, rerank)
@@ -420,50 +405,6 @@ class IVFIndex(nn.Module):
         # a direct search: no compile boundary (:meth:`execute` is this call on trusted inputs)
         return self.executor.search(self.tensors(), q, fb, params, positions, self.live)
 
-    def _verified(
-        self,
-        q: torch.Tensor,
-        k: int,
-        filters: str | Sequence[str | None],
-        positions: bool,
-        opts: dict[str, Any],
-        recall_target: float | torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """:meth:`search` where some rows' filters name a multi-valued hashed attribute: those
-        rows scan their eligible items exactly, verified (``verified.py``), the others search
-        as usual; None when no row does."""
-        rows, exprs = routed_rows(self.value_lists, filters, q.shape[0])
-        if not rows:
-            return None
-        if self.live is not None and self.live.size > 0:
-            raise ValueError(
-                f"filter on {sorted(self.value_lists)}: multi-valued hashed attributes are not "
-                "verified in the fresh segment of live updates; compact the index first"
-            )
-        t = self.tensors()
-        k = as_count(k, "k", 1)
-        pos, scores = verified_search(t, q[rows], k, exprs, self.schema, self.value_lists)
-        out = pos if positions else ids_at(t, pos)
-        others = [i for i in range(q.shape[0]) if i not in set(rows)]
-        if not others:
-            return out, scores
-        texts = [filters] * q.shape[0] if isinstance(filters, str) else list(filters)
-        target = recall_target
-        if isinstance(target, torch.Tensor) and target.ndim:
-            target = target[others]
-        o_ids, o_scores = self.search(
-            q[others],
-            k,
-            [texts[i] for i in others],
-            recall_target=target,
-            positions=positions,
-            **opts,
-        )
-        ids = torch.empty((q.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
-        sc = torch.empty((q.shape[0], out.shape[1]), dtype=scores.dtype, device=scores.device)
-        ids[rows], sc[rows], ids[others], sc[others] = out, scores, o_ids, o_scores
-        return ids, sc
-
     def _execute(
         self,
         q: torch.Tensor,
@@ -474,8 +415,6 @@ class IVFIndex(nn.Module):
         """:meth:`search` on validated inputs (the model's forward checks its batch at its own
         edge): ``q [B, D]`` float32 on this index's device, ``fb`` on it too (None: no clause,
         nothing excluded), ``params`` from :meth:`params`."""
-        if self.value_lists and fb is not None:
-            refuse_compiled(self.schema, fb, "IVFIndex.execute")
         return self.executor.search(self.tensors(), q, fb, params, positions, self.live)
 
     # The host plan branches on data (which rows are exact, how many lists each probes), so
@@ -574,8 +513,6 @@ class IVFIndex(nn.Module):
         document shard answers), with their vectors ``[B, r, D]`` when ``with_vectors`` (for a
         scoring head): list rows' best ``r`` approximate scores of the probed lists (re-scored
         exactly when the plan re-ranks), exact rows' best ``k`` eligible items."""
-        if self.value_lists:
-            refuse_compiled(self.schema, fb, "a shard's item_candidates")
         return self.executor.item_candidates(self.tensors(), q, fb, plan, with_vectors, self.live)
 
     def _check_queries(self, q: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -635,7 +572,26 @@ class IVFIndex(nn.Module):
             b["list_bits"],  # type: ignore[arg-type]
             self._ntotal,
             b["centroids"].shape[0],  # type: ignore[union-attr]
+            self._value_keys(),
         )
+
+    def _value_keys(self) -> torch.Tensor:
+        """``IndexTensors.value_keys`` of :attr:`value_lists` at the items' positions, kept
+        while neither those nor the items (``item_ids``) change (a compiled forward reads the
+        kept ones: the eager call before a capture makes them)."""
+        ids = self._buffers["item_ids"]
+        assert ids is not None
+        if not self.value_lists:
+            return ids.new_zeros(0)
+        kept = self.__dict__.get("_value_keys_kept")
+        if kept is not None and torch.compiler.is_compiling():
+            return kept[1]
+        held = (tuple(map(id, self.value_lists.values())), ids.data_ptr(), ids._version, ids.device)
+        if kept is None or kept[0] != held:
+            multi = sorted(self.value_lists)
+            keys = value_keys(ids.cpu().numpy(), self.value_lists, multi).to(ids.device)
+            kept = self.__dict__["_value_keys_kept"] = (held, keys, self.value_lists)
+        return kept[1]
 
     def probe(self, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coarse [B, P], lists [B, P])`` of ``q`` (as scored) by the index's probe rule."""

@@ -19,6 +19,8 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ import torch
 from retrieval.index.fresh import LiveSegment
 from retrieval.index.ivf import IVFIndex
 from retrieval.index.update import _check_editable, _check_ids, _check_sig
+from retrieval.value_lists import ValueLists
 
 
 def segment(index: IVFIndex) -> LiveSegment:
@@ -124,7 +127,15 @@ def upsert(
         raise ValueError("vectors: expected finite floats")
     s = _check_sig(index, sig, ids.numel())
     t = index.tensors()
-    return with_live(index, segment(index).upserted(t, ids, x.to(t.device), s))
+    live = segment(index).upserted(t, ids, x.to(t.device), s)
+    # an upserted item holds no value of a multi-valued hashed attribute (live messages give
+    # none): a replaced id forgets its old item's
+    lists = dict(index.value_lists)
+    for attr, v in index.value_lists.items():
+        listed = np.isin(ids.numpy(), v.ids)
+        if listed.any():
+            lists[attr] = v.replaced(ids.numpy()[listed], [[] for _ in range(int(listed.sum()))])
+    return with_live(index, live, lists)
 
 
 def remove(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> IVFIndex:
@@ -156,11 +167,21 @@ def signatures_of(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> torch.Tens
     return segment(index).signatures_of(index.tensors(), ids)
 
 
-def with_live(index: IVFIndex, live: LiveSegment | None) -> IVFIndex:
+def with_live(
+    index: IVFIndex,
+    live: LiveSegment | None,
+    value_lists: Mapping[str, ValueLists] | None = None,
+) -> IVFIndex:
     """A shallow copy of ``index`` (an ``IVFIndex``: every main buffer shared) serving
-    ``live``: the reference a server swaps in (``index`` keeps its own segment)."""
+    ``live``: the reference a server swaps in (``index`` keeps its own segment);
+    ``value_lists``: what its items hold of the multi-valued hashed attributes by id, when an
+    update changed them (None: ``index``'s), which its segment verifies fresh rows by."""
     new = copy.copy(index)
     new.__dict__["_buffers"] = dict(index._buffers)  # its own table: a later .to() is its own
     new.__dict__["_modules"] = dict(index._modules)
+    if value_lists is not None:
+        new.value_lists = dict(value_lists)
+    if live is not None and new.value_lists:
+        live = dataclasses.replace(live, value_lists=new.value_lists)
     new.live = live
     return new

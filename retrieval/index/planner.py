@@ -66,6 +66,7 @@ def make_plan(
     cfg, k = t.config, params.k
     r = _candidates(t, params)
     active = fb is not None and fb.active
+    verifying = fb is not None and fb.verify is not None
     exact = params.exact or searched_exactly(t)
     rows = None
     if params.target is not None and params.targeted:
@@ -88,7 +89,7 @@ def make_plan(
     p_np = np.array([lists[key] for key in keys], dtype=np.int64)
     p = torch.from_numpy(p_np)
     least, hold = _holding(t, sel, base, excluded, p_np, r)
-    if not active and not exact and rows is None:  # the common case
+    if not active and not exact and rows is None and not verifying:  # the common case
         return SearchPlan(k, r, p, every(b, RowKind.PLAIN), least=least, hold=hold)
     scan_exact = (  # sel_t is None exactly when no row has a clause
         cheaper_exact(t, sel_t, p, b) if sel_t is not None else torch.zeros(b, dtype=torch.bool)
@@ -97,6 +98,8 @@ def make_plan(
         scan_exact = torch.ones(b, dtype=torch.bool)
     if rows is not None:
         scan_exact |= rows.exact
+    if verifying:  # exact clauses: their superset's best lists could miss what they keep
+        scan_exact |= fb.verify.rows.cpu()  # type: ignore[union-attr]
     plan = SearchPlan(
         k, r, p, _kinds(fb, scan_exact), least=least, hold=hold, exact_rows=scan_exact
     )
@@ -132,6 +135,8 @@ class PlanCache:
         """:func:`make_plan` of ``q [B, D]`` under ``fb`` with ``params``, from the cache where
         it holds it."""
         if params.target is not None or params.exact:
+            return make_plan(t, fb, params, q)
+        if fb is not None and fb.verify is not None:  # exact rows, whatever their filter
             return make_plan(t, fb, params, q)
         excludes = fb is not None and fb.exclude is not None
         if excludes and fb.active:  # type: ignore[union-attr]
@@ -237,7 +242,11 @@ def _one_filter(fb: FilterBatch) -> bool:
         return True
     same = bool((masks == masks[:1]).all()) and bool((negate == negate[:1]).all())
     none = fb.neg_masks
-    return same and (none is None or bool((none == none[:1]).all()))
+    same = same and (none is None or bool((none == none[:1]).all()))
+    if same and fb.verify is not None:
+        key = fb.verify.key()
+        same = bool((key == key[:1]).all())
+    return same
 
 
 def excluded_counts(fb: FilterBatch | None, b: int) -> np.ndarray:

@@ -137,7 +137,9 @@ class IndexTensors:
     sizes as built; empty: saved before them),
     ``list_radius [L]`` / ``list_bits [L, W]`` (``bound.py``'s statistics), ``ntotal`` the items
     the index plans for (a router's statistics-only index holds none of them), ``nlist`` = L;
-    ``stats`` what the build measured (the planner's costs and curves, the bound's slack)."""
+    ``stats`` what the build measured (the planner's costs and curves, the bound's slack);
+    ``value_keys [K] int64`` sorted, the values items hold of the multi-valued hashed
+    attributes, ``position << 32 | code`` (``retrieval/filter_verify.py``; empty: none)."""
 
     config: IVFConfig
     stats: IndexStats
@@ -160,6 +162,7 @@ class IndexTensors:
     list_bits: torch.Tensor
     ntotal: int
     nlist: int
+    value_keys: torch.Tensor
 
     @property
     def probe_half(self) -> torch.Tensor | None:

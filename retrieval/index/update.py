@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from retrieval.index.codes import quantize
 from retrieval.index.inputs import as_tensor
 from retrieval.index.ivf import EXACT_DTYPES, IVFIndex
 from retrieval.index.kmeans import assign
+from retrieval.value_lists import ValueLists
 
 REBUILD_IMBALANCE = 4.0
 """A rebuild is recommended when the largest list holds more than this many times the mean.
@@ -167,10 +168,12 @@ def add_items(
     ids: torch.Tensor | np.ndarray,
     vectors: torch.Tensor | np.ndarray,
     sig: torch.Tensor | np.ndarray,
+    values: Mapping[str, ValueLists] | None = None,
 ) -> IVFIndex:
     """A new index with items ``ids [n]`` integers (vectors ``[n, D]`` floats, signatures
     ``[n, W] int64``; tensors or NumPy arrays) added; an id already in the index is replaced
-    (its old row removed).
+    (its old row removed). ``values``: what the added items hold of the multi-valued hashed
+    attributes, by id (a folded live segment's items keep theirs); None: none.
 
     Each item joins the list the build's rule gives it (``IVFConfig.assign``), after that
     list's existing items; its residual to the centroid is quantized like the build's codes
@@ -185,8 +188,13 @@ def add_items(
     if not vectors.is_floating_point() or not bool(torch.isfinite(vectors).all()):
         raise ValueError("vectors: expected finite floats")
     sig = _check_sig(index, sig, n)
-    for attr in index.value_lists:  # an added item holds none of its values until set_values
-        sig = _with_values(index.schema, sig.cpu(), attr, [[] for _ in range(n)])
+    held: dict[str, list[list[int]]] = {}
+    for attr in index.value_lists:  # an added item holds what ``values`` give it, else none
+        given = values.get(attr) if values is not None else None
+        held[attr] = given.lists_of(ids.numpy()) if given is not None else [[] for _ in range(n)]
+        vocab = index.schema.vocabulary(attr)
+        texts = [[vocab[p] for p in ps] for ps in held[attr]]
+        sig = _with_values(index.schema, sig.cpu(), attr, texts)
     if index.nlist == 0:
         raise ValueError("the index has no centroids: build it before adding items")
     x = vectors.detach().cpu().float()
@@ -211,10 +219,8 @@ def add_items(
         torch.cat([index.sig.cpu()[kept], sig.cpu()]),
         grown(index.tensors(), x, sig),
     )
-    # an added item holds no value of a multi-valued hashed attribute until set_values gives
-    # it some (a replaced id forgets its old ones: they were the old item's)
-    none: list[list[int]] = [[] for _ in range(n)]
-    new.value_lists = {a: v.replaced(ids.numpy(), none) for a, v in index.value_lists.items()}
+    # a replaced id forgets its old values (they were the old item's) for those it is given
+    new.value_lists = {a: v.replaced(ids.numpy(), held[a]) for a, v in index.value_lists.items()}
     return new
 
 

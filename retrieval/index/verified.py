@@ -1,110 +1,56 @@
-"""Searches under filters naming a multi-valued hashed attribute: exact and verified.
+"""Candidates verified against a filter's exact clauses (``retrieval/filter_verify.py``).
 
-Such an attribute's signature test is a superset (``retrieval/value_lists.py``), so these rows
-take the exact scan of their eligible items: the items passing the signatures (C++
-``eligible_rows`` / the values' postings, :func:`~retrieval.index.eligible_scan.eligible_positions`),
-then each re-checked against the index's value lists, the false positives dropped, and only then
-scored and cut to the top-K: a row has ``k`` results whenever ``k`` items truly pass.
-
-Every other path that could admit such an item refuses it with an error naming the attribute: a
-precompiled :class:`FilterBatch` (it carries no expression to verify), the IVF scan and the
-Triton kernel (they never see these rows), a router's shard candidates and an index with live
-rows beside it (its fresh segment keeps no value lists: compact first).
+A filter naming a multi-valued hashed attribute finds its candidates by its signature clauses,
+a superset test; every path then keeps only those passing its exact clauses, read off the
+signatures and the items' virtual words (their value keys), so an answer never holds an item
+the filter refutes. Rows with exact clauses scan exactly (``planner.make_plan``,
+``device_plan.device_plan``): the paths that verify are those exact scans
+(``eligible_scan.exact_search``, ``cpu_backend.shared_exact_ids``,
+``device_search.exact_all``, which checks every item in fixed shapes) and a fresh segment's candidates (``fresh.LiveSegment``), whose
+rows hold no value of such an attribute (live updates give none: ``update.set_values`` does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-import numpy as np
 import torch
 
-from retrieval.filter_expr import Expr, parse_filter
-from retrieval.filters import WORD_BITS, FilterBatch, FilterSchema, eligible, pack_bits
-from retrieval.index.eligible_scan import eligible_positions
-from retrieval.index.exact import exact_topk
-from retrieval.index.readout import scores_at
+from retrieval.filter_verify import FilterVerify, virtual_words
+from retrieval.filters import eligible
 from retrieval.index.tensors import IndexTensors
-from retrieval.value_lists import ValueLists, names_any, verify
 
 
-def routed_rows(
-    value_lists: Mapping[str, ValueLists], filters: str | Sequence[str | None], batch: int
-) -> tuple[list[int], list[Expr]]:
-    """The rows of a batch whose filter text names a multi-valued hashed attribute, and their
-    parsed filters (one text: every row or none)."""
-    texts = [filters] * batch if isinstance(filters, str) else list(filters)
-    rows, exprs = [], []
-    for i, text in enumerate(texts):
-        if text is None:
-            continue
-        if not isinstance(text, str):
-            raise ValueError(
-                f"filters[{i}]: an index with multi-valued hashed attributes "
-                f"({', '.join(sorted(value_lists))}) takes filters as text"
-            )
-        expr = parse_filter(text)
-        if names_any(expr, value_lists) is not None:
-            rows.append(i)
-            exprs.append(expr)
-    return rows, exprs
+def extended(
+    keys: torch.Tensor, pos: torch.Tensor, sig: torch.Tensor, v: FilterVerify
+) -> torch.Tensor:
+    """Items at positions ``pos [M]`` with signatures ``sig [M, W]`` and value keys ``keys
+    [K]``, as every row of ``v`` reads them -> ``[B, M, W2]`` int64: the signature and the
+    row's virtual words, cut or padded to its exact clauses' width."""
+    b, m = v.rows.shape[0], pos.shape[0]
+    words = virtual_words(keys.to(pos.device), pos.expand(b, m), v.atoms)  # [B, M, V]
+    ext = torch.cat([sig.unsqueeze(0).expand(b, m, sig.shape[1]), words], dim=2)
+    w2 = v.masks.shape[2]
+    return torch.nn.functional.pad(ext[:, :, :w2], (0, max(0, w2 - ext.shape[2])))
 
 
-def refuse_compiled(schema: FilterSchema, fb: FilterBatch, where: str) -> None:
-    """``ValueError`` naming the attribute when compiled filters ``fb`` read the bits of a
-    multi-valued hashed attribute: ``where`` (a path without the filter's expression) could
-    not verify its superset test."""
-    read = fb.masks if fb.neg_masks is None else fb.masks | fb.neg_masks
-    read = read.reshape(-1, read.shape[-1]).cpu()
-    for attr in sorted(schema.multi_valued):
-        bits = np.zeros(schema.num_words * WORD_BITS, dtype=bool)
-        bits[schema.attribute_bits(attr)] = True
-        if (read & pack_bits(bits[None, :])).ne(0).any():
-            raise ValueError(
-                f"filter on {attr!r}: a multi-valued hashed attribute is answered only by "
-                f"IVFIndex.search with filter text (verified exactly); {where} refuses it"
-            )
-
-
-def verified_search(
-    t: IndexTensors,
-    q: torch.Tensor,
-    k: int,
-    exprs: Sequence[Expr],
-    schema: FilterSchema,
-    value_lists: Mapping[str, ValueLists],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-``k`` of ``q [B, D]`` under ``exprs`` (one a row), every candidate verified
-    against ``value_lists`` -> ``(positions [B, k], scores [B, k])``, ``-1`` / ``-inf`` padded."""
-    b = q.shape[0]
-    pos = torch.full((b, k), -1, dtype=torch.int64, device=q.device)
-    scores = torch.full((b, k), float("-inf"), device=q.device)
-    groups: dict[Expr, list[int]] = {}
-    for i, e in enumerate(exprs):
-        groups.setdefault(e, []).append(i)
-    for expr, rows in groups.items():
-        subset = verified_positions(t, expr, schema, value_lists)
-        at = torch.tensor(rows, dtype=torch.int64, device=q.device)
-        p, s = exact_topk(q[at], k, subset, lambda qq, pp: scores_at(t, qq, pp))
-        pos[at], scores[at] = p, s
-    return pos, scores
+def passes_exact(
+    keys: torch.Tensor, pos: torch.Tensor, sig: torch.Tensor, v: FilterVerify, row: int
+) -> torch.Tensor:
+    """Which items at positions ``pos [M]`` (their signatures ``sig [M, W]``, value keys
+    ``keys [K]``) pass row ``row`` of ``v`` -> ``[M] bool`` (all, where the row has no exact
+    clauses)."""
+    if not bool(v.rows[row]):
+        return torch.ones(pos.shape[0], dtype=torch.bool, device=pos.device)
+    one = v.take(torch.tensor([row], device=v.rows.device))
+    ext = extended(keys, pos, sig, one)[0]
+    none = None if one.neg_masks is None else one.neg_masks[0]
+    return eligible(ext, one.masks[0], one.negate[0], none)
 
 
 def verified_positions(
-    t: IndexTensors, expr: Expr, schema: FilterSchema, value_lists: Mapping[str, ValueLists]
+    t: IndexTensors, cand: torch.Tensor, v: FilterVerify | None, row: int
 ) -> torch.Tensor:
-    """Positions ``[M]`` of the items passing ``expr`` exactly: those its signature test admits
-    (a superset), less those their value lists refute."""
-    fb = schema.compile([expr]).to(t.lists.sig.device)
-    none = None if fb.neg_masks is None else fb.neg_masks[0]
-    cand = eligible_positions(t, fb.masks[0], fb.negate[0], none)  # [M'] superset
-    sig = t.lists.sig.index_select(0, cand)
-    ids = t.item_ids.index_select(0, cand).cpu().numpy()
-
-    def atom_test(atom: Expr) -> np.ndarray:
-        one = schema.compile([atom]).to(sig.device)
-        nm = None if one.neg_masks is None else one.neg_masks[0]
-        return eligible(sig, one.masks[0], one.negate[0], nm).cpu().numpy()
-
-    ok = verify(expr, atom_test, ids, value_lists, schema.position)
-    return cand[torch.from_numpy(ok).to(cand.device)]
+    """Candidate positions ``cand [M]`` of the main index -> those passing row ``row`` of ``v``
+    (all where ``v`` is None or the row has no exact clauses)."""
+    if v is None or not bool(v.rows[row]):
+        return cand
+    return cand[passes_exact(t.value_keys, cand, t.lists.sig.index_select(0, cand), v, row)]

@@ -281,6 +281,7 @@ class ModelRunner:
             _targets(reqs),
             _users(reqs),
             fb.neg_masks,
+            fb.verify,
         )
         if self.device.type == "cpu" or self.graphed is not None:  # the graph copies it in
             return batch

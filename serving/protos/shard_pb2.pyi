@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SearchRequest(_message.Message):
-    __slots__ = ("model", "version", "batch", "dim", "queries", "k", "r", "nprobe", "exact", "clauses", "words", "filter_masks", "filter_negate", "with_vectors", "sequence", "list_width", "lists", "exclude_width", "exclude", "floor", "least", "hold", "filter_none")
+    __slots__ = ("model", "version", "batch", "dim", "queries", "k", "r", "nprobe", "exact", "clauses", "words", "filter_masks", "filter_negate", "with_vectors", "sequence", "list_width", "lists", "exclude_width", "exclude", "floor", "least", "hold", "filter_none", "verify_rows", "verify_clauses", "verify_words", "verify_masks", "verify_negate", "verify_none", "verify_atoms", "verify_values", "verify_codes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,15 @@ class SearchRequest(_message.Message):
     LEAST_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
     FILTER_NONE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CLAUSES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_WORDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MASKS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_NEGATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_NONE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_ATOMS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_VALUES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CODES_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     batch: int
@@ -56,7 +65,16 @@ class SearchRequest(_message.Message):
     least: bytes
     hold: bytes
     filter_none: bytes
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., batch: _Optional[int] = ..., dim: _Optional[int] = ..., queries: _Optional[bytes] = ..., k: _Optional[int] = ..., r: _Optional[int] = ..., nprobe: _Optional[bytes] = ..., exact: _Optional[bytes] = ..., clauses: _Optional[int] = ..., words: _Optional[int] = ..., filter_masks: _Optional[bytes] = ..., filter_negate: _Optional[bytes] = ..., with_vectors: _Optional[bool] = ..., sequence: _Optional[int] = ..., list_width: _Optional[int] = ..., lists: _Optional[bytes] = ..., exclude_width: _Optional[int] = ..., exclude: _Optional[bytes] = ..., floor: _Optional[bytes] = ..., least: _Optional[bytes] = ..., hold: _Optional[bytes] = ..., filter_none: _Optional[bytes] = ...) -> None: ...
+    verify_rows: bytes
+    verify_clauses: int
+    verify_words: int
+    verify_masks: bytes
+    verify_negate: bytes
+    verify_none: bytes
+    verify_atoms: int
+    verify_values: int
+    verify_codes: bytes
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., batch: _Optional[int] = ..., dim: _Optional[int] = ..., queries: _Optional[bytes] = ..., k: _Optional[int] = ..., r: _Optional[int] = ..., nprobe: _Optional[bytes] = ..., exact: _Optional[bytes] = ..., clauses: _Optional[int] = ..., words: _Optional[int] = ..., filter_masks: _Optional[bytes] = ..., filter_negate: _Optional[bytes] = ..., with_vectors: _Optional[bool] = ..., sequence: _Optional[int] = ..., list_width: _Optional[int] = ..., lists: _Optional[bytes] = ..., exclude_width: _Optional[int] = ..., exclude: _Optional[bytes] = ..., floor: _Optional[bytes] = ..., least: _Optional[bytes] = ..., hold: _Optional[bytes] = ..., filter_none: _Optional[bytes] = ..., verify_rows: _Optional[bytes] = ..., verify_clauses: _Optional[int] = ..., verify_words: _Optional[int] = ..., verify_masks: _Optional[bytes] = ..., verify_negate: _Optional[bytes] = ..., verify_none: _Optional[bytes] = ..., verify_atoms: _Optional[int] = ..., verify_values: _Optional[int] = ..., verify_codes: _Optional[bytes] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
     __slots__ = ("shard", "version", "width", "ids", "approx", "scores", "vectors")

@@ -276,6 +276,7 @@ def run_rows(
         _seen_batch(requests),
         user=_user_batch(requests),
         filter_none=fb.neg_masks,
+        filter_verify=fb.verify,
     ).to(device)
     with torch.inference_mode():
         ids_t, scores_t = model(batch, int(k.max()))  # [B, K], [B, K]

@@ -8,10 +8,12 @@ field, answered INVALID_ARGUMENT), and encodes its :class:`Candidates`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 
+from retrieval.filter_verify import FilterVerify
 from retrieval.filters import FilterBatch
 from retrieval.index.plan import SearchPlan, kinds
 from retrieval.index.search import Candidates
@@ -81,7 +83,48 @@ def encode_request(
         least=b"" if plan.least is None else tensor_bytes(plan.least, np.int64),
         hold=b"" if plan.hold is None else tensor_bytes(plan.hold, np.int64),
         filter_none=b"" if fb.neg_masks is None else tensor_bytes(fb.neg_masks, np.int64),
+        **_verify_fields(fb.verify),
     )
+
+
+def _verify_fields(v: FilterVerify | None) -> dict[str, Any]:
+    """A batch's exact clauses as ``SearchRequest`` fields (none: no field set)."""
+    if v is None:
+        return {}
+    _, c2, w2 = v.masks.shape
+    _, a, s = v.atoms.shape
+    return {
+        "verify_rows": tensor_bytes(v.rows, np.uint8),
+        "verify_clauses": c2,
+        "verify_words": w2,
+        "verify_masks": tensor_bytes(v.masks, np.int64),
+        "verify_negate": tensor_bytes(v.negate, np.uint8),
+        "verify_none": b"" if v.neg_masks is None else tensor_bytes(v.neg_masks, np.int64),
+        "verify_atoms": a,
+        "verify_values": s,
+        "verify_codes": tensor_bytes(v.atoms, np.int64),
+    }
+
+
+def _decode_verify(msg: pb.SearchRequest, b: int) -> FilterVerify | None:
+    """``SearchRequest``'s exact clauses (None: none); ``ValueError`` naming the field."""
+    if not msg.verify_rows:
+        return None
+    c2, w2, a, s = msg.verify_clauses, msg.verify_words, msg.verify_atoms, msg.verify_values
+    if min(c2, w2, a, s) < 0:
+        raise ValueError(f"verify sizes: must be >= 0, got {c2}, {w2}, {a}, {s}")
+    if w2 < msg.words:
+        raise ValueError(f"verify_words: must be >= words={msg.words}, got {w2}")
+    rows = bytes_flags(msg.verify_rows, (b,), "verify_rows")
+    masks = bytes_tensor(msg.verify_masks, np.int64, (b, c2, w2), "verify_masks")
+    negate = bytes_flags(msg.verify_negate, (b, c2), "verify_negate")
+    none = None
+    if msg.verify_none:
+        none = bytes_tensor(msg.verify_none, np.int64, (b, c2, w2), "verify_none")
+    atoms = bytes_tensor(msg.verify_codes, np.int64, (b, a, s), "verify_codes")
+    if atoms.numel() and int(atoms.min()) < -1:
+        raise ValueError("verify_codes: every entry must be a value code (>= 0) or -1")
+    return FilterVerify(masks, negate, none, atoms, rows)
 
 
 def bytes_flags(data: bytes, shape: tuple[int, ...], field: str) -> torch.Tensor:
@@ -150,7 +193,7 @@ def decode_request(msg: pb.SearchRequest) -> tuple[torch.Tensor, FilterBatch, Se
         exact_rows=exact,
     )
     ex_t = None if exclude is None else torch.from_numpy(exclude.copy())
-    fb = FilterBatch(masks, negate, ex_t, none)
+    fb = FilterBatch(masks, negate, ex_t, none, _decode_verify(msg, b))
     return q, fb, plan
 
 

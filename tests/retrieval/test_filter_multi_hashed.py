@@ -1,13 +1,18 @@
 """Multi-valued hashed attributes (tags: several of 10^5 values an item): the signatures are a
-superset test, and ``IVFIndex.search`` verifies every answer against the index's value lists, so
-random filters (``in``, ``=``, ``!=``, ``not in``, with other clauses) answer as brute force does,
-with no false positive; a live rewrite adds a value to an item; a save keeps the lists; paths
-that cannot verify refuse with an error naming the attribute."""
+superset test, and every path verifies its candidates against the filter's exact clauses
+(``retrieval/filter_verify.py``), so random filters (``in``, ``=``, ``!=``, ``not in``, with
+other clauses) answer as brute force does, with no false positive: a search by text or by a
+compiled batch, the model's ``execute``, the device backend (under the device discipline), a
+router's shards (through the wire) and an index with fresh rows beside it; a live rewrite adds
+a value to an item; a save keeps the lists."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import io
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,9 +20,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval.filters import FilterSchema
+from common.device_discipline import DeviceDiscipline
+from retrieval.data import SyntheticConfig, generate
+from retrieval.filters import FilterSchema, filter_vocabulary
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
+from retrieval.index.device_search import all_vectors
+from retrieval.index.live_index import relabel, signatures_of, upsert
+from retrieval.index.search import Candidates, run_search
+from retrieval.index.split import shard_of, split_index
 from retrieval.index.update import set_values
+from retrieval.live_updates import signatures
+from retrieval.model import RetrievalModel
+from retrieval.training.prepare import prepare
+from serving.sharding.wire import decode_request, encode_request
 from support.topk_check import assert_best_eligible
 
 TAGS = [f"t{i}" for i in range(100_000)]
@@ -157,13 +172,121 @@ def test_a_saved_index_keeps_its_value_lists():
     assert torch.equal(a, b)
 
 
-def test_paths_that_cannot_verify_refuse():
+def with_backend(idx: IVFIndex, backend: str) -> IVFIndex:
+    """A copy of ``idx`` whose executor runs ``backend``."""
+    out = copy.deepcopy(idx)
+    out.executor.backend = backend
+    return out
+
+
+@functools.cache
+def device_index() -> IVFIndex:
+    return with_backend(index(), "device")
+
+
+@functools.cache
+def routed() -> tuple[IVFIndex, list[IVFIndex]]:
+    return split_index(index(), shard_of(index().item_ids, 3), 3)
+
+
+def routed_search(q: torch.Tensor, k: int, text: str) -> torch.Tensor:
+    """What the router does: plan on the statistics, each shard answering the request the
+    wire carries (its exact clauses included), candidates merged."""
+    stats, shards = routed()
+    fb = stats.compile_filter(text, q.shape[0])
+    cfg = stats.config
+    plan = stats.plan(fb, stats.params(k, cfg.nprobe, cfg.rerank), q=q)
+
+    def fetch(p, rows):
+        qq, f = (q, fb) if rows is None else (q[rows], fb.rows(rows))
+        qq, f, p = decode_request(encode_request("m", 1, qq, f, p, False))
+        return Candidates.concat([s.item_candidates(qq, f, p) for s in shards])
+
+    return run_search(plan, fetch).keys
+
+
+RELABELED = 1
+"""An item whose color a live update changes: it moves to a fresh row, keeping its tags."""
+
+
+@functools.cache
+def live() -> IVFIndex:
+    """The index with three fresh rows beside it: a new item N (holding no tag), item 0's
+    replacement (its id's values gone with its old row) and item RELABELED turned blue."""
     idx = index()
-    fb = idx.compile_filter(f"tag = {TAGS[POPULAR[0]]}", 3)
-    with pytest.raises(ValueError, match="'tag'"):
-        idx.search(catalog()["q"], 5, fb)
-    with pytest.raises(ValueError, match="'tag'"):
-        idx.execute(catalog()["q"], fb, idx.params(5, None, None))
+    x = torch.from_numpy(np.random.default_rng(9).standard_normal((2, 16)).astype(np.float32))
+    sig = signatures(idx.schema, [{"color": ["red"]}, {"color": ["blue"]}])
+    new = upsert(idx, torch.tensor([N, 0]), x, sig)
+    blue = signatures_of(new, torch.tensor([RELABELED])).clone()
+    blue &= ~idx.schema.compile(["color in {red, green, blue}"]).masks[0]
+    blue |= idx.schema.compile(["color = blue"]).masks[0]
+    return relabel(new, torch.tensor([RELABELED]), blue)
+
+
+def live_truth(text: str, ok: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """What ``live()`` answers under ``text`` (``ok``: the built catalog's truth): ``(ok [N +
+    2], vectors [N + 2, D])``, rows N and N + 1 the fresh items N and 0."""
+    c = catalog()
+    held = holds_of(c["attrs"]["tag"][RELABELED])
+    fresh = np.array([_passes(text, "red", set()), _passes(text, "blue", set())])
+    main = ok & (np.arange(N) != 0)
+    main[RELABELED] = _passes(text, "blue", held)
+    return np.concatenate([main, fresh]), torch.cat([c["x"], live().live.vectors[:2]])
+
+
+def holds_of(positions: list[int]) -> set[str]:
+    return {TAGS[p] for p in positions}
+
+
+@settings(max_examples=40, deadline=None)
+@given(expression())
+def test_every_path_answers_as_brute_force(e):
+    text, ok = e
+    c = catalog()
+    q, k, idx = c["q"], 10, index()
+    fb = idx.compile_filter(text, q.shape[0])
+    assert fb.verify is not None
+    check_top_k(idx.search(q, k, fb)[0], ok, c["x"], k, text)
+    check_top_k(idx.execute(q, fb, idx.params(k))[0], ok, c["x"], k, text)
+    with DeviceDiscipline():
+        ids, _ = device_index().execute(q, fb, idx.params(k))
+    check_top_k(ids, ok, c["x"], k, text)
+    check_top_k(routed_search(q, k, text), ok, c["x"], k, text)
+    # fresh rows: item N and item 0 replaced (no tag), item RELABELED (its tags kept)
+    want, x_all = live_truth(text, ok)
+    got = live().search(q, k, text)[0]
+    assert_best_eligible(torch.where(got == 0, N + 1, got), want, q, x_all, k, text)
+
+
+def _passes(text: str, color: str, tags: set[str]) -> bool:
+    """Whether an item of ``color`` holding ``tags`` passes ``text`` (brute force, by the
+    expression tree)."""
+    from retrieval.filter_expr import And, Clause, Not, Or, parse_filter
+
+    def ev(e) -> bool:
+        if isinstance(e, Clause):
+            held = color in e.values if e.attribute == "color" else bool(tags & set(e.values))
+            return held != e.negate
+        if isinstance(e, Not):
+            return not ev(e.child)
+        if isinstance(e, And):
+            return all(ev(ch) for ch in e.children)
+        assert isinstance(e, Or)
+        return any(ev(ch) for ch in e.children)
+
+    return ev(parse_filter(text))
+
+
+def test_a_compiled_batch_carries_its_exact_clauses_only_where_needed():
+    """... and those rows scan exactly: a broad filter's superset would take lists, whose best
+    by the superset could miss the items its exact clauses keep."""
+    idx = index()
+    fb = idx.compile_filter([f"tag != {TAGS[POPULAR[0]]}", None], 2)
+    assert fb.verify is not None and fb.verify.rows.tolist() == [True, False]
+    assert idx.compile_filter(["color = red", None], 2).verify is None
+    assert idx.plan(fb, idx.params(5, 1)).exact.tolist() == [True, False]
+    superset = idx.plan(dataclasses.replace(fb, verify=None), idx.params(5, 1))
+    assert superset.exact.tolist() == [False, False]
 
 
 def test_a_value_list_costs_bytes_per_value_held():
@@ -233,3 +356,50 @@ def test_value_lists_replace_as_a_dict_does(old, new):
     for p in range(0, 100_000, 9_973):
         want = [p in got[int(i)] for i in w.ids]
         assert w.holds(w.ids, [p]).tolist() == want
+
+
+@functools.cache
+def tagged_model() -> tuple[Any, RetrievalModel, np.ndarray, torch.Tensor]:
+    """A trained-shape model whose index holds a multi-valued hashed ``tag`` beside the
+    catalog's own attributes -> ``(prepared data, model, tags [N] lists, catalog vectors)``."""
+    ds = generate(SyntheticConfig(num_users=32, num_items=1500, seed=3))
+    prep = prepare(ds, history_len=8)
+    prep.config.index.nlist = 16
+    torch.manual_seed(0)
+    model = RetrievalModel(prep.config).eval()
+    vecs = model.catalog_vectors(prep.train.item_features).cpu()
+    rng = np.random.default_rng(4)
+    tags = [sorted(set(rng.choice(POPULAR, int(rng.integers(0, 4))).tolist())) for _ in vecs]
+    vocab = filter_vocabulary(prep.config.item_attributes, prep.config.numeric_attributes)
+    model.index = build_ivf(
+        vecs,
+        prep.config.index,
+        item_attributes={**ds.item_attributes, "tag": tags},
+        attribute_values={**vocab, "tag": TAGS},
+    )
+    return prep, model, np.array(tags, dtype=object), vecs
+
+
+@pytest.mark.parametrize("backend", ["auto", "device"])
+def test_the_models_forward_verifies_as_the_index_does(backend):
+    """The served forward (a ``UserBatch`` carries the exact clauses to the index) on either
+    backend: every request's best items among those its filter truly admits."""
+    prep, model, tags, vecs = tagged_model()
+    m = copy.copy(model)
+    m.index = with_backend(model.index, backend)
+    texts = [f"tag = {TAGS[POPULAR[0]]}", f"tag != {TAGS[POPULAR[1]]}", None]
+    batch = prep.user_batch(np.arange(3), texts, schema=m.index.schema)
+    ids, _ = m(batch, 10)
+    t = m.index.tensors()
+    q = t.scored(m.user_vectors(batch))
+    scored = torch.zeros_like(vecs)  # by item id: the vectors the index scores (decoded codes)
+    scored[t.item_ids] = all_vectors(t)
+    truth = [
+        np.array([POPULAR[0] in t for t in tags]),
+        np.array([POPULAR[1] not in t for t in tags]),
+        np.ones(len(tags), bool),
+    ]
+    for row, ok in enumerate(truth):
+        ok = ok.copy()
+        ok[batch.history[row][batch.history[row] >= 0].numpy()] = False  # the history: excluded
+        assert_best_eligible(ids[row : row + 1], ok, q[row : row + 1], scored, 10, str(texts[row]))
