@@ -9,7 +9,9 @@ float32 search, and the index's bytes per item on the device. nprobe is the smal
 ``--nprobes`` reaching ``--target`` recall@100 unfiltered at the largest batch.
 
 Before timing, ``--check`` runs the Triton kernel against the torch reference (``scan_reference``)
-on the device, over random lists, filters and exclusions, and stops on any difference.
+on the device, over random lists, filters and exclusions, and stops on any difference (with
+``--device cpu``, under Triton's interpreter on smaller lists: how ``tests/bench/test_gpu.py``
+runs it).
 
     python bench/gpu.py --device cuda --out gpu_h100.json          # on a GPU machine
     python bench/gpu.py --device cpu --sizes 1000000 --batches 1,16,128 --out gpu_cpu.json
@@ -19,13 +21,14 @@ on the device, over random lists, filters and exclusions, and stops on any diffe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +40,7 @@ from timing import percentiles
 
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.scan import KERNEL_ENV, scan_reference
+from retrieval.index.tensors import Lists, ScanRows
 
 FILTERS = {1.0: None, 0.5: "a50 = 0", 0.05: "a5 = 0", 0.005: "a05 = 0"}
 """Selectivity -> the filter passing that share of the items (attribute values are uniform)."""
@@ -134,69 +138,138 @@ class Brute:
         return torch.cat(out)
 
 
-def check_kernel(device: str) -> dict:
-    """The Triton scan against ``scan_reference`` on ``device``: random lists (empty ones,
-    ones longer than a tile), INT8 and FP8, filter clauses and exclusions."""
+SCAN_CASES = ((0, 0, 1, 10), (1, 5, 40, 100), (2, 7, 37, 200), (1, 0, 300, 1000))
+"""The kernel check's cases, (filter clauses, excluded rows, queries, best r): r 10 and 100 are
+selected in the kernel (``gpu_scan.SELECT_MAX``: 128; lists longer than r), 200 and 1000 come
+from full score rows."""
+LENGTHS = [0, 5, 300, 1111, 129, 64, 2000, 17]
+"""The checked lists' sizes: an empty one, ones shorter and longer than a tile (128 items)."""
+SMALL_LENGTHS = [0, 5, 300, 140, 129, 64, 400, 17]
+"""The same kinds of lists, shorter: the check off CUDA, under Triton's interpreter."""
+SMALL_BATCH = 24
+"""The most queries a case takes off CUDA (more than a program's 16: a list's queries chunked)."""
+
+
+def interpret_off_cuda(device: str) -> None:
+    """Off CUDA the kernel runs under Triton's interpreter, which is chosen as ``gpu_scan`` is
+    imported (its kernels are decorated then): sets ``TRITON_INTERPRET`` before that, or
+    refuses where the module was imported compiled already."""
+    if device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "retrieval.index.gpu_scan" in sys.modules:
+        raise RuntimeError(f"the kernel check on {device} needs TRITON_INTERPRET=1 before triton")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@contextlib.contextmanager
+def scan_kernel(name: str) -> Iterator[None]:
+    """Searches inside scan lists with kernel ``name`` (``KERNEL_ENV``: triton or reference)."""
+    before = os.environ.get(KERNEL_ENV)
+    os.environ[KERNEL_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[KERNEL_ENV]
+        else:
+            os.environ[KERNEL_ENV] = before
+
+
+def scan_case(
+    kind: str, clauses: int, excluded: int, b: int, lengths: list[int], seed: int, device: str
+) -> tuple[Lists, ScanRows]:
+    """Random scan inputs on ``device`` (as ``tests/retrieval/index/test_gpu_scan.py`` makes
+    them): 64-d ``kind`` codes in lists of ``lengths``, ``b`` queries probing 4 lists each (a
+    fifth of the slots skipped), ``clauses`` filter clauses over 2 signature words, and
+    ``excluded`` rows each query excludes (ascending, the last one PAD; 0: none)."""
     from retrieval.index.codes import quantize
     from retrieval.index.exclude import PAD
-    from retrieval.index.gpu_scan import scan_triton
 
-    g = torch.Generator().manual_seed(0)
-    cases = 0
+    g = torch.Generator().manual_seed(seed)
+    n, nlist, d, w = sum(lengths), len(lengths), 64, 2
+    codes, scales = quantize(torch.randn(n, d, generator=g), kind)
+    offsets = torch.tensor([0, *np.cumsum(lengths).tolist()])
+    q = torch.randn(b, d, generator=g)
+    probes = torch.stack([torch.randperm(nlist, generator=g)[:4] for _ in range(b)])
+    probes[torch.rand(b, 4, generator=g) < 0.2] = -1
+    coarse = torch.randn(b, 4, generator=g)
+    sig = torch.randint(0, 2**62, (n, w), generator=g)
+    fmask = torch.randint(0, 2**62, (b, clauses, w), generator=g)
+    fmask &= torch.randint(0, 2**62, (b, clauses, w), generator=g)
+    fneg = torch.rand(b, clauses, generator=g) < 0.3
+    excl = None
+    if excluded:
+        excl = torch.randint(0, n, (b, excluded), generator=g).sort(dim=1).values
+        excl[:, -1] = PAD
+        excl = excl.to(device)
+    lists = Lists.of(codes.to(device), scales.to(device), offsets.to(device), sig.to(device))
+    rows = ScanRows(
+        q.to(device), probes.to(device), coarse.to(device), fmask.to(device), fneg.to(device), excl
+    )
+    return lists, rows
+
+
+def check_scan(device: str) -> dict:
+    """The Triton scan against ``scan_reference`` on ``device``, INT8 and FP8, in each of
+    :data:`SCAN_CASES`: the same items pass, their scores agree to float32 rounding and the
+    same items come back (ties aside) -> the cases checked by kernel path (``select``: the
+    best r picked in the kernel; ``full``: full score rows). Off CUDA, under the interpreter,
+    on :data:`SMALL_LENGTHS` and at most :data:`SMALL_BATCH` queries a case."""
+    interpret_off_cuda(device)
+    from retrieval.index.gpu_scan import kept_per_list, scan_triton
+
+    cuda = device.startswith("cuda")
+    lengths = LENGTHS if cuda else SMALL_LENGTHS
+    paths = {"select": 0, "full": 0}
     for kind in ("int8", "fp8"):
-        for clauses, excluded, b, r in ((0, 0, 1, 10), (2, 7, 37, 200), (1, 0, 300, 1000)):
-            lengths = [0, 5, 300, 1111, 129, 64, 2000, 17]
-            n, nlist, d, w = sum(lengths), len(lengths), 64, 2
-            codes, scales = quantize(torch.randn(n, d, generator=g), kind)
-            offsets = torch.tensor([0, *np.cumsum(lengths).tolist()])
-            q = torch.randn(b, d, generator=g)
-            probes = torch.stack([torch.randperm(nlist, generator=g)[:4] for _ in range(b)])
-            probes[torch.rand(b, 4, generator=g) < 0.2] = -1
-            coarse = torch.randn(b, 4, generator=g)
-            sig = torch.randint(0, 2**62, (n, w), generator=g)
-            fmask = torch.randint(0, 2**62, (b, clauses, w), generator=g)
-            fmask &= torch.randint(0, 2**62, (b, clauses, w), generator=g)
-            fneg = torch.rand(b, clauses, generator=g) < 0.3
-            excl = torch.randint(0, n, (b, excluded), generator=g).sort(dim=1).values
-            if excluded:
-                excl[:, -1] = PAD
-            args = [q, probes, coarse, codes, scales, offsets, sig, fmask, fneg]
-            args = [a.to(device) for a in args]
-            ml = max(lengths)
-            rp, rs = scan_reference(*args, r, ml, excl.to(device))
-            gp, gs = scan_triton(*args, r, ml, excl.to(device))
+        for seed, (clauses, excluded, b, r) in enumerate(SCAN_CASES):
+            b = b if cuda else min(b, SMALL_BATCH)
+            lists, rows = scan_case(kind, clauses, excluded, b, lengths, seed, device)
+            rp, rs = scan_reference(lists, rows, r)
+            gp, gs = scan_triton(lists, rows, r)
+            where = f"{kind}, r {r}"
+            assert gp.shape == rp.shape == (b, r) and gs.shape == rs.shape, f"{where}: shapes"
             fin = torch.isfinite(rs)
-            assert torch.equal(torch.isfinite(gs), fin), f"{kind}: passing items differ"
+            assert torch.equal(torch.isfinite(gs), fin), f"{where}: passing items differ"
             torch.testing.assert_close(gs[fin], rs[fin], rtol=1e-5, atol=1e-5)
             same = (gp.unsqueeze(2) == rp.unsqueeze(1)).any(2) | (rp < 0)
-            assert float(same.float().mean()) > 0.999, f"{kind}: items differ"
-            cases += 1
-    return {"cases": cases, "index": check_index(device), "ok": True}
+            assert float(same.float().mean()) > 0.999, f"{where}: items differ"
+            paths["select" if kept_per_list(lists.offsets, r) is not None else "full"] += 1
+    assert paths["select"] and paths["full"], f"both kernel paths checked: {paths}"
+    return paths
 
 
-def check_index(device: str) -> float:
-    """A filtered search excluding seen items on ``device``: the Triton scan's answers against
-    the same search through ``scan_reference`` -> the share of ids they agree on."""
+def check_kernel(device: str) -> dict:
+    """The kernel check of ``--check``: :func:`check_scan`, then :func:`check_index` (off CUDA,
+    under the interpreter, on 5,000 items in 32 lists and 16 queries)."""
+    paths = check_scan(device)
+    agree = check_index(device) if device.startswith("cuda") else check_index(device, 5000, 32, 16)
+    return {"cases": sum(paths.values()), **paths, "index": agree, "ok": True}
+
+
+def check_index(device: str, n: int = 50_000, nlist: int = 128, b: int = 64) -> float:
+    """A filtered search excluding seen items on ``device`` (``n`` items in ``nlist`` lists,
+    ``b`` queries): the Triton scan's answers against the same search through
+    ``scan_reference`` -> the share of ids they agree on."""
     from retrieval.filters import FilterBatch
 
-    n, d = 50_000, 64
+    interpret_off_cuda(device)
+    d = 64
     x = clustered(n, d, seed=5, device="cpu")
     rng = np.random.default_rng(0)
     attrs = {a: rng.integers(0, v, n) for a, v in VALUES.items()}
     values = {a: [str(i) for i in range(v)] for a, v in VALUES.items()}
-    cfg = IVFConfig(nlist=128, nprobe=8, rerank=0, exact_copy="none", filter_bound=0.0)
+    cfg = IVFConfig(nlist=nlist, nprobe=8, rerank=0, exact_copy="none", filter_bound=0.0)
     index = build_ivf(x, cfg, item_attributes=attrs, attribute_values=values).to(device)
-    q = clustered(64, d, seed=6, device="cpu").to(device)
-    fb = index.compile_filter("a5 in {0,1,2,3} and not a50 = 1", 64)
-    seen = torch.randint(0, n, (64, 50), generator=torch.Generator().manual_seed(1))
-    fb = FilterBatch(fb.masks, fb.negate, seen.to(device))
-    got, gs = index.search(q, 100, fb)
-    os.environ[KERNEL_ENV] = "reference"
-    try:
+    q = clustered(b, d, seed=6, device="cpu").to(device)
+    fb = index.compile_filter("a5 in {0,1,2,3} and not a50 = 1", b)
+    seen = torch.randint(0, n, (b, 50), generator=torch.Generator().manual_seed(1)).to(device)
+    fb = FilterBatch(fb.masks, fb.negate, seen, fb.neg_masks)
+    with scan_kernel("triton"):  # on CUDA the default; on the CPU the C++ kernel's otherwise
+        got, gs = index.search(q, 100, fb)
+    with scan_kernel("reference"):
         want, ws = index.search(q, 100, fb)
-    finally:
-        del os.environ[KERNEL_ENV]
-    assert not (got.unsqueeze(2) == seen.to(device).unsqueeze(1)).any(), "a seen item came back"
+    assert not (got.unsqueeze(2) == seen.unsqueeze(1)).any(), "a seen item came back"
     torch.testing.assert_close(gs, ws, rtol=1e-4, atol=1e-4)
     agree = float((got.unsqueeze(2) == want.unsqueeze(1)).any(2).float().mean())
     assert agree > 0.99, f"index answers agree on {agree:.4f} of ids"
@@ -258,7 +331,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
         for k in ks:
             for b in batches:
                 qb = q[:b]
-                row = {"n": n, "selectivity": sel, "k": k, "batch": b}
+                row: dict = {"n": n, "selectivity": sel, "k": k, "batch": b}
                 found: list[torch.Tensor] = []
 
                 def ours(qb=qb, k=k, text=text, found=found) -> None:
