@@ -10,7 +10,7 @@ float32 search, and the index's bytes per item on the device. nprobe is the smal
 
 Before timing, ``--check`` runs the Triton kernel against the torch reference (``scan_reference``)
 on the device, over random lists, filters and exclusions, and stops on any difference (with
-``--device cpu``, under Triton's interpreter on smaller lists: how ``tests/bench/test_gpu.py``
+``--device cpu``, under Triton's interpreter on smaller lists: how ``tests/bench/test_gpu_check.py``
 runs it).
 
     python bench/gpu.py --device cuda --out gpu_h100.json          # on a GPU machine
