@@ -153,7 +153,7 @@ def virtual_words(keys: torch.Tensor, pos: torch.Tensor, atoms: torch.Tensor) ->
     """Items ``pos [..., M]`` against atoms ``atoms [..., A, S]`` (``-1`` pads) by value keys
     ``keys [K]`` (sorted) -> their virtual words ``[..., M, V]`` int64, ``V = ceil(2A / 64)``:
     bit ``2a`` when the item holds one of atom ``a``'s codes, bit ``2a + 1`` when it does not."""
-    a = atoms.shape[-1 - 1]
+    a = atoms.shape[-2]
     want = (pos[..., :, None, None] << 32) | atoms.unsqueeze(-3)  # [..., M, A, S]
     if keys.numel():
         at = torch.searchsorted(keys, want).clamp(max=keys.numel() - 1)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from common.device_discipline import DeviceDiscipline
 from retrieval.data import SyntheticConfig, generate
 from retrieval.filters import FilterSchema, filter_vocabulary
+from retrieval.graphed_forward import GraphedForward
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
 from retrieval.index.device_search import all_vectors
 from retrieval.index.live_index import relabel, signatures_of, upsert
@@ -403,3 +404,20 @@ def test_the_models_forward_verifies_as_the_index_does(backend):
         ok = ok.copy()
         ok[batch.history[row][batch.history[row] >= 0].numpy()] = False  # the history: excluded
         assert_best_eligible(ids[row : row + 1], ok, q[row : row + 1], scored, 10, str(texts[row]))
+
+
+def test_the_graphed_forward_answers_a_batch_with_exact_clauses_eagerly():
+    """No whole-forward graph takes exact clauses (their atoms' shapes vary): such a batch
+    runs the model's forward, on the device backend still, and answers as it does."""
+    prep, model, _, _ = tagged_model()
+    m = copy.copy(model)
+    m.index = with_backend(model.index, "device")
+    graphed = GraphedForward(m, max_batch=8)
+    texts = [f"tag in {{{TAGS[POPULAR[2]]}, {TAGS[POPULAR[3]]}}}", None]
+    batch = prep.user_batch(np.arange(2), texts, schema=m.index.schema)
+    plain = prep.user_batch(np.arange(2), None, schema=m.index.schema)
+    assert not graphed.accepts(batch) and graphed.accepts(plain)
+    ids, scores = graphed(batch, 10)
+    want_ids, want_scores = m(batch, 10)
+    assert torch.equal(ids, want_ids) and torch.equal(scores, want_scores)
+    assert graphed.records == 0
