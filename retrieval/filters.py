@@ -449,14 +449,11 @@ class FilterSchema:
 
     def value_bits(self, attr: str, values: Sequence[str], learn: bool = True) -> list[int]:
         """The signature bits an item with ``values`` of ``attr`` sets (a numeric attribute:
-        one number, as text; a hashed one: one value, new ones learned unless not ``learn``;
-        a multi-valued hashed one refused); ``ValueError`` for an unknown name or value."""
+        one number, as text; a hashed one: one value, a multi-valued hashed one: any number,
+        new ones learned unless not ``learn``); ``ValueError`` for an unknown name or value."""
         self.known(attr)
-        if attr in self.multi_valued:  # its index's value lists would not follow
-            raise ValueError(
-                f"{attr!r} is a multi-valued hashed attribute: its values change through "
-                "retrieval.index.update.set_values (live updates keep no value lists)"
-            )
+        if attr in self.multi_valued:
+            return self.multi_bits(attr, values, learn)
         if attr in self.hashed_base:
             if len(values) != 1:
                 raise ValueError(f"{attr!r} is hashed: one value an item")
@@ -477,14 +474,16 @@ class FilterSchema:
             return numeric_bits(keys, self.numeric_base[attr]).ravel().tolist()
         return self.clause_bits(Clause(attr, tuple(values)))
 
-    def multi_bits(self, attr: str, values: Sequence[str]) -> list[int]:
+    def multi_bits(self, attr: str, values: Sequence[str], learn: bool = True) -> list[int]:
         """The signature bits an item holding ``values`` of multi-valued hashed attribute
-        ``attr`` sets (new values learned): every value's digits, or :data:`NO_VALUE`'s for
-        none (so that ``!=`` / ``not in``, which test for a digit bit other than the named
-        values', pass it: the superset holds for an item with no value too)."""
+        ``attr`` sets (new values learned unless not ``learn``): every value's digits, or
+        :data:`NO_VALUE`'s for none (so that ``!=`` / ``not in``, which test for a digit bit
+        other than the named values', pass it: the superset holds for an item with no value
+        too)."""
         out: set[int] = set()
         for v in values or [NO_VALUE]:
-            key = hashed_keys(np.array([self.learn(attr, v)]), self.hashed_digits[attr])
+            p = self.learn(attr, v, keep=learn)
+            key = hashed_keys(np.array([p]), self.hashed_digits[attr])
             out.update(numeric_bits(key, self.hashed_base[attr], self.hashed_digits[attr]).ravel())
         return sorted(int(b) for b in out)
 

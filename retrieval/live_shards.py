@@ -42,6 +42,7 @@ from retrieval.live_updates import (
     UpsertItems,
     rewrite_attributes,
     signatures,
+    value_positions,
 )
 
 
@@ -104,8 +105,10 @@ def _update_shard(
         if bool(leaving.any()):
             index = live_index.remove(index, ids[leaving])
         if bool(mine.any()):
-            sig = signatures(index.schema, [batch.attributes[int(i)] for i in mine.nonzero()])
-            index = live_index.upsert(index, ids[mine], batch.vectors[mine].float(), sig)
+            attrs = [batch.attributes[int(i)] for i in mine.nonzero()]
+            sig = signatures(index.schema, attrs)
+            values = value_positions(index.schema, attrs)
+            index = live_index.upsert(index, ids[mine], batch.vectors[mine].float(), sig, values)
     elif isinstance(batch, RemoveItems):
         if bool(held.any()):
             index = live_index.remove(index, ids[held])
@@ -113,7 +116,7 @@ def _update_shard(
         mine_ids = ids[held]
         attrs = [batch.attributes[int(i)] for i in held.nonzero()]
         sig = rewrite_attributes(index.schema, live_index.signatures_of(index, mine_ids), attrs)
-        index = live_index.relabel(index, mine_ids, sig)
+        index = live_index.relabel(index, mine_ids, sig, value_positions(index.schema, attrs))
     return ShardUpdate(index, held, before)
 
 

@@ -158,7 +158,8 @@ def _prepare_seen(model: RetrievalModel, batch: AddSeen) -> Callable[[], None]:
 def _prepare_upsert(model: RetrievalModel, batch: UpsertItems, hold: Hold) -> PreparedUpdate:
     resolved, sig = resolve_upsert(model, batch, hold)
     assert resolved.vectors is not None
-    index = live_index.upsert(model.index, resolved.ids, resolved.vectors, sig)
+    values = value_positions(model.index.schema, resolved.attributes)
+    index = live_index.upsert(model.index, resolved.ids, resolved.vectors, sig, values)
     return PreparedUpdate(with_index(model, index), resolved)
 
 
@@ -214,26 +215,42 @@ def signatures(
 ) -> torch.Tensor:
     """Items' attributes -> their signatures ``[n, W] int64`` (:class:`UpdateError` naming
     the item for an unknown attribute or value). A hashed attribute's new values are learned
-    (``FilterSchema.learn``) unless not ``learn`` (a check that changes nothing). A
-    multi-valued hashed attribute, which live messages do not set, holds no value: its
-    digits those of ``NO_VALUE``, so its superset test admits the item wherever it holds
-    none (``retrieval/filter_verify.py`` then checks it exactly)."""
+    (``FilterSchema.learn``) unless not ``learn`` (a check that changes nothing). An item
+    not naming a multi-valued hashed attribute holds none of its values: its digits those of
+    ``NO_VALUE`` (what ``FilterSchema.multi_bits`` gives no value), so the superset test
+    admits it wherever it holds none (``retrieval/filter_verify.py`` checks it exactly)."""
     n = len(attributes)
-    sig = torch.cat([signature(schema, a, i, learn) for i, a in enumerate(attributes)])
-    bits = np.zeros((1, schema.num_words * WORD_BITS), dtype=bool)
-    for attr in schema.multi_valued:
-        bits[0, schema.multi_bits(attr, [])] = True
-    return (sig | pack_bits(bits)).view(n, schema.num_words)
+    rows = []
+    for i, attrs in enumerate(attributes):
+        unnamed: Attributes = {a: [] for a in sorted(schema.multi_valued) if a not in attrs}
+        rows.append(signature(schema, {**attrs, **unnamed}, i, learn))
+    return torch.cat(rows).view(n, schema.num_words)
+
+
+def value_positions(
+    schema: FilterSchema, attributes: Sequence[Attributes]
+) -> dict[str, list[list[int] | None]]:
+    """Each multi-valued hashed attribute's value positions per item (None: the item does not
+    name it), values known to ``schema`` (:func:`signatures` learned them): what the index's
+    value lists take for these items (``live_index.upsert`` / ``relabel``)."""
+    return {
+        attr: [
+            None if attr not in a else [schema.position[attr][v] for v in a[attr]]
+            for a in attributes
+        ]
+        for attr in sorted(schema.multi_valued)
+    }
 
 
 def _prepare_attributes(model: RetrievalModel, batch: SetItemAttributes) -> PreparedUpdate:
     ids = _check_ids(batch.ids)
     _check_count(batch.attributes, ids.numel())
     _known_positions(model, ids)
-    sig = rewrite_attributes(
-        model.index.schema, live_index.signatures_of(model.index, ids), batch.attributes
-    )
-    return PreparedUpdate(with_index(model, live_index.relabel(model.index, ids, sig)), batch)
+    schema = model.index.schema
+    sig = rewrite_attributes(schema, live_index.signatures_of(model.index, ids), batch.attributes)
+    values = value_positions(schema, batch.attributes)
+    index = live_index.relabel(model.index, ids, sig, values)
+    return PreparedUpdate(with_index(model, index), batch)
 
 
 def named_bits(schema: FilterSchema, attributes: Sequence[Attributes]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -110,14 +110,22 @@ def _require_served(index: IVFIndex, ids: torch.Tensor, field: str) -> None:
         raise ValueError(f"{field}: items not in the index: {shown}{more}")
 
 
+Values = Mapping[str, Sequence[Sequence[int] | None]]
+"""Multi-valued hashed attributes' value positions, one list per item of an update (None: the
+item does not name the attribute)."""
+
+
 def upsert(
     index: IVFIndex,
     ids: torch.Tensor | np.ndarray,
     vectors: torch.Tensor | np.ndarray,
     sig: torch.Tensor | np.ndarray,
+    values: Values | None = None,
 ) -> IVFIndex:
     """A new index serving items ``ids [n]`` (vectors ``[n, D]`` floats, signatures ``[n, W]
-    int64``) from fresh rows; an id already served is replaced."""
+    int64``) from fresh rows; an id already served is replaced. ``values``: what they hold of
+    the multi-valued hashed attributes (an item naming none holds none: a replaced id forgets
+    its old item's)."""
     _check_editable(index)
     ids = _check_ids(ids)
     x = torch.as_tensor(vectors)
@@ -128,14 +136,9 @@ def upsert(
     s = _check_sig(index, sig, ids.numel())
     t = index.tensors()
     live = segment(index).upserted(t, ids, x.to(t.device), s)
-    # an upserted item holds no value of a multi-valued hashed attribute (live messages give
-    # none): a replaced id forgets its old item's
-    lists = dict(index.value_lists)
-    for attr, v in index.value_lists.items():
-        listed = np.isin(ids.numpy(), v.ids)
-        if listed.any():
-            lists[attr] = v.replaced(ids.numpy()[listed], [[] for _ in range(int(listed.sum()))])
-    return with_live(index, live, lists)
+    given, n = values or {}, ids.numel()
+    held = {a: [list(p or ()) for p in given.get(a, [None] * n)] for a in index.value_lists}
+    return with_live(index, live, _with_values(index, ids, held))
 
 
 def remove(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> IVFIndex:
@@ -148,15 +151,39 @@ def remove(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> IVFIndex:
 
 
 def relabel(
-    index: IVFIndex, ids: torch.Tensor | np.ndarray, sig: torch.Tensor | np.ndarray
+    index: IVFIndex,
+    ids: torch.Tensor | np.ndarray,
+    sig: torch.Tensor | np.ndarray,
+    values: Values | None = None,
 ) -> IVFIndex:
     """A new index where items ``ids [n]`` have signatures ``sig [n, W] int64`` (vectors kept);
-    ``ValueError`` naming any id it does not serve."""
+    ``ValueError`` naming any id it does not serve. ``values``: the multi-valued hashed
+    attributes' new values of the items naming them (the others keep theirs)."""
     _check_editable(index)
     ids = _check_ids(ids)
     s = _check_sig(index, sig, ids.numel())
     _require_served(index, ids, "ids")
-    return with_live(index, segment(index).relabeled(index.tensors(), ids, s))
+    live = segment(index).relabeled(index.tensors(), ids, s)
+    return with_live(index, live, _with_values(index, ids, values or {}))
+
+
+def _with_values(
+    index: IVFIndex, ids: torch.Tensor, values: Mapping[str, Sequence[Sequence[int] | None]]
+) -> dict[str, ValueLists] | None:
+    """``index``'s value lists with items ``ids [n]`` holding ``values`` (per attribute, a list
+    per item; None: kept) -> new lists by attribute, or None where nothing changes."""
+    out, changed = dict(index.value_lists), False
+    for attr, lists in values.items():
+        held = out.get(attr)
+        if held is None:
+            continue
+        rows = [i for i, p in enumerate(lists) if p is not None]
+        ids_np = ids.cpu().numpy()[rows]
+        new = [list(lists[i] or ()) for i in rows]
+        if not any(new) and not np.isin(ids_np, held.ids).any():
+            continue  # new items holding nothing: the lists already say so
+        out[attr], changed = held.replaced(ids_np, new), True
+    return out if changed else None
 
 
 def signatures_of(index: IVFIndex, ids: torch.Tensor | np.ndarray) -> torch.Tensor:

@@ -4,7 +4,8 @@ superset test, and every path verifies its candidates against the filter's exact
 other clauses) answer as brute force does, with no false positive: a search by text or by a
 compiled batch, the model's ``execute``, the device backend (under the device discipline), a
 router's shards (through the wire) and an index with fresh rows beside it; a live rewrite adds
-a value to an item; a save keeps the lists."""
+a value to an item, and so do live messages (upsert, relabel; a fold keeps them); a save
+keeps the lists."""
 
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ from retrieval.data import SyntheticConfig, generate
 from retrieval.filters import FilterSchema, filter_vocabulary
 from retrieval.graphed_forward import GraphedForward
 from retrieval.index import IVFConfig, IVFIndex, build_ivf
+from retrieval.index.compaction import fold
 from retrieval.index.device_search import all_vectors
 from retrieval.index.live_index import relabel, signatures_of, upsert
 from retrieval.index.search import Candidates, run_search
 from retrieval.index.split import shard_of, split_index
 from retrieval.index.update import set_values
-from retrieval.live_updates import signatures
+from retrieval.live_updates import rewrite_attributes, signatures, value_positions
 from retrieval.model import RetrievalModel
 from retrieval.training.prepare import prepare
 from serving.sharding.wire import decode_request, encode_request
@@ -302,12 +304,51 @@ def test_a_schema_without_lists_refuses_several_values():
         schema.value_bits("tag", ["t1", "t2"])
 
 
-def test_live_updates_refuse_its_values():
-    """The live messages keep no value lists: naming the attribute there is refused, not lost."""
-    from retrieval.live_updates import UpdateError, signatures
+def test_live_messages_set_its_values():
+    """An upsert naming tags (one no item had) and a relabel rewriting a main item's tags:
+    searches see them at once (fresh rows verified by their ids' values), the relabeled item
+    no longer matches its old tags, and a fold into the main index keeps all of it."""
+    idx = copy.deepcopy(index())  # its schema learns a value
+    q, new_id = catalog()["q"], N + 5
+    x = torch.from_numpy(np.random.default_rng(11).standard_normal((1, 16)).astype(np.float32))
+    attrs = [{"tag": ["fresh-tag", TAGS[POPULAR[0]]], "color": ["red"]}]
+    up = upsert(
+        idx, torch.tensor([new_id]), x, signatures(idx.schema, attrs),
+        value_positions(idx.schema, attrs),
+    )  # fmt: skip
+    assert up.search(x, 1, "tag = fresh-tag")[0].tolist() == [[new_id]]
+    assert new_id in up.search(x, 5, f"tag = {TAGS[POPULAR[0]]}")[0][0].tolist()
+    old = TAGS[catalog()["attrs"]["tag"][2][0]]
+    relabeled = [{"tag": ["fresh-tag"]}]
+    sig = rewrite_attributes(up.schema, signatures_of(up, torch.tensor([2])), relabeled)
+    both = relabel(up, torch.tensor([2]), sig, value_positions(up.schema, relabeled))
+    for served in (both, fold(both)):
+        got = served.search(q, N, "tag = fresh-tag")[0]
+        assert set(got[0][got[0] >= 0].tolist()) == {new_id, 2}
+        assert 2 not in served.search(q, N, f"tag = {old}")[0][0].tolist()
+        assert 2 in served.search(q, N, f"tag != {old}")[0][0].tolist()
 
-    with pytest.raises(UpdateError, match="set_values"):
-        signatures(index().schema, [{"tag": ["t1", "t2"]}])
+
+def test_an_upsert_through_the_model_sets_its_values():
+    """The live message path (``apply_update``): an item upserted naming tags is found by
+    them; one naming none holds none."""
+    from retrieval.live_updates import apply_update
+    from retrieval.update_batches import UpsertItems
+
+    _, model, tags, vecs = tagged_model()
+    model = copy.copy(model)
+    model.index = copy.deepcopy(model.index)
+    n = len(tags)
+    batch = UpsertItems(
+        torch.tensor([n, n + 1]),
+        ({"tag": [TAGS[POPULAR[5]], "live-tag"]}, {}),
+        vecs[:2].clone(),
+    )
+    updated = apply_update(model, batch)
+    q = vecs[:1]
+    assert updated.index.search(q, 5, "tag = live-tag")[0][0].tolist()[:2] == [n, -1]
+    assert n in updated.index.search(q, 50, f"tag = {TAGS[POPULAR[5]]}")[0][0].tolist()
+    assert n + 1 in updated.index.search(vecs[1:2], 5, "tag != live-tag")[0][0].tolist()
 
 
 def test_an_added_item_forgets_the_values_of_the_id_it_replaces():
@@ -421,3 +462,23 @@ def test_the_graphed_forward_answers_a_batch_with_exact_clauses_eagerly():
     want_ids, want_scores = m(batch, 10)
     assert torch.equal(ids, want_ids) and torch.equal(scores, want_scores)
     assert graphed.records == 0
+
+
+def test_a_routed_upsert_and_relabel_set_values_on_the_shard_holding_them():
+    """What a router's shards apply (``live_shards.update_shard``): the shard owning the item
+    keeps its values, so routed answers see the new tags as the unsharded index does."""
+    from retrieval.live_shards import update_shard
+    from retrieval.update_batches import SetItemAttributes, UpsertItems
+
+    stats, shards = split_index(index(), shard_of(index().item_ids, 3), 3)
+    shards = [copy.deepcopy(s) for s in shards]
+    x = catalog()["x"][:1]
+    upsert_batch = UpsertItems(torch.tensor([N + 7]), ({"tag": ["routed-tag"]},), x.clone())
+    relabel_batch = SetItemAttributes(torch.tensor([3]), ({"tag": ["routed-tag"]},))
+    for batch in (upsert_batch, relabel_batch):
+        shards = [update_shard(s, batch, i, 3).index for i, s in enumerate(shards)]
+        stats.schema.learn("tag", "routed-tag")  # the router learns it at commit
+    fb = stats.compile_filter("tag = routed-tag", 1)
+    plan = stats.plan(fb, stats.params(N), q=x)
+    found = Candidates.concat([s.item_candidates(x, fb, plan) for s in shards]).keys
+    assert set(found[0][found[0] >= 0].tolist()) == {N + 7, 3}
