@@ -30,8 +30,9 @@ from retrieval.filter_cnf import FilterSchema, lower
 from retrieval.filter_expr import Clause, Expr
 
 VALUE_BITS = 27
-"""A code's value field: 2^27 values an attribute, 16 multi-valued attributes (int32 codes)."""
-MAX_ATTRIBUTES = 16
+"""A code's value field: 2^27 values an attribute."""
+MAX_ATTRIBUTES = 32
+"""Multi-valued hashed attributes an index may hold: the code's high field (a code < 2^32)."""
 
 
 @dataclass
@@ -174,6 +175,10 @@ def value_keys(
     """The value keys ``[K] int64`` sorted (``position << 32 | code``) of items ``item_ids
     [N]`` (by position) holding the values ``value_lists`` give them (``ValueLists`` by item
     id), each attribute's code field its rank in ``ranks``."""
+    if len(ranks) > MAX_ATTRIBUTES:
+        raise ValueError(
+            f"{len(ranks)} multi-valued hashed attributes; an index holds {MAX_ATTRIBUTES} at most"
+        )
     parts = []
     for attr, vl in value_lists.items():
         ids, offsets, positions = vl.ids, vl.offsets, vl.positions  # type: ignore[attr-defined]
@@ -185,6 +190,8 @@ def value_keys(
         pos = np.repeat(np.arange(item_ids.size, dtype=np.int64), sizes)
         within = np.arange(pos.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         vals = positions[offsets[at][pos] + within].astype(np.int64)
+        if vals.size and int(vals.max()) >> VALUE_BITS:
+            raise ValueError(f"{attr!r}: a value position past 2^{VALUE_BITS}")
         parts.append(pos << 32 | (ranks.index(attr) << VALUE_BITS) | vals)
     if not parts:
         return torch.zeros(0, dtype=torch.int64)

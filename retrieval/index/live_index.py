@@ -168,7 +168,7 @@ def relabel(
 
 
 def _with_values(
-    index: IVFIndex, ids: torch.Tensor, values: Mapping[str, Sequence[Sequence[int] | None]]
+    index: IVFIndex, ids: torch.Tensor, values: Values
 ) -> dict[str, ValueLists] | None:
     """``index``'s value lists with items ``ids [n]`` holding ``values`` (per attribute, a list
     per item; None: kept) -> new lists by attribute, or None where nothing changes."""

@@ -5,9 +5,9 @@ a superset test; every path then keeps only those passing its exact clauses, rea
 signatures and the items' virtual words (their value keys), so an answer never holds an item
 the filter refutes. Rows with exact clauses scan exactly (``planner.make_plan``,
 ``device_plan.device_plan``): the paths that verify are those exact scans
-(``eligible_scan.exact_search``, ``cpu_backend.shared_exact_ids``,
-``device_search.exact_all``, which checks every item in fixed shapes) and a fresh segment's candidates (``fresh.LiveSegment``), whose
-rows hold no value of such an attribute (live updates give none: ``update.set_values`` does).
+(``eligible_scan.exact_search``, ``cpu_backend.shared_exact_ids``, ``device_search.exact_all``,
+which checks every item in fixed shapes) and a fresh segment's candidates
+(``fresh.LiveSegment``, its rows' values by their ids).
 """
 
 from __future__ import annotations
