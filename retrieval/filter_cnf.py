@@ -272,3 +272,18 @@ def lower(
         else:
             out.append((pos, False, next(iter(nones))))
     return out
+
+
+def packed(
+    clauses: list[tuple[int, bool, int]], words: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`lower`'s clauses over ``words`` 64-bit words -> ``(masks [C, W] int64, negate [C]
+    bool, neg_masks [C, W] int64)``: bit ``b`` of a set is bit ``b % 64`` of word ``b // 64``."""
+    masks = np.zeros((len(clauses), words), dtype=np.uint64)
+    neg = np.zeros_like(masks)
+    for c, (bits, _, none) in enumerate(clauses):
+        for w in range(words):
+            masks[c, w] = (bits >> (w * 64)) & 0xFFFFFFFFFFFFFFFF
+            neg[c, w] = (none >> (w * 64)) & 0xFFFFFFFFFFFFFFFF
+    negate = np.array([n for _, n, _ in clauses], dtype=bool)
+    return masks.view(np.int64), negate, neg.view(np.int64)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retrieval.filter_cnf import FilterSchema, lower
+from retrieval.filter_cnf import FilterSchema, lower, packed
 from retrieval.filter_expr import Clause, Expr
 
 VALUE_BITS = 27
@@ -96,20 +96,13 @@ def compile_verify(
         return first + 2 * atoms.setdefault(atom, len(atoms))
 
     clauses = lower(schema, expr, virtual=virtual)
-    w2 = words + (2 * len(atoms) + 63) // 64
-    masks = np.zeros((len(clauses), w2), dtype=np.uint64)
-    neg = np.zeros_like(masks)
-    for c, (bits, _, none) in enumerate(clauses):
-        for w in range(w2):
-            masks[c, w] = (bits >> (w * 64)) & 0xFFFFFFFFFFFFFFFF
-            neg[c, w] = (none >> (w * 64)) & 0xFFFFFFFFFFFFFFFF
-    negate = np.array([n for _, n, _ in clauses], dtype=bool)
+    masks, negate, neg = packed(clauses, words + (2 * len(atoms) + 63) // 64)
     codes = []
     for atom in atoms:  # in bit order
         rank = list(multi_valued).index(atom.attribute) << VALUE_BITS
         pos = position[atom.attribute]
         codes.append([rank | pos[v] for v in atom.values if v in pos])  # unknown: nobody holds it
-    return masks.view(np.int64), negate, neg.view(np.int64), codes
+    return masks, negate, neg, codes
 
 
 def batch_verify(parts: Sequence[OneVerify | None], take: np.ndarray) -> FilterVerify | None:

@@ -51,7 +51,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from retrieval.filter_cnf import DIGIT_BITS, NUMERIC_BITS, lower, numeric_bits, numeric_keys
+from retrieval.filter_cnf import (
+    DIGIT_BITS,
+    NUMERIC_BITS,
+    lower,
+    numeric_bits,
+    numeric_keys,
+    packed,
+)
 from retrieval.filter_expr import And, Clause, Compare, Expr, Not, Or, parse_filter
 from retrieval.filter_expr import FilterTooLargeError as FilterTooLargeError
 from retrieval.filter_expr import format_filter as format_filter
@@ -564,19 +571,12 @@ class FilterSchema:
             expr = And(key)
         else:
             expr = key
-        clauses = lower(self, expr)
-        masks = np.zeros((len(clauses), self.num_words), dtype=np.uint64)
-        neg = np.zeros_like(masks)
-        for c, (bits, _, none) in enumerate(clauses):
-            for w in range(self.num_words):
-                masks[c, w] = (bits >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
-                neg[c, w] = (none >> (w * WORD_BITS)) & 0xFFFFFFFFFFFFFFFF
-        negate = np.array([n for _, n, _ in clauses], dtype=bool)
+        masks, negate, neg = packed(lower(self, expr), self.num_words)
         verify = None
         if self.multi_valued and names_any(expr, dict.fromkeys(self.multi_valued)) is not None:
             multi = sorted(self.multi_valued)
             verify = compile_verify(self, expr, self.num_words, multi, self.position)
-        out = (masks.view(np.int64), negate, neg.view(np.int64), verify)
+        out = (masks, negate, neg, verify)
         if len(memo) >= COMPILED_FILTERS:
             memo.clear()  # bounded; a served mix refills the texts it uses
         memo[key] = out
