@@ -573,7 +573,7 @@ class FilterSchema:
             expr = key
         masks, negate, neg = packed(lower(self, expr), self.num_words)
         verify = None
-        if self.multi_valued and names_any(expr, dict.fromkeys(self.multi_valued)) is not None:
+        if self.multi_valued and names_any(expr, self.multi_valued) is not None:
             multi = sorted(self.multi_valued)
             verify = compile_verify(self, expr, self.num_words, multi, self.position)
         out = (masks, negate, neg, verify)

@@ -5,21 +5,22 @@ A hashed attribute's signature stores a value's position in ``D`` one-hot hexade
 holding several sets every value's digits, which mix (``0x12`` and ``0x34`` also read as ``0x14``),
 so its signature is a superset: no false negatives, some false positives. The index keeps, for
 each such attribute, every item's value positions (:class:`ValueLists`, a CSR by item id: ids
-survive the lists' reordering by builds and updates), and every answer under a filter naming
-the attribute is verified against them (:func:`verify`) before its top-K is taken.
+survive the lists' reordering by builds and updates); a search finds its candidates by the
+superset and verifies them against these values, kept at the items' positions as value keys
+(``retrieval/filter_verify.py``), before its top-K is taken.
 
 Bytes an item: 8 (its id) + 8 (its offset) + 4 a value it holds, beside its ``16 D`` signature bits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from retrieval.filter_expr import And, Clause, Compare, Expr, Not, Or
+from retrieval.filter_expr import Clause, Compare, Expr, Not
 
 
 @dataclass(frozen=True)
@@ -69,21 +70,6 @@ class ValueLists:
             np.concatenate([kept, new.positions]),
         )
 
-    def holds(self, ids: np.ndarray, positions: Sequence[int]) -> np.ndarray:
-        """Whether each of items ``ids [M]`` holds one of ``positions`` -> ``[M] bool``."""
-        ids = np.asarray(ids, dtype=np.int64)
-        out = np.zeros(ids.shape[0], dtype=bool)
-        if not positions or not self.ids.size:
-            return out
-        at = np.searchsorted(self.ids, ids).clip(max=self.ids.size - 1)
-        listed = self.ids[at] == ids
-        hit = np.isin(self.positions, np.asarray(positions, dtype=np.int32))  # [nnz]
-        # hits before each item's first value: its hits are the difference of two of them
-        before = np.concatenate([[0], np.cumsum(hit)])
-        starts, ends = self.offsets[at], self.offsets[at + 1]
-        out[listed] = (before[ends] - before[starts])[listed] > 0
-        return out
-
     def lists_of(self, ids: np.ndarray) -> list[list[int]]:
         """The value positions each of items ``ids [M]`` holds (``[]``: not listed)."""
         ids = np.asarray(ids, dtype=np.int64)
@@ -116,7 +102,7 @@ class ValueLists:
         )
 
 
-def names_any(expr: Expr, attributes: Mapping[str, object]) -> str | None:
+def names_any(expr: Expr, attributes: Collection[str]) -> str | None:
     """The first of ``attributes`` that ``expr`` names, or None."""
     if isinstance(expr, Clause | Compare):
         return expr.attribute if expr.attribute in attributes else None
@@ -127,28 +113,3 @@ def names_any(expr: Expr, attributes: Mapping[str, object]) -> str | None:
         if found is not None:
             return found
     return None
-
-
-def verify(
-    expr: Expr,
-    atom_test: object,
-    ids: np.ndarray,
-    value_lists: Mapping[str, ValueLists],
-    position: Mapping[str, Mapping[str, int]],
-) -> np.ndarray:
-    """Which of items ``ids [M]`` pass ``expr`` exactly -> ``[M] bool``: a clause on a
-    multi-valued hashed attribute from its value lists (``position``: value -> position), any
-    other atom by ``atom_test(atom) -> [M] bool`` (its signature test, exact for one atom)."""
-    if isinstance(expr, Clause) and expr.attribute in value_lists:
-        pos = position[expr.attribute]
-        held = value_lists[expr.attribute].holds(ids, [pos[v] for v in expr.values if v in pos])
-        return ~held if expr.negate else held
-    if isinstance(expr, Clause | Compare):
-        return np.asarray(atom_test(expr), dtype=bool)  # type: ignore[operator]
-    if isinstance(expr, Not):
-        return ~verify(expr.child, atom_test, ids, value_lists, position)
-    parts = [verify(c, atom_test, ids, value_lists, position) for c in expr.children]
-    if isinstance(expr, And):
-        return np.logical_and.reduce(parts) if parts else np.ones(ids.shape[0], bool)
-    assert isinstance(expr, Or)
-    return np.logical_or.reduce(parts) if parts else np.zeros(ids.shape[0], bool)

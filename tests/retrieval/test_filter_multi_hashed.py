@@ -397,7 +397,7 @@ def test_value_lists_replace_as_a_dict_does(old, new):
     assert (np.diff(w.ids) > 0).all()
     for p in range(0, 100_000, 9_973):
         want = [p in got[int(i)] for i in w.ids]
-        assert w.holds(w.ids, [p]).tolist() == want
+        assert [p in held for held in w.lists_of(w.ids)] == want
 
 
 @functools.cache
